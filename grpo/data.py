@@ -1,0 +1,54 @@
+"""The prompt stream: a reshuffled pass over the dataset per epoch, resumable from (epoch, position)."""
+from __future__ import annotations
+
+import torch
+
+
+def check_dataset(dataset, name: str = "train_dataset") -> None:
+    """Fail early, in one line, on datasets the trainer cannot use."""
+    columns = getattr(dataset, "column_names", None)
+    if columns is None:
+        raise ValueError(f"{name} must be a datasets.Dataset, got {type(dataset).__name__}")
+    if "prompt" not in columns:
+        raise ValueError(f"{name} has no 'prompt' column (columns: {', '.join(columns) or 'none'})")
+    if len(dataset) == 0:
+        raise ValueError(f"{name} is empty")
+    first = dataset[0]["prompt"]
+    if not isinstance(first, (str, list)) or (isinstance(first, list) and not all(
+            isinstance(m, dict) and "role" in m and "content" in m for m in first)):
+        raise ValueError(f"{name}['prompt'] must hold strings or lists of {{'role', 'content'}} messages, "
+                         f"got {str(first)[:200]!r}")
+
+
+class PromptStream:
+    """Yields batches of dataset rows in a seeded order; a new permutation every epoch."""
+
+    def __init__(self, dataset, seed: int):
+        self.dataset = dataset
+        self.seed = seed
+        self.epoch = 0
+        self.position = 0
+        self.order = self._permutation()
+
+    def _permutation(self) -> list[int]:
+        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        return torch.randperm(len(self.dataset), generator=generator).tolist()
+
+    def next(self, n: int) -> dict[str, list]:
+        """The next `n` rows as columns ({"prompt": [...], "answer": [...], ...}), wrapping epochs."""
+        indices = []
+        while len(indices) < n:
+            if self.position == len(self.order):
+                self.epoch, self.position = self.epoch + 1, 0
+                self.order = self._permutation()
+            take = min(n - len(indices), len(self.order) - self.position)
+            indices += self.order[self.position:self.position + take]
+            self.position += take
+        return self.dataset[indices]
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.position = state["epoch"], state["position"]
+        self.order = self._permutation()

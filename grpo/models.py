@@ -1,0 +1,101 @@
+"""Loading the policy and tokenizer, LoRA and checkpointing, the reference policy, and per-token
+log-probs of completions taken from hidden states (the model's full logits are never built)."""
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import torch
+
+from .logprobs import token_logprobs
+
+
+def device_of(model) -> torch.device:
+    return next(model.parameters()).device
+
+
+def train_dtype(use_lora: bool, bf16: bool) -> torch.dtype:
+    """Frozen LoRA bases can live in bf16; fully trained weights stay float32 under bf16 autocast,
+    since bf16 weights would round away updates of lr ~1e-6."""
+    if use_lora and bf16 and torch.cuda.is_available():
+        return torch.bfloat16
+    return torch.float32
+
+
+def load_tokenizer(name_or_path: str):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_model(config):
+    """The policy from `config.model` (hub id or local path), on the GPU when there is one."""
+    from transformers import AutoModelForCausalLM
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = AutoModelForCausalLM.from_pretrained(config.model, dtype=train_dtype(config.use_lora, config.bf16))
+    return model.to(device)
+
+
+def prepare_for_training(model, config):
+    """Gradient checkpointing, then LoRA adapters when asked for. Returns the model to train."""
+    if config.gradient_checkpointing:
+        # Non-reentrant checkpointing lets gradients reach LoRA weights without input grads.
+        kwargs = {"use_reentrant": False}
+        enable = getattr(model, "activation_checkpointing_enable", None)
+        if enable is not None:
+            enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    if config.use_lora:
+        from peft import LoraConfig, get_peft_model
+
+        lora = LoraConfig(
+            r=config.lora_r, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
+            target_modules=config.lora_target_modules or "all-linear", task_type="CAUSAL_LM",
+        )
+        model = get_peft_model(model, lora)
+    model.train()
+    return model
+
+
+def unwrap(model):
+    """The transformers model under a peft wrapper (peft injects adapters in place, so its modules
+    are the ones being trained)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def make_reference(model, use_lora: bool, beta: float):
+    """A frozen copy for full fine-tuning; None when the adapter-disabled policy serves (LoRA) or no
+    reference is needed (beta == 0)."""
+    if beta == 0 or use_lora:
+        return None
+    reference = copy.deepcopy(unwrap(model)).eval().requires_grad_(False)
+    if torch.cuda.is_available() and device_of(reference).type == "cuda":
+        reference = reference.to(torch.bfloat16)  # forward-only: bf16 halves its memory
+    return reference
+
+
+def reference_context(model, reference):
+    """Where the reference forward runs: the separate copy, or the policy with its adapter off."""
+    if reference is not None:
+        return reference, contextlib.nullcontext()
+    return model, model.disable_adapter()
+
+
+def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int, *,
+                        temperature: float, chunk_size: int, return_entropy: bool = False):
+    """Log-probs `[N, C]` of the completion tokens (positions >= prompt_length) under `model`."""
+    hf = unwrap(model)
+    body, head = hf.base_model, hf.get_output_embeddings()
+    # Left padding shifts where each sequence starts; positions must count real tokens only, as in generation.
+    position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)  # [N, P+C]
+    hidden = body(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                  use_cache=False).last_hidden_state  # [N, P+C, H]
+    hidden = hidden[:, prompt_length - 1:-1]  # [N, C, H]: the state before each completion token
+    targets = input_ids[:, prompt_length:]  # [N, C]
+    return token_logprobs(hidden, head.weight, targets, temperature=temperature, bias=head.bias,
+                          chunk_size=chunk_size, return_entropy=return_entropy)

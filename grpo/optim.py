@@ -1,0 +1,44 @@
+"""The optimizer (8-bit or torch AdamW) and the warmup + decay learning-rate schedule."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+OPTIMIZERS = ("adamw_8bit", "adamw")
+SCHEDULES = ("cosine", "linear", "constant")
+
+
+def build_optimizer(params, name: str, lr: float, betas: tuple[float, float], weight_decay: float):
+    params = [p for p in params if p.requires_grad]
+    if not params:
+        raise ValueError("the model has no trainable parameters")
+    if name == "adamw_8bit":
+        import bitsandbytes as bnb
+
+        return bnb.optim.AdamW8bit(params, lr=lr, betas=betas, weight_decay=weight_decay)
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay)
+    raise ValueError(f"unknown optim {name!r}; valid: {', '.join(OPTIMIZERS)}")
+
+
+def lr_multiplier(step: int, total_steps: int, warmup_steps: int, schedule: str) -> float:
+    """Linear warmup from 0, then cosine or linear decay to 0 (or constant) over the remaining steps."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown lr_scheduler_type {schedule!r}; valid: {', '.join(SCHEDULES)}")
+    if step < warmup_steps:
+        return step / max(1, warmup_steps)
+    if schedule == "constant":
+        return 1.0
+    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+    if schedule == "linear":
+        return max(0.0, 1.0 - progress)
+    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+
+def build_scheduler(optimizer, total_steps: int, warmup_ratio: float, schedule: str):
+    warmup_steps = math.ceil(warmup_ratio * total_steps)
+    lr_multiplier(0, total_steps, warmup_steps, schedule)  # fail fast on an unknown schedule
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: lr_multiplier(step, total_steps, warmup_steps, schedule)
+    )

@@ -1,0 +1,229 @@
+"""Calling reward functions, weighting and checking what they return; and the built-in GSM8K rewards.
+
+A reward function follows TRL's contract, so TRL reward functions work unchanged:
+    f(prompts, completions, **columns) -> list[float | None]
+`completions` are strings for plain-text prompts and `[{"role": "assistant", "content": text}]`
+lists for chat prompts; every other dataset column comes by keyword (e.g. `answer=[...]`), one entry
+per completion, so functions should accept **kwargs. None means "does not apply to this completion".
+"""
+from __future__ import annotations
+
+import functools
+import math
+import numbers
+import re
+
+import torch
+from torch import Tensor
+
+
+class RewardError(Exception):
+    """A reward function raised, or returned the wrong number or kind of values."""
+
+
+def reward_func_name(f) -> str:
+    """The name used in metrics: a function's __name__, a callable object's class name, or for a
+    functools.partial the name of the function it wraps."""
+    while isinstance(f, functools.partial):
+        f = f.func
+    name = getattr(f, "__name__", None) or type(f).__name__
+    return name.strip("<>")  # "<lambda>" -> "lambda"
+
+
+def reward_func_names(funcs) -> list[str]:
+    """Names of `funcs`; repeats get `_2`, `_3`, ... so that metric keys stay unique."""
+    names = []
+    for f in funcs:
+        base = name = reward_func_name(f)
+        k = 1
+        while name in names:
+            k += 1
+            name = f"{base}_{k}"
+        names.append(name)
+    return names
+
+
+def compute_rewards(reward_funcs, prompts, completions, columns: dict[str, list],
+                    weights: list[float] | None = None) -> tuple[Tensor, Tensor, dict]:
+    """Call every reward function on the batch and combine their rewards.
+
+    `columns` holds the dataset's other columns (not the prompt), one entry per completion.
+    Returns `rewards` [N] (weighted sum over functions, Nones left out; 0.0 where no function
+    applies), `per_func` [N, F] (raw values, NaN for None) and metrics: `reward/<name>` and
+    `reward/<name>_std` over the completions a function applied to (absent if it applied to none),
+    and `reward/mean`, `reward/std` of the combined reward. Stds are population stds (ddof 0).
+    """
+    n, names = len(completions), reward_func_names(reward_funcs)
+    if len(prompts) != n or any(len(v) != n for v in columns.values()):
+        raise ValueError("prompts, completions and every column must have one entry per completion")
+    if weights is None:
+        weights = [1.0] * len(reward_funcs)
+    if len(weights) != len(reward_funcs):
+        raise RewardError(f"reward_weights has {len(weights)} values but there are "
+                          f"{len(reward_funcs)} reward functions ({', '.join(names)})")
+
+    per_func = torch.full((n, len(reward_funcs)), math.nan)
+    for j, (f, name) in enumerate(zip(reward_funcs, names)):
+        values = _call(f, name, prompts, completions, columns)
+        per_func[:, j] = torch.tensor(_to_floats(values, name, n), dtype=torch.float32)
+    # NaN * weight stays NaN and nansum skips it: a None never counts, not even as 0.
+    rewards = torch.nansum(per_func * torch.tensor(weights, dtype=torch.float32), dim=1)
+
+    metrics = {}
+    for j, name in enumerate(names):
+        applied = per_func[:, j][~per_func[:, j].isnan()]
+        if applied.numel():
+            metrics[f"reward/{name}"] = applied.mean().item()
+            metrics[f"reward/{name}_std"] = applied.std(correction=0).item()
+    metrics["reward/mean"] = rewards.mean().item()
+    metrics["reward/std"] = rewards.std(correction=0).item()
+    return rewards, per_func, metrics
+
+
+def _call(f, name: str, prompts, completions, columns):
+    """Call `f` on the whole batch; if it raises, find the first item it fails on, for the message."""
+    try:
+        return f(prompts=prompts, completions=completions, **columns)
+    except Exception as batch_error:
+        i, error, note = 0, batch_error, " (fails on the whole batch only; showing its first item)"
+        for k in range(len(completions)):  # an error path, so retrying item by item is affordable
+            try:
+                f(prompts=prompts[k:k + 1], completions=completions[k:k + 1],
+                  **{key: v[k:k + 1] for key, v in columns.items()})
+            except Exception as item_error:
+                i, error, note = k, item_error, ""
+                break
+        raise RewardError(
+            f"reward function '{name}' raised {type(error).__name__}: {error}{note}\n"
+            f"  prompt {i}: {_preview(prompts[i])}\n  completion {i}: {_preview(completions[i])}"
+        ) from error
+
+
+def _to_floats(values, name: str, n: int) -> list[float]:
+    """Check one function's return value: n numbers or Nones (-> NaN), all finite."""
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__len__"):
+        raise RewardError(f"reward function '{name}' returned {_preview(values)}; "
+                          f"expected a list of {n} floats (or None)")
+    if len(values) != n:
+        raise RewardError(f"reward function '{name}' returned {len(values)} values; "
+                          f"expected {n}, one per completion")
+    floats = []
+    for i, v in enumerate(values):
+        if v is None:
+            floats.append(math.nan)
+        elif isinstance(v, numbers.Real) or (isinstance(v, Tensor) and v.numel() == 1):
+            floats.append(float(v))  # bools count as 0/1; numpy and torch scalars convert too
+        else:
+            raise RewardError(f"reward function '{name}' returned a non-number at position {i}: "
+                              f"{_preview(v)} ({type(v).__name__}); expected a float or None")
+    bad = [i for i, (v, x) in enumerate(zip(values, floats)) if v is not None and not math.isfinite(x)]
+    if bad:
+        raise RewardError(f"reward function '{name}' returned NaN or inf at positions {bad[:10]}"
+                          f"{' ...' if len(bad) > 10 else ''}; return None for 'does not apply'")
+    return floats
+
+
+def _preview(x, limit: int = 200) -> str:
+    """A short repr for error messages; for a chat, its last message says the most."""
+    if isinstance(x, list) and x and isinstance(x[-1], dict) and "content" in x[-1]:
+        x = x[-1]["content"]
+    text = repr(x)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+# --- GSM8K --------------------------------------------------------------------------------------
+
+SYSTEM_PROMPT = """Respond in the following format:
+<reasoning>
+...
+</reasoning>
+<answer>
+...
+</answer>"""
+
+
+def completion_text(completion) -> str:
+    """The text of a completion: the string itself, or the content of a chat's last message."""
+    if isinstance(completion, str):
+        return completion
+    if isinstance(completion, list) and completion and isinstance(completion[-1], dict):
+        return completion[-1]["content"]
+    raise TypeError(f"expected a string or a list of chat messages, got {completion!r:.100}")
+
+
+def extract_xml_answer(text: str) -> str | None:
+    """The stripped content of the last <answer>...</answer> block, or None if there is none.
+    The block opens at the last <answer> before the last </answer> and closes at the first
+    </answer> after that, so with nested tags the innermost block wins."""
+    start = text.rfind("<answer>", 0, max(text.rfind("</answer>"), 0))
+    if start < 0:
+        return None
+    start += len("<answer>")
+    return text[start:text.find("</answer>", start)].strip()
+
+
+def extract_hash_answer(text: str) -> str | None:
+    """GSM8K's reference answer: the part after `####`, stripped, commas removed (None if absent)."""
+    if "####" not in text:
+        return None
+    return text.split("####")[-1].strip().replace(",", "")
+
+
+# A number, optionally negative (a minus right after a word is a hyphen or subtraction: "5-3" is 5
+# and 3), with an optional decimal part ("5.", "5.0", ".5") and an optional "/denominator".
+_NUMBER = re.compile(r"(?:(?<![\w.])-)?(?:\d+(?:\.\d*)?|(?<!\d)\.\d+)(?:/\d+)?")
+_THOUSANDS = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")
+
+
+def parse_number(text: str) -> float | None:
+    """The last number in `text` as a float, or None if there is none. Tolerates thousands commas
+    ("1,000"), currency ("$5", "-$5"), percent signs, trailing periods and fractions ("1/2")."""
+    text = _THOUSANDS.sub("", text.replace("$", ""))
+    matches = _NUMBER.findall(text)
+    if not matches:
+        return None
+    numerator, _, denominator = matches[-1].partition("/")
+    if not denominator:
+        return float(numerator)
+    return float(numerator) / float(denominator) if float(denominator) else None
+
+
+# Content free of any reasoning/answer tag, so that stray or repeated tags break the format.
+_TAG_FREE = r"(?:(?!</?(?:reasoning|answer)>).)*"
+_XML_FORMAT = re.compile(
+    rf"\s*<reasoning>{_TAG_FREE}</reasoning>\s*<answer>(?P<answer>{_TAG_FREE})</answer>\s*", re.DOTALL
+)
+
+
+def xml_format_reward(completions, **kwargs) -> list[float]:
+    """Format reward on a 0 / 0.5 / 1 scale.
+    1.0: exactly `<reasoning>...</reasoning><answer>...</answer>` with any whitespace around and
+         between the blocks, nothing else outside them, no repeated tags, and a non-empty answer;
+    0.5: otherwise, a single non-empty <answer>...</answer> block anywhere;
+    0.0: anything else."""
+    return [_format_score(completion_text(c)) for c in completions]
+
+
+def _format_score(text: str) -> float:
+    match = _XML_FORMAT.fullmatch(text)
+    if match and match["answer"].strip():
+        return 1.0
+    if text.count("<answer>") == 1 and text.count("</answer>") == 1 and extract_xml_answer(text):
+        return 0.5
+    return 0.0
+
+
+def answer_accuracy_reward(completions, answer, **kwargs) -> list[float]:
+    """1.0 when the number in a completion's last <answer> block equals the reference numerically
+    (|diff| < 1e-6), else 0.0; without an <answer> block it is 0.0. A reference that is not a
+    number raises (it is a data bug, not the model's fault). The reference may be the extracted
+    GSM8K answer or the full GSM8K solution, whose last number is the one after `####`."""
+    rewards = []
+    for completion, reference in zip(completions, answer, strict=True):
+        expected = parse_number(str(reference))
+        if expected is None:
+            raise ValueError(f"reference answer {reference!r} is not a number")
+        content = extract_xml_answer(completion_text(completion))
+        got = parse_number(content) if content is not None else None
+        rewards.append(1.0 if got is not None and abs(got - expected) < 1e-6 else 0.0)
+    return rewards

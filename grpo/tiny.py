@@ -1,0 +1,68 @@
+"""Offline stand-ins for hub downloads: a tokenizer trained in seconds and a small random-weight model
+built from a transformers config. Tests, the offline recipes and the benchmarks use these."""
+from __future__ import annotations
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+SPECIAL_TOKENS = ["<|pad|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+# ChatML, as Qwen models use: enough for chat-formatted prompts to exercise the real code path.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def train_tokenizer(texts: list[str], vocab_size: int = 512) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer trained on `texts`, digits always split one per token.
+
+    `<|im_end|>` doubles as EOS, so chat completions end the way Qwen's do."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<|pad|>", eos_token="<|im_end|>", bos_token=None
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def tiny_qwen2(vocab_size: int, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4,
+               num_kv_heads: int = 2, intermediate_size: int | None = None, seed: int = 0,
+               tie_word_embeddings: bool = True, **overrides) -> Qwen2ForCausalLM:
+    """A random-weight Qwen2 causal LM; with real dimensions it has that model's memory and speed profile."""
+    import torch
+
+    config = Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size or 4 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=4096,
+        tie_word_embeddings=tie_word_embeddings,
+        **overrides,
+    )
+    torch.manual_seed(seed)
+    return Qwen2ForCausalLM(config)
+
+
+def model_for(tokenizer, **kwargs) -> Qwen2ForCausalLM:
+    """`tiny_qwen2` sized to `tokenizer`, with its pad/eos ids written into the model config."""
+    model = tiny_qwen2(len(tokenizer), **kwargs)
+    model.config.pad_token_id = tokenizer.pad_token_id
+    model.config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    return model

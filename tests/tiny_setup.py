@@ -1,0 +1,23 @@
+"""A tiny offline model, tokenizer and dataset shared by the integration tests."""
+from datasets import Dataset
+
+from grpo.tiny import model_for, train_tokenizer
+
+CORPUS = [f"Write {k} digits: " + "0123456789"[:k] for k in range(1, 10)] * 20 + [
+    "<reasoning> think </reasoning> <answer> 42 </answer>"] * 20
+
+
+def tiny_tokenizer():
+    return train_tokenizer(CORPUS, vocab_size=200)
+
+
+def tiny_model(tokenizer, seed: int = 0):
+    return model_for(tokenizer, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, seed=seed)
+
+
+def digit_prompts(n: int = 8) -> Dataset:
+    return Dataset.from_list([{"prompt": f"Write {1 + i % 9} digits:", "num_digits": 1 + i % 9} for i in range(n)])
+
+
+def digit_share(completions, **kwargs):
+    return [sum(c.isdigit() for c in t) / max(1, len(t)) for t in completions]
