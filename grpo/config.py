@@ -113,6 +113,20 @@ class Config:
     save_total_limit: int | None = None
     """Keep at most this many checkpoints, deleting the oldest (None keeps all)."""
 
+    # --- evaluation ---
+    eval_steps: int = 0
+    """Greedy pass@1 on the eval dataset every this many optimizer steps and at the end (0: never)."""
+    eval_on_start: bool = False
+    """Also evaluate before the first GRPO step (step 0), so one run's metrics show GRPO's own gain."""
+    eval_limit: int | None = None
+    """Evaluate on the first this many eval prompts only (None: all of them)."""
+    eval_batch_size: int = 64
+    """Prompts per batch of greedy eval generation."""
+    eval_accuracy_func: str = "answer_accuracy_reward"
+    """Reward function (by name) whose full marks (>= 1.0) count an eval completion as correct."""
+    eval_format_func: str | None = "xml_format_reward"
+    """Reward function (by name) whose full marks count an eval completion as well-formatted (None: skip)."""
+
     def __post_init__(self):
         if self.epsilon is not None:
             # Fold the symmetric form into the two bounds, then forget it, so that a later

@@ -94,10 +94,11 @@ def eos_token_ids(tokenizer, model) -> list[int]:
 @torch.no_grad()
 def sample(model, tokenizer, encode: PromptEncoder, prompts: list, *, num_generations: int,
            max_completion_length: int, temperature: float, top_p: float, top_k: int,
-           stop_at_eos: bool = True) -> Rollout:
+           stop_at_eos: bool = True, greedy: bool = False) -> Rollout:
     """Sample `num_generations` completions per prompt with KV-cached generation.
 
-    `stop_at_eos=False` forces full-length completions (benchmarks compare equal work that way)."""
+    `stop_at_eos=False` forces full-length completions (benchmarks compare equal work that way);
+    `greedy=True` decodes the most likely token each step instead (evaluation), ignoring the sampling knobs."""
     prompt_ids, prompt_mask = encode(prompts)  # [B, P]
     device = next(model.parameters()).device
     prompt_ids = prompt_ids.repeat_interleave(num_generations, dim=0).to(device)  # [N, P]
@@ -108,8 +109,9 @@ def sample(model, tokenizer, encode: PromptEncoder, prompts: list, *, num_genera
     try:
         # A fresh GenerationConfig: a checkpoint's own defaults (repetition_penalty, say) would make the
         # sampling distribution differ from the policy whose log-probs the loss uses.
+        knobs = {} if greedy else dict(temperature=temperature, top_p=top_p, top_k=top_k)
         generation_config = GenerationConfig(
-            do_sample=True, temperature=temperature, top_p=top_p, top_k=top_k,
+            do_sample=not greedy, **knobs,
             max_new_tokens=max_completion_length,
             min_new_tokens=0 if stop_at_eos else max_completion_length,
             eos_token_id=eos_ids, pad_token_id=tokenizer.pad_token_id, use_cache=True,

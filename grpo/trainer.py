@@ -16,6 +16,7 @@ from .advantages import group_advantages
 from .checkpoint import save_checkpoint
 from .config import Config
 from .data import PromptStream, check_dataset
+from .evaluate import check_eval_funcs, evaluate
 from .loss import policy_loss
 from .models import (completion_logprobs, device_of, load_model, load_tokenizer, make_reference,
                      prepare_for_training, reference_context)
@@ -56,6 +57,10 @@ class Trainer:
         self.reward_funcs = list(reward_funcs)
         self.reward_names = [reward_func_name(f) for f in self.reward_funcs]
         self.eval_dataset = eval_dataset
+        if config.eval_steps > 0 or config.eval_on_start:
+            if eval_dataset is None:
+                raise ValueError("eval_steps / eval_on_start need an eval_dataset")
+            check_eval_funcs(self.reward_funcs, config.eval_accuracy_func, config.eval_format_func)
         torch.manual_seed(config.seed)
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model)
         self.model = prepare_for_training(model if model is not None else load_model(config), config)
@@ -84,6 +89,8 @@ class Trainer:
         """Run to `total_steps`; returns the logged metrics lines."""
         self.output_dir.mkdir(parents=True, exist_ok=True)
         history = []
+        if self.config.eval_on_start and self.step == 0:
+            history.append(self.evaluate())
         bar = tqdm(total=self.total_steps, initial=self.step, desc="grpo", dynamic_ncols=True)
         while self.step < self.total_steps:
             t0 = time.perf_counter()
@@ -99,6 +106,9 @@ class Trainer:
                 bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", kl=f"{metrics['kl']:.4f}")
                 if self.step % self.config.logging_steps == 0 or self.step == self.total_steps:
                     history.append(self.log(metrics, batches))
+                if self.config.eval_steps > 0 and (self.step % self.config.eval_steps == 0
+                                                   or self.step == self.total_steps):
+                    history.append(self.evaluate())
                 if self.step % self.config.save_steps == 0 and self.step < self.total_steps:
                     self.save()
                 t0 = time.perf_counter()
@@ -189,11 +199,26 @@ class Trainer:
         use_bf16 = self.config.bf16 and self.device.type == "cuda"
         return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16, enabled=use_bf16)
 
+    def evaluate(self) -> dict:
+        """Greedy pass@1 on the eval dataset, logged as its own metrics.jsonl line (`eval/*` keys)."""
+        cfg = self.config
+        metrics, _ = evaluate(self.model, self.tokenizer, self.eval_dataset, self.reward_funcs,
+                              accuracy_func=cfg.eval_accuracy_func, format_func=cfg.eval_format_func,
+                              max_prompt_length=cfg.max_prompt_length, max_completion_length=cfg.max_completion_length,
+                              batch_size=cfg.eval_batch_size, limit=cfg.eval_limit)
+        tqdm.write(f"eval at step {self.step}: accuracy {metrics['eval/accuracy']:.3f}"
+                   + (f", format {metrics['eval/format']:.3f}" if "eval/format" in metrics else "")
+                   + f", mean length {metrics['eval/length_mean']:.1f} tokens")
+        return self._append_metrics({"step": self.step, **metrics})
+
     # --- output ---
-    def log(self, metrics: dict, batches: list[Batch]) -> dict:
-        line = {"step": self.step, **{k: float(v) for k, v in sorted(metrics.items())}}
+    def _append_metrics(self, line: dict) -> dict:
         with open(self.output_dir / "metrics.jsonl", "a") as f:
             f.write(json.dumps(line) + "\n")
+        return line
+
+    def log(self, metrics: dict, batches: list[Batch]) -> dict:
+        line = self._append_metrics({"step": self.step, **{k: float(v) for k, v in sorted(metrics.items())}})
         prompts, completions, rewards, per_func, advantages = self._last_log_rows
         with open(self.output_dir / "completions.jsonl", "a") as f:
             for i in range(len(completions)):

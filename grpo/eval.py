@@ -1,0 +1,101 @@
+"""`python -m grpo.eval RECIPE [--checkpoint DIR] [--limit N] [--output FILE] [--key=value ...]`: greedy
+pass@1 of a model on the recipe's `eval_dataset`; prints accuracy, format rate and mean length, writes JSON.
+
+Without --checkpoint it evaluates the model the recipe starts from (for a recipe with a warm start, the model
+right after it). The JSON (default: DIR/eval.json, or OUTPUT_DIR/eval.json) holds the metrics and every
+prompt, completion and reward."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+USAGE = "usage: python -m grpo.eval RECIPE [--checkpoint DIR] [--limit N] [--output FILE] [--key=value ...]"
+OWN_OPTIONS = ("checkpoint", "limit", "output")
+
+
+def split_options(args: list[str]) -> tuple[dict[str, str], list[str]]:
+    """This command's own options (`--name=value` or `--name value`) apart from Config overrides."""
+    own, rest, i = {}, [], 0
+    while i < len(args):
+        key, has_value, value = args[i][2:].partition("=") if args[i].startswith("--") else ("", False, "")
+        if key in OWN_OPTIONS:
+            if not has_value:
+                if i + 1 == len(args):
+                    raise ValueError(f"--{key} needs a value")
+                value, i = args[i + 1], i + 1
+            own[key] = value
+        else:
+            rest.append(args[i])
+        i += 1
+    return own, rest
+
+
+def load_checkpoint(path: Path, recipe, config):
+    """(model, tokenizer) from a checkpoint-STEP folder: full weights, or a LoRA adapter on the recipe's base."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .models import load_model, load_tokenizer
+
+    if not (path / "config.json").exists() and not (path / "adapter_config.json").exists():
+        raise FileNotFoundError(f"{path} is not a checkpoint folder (no config.json or adapter_config.json)")
+    if (path / "adapter_config.json").exists():
+        from peft import PeftModel
+
+        base, tokenizer = recipe.resolve_model(config)
+        model = PeftModel.from_pretrained(base if base is not None else load_model(config), path)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path)
+        tokenizer = None
+    if (path / "tokenizer_config.json").exists():
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    return model, tokenizer if tokenizer is not None else load_tokenizer(config.model)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if argv else 2
+    from .config import ConfigError, apply_overrides, load_recipe, resolve_dataset
+
+    try:
+        own, overrides = split_options(argv[1:])
+        limit = int(own["limit"]) if "limit" in own else None
+        recipe = load_recipe(argv[0])
+        config = apply_overrides(recipe.config, overrides)
+        dataset = resolve_dataset(recipe.eval_dataset, "eval_dataset")
+        if dataset is None:
+            raise ConfigError(f"recipe {argv[0]} defines no eval_dataset")
+        checkpoint = Path(own["checkpoint"]) if "checkpoint" in own else None
+        output = Path(own.get("output") or (checkpoint or Path(config.output_dir)) / "eval.json")
+        if checkpoint is not None:
+            model, tokenizer = load_checkpoint(checkpoint, recipe, config)
+        else:
+            model, tokenizer = recipe.resolve_model(config)
+    except (ConfigError, ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+    from .evaluate import evaluate
+    from .models import load_model, load_tokenizer
+
+    model = model if model is not None else load_model(config)
+    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model)
+    metrics, samples = evaluate(model, tokenizer, dataset, recipe.reward_funcs, accuracy_func=config.eval_accuracy_func,
+                                format_func=config.eval_format_func, max_prompt_length=config.max_prompt_length,
+                                max_completion_length=config.max_completion_length,
+                                batch_size=config.eval_batch_size, limit=limit if limit is not None else config.eval_limit)
+    n = int(metrics["eval/num_examples"])
+    print(f"greedy pass@1 on {n} prompts: accuracy {metrics['eval/accuracy']:.3f}"
+          + (f", format {metrics['eval/format']:.3f}" if "eval/format" in metrics else "")
+          + f", mean length {metrics['eval/length_mean']:.1f} tokens")
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps({"recipe": argv[0], "checkpoint": str(checkpoint) if checkpoint else None,
+                                  "decoding": "greedy", "metrics": metrics, "samples": samples}, indent=1))
+    print(f"wrote {output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

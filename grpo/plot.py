@@ -1,0 +1,129 @@
+"""`python -m grpo.plot OUTPUT_DIR`: PNG curves from OUTPUT_DIR/metrics.jsonl, written next to it.
+
+reward.png (the mean and each reward function), kl.png (unless beta = 0), completion_length.png, eval.png (held-out accuracy
+and format rate, when the run evaluated) and curves.png with all of them. Noisy per-step curves are drawn
+faint with a moving average on top. Needs matplotlib: `pip install -e ".[plot]"`."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+USAGE = "usage: python -m grpo.plot OUTPUT_DIR"
+
+
+def read_metrics(path: Path) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def series(lines: list[dict], key: str) -> tuple[list[int], list[float]]:
+    """(steps, values) of the lines that have `key`."""
+    points = [(line["step"], line[key]) for line in lines if key in line]
+    return [s for s, _ in points], [v for _, v in points]
+
+
+def moving_average(values: list[float], window: int) -> list[float]:
+    """Trailing mean over up to `window` values (shorter at the start)."""
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v - (values[i - window] if i >= window else 0.0)
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def reward_keys(lines: list[dict]) -> list[str]:
+    """reward/mean first, then one key per reward function (not the `_std` ones)."""
+    keys = {k for line in lines for k in line if k.startswith("reward/") and not k.endswith("_std")}
+    return ["reward/mean"] + sorted(keys - {"reward/mean", "reward/std"})
+
+
+def panels(lines: list[dict]) -> list[tuple[str, str, str, list[str], bool]]:
+    """(file name, title, y label, keys, smoothed) of each panel this run has data for; each becomes one
+    PNG and one panel of curves.png."""
+    found = [
+        ("reward.png", "reward (training samples)", "reward", reward_keys(lines), True),
+        ("kl.png", "KL to the reference", "k3 KL", ["kl"], True),
+        ("completion_length.png", "completion length", "tokens", ["completion/length_mean", "eval/length_mean"], True),
+        ("eval.png", "held-out greedy pass@1", "share of prompts", ["eval/accuracy", "eval/format"], False),
+    ]
+    out = []
+    for name, title, ylabel, keys, smoothed in found:
+        keys = [k for k in keys if worth_drawing(lines, k)]
+        if keys:
+            out.append((name, title, ylabel, keys, smoothed))
+    return out
+
+
+def worth_drawing(lines: list[dict], key: str) -> bool:
+    """Logged at all; and for the KL, not 0 throughout (beta = 0 runs have no reference)."""
+    _, values = series(lines, key)
+    return bool(values) and (key != "kl" or any(values))
+
+
+def draw(ax, lines: list[dict], title: str, ylabel: str, keys: list[str], smoothed: bool) -> None:
+    for key in keys:
+        steps, values = series(lines, key)
+        if smoothed and not key.startswith("eval/") and len(values) > 10:
+            (line,) = ax.plot(steps, values, alpha=0.25, linewidth=1)
+            ax.plot(steps, moving_average(values, max(2, len(values) // 20)), color=line.get_color(), label=key)
+        else:
+            ax.plot(steps, values, marker="o", markersize=4, label=key)
+    ax.set_title(title)
+    ax.set_xlabel("step")
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")
+
+
+def plot(output_dir: Path) -> list[Path]:
+    """Write the PNGs for the run in `output_dir`; returns their paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: works without a display
+    import matplotlib.pyplot as plt
+
+    lines = read_metrics(output_dir / "metrics.jsonl")
+    found, written = panels(lines), []
+    for name, *spec in found:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        draw(ax, lines, *spec)
+        fig.tight_layout()
+        fig.savefig(output_dir / name, dpi=100)
+        plt.close(fig)
+        written.append(output_dir / name)
+    cols = 2 if len(found) > 1 else 1
+    rows = (len(found) + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(6 * cols, 4 * rows), squeeze=False)
+    for ax, (_, *spec) in zip(axes.flat, found):
+        draw(ax, lines, *spec)
+    for ax in list(axes.flat)[len(found):]:
+        ax.axis("off")
+    fig.suptitle(str(output_dir))
+    fig.tight_layout()
+    fig.savefig(output_dir / "curves.png", dpi=100)
+    plt.close(fig)
+    return written + [output_dir / "curves.png"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1 or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    metrics = Path(argv[0]) / "metrics.jsonl"
+    if not metrics.exists():
+        print(f"error: no metrics.jsonl in {argv[0]}", file=sys.stderr)
+        return 2
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        print('error: grpo.plot needs matplotlib: pip install -e ".[plot]" (or pip install matplotlib)', file=sys.stderr)
+        return 2
+    for path in plot(Path(argv[0])):
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
