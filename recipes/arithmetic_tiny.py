@@ -1,0 +1,88 @@
+"""Proof that GRPO learns, offline on 2 CPU cores in a few minutes: 4-digit addition in the GSM8K
+`<reasoning>/<answer>` format, with a tiny GPT-2 and a digit-level tokenizer built in code.
+
+    python -m grpo.train recipes/arithmetic_tiny.py          # then: python -m grpo.plot runs/arithmetic_tiny
+
+Stage 1/2, supervised warm start (in `build_model`): next-token training on demonstrations of the training
+problems. Most state the sum with an empty reasoning block; the rest add column by column (grpo/arithmetic.py).
+The tiny model learns to work sums out but cannot add 4-digit numbers in one go, and, having seen direct
+answers more often, it answers directly when decoding greedily: held-out accuracy starts near 0.
+Stage 2/2, GRPO: rewarded for correct answers in the format, the policy discovers that working it out pays.
+The trainer evaluates greedy pass@1 on held-out problems at GRPO step 0 and every `eval_steps`, so one
+run's metrics.jsonl shows GRPO's own gain, whatever `--seed` is given.
+"""
+from datasets import Dataset
+
+from grpo import Config, arithmetic
+from grpo.rewards import answer_accuracy_reward, xml_format_reward
+
+DIGITS = 4
+TRAIN, HELD_OUT = arithmetic.split(num_train=20_000, num_eval=512, digits=DIGITS)
+WARM_START = dict(steps=1000, lr=1e-2, batch_size=64, worked_share=0.4)
+MODEL = dict(hidden_size=64, num_layers=2, num_heads=4)
+TAGS = ["<reasoning>", "</reasoning>", "<answer>", "</answer>"]
+
+config = Config(
+    output_dir="runs/arithmetic_tiny",
+    max_steps=60,
+    per_device_train_batch_size=16,
+    gradient_accumulation_steps=1,
+    num_generations=8,
+    max_prompt_length=16,
+    max_completion_length=48,
+    temperature=1.0,
+    learning_rate=3e-4,
+    lr_scheduler_type="linear",
+    optim="adamw",
+    beta=0.0,
+    logging_steps=1,
+    save_steps=1000,
+    save_total_limit=1,
+    eval_steps=10,
+    eval_on_start=True,
+    seed=0,
+)
+
+reward_funcs = [xml_format_reward, answer_accuracy_reward]
+
+
+def train_dataset():
+    return Dataset.from_list(arithmetic.rows(TRAIN))
+
+
+def eval_dataset():
+    return Dataset.from_list(arithmetic.rows(HELD_OUT))
+
+
+def build_tokenizer():
+    """Digits one per token (grpo.tiny's tokenizer) and each format tag a single token."""
+    from grpo.tiny import train_tokenizer
+
+    sample = TRAIN[:300]
+    corpus = [arithmetic.prompt(a, b) for a, b in sample] + [arithmetic.worked(a, b) for a, b in sample]
+    tokenizer = train_tokenizer(corpus, vocab_size=300)
+    tokenizer.add_tokens(TAGS)
+    return tokenizer
+
+
+def build_model(config, warm_start_steps: int = WARM_START["steps"]):
+    """Stage 1/2: a random-weight tiny GPT-2, warm-started on demonstrations of the training problems."""
+    import torch
+
+    from grpo.sft import supervised_warm_start
+    from grpo.tiny import model_for, tiny_gpt2
+
+    # Matrices this small gain ~25% from a second CPU thread on an idle machine, and run ~10x slower with
+    # two threads when another process holds one of two cores (measured: 0.11 / 1.3 s per warm-start step
+    # with two threads, 0.14 with one). One thread is the safe choice for the whole run.
+    torch.set_num_threads(1)
+    tokenizer = build_tokenizer()
+    model = model_for(tokenizer, build=tiny_gpt2, seed=config.seed, **MODEL)
+    examples = arithmetic.demonstrations(TRAIN, WARM_START["worked_share"], seed=config.seed)
+    print(f"stage 1/2: supervised warm start, {warm_start_steps} steps on {len(examples)} demonstrations "
+          f"({WARM_START['worked_share']:.0%} worked column by column, the rest answered directly)")
+    metrics = supervised_warm_start(model, tokenizer, examples, steps=warm_start_steps, lr=WARM_START["lr"],
+                                    batch_size=WARM_START["batch_size"], seed=config.seed)
+    print(f"warm start done in {metrics['warm_start/seconds']:.0f}s, loss {metrics['warm_start/loss_first']:.2f} "
+          f"-> {metrics['warm_start/loss_last']:.2f}\nstage 2/2: GRPO, {config.max_steps} steps")
+    return model, tokenizer
