@@ -52,7 +52,8 @@ def main() -> int:
     print(f"{'seed':>4} {'before':>7} {'after':>7} {'gain':>7} {'format':>13} {'wall':>7}")
     for r in rows:
         fmt = f"{r['format_before']:.2f}->{r['format_after']:.2f}" if r["format_before"] is not None else "-"
-        print(f"{r['seed']:>4} {r['before']:>7.3f} {r['after']:>7.3f} {r['gain']:>+7.3f} {fmt:>13} {r['wall_s']:>6.0f}s")
+        print(f"{r['seed']:>4} {r['before']:>7.3f} {r['after']:>7.3f} {r['gain']:>+7.3f} {fmt:>13} "
+              f"{r['wall_s']:>6.0f}s")
     passed = all(r["gain"] >= TARGET_GAIN for r in rows)
     print(f"target: gain >= {TARGET_GAIN:+.2f} on every seed: {'met' if passed else 'NOT met'}")
     RESULTS.mkdir(parents=True, exist_ok=True)

@@ -46,8 +46,8 @@ def evaluate(model, tokenizer, dataset, reward_funcs, *, accuracy_func: str, for
     t0 = time.perf_counter()
     for start in tqdm(range(0, len(dataset), batch_size), desc="eval", leave=False, disable=not progress):
         prompts = dataset[start:start + batch_size]["prompt"]
-        rollout = sample(model, tokenizer, encode, prompts, num_generations=1, max_completion_length=max_completion_length,
-                         temperature=1.0, top_p=1.0, top_k=0, greedy=True)
+        rollout = sample(model, tokenizer, encode, prompts, num_generations=1, greedy=True,
+                         max_completion_length=max_completion_length, temperature=1.0, top_p=1.0, top_k=0)
         completions += rollout.completions
         lengths.append(rollout.completion_mask.sum(dim=1).float())  # [b]
     columns = {k: dataset[k] for k in dataset.column_names if k != "prompt"}
@@ -57,7 +57,8 @@ def evaluate(model, tokenizer, dataset, reward_funcs, *, accuracy_func: str, for
     if format_func is not None:
         metrics["eval/format"] = full_marks_rate(per_func[:, names.index(format_func)])
     metrics["eval/length_mean"] = torch.cat(lengths).mean().item()
-    metrics.update({f"eval/reward/{n}": reward_metrics[f"reward/{n}"] for n in names if f"reward/{n}" in reward_metrics})
+    metrics.update({f"eval/reward/{n}": reward_metrics[f"reward/{n}"]
+                    for n in names if f"reward/{n}" in reward_metrics})
     metrics["eval/num_examples"] = float(len(dataset))
     metrics["eval/seconds"] = time.perf_counter() - t0
     samples = [{"prompt": p, "completion": c,

@@ -1,8 +1,8 @@
 """`python -m grpo.plot OUTPUT_DIR`: PNG curves from OUTPUT_DIR/metrics.jsonl, written next to it.
 
-reward.png (the mean and each reward function), kl.png (unless beta = 0), completion_length.png, eval.png (held-out accuracy
-and format rate, when the run evaluated) and curves.png with all of them. Noisy per-step curves are drawn
-faint with a moving average on top. Needs matplotlib: `pip install -e ".[plot]"`."""
+reward.png (the mean and each reward function), kl.png (unless beta = 0), completion_length.png, eval.png
+(held-out accuracy and format rate, when the run evaluated) and curves.png with all of them. Noisy per-step
+curves are drawn faint with a moving average on top. Needs matplotlib: `pip install -e ".[plot]"`."""
 from __future__ import annotations
 
 import json
@@ -118,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        print('error: grpo.plot needs matplotlib: pip install -e ".[plot]" (or pip install matplotlib)', file=sys.stderr)
+        print('error: grpo.plot needs matplotlib: pip install -e ".[plot]" (or pip install matplotlib)',
+              file=sys.stderr)
         return 2
     for path in plot(Path(argv[0])):
         print(f"wrote {path}")

@@ -65,7 +65,8 @@ def tiny_gpt2(vocab_size: int, hidden_size: int = 64, num_layers: int = 2, num_h
     import torch
 
     config = GPT2Config(vocab_size=vocab_size, n_embd=hidden_size, n_layer=num_layers, n_head=num_heads,
-                        n_positions=max_positions, bos_token_id=None, eos_token_id=None,  # GPT-2's ids: not in this vocab
+                        n_positions=max_positions,
+                        bos_token_id=None, eos_token_id=None,  # GPT-2's own ids are not in this vocabulary
                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # dropout would make log-probs noisy
     torch.manual_seed(seed)
     return GPT2LMHeadModel(config)
