@@ -45,7 +45,9 @@ def load_checkpoint(path: Path, recipe, config):
         base, tokenizer = recipe.resolve_model(config)
         model = PeftModel.from_pretrained(base if base is not None else load_model(config), path)
     else:
-        model = AutoModelForCausalLM.from_pretrained(path)
+        import torch
+
+        model = AutoModelForCausalLM.from_pretrained(path).to("cuda" if torch.cuda.is_available() else "cpu")
         tokenizer = None
     if (path / "tokenizer_config.json").exists():
         tokenizer = AutoTokenizer.from_pretrained(path)
