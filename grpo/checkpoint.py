@@ -20,13 +20,14 @@ def fsync_tree(folder: Path) -> None:
 
 
 def save_checkpoint(output_dir: str, step: int, model, tokenizer, config_dict: dict,
-                    save_total_limit: int | None = None) -> Path:
-    """Save weights (the LoRA adapter alone under peft) as safetensors, the tokenizer and the config."""
+                    save_total_limit: int | None = None, state_dict: dict | None = None) -> Path:
+    """Save weights (the LoRA adapter alone under peft) as safetensors, the tokenizer and the config.
+    `state_dict` replaces the model's own (FSDP's gathered full weights)."""
     final = Path(output_dir) / f"checkpoint-{step}"
     tmp = Path(output_dir) / f".checkpoint-{step}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    model.save_pretrained(tmp, safe_serialization=True)
+    model.save_pretrained(tmp, safe_serialization=True, state_dict=state_dict)
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)
     (tmp / "grpo_config.json").write_text(json.dumps(config_dict, indent=2))

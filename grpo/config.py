@@ -47,9 +47,9 @@ class Config:
 
     # --- batch and schedule ---
     per_device_train_batch_size: int = 1
-    """Prompts per micro-batch; each prompt is expanded to `num_generations` completions."""
+    """Prompts per micro-batch on each rank; each prompt is expanded to `num_generations` completions."""
     gradient_accumulation_steps: int = 1
-    """Micro-batches per optimizer step (prompts per step = this x per_device_train_batch_size)."""
+    """Micro-batches per optimizer step (prompts per step = this x per_device_train_batch_size x ranks)."""
     num_generations: int = 8
     """Completions sampled per prompt (the group size G of GRPO)."""
     num_train_epochs: float = 1.0
@@ -112,6 +112,10 @@ class Config:
     """Save a checkpoint every this many optimizer steps (and always at the end)."""
     save_total_limit: int | None = None
     """Keep at most this many checkpoints, deleting the oldest (None keeps all)."""
+
+    # --- multi-GPU (torchrun) ---
+    fsdp: bool = False
+    """Under torchrun: shard weights, gradients and optimizer state over ranks (FSDP2), not replicate (DDP)."""
 
     def __post_init__(self):
         if self.epsilon is not None:

@@ -68,7 +68,12 @@ def compute_rewards(reward_funcs, prompts, completions, columns: dict[str, list]
         per_func[:, j] = torch.tensor(_to_floats(values, name, n), dtype=torch.float32)
     # NaN * weight stays NaN and nansum skips it: a None never counts, not even as 0.
     rewards = torch.nansum(per_func * torch.tensor(weights, dtype=torch.float32), dim=1)
+    return rewards, per_func, reward_metrics(rewards, per_func, names)
 
+
+def reward_metrics(rewards: Tensor, per_func: Tensor, names: list[str]) -> dict[str, float]:
+    """The metrics `compute_rewards` returns, from its `rewards` [N] and `per_func` [N, F] (under torchrun,
+    from every rank's rows gathered: stds do not average across ranks)."""
     metrics = {}
     for j, name in enumerate(names):
         applied = per_func[:, j][~per_func[:, j].isnan()]
@@ -77,7 +82,7 @@ def compute_rewards(reward_funcs, prompts, completions, columns: dict[str, list]
             metrics[f"reward/{name}_std"] = applied.std(correction=0).item()
     metrics["reward/mean"] = rewards.mean().item()
     metrics["reward/std"] = rewards.std(correction=0).item()
-    return rewards, per_func, metrics
+    return metrics
 
 
 def _call(f, name: str, prompts, completions, columns):

@@ -1,6 +1,7 @@
 """`python -m grpo.train RECIPE [--key=value ...]`: run a recipe file, with type-checked overrides.
 
-`python -m grpo.train RECIPE --help` lists every setting with its value in that recipe and what it means."""
+`python -m grpo.train RECIPE --help` lists every setting with its value in that recipe and what it means.
+`torchrun --nproc_per_node=N -m grpo.train RECIPE [...]` trains data-parallel on N GPUs (or CPU processes)."""
 from __future__ import annotations
 
 import sys
@@ -30,12 +31,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
+    from .distributed import shutdown
     from .trainer import Trainer
 
-    trainer = Trainer(config, model=model, tokenizer=tokenizer, reward_funcs=recipe.reward_funcs,
-                      train_dataset=train_dataset, eval_dataset=eval_dataset)
-    trainer.train()
-    print(f"done: {trainer.step} steps; metrics in {config.output_dir}/metrics.jsonl")
+    try:
+        trainer = Trainer(config, model=model, tokenizer=tokenizer, reward_funcs=recipe.reward_funcs,
+                          train_dataset=train_dataset, eval_dataset=eval_dataset)
+        trainer.train()
+    finally:
+        shutdown()  # under torchrun; nothing to do otherwise
+    if trainer.dist.is_main:
+        print(f"done: {trainer.step} steps; metrics in {config.output_dir}/metrics.jsonl")
     return 0
 
 

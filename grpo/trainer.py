@@ -16,11 +16,13 @@ from .advantages import group_advantages
 from .checkpoint import save_checkpoint
 from .config import Config
 from .data import PromptStream, check_dataset
+from .distributed import setup as setup_distributed
 from .loss import policy_loss
 from .models import (completion_logprobs, device_of, load_model, load_tokenizer, make_reference,
                      prepare_for_training, reference_context)
 from .optim import build_optimizer, build_scheduler
-from .rewards import compute_rewards, reward_func_name
+from .parallel import ParallelPolicy, check_settings as check_parallel_settings
+from .rewards import compute_rewards, reward_func_name, reward_metrics
 from .sampling import PromptEncoder, Rollout, sample
 
 
@@ -56,15 +58,20 @@ class Trainer:
         self.reward_funcs = list(reward_funcs)
         self.reward_names = [reward_func_name(f) for f in self.reward_funcs]
         self.eval_dataset = eval_dataset
-        torch.manual_seed(config.seed)
+        self.dist = setup_distributed()  # world size 1 without torchrun
+        check_parallel_settings(self.dist.world_size, config.fsdp, config.optim)
+        torch.manual_seed(config.seed + self.dist.rank)  # ranks sample differently; wrapping syncs the weights
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model)
         self.model = prepare_for_training(model if model is not None else load_model(config), config)
-        self.device = device_of(self.model)
         self.reference = make_reference(self.model, config.use_lora, config.beta)
+        # Before the optimizer: FSDP replaces the parameters by their shards.
+        self.policy = ParallelPolicy(self.model, self.dist, fsdp=config.fsdp, bf16=config.bf16)
+        self.device = device_of(self.model)
         self.reference_forwards = 0
         self.encode = PromptEncoder(self.tokenizer, config.max_prompt_length)
         self.prompts = PromptStream(train_dataset, config.seed)
-        self.prompts_per_step = config.per_device_train_batch_size * config.gradient_accumulation_steps
+        self.prompts_per_step = (config.per_device_train_batch_size * config.gradient_accumulation_steps
+                                 * self.dist.world_size)
         self.total_steps = self._total_steps(len(train_dataset))
         self.optimizer = build_optimizer(self.model.parameters(), config.optim, config.learning_rate,
                                          (config.adam_beta1, config.adam_beta2), config.weight_decay)
@@ -84,7 +91,8 @@ class Trainer:
         """Run to `total_steps`; returns the logged metrics lines."""
         self.output_dir.mkdir(parents=True, exist_ok=True)
         history = []
-        bar = tqdm(total=self.total_steps, initial=self.step, desc="grpo", dynamic_ncols=True)
+        bar = tqdm(total=self.total_steps, initial=self.step, desc="grpo", dynamic_ncols=True,
+                   disable=not self.dist.is_main)
         while self.step < self.total_steps:
             t0 = time.perf_counter()
             batches, metrics = self.generate_step()
@@ -109,27 +117,35 @@ class Trainer:
     @torch.no_grad()
     def generate_step(self) -> tuple[list[Batch], dict]:
         """Sample every micro-batch of one step, score it and compute advantages over the whole step."""
-        cfg, G = self.config, self.config.num_generations
+        cfg, G, dist = self.config, self.config.num_generations, self.dist
         t0 = time.perf_counter()
-        rows = [self.prompts.next(cfg.per_device_train_batch_size) for _ in range(cfg.gradient_accumulation_steps)]
-        rollouts = [sample(self.model, self.tokenizer, self.encode, r["prompt"], num_generations=G,
-                           max_completion_length=cfg.max_completion_length, temperature=cfg.temperature,
-                           top_p=cfg.top_p, top_k=cfg.top_k) for r in rows]
-        generate_s = time.perf_counter() - t0
+        # Every rank draws the same global micro-batch and keeps its own share of whole prompts.
+        rows = [dist.shard(self.prompts.next(cfg.per_device_train_batch_size * dist.world_size))
+                for _ in range(cfg.gradient_accumulation_steps)]
+        rollouts = [self.policy.generate(lambda model: sample(
+            model, self.tokenizer, self.encode, r["prompt"], num_generations=G,
+            max_completion_length=cfg.max_completion_length, temperature=cfg.temperature, top_p=cfg.top_p,
+            top_k=cfg.top_k)) for r in rows]
+        generate_s = dist.reduce({"s": time.perf_counter() - t0}, "max")["s"]  # the slowest rank's
         prompts = repeat_each([p for r in rows for p in r["prompt"]], G)
         completions = [c for ro in rollouts for c in ro.completions]
         columns = {k: repeat_each([v for r in rows for v in r[k]], G) for k in rows[0] if k != "prompt"}
         rewards, per_func, metrics = compute_rewards(self.reward_funcs, prompts, completions, columns,
                                                      cfg.reward_weights)
-        advantages = group_advantages(rewards, G, scale=cfg.scale_rewards)  # [B*G*GA]
+        # Rewards of all ranks (rank-major): step-wide metrics and "batch" scaling need them all.
+        rewards, per_func = dist.gather(rewards), dist.gather(per_func)  # [W*B*G*GA], [W*B*G*GA, F]
+        if dist.world_size > 1:
+            metrics = reward_metrics(rewards, per_func, self.reward_names)
+        advantages = group_advantages(rewards, G, scale=cfg.scale_rewards)  # [W*B*G*GA]
         sizes = [len(ro.completions) for ro in rollouts]
-        batches = [Batch(ro, adv.to(self.device)) for ro, adv in zip(rollouts, advantages.split(sizes))]
+        batches = [Batch(ro, adv.to(self.device)) for ro, adv in zip(rollouts, dist.local(advantages).split(sizes))]
         for b in batches:
             self._attach_fixed_logprobs(b)
-        lengths = torch.cat([ro.completion_mask.sum(1) for ro in rollouts]).float()  # [B*G*GA]
+        lengths = dist.gather(torch.cat([ro.completion_mask.sum(1) for ro in rollouts]).float())  # [W*B*G*GA]
+        truncated = dist.gather(torch.cat([ro.truncated for ro in rollouts]).float())  # [W*B*G*GA]
         metrics.update({
             "completion/length_mean": lengths.mean().item(),
-            "completion/truncated_frac": torch.cat([ro.truncated for ro in rollouts]).float().mean().item(),
+            "completion/truncated_frac": truncated.mean().item(),
             "perf/generate_s": generate_s,
             "perf/tokens_per_s": lengths.sum().item() / generate_s,
         })
@@ -142,11 +158,14 @@ class Trainer:
         P = ro.prompt_ids.shape[1]
         if cfg.num_iterations > 1:
             with self._autocast():
-                b.old_logprobs = self._logprobs(self.model, ro, P)
+                b.old_logprobs = self.policy(lambda model: self._logprobs(model, ro, P))
         if cfg.beta > 0:
-            model, context = reference_context(self.model, self.reference)
-            with context, self._autocast():
-                b.ref_logprobs = self._logprobs(model, ro, P)
+            def reference_logprobs(policy_model):
+                model, context = reference_context(policy_model, self.reference)
+                with context, self._autocast():
+                    return self._logprobs(model, ro, P)
+
+            b.ref_logprobs = self.policy(reference_logprobs)
             self.reference_forwards += 1
 
     def _logprobs(self, model, ro: Rollout, prompt_length: int) -> torch.Tensor:
@@ -154,28 +173,33 @@ class Trainer:
                                    temperature=self.config.temperature, chunk_size=self.config.logprob_chunk_size)
 
     def optimize_step(self, batches: list[Batch]) -> dict:
-        """One optimizer step: accumulate the loss over micro-batches, normalized by the step's totals."""
+        """One optimizer step: accumulate the loss over micro-batches, normalized by the step's totals
+        (over all ranks, so that the ranks' summed gradients are those of the whole step's loss)."""
         cfg = self.config
-        num_tokens = sum(b.rollout.completion_mask.sum().item() for b in batches)
-        num_sequences = sum(len(b.advantages) for b in batches)
+        counts = self.dist.reduce({"tokens": sum(b.rollout.completion_mask.sum().item() for b in batches),
+                                   "sequences": sum(len(b.advantages) for b in batches)})
+        num_tokens, num_sequences = counts["tokens"], int(counts["sequences"])
         totals: dict[str, float] = {"kl": 0.0}  # logged as 0 when there is no reference
-        for b in batches:
+        for i, b in enumerate(batches):
             ro = b.rollout
-            with self._autocast():
-                logprobs = self._logprobs(self.model, ro, ro.prompt_ids.shape[1])  # [N, C]
-            old_logprobs = b.old_logprobs if b.old_logprobs is not None else logprobs.detach()
-            loss, m = policy_loss(
-                logprobs, old_logprobs, b.ref_logprobs, b.advantages, ro.completion_mask,
-                epsilon_low=cfg.epsilon_low, epsilon_high=cfg.epsilon_high, beta=cfg.beta,
-                aggregation=cfg.loss_aggregation, max_completion_length=cfg.max_completion_length,
-                num_tokens=num_tokens, num_sequences=num_sequences,
-            )
-            loss.backward()
-            # Per-token metrics are means over this micro-batch: weight them by its share of tokens.
+            with self.policy.sync_gradients(i == len(batches) - 1):
+                with self._autocast():
+                    logprobs = self.policy(lambda model: self._logprobs(model, ro, ro.prompt_ids.shape[1]))  # [N, C]
+                old_logprobs = b.old_logprobs if b.old_logprobs is not None else logprobs.detach()
+                loss, m = policy_loss(
+                    logprobs, old_logprobs, b.ref_logprobs, b.advantages, ro.completion_mask,
+                    epsilon_low=cfg.epsilon_low, epsilon_high=cfg.epsilon_high, beta=cfg.beta,
+                    aggregation=cfg.loss_aggregation, max_completion_length=cfg.max_completion_length,
+                    num_tokens=num_tokens, num_sequences=num_sequences,
+                )
+                self.policy.backward(loss)
+            # Per-token metrics are means over this micro-batch: weight them by its share of the step's
+            # tokens (so that summing over ranks gives the step's means, as the losses sum to the step's).
             share = ro.completion_mask.sum().item() / max(1, num_tokens)
             for k, v in m.items():
                 totals[k] = totals.get(k, 0.0) + (v if k.startswith("loss/") else v * share)
             totals["loss"] = totals.get("loss", 0.0) + loss.item()
+        totals = self.dist.reduce(totals)
         params = [p for p in self.model.parameters() if p.requires_grad]
         grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm if cfg.max_grad_norm > 0 else math.inf)
         totals["lr"] = self.scheduler.get_last_lr()[0]
@@ -191,10 +215,15 @@ class Trainer:
 
     # --- output ---
     def log(self, metrics: dict, batches: list[Batch]) -> dict:
-        line = {"step": self.step, **{k: float(v) for k, v in sorted(metrics.items())}}
+        """Every rank calls it (it gathers); rank 0 writes. Timings and memory are the slowest / largest rank's."""
+        timings = self.dist.reduce({k: v for k, v in metrics.items() if k.startswith(("perf/", "memory/"))}, "max")
+        line = {"step": self.step, **{k: float(v) for k, v in sorted({**metrics, **timings}.items())}}
+        prompts, completions, rewards, per_func, advantages = self._last_log_rows
+        prompts, completions = self.dist.gather_objects(prompts), self.dist.gather_objects(completions)
+        if not self.dist.is_main:
+            return line
         with open(self.output_dir / "metrics.jsonl", "a") as f:
             f.write(json.dumps(line) + "\n")
-        prompts, completions, rewards, per_func, advantages = self._last_log_rows
         with open(self.output_dir / "completions.jsonl", "a") as f:
             for i in range(len(completions)):
                 row = {"step": self.step, "prompt": prompts[i], "completion": completions[i],
@@ -205,6 +234,12 @@ class Trainer:
                 f.write(json.dumps(row) + "\n")
         return line
 
-    def save(self) -> Path:
-        return save_checkpoint(str(self.output_dir), self.step, self.model, self.tokenizer, asdict(self.config),
-                               self.config.save_total_limit)
+    def save(self) -> Path | None:
+        """Rank 0 writes the checkpoint (its path is returned there, None elsewhere); the others wait for it."""
+        state_dict = self.policy.full_state_dict()  # gathered from the shards under FSDP
+        path = None
+        if self.dist.is_main:
+            path = save_checkpoint(str(self.output_dir), self.step, self.model, self.tokenizer,
+                                   asdict(self.config), self.config.save_total_limit, state_dict=state_dict)
+        self.dist.barrier()
+        return path

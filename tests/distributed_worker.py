@@ -1,0 +1,84 @@
+"""Training runs of the tiny model for tests/test_distributed.py, launched there under torchrun:
+
+    torchrun --standalone --nproc_per_node=2 tests/distributed_worker.py OUT_DIR RUN [RUN ...]
+
+Each RUN (a name in RUNS) trains into OUT_DIR/RUN. Runs named `fixed_*` replace sampling with a rollout that
+depends on the prompt text alone, so that 1 and 2 processes see exactly the same completions."""
+from __future__ import annotations
+
+import sys
+import zlib
+
+import torch
+from datasets import Dataset
+
+import grpo.trainer
+from grpo import Config, Trainer
+from grpo.sampling import Rollout, completion_mask_after_eos, eos_token_ids
+from tiny_setup import digit_prompts, digit_share, tiny_model, tiny_tokenizer
+
+# The 2-rank runs use per_device_train_batch_size=1: one prompt per rank per micro-batch. The 1-process
+# reference takes the same global batch as 2 prompts per micro-batch.
+BASE = dict(max_steps=2, per_device_train_batch_size=1, gradient_accumulation_steps=2, num_generations=4,
+            max_prompt_length=16, max_completion_length=8, learning_rate=1e-2, optim="adamw", beta=0.04,
+            seed=0, save_steps=1)
+RUNS = {
+    "fixed_single": dict(per_device_train_batch_size=2),
+    "fixed_ddp": {},
+    "fixed_fsdp": dict(fsdp=True),
+    "fixed_single_lora": dict(per_device_train_batch_size=2, use_lora=True, lora_r=4, lora_dropout=0.0,
+                              gradient_checkpointing=True, scale_rewards="batch"),
+    "fixed_ddp_lora": dict(use_lora=True, lora_r=4, lora_dropout=0.0, gradient_checkpointing=True,
+                           scale_rewards="batch"),
+    # Real sampling of one repeated prompt: ranks must sample differently; they stop after different numbers
+    # of tokens (half the vocabulary ends a completion), which FSDP's collectives must survive.
+    "sampled_ddp": dict(max_steps=1, max_completion_length=12),
+    "sampled_fsdp": dict(max_steps=1, max_completion_length=12, fsdp=True),
+}
+
+
+def fixed_sample(model, tokenizer, encode, prompts, *, num_generations, max_completion_length, **_):
+    """Stands in for grpo.sampling.sample: random tokens and lengths seeded by each prompt's text."""
+    prompt_ids, prompt_mask = encode(prompts)  # [B, P]
+    eos = eos_token_ids(tokenizer, model)[0]
+    completion_ids = torch.full((len(prompts) * num_generations, max_completion_length), eos)  # [N, C]
+    for i, prompt in enumerate(prompts):
+        generator = torch.Generator().manual_seed(zlib.crc32(prompt.encode()))
+        for j in range(num_generations):
+            length = int(torch.randint(1, max_completion_length + 3, (), generator=generator))
+            tokens = torch.randint(4, len(tokenizer), (max_completion_length,), generator=generator)  # [C]
+            completion_ids[i * num_generations + j, :length] = tokens[:length]
+    completion_mask, truncated = completion_mask_after_eos(completion_ids, [eos])
+    completion_ids = completion_ids.masked_fill(completion_mask == 0, tokenizer.pad_token_id)
+    device = next(model.parameters()).device
+    return Rollout(prompt_ids.repeat_interleave(num_generations, 0).to(device),
+                   prompt_mask.repeat_interleave(num_generations, 0).to(device), completion_ids.to(device),
+                   completion_mask.to(device), tokenizer.batch_decode(completion_ids, skip_special_tokens=True),
+                   truncated)
+
+
+def train(out_dir: str, name: str) -> Trainer:
+    """Train run `name` into out_dir/name; sampling must already be patched for `fixed_*` runs."""
+    tokenizer = tiny_tokenizer()
+    data = digit_prompts(8) if name.startswith("fixed") else Dataset.from_list([{"prompt": "Write 5 digits:"}] * 8)
+    config = Config(output_dir=f"{out_dir}/{name}", **{**BASE, **RUNS[name]})
+    model = tiny_model(tokenizer)
+    if name.startswith("sampled"):
+        model.generation_config.eos_token_id = list(range(4, len(tokenizer), 2))
+    trainer = Trainer(config, model=model, tokenizer=tokenizer, reward_funcs=[digit_share], train_dataset=data)
+    trainer.train()
+    return trainer
+
+
+def main(out_dir: str, names: list[str]) -> None:
+    from grpo.distributed import shutdown
+
+    real_sample = grpo.trainer.sample
+    for name in names:
+        grpo.trainer.sample = fixed_sample if name.startswith("fixed") else real_sample
+        train(out_dir, name)
+    shutdown()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2:])
