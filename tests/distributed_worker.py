@@ -3,9 +3,13 @@
     torchrun --standalone --nproc_per_node=2 tests/distributed_worker.py OUT_DIR RUN [RUN ...]
 
 Each RUN (a name in RUNS) trains into OUT_DIR/RUN. Runs named `fixed_*` replace sampling with a rollout that
-depends on the prompt text alone, so that 1 and 2 processes see exactly the same completions."""
+depends on the prompt text alone, so that 1 and 2 processes see exactly the same completions.
+
+benchmarks/data_parallel.py reuses these runs with a bigger model or on GPUs, through environment variables:
+GRPO_WORKER_MODEL=HIDDENxLAYERS, GRPO_WORKER_DEVICE=cuda, GRPO_WORKER_OVERRIDES="--key=value ...". """
 from __future__ import annotations
 
+import os
 import sys
 import zlib
 
@@ -14,7 +18,10 @@ from datasets import Dataset
 
 import grpo.trainer
 from grpo import Config, Trainer
+from grpo.config import apply_overrides
+from grpo.distributed import setup
 from grpo.sampling import Rollout, completion_mask_after_eos, eos_token_ids
+from grpo.tiny import model_for
 from tiny_setup import digit_prompts, digit_share, tiny_model, tiny_tokenizer
 
 # The 2-rank runs use per_device_train_batch_size=1: one prompt per rank per micro-batch. The 1-process
@@ -57,12 +64,26 @@ def fixed_sample(model, tokenizer, encode, prompts, *, num_generations, max_comp
                    truncated)
 
 
+def build_model(tokenizer):
+    """The tiny test model on CPU unless the environment asks for another size or device."""
+    size, device = os.environ.get("GRPO_WORKER_MODEL"), os.environ.get("GRPO_WORKER_DEVICE", "cpu")
+    if size:
+        hidden, layers = map(int, size.split("x"))
+        model = model_for(tokenizer, hidden_size=hidden, num_layers=layers, num_heads=max(1, hidden // 64),
+                          num_kv_heads=max(1, hidden // 256), seed=0)
+    else:
+        model = tiny_model(tokenizer)
+    setup()  # first, so that "cuda" means this rank's GPU
+    return model.to(device)
+
+
 def train(out_dir: str, name: str) -> Trainer:
     """Train run `name` into out_dir/name; sampling must already be patched for `fixed_*` runs."""
     tokenizer = tiny_tokenizer()
     data = digit_prompts(8) if name.startswith("fixed") else Dataset.from_list([{"prompt": "Write 5 digits:"}] * 8)
     config = Config(output_dir=f"{out_dir}/{name}", **{**BASE, **RUNS[name]})
-    model = tiny_model(tokenizer)
+    config = apply_overrides(config, os.environ.get("GRPO_WORKER_OVERRIDES", "").split())
+    model = build_model(tokenizer)
     if name.startswith("sampled"):
         model.generation_config.eos_token_id = list(range(4, len(tokenizer), 2))
     trainer = Trainer(config, model=model, tokenizer=tokenizer, reward_funcs=[digit_share], train_dataset=data)
