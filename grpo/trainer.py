@@ -20,7 +20,7 @@ from .loss import policy_loss
 from .models import (completion_logprobs, device_of, load_model, load_tokenizer, make_reference,
                      prepare_for_training, reference_context)
 from .optim import build_optimizer, build_scheduler
-from .rewards import compute_rewards, reward_func_name
+from .rewards import compute_rewards, reward_func_names
 from .sampling import PromptEncoder, Rollout, sample
 
 
@@ -54,7 +54,7 @@ class Trainer:
         check_dataset(train_dataset)
         self.config = config
         self.reward_funcs = list(reward_funcs)
-        self.reward_names = [reward_func_name(f) for f in self.reward_funcs]
+        self.reward_names = reward_func_names(self.reward_funcs)
         self.eval_dataset = eval_dataset
         torch.manual_seed(config.seed)
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model)
@@ -88,7 +88,7 @@ class Trainer:
         while self.step < self.total_steps:
             t0 = time.perf_counter()
             batches, metrics = self.generate_step()
-            for _ in range(self.config.num_iterations):
+            for iteration in range(self.config.num_iterations):
                 if self.step >= self.total_steps:
                     break
                 metrics.update(self.optimize_step(batches))
@@ -98,7 +98,8 @@ class Trainer:
                 bar.update(1)
                 bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", kl=f"{metrics['kl']:.4f}")
                 if self.step % self.config.logging_steps == 0 or self.step == self.total_steps:
-                    history.append(self.log(metrics, batches))
+                    # Completions are logged once per generation batch, not once per pass over it.
+                    history.append(self.log(metrics, with_completions=iteration == 0))
                 if self.step % self.config.save_steps == 0 and self.step < self.total_steps:
                     self.save()
                 t0 = time.perf_counter()
@@ -190,10 +191,15 @@ class Trainer:
         return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16, enabled=use_bf16)
 
     # --- output ---
-    def log(self, metrics: dict, batches: list[Batch]) -> dict:
+    def log(self, metrics: dict, with_completions: bool) -> dict:
         line = {"step": self.step, **{k: float(v) for k, v in sorted(metrics.items())}}
         with open(self.output_dir / "metrics.jsonl", "a") as f:
             f.write(json.dumps(line) + "\n")
+        if with_completions:
+            self.log_completions()
+        return line
+
+    def log_completions(self) -> None:
         prompts, completions, rewards, per_func, advantages = self._last_log_rows
         with open(self.output_dir / "completions.jsonl", "a") as f:
             for i in range(len(completions)):
@@ -203,7 +209,6 @@ class Trainer:
                     value = per_func[i, j].item()
                     row[f"reward/{name}"] = None if math.isnan(value) else value
                 f.write(json.dumps(row) + "\n")
-        return line
 
     def save(self) -> Path:
         return save_checkpoint(str(self.output_dir), self.step, self.model, self.tokenizer, asdict(self.config),
