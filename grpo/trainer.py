@@ -22,7 +22,7 @@ from .models import (completion_logprobs, device_of, load_model, load_tokenizer,
                      prepare_for_training, reference_context)
 from .optim import build_optimizer, build_scheduler
 from .parallel import ParallelPolicy, check_settings as check_parallel_settings
-from .rewards import compute_rewards, reward_func_name, reward_metrics
+from .rewards import compute_rewards, reward_func_names, reward_metrics
 from .sampling import PromptEncoder, Rollout, sample
 
 
@@ -56,7 +56,7 @@ class Trainer:
         check_dataset(train_dataset)
         self.config = config
         self.reward_funcs = list(reward_funcs)
-        self.reward_names = [reward_func_name(f) for f in self.reward_funcs]
+        self.reward_names = reward_func_names(self.reward_funcs)
         self.eval_dataset = eval_dataset
         self.dist = setup_distributed()  # world size 1 without torchrun
         check_parallel_settings(self.dist.world_size, config.fsdp, config.optim)
@@ -96,7 +96,7 @@ class Trainer:
         while self.step < self.total_steps:
             t0 = time.perf_counter()
             batches, metrics = self.generate_step()
-            for _ in range(self.config.num_iterations):
+            for iteration in range(self.config.num_iterations):
                 if self.step >= self.total_steps:
                     break
                 metrics.update(self.optimize_step(batches))
@@ -106,7 +106,8 @@ class Trainer:
                 bar.update(1)
                 bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", kl=f"{metrics['kl']:.4f}")
                 if self.step % self.config.logging_steps == 0 or self.step == self.total_steps:
-                    history.append(self.log(metrics, batches))
+                    # Completions are logged once per generation batch, not once per pass over it.
+                    history.append(self.log(metrics, with_completions=iteration == 0))
                 if self.step % self.config.save_steps == 0 and self.step < self.total_steps:
                     self.save()
                 t0 = time.perf_counter()
@@ -214,16 +215,22 @@ class Trainer:
         return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16, enabled=use_bf16)
 
     # --- output ---
-    def log(self, metrics: dict, batches: list[Batch]) -> dict:
+    def log(self, metrics: dict, with_completions: bool) -> dict:
         """Every rank calls it (it gathers); rank 0 writes. Timings and memory are the slowest / largest rank's."""
         timings = self.dist.reduce({k: v for k, v in metrics.items() if k.startswith(("perf/", "memory/"))}, "max")
         line = {"step": self.step, **{k: float(v) for k, v in sorted({**metrics, **timings}.items())}}
+        if self.dist.is_main:
+            with open(self.output_dir / "metrics.jsonl", "a") as f:
+                f.write(json.dumps(line) + "\n")
+        if with_completions:
+            self.log_completions()
+        return line
+
+    def log_completions(self) -> None:
         prompts, completions, rewards, per_func, advantages = self._last_log_rows
         prompts, completions = self.dist.gather_objects(prompts), self.dist.gather_objects(completions)
         if not self.dist.is_main:
-            return line
-        with open(self.output_dir / "metrics.jsonl", "a") as f:
-            f.write(json.dumps(line) + "\n")
+            return
         with open(self.output_dir / "completions.jsonl", "a") as f:
             for i in range(len(completions)):
                 row = {"step": self.step, "prompt": prompts[i], "completion": completions[i],
@@ -232,7 +239,6 @@ class Trainer:
                     value = per_func[i, j].item()
                     row[f"reward/{name}"] = None if math.isnan(value) else value
                 f.write(json.dumps(row) + "\n")
-        return line
 
     def save(self) -> Path | None:
         """Rank 0 writes the checkpoint (its path is returned there, None elsewhere); the others wait for it."""
