@@ -64,7 +64,7 @@ class Distributed:
             return values
         keys = sorted(values)
         packed = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64)  # [K]
-        dist.all_reduce(packed, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+        dist.all_reduce(packed, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op])
         return dict(zip(keys, packed.tolist()))
 
     def barrier(self) -> None:

@@ -3,6 +3,7 @@ and metrics as 1 process taking the same global batch; rank 0 alone writes; rank
 import glob
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -69,16 +70,18 @@ def runs(tmp_path_factory):
         launch = subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
              str(TESTS / "distributed_worker.py"), str(out), *TORCHRUN_RUNS],
-            env=env, stdout=sink, stderr=subprocess.STDOUT)
+            env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(grpo.trainer, "sample", distributed_worker.fixed_sample)
             for name in ["fixed_single", "fixed_single_lora"]:
                 distributed_worker.train(str(out), name)
-        try:
-            launch.wait(timeout=240)
-        except subprocess.TimeoutExpired:
-            launch.kill()
-            pytest.fail(f"torchrun timed out (ranks out of step?):\n{log.read_text()[-3000:]}")
+        launch.wait(timeout=240)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"torchrun timed out (ranks out of step?):\n{log.read_text()[-3000:]}")
+    finally:
+        if launch.poll() is None:
+            os.killpg(launch.pid, signal.SIGKILL)  # torchrun and its ranks
     assert launch.returncode == 0, log.read_text()[-5000:]
     return out
 
