@@ -70,12 +70,35 @@ def complete_checkpoints(output_dir: str) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
+def check_no_earlier_run(output_dir: str) -> None:
+    """A fresh run must not append to an earlier run's logs or write over its checkpoints."""
+    earlier = [p.name for p in complete_checkpoints(output_dir)]
+    earlier += [p.name for p in Path(output_dir).glob("*.jsonl") if p.stat().st_size]
+    if earlier:
+        raise ConfigError(f"{output_dir} already holds a run ({', '.join(earlier)}): continue it with "
+                          f"--resume_from_checkpoint=latest, or pick another --output_dir")
+
+
 def find_checkpoint(spec: str, output_dir: str) -> Path | None:
     """The checkpoint folder `spec` names, or for "latest" the newest complete one in `output_dir`
-    (None if there is none yet). ConfigError if `spec` is not a complete checkpoint."""
+    (None if there is none yet). ConfigError if `spec` is not a complete checkpoint, or if `output_dir`
+    holds newer ones: continuing the older one there would mix two runs."""
+    found = complete_checkpoints(output_dir)
     if spec == "latest":
-        found = complete_checkpoints(output_dir)
         return found[-1] if found else None
+    path = _checked_folder(spec)
+    newer = [p.name for p in found if _step_of(p) > _step_of(path)]
+    if newer:
+        raise ConfigError(f"{output_dir} holds checkpoints newer than {spec} ({', '.join(newer)}): continuing "
+                          f"from it there would mix two runs; move them away or pick another --output_dir")
+    return path
+
+
+def _step_of(checkpoint: Path) -> int:
+    return int((checkpoint / COMPLETE).read_text())
+
+
+def _checked_folder(spec: str) -> Path:
     path = Path(spec)
     inside = complete_checkpoints(spec)
     if inside:

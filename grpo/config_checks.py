@@ -88,15 +88,15 @@ def _checked_type(name: str, value, tp):
         if len(options) != 1:
             return value
         tp = options[0]
-    if typing.get_origin(tp) is list:
+    if typing.get_origin(tp) is list and typing.get_args(tp)[0] in _NAMES:
         (item,) = typing.get_args(tp)
         if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{name} must be a list of {_NAMES.get(item, item)}s, got {value!r:.100}")
+            raise ConfigError(f"{name} must be a list of {_NAMES[item][1]}, got {value!r:.100}")
         return [_scalar(f"{name}[{i}]", v, item) for i, v in enumerate(value)]
     return _scalar(name, value, tp)
 
 
-_NAMES = {int: "int", float: "float", bool: "bool", str: "str"}
+_NAMES = {int: ("an int", "ints"), float: ("a float", "floats"), bool: ("a bool", "bools"), str: ("a string", "strings")}
 
 
 def _scalar(name: str, value, tp):
@@ -106,5 +106,5 @@ def _scalar(name: str, value, tp):
         return float(value)
     # bool is an int to Python, but `max_steps=True` is a mistake, not 1.
     if not isinstance(value, tp) or (isinstance(value, bool) and tp is not bool):
-        raise ConfigError(f"{name} must be a {_NAMES[tp]}, got {type(value).__name__} {value!r:.100}")
+        raise ConfigError(f"{name} must be {_NAMES[tp][0]}, got {type(value).__name__} {value!r:.100}")
     return value

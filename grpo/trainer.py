@@ -14,16 +14,16 @@ import torch
 from tqdm.auto import tqdm
 
 from .advantages import group_advantages
-from .checkpoint import (changed_settings, complete_checkpoints, drop_log_lines_after, find_checkpoint, load_state,
+from .checkpoint import (changed_settings, check_no_earlier_run, drop_log_lines_after, find_checkpoint, load_state,
                          load_weights, rng_state, save_checkpoint, set_rng_state)
 from .config import Config
 from .data import PromptStream, check_dataset
-from .errors import ConfigError, TrainingStopped
+from .errors import TrainingStopped
 from .interrupts import StepAbandoned, StopSignals, TrainingInterrupted
 from .loss import policy_loss
 from .models import (completion_logprobs, device_of, load_model, load_tokenizer, make_reference,
                      prepare_for_training, reference_context)
-from .optim import build_optimizer, build_scheduler
+from .optim import build_optimizer, build_scheduler, set_hyperparameters
 from .rewards import compute_rewards, reward_func_name
 from .sampling import PromptEncoder, Rollout, sample
 
@@ -100,10 +100,10 @@ class Trainer:
     def train(self) -> list[dict]:
         """Run to `total_steps`, first resuming `config.resume_from_checkpoint` when set; returns the logged
         metrics lines. On SIGINT/SIGTERM it saves a checkpoint and raises TrainingInterrupted."""
-        self._begin()
+        self._start_or_resume()
         history = []
         bar = tqdm(total=self.total_steps, initial=self.step, desc="grpo", dynamic_ncols=True)
-        with StopSignals() as signals:
+        with StopSignals() as signals, bar:
             while self.step < self.total_steps:
                 t0 = time.perf_counter()
                 metrics = self.run_step(signals)
@@ -119,7 +119,6 @@ class Trainer:
                     self.save()
                 if signals.received is not None:
                     raise TrainingInterrupted(signals.received, self.step, self._save_if_trained())
-        bar.close()
         self.save()
         return history
 
@@ -279,10 +278,6 @@ class Trainer:
         run's logs written after that step are dropped, so the metrics stream continues without repeats."""
         path = find_checkpoint(checkpoint, str(self.output_dir))
         state = load_state(path) if path is not None else {"step": 0}
-        newer = [p.name for p in complete_checkpoints(str(self.output_dir)) if int(p.name.split("-")[1]) > state["step"]]
-        if newer:
-            raise ConfigError(f"{self.output_dir} holds checkpoints newer than {path} ({', '.join(newer)}): resuming "
-                              f"would mix two runs; move them away or resume into another --output_dir")
         if path is None:
             print(f"no checkpoint in {self.output_dir} yet: starting from step 0", file=sys.stderr)
         else:
@@ -299,31 +294,23 @@ class Trainer:
         cfg = self.config
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
-        # The checkpoint's hyperparameters come with its optimizer state; the current settings win.
-        self.scheduler.base_lrs = [cfg.learning_rate] * len(self.optimizer.param_groups)
-        for group, factor in zip(self.optimizer.param_groups, self.scheduler.lr_lambdas):
-            group.update(lr=cfg.learning_rate * factor(self.scheduler.last_epoch), initial_lr=cfg.learning_rate,
-                         betas=(cfg.adam_beta1, cfg.adam_beta2), weight_decay=cfg.weight_decay)
+        set_hyperparameters(self.optimizer, self.scheduler, cfg.learning_rate, (cfg.adam_beta1, cfg.adam_beta2),
+                            cfg.weight_decay)
         self.prompts.load_state_dict(state["prompts"])
         self.nonfinite_streak, self.nonfinite_total = state["nonfinite"]
         if state["generation"] is not None:
             g = state["generation"]
-            batches = [Batch(Rollout(**{k: to(v, self.device) for k, v in b["rollout"].items()}),
-                             *(to(b[k], self.device) for k in ("advantages", "old_logprobs", "ref_logprobs")))
+            batches = [Batch(Rollout(**{k: to_device(v, self.device) for k, v in b["rollout"].items()}),
+                             *(to_device(b[k], self.device) for k in ("advantages", "old_logprobs", "ref_logprobs")))
                        for b in g["batches"]]
             self.generation = Generation(batches, g["metrics"], tuple(g["rows"]))
         set_rng_state(state["rng"])
 
-    def _begin(self) -> None:
-        """Resume when asked to; refuse to start afresh over an earlier run's checkpoints and logs."""
+    def _start_or_resume(self) -> None:
         if self.step == 0 and self.config.resume_from_checkpoint:
             self.resume(self.config.resume_from_checkpoint)
         elif self.step == 0:
-            earlier = [p.name for p in complete_checkpoints(str(self.output_dir))]
-            earlier += [p.name for p in self.output_dir.glob("*.jsonl") if p.stat().st_size]
-            if earlier:
-                raise ConfigError(f"{self.output_dir} already holds a run ({', '.join(earlier)}): continue it with "
-                                  f"--resume_from_checkpoint=latest, or pick another --output_dir")
+            check_no_earlier_run(str(self.output_dir))
         self.output_dir.mkdir(parents=True, exist_ok=True)
 
     def _save_if_trained(self) -> Path | None:
@@ -348,5 +335,5 @@ class Trainer:
             f"--learning_rate or --max_grad_norm, or check the rewards, then --resume_from_checkpoint=latest.")
 
 
-def to(value, device: torch.device):
+def to_device(value, device: torch.device):
     return value.to(device) if isinstance(value, torch.Tensor) else value

@@ -141,12 +141,14 @@ def test_a_fresh_run_does_not_write_over_an_earlier_one(tmp_path, tokenizer):
 @pytest.mark.parametrize("spec, message", [
     ("missing", "no such folder"),
     (".", "is a run folder, not a checkpoint: pass one of its checkpoints"),
-    (".checkpoint-2.tmp", "is not a complete checkpoint"),
+    (".checkpoint-3.tmp", "is not a complete checkpoint"),
+    ("checkpoint-1", r"holds checkpoints newer than .*checkpoint-1 \(checkpoint-2\): continuing from it there would "
+                     "mix two runs"),
 ])
 def test_resume_from_a_bad_folder_says_why(tmp_path, tokenizer, spec, message):
     out = tmp_path / "run"
-    make_trainer(out, tokenizer, {}, optim="adamw", max_steps=1).train()
-    (out / ".checkpoint-2.tmp").mkdir()
+    make_trainer(out, tokenizer, {}, optim="adamw", max_steps=2, save_steps=1).train()
+    (out / ".checkpoint-3.tmp").mkdir()
     with pytest.raises(ConfigError, match=message):
         make_trainer(out, tokenizer, {}, optim="adamw", resume_from_checkpoint=str(out / spec)).train()
 
