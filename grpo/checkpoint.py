@@ -43,10 +43,12 @@ def save_checkpoint(output_dir: str, step: int, model, tokenizer, config_dict: d
             _fsync(path)
     (tmp / COMPLETE).write_text(str(step))
     _fsync(tmp / COMPLETE)
-    if final.exists():  # saving a step again: move the old one aside first, never delete it before
-        os.replace(final, root / f".checkpoint-{step}.replaced.tmp")
+    replaced = root / f".checkpoint-{step}.replaced.tmp"
+    if final.exists():  # saving a step again: move the old one aside, never delete it before
+        os.replace(final, replaced)
     os.replace(tmp, final)
     _fsync(root)  # the rename itself
+    shutil.rmtree(replaced, ignore_errors=True)
     if save_total_limit:
         for old in complete_checkpoints(output_dir)[:-save_total_limit]:
             shutil.rmtree(old, ignore_errors=True)
@@ -85,7 +87,7 @@ def find_checkpoint(spec: str, output_dir: str) -> Path | None:
     holds newer ones: continuing the older one there would mix two runs."""
     found = complete_checkpoints(output_dir)
     if spec == "latest":
-        return found[-1] if found else None
+        return _checked_folder(str(found[-1])) if found else None
     path = _checked_folder(spec)
     newer = [p.name for p in found if _step_of(p) > _step_of(path)]
     if newer:

@@ -19,9 +19,8 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
         return 0 if argv else 2
-    trainer = None
     try:
-        from .config import apply_overrides, format_help, load_recipe, resolve_dataset
+        from .config import apply_overrides, format_help, load_recipe
 
         recipe_path, overrides = argv[0], argv[1:]
         recipe = load_recipe(recipe_path)
@@ -29,26 +28,39 @@ def main(argv: list[str] | None = None) -> int:
         if any(a in ("-h", "--help") for a in overrides):
             print(f"{USAGE}\n\nsettings of {recipe_path}:\n{format_help(config)}")
             return 0
-        train_dataset = resolve_dataset(recipe.train_dataset, "train_dataset")
-        eval_dataset = resolve_dataset(recipe.eval_dataset, "eval_dataset")
+        return run(recipe, config, argv)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:  # Ctrl-C while loading, before training could save anything
+        print("interrupted before training started", file=sys.stderr)
+        return 130
 
-        import torch
 
-        from .interrupts import TrainingInterrupted
-        from .trainer import Trainer
+def run(recipe, config, argv: list[str]) -> int:
+    """Train; when a run stops early (signal, out of memory, a user error mid-run), say what was saved
+    and how to resume."""
+    import torch
 
-        try:
-            model, tokenizer = recipe.resolve_model(config)
-            trainer = Trainer(config, model=model, tokenizer=tokenizer, reward_funcs=recipe.reward_funcs,
-                              train_dataset=train_dataset, eval_dataset=eval_dataset)
-            trainer.train()
-        except TrainingInterrupted as e:
-            saved = f"saved {e.checkpoint}\n{resume_hint(argv, e.checkpoint)}" if e.checkpoint else "nothing to save yet"
-            print(f"{e}: {saved}", file=sys.stderr)
-            return 128 + e.signum
-        except torch.cuda.OutOfMemoryError as e:  # the same class as torch.OutOfMemoryError
-            print(out_of_memory_report(config, e, trainer), file=sys.stderr)
-            return 1
+    from .config import resolve_dataset
+    from .interrupts import TrainingInterrupted
+    from .trainer import Trainer
+
+    train_dataset = resolve_dataset(recipe.train_dataset, "train_dataset")
+    eval_dataset = resolve_dataset(recipe.eval_dataset, "eval_dataset")
+    trainer = None
+    try:
+        model, tokenizer = recipe.resolve_model(config)
+        trainer = Trainer(config, model=model, tokenizer=tokenizer, reward_funcs=recipe.reward_funcs,
+                          train_dataset=train_dataset, eval_dataset=eval_dataset)
+        trainer.train()
+    except TrainingInterrupted as e:
+        saved = f"saved {e.checkpoint}\n{resume_hint(argv, e.checkpoint)}" if e.checkpoint else "nothing to save yet"
+        print(f"{e}: {saved}", file=sys.stderr)
+        return 128 + e.signum
+    except torch.cuda.OutOfMemoryError as e:  # the same class as torch.OutOfMemoryError
+        print(out_of_memory_report(config, e, trainer), file=sys.stderr)
+        return 1
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         if trainer is not None and trainer.last_checkpoint is not None:

@@ -119,7 +119,7 @@ class Trainer:
                     self.save()
                 if signals.received is not None:
                     raise TrainingInterrupted(signals.received, self.step, self._save_if_trained())
-        self.save()
+            self.save()
         return history
 
     def run_step(self, signals: StopSignals) -> dict:
@@ -324,7 +324,7 @@ class Trainer:
             print(f"could not save a checkpoint after the error below: {save_error!r}", file=sys.stderr)
             return
         if path is not None:
-            print(f"step {self.step + 1} failed; {path} holds the {self.step} steps before it", file=sys.stderr)
+            print(f"step {self.step + 1} failed; {path} holds the state after step {self.step}", file=sys.stderr)
 
     def _nonfinite_stop(self) -> TrainingStopped:
         n = self.nonfinite_streak

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from grpo.checkpoint import COMPLETE, complete_checkpoints, drop_log_lines_after, find_checkpoint
+from grpo.checkpoint import COMPLETE, STATE, complete_checkpoints, drop_log_lines_after, find_checkpoint
 from grpo.train import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -123,7 +123,21 @@ def test_incomplete_folders_are_not_checkpoints(tmp_path):
                            (".checkpoint-14.tmp", True), ("checkpoint-x", True)]:
         (tmp_path / name).mkdir()
         if complete:
+            (tmp_path / name / STATE).write_bytes(b"")
             (tmp_path / name / COMPLETE).write_text("")
     assert complete_checkpoints(tmp_path) == [tmp_path / "checkpoint-2", tmp_path / "checkpoint-10"]
     assert find_checkpoint("latest", str(tmp_path)) == tmp_path / "checkpoint-10"
     assert find_checkpoint("latest", str(tmp_path / "empty")) is None
+
+
+def test_saving_a_step_again_replaces_it_and_leaves_no_temporary_folders(tmp_path):
+    from grpo.checkpoint import save_checkpoint
+    from tiny_setup import tiny_model, tiny_tokenizer
+
+    model = tiny_model(tiny_tokenizer())
+    (tmp_path / ".checkpoint-9.tmp").mkdir()  # left by an earlier crash
+    for _ in range(2):
+        path = save_checkpoint(str(tmp_path), 3, model, None, {}, {"step": 3})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-3"]
+    assert sorted(p.name for p in path.iterdir()) == [COMPLETE, "config.json", "generation_config.json",
+                                                      "grpo_config.json", "model.safetensors", STATE]

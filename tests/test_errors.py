@@ -124,7 +124,7 @@ def test_a_reward_failing_later_keeps_the_steps_before_it(tmp_path, capsys):
     """
     code, err = run(tmp_path, capsys, "--save_steps=10", body=body)
     assert_short_error(code, err, 1, "reward function 'judge' raised KeyError: 'answer'",
-                       f"step 3 failed; {tmp_path / 'run' / 'checkpoint-2'} holds the 2 steps before it",
+                       f"step 3 failed; {tmp_path / 'run' / 'checkpoint-2'} holds the state after step 2",
                        "resume with: python -m grpo.train", "--resume_from_checkpoint=")
 
 
