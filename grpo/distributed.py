@@ -58,6 +58,18 @@ class Distributed:
         dist.all_gather_object(parts, items)
         return [item for part in parts for item in part]
 
+    def gather_to_main(self, obj) -> list | None:
+        """Every rank's picklable `obj` (tensors moved to the CPU), on rank 0 in rank order; None elsewhere."""
+        parts = [None] * self.world_size if self.is_main else None
+        dist.gather_object(_to_cpu(obj), parts, dst=0)
+        return parts
+
+    def agree_on_signal(self, received: int | None) -> int | None:
+        """A stop signal any rank received (ranks see signals at different moments; all must stop together)."""
+        if self.world_size == 1:
+            return received
+        return int(self.reduce({"signal": received or 0}, "max")["signal"]) or None
+
     def reduce(self, values: dict[str, float], op: str = "sum") -> dict[str, float]:
         """`values` combined over ranks key by key ("sum" or "max"); every rank must pass the same keys."""
         if self.world_size == 1 or not values:
@@ -70,6 +82,16 @@ class Distributed:
     def barrier(self) -> None:
         if self.world_size > 1:
             dist.barrier()
+
+
+def _to_cpu(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.cpu()
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_cpu(v) for v in obj)
+    return obj
 
 
 def setup() -> Distributed:

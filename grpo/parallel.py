@@ -13,7 +13,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .checkpoint import load_weights, read_weights
 from .distributed import Distributed
+from .errors import ConfigError
 from .models import device_of, unwrap
 
 
@@ -80,14 +82,15 @@ class ParallelPolicy:
         gradients must add up; DDP and FSDP average them, hence the world-size factor."""
         (loss if self.root is None else loss * self.world_size).backward()
 
+    # --- checkpoints: FSDP gathers the shards into whole tensors on rank 0, and cuts them up again to load ---
     def full_state_dict(self) -> dict | None:
         """Under FSDP the full weights, gathered onto rank 0's CPU (others get {}); a collective, so every rank
         calls it. None otherwise: the model's own state dict is whole."""
         if self.kind != "fsdp":
             return None
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        state = get_model_state_dict(self.model, options=_full_on_main())
         # Gathering unties tied weights (embeddings and LM head): keep one name each, as save_pretrained does.
         first: dict[int, str] = {}
         for name, param in self.model.named_parameters(remove_duplicate=False):
@@ -95,11 +98,47 @@ class ParallelPolicy:
                 state.pop(name, None)
         return state
 
+    def optimizer_state(self, optimizer) -> dict:
+        """The optimizer's state dict; under FSDP gathered whole onto rank 0 (a collective; {} elsewhere)."""
+        if self.kind != "fsdp":
+            return optimizer.state_dict()
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        return get_optimizer_state_dict(self.model, optimizer, options=_full_on_main())
+
+    def load_optimizer_state(self, optimizer, state: dict) -> None:
+        if self.kind != "fsdp":
+            optimizer.load_state_dict(state)
+            return
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        set_optimizer_state_dict(self.model, optimizer, state, options=StateDictOptions(full_state_dict=True))
+
+    def load_weights(self, checkpoint) -> None:
+        """A checkpoint's weights into the model (each rank reads the files; FSDP keeps its shards of them)."""
+        if self.kind != "fsdp":
+            load_weights(self.model, checkpoint)
+            return
+        if hasattr(self.model, "peft_config"):
+            raise ConfigError("resuming an FSDP run with LoRA is not supported yet: resume it with fsdp=false "
+                              "(LoRA rarely needs FSDP), or start from the adapter with a fresh run")
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        # Not strict: tied weights (embeddings and LM head) are saved under one name only.
+        set_model_state_dict(self.model, read_weights(checkpoint),
+                             options=StateDictOptions(full_state_dict=True, strict=False))
+
+
+def _full_on_main():
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, cpu_offload=True)
+
 
 def check_settings(world_size: int, fsdp: bool, optim: str) -> None:
     """Fail before any model is loaded on settings the wrapping cannot run."""
     if world_size > 1 and fsdp and optim != "adamw":
-        raise ValueError(f'fsdp=true needs optim="adamw" (got {optim!r}): bitsandbytes\' 8-bit AdamW does not '
+        raise ConfigError(f'fsdp=true needs optim="adamw" (got {optim!r}): bitsandbytes\' 8-bit AdamW does not '
                          f"accept FSDP's sharded (DTensor) parameters")
 
 

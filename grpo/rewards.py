@@ -11,13 +11,18 @@ from __future__ import annotations
 import functools
 import math
 import numbers
+import os
 import re
+import sys
+import traceback
 
 import torch
 from torch import Tensor
 
+from .errors import UserError
 
-class RewardError(Exception):
+
+class RewardError(UserError):
     """A reward function raised, or returned the wrong number or kind of values."""
 
 
@@ -100,8 +105,18 @@ def _call(f, name: str, prompts, completions, columns):
                 break
         raise RewardError(
             f"reward function '{name}' raised {type(error).__name__}: {error}{note}\n"
+            f"  at {_where(error)}\n"
             f"  prompt {i}: {_preview(prompts[i])}\n  completion {i}: {_preview(completions[i])}"
         ) from error
+
+
+def _where(error: BaseException) -> str:
+    """file:line of the innermost frame of `error` outside Python's own and installed libraries: the
+    line of the reward function to look at, in place of the traceback the CLI does not print."""
+    frames = traceback.extract_tb(error.__traceback__)[1:]  # [0] is _call itself
+    libraries = (sys.prefix, sys.base_prefix)
+    own = [f for f in frames if not f.filename.startswith(libraries)] or frames
+    return f"{os.path.basename(own[-1].filename)}:{own[-1].lineno}" if own else "?"
 
 
 def _to_floats(values, name: str, n: int) -> list[float]:

@@ -41,7 +41,16 @@ RUNS = {
     # of tokens (half the vocabulary ends a completion), which FSDP's collectives must survive.
     "sampled_ddp": dict(max_steps=1, max_completion_length=12),
     "sampled_fsdp": dict(max_steps=1, max_completion_length=12, fsdp=True),
+    # `resumed_*`: 6 steps in one go (out/NAME/reference), and the same run dying before step 4, then resumed
+    # from checkpoint-3 (out/NAME/resumed). Step 4 reuses the generation batch of step 3, step 5 samples a new
+    # one: every rank's generation batch and RNG states must come back.
+    "resumed_ddp": dict(max_steps=6, save_steps=3, num_iterations=2, max_completion_length=12),
+    "resumed_fsdp": dict(max_steps=6, save_steps=3, num_iterations=2, max_completion_length=12, fsdp=True),
 }
+
+
+class Crash(BaseException):
+    """Stands in for every rank dying at once: nothing catches it, nothing is saved."""
 
 
 def fixed_sample(model, tokenizer, encode, prompts, *, num_generations, max_completion_length, **_):
@@ -77,18 +86,41 @@ def build_model(tokenizer):
     return model.to(device)
 
 
-def train(out_dir: str, name: str) -> Trainer:
-    """Train run `name` into out_dir/name; sampling must already be patched for `fixed_*` runs."""
+def make_trainer(output_dir: str, name: str, **overrides) -> Trainer:
     tokenizer = tiny_tokenizer()
-    data = digit_prompts(8) if name.startswith("fixed") else Dataset.from_list([{"prompt": "Write 5 digits:"}] * 8)
-    config = Config(output_dir=f"{out_dir}/{name}", **{**BASE, **RUNS[name]})
+    fixed = name.startswith("fixed")
+    data = digit_prompts(8) if fixed else Dataset.from_list([{"prompt": "Write 5 digits:"}] * 8)
+    config = Config(output_dir=output_dir, **{**BASE, **RUNS[name], **overrides})
     config = apply_overrides(config, os.environ.get("GRPO_WORKER_OVERRIDES", "").split())
     model = build_model(tokenizer)
-    if name.startswith("sampled"):
+    if not fixed:
         model.generation_config.eos_token_id = list(range(4, len(tokenizer), 2))
-    trainer = Trainer(config, model=model, tokenizer=tokenizer, reward_funcs=[digit_share], train_dataset=data)
+    return Trainer(config, model=model, tokenizer=tokenizer, reward_funcs=[digit_share], train_dataset=data)
+
+
+def train(out_dir: str, name: str) -> Trainer:
+    """Train run `name` into out_dir/name; sampling must already be patched for `fixed_*` runs."""
+    trainer = make_trainer(f"{out_dir}/{name}", name)
     trainer.train()
     return trainer
+
+
+def crash_and_resume(out_dir: str, name: str) -> None:
+    make_trainer(f"{out_dir}/{name}/reference", name).train()
+    crashing = make_trainer(f"{out_dir}/{name}/resumed", name)
+    accumulate = crashing.accumulate
+
+    def dies_before_step_4(batches):
+        if crashing.step == 3:
+            raise Crash
+        return accumulate(batches)
+
+    crashing.accumulate = dies_before_step_4
+    try:
+        crashing.train()
+    except Crash:
+        pass
+    make_trainer(f"{out_dir}/{name}/resumed", name, resume_from_checkpoint="latest").train()
 
 
 def main(out_dir: str, names: list[str]) -> None:
@@ -97,7 +129,7 @@ def main(out_dir: str, names: list[str]) -> None:
     real_sample = grpo.trainer.sample
     for name in names:
         grpo.trainer.sample = fixed_sample if name.startswith("fixed") else real_sample
-        train(out_dir, name)
+        (crash_and_resume if name.startswith("resumed") else train)(out_dir, name)
     shutdown()
 
 

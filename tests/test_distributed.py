@@ -1,5 +1,6 @@
 """Data parallel training under torchrun, on CPU with gloo: 2 ranks (DDP and FSDP2) end with the same weights
-and metrics as 1 process taking the same global batch; rank 0 alone writes; ranks sample differently."""
+and metrics as 1 process taking the same global batch; rank 0 alone writes; ranks sample differently; a
+2-rank run resumes exactly."""
 import glob
 import json
 import os
@@ -18,7 +19,8 @@ from grpo.distributed import Distributed
 from grpo.parallel import ParallelPolicy, check_settings
 
 TESTS = Path(__file__).parent
-TORCHRUN_RUNS = ["fixed_ddp", "fixed_fsdp", "fixed_ddp_lora", "sampled_ddp", "sampled_fsdp"]
+TORCHRUN_RUNS = ["fixed_ddp", "fixed_fsdp", "fixed_ddp_lora", "sampled_ddp", "sampled_fsdp", "resumed_ddp",
+                 "resumed_fsdp"]
 SAME_METRICS = ["loss", "loss/policy", "kl", "grad_norm", "reward/mean", "reward/std", "reward/digit_share_std",
                 "clip/region", "ratio/mean", "completion/length_mean", "completion/truncated_frac", "lr"]
 
@@ -86,8 +88,8 @@ def runs(tmp_path_factory):
     return out
 
 
-def weights(run: Path) -> dict:
-    (path,) = glob.glob(str(run / "checkpoint-2" / "*.safetensors"))
+def weights(run: Path, step: int = 2) -> dict:
+    (path,) = glob.glob(str(run / f"checkpoint-{step}" / "*.safetensors"))
     return load_file(path)
 
 
@@ -131,3 +133,17 @@ def test_ranks_sample_differently_and_fsdp_samples_as_ddp(runs):
     one, two = load_file(runs / "sampled_ddp" / "checkpoint-1" / "model.safetensors"), \
         load_file(runs / "sampled_fsdp" / "checkpoint-1" / "model.safetensors")
     assert max((one[k] - two[k]).abs().max().item() for k in one) < 1e-6
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["resumed_ddp", "resumed_fsdp"])
+def test_two_ranks_resume_exactly(runs, name):
+    # Died before step 4, resumed from checkpoint-3 (mid generation batch; step 5 samples anew).
+    reference, resumed = runs / name / "reference", runs / name / "resumed"
+    one, two = weights(reference, 6), weights(resumed, 6)
+    assert all(torch.equal(one[k], two[k]) for k in one)
+    assert [m["step"] for m in metrics(resumed)] == [1, 2, 3, 4, 5, 6]
+    volatile = ("perf/", "memory/")
+    assert [{k: v for k, v in m.items() if not k.startswith(volatile)} for m in metrics(resumed)] == \
+        [{k: v for k, v in m.items() if not k.startswith(volatile)} for m in metrics(reference)]
+    assert (resumed / "completions.jsonl").read_text() == (reference / "completions.jsonl").read_text()
