@@ -119,9 +119,6 @@ class ParallelPolicy:
         if self.kind != "fsdp":
             load_weights(self.model, checkpoint)
             return
-        if hasattr(self.model, "peft_config"):
-            raise ConfigError("resuming an FSDP run with LoRA is not supported yet: resume it with fsdp=false "
-                              "(LoRA rarely needs FSDP), or start from the adapter with a fresh run")
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
         # Not strict: tied weights (embeddings and LM head) are saved under one name only.
@@ -135,11 +132,16 @@ def _full_on_main():
     return StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
-def check_settings(world_size: int, fsdp: bool, optim: str) -> None:
+def check_settings(world_size: int, fsdp: bool, optim: str, use_lora: bool) -> None:
     """Fail before any model is loaded on settings the wrapping cannot run."""
-    if world_size > 1 and fsdp and optim != "adamw":
+    if world_size == 1 or not fsdp:
+        return
+    if use_lora:
+        raise ConfigError("fsdp=true is for full fine-tuning: LoRA's adapters and optimizer state are small, and "
+                          "sampling needs the whole base model on every GPU anyway; use DDP (fsdp=false)")
+    if optim != "adamw":
         raise ConfigError(f'fsdp=true needs optim="adamw" (got {optim!r}): bitsandbytes\' 8-bit AdamW does not '
-                         f"accept FSDP's sharded (DTensor) parameters")
+                          f"accept FSDP's sharded (DTensor) parameters")
 
 
 def _wrap_ddp(model) -> nn.Module:

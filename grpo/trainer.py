@@ -73,7 +73,7 @@ class Trainer:
         self.reward_names = reward_func_names(self.reward_funcs)
         self.eval_dataset = eval_dataset
         self.dist = setup_distributed()  # world size 1 without torchrun
-        check_parallel_settings(self.dist.world_size, config.fsdp, config.optim)
+        check_parallel_settings(self.dist.world_size, config.fsdp, config.optim, config.use_lora)
         torch.manual_seed(config.seed + self.dist.rank)  # ranks sample differently; wrapping syncs the weights
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model)
         self.model = prepare_for_training(model if model is not None else load_model(config), config)

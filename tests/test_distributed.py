@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 import distributed_worker
 import grpo.trainer
 from grpo.distributed import Distributed
+from grpo.errors import ConfigError
 from grpo.parallel import ParallelPolicy, check_settings
 
 TESTS = Path(__file__).parent
@@ -51,11 +52,14 @@ def test_shard_gives_each_rank_whole_prompts_in_rank_order():
         Distributed(rank=0, world_size=2).shard({"prompt": ["a", "b", "c"]})
 
 
-def test_fsdp_refuses_8bit_adamw_before_loading_anything():
-    with pytest.raises(ValueError, match='fsdp=true needs optim="adamw"'):
-        check_settings(2, True, "adamw_8bit")
-    check_settings(1, True, "adamw_8bit")  # one process: fsdp does not apply
-    check_settings(2, False, "adamw_8bit")
+def test_fsdp_refuses_what_it_cannot_run_before_loading_anything():
+    with pytest.raises(ConfigError, match='fsdp=true needs optim="adamw"'):
+        check_settings(2, True, "adamw_8bit", use_lora=False)
+    with pytest.raises(ConfigError, match="fsdp=true is for full fine-tuning"):
+        check_settings(2, True, "adamw", use_lora=True)
+    check_settings(1, True, "adamw_8bit", use_lora=True)  # one process: fsdp does not apply
+    check_settings(2, False, "adamw_8bit", use_lora=True)
+    check_settings(2, True, "adamw", use_lora=False)
 
 
 # --- two ranks under torchrun -----------------------------------------------------------------------------
