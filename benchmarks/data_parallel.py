@@ -13,6 +13,7 @@ import argparse
 import glob
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -74,6 +75,7 @@ def main() -> None:
     RESULTS.write_text(json.dumps({"args": vars(args), "runs": {label: {k: v for k, v in r.items() if k != "weights"}
                                                                 for label, r in rows.items()}}, indent=2))
     print(f"wrote {RESULTS}")
+    shutil.rmtree(out)
 
 
 if __name__ == "__main__":
