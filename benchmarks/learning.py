@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -24,8 +25,7 @@ TARGET_GAIN = 0.20
 
 def run_seed(recipe: str, seed: int, overrides: list[str]) -> dict:
     out = RESULTS / "learning" / f"seed-{seed}"
-    if (out / "metrics.jsonl").exists():
-        (out / "metrics.jsonl").unlink()  # the trainer appends; a rerun must not read the last one's lines
+    shutil.rmtree(out, ignore_errors=True)  # a fresh run refuses a folder holding an earlier run
     cmd = [sys.executable, "-m", "grpo.train", recipe, f"--seed={seed}", f"--output_dir={out}", *overrides]
     t0 = time.perf_counter()
     subprocess.run(cmd, cwd=ROOT, check=True)

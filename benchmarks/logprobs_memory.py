@@ -2,10 +2,11 @@
 
 Each measurement runs in a fresh subprocess so peaks do not leak between runs:
 extra = ru_maxrss after forward+backward - current RSS just before it (inputs already
-allocated, so they are not counted; the [V, H] weight gradient is).
+allocated, so they are not counted; the [V, H] weight gradient is). Times are wall-clock
+and noisy on a shared CPU; the memory figures are the point.
 
     python benchmarks/logprobs_memory.py                      # B=8, T=1024, V=151936, H=256
-    python benchmarks/logprobs_memory.py --unchunked-batches 1 2   # full logits measured at B=1,2
+    python benchmarks/logprobs_memory.py --unchunked-batches 1 2 4   # full logits at B=1,2,4
 """
 
 from __future__ import annotations
@@ -83,7 +84,8 @@ def main() -> None:
     if args.B in args.unchunked_batches:
         extrapolated = next(r["extra_bytes"] for r in full if r["B"] == args.B)
     elif len(full) >= 2:
-        (b0, m0), (b1, m1) = [(r["B"], r["extra_bytes"]) for r in full[:2]]
+        # Through the two largest measured batches: the most logits-dominated points.
+        (b0, m0), (b1, m1) = sorted((r["B"], r["extra_bytes"]) for r in full)[-2:]
         extrapolated = m0 + (m1 - m0) / (b1 - b0) * (args.B - b0)
     print(f"{'mode':<10} {'B':>3} {'T':>5} {'V':>7} {'H':>4} {'chunk':>5} {'W grad':>6} {'extra GB':>9} {'s':>6}")
     for r in rows:

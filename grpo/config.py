@@ -12,9 +12,13 @@ import os
 import re
 import sys
 import textwrap
+import traceback
 import types
 import typing
 from dataclasses import dataclass, field
+
+from .config_checks import check_config
+from .errors import ConfigError
 
 
 @dataclass
@@ -44,12 +48,14 @@ class Config:
     """Fraction of the optimizer steps spent warming the learning rate up linearly from 0."""
     optim: str = "adamw_8bit"
     """Optimizer: "adamw_8bit" (bitsandbytes, 4x smaller state) or "adamw" (torch)."""
+    max_nonfinite_steps: int = 3
+    """Stop after this many optimizer steps in a row with a NaN/inf loss or gradient norm (each is skipped)."""
 
     # --- batch and schedule ---
     per_device_train_batch_size: int = 1
-    """Prompts per micro-batch; each prompt is expanded to `num_generations` completions."""
+    """Prompts per micro-batch on each rank; each prompt is expanded to `num_generations` completions."""
     gradient_accumulation_steps: int = 1
-    """Micro-batches per optimizer step (prompts per step = this x per_device_train_batch_size)."""
+    """Micro-batches per optimizer step (prompts per step = this x per_device_train_batch_size x ranks)."""
     num_generations: int = 8
     """Completions sampled per prompt (the group size G of GRPO)."""
     num_train_epochs: float = 1.0
@@ -112,6 +118,12 @@ class Config:
     """Save a checkpoint every this many optimizer steps (and always at the end)."""
     save_total_limit: int | None = None
     """Keep at most this many checkpoints, deleting the oldest (None keeps all)."""
+    resume_from_checkpoint: str | None = None
+    """Continue from this checkpoint folder, or "latest" (the newest complete one in output_dir, if any)."""
+
+    # --- multi-GPU (torchrun) ---
+    fsdp: bool = False
+    """Under torchrun: shard weights, gradients and optimizer state over ranks (FSDP2), not replicate (DDP)."""
 
     # --- evaluation ---
     eval_steps: int = 0
@@ -128,6 +140,7 @@ class Config:
     """Reward function (by name) whose full marks count an eval completion as well-formatted (None: skip)."""
 
     def __post_init__(self):
+        check_config(self)
         if self.epsilon is not None:
             # Fold the symmetric form into the two bounds, then forget it, so that a later
             # `--epsilon_high=` override is not undone by a stale `epsilon`.
@@ -137,10 +150,6 @@ class Config:
 
 # ---------------------------------------------------------------------------------------------------
 # Turning user input (a recipe file, `--key=value` flags) into a Config, and a Config back into text.
-
-
-class ConfigError(Exception):
-    """A user mistake in a recipe or in overrides; the CLI prints just the message and exits 2."""
 
 
 @dataclass
@@ -207,6 +216,10 @@ def _import_file(path: str) -> types.ModuleType:
     except SyntaxError as e:
         sys.modules.pop(name)
         raise ConfigError(f"{path}:{e.lineno}: syntax error: {e.msg}") from None
+    except ConfigError as e:  # e.g. Config(num_generations=1): the message says it all
+        sys.modules.pop(name)
+        lines = [frame.lineno for frame in traceback.extract_tb(e.__traceback__) if frame.filename == spec.origin]
+        raise ConfigError(f"{path}{f':{lines[-1]}' if lines else ''}: {e}") from None
     except BaseException:
         sys.modules.pop(name)
         raise  # an error in the recipe's own code: its traceback is the useful message
@@ -276,8 +289,9 @@ def apply_overrides(config: Config, args: list[str]) -> Config:
             if hints[key] is not bool:
                 raise ConfigError(f"--{key} needs a value: --{key}=VALUE")
             text = "true"
+        value = parse_value(key, text, hints[key])
         try:
-            config = dataclasses.replace(config, **{key: parse_value(key, text, hints[key])})
+            config = dataclasses.replace(config, **{key: value})
         except (TypeError, ValueError) as e:  # raised by Config.__post_init__ checks
             raise ConfigError(f"--{key}={text}: {e}") from None
     return config

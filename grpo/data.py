@@ -3,21 +3,27 @@ from __future__ import annotations
 
 import torch
 
+from .errors import DatasetError
+
 
 def check_dataset(dataset, name: str = "train_dataset") -> None:
-    """Fail early, in one line, on datasets the trainer cannot use."""
+    """Fail early, in one line, on datasets the trainer cannot use. A column has one Arrow type, so the
+    first prompt's type is every prompt's type, apart from missing (None) ones, counted separately."""
     columns = getattr(dataset, "column_names", None)
     if columns is None:
-        raise ValueError(f"{name} must be a datasets.Dataset, got {type(dataset).__name__}")
+        raise DatasetError(f"{name} must be a datasets.Dataset, got {type(dataset).__name__}")
     if "prompt" not in columns:
-        raise ValueError(f"{name} has no 'prompt' column (columns: {', '.join(columns) or 'none'})")
+        raise DatasetError(f"{name} has no 'prompt' column (columns: {', '.join(columns) or 'none'})")
     if len(dataset) == 0:
-        raise ValueError(f"{name} is empty")
+        raise DatasetError(f"{name} is empty")
+    missing = dataset.with_format("arrow")["prompt"].null_count
+    if missing:
+        raise DatasetError(f"{name} has {missing} missing (None) prompts out of {len(dataset)}")
     first = dataset[0]["prompt"]
     if not isinstance(first, (str, list)) or (isinstance(first, list) and not all(
             isinstance(m, dict) and "role" in m and "content" in m for m in first)):
-        raise ValueError(f"{name}['prompt'] must hold strings or lists of {{'role', 'content'}} messages, "
-                         f"got {str(first)[:200]!r}")
+        raise DatasetError(f"{name}['prompt'] must hold strings or lists of {{'role', 'content'}} messages, "
+                           f"got {type(first).__name__} {str(first)[:200]!r}")
 
 
 class PromptStream:

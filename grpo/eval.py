@@ -10,6 +10,8 @@ import json
 import sys
 from pathlib import Path
 
+from .errors import ConfigError, UserError
+
 USAGE = "usage: python -m grpo.eval RECIPE [--checkpoint DIR] [--limit N] [--output FILE] [--key=value ...]"
 OWN_OPTIONS = ("checkpoint", "limit", "output")
 
@@ -22,7 +24,7 @@ def split_options(args: list[str]) -> tuple[dict[str, str], list[str]]:
         if key in OWN_OPTIONS:
             if not has_value:
                 if i + 1 == len(args):
-                    raise ValueError(f"--{key} needs a value")
+                    raise ConfigError(f"--{key} needs a value")
                 value, i = args[i + 1], i + 1
             own[key] = value
         else:
@@ -38,7 +40,7 @@ def load_checkpoint(path: Path, recipe, config):
     from .models import load_model, load_tokenizer
 
     if not (path / "config.json").exists() and not (path / "adapter_config.json").exists():
-        raise FileNotFoundError(f"{path} is not a checkpoint folder (no config.json or adapter_config.json)")
+        raise ConfigError(f"{path} is not a checkpoint folder (no config.json or adapter_config.json)")
     if (path / "adapter_config.json").exists():
         from peft import PeftModel
 
@@ -59,13 +61,17 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
         return 0 if argv else 2
-    from .config import ConfigError, apply_overrides, load_recipe, resolve_dataset
+    from .config import apply_overrides, load_recipe, resolve_dataset
+    from .evaluate import check_eval_funcs, evaluate
 
     try:
         own, overrides = split_options(argv[1:])
+        if "limit" in own and not own["limit"].isdigit():
+            raise ConfigError(f"--limit must be a positive integer, got {own['limit']!r}")
         limit = int(own["limit"]) if "limit" in own else None
         recipe = load_recipe(argv[0])
         config = apply_overrides(recipe.config, overrides)
+        check_eval_funcs(recipe.reward_funcs, config.eval_accuracy_func, config.eval_format_func)
         dataset = resolve_dataset(recipe.eval_dataset, "eval_dataset")
         if dataset is None:
             raise ConfigError(f"recipe {argv[0]} defines no eval_dataset")
@@ -75,11 +81,10 @@ def main(argv: list[str] | None = None) -> int:
             model, tokenizer = load_checkpoint(checkpoint, recipe, config)
         else:
             model, tokenizer = recipe.resolve_model(config)
-    except (ConfigError, ValueError, FileNotFoundError) as e:
+    except UserError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return e.exit_code
 
-    from .evaluate import evaluate
     from .models import load_model, load_tokenizer
 
     model = model if model is not None else load_model(config)

@@ -11,6 +11,7 @@ import time
 import torch
 from tqdm.auto import tqdm
 
+from .errors import ConfigError
 from .rewards import compute_rewards, reward_func_names
 from .sampling import PromptEncoder, sample
 
@@ -20,7 +21,7 @@ def check_eval_funcs(reward_funcs, accuracy_func: str, format_func: str | None) 
     reward_names = reward_func_names(reward_funcs)
     for setting, name in (("eval_accuracy_func", accuracy_func), ("eval_format_func", format_func)):
         if name is not None and name not in reward_names:
-            raise ValueError(f"{setting}={name!r} is not one of the reward functions: {', '.join(reward_names)} "
+            raise ConfigError(f"{setting}={name!r} is not one of the reward functions: {', '.join(reward_names)} "
                              f"(set --{setting}=NAME)")
 
 
@@ -33,10 +34,13 @@ def full_marks_rate(values: torch.Tensor) -> float:
 @torch.no_grad()
 def evaluate(model, tokenizer, dataset, reward_funcs, *, accuracy_func: str, format_func: str | None = None,
              max_prompt_length: int, max_completion_length: int, batch_size: int = 64,
-             limit: int | None = None, progress: bool = True) -> tuple[dict[str, float], list[dict]]:
+             limit: int | None = None, progress: bool = True, generate=None) -> tuple[dict[str, float], list[dict]]:
     """Greedy-decode one completion per prompt of `dataset` (its first `limit` rows) and score it.
 
-    Returns `(metrics, samples)`: `eval/*` metrics and one dict per row (prompt, completion, each reward)."""
+    `generate(fn)` runs `fn(model)` for each batch (default: directly); the Trainer passes its parallel
+    wrapper, so that FSDP ranks generate together. Returns `(metrics, samples)`: `eval/*` metrics and one
+    dict per row (prompt, completion, each reward)."""
+    generate = generate or (lambda fn: fn(model))
     check_eval_funcs(reward_funcs, accuracy_func, format_func)
     names = reward_func_names(reward_funcs)
     if limit is not None:
@@ -46,8 +50,9 @@ def evaluate(model, tokenizer, dataset, reward_funcs, *, accuracy_func: str, for
     t0 = time.perf_counter()
     for start in tqdm(range(0, len(dataset), batch_size), desc="eval", leave=False, disable=not progress):
         prompts = dataset[start:start + batch_size]["prompt"]
-        rollout = sample(model, tokenizer, encode, prompts, num_generations=1, greedy=True,
-                         max_completion_length=max_completion_length, temperature=1.0, top_p=1.0, top_k=0)
+        rollout = generate(lambda m: sample(m, tokenizer, encode, prompts, num_generations=1, greedy=True,
+                                            max_completion_length=max_completion_length, temperature=1.0,
+                                            top_p=1.0, top_k=0))
         completions += rollout.completions
         lengths.append(rollout.completion_mask.sum(dim=1).float())  # [b]
     columns = {k: dataset[k] for k in dataset.column_names if k != "prompt"}

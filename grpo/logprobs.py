@@ -1,7 +1,7 @@
 """Per-token log-probabilities from hidden states and the LM head, without full logits.
 
 Full logits are ``[B, T, V]``; with V ~ 150k they dwarf everything else in a GRPO step
-(B=8, T=1024 is ~5 GB in float32, twice that once autograd keeps a softmax for backward).
+(B=8, T=1024 is ~5 GB in float32; plain autograd peaks at about four such copies).
 ``token_logprobs`` walks the ``N = B * T`` token rows in chunks, keeps only one chunk of
 logits alive at a time, and recomputes a chunk's logits in backward instead of saving them.
 """
@@ -168,7 +168,9 @@ def _check_inputs(hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor 
             f"hidden [..., H] and weight [V, H] disagree: {tuple(hidden.shape)} vs {tuple(weight.shape)}"
         )
     if targets.shape != hidden.shape[:-1]:
-        raise ValueError(f"targets {tuple(targets.shape)} must be hidden's shape without H, {tuple(hidden.shape[:-1])}")
+        raise ValueError(
+            f"targets {tuple(targets.shape)} must be hidden's shape without H, {tuple(hidden.shape[:-1])}"
+        )
     if bias is not None and bias.shape != weight.shape[:1]:
         raise ValueError(f"bias must be [V] = {tuple(weight.shape[:1])}, got {tuple(bias.shape)}")
     if not temperature > 0:
@@ -203,7 +205,8 @@ def token_logprobs(
         temperature: the sampling temperature the completions were drawn with.
         bias: optional ``[V]`` LM-head bias.
         chunk_size: token rows (of ``N = B * T``) whose logits are materialized at once;
-            peak extra memory is about ``chunk_size * V * 4`` bytes (twice that with entropy).
+            peak extra memory is about ``chunk_size * V * 4`` bytes (twice that with entropy,
+            1.5 times for a bf16 head), plus the weight gradient when it is trained.
         return_entropy: also return the per-token entropy of the tempered distribution.
 
     The matmul runs in the weight's dtype; the softmax math runs in float32 (float64

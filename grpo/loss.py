@@ -25,7 +25,9 @@ def _check_inputs(logprobs, old_logprobs, ref_logprobs, advantages, completion_m
         if t is not None and t.shape != logprobs.shape:
             raise ValueError(f"{name} shape {tuple(t.shape)} != logprobs shape {tuple(logprobs.shape)}")
     if advantages.shape != logprobs.shape[:1]:
-        raise ValueError(f"advantages must be [B] = {tuple(logprobs.shape[:1])}, got {tuple(advantages.shape)}")
+        raise ValueError(
+            f"advantages must be [B] = {tuple(logprobs.shape[:1])}, got {tuple(advantages.shape)}"
+        )
     if aggregation == "constant" and not max_completion_length:
         raise ValueError('aggregation "constant" needs max_completion_length (a positive int)')
 
@@ -136,7 +138,8 @@ def policy_loss(
     with torch.no_grad():
         clip_low = (adv < 0) & (ratio < 1.0 - epsilon_low)  # [B, T]
         clip_high = (adv > 0) & (ratio > 1.0 + epsilon_high)  # [B, T]
-        low, high = masked_mean(clip_low.float(), on), masked_mean(clip_high.float(), on)
+        low = masked_mean(clip_low.to(ratio.dtype), on)
+        high = masked_mean(clip_high.to(ratio.dtype), on)
         metrics = {
             "loss/policy": aggregate(policy, completion_mask, **agg).item(),
             "ratio/mean": masked_mean(ratio, on).item(),

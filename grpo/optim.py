@@ -36,6 +36,14 @@ def lr_multiplier(step: int, total_steps: int, warmup_steps: int, schedule: str)
     return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
 
+def set_hyperparameters(optimizer, scheduler, lr: float, betas: tuple[float, float], weight_decay: float) -> None:
+    """Apply the current settings over the ones a loaded optimizer and schedule state brought along,
+    keeping the schedule's position."""
+    scheduler.base_lrs = [lr] * len(optimizer.param_groups)
+    for group, factor in zip(optimizer.param_groups, scheduler.lr_lambdas):
+        group.update(lr=lr * factor(scheduler.last_epoch), initial_lr=lr, betas=betas, weight_decay=weight_decay)
+
+
 def build_scheduler(optimizer, total_steps: int, warmup_ratio: float, schedule: str):
     warmup_steps = math.ceil(warmup_ratio * total_steps)
     lr_multiplier(0, total_steps, warmup_steps, schedule)  # fail fast on an unknown schedule

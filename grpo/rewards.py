@@ -11,13 +11,18 @@ from __future__ import annotations
 import functools
 import math
 import numbers
+import os
 import re
+import sys
+import traceback
 
 import torch
 from torch import Tensor
 
+from .errors import UserError
 
-class RewardError(Exception):
+
+class RewardError(UserError):
     """A reward function raised, or returned the wrong number or kind of values."""
 
 
@@ -68,7 +73,12 @@ def compute_rewards(reward_funcs, prompts, completions, columns: dict[str, list]
         per_func[:, j] = torch.tensor(_to_floats(values, name, n), dtype=torch.float32)
     # NaN * weight stays NaN and nansum skips it: a None never counts, not even as 0.
     rewards = torch.nansum(per_func * torch.tensor(weights, dtype=torch.float32), dim=1)
+    return rewards, per_func, reward_metrics(rewards, per_func, names)
 
+
+def reward_metrics(rewards: Tensor, per_func: Tensor, names: list[str]) -> dict[str, float]:
+    """The metrics `compute_rewards` returns, from its `rewards` [N] and `per_func` [N, F] (under torchrun,
+    from every rank's rows gathered: stds do not average across ranks)."""
     metrics = {}
     for j, name in enumerate(names):
         applied = per_func[:, j][~per_func[:, j].isnan()]
@@ -77,7 +87,7 @@ def compute_rewards(reward_funcs, prompts, completions, columns: dict[str, list]
             metrics[f"reward/{name}_std"] = applied.std(correction=0).item()
     metrics["reward/mean"] = rewards.mean().item()
     metrics["reward/std"] = rewards.std(correction=0).item()
-    return rewards, per_func, metrics
+    return metrics
 
 
 def _call(f, name: str, prompts, completions, columns):
@@ -95,8 +105,18 @@ def _call(f, name: str, prompts, completions, columns):
                 break
         raise RewardError(
             f"reward function '{name}' raised {type(error).__name__}: {error}{note}\n"
+            f"  at {_where(error)}\n"
             f"  prompt {i}: {_preview(prompts[i])}\n  completion {i}: {_preview(completions[i])}"
         ) from error
+
+
+def _where(error: BaseException) -> str:
+    """file:line of the innermost frame of `error` outside Python's own and installed libraries: the
+    line of the reward function to look at, in place of the traceback the CLI does not print."""
+    frames = traceback.extract_tb(error.__traceback__)[1:]  # [0] is _call itself
+    libraries = (sys.prefix, sys.base_prefix)
+    own = [f for f in frames if not f.filename.startswith(libraries)] or frames
+    return f"{os.path.basename(own[-1].filename)}:{own[-1].lineno}" if own else "?"
 
 
 def _to_floats(values, name: str, n: int) -> list[float]:

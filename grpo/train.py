@@ -1,9 +1,17 @@
 """`python -m grpo.train RECIPE [--key=value ...]`: run a recipe file, with type-checked overrides.
 
-`python -m grpo.train RECIPE --help` lists every setting with its value in that recipe and what it means."""
+`python -m grpo.train RECIPE --help` lists every setting with its value in that recipe and what it means.
+`torchrun --nproc_per_node=N -m grpo.train RECIPE [...]` trains data-parallel on N GPUs (or CPU processes).
+Mistakes in the recipe, the settings, the data or a reward function print one short `error:` message
+(no traceback) and exit 1 (2 for settings); Ctrl-C / SIGTERM save a checkpoint and exit 130 / 143;
+running out of GPU memory prints what to lower."""
 from __future__ import annotations
 
+import os
+import shlex
 import sys
+
+from .errors import UserError
 
 USAGE = "usage: python -m grpo.train RECIPE [--key=value ...] [--help]"
 
@@ -13,30 +21,105 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
         return 0 if argv else 2
-    from .config import ConfigError, apply_overrides, format_help, load_recipe, resolve_dataset
-
-    recipe_path, overrides = argv[0], argv[1:]
-    wants_help = any(a in ("-h", "--help") for a in overrides)
     try:
+        from .config import apply_overrides, format_help, load_recipe
+
+        recipe_path, overrides = argv[0], argv[1:]
         recipe = load_recipe(recipe_path)
         config = apply_overrides(recipe.config, [a for a in overrides if a not in ("-h", "--help")])
-        if wants_help:
+        if any(a in ("-h", "--help") for a in overrides):
             print(f"{USAGE}\n\nsettings of {recipe_path}:\n{format_help(config)}")
             return 0
-        train_dataset = resolve_dataset(recipe.train_dataset, "train_dataset")
-        eval_dataset = resolve_dataset(recipe.eval_dataset, "eval_dataset")
-        model, tokenizer = recipe.resolve_model(config)
-    except ConfigError as e:
+        return run(recipe, config, argv)
+    except UserError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return e.exit_code
+    except KeyboardInterrupt:  # Ctrl-C while loading, before training could save anything
+        print("interrupted before training started", file=sys.stderr)
+        return 130
 
+
+def run(recipe, config, argv: list[str]) -> int:
+    """Train; when a run stops early (signal, out of memory, a user error mid-run), say what was saved
+    and how to resume."""
+    import torch
+
+    from .config import resolve_dataset
+    from .distributed import shutdown
+    from .interrupts import TrainingInterrupted
     from .trainer import Trainer
 
-    trainer = Trainer(config, model=model, tokenizer=tokenizer, reward_funcs=recipe.reward_funcs,
-                      train_dataset=train_dataset, eval_dataset=eval_dataset)
-    trainer.train()
-    print(f"done: {trainer.step} steps; metrics in {config.output_dir}/metrics.jsonl")
+    train_dataset = resolve_dataset(recipe.train_dataset, "train_dataset")
+    eval_dataset = resolve_dataset(recipe.eval_dataset, "eval_dataset")
+    trainer = None
+    try:
+        model, tokenizer = recipe.resolve_model(config)
+        trainer = Trainer(config, model=model, tokenizer=tokenizer, reward_funcs=recipe.reward_funcs,
+                          train_dataset=train_dataset, eval_dataset=eval_dataset)
+        trainer.train()
+    except TrainingInterrupted as e:
+        saved = f"saved {e.checkpoint}\n{resume_hint(argv, e.checkpoint)}" if e.checkpoint else "nothing to save yet"
+        if trainer is None or trainer.dist.is_main:  # under torchrun every rank stops, and says so once
+            print(f"{e}: {saved}", file=sys.stderr)
+        return 128 + e.signum
+    except torch.cuda.OutOfMemoryError as e:  # the same class as torch.OutOfMemoryError
+        print(out_of_memory_report(config, e, trainer), file=sys.stderr)
+        return 1
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        if trainer is not None and trainer.last_checkpoint is not None:
+            print(resume_hint(argv, trainer.last_checkpoint), file=sys.stderr)
+        return e.exit_code
+    finally:
+        shutdown()  # under torchrun; nothing to do otherwise
+    if trainer.dist.is_main:
+        print(f"done: {trainer.step} steps; metrics in {config.output_dir}/metrics.jsonl")
     return 0
+
+
+def resume_hint(argv: list[str], checkpoint) -> str:
+    args = [a for a in argv if not a.startswith(("--resume_from_checkpoint=", "--resume-from-checkpoint="))]
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # set by torchrun: resume with as many ranks
+    launcher = f"torchrun --nproc_per_node={ranks}" if ranks > 1 else "python"
+    resume = f"--resume_from_checkpoint={shlex.quote(str(checkpoint))}"
+    return f"resume with: {launcher} -m grpo.train {shlex.join(args)} {resume}"
+
+
+def out_of_memory_report(config, error: Exception, trainer) -> str:
+    """What ran out, the memory planner's estimate for this configuration, and the settings to lower."""
+    where = "while loading the model" if trainer is None else f"in step {trainer.step + 1}"
+    lines = [f"error: out of GPU memory {where}: {str(error).splitlines()[0]}", "settings that need less memory:"]
+    lines += [f"  {advice}" for advice in memory_advice(config)]
+    try:
+        from .plan import plan_summary  # the memory planner, where this version has it
+
+        lines += ["memory plan for this configuration:", *(f"  {line}" for line in plan_summary(config).splitlines())]
+    except Exception:  # ImportError included: the planner must never hide the message above
+        pass
+    if trainer is not None and trainer.last_checkpoint is not None:
+        lines.append(f"the last checkpoint is {trainer.last_checkpoint}; after changing settings, "
+                     f"--resume_from_checkpoint=latest continues from it")
+    return "\n".join(lines)
+
+
+def memory_advice(config) -> list[str]:
+    """Changes that cut peak memory, the ones that keep the algorithm unchanged first."""
+    advice = []
+    if not config.gradient_checkpointing:
+        advice.append("--gradient_checkpointing=true (recompute activations in backward)")
+    if config.optim != "adamw_8bit":
+        advice.append("--optim=adamw_8bit (optimizer state 4x smaller)")
+    if config.per_device_train_batch_size > 1:
+        half = config.per_device_train_batch_size // 2
+        advice.append(f"--per_device_train_batch_size={half} --gradient_accumulation_steps="
+                      f"{config.gradient_accumulation_steps * 2} (same prompts per step, if it divides evenly)")
+    if config.logprob_chunk_size > 128:
+        advice.append(f"--logprob_chunk_size={config.logprob_chunk_size // 2} (smaller LM-head logits chunks)")
+    if not config.use_lora:
+        advice.append("--use_lora=true (train adapters: no full gradients, optimizer state or reference copy)")
+    advice.append(f"--num_generations={max(2, config.num_generations // 2)} or --max_completion_length="
+                  f"{max(1, config.max_completion_length // 2)} (fewer or shorter completions per prompt)")
+    return advice
 
 
 if __name__ == "__main__":

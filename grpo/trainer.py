@@ -2,9 +2,11 @@
 The math lives in advantages.py, logprobs.py and loss.py; this file only orchestrates and logs."""
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import resource
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -13,15 +15,20 @@ import torch
 from tqdm.auto import tqdm
 
 from .advantages import group_advantages
-from .checkpoint import save_checkpoint
+from .checkpoint import (changed_settings, check_no_earlier_run, drop_log_lines_after, find_checkpoint, load_state,
+                         rng_state, save_checkpoint, set_rng_state)
 from .config import Config
 from .data import PromptStream, check_dataset
+from .distributed import setup as setup_distributed
+from .errors import ConfigError, TrainingStopped
 from .evaluate import check_eval_funcs, evaluate
+from .interrupts import StepAbandoned, StopSignals, TrainingInterrupted
 from .loss import policy_loss
 from .models import (completion_logprobs, device_of, load_model, load_tokenizer, make_reference,
                      prepare_for_training, reference_context)
-from .optim import build_optimizer, build_scheduler
-from .rewards import compute_rewards, reward_func_name
+from .optim import build_optimizer, build_scheduler, set_hyperparameters
+from .parallel import ParallelPolicy, check_settings as check_parallel_settings
+from .rewards import compute_rewards, reward_func_names, reward_metrics
 from .sampling import PromptEncoder, Rollout, sample
 
 
@@ -33,6 +40,15 @@ class Batch:
     advantages: torch.Tensor  # [N]
     old_logprobs: torch.Tensor | None = None  # [N, C], only when num_iterations > 1
     ref_logprobs: torch.Tensor | None = None  # [N, C], only when beta > 0
+
+
+@dataclass
+class Generation:
+    """One generation batch, used by `num_iterations` optimizer steps."""
+
+    batches: list[Batch]
+    metrics: dict
+    rows: tuple  # this rank's prompts, completions; all ranks' rewards [W*B*G*GA], per_func, advantages
 
 
 def peak_memory_gb(device: torch.device) -> float:
@@ -55,21 +71,26 @@ class Trainer:
         check_dataset(train_dataset)
         self.config = config
         self.reward_funcs = list(reward_funcs)
-        self.reward_names = [reward_func_name(f) for f in self.reward_funcs]
+        self.reward_names = reward_func_names(self.reward_funcs)
         self.eval_dataset = eval_dataset
         if config.eval_steps > 0 or config.eval_on_start:
             if eval_dataset is None:
-                raise ValueError("eval_steps / eval_on_start need an eval_dataset")
+                raise ConfigError("eval_steps / eval_on_start need an eval_dataset")
             check_eval_funcs(self.reward_funcs, config.eval_accuracy_func, config.eval_format_func)
-        torch.manual_seed(config.seed)
+        self.dist = setup_distributed()  # world size 1 without torchrun
+        check_parallel_settings(self.dist.world_size, config.fsdp, config.optim, config.use_lora)
+        torch.manual_seed(config.seed + self.dist.rank)  # ranks sample differently; wrapping syncs the weights
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model)
         self.model = prepare_for_training(model if model is not None else load_model(config), config)
-        self.device = device_of(self.model)
         self.reference = make_reference(self.model, config.use_lora, config.beta)
+        # Before the optimizer: FSDP replaces the parameters by their shards.
+        self.policy = ParallelPolicy(self.model, self.dist, fsdp=config.fsdp, bf16=config.bf16)
+        self.device = device_of(self.model)
         self.reference_forwards = 0
         self.encode = PromptEncoder(self.tokenizer, config.max_prompt_length)
         self.prompts = PromptStream(train_dataset, config.seed)
-        self.prompts_per_step = config.per_device_train_batch_size * config.gradient_accumulation_steps
+        self.prompts_per_step = (config.per_device_train_batch_size * config.gradient_accumulation_steps
+                                 * self.dist.world_size)
         self.total_steps = self._total_steps(len(train_dataset))
         self.optimizer = build_optimizer(self.model.parameters(), config.optim, config.learning_rate,
                                          (config.adam_beta1, config.adam_beta2), config.weight_decay)
@@ -77,6 +98,10 @@ class Trainer:
                                          config.lr_scheduler_type)
         self.step = 0
         self.output_dir = Path(config.output_dir)
+        self.generation: Generation | None = None
+        self.nonfinite_streak = self.nonfinite_total = 0  # optimizer steps skipped for a NaN/inf loss or grad
+        self.last_checkpoint: Path | None = None
+        self._saved_step: int | None = None
 
     def _total_steps(self, num_prompts: int) -> int:
         if self.config.max_steps > 0:
@@ -86,65 +111,98 @@ class Trainer:
 
     # --- the loop ---
     def train(self) -> list[dict]:
-        """Run to `total_steps`; returns the logged metrics lines."""
-        self.output_dir.mkdir(parents=True, exist_ok=True)
+        """Run to `total_steps`, first resuming `config.resume_from_checkpoint` when set; returns the logged
+        metrics lines. On SIGINT/SIGTERM it saves a checkpoint and raises TrainingInterrupted."""
+        self._start_or_resume()
         history = []
         if self.config.eval_on_start and self.step == 0:
             history.append(self.evaluate())
-        bar = tqdm(total=self.total_steps, initial=self.step, desc="grpo", dynamic_ncols=True)
-        while self.step < self.total_steps:
-            t0 = time.perf_counter()
-            batches, metrics = self.generate_step()
-            for _ in range(self.config.num_iterations):
-                if self.step >= self.total_steps:
-                    break
-                metrics.update(self.optimize_step(batches))
-                self.step += 1
+        bar = tqdm(total=self.total_steps, initial=self.step, desc="grpo", dynamic_ncols=True,
+                   disable=not self.dist.is_main)
+        with StopSignals() as signals, bar:
+            while self.step < self.total_steps:
+                t0 = time.perf_counter()
+                metrics = self.run_step(signals)
                 metrics["perf/step_s"] = time.perf_counter() - t0
                 metrics["memory/peak_gb"] = peak_memory_gb(self.device)
                 bar.update(1)
                 bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", kl=f"{metrics['kl']:.4f}")
                 if self.step % self.config.logging_steps == 0 or self.step == self.total_steps:
-                    history.append(self.log(metrics, batches))
+                    history.append(self.log(metrics))
+                if self.nonfinite_streak >= self.config.max_nonfinite_steps:
+                    raise self._nonfinite_stop()
                 if self.config.eval_steps > 0 and (self.step % self.config.eval_steps == 0
                                                    or self.step == self.total_steps):
                     history.append(self.evaluate())
                 if self.step % self.config.save_steps == 0 and self.step < self.total_steps:
                     self.save()
-                t0 = time.perf_counter()
-        bar.close()
-        self.save()
+                received = self.dist.agree_on_signal(signals.received)  # every rank stops at the same step
+                if received is not None:
+                    raise TrainingInterrupted(received, self.step, self._save_if_trained())
+            self.save()
         return history
 
+    def run_step(self, signals: StopSignals) -> dict:
+        """One optimizer step, sampling a new generation batch every `num_iterations` steps. A stop signal
+        or an error before the update rolls the step back (data position, RNG states, gradients) and saves
+        the steps done, so that only this one is lost and resuming repeats it exactly."""
+        start = (rng_state(), self.prompts.state_dict(), self.generation)
+        try:
+            # Ranks cannot abandon a step alone: the others would wait for them in a collective.
+            with signals.abandonable() if self.dist.world_size == 1 else contextlib.nullcontext():
+                if self.step % self.config.num_iterations == 0:
+                    self.generation = self.generate_step()
+                totals = self.accumulate(self.generation.batches)
+        except Exception as error:
+            set_rng_state(start[0])
+            self.prompts.load_state_dict(start[1])
+            self.generation = start[2]
+            self.optimizer.zero_grad(set_to_none=True)
+            if isinstance(error, StepAbandoned):
+                raise TrainingInterrupted(signals.received, self.step, self._save_if_trained()) from None
+            if self.dist.world_size == 1:  # saving is collective: a rank failing alone cannot
+                self._save_after_error(error)
+            raise
+        metrics = {**self.generation.metrics, **self.apply_update(totals)}
+        self.step += 1
+        return metrics
+
     @torch.no_grad()
-    def generate_step(self) -> tuple[list[Batch], dict]:
+    def generate_step(self) -> Generation:
         """Sample every micro-batch of one step, score it and compute advantages over the whole step."""
-        cfg, G = self.config, self.config.num_generations
+        cfg, G, dist = self.config, self.config.num_generations, self.dist
         t0 = time.perf_counter()
-        rows = [self.prompts.next(cfg.per_device_train_batch_size) for _ in range(cfg.gradient_accumulation_steps)]
-        rollouts = [sample(self.model, self.tokenizer, self.encode, r["prompt"], num_generations=G,
-                           max_completion_length=cfg.max_completion_length, temperature=cfg.temperature,
-                           top_p=cfg.top_p, top_k=cfg.top_k) for r in rows]
-        generate_s = time.perf_counter() - t0
+        # Every rank draws the same global micro-batch and keeps its own share of whole prompts.
+        rows = [dist.shard(self.prompts.next(cfg.per_device_train_batch_size * dist.world_size))
+                for _ in range(cfg.gradient_accumulation_steps)]
+        rollouts = [self.policy.generate(lambda model: sample(
+            model, self.tokenizer, self.encode, r["prompt"], num_generations=G,
+            max_completion_length=cfg.max_completion_length, temperature=cfg.temperature, top_p=cfg.top_p,
+            top_k=cfg.top_k)) for r in rows]
+        generate_s = dist.reduce({"s": time.perf_counter() - t0}, "max")["s"]  # the slowest rank's
         prompts = repeat_each([p for r in rows for p in r["prompt"]], G)
         completions = [c for ro in rollouts for c in ro.completions]
         columns = {k: repeat_each([v for r in rows for v in r[k]], G) for k in rows[0] if k != "prompt"}
         rewards, per_func, metrics = compute_rewards(self.reward_funcs, prompts, completions, columns,
                                                      cfg.reward_weights)
-        advantages = group_advantages(rewards, G, scale=cfg.scale_rewards)  # [B*G*GA]
+        # Rewards of all ranks (rank-major): step-wide metrics and "batch" scaling need them all.
+        rewards, per_func = dist.gather(rewards), dist.gather(per_func)  # [W*B*G*GA], [W*B*G*GA, F]
+        if dist.world_size > 1:
+            metrics = reward_metrics(rewards, per_func, self.reward_names)
+        advantages = group_advantages(rewards, G, scale=cfg.scale_rewards)  # [W*B*G*GA]
         sizes = [len(ro.completions) for ro in rollouts]
-        batches = [Batch(ro, adv.to(self.device)) for ro, adv in zip(rollouts, advantages.split(sizes))]
+        batches = [Batch(ro, adv.to(self.device)) for ro, adv in zip(rollouts, dist.local(advantages).split(sizes))]
         for b in batches:
             self._attach_fixed_logprobs(b)
-        lengths = torch.cat([ro.completion_mask.sum(1) for ro in rollouts]).float()  # [B*G*GA]
+        lengths = dist.gather(torch.cat([ro.completion_mask.sum(1) for ro in rollouts]).float())  # [W*B*G*GA]
+        truncated = dist.gather(torch.cat([ro.truncated for ro in rollouts]).float())  # [W*B*G*GA]
         metrics.update({
             "completion/length_mean": lengths.mean().item(),
-            "completion/truncated_frac": torch.cat([ro.truncated for ro in rollouts]).float().mean().item(),
+            "completion/truncated_frac": truncated.mean().item(),
             "perf/generate_s": generate_s,
             "perf/tokens_per_s": lengths.sum().item() / generate_s,
         })
-        self._last_log_rows = (prompts, completions, rewards, per_func, advantages)
-        return batches, metrics
+        return Generation(batches, metrics, (prompts, completions, rewards, per_func, advantages))
 
     def _attach_fixed_logprobs(self, b: Batch) -> None:
         """Old log-probs (only when they differ from the current ones) and reference log-probs."""
@@ -152,47 +210,69 @@ class Trainer:
         P = ro.prompt_ids.shape[1]
         if cfg.num_iterations > 1:
             with self._autocast():
-                b.old_logprobs = self._logprobs(self.model, ro, P)
+                b.old_logprobs = self.policy(lambda model: self._logprobs(model, ro, P))
         if cfg.beta > 0:
-            model, context = reference_context(self.model, self.reference)
-            with context, self._autocast():
-                b.ref_logprobs = self._logprobs(model, ro, P)
+            def reference_logprobs(policy_model):
+                model, context = reference_context(policy_model, self.reference)
+                with context, self._autocast():
+                    return self._logprobs(model, ro, P)
+
+            b.ref_logprobs = self.policy(reference_logprobs)
             self.reference_forwards += 1
 
     def _logprobs(self, model, ro: Rollout, prompt_length: int) -> torch.Tensor:
         return completion_logprobs(model, ro.input_ids, ro.attention_mask, prompt_length,
                                    temperature=self.config.temperature, chunk_size=self.config.logprob_chunk_size)
 
-    def optimize_step(self, batches: list[Batch]) -> dict:
-        """One optimizer step: accumulate the loss over micro-batches, normalized by the step's totals."""
+    def accumulate(self, batches: list[Batch]) -> dict:
+        """Back-propagate the loss of every micro-batch, normalized by the step's totals (over all ranks, so
+        that the ranks' summed gradients are those of the whole step's loss); returns metrics."""
         cfg = self.config
-        num_tokens = sum(b.rollout.completion_mask.sum().item() for b in batches)
-        num_sequences = sum(len(b.advantages) for b in batches)
+        counts = self.dist.reduce({"tokens": sum(b.rollout.completion_mask.sum().item() for b in batches),
+                                   "sequences": sum(len(b.advantages) for b in batches)})
+        num_tokens, num_sequences = counts["tokens"], int(counts["sequences"])
         totals: dict[str, float] = {"kl": 0.0}  # logged as 0 when there is no reference
-        for b in batches:
+        for i, b in enumerate(batches):
             ro = b.rollout
-            with self._autocast():
-                logprobs = self._logprobs(self.model, ro, ro.prompt_ids.shape[1])  # [N, C]
-            old_logprobs = b.old_logprobs if b.old_logprobs is not None else logprobs.detach()
-            loss, m = policy_loss(
-                logprobs, old_logprobs, b.ref_logprobs, b.advantages, ro.completion_mask,
-                epsilon_low=cfg.epsilon_low, epsilon_high=cfg.epsilon_high, beta=cfg.beta,
-                aggregation=cfg.loss_aggregation, max_completion_length=cfg.max_completion_length,
-                num_tokens=num_tokens, num_sequences=num_sequences,
-            )
-            loss.backward()
-            # Per-token metrics are means over this micro-batch: weight them by its share of tokens.
+            with self.policy.sync_gradients(i == len(batches) - 1):
+                with self._autocast():
+                    logprobs = self.policy(lambda model: self._logprobs(model, ro, ro.prompt_ids.shape[1]))  # [N, C]
+                old_logprobs = b.old_logprobs if b.old_logprobs is not None else logprobs.detach()
+                loss, m = policy_loss(
+                    logprobs, old_logprobs, b.ref_logprobs, b.advantages, ro.completion_mask,
+                    epsilon_low=cfg.epsilon_low, epsilon_high=cfg.epsilon_high, beta=cfg.beta,
+                    aggregation=cfg.loss_aggregation, max_completion_length=cfg.max_completion_length,
+                    num_tokens=num_tokens, num_sequences=num_sequences,
+                )
+                self.policy.backward(loss)
+            # Per-token metrics are means over this micro-batch: weight them by its share of the step's
+            # tokens (so that summing over ranks gives the step's means, as the losses sum to the step's).
             share = ro.completion_mask.sum().item() / max(1, num_tokens)
             for k, v in m.items():
                 totals[k] = totals.get(k, 0.0) + (v if k.startswith("loss/") else v * share)
             totals["loss"] = totals.get("loss", 0.0) + loss.item()
+        totals = self.dist.reduce(totals)
+        return totals
+
+    def apply_update(self, totals: dict) -> dict:
+        """Clip and apply the accumulated gradients; a NaN/inf loss or gradient norm skips the update
+        (the weights stay finite) and counts towards `max_nonfinite_steps`."""
+        cfg = self.config
         params = [p for p in self.model.parameters() if p.requires_grad]
         grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm if cfg.max_grad_norm > 0 else math.inf)
         totals["lr"] = self.scheduler.get_last_lr()[0]
-        self.optimizer.step()
+        totals["grad_norm"] = grad_norm.item()
+        if math.isfinite(totals["loss"]) and math.isfinite(totals["grad_norm"]):
+            self.optimizer.step()
+            self.nonfinite_streak = 0
+        else:
+            self.nonfinite_streak += 1
+            self.nonfinite_total += 1
+            tqdm.write(f"step {self.step + 1}: loss {totals['loss']}, grad norm {totals['grad_norm']}: update skipped "
+                       f"({self.nonfinite_streak} in a row; stopping at {cfg.max_nonfinite_steps})", file=sys.stderr)
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        totals["grad_norm"] = grad_norm.item()
+        totals["skipped/nonfinite"] = float(self.nonfinite_total)
         return totals
 
     def _autocast(self):
@@ -200,26 +280,40 @@ class Trainer:
         return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16, enabled=use_bf16)
 
     def evaluate(self) -> dict:
-        """Greedy pass@1 on the eval dataset, logged as its own metrics.jsonl line (`eval/*` keys)."""
+        """Greedy pass@1 on the eval dataset, logged as its own metrics.jsonl line (`eval/*` keys). Under
+        torchrun every rank evaluates the whole set (FSDP ranks must generate together) and rank 0 writes."""
         cfg = self.config
         metrics, _ = evaluate(self.model, self.tokenizer, self.eval_dataset, self.reward_funcs,
                               accuracy_func=cfg.eval_accuracy_func, format_func=cfg.eval_format_func,
                               max_prompt_length=cfg.max_prompt_length, max_completion_length=cfg.max_completion_length,
-                              batch_size=cfg.eval_batch_size, limit=cfg.eval_limit)
-        tqdm.write(f"eval at step {self.step}: accuracy {metrics['eval/accuracy']:.3f}"
-                   + (f", format {metrics['eval/format']:.3f}" if "eval/format" in metrics else "")
-                   + f", mean length {metrics['eval/length_mean']:.1f} tokens")
-        return self._append_metrics({"step": self.step, **metrics})
-
-    # --- output ---
-    def _append_metrics(self, line: dict) -> dict:
-        with open(self.output_dir / "metrics.jsonl", "a") as f:
-            f.write(json.dumps(line) + "\n")
+                              batch_size=cfg.eval_batch_size, limit=cfg.eval_limit, progress=self.dist.is_main,
+                              generate=self.policy.generate)
+        line = {"step": self.step, **metrics}
+        if self.dist.is_main:
+            tqdm.write(f"eval at step {self.step}: accuracy {metrics['eval/accuracy']:.3f}"
+                       + (f", format {metrics['eval/format']:.3f}" if "eval/format" in metrics else "")
+                       + f", mean length {metrics['eval/length_mean']:.1f} tokens")
+            with open(self.output_dir / "metrics.jsonl", "a") as f:
+                f.write(json.dumps(line) + "\n")
         return line
 
-    def log(self, metrics: dict, batches: list[Batch]) -> dict:
-        line = self._append_metrics({"step": self.step, **{k: float(v) for k, v in sorted(metrics.items())}})
-        prompts, completions, rewards, per_func, advantages = self._last_log_rows
+    # --- output ---
+    def log(self, metrics: dict) -> dict:
+        """Every rank calls it (it gathers); rank 0 writes. Timings and memory are the slowest / largest rank's."""
+        timings = self.dist.reduce({k: v for k, v in metrics.items() if k.startswith(("perf/", "memory/"))}, "max")
+        line = {"step": self.step, **{k: float(v) for k, v in sorted({**metrics, **timings}.items())}}
+        if self.dist.is_main:
+            with open(self.output_dir / "metrics.jsonl", "a") as f:
+                f.write(json.dumps(line) + "\n")
+        if (self.step - 1) % self.config.num_iterations == 0:  # once per generation batch, not per pass
+            self.log_completions()
+        return line
+
+    def log_completions(self) -> None:
+        prompts, completions, rewards, per_func, advantages = self.generation.rows
+        prompts, completions = self.dist.gather_objects(prompts), self.dist.gather_objects(completions)
+        if not self.dist.is_main:
+            return
         with open(self.output_dir / "completions.jsonl", "a") as f:
             for i in range(len(completions)):
                 row = {"step": self.step, "prompt": prompts[i], "completion": completions[i],
@@ -228,8 +322,98 @@ class Trainer:
                     value = per_func[i, j].item()
                     row[f"reward/{name}"] = None if math.isnan(value) else value
                 f.write(json.dumps(row) + "\n")
-        return line
 
+    # --- checkpoints ---
     def save(self) -> Path:
-        return save_checkpoint(str(self.output_dir), self.step, self.model, self.tokenizer, asdict(self.config),
-                               self.config.save_total_limit)
+        """Write checkpoint-STEP with everything `resume` needs (once per step); returns its path. Under
+        torchrun every rank calls it (gathering is collective) and rank 0 writes, with every rank's RNG
+        states and generation batch; the others wait until the checkpoint is complete."""
+        if self._saved_step != self.step:
+            # A generation batch that later steps still use travels with the checkpoint.
+            mid_batch = self.step % self.config.num_iterations != 0
+            own = {"rng": rng_state(), "generation": asdict(self.generation) if mid_batch else None}
+            state = {"step": self.step, "optimizer": self.policy.optimizer_state(self.optimizer),
+                     "scheduler": self.scheduler.state_dict(), "prompts": self.prompts.state_dict(),
+                     "nonfinite": (self.nonfinite_streak, self.nonfinite_total),
+                     **(own if self.dist.world_size == 1 else {"ranks": self.dist.gather_to_main(own)})}
+            model_state = self.policy.full_state_dict()  # gathered from the shards under FSDP
+            if self.dist.is_main:
+                save_checkpoint(str(self.output_dir), self.step, self.model, self.tokenizer, asdict(self.config),
+                                state, self.config.save_total_limit, model_state=model_state)
+            self.dist.barrier()
+            self.last_checkpoint = self.output_dir / f"checkpoint-{self.step}"
+            self._saved_step = self.step
+        return self.last_checkpoint
+
+    def resume(self, checkpoint: str) -> None:
+        """Continue from `checkpoint`, a folder or "latest" (the newest complete one in output_dir; none
+        yet means step 0): weights, optimizer, schedule, RNG states, data position and step. Lines of the
+        run's logs written after that step are dropped, so the metrics stream continues without repeats."""
+        path = find_checkpoint(checkpoint, str(self.output_dir))
+        state = load_state(path) if path is not None else {"step": 0}
+        if path is None:
+            print(f"no checkpoint in {self.output_dir} yet: starting from step 0", file=sys.stderr)
+        else:
+            for change in changed_settings(path, asdict(self.config)):
+                print(f"resuming with a changed setting: {change}", file=sys.stderr)
+            self.policy.load_weights(path)
+            self._load_state(state, path)
+            self.last_checkpoint = path
+            self._saved_step = state["step"]
+        self.step = state["step"]
+        if self.dist.is_main:  # the one writer of the logs
+            drop_log_lines_after(str(self.output_dir), self.step)
+
+    def _load_state(self, state: dict, path: Path) -> None:
+        cfg = self.config
+        saved_ranks = len(state.get("ranks", [state]))
+        if saved_ranks != self.dist.world_size:
+            raise ConfigError(f"{path} was saved by {saved_ranks} rank(s) and holds each one's sampling state: "
+                              f"resume it with as many (torchrun --nproc_per_node={saved_ranks}), not "
+                              f"{self.dist.world_size}")
+        own = state if saved_ranks == 1 else state["ranks"][self.dist.rank]
+        self.policy.load_optimizer_state(self.optimizer, state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        set_hyperparameters(self.optimizer, self.scheduler, cfg.learning_rate, (cfg.adam_beta1, cfg.adam_beta2),
+                            cfg.weight_decay)
+        self.prompts.load_state_dict(state["prompts"])
+        self.nonfinite_streak, self.nonfinite_total = state["nonfinite"]
+        if own["generation"] is not None:
+            g = own["generation"]
+            batches = [Batch(Rollout(**{k: to_device(v, self.device) for k, v in b["rollout"].items()}),
+                             *(to_device(b[k], self.device) for k in ("advantages", "old_logprobs", "ref_logprobs")))
+                       for b in g["batches"]]
+            self.generation = Generation(batches, g["metrics"], tuple(g["rows"]))
+        set_rng_state(own["rng"])
+
+    def _start_or_resume(self) -> None:
+        if self.step == 0 and self.config.resume_from_checkpoint:
+            self.resume(self.config.resume_from_checkpoint)
+        elif self.step == 0:
+            check_no_earlier_run(str(self.output_dir))
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+
+    def _save_if_trained(self) -> Path | None:
+        return self.save() if self.step > 0 else None
+
+    def _save_after_error(self, error: Exception) -> None:
+        """Keep the steps done before a failing one; never let the save hide the error itself."""
+        try:
+            path = self._save_if_trained()
+        except Exception as save_error:
+            print(f"could not save a checkpoint after the error below: {save_error!r}", file=sys.stderr)
+            return
+        if path is not None:
+            print(f"step {self.step + 1} failed; {path} holds the state after step {self.step}", file=sys.stderr)
+
+    def _nonfinite_stop(self) -> TrainingStopped:
+        n = self.nonfinite_streak
+        return TrainingStopped(
+            f"stopped at step {self.step}: the loss or gradient norm was NaN/inf for {n} steps in a row "
+            f"(max_nonfinite_steps={self.config.max_nonfinite_steps}); their updates were skipped, so the weights "
+            f"are those of step {self.step - n}. Newest checkpoint: {self.last_checkpoint or 'none yet'}. Try a lower "
+            f"--learning_rate or --max_grad_norm, or check the rewards, then --resume_from_checkpoint=latest.")
+
+
+def to_device(value, device: torch.device):
+    return value.to(device) if isinstance(value, torch.Tensor) else value

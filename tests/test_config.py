@@ -1,5 +1,6 @@
 import dataclasses
 import json
+import math
 import sys
 import textwrap
 
@@ -240,3 +241,48 @@ def test_recipe_not_python(tmp_path):
 def test_recipe_runtime_error_keeps_its_traceback(tmp_path):
     with pytest.raises(ZeroDivisionError):
         load_recipe(write(tmp_path / "r.py", "x = 1 / 0\n"))
+
+
+# --- checks of values, on every Config made (recipe, override or Python) ---------------------------
+
+
+@pytest.mark.parametrize("settings, message", [
+    (dict(num_generations=1), "num_generations must be >= 2: GRPO scores each completion against the others of "
+                              "its prompt, so a group of one has no signal, got 1"),
+    (dict(max_completion_length=0), "max_completion_length must be >= 1, got 0"),
+    (dict(gradient_accumulation_steps=0), "gradient_accumulation_steps must be >= 1, got 0"),
+    (dict(max_steps=0), "max_steps must be > 0, or -1 to train for num_train_epochs, got 0"),
+    (dict(save_steps=0), "save_steps must be >= 1, got 0"),
+    (dict(save_total_limit=0), "save_total_limit must be >= 1, or None to keep every checkpoint, got 0"),
+    (dict(top_p=0.0), "top_p must be in (0, 1], got 0.0"),
+    (dict(epsilon=1.5), "epsilon must be in [0, 1), got 1.5"),
+    (dict(lr_scheduler_type="cosine_with_restarts"),
+     "lr_scheduler_type must be one of cosine, linear, constant, got 'cosine_with_restarts'"),
+    (dict(scale_rewards="std"), "scale_rewards must be one of group, batch, none, got 'std'"),
+    (dict(num_generations="4"), "num_generations must be an int, got str '4'"),
+    (dict(max_steps=True), "max_steps must be an int, got bool True"),
+    (dict(use_lora="yes"), "use_lora must be a bool, got str 'yes'"),
+    (dict(reward_weights=1.0), "reward_weights must be a list of floats, got 1.0"),
+    (dict(reward_weights=[1.0, "x"]), "reward_weights[1] must be a float, got str 'x'"),
+    (dict(reward_weights=[1.0, math.inf]), "reward_weights must be finite numbers, got [1.0, inf]"),
+    (dict(resume_from_checkpoint=""), "resume_from_checkpoint must be a checkpoint folder or \"latest\", got ''"),
+])
+def test_bad_settings_are_refused_with_one_sentence(settings, message):
+    with pytest.raises(ConfigError) as info:
+        Config(**settings)
+    assert str(info.value) == message
+    assert isinstance(info.value, ValueError)  # for code that catches the usual type
+
+
+def test_ints_given_for_floats_become_floats():
+    config = Config(learning_rate=1, reward_weights=[1, 2], epsilon=0)
+    assert type(config.learning_rate) is float and config.reward_weights == [1.0, 2.0]
+    assert type(config.reward_weights[0]) is float and type(config.epsilon_high) is float
+
+
+def test_choice_lists_match_the_modules_that_use_them():
+    from grpo import advantages, config_checks, loss, optim
+
+    assert config_checks.OPTIMIZERS == optim.OPTIMIZERS and config_checks.SCHEDULES == optim.SCHEDULES
+    assert config_checks.SCALES == advantages.SCALES and config_checks.AGGREGATIONS == loss.AGGREGATIONS
+    assert set(config_checks.RULES) <= {f.name for f in dataclasses.fields(Config)}

@@ -1,0 +1,113 @@
+"""Checks of a `Config`'s values, run when one is made (in a recipe, by an override or from Python), so
+that a typo costs seconds, not a model load: each field's type against its annotation, then ranges and
+choices, each failure one sentence naming the setting.
+
+The choice lists repeat the ones in optim.py, advantages.py and loss.py (which import torch, too slow for
+loading a recipe); a test keeps them equal."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import types
+import typing
+
+from .errors import ConfigError
+
+OPTIMIZERS = ("adamw_8bit", "adamw")
+SCHEDULES = ("cosine", "linear", "constant")
+SCALES = ("group", "batch", "none")
+AGGREGATIONS = ("sequence", "token", "constant")
+
+# field: (holds, requirement as read after "must be"); None values of optional fields are not checked.
+RULES: dict[str, tuple[typing.Callable, str]] = {
+    "learning_rate": (lambda v: v >= 0, ">= 0"),
+    "adam_beta1": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "adam_beta2": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "weight_decay": (lambda v: v >= 0, ">= 0"),
+    "max_grad_norm": (lambda v: v >= 0, ">= 0 (0 disables clipping)"),
+    "lr_scheduler_type": (lambda v: v in SCHEDULES, f"one of {', '.join(SCHEDULES)}"),
+    "warmup_ratio": (lambda v: 0 <= v <= 1, "in [0, 1]"),
+    "optim": (lambda v: v in OPTIMIZERS, f"one of {', '.join(OPTIMIZERS)}"),
+    "max_nonfinite_steps": (lambda v: v >= 1, ">= 1"),
+    "per_device_train_batch_size": (lambda v: v >= 1, ">= 1 (prompts per micro-batch)"),
+    "gradient_accumulation_steps": (lambda v: v >= 1, ">= 1"),
+    "num_generations": (lambda v: v >= 2, ">= 2: GRPO scores each completion against the others of its "
+                                          "prompt, so a group of one has no signal"),
+    "num_train_epochs": (lambda v: v > 0, "> 0"),
+    "max_steps": (lambda v: v > 0 or v == -1, "> 0, or -1 to train for num_train_epochs"),
+    "max_prompt_length": (lambda v: v >= 1, ">= 1"),
+    "max_completion_length": (lambda v: v >= 1, ">= 1"),
+    "temperature": (lambda v: v > 0, "> 0"),
+    "top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
+    "top_k": (lambda v: v >= 0, ">= 0 (0 disables it)"),
+    "beta": (lambda v: v >= 0, ">= 0"),
+    "epsilon_low": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "epsilon_high": (lambda v: v >= 0, ">= 0"),
+    "epsilon": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "num_iterations": (lambda v: v >= 1, ">= 1"),
+    "scale_rewards": (lambda v: v in SCALES, f"one of {', '.join(SCALES)}"),
+    "loss_aggregation": (lambda v: v in AGGREGATIONS, f"one of {', '.join(AGGREGATIONS)}"),
+    "reward_weights": (lambda v: all(math.isfinite(w) for w in v), "finite numbers"),
+    "lora_r": (lambda v: v >= 1, ">= 1"),
+    "lora_alpha": (lambda v: v > 0, "> 0"),
+    "lora_dropout": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "logprob_chunk_size": (lambda v: v >= 1, ">= 1"),
+    "logging_steps": (lambda v: v >= 1, ">= 1"),
+    "save_steps": (lambda v: v >= 1, ">= 1"),
+    "save_total_limit": (lambda v: v >= 1, ">= 1, or None to keep every checkpoint"),
+    "resume_from_checkpoint": (lambda v: v.strip() != "", 'a checkpoint folder or "latest"'),
+    "eval_steps": (lambda v: v >= 0, ">= 0 (0: no evaluation during training)"),
+    "eval_limit": (lambda v: v >= 1, ">= 1, or None to evaluate every prompt"),
+    "eval_batch_size": (lambda v: v >= 1, ">= 1"),
+}
+
+
+def check_config(config) -> None:
+    """Raise ConfigError on the first field of the wrong type or out of range. Ints given for float
+    fields become floats, so the saved config reads the same however it was written."""
+    hints = _type_hints(type(config))
+    for f in dataclasses.fields(config):
+        value = _checked_type(f.name, getattr(config, f.name), hints[f.name])
+        setattr(config, f.name, value)
+        if f.name in RULES and value is not None:
+            holds, requirement = RULES[f.name]
+            if not holds(value):
+                raise ConfigError(f"{f.name} must be {requirement}, got {value!r}")
+
+
+@functools.lru_cache(maxsize=None)
+def _type_hints(cls) -> dict:
+    return typing.get_type_hints(cls)
+
+
+def _checked_type(name: str, value, tp):
+    """`value` if it fits `tp` (int, float, bool, str, list[X], X | None), an int widened to float
+    where a float is wanted; ConfigError otherwise. Other annotations are not checked."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        if value is None and type(None) in typing.get_args(tp):
+            return None
+        options = [t for t in typing.get_args(tp) if t is not type(None)]
+        if len(options) != 1:
+            return value
+        tp = options[0]
+    if typing.get_origin(tp) is list and typing.get_args(tp)[0] in _NAMES:
+        (item,) = typing.get_args(tp)
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{name} must be a list of {_NAMES[item][1]}, got {value!r:.100}")
+        return [_scalar(f"{name}[{i}]", v, item) for i, v in enumerate(value)]
+    return _scalar(name, value, tp)
+
+
+_NAMES = {int: ("an int", "ints"), float: ("a float", "floats"), bool: ("a bool", "bools"), str: ("a string", "strings")}
+
+
+def _scalar(name: str, value, tp):
+    if tp not in _NAMES:
+        return value
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    # bool is an int to Python, but `max_steps=True` is a mistake, not 1.
+    if not isinstance(value, tp) or (isinstance(value, bool) and tp is not bool):
+        raise ConfigError(f"{name} must be {_NAMES[tp][0]}, got {type(value).__name__} {value!r:.100}")
+    return value

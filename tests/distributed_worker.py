@@ -1,0 +1,140 @@
+"""Training runs of the tiny model for tests/test_distributed.py, launched there under torchrun:
+
+    torchrun --standalone --nproc_per_node=2 tests/distributed_worker.py OUT_DIR RUN [RUN ...]
+
+Each RUN (a name in RUNS) trains into OUT_DIR/RUN. Runs named `fixed_*` replace sampling with a rollout that
+depends on the prompt text alone, so that 1 and 2 processes see exactly the same completions.
+
+benchmarks/data_parallel.py reuses these runs with a bigger model or on GPUs, through environment variables:
+GRPO_WORKER_MODEL=HIDDENxLAYERS, GRPO_WORKER_DEVICE=cuda, GRPO_WORKER_OVERRIDES="--key=value ...". """
+from __future__ import annotations
+
+import os
+import sys
+import zlib
+
+import torch
+from datasets import Dataset
+
+import grpo.trainer
+from grpo import Config, Trainer
+from grpo.config import apply_overrides
+from grpo.distributed import setup
+from grpo.sampling import Rollout, completion_mask_after_eos, eos_token_ids
+from grpo.tiny import model_for
+from tiny_setup import digit_prompts, digit_share, tiny_model, tiny_tokenizer
+
+# The 2-rank runs use per_device_train_batch_size=1: one prompt per rank per micro-batch. The 1-process
+# reference takes the same global batch as 2 prompts per micro-batch.
+BASE = dict(max_steps=2, per_device_train_batch_size=1, gradient_accumulation_steps=2, num_generations=4,
+            max_prompt_length=16, max_completion_length=8, learning_rate=1e-2, optim="adamw", beta=0.04,
+            seed=0, save_steps=1)
+EVAL = dict(eval_steps=1, eval_limit=3, eval_accuracy_func="digit_share", eval_format_func=None)
+RUNS = {
+    "fixed_single": dict(per_device_train_batch_size=2),
+    "fixed_ddp": {},
+    "fixed_fsdp": dict(fsdp=True),
+    "fixed_single_lora": dict(per_device_train_batch_size=2, use_lora=True, lora_r=4, lora_dropout=0.0,
+                              gradient_checkpointing=True, scale_rewards="batch"),
+    "fixed_ddp_lora": dict(use_lora=True, lora_r=4, lora_dropout=0.0, gradient_checkpointing=True,
+                           scale_rewards="batch"),
+    # Real sampling of one repeated prompt: ranks must sample differently; they stop after different numbers
+    # of tokens (half the vocabulary ends a completion), which FSDP's collectives must survive. They evaluate
+    # after their step, right before the final save, which needs FSDP's weights sharded again after generating.
+    "sampled_ddp": dict(max_steps=1, max_completion_length=12, **EVAL),
+    "sampled_fsdp": dict(max_steps=1, max_completion_length=12, fsdp=True, **EVAL),
+    # `resumed_*`: 6 steps in one go (out/NAME/reference), and the same run dying before step 4, then resumed
+    # from checkpoint-3 (out/NAME/resumed). Step 4 reuses the generation batch of step 3, step 5 samples a new
+    # one: every rank's generation batch and RNG states must come back.
+    "resumed_ddp": dict(max_steps=6, save_steps=3, num_iterations=2, max_completion_length=12),
+    "resumed_fsdp": dict(max_steps=6, save_steps=3, num_iterations=2, max_completion_length=12, fsdp=True),
+}
+
+
+class Crash(BaseException):
+    """Stands in for every rank dying at once: nothing catches it, nothing is saved."""
+
+
+def fixed_sample(model, tokenizer, encode, prompts, *, num_generations, max_completion_length, **_):
+    """Stands in for grpo.sampling.sample: random tokens and lengths seeded by each prompt's text."""
+    prompt_ids, prompt_mask = encode(prompts)  # [B, P]
+    eos = eos_token_ids(tokenizer, model)[0]
+    completion_ids = torch.full((len(prompts) * num_generations, max_completion_length), eos)  # [N, C]
+    for i, prompt in enumerate(prompts):
+        generator = torch.Generator().manual_seed(zlib.crc32(prompt.encode()))
+        for j in range(num_generations):
+            length = int(torch.randint(1, max_completion_length + 3, (), generator=generator))
+            tokens = torch.randint(4, len(tokenizer), (max_completion_length,), generator=generator)  # [C]
+            completion_ids[i * num_generations + j, :length] = tokens[:length]
+    completion_mask, truncated = completion_mask_after_eos(completion_ids, [eos])
+    completion_ids = completion_ids.masked_fill(completion_mask == 0, tokenizer.pad_token_id)
+    device = next(model.parameters()).device
+    return Rollout(prompt_ids.repeat_interleave(num_generations, 0).to(device),
+                   prompt_mask.repeat_interleave(num_generations, 0).to(device), completion_ids.to(device),
+                   completion_mask.to(device), tokenizer.batch_decode(completion_ids, skip_special_tokens=True),
+                   truncated)
+
+
+def build_model(tokenizer):
+    """The tiny test model on CPU unless the environment asks for another size or device."""
+    size, device = os.environ.get("GRPO_WORKER_MODEL"), os.environ.get("GRPO_WORKER_DEVICE", "cpu")
+    if size:
+        hidden, layers = map(int, size.split("x"))
+        model = model_for(tokenizer, hidden_size=hidden, num_layers=layers, num_heads=max(1, hidden // 64),
+                          num_kv_heads=max(1, hidden // 256), seed=0)
+    else:
+        model = tiny_model(tokenizer)
+    setup()  # first, so that "cuda" means this rank's GPU
+    return model.to(device)
+
+
+def make_trainer(output_dir: str, name: str, **overrides) -> Trainer:
+    tokenizer = tiny_tokenizer()
+    fixed = name.startswith("fixed")
+    data = digit_prompts(8) if fixed else Dataset.from_list([{"prompt": "Write 5 digits:"}] * 8)
+    config = Config(output_dir=output_dir, **{**BASE, **RUNS[name], **overrides})
+    config = apply_overrides(config, os.environ.get("GRPO_WORKER_OVERRIDES", "").split())
+    model = build_model(tokenizer)
+    if not fixed:
+        model.generation_config.eos_token_id = list(range(4, len(tokenizer), 2))
+    return Trainer(config, model=model, tokenizer=tokenizer, reward_funcs=[digit_share], train_dataset=data,
+                   eval_dataset=data if config.eval_steps else None)
+
+
+def train(out_dir: str, name: str) -> Trainer:
+    """Train run `name` into out_dir/name; sampling must already be patched for `fixed_*` runs."""
+    trainer = make_trainer(f"{out_dir}/{name}", name)
+    trainer.train()
+    return trainer
+
+
+def crash_and_resume(out_dir: str, name: str) -> None:
+    make_trainer(f"{out_dir}/{name}/reference", name).train()
+    crashing = make_trainer(f"{out_dir}/{name}/resumed", name)
+    accumulate = crashing.accumulate
+
+    def dies_before_step_4(batches):
+        if crashing.step == 3:
+            raise Crash
+        return accumulate(batches)
+
+    crashing.accumulate = dies_before_step_4
+    try:
+        crashing.train()
+    except Crash:
+        pass
+    make_trainer(f"{out_dir}/{name}/resumed", name, resume_from_checkpoint="latest").train()
+
+
+def main(out_dir: str, names: list[str]) -> None:
+    from grpo.distributed import shutdown
+
+    real_sample = grpo.trainer.sample
+    for name in names:
+        grpo.trainer.sample = fixed_sample if name.startswith("fixed") else real_sample
+        (crash_and_resume if name.startswith("resumed") else train)(out_dir, name)
+    shutdown()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2:])
