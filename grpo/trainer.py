@@ -17,8 +17,8 @@ from .checkpoint import save_checkpoint
 from .config import Config
 from .data import PromptStream, check_dataset
 from .loss import policy_loss
-from .models import (completion_logprobs, device_of, load_model, load_tokenizer, make_reference,
-                     prepare_for_training, reference_context)
+from .models import (check_load_options, completion_logprobs, device_of, load_model, load_tokenizer,
+                     make_reference, prepare_for_training, reference_context)
 from .optim import build_optimizer, build_scheduler
 from .rewards import compute_rewards, reward_func_name
 from .sampling import PromptEncoder, Rollout, sample
@@ -56,6 +56,7 @@ class Trainer:
         self.reward_funcs = list(reward_funcs)
         self.reward_names = [reward_func_name(f) for f in self.reward_funcs]
         self.eval_dataset = eval_dataset
+        check_load_options(config, model_given=model is not None)
         torch.manual_seed(config.seed)
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model)
         self.model = prepare_for_training(model if model is not None else load_model(config), config)
@@ -114,7 +115,7 @@ class Trainer:
         rows = [self.prompts.next(cfg.per_device_train_batch_size) for _ in range(cfg.gradient_accumulation_steps)]
         rollouts = [sample(self.model, self.tokenizer, self.encode, r["prompt"], num_generations=G,
                            max_completion_length=cfg.max_completion_length, temperature=cfg.temperature,
-                           top_p=cfg.top_p, top_k=cfg.top_k) for r in rows]
+                           top_p=cfg.top_p, top_k=cfg.top_k, stop_at_eos=cfg.stop_at_eos) for r in rows]
         generate_s = time.perf_counter() - t0
         prompts = repeat_each([p for r in rows for p in r["prompt"]], G)
         completions = [c for ro in rollouts for c in ro.completions]
