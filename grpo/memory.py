@@ -91,11 +91,12 @@ class Architecture:
 
     def trainable_tensors(self) -> list[int]:
         """Element counts of every parameter tensor (full fine-tuning), the big ones first."""
-        H, V = self.hidden_size, self.vocab_size
-        body = [i * o for i, o in self.linear_shapes().values()] * self.num_layers
+        H, V, L = self.hidden_size, self.vocab_size, self.num_layers
+        body = [i * o for i, o in self.linear_shapes().values()] * L
         heads = [V * H] * (1 if self.tie_word_embeddings else 2)
-        small = [self.other_params()]  # many small tensors; all below 8-bit's size threshold
-        return heads + body + small
+        norms = [H] * (2 * L + 1)
+        biases = [self.q_dim, self.kv_dim, self.kv_dim] * L if self.attention_bias else []
+        return heads + body + norms + biases
 
 
 @dataclass(frozen=True)

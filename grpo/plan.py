@@ -94,6 +94,8 @@ def candidate_changes(config: Config) -> list[dict]:
         changes.append({"logprob_chunk_size": 128})
     if c.optim != "adamw_8bit":
         changes.append({"optim": "adamw_8bit"})
+    if c.use_lora and c.lora_dropout > 0:  # each adapter's dropout keeps a copy of its input for backward
+        changes.append({"lora_dropout": 0.0})
     if not c.gradient_checkpointing:
         changes.append({"gradient_checkpointing": True})
     if c.per_device_train_batch_size > 1:

@@ -42,6 +42,7 @@ def test_hand_computed_parts_of_a_tiny_model():
     linear = 8 * 8 + 8 * 4 + 8 * 4 + 8 * 8 + 3 * 8 * 16  # q, k, v, o, gate/up/down
     assert a.linear_params() == linear == 576
     assert a.num_params() == 576 + 100 * 8 + 2 * 8 + 8  # + embedding + 2 norms + final norm
+    assert sum(a.trainable_tensors()) == a.num_params() and sum(QWEN_05B.trainable_tensors()) == QWEN_05B.num_params()
     s = Settings(optim="adamw", beta=0.04, num_generations=2, prompt_length=3, completion_length=5,
                  logprob_chunk_size=4)
     cpu = estimate(a, s, "cpu").parts
