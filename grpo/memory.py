@@ -9,8 +9,9 @@ weights' dtype). The loss runs per micro-batch: activations of the whole micro-b
 chunks of `logprob_chunk_size` token rows (float32 logits), and the head's gradient in backward.
 
 Peak = the largest of six moments: generation, a micro-batch's forward, the start of its backward, the
-recomputation of a layer (gradient checkpointing), the end of the backward, and the optimizer step. Optimizer states exist from the first step on, gradients only between the first backward
-and the optimizer step (they are freed, not zeroed). Sizes are in bytes; `GB` is 1e9 bytes, as the trainer's
+recomputation of a layer (gradient checkpointing), the end of the backward, and the optimizer step. Optimizer
+states exist from the first step on, gradients only between the first backward and the optimizer step (they
+are freed, not zeroed). Sizes are in bytes; `GB` is 1e9 bytes, as the trainer's
 `memory/peak_gb` metric.
 """
 from __future__ import annotations

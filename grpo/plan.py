@@ -100,8 +100,8 @@ def candidate_changes(config: Config) -> list[dict]:
         changes.append({"gradient_checkpointing": True})
     if c.per_device_train_batch_size > 1:
         half = c.per_device_train_batch_size // 2
-        changes.append({"per_device_train_batch_size": half,
-                        "gradient_accumulation_steps": c.gradient_accumulation_steps * c.per_device_train_batch_size // half})
+        accumulation = c.gradient_accumulation_steps * c.per_device_train_batch_size // half
+        changes.append({"per_device_train_batch_size": half, "gradient_accumulation_steps": accumulation})
     if not c.use_lora:
         changes.append({"use_lora": True})
     if not c.load_in_4bit:
@@ -180,7 +180,8 @@ def plan_summary(config: Config, model=None, gpu_memory_gb: float | None = None)
 
 def _verdict(arch: Architecture, config: Config, budget_gb: float | None) -> list[str]:
     needed = needed_gb(arch, config)
-    head = f"needs about {needed:.1f} GB on the card (+{FRAGMENTATION - 1:.0%} allocator slack, +{CUDA_CONTEXT_GB} GB CUDA context)"
+    head = (f"needs about {needed:.1f} GB on the card (+{FRAGMENTATION - 1:.0%} allocator slack, "
+            f"+{CUDA_CONTEXT_GB} GB CUDA context)")
     if budget_gb is None:
         return [head]
     if needed <= budget_gb:
@@ -190,7 +191,8 @@ def _verdict(arch: Architecture, config: Config, budget_gb: float | None) -> lis
         return [f"{head}: does not fit in {budget_gb:.1f} GB, not even with all of: "
                 f"{flags({k: v for c in candidate_changes(config) for k, v in c.items() if getattr(config, k) != v})}"]
     change, after = fit
-    return [f"{head}: does not fit in {budget_gb:.1f} GB", f"cheapest change that fits: {flags(change)} (about {after:.1f} GB)"]
+    return [f"{head}: does not fit in {budget_gb:.1f} GB",
+            f"cheapest change that fits: {flags(change)} (about {after:.1f} GB)"]
 
 
 def _cuda_memory_gb() -> float | None:
@@ -214,7 +216,8 @@ def table() -> str:
         full, lora = ARTICLE_GB[size]
         article = [f"{v:>14}" if v else f"{'OOM':>14}" for v in (full, lora)]
         lines.append(f"{size + ' ' + name.split('/')[-1]:<34}" + "".join(f"{c:8.1f}" for c in cells) + "".join(article))
-    lines.append(f"(the card also holds the CUDA context, ~{CUDA_CONTEXT_GB} GB, and allocator slack, ~{FRAGMENTATION - 1:.0%})")
+    lines.append(f"(the card also holds the CUDA context, ~{CUDA_CONTEXT_GB} GB, "
+                 f"and allocator slack, ~{FRAGMENTATION - 1:.0%})")
     return "\n".join(lines)
 
 
