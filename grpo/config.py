@@ -76,6 +76,8 @@ class Config:
     """Nucleus sampling threshold (1.0 disables it)."""
     top_k: int = 0
     """Sample only from the k most likely tokens (0 disables it)."""
+    stop_at_eos: bool = True
+    """End completions at EOS; False always samples max_completion_length tokens (benchmarks: equal work)."""
 
     # --- algorithm ---
     beta: float = 0.0
@@ -110,6 +112,8 @@ class Config:
     """Recompute activations in backward instead of storing them."""
     logprob_chunk_size: int = 512
     """Token rows per chunk of LM-head logits when computing log-probs (bounds logits memory)."""
+    load_in_4bit: bool = False
+    """QLoRA: load `model` as 4-bit NF4 (bitsandbytes) under LoRA; applies when the trainer loads `model` itself."""
 
     # --- logging and checkpoints ---
     logging_steps: int = 1

@@ -31,13 +31,32 @@ def load_tokenizer(name_or_path: str):
     return tokenizer
 
 
+def check_load_options(config, model_given: bool) -> None:
+    """Settings about how `config.model` is loaded that cannot work as asked: fail before any loading."""
+    if config.load_in_4bit and not config.use_lora:
+        raise ValueError("load_in_4bit=True needs use_lora=True: 4-bit weights are frozen, QLoRA trains LoRA "
+                         "adapters on top of them")
+    if config.load_in_4bit and model_given:
+        raise ValueError("load_in_4bit applies when the trainer loads config.model itself; a model passed in is "
+                         "used as built (load it with a transformers BitsAndBytesConfig, or pass config.model)")
+
+
 def load_model(config):
-    """The policy from `config.model` (hub id or local path), on the GPU when there is one."""
+    """The policy from `config.model` (hub id or local path), on the GPU when there is one; with
+    `load_in_4bit`, its decoder's linear layers are stored as 4-bit NF4 (QLoRA)."""
     from transformers import AutoModelForCausalLM
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = AutoModelForCausalLM.from_pretrained(config.model, dtype=train_dtype(config.use_lora, config.bf16))
-    return model.to(device)
+    dtype = train_dtype(config.use_lora, config.bf16)
+    if not config.load_in_4bit:
+        return AutoModelForCausalLM.from_pretrained(config.model, dtype=dtype).to(device)
+    from transformers import BitsAndBytesConfig
+
+    # Embeddings, norms and the LM head stay in `dtype` (bf16 on CUDA); peft's prepare_model_for_kbit_training
+    # is skipped on purpose: it would upcast them to float32, and non-reentrant checkpointing needs no input grads.
+    quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype)
+    return AutoModelForCausalLM.from_pretrained(config.model, dtype=dtype, quantization_config=quantization,
+                                                device_map={"": device})
 
 
 def prepare_for_training(model, config):

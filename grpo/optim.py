@@ -18,7 +18,10 @@ def build_optimizer(params, name: str, lr: float, betas: tuple[float, float], we
 
         return bnb.optim.AdamW8bit(params, lr=lr, betas=betas, weight_decay=weight_decay)
     if name == "adamw":
-        return torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay)
+        # The fused kernel updates each tensor in one pass: the default implementations allocate float32
+        # temporaries as large as the largest tensor (CPU) or as all the states together (CUDA, foreach).
+        fused = all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in params)
+        return torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay, fused=fused or None)
     raise ValueError(f"unknown optim {name!r}; valid: {', '.join(OPTIMIZERS)}")
 
 

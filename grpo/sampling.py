@@ -5,7 +5,9 @@ import warnings
 from dataclasses import dataclass
 
 import torch
-from transformers import GenerationConfig
+
+from .decoding import generate
+from .models import unwrap
 
 
 @dataclass
@@ -107,20 +109,14 @@ def sample(model, tokenizer, encode: PromptEncoder, prompts: list, *, num_genera
     was_training = model.training
     model.eval()  # KV cache on, dropout off (gradient checkpointing would disable the cache)
     try:
-        # A fresh GenerationConfig: a checkpoint's own defaults (repetition_penalty, say) would make the
-        # sampling distribution differ from the policy whose log-probs the loss uses.
-        knobs = {} if greedy else dict(temperature=temperature, top_p=top_p, top_k=top_k)
-        generation_config = GenerationConfig(
-            do_sample=not greedy, **knobs,
-            max_new_tokens=max_completion_length,
-            min_new_tokens=0 if stop_at_eos else max_completion_length,
-            eos_token_id=eos_ids, pad_token_id=tokenizer.pad_token_id, use_cache=True,
-        )
-        output = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask,
-                                generation_config=generation_config)  # [N, P+C]
+        # Our own loop, not model.generate: no checkpoint defaults (repetition_penalty, say) can make the
+        # sampling distribution differ from the policy the loss scores, and it is faster (see decoding.py).
+        completion_ids = generate(unwrap(model), prompt_ids, prompt_mask, max_new_tokens=max_completion_length,
+                                  temperature=temperature, top_p=top_p, top_k=top_k, eos_ids=eos_ids,
+                                  pad_id=tokenizer.pad_token_id, stop_at_eos=stop_at_eos,
+                                  greedy=greedy)  # [N, C]
     finally:
         model.train(was_training)
-    completion_ids = output[:, prompt_ids.shape[1]:]  # [N, C]
     completion_mask, truncated = completion_mask_after_eos(completion_ids, eos_ids)
     completion_ids = completion_ids.masked_fill(completion_mask == 0, tokenizer.pad_token_id)
     texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)

@@ -37,6 +37,21 @@ def train_tokenizer(texts: list[str], vocab_size: int = 512) -> PreTrainedTokeni
     return fast
 
 
+def wide_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
+    """A byte-level tokenizer with exactly `vocab_size` ids, as wide as a real model's vocabulary: the special
+    tokens, the 256 byte symbols and filler words (" w1234"). Text encodes one token per byte (no merges), and
+    every id decodes to text, so random-weight models with real vocabularies can sample freely."""
+    vocab = {t: i for i, t in enumerate(SPECIAL_TOKENS + sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    for i in range(vocab_size - len(vocab)):
+        vocab[f"\u0120w{i}"] = len(vocab)  # \u0120 is the byte-level symbol of a space
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<|pad|>", eos_token="<|im_end|>", bos_token=None)
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
 def tiny_qwen2(vocab_size: int, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4,
                num_kv_heads: int = 2, intermediate_size: int | None = None, seed: int = 0,
                tie_word_embeddings: bool = True, **overrides) -> Qwen2ForCausalLM:

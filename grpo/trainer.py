@@ -24,8 +24,8 @@ from .errors import ConfigError, TrainingStopped
 from .evaluate import check_eval_funcs, evaluate
 from .interrupts import StepAbandoned, StopSignals, TrainingInterrupted
 from .loss import policy_loss
-from .models import (completion_logprobs, device_of, load_model, load_tokenizer, make_reference,
-                     prepare_for_training, reference_context)
+from .models import (check_load_options, completion_logprobs, device_of, load_model, load_tokenizer,
+                     make_reference, prepare_for_training, reference_context)
 from .optim import build_optimizer, build_scheduler, set_hyperparameters
 from .parallel import ParallelPolicy, check_settings as check_parallel_settings
 from .rewards import compute_rewards, reward_func_names, reward_metrics
@@ -77,6 +77,7 @@ class Trainer:
             if eval_dataset is None:
                 raise ConfigError("eval_steps / eval_on_start need an eval_dataset")
             check_eval_funcs(self.reward_funcs, config.eval_accuracy_func, config.eval_format_func)
+        check_load_options(config, model_given=model is not None)
         self.dist = setup_distributed()  # world size 1 without torchrun
         check_parallel_settings(self.dist.world_size, config.fsdp, config.optim, config.use_lora)
         torch.manual_seed(config.seed + self.dist.rank)  # ranks sample differently; wrapping syncs the weights
@@ -178,7 +179,7 @@ class Trainer:
         rollouts = [self.policy.generate(lambda model: sample(
             model, self.tokenizer, self.encode, r["prompt"], num_generations=G,
             max_completion_length=cfg.max_completion_length, temperature=cfg.temperature, top_p=cfg.top_p,
-            top_k=cfg.top_k)) for r in rows]
+            top_k=cfg.top_k, stop_at_eos=cfg.stop_at_eos)) for r in rows]
         generate_s = dist.reduce({"s": time.perf_counter() - t0}, "max")["s"]  # the slowest rank's
         prompts = repeat_each([p for r in rows for p in r["prompt"]], G)
         completions = [c for ro in rollouts for c in ro.completions]
