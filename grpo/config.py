@@ -5,17 +5,12 @@ from __future__ import annotations
 import ast
 import dataclasses
 import difflib
-import importlib.util
 import inspect
-import itertools
-import os
 import re
-import sys
 import textwrap
-import traceback
 import types
 import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from .config_checks import check_config
 from .errors import ConfigError
@@ -153,126 +148,7 @@ class Config:
 
 
 # ---------------------------------------------------------------------------------------------------
-# Turning user input (a recipe file, `--key=value` flags) into a Config, and a Config back into text.
-
-
-@dataclass
-class Recipe:
-    """What a recipe file defines. The datasets may still be zero-argument callables, kept unresolved
-    so that loading a recipe (e.g. for `--help`) stays fast; see `resolve_dataset`."""
-
-    config: Config
-    reward_funcs: list
-    train_dataset: object
-    eval_dataset: object = None
-    path: str = ""
-    build_model: object = None
-    """Optional `build_model(config) -> (model, tokenizer)`, for recipes that make their own (offline) model."""
-
-    def resolve_model(self, config: Config) -> tuple:
-        """(model, tokenizer) from the recipe's `build_model`, or (None, None) to load `config.model`."""
-        return (None, None) if self.build_model is None else self.build_model(config)
-
-
-RECIPE_CONTRACT = (
-    "a recipe must define `config` (a grpo.config.Config), `reward_funcs` (a list of reward "
-    "functions) and `train_dataset` (a datasets.Dataset or a function returning one); "
-    "`eval_dataset` and `build_model(config) -> (model, tokenizer)` are optional"
-)
-_recipe_ids = itertools.count()
-
-
-def load_recipe(path: str) -> Recipe:
-    """Execute the recipe file at `path` as a module and check what it defines."""
-    if not os.path.isfile(path):
-        raise ConfigError(f"recipe not found: {path}")
-    module = _import_file(path)
-    missing = [n for n in ("config", "reward_funcs", "train_dataset") if not hasattr(module, n)]
-    if missing:
-        raise ConfigError(f"recipe {path} does not define {', '.join(missing)}: {RECIPE_CONTRACT}")
-    if not isinstance(module.config, Config):
-        raise ConfigError(
-            f"recipe {path}: `config` must be a grpo.config.Config, got {type(module.config).__name__}"
-        )
-    return Recipe(
-        config=module.config,
-        reward_funcs=_check_reward_funcs(module.reward_funcs, path),
-        train_dataset=_check_dataset(module.train_dataset, "train_dataset", path),
-        eval_dataset=_check_dataset(getattr(module, "eval_dataset", None), "eval_dataset", path),
-        path=path,
-        build_model=getattr(module, "build_model", None),
-    )
-
-
-def _import_file(path: str) -> types.ModuleType:
-    """Import a Python file under a fresh module name, with its folder on sys.path so that it can
-    import helper files that sit next to it."""
-    name = f"grpo_recipe_{next(_recipe_ids)}"
-    spec = importlib.util.spec_from_file_location(name, path)
-    if spec is None:
-        raise ConfigError(f"recipe {path} is not a Python file (expected a .py file)")
-    module = importlib.util.module_from_spec(spec)
-    folder = os.path.dirname(os.path.abspath(path))
-    sys.path.insert(0, folder)
-    sys.modules[name] = module  # dataclasses and pickle look a class's module up here
-    try:
-        spec.loader.exec_module(module)
-    except SyntaxError as e:
-        sys.modules.pop(name)
-        raise ConfigError(f"{path}:{e.lineno}: syntax error: {e.msg}") from None
-    except ConfigError as e:  # e.g. Config(num_generations=1): the message says it all
-        sys.modules.pop(name)
-        lines = [frame.lineno for frame in traceback.extract_tb(e.__traceback__) if frame.filename == spec.origin]
-        raise ConfigError(f"{path}{f':{lines[-1]}' if lines else ''}: {e}") from None
-    except BaseException:
-        sys.modules.pop(name)
-        raise  # an error in the recipe's own code: its traceback is the useful message
-    finally:
-        sys.path.remove(folder)
-    return module
-
-
-def _check_reward_funcs(funcs, path: str) -> list:
-    """A single callable is wrapped in a list; anything else must be a non-empty list of callables."""
-    if callable(funcs):
-        return [funcs]
-    if not isinstance(funcs, (list, tuple)) or not funcs:
-        raise ConfigError(
-            f"recipe {path}: `reward_funcs` must be a non-empty list of functions, got {funcs!r:.100}"
-        )
-    for i, f in enumerate(funcs):
-        if not callable(f):
-            raise ConfigError(f"recipe {path}: reward_funcs[{i}] is not callable: {f!r:.100}")
-    return list(funcs)
-
-
-def _check_dataset(obj, what: str, path: str):
-    """Accept a datasets.Dataset or a zero-argument callable (resolved later by `resolve_dataset`)."""
-    if obj is None and what == "eval_dataset":
-        return None
-    if callable(obj) or _is_dataset(obj):
-        return obj
-    raise ConfigError(
-        f"recipe {path}: `{what}` must be a datasets.Dataset or a function returning one, "
-        f"got {type(obj).__name__}"
-    )
-
-
-def _is_dataset(obj) -> bool:
-    import datasets  # imported here: `datasets` takes a second to import and --help does not need it
-
-    return isinstance(obj, datasets.Dataset)
-
-
-def resolve_dataset(obj, what: str = "dataset"):
-    """Call a dataset factory from a recipe (if it is one) and check the result is a datasets.Dataset.
-    None stays None (no eval dataset)."""
-    if obj is None:
-        return None
-    dataset = obj() if callable(obj) else obj
-    if not _is_dataset(dataset):
-        raise ConfigError(f"`{what}` must be a datasets.Dataset, got {type(dataset).__name__}")
-    return dataset
+# Turning `--key=value` flags into a Config, and a Config back into text (recipe files: recipe.py).
 
 
 def apply_overrides(config: Config, args: list[str]) -> Config:

@@ -61,16 +61,15 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
         return 0 if argv else 2
-    from .config import apply_overrides, load_recipe, resolve_dataset
     from .evaluate import check_eval_funcs, evaluate
+    from .recipe import load_with_overrides, resolve_dataset
 
     try:
         own, overrides = split_options(argv[1:])
         if "limit" in own and not own["limit"].isdigit():
             raise ConfigError(f"--limit must be a positive integer, got {own['limit']!r}")
         limit = int(own["limit"]) if "limit" in own else None
-        recipe = load_recipe(argv[0])
-        config = apply_overrides(recipe.config, overrides)
+        recipe, config = load_with_overrides(argv[0], overrides)
         check_eval_funcs(recipe.reward_funcs, config.eval_accuracy_func, config.eval_format_func)
         dataset = resolve_dataset(recipe.eval_dataset, "eval_dataset")
         if dataset is None:

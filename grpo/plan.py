@@ -236,11 +236,11 @@ def main(argv: list[str] | None = None) -> int:
     if not args.recipe:
         parser.print_usage()
         return 2
-    from .config import ConfigError, apply_overrides, load_recipe
+    from .errors import ConfigError
+    from .recipe import load_with_overrides
 
     try:
-        recipe = load_recipe(args.recipe)
-        config = apply_overrides(recipe.config, overrides)
+        recipe, config = load_with_overrides(args.recipe, overrides)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -22,11 +22,11 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE)
         return 0 if argv else 2
     try:
-        from .config import apply_overrides, format_help, load_recipe
+        from .config import format_help
+        from .recipe import load_with_overrides
 
         recipe_path, overrides = argv[0], argv[1:]
-        recipe = load_recipe(recipe_path)
-        config = apply_overrides(recipe.config, [a for a in overrides if a not in ("-h", "--help")])
+        recipe, config = load_with_overrides(recipe_path, [a for a in overrides if a not in ("-h", "--help")])
         if any(a in ("-h", "--help") for a in overrides):
             print(f"{USAGE}\n\nsettings of {recipe_path}:\n{format_help(config)}")
             return 0
@@ -44,9 +44,9 @@ def run(recipe, config, argv: list[str]) -> int:
     and how to resume."""
     import torch
 
-    from .config import resolve_dataset
     from .distributed import shutdown
     from .interrupts import TrainingInterrupted
+    from .recipe import resolve_dataset
     from .trainer import Trainer
 
     train_dataset = resolve_dataset(recipe.train_dataset, "train_dataset")

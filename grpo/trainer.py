@@ -1,22 +1,21 @@
 """`Trainer`: wires sampling, rewards, advantages, log-probs and the loss into the GRPO loop.
-The math lives in advantages.py, logprobs.py and loss.py; this file only orchestrates and logs."""
+The math lives in advantages.py, logprobs.py and loss.py, the logs in run_logs.py, saving and resuming
+in trainer_state.py; this file only orchestrates."""
 from __future__ import annotations
 
 import contextlib
-import json
 import math
-import resource
 import sys
 import time
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
+from . import trainer_state
 from .advantages import group_advantages
-from .checkpoint import (changed_settings, check_no_earlier_run, drop_log_lines_after, find_checkpoint, load_state,
-                         rng_state, save_checkpoint, set_rng_state)
+from .batches import Batch, Generation
+from .checkpoint import rng_state, set_rng_state
 from .config import Config
 from .data import PromptStream, check_dataset
 from .distributed import setup as setup_distributed
@@ -26,35 +25,11 @@ from .interrupts import StepAbandoned, StopSignals, TrainingInterrupted
 from .loss import policy_loss
 from .models import (check_load_options, completion_logprobs, device_of, load_model, load_tokenizer,
                      make_reference, prepare_for_training, reference_context)
-from .optim import build_optimizer, build_scheduler, set_hyperparameters
+from .optim import build_optimizer, build_scheduler
 from .parallel import ParallelPolicy, check_settings as check_parallel_settings
 from .rewards import compute_rewards, reward_func_names, reward_metrics
+from .run_logs import log_completions, log_eval, log_metrics, peak_memory_gb
 from .sampling import PromptEncoder, Rollout, sample
-
-
-@dataclass
-class Batch:
-    """One micro-batch ready for the loss: a rollout plus what GRPO attaches to it."""
-
-    rollout: Rollout
-    advantages: torch.Tensor  # [N]
-    old_logprobs: torch.Tensor | None = None  # [N, C], only when num_iterations > 1
-    ref_logprobs: torch.Tensor | None = None  # [N, C], only when beta > 0
-
-
-@dataclass
-class Generation:
-    """One generation batch, used by `num_iterations` optimizer steps."""
-
-    batches: list[Batch]
-    metrics: dict
-    rows: tuple  # this rank's prompts, completions; all ranks' rewards [W*B*G*GA], per_func, advantages
-
-
-def peak_memory_gb(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 1e9
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9  # Linux reports KiB
 
 
 def repeat_each(values: list, times: int) -> list:
@@ -102,7 +77,7 @@ class Trainer:
         self.generation: Generation | None = None
         self.nonfinite_streak = self.nonfinite_total = 0  # optimizer steps skipped for a NaN/inf loss or grad
         self.last_checkpoint: Path | None = None
-        self._saved_step: int | None = None
+        self.saved_step: int | None = None  # the step last saved: saving it again is a no-op
 
     def _total_steps(self, num_prompts: int) -> int:
         if self.config.max_steps > 0:
@@ -114,7 +89,7 @@ class Trainer:
     def train(self) -> list[dict]:
         """Run to `total_steps`, first resuming `config.resume_from_checkpoint` when set; returns the logged
         metrics lines. On SIGINT/SIGTERM it saves a checkpoint and raises TrainingInterrupted."""
-        self._start_or_resume()
+        trainer_state.start_or_resume(self)
         history = []
         if self.config.eval_on_start and self.step == 0:
             history.append(self.evaluate())
@@ -139,7 +114,7 @@ class Trainer:
                     self.save()
                 received = self.dist.agree_on_signal(signals.received)  # every rank stops at the same step
                 if received is not None:
-                    raise TrainingInterrupted(received, self.step, self._save_if_trained())
+                    raise TrainingInterrupted(received, self.step, trainer_state.save_if_trained(self))
             self.save()
         return history
 
@@ -160,9 +135,9 @@ class Trainer:
             self.generation = start[2]
             self.optimizer.zero_grad(set_to_none=True)
             if isinstance(error, StepAbandoned):
-                raise TrainingInterrupted(signals.received, self.step, self._save_if_trained()) from None
+                raise TrainingInterrupted(signals.received, self.step, trainer_state.save_if_trained(self)) from None
             if self.dist.world_size == 1:  # saving is collective: a rank failing alone cannot
-                self._save_after_error(error)
+                trainer_state.save_after_error(self)
             raise
         metrics = {**self.generation.metrics, **self.apply_update(totals)}
         self.step += 1
@@ -289,123 +264,25 @@ class Trainer:
                               max_prompt_length=cfg.max_prompt_length, max_completion_length=cfg.max_completion_length,
                               batch_size=cfg.eval_batch_size, limit=cfg.eval_limit, progress=self.dist.is_main,
                               generate=self.policy.generate)
-        line = {"step": self.step, **metrics}
-        if self.dist.is_main:
-            tqdm.write(f"eval at step {self.step}: accuracy {metrics['eval/accuracy']:.3f}"
-                       + (f", format {metrics['eval/format']:.3f}" if "eval/format" in metrics else "")
-                       + f", mean length {metrics['eval/length_mean']:.1f} tokens")
-            with open(self.output_dir / "metrics.jsonl", "a") as f:
-                f.write(json.dumps(line) + "\n")
-        return line
+        return log_eval(self.output_dir, self.step, metrics, self.dist.is_main)
 
-    # --- output ---
+    # --- output and checkpoints (run_logs.py, trainer_state.py) ---
     def log(self, metrics: dict) -> dict:
         """Every rank calls it (it gathers); rank 0 writes. Timings and memory are the slowest / largest rank's."""
-        timings = self.dist.reduce({k: v for k, v in metrics.items() if k.startswith(("perf/", "memory/"))}, "max")
-        line = {"step": self.step, **{k: float(v) for k, v in sorted({**metrics, **timings}.items())}}
-        if self.dist.is_main:
-            with open(self.output_dir / "metrics.jsonl", "a") as f:
-                f.write(json.dumps(line) + "\n")
+        line = log_metrics(self.output_dir, self.step, metrics, self.dist)
         if (self.step - 1) % self.config.num_iterations == 0:  # once per generation batch, not per pass
-            self.log_completions()
+            log_completions(self.output_dir, self.step, self.generation.rows, self.reward_names, self.dist)
         return line
 
-    def log_completions(self) -> None:
-        prompts, completions, rewards, per_func, advantages = self.generation.rows
-        prompts, completions = self.dist.gather_objects(prompts), self.dist.gather_objects(completions)
-        if not self.dist.is_main:
-            return
-        with open(self.output_dir / "completions.jsonl", "a") as f:
-            for i in range(len(completions)):
-                row = {"step": self.step, "prompt": prompts[i], "completion": completions[i],
-                       "reward": rewards[i].item(), "advantage": advantages[i].item()}
-                for j, name in enumerate(self.reward_names):
-                    value = per_func[i, j].item()
-                    row[f"reward/{name}"] = None if math.isnan(value) else value
-                f.write(json.dumps(row) + "\n")
-
-    # --- checkpoints ---
     def save(self) -> Path:
         """Write checkpoint-STEP with everything `resume` needs (once per step); returns its path. Under
-        torchrun every rank calls it (gathering is collective) and rank 0 writes, with every rank's RNG
-        states and generation batch; the others wait until the checkpoint is complete."""
-        if self._saved_step != self.step:
-            # A generation batch that later steps still use travels with the checkpoint.
-            mid_batch = self.step % self.config.num_iterations != 0
-            own = {"rng": rng_state(), "generation": asdict(self.generation) if mid_batch else None}
-            state = {"step": self.step, "optimizer": self.policy.optimizer_state(self.optimizer),
-                     "scheduler": self.scheduler.state_dict(), "prompts": self.prompts.state_dict(),
-                     "nonfinite": (self.nonfinite_streak, self.nonfinite_total),
-                     **(own if self.dist.world_size == 1 else {"ranks": self.dist.gather_to_main(own)})}
-            model_state = self.policy.full_state_dict()  # gathered from the shards under FSDP
-            if self.dist.is_main:
-                save_checkpoint(str(self.output_dir), self.step, self.model, self.tokenizer, asdict(self.config),
-                                state, self.config.save_total_limit, model_state=model_state)
-            self.dist.barrier()
-            self.last_checkpoint = self.output_dir / f"checkpoint-{self.step}"
-            self._saved_step = self.step
-        return self.last_checkpoint
+        torchrun every rank calls it (gathering is collective) and rank 0 writes. See trainer_state.py."""
+        return trainer_state.save(self)
 
     def resume(self, checkpoint: str) -> None:
         """Continue from `checkpoint`, a folder or "latest" (the newest complete one in output_dir; none
-        yet means step 0): weights, optimizer, schedule, RNG states, data position and step. Lines of the
-        run's logs written after that step are dropped, so the metrics stream continues without repeats."""
-        path = find_checkpoint(checkpoint, str(self.output_dir))
-        state = load_state(path) if path is not None else {"step": 0}
-        if path is None:
-            print(f"no checkpoint in {self.output_dir} yet: starting from step 0", file=sys.stderr)
-        else:
-            for change in changed_settings(path, asdict(self.config)):
-                print(f"resuming with a changed setting: {change}", file=sys.stderr)
-            self.policy.load_weights(path)
-            self._load_state(state, path)
-            self.last_checkpoint = path
-            self._saved_step = state["step"]
-        self.step = state["step"]
-        if self.dist.is_main:  # the one writer of the logs
-            drop_log_lines_after(str(self.output_dir), self.step)
-
-    def _load_state(self, state: dict, path: Path) -> None:
-        cfg = self.config
-        saved_ranks = len(state.get("ranks", [state]))
-        if saved_ranks != self.dist.world_size:
-            raise ConfigError(f"{path} was saved by {saved_ranks} rank(s) and holds each one's sampling state: "
-                              f"resume it with as many (torchrun --nproc_per_node={saved_ranks}), not "
-                              f"{self.dist.world_size}")
-        own = state if saved_ranks == 1 else state["ranks"][self.dist.rank]
-        self.policy.load_optimizer_state(self.optimizer, state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        set_hyperparameters(self.optimizer, self.scheduler, cfg.learning_rate, (cfg.adam_beta1, cfg.adam_beta2),
-                            cfg.weight_decay)
-        self.prompts.load_state_dict(state["prompts"])
-        self.nonfinite_streak, self.nonfinite_total = state["nonfinite"]
-        if own["generation"] is not None:
-            g = own["generation"]
-            batches = [Batch(Rollout(**{k: to_device(v, self.device) for k, v in b["rollout"].items()}),
-                             *(to_device(b[k], self.device) for k in ("advantages", "old_logprobs", "ref_logprobs")))
-                       for b in g["batches"]]
-            self.generation = Generation(batches, g["metrics"], tuple(g["rows"]))
-        set_rng_state(own["rng"])
-
-    def _start_or_resume(self) -> None:
-        if self.step == 0 and self.config.resume_from_checkpoint:
-            self.resume(self.config.resume_from_checkpoint)
-        elif self.step == 0:
-            check_no_earlier_run(str(self.output_dir))
-        self.output_dir.mkdir(parents=True, exist_ok=True)
-
-    def _save_if_trained(self) -> Path | None:
-        return self.save() if self.step > 0 else None
-
-    def _save_after_error(self, error: Exception) -> None:
-        """Keep the steps done before a failing one; never let the save hide the error itself."""
-        try:
-            path = self._save_if_trained()
-        except Exception as save_error:
-            print(f"could not save a checkpoint after the error below: {save_error!r}", file=sys.stderr)
-            return
-        if path is not None:
-            print(f"step {self.step + 1} failed; {path} holds the state after step {self.step}", file=sys.stderr)
+        yet means step 0), dropping log lines written after its step. See trainer_state.py."""
+        trainer_state.resume(self, checkpoint)
 
     def _nonfinite_stop(self) -> TrainingStopped:
         n = self.nonfinite_streak
@@ -414,7 +291,3 @@ class Trainer:
             f"(max_nonfinite_steps={self.config.max_nonfinite_steps}); their updates were skipped, so the weights "
             f"are those of step {self.step - n}. Newest checkpoint: {self.last_checkpoint or 'none yet'}. Try a lower "
             f"--learning_rate or --max_grad_norm, or check the rewards, then --resume_from_checkpoint=latest.")
-
-
-def to_device(value, device: torch.device):
-    return value.to(device) if isinstance(value, torch.Tensor) else value

@@ -9,14 +9,12 @@ import pytest
 from grpo.config import (
     Config,
     ConfigError,
-    Recipe,
     apply_overrides,
     config_to_dict,
     field_docs,
     format_help,
-    load_recipe,
-    resolve_dataset,
 )
+from grpo.recipe import Recipe, load_recipe, resolve_dataset
 
 # --- overrides -----------------------------------------------------------------------------------
 

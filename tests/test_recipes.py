@@ -1,7 +1,7 @@
 """The shipped recipes load offline and say what the README says they do."""
 from datasets import Dataset
 
-from grpo.config import load_recipe
+from grpo.recipe import load_recipe
 from grpo.rewards import SYSTEM_PROMPT
 
 # The "GRPO on a 16 GB GPU" write-up's settings, which gsm8k_lora.py must port field for field.
