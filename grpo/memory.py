@@ -236,10 +236,10 @@ def estimate(a: Architecture, s: Settings, device: str = "cuda") -> Estimate:
     parts["autocast weight copies"] = 2 * a.linear_params() if d.autocast and not s.use_lora else 0.0
     parts["gradients"] = 4 * n_trainable
     parts["earlier micro-batches' gradients"] = parts["gradients"] if s.gradient_accumulation_steps > 1 else 0.0
-    # Big gradients still being summed when backward ends: a tied embedding's own gradient meets the head's,
-    # and after the first micro-batch the new embedding gradient waits to be added to the stored one.
-    pending = int(a.tie_word_embeddings) + int(s.gradient_accumulation_steps > 1)
-    parts["pending embedding gradients"] = 4 * V * H * pending if head_trained else 0.0
+    # After the first micro-batch, a new [V, H] gradient (the head's, or an untied embedding's) waits to be added
+    # to the stored one when backward ends. (A tied embedding's lookup adds a sparse gradient into the head's.)
+    accumulating = s.gradient_accumulation_steps > 1
+    parts["pending embedding gradients"] = 4 * V * H if head_trained and accumulating else 0.0
 
     # --- optimizer step: torch AdamW runs fused (in place); bitsandbytes' CPU kernel works on float32 copies
     # of a tensor's states, gradient and denominator (about six at once), its CUDA kernel in place ---
