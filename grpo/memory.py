@@ -8,10 +8,10 @@ Generation samples each micro-batch of prompts x num_generations with a KV cache
 weights' dtype). The loss runs per micro-batch: activations of the whole micro-batch, the LM head applied in
 chunks of `logprob_chunk_size` token rows (float32 logits), and the head's gradient in backward.
 
-Peak = the largest of six moments: generation, a micro-batch's forward, the start of its backward, the
-recomputation of a layer (gradient checkpointing), the end of the backward, and the optimizer step. Optimizer
-states exist from the first step on, gradients only between the first backward and the optimizer step (they
-are freed, not zeroed). Sizes are in bytes; `GB` is 1e9 bytes, as the trainer's
+Peak = the largest of six moments: generation, the end of a micro-batch's forward, the start of its backward,
+the recomputation of a layer (gradient checkpointing), the end of the backward, and the optimizer step.
+Optimizer states exist from the first step on, gradients only between the first backward and the optimizer
+step (they are freed, not zeroed). Sizes are in bytes; `GB` is 1e9 bytes, as the trainer's
 `memory/peak_gb` metric.
 """
 from __future__ import annotations
@@ -247,12 +247,13 @@ def estimate(a: Architecture, s: Settings, device: str = "cuda") -> Estimate:
     parts["optimizer step temporaries"] = 6 * 4 * max(trainable) if on_cpu_8bit else 0.0
 
     kept = ("weights", "optimizer states", "reference model", "rollouts")
-    forward = kept + ("activations", "autocast weight copies", "earlier micro-batches' gradients")
-    # Autocast's weight copies are saved for backward, unless checkpointing recomputes them layer by layer.
+    # Autocast keeps its weight copies until the forward ends; for backward too, unless checkpointing
+    # recomputes them layer by layer.
     copies = () if s.gradient_checkpointing else ("autocast weight copies",)
     moments = {
         "generation": kept + ("KV cache", "sampling buffers"),
-        "forward": forward + ("recomputed layer",),
+        "forward end": kept + ("activations", "autocast weight copies", "log-prob chunk",
+                               "earlier micro-batches' gradients"),
         "backward start": kept + ("activations", "log-prob chunk", "LM-head gradient",
                                   "earlier micro-batches' gradients") + copies,
         "layer recompute": kept + ("activations", "recomputed layer", "LM-head gradient",
