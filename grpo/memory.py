@@ -23,6 +23,7 @@ LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 BNB_8BIT_MIN_SIZE = 4096  # bitsandbytes keeps 32-bit states for smaller tensors
 BNB_BLOCK = 256  # 8-bit optimizer states: one float32 absmax per block
 NF4_BLOCK = 64  # 4-bit weights: one float32 absmax per block
+BNB_CPU_SLICE = 1 << 22  # elements per 8-bit optimizer update on CPU (grpo/optim.py's CPU_SLICE)
 
 
 @dataclass(frozen=True)
@@ -242,9 +243,9 @@ def estimate(a: Architecture, s: Settings, device: str = "cuda") -> Estimate:
     parts["pending embedding gradients"] = 4 * V * H if head_trained and accumulating else 0.0
 
     # --- optimizer step: torch AdamW runs fused (in place); bitsandbytes' CPU kernel works on float32 copies
-    # of a tensor's states, gradient and denominator (about six at once), its CUDA kernel in place ---
+    # of a slice's states, gradient and denominator (about six at once), its CUDA kernel in place ---
     on_cpu_8bit = s.optim != "adamw" and device != "cuda"
-    parts["optimizer step temporaries"] = 6 * 4 * max(trainable) if on_cpu_8bit else 0.0
+    parts["optimizer step temporaries"] = 6 * 4 * min(max(trainable), BNB_CPU_SLICE) if on_cpu_8bit else 0.0
 
     kept = ("weights", "optimizer states", "reference model", "rollouts")
     # Autocast keeps its weight copies until the forward ends; for backward too, unless checkpointing

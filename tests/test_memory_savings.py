@@ -48,3 +48,35 @@ def test_fused_adamw_matches_the_reference_implementation():
     assert build_optimizer([torch.nn.Parameter(torch.ones(2))], "adamw", 1e-3, (0.9, 0.99), 0.0).defaults["fused"]
     for a, b in zip(*results):
         torch.testing.assert_close(a, b)
+
+
+def test_8bit_adamw_in_slices_on_cpu_matches_bitsandbytes(monkeypatch):
+    import bitsandbytes as bnb
+
+    import grpo.optim
+
+    monkeypatch.setattr(grpo.optim, "CPU_SLICE", 1024)  # 4 blocks per slice; 5000 elements end mid-block
+    torch.manual_seed(0)
+    weight = torch.randn(50, 100)
+    grads = [torch.randn_like(weight) for _ in range(3)]
+    results = []
+    for make in (lambda ps: build_optimizer(ps, "adamw_8bit", 1e-2, (0.9, 0.99), 0.1),
+                 lambda ps: bnb.optim.AdamW8bit(ps, lr=1e-2, betas=(0.9, 0.99), weight_decay=0.1)):
+        param = torch.nn.Parameter(weight.clone())
+        optimizer = make([param])
+        for g in grads:
+            param.grad = g.clone()
+            optimizer.step()
+        results.append((param.detach(), optimizer.state[param]))
+    (sliced, s_state), (whole, w_state) = results
+    assert s_state["state1"].dtype == torch.uint8 and not torch.equal(sliced, weight)
+    torch.testing.assert_close(sliced, whole, rtol=0, atol=0)
+    for key in ("state1", "state2", "absmax1", "absmax2"):
+        torch.testing.assert_close(s_state[key], w_state[key], rtol=0, atol=0)
+
+
+def test_the_memory_model_knows_the_slice_size():
+    from grpo.memory import BNB_CPU_SLICE
+    from grpo.optim import CPU_SLICE
+
+    assert BNB_CPU_SLICE == CPU_SLICE and CPU_SLICE % 256 == 0
