@@ -268,7 +268,7 @@ def main() -> None:
             print(json.dumps({k: v for k, v in rows[-1].items() if k != "spec"}), flush=True)
     print_table(rows)
     RESULTS.mkdir(parents=True, exist_ok=True)
-    out = RESULTS / "vs_trl.json"
+    out = RESULTS / f"vs_trl_{args.optim}{'_checkpointing' if args.gradient_checkpointing else ''}.json"
     out.write_text(json.dumps({"rows": rows, "created": time.strftime("%Y-%m-%dT%H:%M:%S")}, indent=2) + "\n")
     print(f"wrote {out.relative_to(ROOT)}")
 

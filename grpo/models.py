@@ -59,7 +59,7 @@ def load_model(config):
                                                 device_map={"": device})
 
 
-def prepare_for_training(model, config):
+def prepare_for_training(model, config, world_size: int = 1):
     """Gradient checkpointing, then LoRA adapters when asked for. Returns the model to train."""
     if config.gradient_checkpointing:
         # Non-reentrant checkpointing lets gradients reach LoRA weights without input grads.
@@ -69,7 +69,7 @@ def prepare_for_training(model, config):
             enable(activation_checkpointing_kwargs=kwargs)
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-    if not config.use_lora:
+    if not config.use_lora and world_size == 1:  # DDP and FSDP reduce dense gradients only
         sparse_tied_embedding_gradient(model)
     if config.use_lora:
         from peft import LoraConfig, get_peft_model
