@@ -87,8 +87,9 @@ def child(args, arch: Architecture, column: dict) -> dict:
             tokenizer.save_pretrained(path)
             config = dataclasses.replace(config, model=path)
         else:
+            dtype = train_dtype(config.use_lora, config.bf16)
             with torch.device(args.device):
-                model = AutoModelForCausalLM.from_config(hf_config(arch), dtype=train_dtype(config.use_lora, config.bf16))
+                model = AutoModelForCausalLM.from_config(hf_config(arch), dtype=dtype)
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         trainer = Trainer(config, model=model, tokenizer=tokenizer, train_dataset=data,

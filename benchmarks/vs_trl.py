@@ -107,7 +107,8 @@ def run_ours(spec: dict, output_dir: str) -> None:
         per_device_train_batch_size=spec["prompts_per_step"], gradient_accumulation_steps=1,
         num_generations=spec["num_generations"], max_completion_length=spec["completion_length"],
         stop_at_eos=False, temperature=1.0, beta=spec["beta"], learning_rate=1e-6, adam_beta2=0.99,
-        weight_decay=0.0, max_grad_norm=1.0, optim=spec["optim"], gradient_checkpointing=spec["gradient_checkpointing"],
+        weight_decay=0.0, max_grad_norm=1.0, optim=spec["optim"],
+        gradient_checkpointing=spec["gradient_checkpointing"],
         use_lora=spec["lora"], lora_r=16, lora_alpha=32, lora_dropout=0.05, save_steps=10**9, seed=0,
     )
     from datasets import Dataset
@@ -170,7 +171,8 @@ def child(side: str, spec: dict) -> dict:
     steps = [b - a for a, b in zip(ends, ends[1:])]  # step k (k >= 2) runs from the end of step k-1
     cpu_steps = [b - a for a, b in zip(cpu_ends, cpu_ends[1:])]
     return {
-        "side": side, "steps_done": len(ends), "step_s": steps, "median_step_s": statistics.median(steps) if steps else None,
+        "side": side, "steps_done": len(ends),
+        "step_s": steps, "median_step_s": statistics.median(steps) if steps else None,
         "cpu_step_s": cpu_steps, "median_cpu_step_s": statistics.median(cpu_steps) if cpu_steps else None,
         "first_step_s": ends[0] - start if ends else None,
         "peak_bytes": marks["peak"][-1] if marks["peak"] else None, "baseline_bytes": baseline,
@@ -211,7 +213,8 @@ def print_table(rows: list[dict]) -> None:
         if ours and trl:
             t_ours, t_trl = (r["peak_bytes"] - r["baseline_bytes"] for r in (ours, trl))
             print(f"{mode:<6} ours/TRL: peak {ratio(ours['peak_bytes'], trl['peak_bytes'])}, "
-                  f"training memory {ratio(t_ours, t_trl)}, s/step {ratio(ours['median_step_s'], trl['median_step_s'])} "
+                  f"training memory {ratio(t_ours, t_trl)}, "
+                  f"s/step {ratio(ours['median_step_s'], trl['median_step_s'])} "
                   f"(cpu {ratio(ours['median_cpu_step_s'], trl['median_cpu_step_s'])}), "
                   f"gen tok/s {ratio(ours['tokens_per_s'], trl['tokens_per_s'])}  "
                   f"(targets: peak <= 0.60, s/step <= 0.80)")
@@ -249,7 +252,8 @@ def main() -> None:
         print("TRL is not installed (pip install -e '.[bench]'): running our side only")
         sides.remove("trl")
     arch = qwen2_config(args.vocab_size, args.hidden_size, args.num_layers)
-    model_dir = save_model_dir(RESULTS / f"vs_trl_model_v{args.vocab_size}_h{args.hidden_size}_l{args.num_layers}", arch)
+    name = f"vs_trl_model_v{args.vocab_size}_h{args.hidden_size}_l{args.num_layers}"
+    model_dir = save_model_dir(RESULTS / name, arch)
     base = dict(model_dir=str(model_dir), steps=args.steps, num_generations=args.num_generations,
                 completion_length=args.completion_length, prompts_per_step=args.prompts_per_step,
                 num_prompts=args.prompts_per_step * args.steps, beta=args.beta, optim=args.optim,
@@ -264,7 +268,7 @@ def main() -> None:
             print(json.dumps({k: v for k, v in rows[-1].items() if k != "spec"}), flush=True)
     print_table(rows)
     RESULTS.mkdir(parents=True, exist_ok=True)
-    out = RESULTS / "vs_trl.json"
+    out = RESULTS / f"vs_trl_{args.optim}{'_checkpointing' if args.gradient_checkpointing else ''}.json"
     out.write_text(json.dumps({"rows": rows, "created": time.strftime("%Y-%m-%dT%H:%M:%S")}, indent=2) + "\n")
     print(f"wrote {out.relative_to(ROOT)}")
 

@@ -8,10 +8,10 @@ Generation samples each micro-batch of prompts x num_generations with a KV cache
 weights' dtype). The loss runs per micro-batch: activations of the whole micro-batch, the LM head applied in
 chunks of `logprob_chunk_size` token rows (float32 logits), and the head's gradient in backward.
 
-Peak = the largest of six moments: generation, a micro-batch's forward, the start of its backward, the
-recomputation of a layer (gradient checkpointing), the end of the backward, and the optimizer step. Optimizer
-states exist from the first step on, gradients only between the first backward and the optimizer step (they
-are freed, not zeroed). Sizes are in bytes; `GB` is 1e9 bytes, as the trainer's
+Peak = the largest of six moments: generation, the end of a micro-batch's forward, the start of its backward,
+the recomputation of a layer (gradient checkpointing), the end of the backward, and the optimizer step.
+Optimizer states exist from the first step on, gradients only between the first backward and the optimizer
+step (they are freed, not zeroed). Sizes are in bytes; `GB` is 1e9 bytes, as the trainer's
 `memory/peak_gb` metric.
 """
 from __future__ import annotations
@@ -23,6 +23,7 @@ LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 BNB_8BIT_MIN_SIZE = 4096  # bitsandbytes keeps 32-bit states for smaller tensors
 BNB_BLOCK = 256  # 8-bit optimizer states: one float32 absmax per block
 NF4_BLOCK = 64  # 4-bit weights: one float32 absmax per block
+BNB_CPU_SLICE = 1 << 22  # elements per 8-bit optimizer update on CPU (grpo/optim.py's CPU_SLICE)
 
 
 @dataclass(frozen=True)
@@ -236,23 +237,24 @@ def estimate(a: Architecture, s: Settings, device: str = "cuda") -> Estimate:
     parts["autocast weight copies"] = 2 * a.linear_params() if d.autocast and not s.use_lora else 0.0
     parts["gradients"] = 4 * n_trainable
     parts["earlier micro-batches' gradients"] = parts["gradients"] if s.gradient_accumulation_steps > 1 else 0.0
-    # Big gradients still being summed when backward ends: a tied embedding's own gradient meets the head's,
-    # and after the first micro-batch the new embedding gradient waits to be added to the stored one.
-    pending = int(a.tie_word_embeddings) + int(s.gradient_accumulation_steps > 1)
-    parts["pending embedding gradients"] = 4 * V * H * pending if head_trained else 0.0
+    # After the first micro-batch, a new [V, H] gradient (the head's, or an untied embedding's) waits to be added
+    # to the stored one when backward ends. (A tied embedding's lookup adds a sparse gradient into the head's.)
+    accumulating = s.gradient_accumulation_steps > 1
+    parts["pending embedding gradients"] = 4 * V * H if head_trained and accumulating else 0.0
 
     # --- optimizer step: torch AdamW runs fused (in place); bitsandbytes' CPU kernel works on float32 copies
-    # of a tensor's states, gradient and denominator (about six at once), its CUDA kernel in place ---
+    # of a slice's states, gradient and denominator (about six at once), its CUDA kernel in place ---
     on_cpu_8bit = s.optim != "adamw" and device != "cuda"
-    parts["optimizer step temporaries"] = 6 * 4 * max(trainable) if on_cpu_8bit else 0.0
+    parts["optimizer step temporaries"] = 6 * 4 * min(max(trainable), BNB_CPU_SLICE) if on_cpu_8bit else 0.0
 
     kept = ("weights", "optimizer states", "reference model", "rollouts")
-    forward = kept + ("activations", "autocast weight copies", "earlier micro-batches' gradients")
-    # Autocast's weight copies are saved for backward, unless checkpointing recomputes them layer by layer.
+    # Autocast keeps its weight copies until the forward ends; for backward too, unless checkpointing
+    # recomputes them layer by layer.
     copies = () if s.gradient_checkpointing else ("autocast weight copies",)
     moments = {
         "generation": kept + ("KV cache", "sampling buffers"),
-        "forward": forward + ("recomputed layer",),
+        "forward end": kept + ("activations", "autocast weight copies", "log-prob chunk",
+                               "earlier micro-batches' gradients"),
         "backward start": kept + ("activations", "log-prob chunk", "LM-head gradient",
                                   "earlier micro-batches' gradients") + copies,
         "layer recompute": kept + ("activations", "recomputed layer", "LM-head gradient",

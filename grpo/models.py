@@ -59,7 +59,7 @@ def load_model(config):
                                                 device_map={"": device})
 
 
-def prepare_for_training(model, config):
+def prepare_for_training(model, config, world_size: int = 1):
     """Gradient checkpointing, then LoRA adapters when asked for. Returns the model to train."""
     if config.gradient_checkpointing:
         # Non-reentrant checkpointing lets gradients reach LoRA weights without input grads.
@@ -69,6 +69,8 @@ def prepare_for_training(model, config):
             enable(activation_checkpointing_kwargs=kwargs)
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    if not config.use_lora and world_size == 1:  # DDP and FSDP reduce dense gradients only
+        sparse_tied_embedding_gradient(model)
     if config.use_lora:
         from peft import LoraConfig, get_peft_model
 
@@ -79,6 +81,16 @@ def prepare_for_training(model, config):
         model = get_peft_model(model, lora)
     model.train()
     return model
+
+
+def sparse_tied_embedding_gradient(model) -> None:
+    """When the input embedding is the LM head (tied), make the lookup's backward sparse (rows of the batch's
+    tokens). Autograd adds it in place into the head's dense gradient, which the loss produces first, so the
+    weight's gradient stays dense and the [V, H] float32 temporary of a dense embedding backward never exists
+    (1.2 GB for Qwen2.5-3B, at the end of every backward)."""
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if isinstance(embedding, torch.nn.Embedding) and head is not None and embedding.weight is head.weight:
+        embedding.sparse = True
 
 
 def unwrap(model):

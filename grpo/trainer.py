@@ -57,7 +57,8 @@ class Trainer:
         check_parallel_settings(self.dist.world_size, config.fsdp, config.optim, config.use_lora)
         torch.manual_seed(config.seed + self.dist.rank)  # ranks sample differently; wrapping syncs the weights
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model)
-        self.model = prepare_for_training(model if model is not None else load_model(config), config)
+        self.model = prepare_for_training(model if model is not None else load_model(config), config,
+                                          self.dist.world_size)
         self.reference = make_reference(self.model, config.use_lora, config.beta)
         # Before the optimizer: FSDP replaces the parameters by their shards.
         self.policy = ParallelPolicy(self.model, self.dist, fsdp=config.fsdp, bf16=config.bf16)
