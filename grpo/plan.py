@@ -244,7 +244,13 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    arch = architecture_of(config, _recipe_model_config(recipe, config), download=True)
+    try:
+        model_config = _recipe_model_config(recipe, config)
+    except Exception as e:  # noqa: BLE001 -- e.g. a warm start inside build_model: meta tensors hold no values
+        print(f"error: {args.recipe}'s build_model does more than build a model ({type(e).__name__} on the meta "
+              f"device, where no weights exist), so no memory plan", file=sys.stderr)
+        return 1
+    arch = architecture_of(config, model_config, download=True)
     if isinstance(arch, str):
         print(f"error: {arch}", file=sys.stderr)
         return 1

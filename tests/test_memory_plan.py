@@ -107,6 +107,28 @@ def test_plan_summary_never_raises_when_the_config_cannot_be_read():
     assert summary.startswith("cannot read the config of '/no/such/model'") and "\n" not in summary
 
 
+def test_cli_says_so_when_a_recipe_model_cannot_be_built_without_weights(tmp_path, capsys):
+    recipe = tmp_path / "warm.py"
+    recipe.write_text(textwrap.dedent("""
+        from datasets import Dataset
+        from grpo import Config
+        from grpo.tiny import tiny_qwen2
+
+        config = Config(output_dir="unused")
+        reward_funcs = [lambda completions, **_: [0.0] * len(completions)]
+        train_dataset = Dataset.from_list([{"prompt": "x"}])
+
+        def build_model(config):
+            model = tiny_qwen2(100, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1)
+            model.lm_head.weight.sum().item()  # a warm start reads values: meta tensors have none
+            return model, None
+    """))
+    assert main([str(recipe), "--device", "cpu"]) == 1
+    err = capsys.readouterr().err
+    assert "warm.py's build_model does more than build a model (RuntimeError on the meta device" in err
+    assert "Traceback" not in err
+
+
 def test_cli_on_a_recipe_and_the_table(capsys):
     assert main([str(ROOT / "recipes" / "gsm8k_lora.py"), "--gpu-memory", "16"]) == 0
     out = capsys.readouterr().out
