@@ -30,9 +30,16 @@ RESULTS = ROOT / "benchmarks" / "results"
 sys.path.insert(0, str(ROOT))
 
 from grpo.config import Config  # noqa: E402
-from grpo.memory import GB, Architecture  # noqa: E402
-from grpo.plan import (ARTICLE_CONFIG, ARTICLE_GB, KNOWN, TABLE_COLUMNS, TABLE_MODELS, needed_gb,  # noqa: E402
-                       predicted_gb)
+from grpo.memory.estimate import GB, Architecture  # noqa: E402
+from grpo.plan import (  # noqa: E402
+    ARTICLE_CONFIG,
+    ARTICLE_GB,
+    KNOWN,
+    TABLE_COLUMNS,
+    TABLE_MODELS,
+    needed_gb,
+    predicted_gb,
+)
 
 TINY = Architecture(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=704,
                     vocab_size=32000, tie_word_embeddings=True, attention_bias=True, name="tiny")
@@ -69,8 +76,8 @@ def child(args, arch: Architecture, column: dict) -> dict:
     from transformers import AutoModelForCausalLM
 
     from grpo import Trainer
-    from grpo.models import train_dtype
-    from grpo.tiny import wide_tokenizer
+    from grpo.policy.models import train_dtype
+    from grpo.tasks.tiny import wide_tokenizer
 
     cuda = args.device == "cuda"
     peak = (lambda: torch.cuda.max_memory_allocated()) if cuda else (lambda: 0)  # noqa: E731

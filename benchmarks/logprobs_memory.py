@@ -25,7 +25,7 @@ CHILD = r"""
 import json, resource, sys, time
 import torch
 sys.path.insert(0, {root!r})
-from grpo.logprobs import token_logprobs
+from grpo.algo.logprobs import token_logprobs
 
 def rss_now():
     with open("/proc/self/statm") as f:

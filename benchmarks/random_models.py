@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from grpo.tiny import wide_tokenizer
+from grpo.tasks.tiny import wide_tokenizer
 
 
 def qwen2_config(vocab_size: int = 151936, hidden_size: int = 512, num_layers: int = 4, num_heads: int = 8,

@@ -66,7 +66,6 @@ def peak_bytes(cuda: bool) -> int:
 
 def instrument(cuda: bool) -> dict:
     """Record optimizer-step ends (with the peak so far) and generate() calls, identically for both trainers."""
-    import torch
     import transformers
 
     marks = {"step_end": [], "step_end_cpu": [], "peak": [], "generate_s": 0.0, "generated_tokens": 0}
@@ -93,9 +92,9 @@ def instrument(cuda: bool) -> dict:
     transformers.GenerationMixin.generate = timed(
         transformers.GenerationMixin.generate,
         lambda out, args, kwargs: (out.shape[1] - kwargs["input_ids"].shape[1]) * out.shape[0])
-    import grpo.sampling
+    import grpo.rollout.sampling
 
-    grpo.sampling.generate = timed(grpo.sampling.generate, lambda out, args, kwargs: out.numel())
+    grpo.rollout.sampling.generate = timed(grpo.rollout.sampling.generate, lambda out, args, kwargs: out.numel())
     return marks
 
 
@@ -244,7 +243,6 @@ def main() -> None:
         return
 
     import torch
-
     from random_models import qwen2_config, save_model_dir
 
     sides = list(args.sides)

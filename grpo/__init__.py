@@ -1,14 +1,20 @@
-"""grpo: a small, memory-lean GRPO trainer for language models."""
+"""grpo: a small, memory-lean GRPO trainer for language models.
+
+`Config` and `Trainer` run it; `group_advantages`, `token_logprobs` and `policy_loss` are its math, pure
+tensor functions to unit-test or reuse (grpo/algo/)."""
 from .config import Config
 
-__all__ = ["Config", "Trainer"]
+__all__ = ["Config", "Trainer", "group_advantages", "token_logprobs", "policy_loss"]
 __version__ = "0.1.0"
+
+# Imported on first use, so that `from grpo import Config` (recipes, --help) does not load torch.
+_LAZY = {"Trainer": ".trainer", "group_advantages": ".algo.advantages", "token_logprobs": ".algo.logprobs",
+         "policy_loss": ".algo.loss"}
 
 
 def __getattr__(name):
-    # Imported on first use, so that `from grpo import Config` (recipes, --help) does not load torch.
-    if name == "Trainer":
-        from .trainer import Trainer
+    if name in _LAZY:
+        import importlib
 
-        return Trainer
+        return getattr(importlib.import_module(_LAZY[name], __name__), name)
     raise AttributeError(f"module 'grpo' has no attribute {name!r}")

@@ -12,6 +12,7 @@ import types
 import typing
 from dataclasses import dataclass
 
+from .algo import LOGPROB_CHUNK_SIZE
 from .config_checks import check_config
 from .errors import ConfigError
 
@@ -105,7 +106,7 @@ class Config:
     """Module names to adapt (default: every linear layer except the LM head)."""
     gradient_checkpointing: bool = False
     """Recompute activations in backward instead of storing them."""
-    logprob_chunk_size: int = 512
+    logprob_chunk_size: int = LOGPROB_CHUNK_SIZE
     """Token rows per chunk of LM-head logits when computing log-probs (bounds logits memory)."""
     load_in_4bit: bool = False
     """QLoRA: load `model` as 4-bit NF4 (bitsandbytes) under LoRA; applies when the trainer loads `model` itself."""

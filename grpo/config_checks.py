@@ -1,9 +1,6 @@
 """Checks of a `Config`'s values, run when one is made (in a recipe, by an override or from Python), so
 that a typo costs seconds, not a model load: each field's type against its annotation, then ranges and
-choices, each failure one sentence naming the setting.
-
-The choice lists repeat the ones in optim.py, advantages.py and loss.py (which import torch, too slow for
-loading a recipe); a test keeps them equal."""
+choices, each failure one sentence naming the setting."""
 from __future__ import annotations
 
 import dataclasses
@@ -12,12 +9,9 @@ import math
 import types
 import typing
 
+from .algo import AGGREGATIONS, SCALES
 from .errors import ConfigError
-
-OPTIMIZERS = ("adamw_8bit", "adamw")
-SCHEDULES = ("cosine", "linear", "constant")
-SCALES = ("group", "batch", "none")
-AGGREGATIONS = ("sequence", "token", "constant")
+from .policy import OPTIMIZERS, SCHEDULES
 
 # field: (holds, requirement as read after "must be"); None values of optional fields are not checked.
 RULES: dict[str, tuple[typing.Callable, str]] = {

@@ -37,7 +37,7 @@ def load_checkpoint(path: Path, recipe, config):
     """(model, tokenizer) from a checkpoint-STEP folder: full weights, or a LoRA adapter on the recipe's base."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .models import load_model, load_tokenizer
+    from .policy.models import load_model, load_tokenizer
 
     if not (path / "config.json").exists() and not (path / "adapter_config.json").exists():
         raise ConfigError(f"{path} is not a checkpoint folder (no config.json or adapter_config.json)")
@@ -61,8 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
         return 0 if argv else 2
-    from .evaluate import check_eval_funcs, evaluate
     from .recipe import load_with_overrides, resolve_dataset
+    from .rollout.evaluate import check_eval_funcs, evaluate
 
     try:
         own, overrides = split_options(argv[1:])
@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return e.exit_code
 
-    from .models import load_model, load_tokenizer
+    from .policy.models import load_model, load_tokenizer
 
     model = model if model is not None else load_model(config)
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model)

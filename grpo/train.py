@@ -44,9 +44,9 @@ def run(recipe, config, argv: list[str]) -> int:
     and how to resume."""
     import torch
 
-    from .distributed import shutdown
-    from .interrupts import TrainingInterrupted
+    from .policy.distributed import shutdown
     from .recipe import resolve_dataset
+    from .run.interrupts import TrainingInterrupted
     from .trainer import Trainer
 
     train_dataset = resolve_dataset(recipe.train_dataset, "train_dataset")
@@ -86,40 +86,21 @@ def resume_hint(argv: list[str], checkpoint) -> str:
 
 
 def out_of_memory_report(config, error: Exception, trainer) -> str:
-    """What ran out, the memory planner's estimate for this configuration, and the settings to lower."""
+    """What ran out, the settings that need less memory (the planner's list, cheapest first), the planner's
+    estimate for this configuration, and where the last checkpoint is."""
+    from .memory import fit
+
     where = "while loading the model" if trainer is None else f"in step {trainer.step + 1}"
     lines = [f"error: out of GPU memory {where}: {str(error).splitlines()[0]}", "settings that need less memory:"]
-    lines += [f"  {advice}" for advice in memory_advice(config)]
+    lines += [f"  {fit.flags(change)} ({why})" for change, why in fit.memory_savings(config)]
     try:
-        from .plan import plan_summary  # the memory planner, where this version has it
-
-        lines += ["memory plan for this configuration:", *(f"  {line}" for line in plan_summary(config).splitlines())]
-    except Exception:  # ImportError included: the planner must never hide the message above
+        lines += ["memory plan for this configuration:", *(f"  {line}" for line in fit.plan_summary(config).splitlines())]
+    except Exception:  # noqa: BLE001 -- the planner must never hide the message above
         pass
     if trainer is not None and trainer.last_checkpoint is not None:
         lines.append(f"the last checkpoint is {trainer.last_checkpoint}; after changing settings, "
                      f"--resume_from_checkpoint=latest continues from it")
     return "\n".join(lines)
-
-
-def memory_advice(config) -> list[str]:
-    """Changes that cut peak memory, the ones that keep the algorithm unchanged first."""
-    advice = []
-    if not config.gradient_checkpointing:
-        advice.append("--gradient_checkpointing=true (recompute activations in backward)")
-    if config.optim != "adamw_8bit":
-        advice.append("--optim=adamw_8bit (optimizer state 4x smaller)")
-    if config.per_device_train_batch_size > 1:
-        half = config.per_device_train_batch_size // 2
-        advice.append(f"--per_device_train_batch_size={half} --gradient_accumulation_steps="
-                      f"{config.gradient_accumulation_steps * 2} (same prompts per step, if it divides evenly)")
-    if config.logprob_chunk_size > 128:
-        advice.append(f"--logprob_chunk_size={config.logprob_chunk_size // 2} (smaller LM-head logits chunks)")
-    if not config.use_lora:
-        advice.append("--use_lora=true (train adapters: no full gradients, optimizer state or reference copy)")
-    advice.append(f"--num_generations={max(2, config.num_generations // 2)} or --max_completion_length="
-                  f"{max(1, config.max_completion_length // 2)} (fewer or shorter completions per prompt)")
-    return advice
 
 
 if __name__ == "__main__":

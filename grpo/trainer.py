@@ -1,39 +1,38 @@
-"""`Trainer`: wires sampling, rewards, advantages, log-probs and the loss into the GRPO loop.
-The math lives in advantages.py, logprobs.py and loss.py, the logs in run_logs.py, saving and resuming
-in trainer_state.py; this file only orchestrates."""
+"""`Trainer`: the GRPO loop. `generate` and `accumulate` read as the algorithm, one line per stage, each
+stage implemented in the module named beside it; this file only orchestrates."""
 from __future__ import annotations
 
 import contextlib
 import math
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
-from . import trainer_state
-from .advantages import group_advantages
-from .batches import Batch, Generation
-from .checkpoint import rng_state, set_rng_state
+from .algo.advantages import group_advantages
+from .algo.loss import policy_loss
 from .config import Config
-from .data import PromptStream, check_dataset
-from .distributed import setup as setup_distributed
-from .errors import ConfigError, TrainingStopped
-from .evaluate import check_eval_funcs, evaluate
-from .interrupts import StepAbandoned, StopSignals, TrainingInterrupted
-from .loss import policy_loss
-from .models import (check_load_options, completion_logprobs, device_of, load_model, load_tokenizer,
-                     make_reference, prepare_for_training, reference_context)
-from .optim import build_optimizer, build_scheduler
-from .parallel import ParallelPolicy, check_settings as check_parallel_settings
-from .rewards import compute_rewards, reward_func_names, reward_metrics
-from .run_logs import log_completions, log_eval, log_metrics, peak_memory_gb
-from .sampling import PromptEncoder, Rollout, sample
-
-
-def repeat_each(values: list, times: int) -> list:
-    return [v for v in values for _ in range(times)]
+from .errors import ConfigError, nonfinite_stop
+from .policy.distributed import setup as setup_distributed
+from .policy.models import (
+    check_load_options,
+    load_model,
+    load_tokenizer,
+    prepare_for_training,
+)
+from .policy.optim import build_optimizer, build_scheduler, set_hyperparameters
+from .policy.parallel import check_settings as check_parallel_settings
+from .policy.policy import Policy
+from .rollout.batches import Batch, Generation, Scored, generation_from_dict
+from .rollout.evaluate import check_eval_funcs, evaluate
+from .rollout.prompts import PromptStream, check_dataset, per_completion, total_steps
+from .rollout.rewards import compute_rewards, reward_func_names, reward_metrics
+from .run import checkpoint
+from .run.interrupts import StepAbandoned, StopSignals, TrainingInterrupted
+from .run.logs import log_completions, log_eval, log_metrics, peak_memory_gb
 
 
 class Trainer:
@@ -42,7 +41,7 @@ class Trainer:
     def __init__(self, config: Config, model=None, tokenizer=None, reward_funcs=(), train_dataset=None,
                  eval_dataset=None):
         if not reward_funcs:
-            raise ValueError("Trainer needs at least one reward function")
+            raise ConfigError("Trainer needs at least one reward function")
         check_dataset(train_dataset)
         self.config = config
         self.reward_funcs = list(reward_funcs)
@@ -59,16 +58,12 @@ class Trainer:
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model)
         self.model = prepare_for_training(model if model is not None else load_model(config), config,
                                           self.dist.world_size)
-        self.reference = make_reference(self.model, config.use_lora, config.beta)
-        # Before the optimizer: FSDP replaces the parameters by their shards.
-        self.policy = ParallelPolicy(self.model, self.dist, fsdp=config.fsdp, bf16=config.bf16)
-        self.device = device_of(self.model)
-        self.reference_forwards = 0
-        self.encode = PromptEncoder(self.tokenizer, config.max_prompt_length)
+        self.policy = Policy(self.model, self.tokenizer, config, self.dist)
         self.prompts = PromptStream(train_dataset, config.seed)
         self.prompts_per_step = (config.per_device_train_batch_size * config.gradient_accumulation_steps
                                  * self.dist.world_size)
-        self.total_steps = self._total_steps(len(train_dataset))
+        self.total_steps = total_steps(len(train_dataset), self.prompts_per_step, config.num_train_epochs,
+                                       config.max_steps, config.num_iterations)
         self.optimizer = build_optimizer(self.model.parameters(), config.optim, config.learning_rate,
                                          (config.adam_beta1, config.adam_beta2), config.weight_decay)
         self.scheduler = build_scheduler(self.optimizer, self.total_steps, config.warmup_ratio,
@@ -80,17 +75,15 @@ class Trainer:
         self.last_checkpoint: Path | None = None
         self.saved_step: int | None = None  # the step last saved: saving it again is a no-op
 
-    def _total_steps(self, num_prompts: int) -> int:
-        if self.config.max_steps > 0:
-            return self.config.max_steps
-        rounds = math.ceil(self.config.num_train_epochs * num_prompts / self.prompts_per_step)
-        return max(1, rounds) * self.config.num_iterations
-
     # --- the loop ---
     def train(self) -> list[dict]:
         """Run to `total_steps`, first resuming `config.resume_from_checkpoint` when set; returns the logged
         metrics lines. On SIGINT/SIGTERM it saves a checkpoint and raises TrainingInterrupted."""
-        trainer_state.start_or_resume(self)
+        if self.step == 0 and self.config.resume_from_checkpoint:
+            self.resume(self.config.resume_from_checkpoint)
+        elif self.step == 0:  # a fresh run must not append to an earlier one's logs
+            checkpoint.check_no_earlier_run(str(self.output_dir))
+        self.output_dir.mkdir(parents=True, exist_ok=True)
         history = []
         if self.config.eval_on_start and self.step == 0:
             history.append(self.evaluate())
@@ -101,13 +94,14 @@ class Trainer:
                 t0 = time.perf_counter()
                 metrics = self.run_step(signals)
                 metrics["perf/step_s"] = time.perf_counter() - t0
-                metrics["memory/peak_gb"] = peak_memory_gb(self.device)
+                metrics["memory/peak_gb"] = peak_memory_gb(self.policy.device)
                 bar.update(1)
                 bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", kl=f"{metrics['kl']:.4f}")
                 if self.step % self.config.logging_steps == 0 or self.step == self.total_steps:
                     history.append(self.log(metrics))
                 if self.nonfinite_streak >= self.config.max_nonfinite_steps:
-                    raise self._nonfinite_stop()
+                    raise nonfinite_stop(self.step, self.nonfinite_streak, self.config.max_nonfinite_steps,
+                                         self.last_checkpoint)
                 if self.config.eval_steps > 0 and (self.step % self.config.eval_steps == 0
                                                    or self.step == self.total_steps):
                     history.append(self.evaluate())
@@ -115,91 +109,50 @@ class Trainer:
                     self.save()
                 received = self.dist.agree_on_signal(signals.received)  # every rank stops at the same step
                 if received is not None:
-                    raise TrainingInterrupted(received, self.step, trainer_state.save_if_trained(self))
+                    raise TrainingInterrupted(received, self.step, self._save_if_trained())
             self.save()
         return history
 
     def run_step(self, signals: StopSignals) -> dict:
-        """One optimizer step, sampling a new generation batch every `num_iterations` steps. A stop signal
-        or an error before the update rolls the step back (data position, RNG states, gradients) and saves
-        the steps done, so that only this one is lost and resuming repeats it exactly."""
-        start = (rng_state(), self.prompts.state_dict(), self.generation)
-        try:
-            # Ranks cannot abandon a step alone: the others would wait for them in a collective.
-            with signals.abandonable() if self.dist.world_size == 1 else contextlib.nullcontext():
-                if self.step % self.config.num_iterations == 0:
-                    self.generation = self.generate_step()
-                totals = self.accumulate(self.generation.batches)
-        except Exception as error:
-            set_rng_state(start[0])
-            self.prompts.load_state_dict(start[1])
-            self.generation = start[2]
-            self.optimizer.zero_grad(set_to_none=True)
-            if isinstance(error, StepAbandoned):
-                raise TrainingInterrupted(signals.received, self.step, trainer_state.save_if_trained(self)) from None
-            if self.dist.world_size == 1:  # saving is collective: a rank failing alone cannot
-                trainer_state.save_after_error(self)
-            raise
+        """One optimizer step, sampling a new generation batch every `num_iterations` steps."""
+        with self._undone_on_failure(signals):
+            if self.step % self.config.num_iterations == 0:
+                self.generation = self.generate()
+            totals = self.accumulate(self.generation.batches)
         metrics = {**self.generation.metrics, **self.apply_update(totals)}
         self.step += 1
         return metrics
 
     @torch.no_grad()
-    def generate_step(self) -> Generation:
-        """Sample every micro-batch of one step, score it and compute advantages over the whole step."""
+    def generate(self) -> Generation:
+        """Sample every micro-batch of one step, score it, and attach what the loss needs to each."""
         cfg, G, dist = self.config, self.config.num_generations, self.dist
         t0 = time.perf_counter()
-        # Every rank draws the same global micro-batch and keeps its own share of whole prompts.
+        # Every rank draws the same global micro-batches and keeps its own share of whole prompts.
         rows = [dist.shard(self.prompts.next(cfg.per_device_train_batch_size * dist.world_size))
-                for _ in range(cfg.gradient_accumulation_steps)]
-        rollouts = [self.policy.generate(lambda model: sample(
-            model, self.tokenizer, self.encode, r["prompt"], num_generations=G,
-            max_completion_length=cfg.max_completion_length, temperature=cfg.temperature, top_p=cfg.top_p,
-            top_k=cfg.top_k, stop_at_eos=cfg.stop_at_eos)) for r in rows]
+                for _ in range(cfg.gradient_accumulation_steps)]                           # rollout/prompts
+        rollouts = [self.policy.sample(r["prompt"]) for r in rows]                       # rollout/sampling
         generate_s = dist.reduce({"s": time.perf_counter() - t0}, "max")["s"]  # the slowest rank's
-        prompts = repeat_each([p for r in rows for p in r["prompt"]], G)
-        completions = [c for ro in rollouts for c in ro.completions]
-        columns = {k: repeat_each([v for r in rows for v in r[k]], G) for k in rows[0] if k != "prompt"}
-        rewards, per_func, metrics = compute_rewards(self.reward_funcs, prompts, completions, columns,
-                                                     cfg.reward_weights)
-        # Rewards of all ranks (rank-major): step-wide metrics and "batch" scaling need them all.
-        rewards, per_func = dist.gather(rewards), dist.gather(per_func)  # [W*B*G*GA], [W*B*G*GA, F]
-        if dist.world_size > 1:
-            metrics = reward_metrics(rewards, per_func, self.reward_names)
-        advantages = group_advantages(rewards, G, scale=cfg.scale_rewards)  # [W*B*G*GA]
+        columns = per_completion({k: [v for r in rows for v in r[k]] for k in rows[0]}, G)
+        prompts, completions = columns.pop("prompt"), [c for ro in rollouts for c in ro.completions]
+        rewards, per_func, _ = compute_rewards(self.reward_funcs, prompts, completions, columns,
+                                               cfg.reward_weights)                       # rollout/rewards
+        rewards, per_func = dist.gather(rewards), dist.gather(per_func)  # [W*N], [W*N, F]: all ranks, rank-major
+        advantages = group_advantages(rewards, G, scale=cfg.scale_rewards)  # [W*N]      algo/advantages
         sizes = [len(ro.completions) for ro in rollouts]
-        batches = [Batch(ro, adv.to(self.device)) for ro, adv in zip(rollouts, dist.local(advantages).split(sizes))]
-        for b in batches:
-            self._attach_fixed_logprobs(b)
-        lengths = dist.gather(torch.cat([ro.completion_mask.sum(1) for ro in rollouts]).float())  # [W*B*G*GA]
-        truncated = dist.gather(torch.cat([ro.truncated for ro in rollouts]).float())  # [W*B*G*GA]
-        metrics.update({
-            "completion/length_mean": lengths.mean().item(),
-            "completion/truncated_frac": truncated.mean().item(),
-            "perf/generate_s": generate_s,
-            "perf/tokens_per_s": lengths.sum().item() / generate_s,
-        })
-        return Generation(batches, metrics, (prompts, completions, rewards, per_func, advantages))
-
-    def _attach_fixed_logprobs(self, b: Batch) -> None:
-        """Old log-probs (only when they differ from the current ones) and reference log-probs."""
-        cfg, ro = self.config, b.rollout
-        P = ro.prompt_ids.shape[1]
-        if cfg.num_iterations > 1:
-            with self._autocast():
-                b.old_logprobs = self.policy(lambda model: self._logprobs(model, ro, P))
-        if cfg.beta > 0:
-            def reference_logprobs(policy_model):
-                model, context = reference_context(policy_model, self.reference)
-                with context, self._autocast():
-                    return self._logprobs(model, ro, P)
-
-            b.ref_logprobs = self.policy(reference_logprobs)
-            self.reference_forwards += 1
-
-    def _logprobs(self, model, ro: Rollout, prompt_length: int) -> torch.Tensor:
-        return completion_logprobs(model, ro.input_ids, ro.attention_mask, prompt_length,
-                                   temperature=self.config.temperature, chunk_size=self.config.logprob_chunk_size)
+        batches = [Batch(ro, adv.to(self.policy.device)) for ro, adv in zip(rollouts, dist.local(advantages).split(sizes))]
+        for b in batches:  # log-probs that stay fixed during the step, only when the loss uses them
+            if cfg.num_iterations > 1:
+                b.old_logprobs = self.policy.logprobs(b.rollout)                             # policy
+            if self.policy.has_reference:
+                b.ref_logprobs = self.policy.reference_logprobs(b.rollout)                   # policy
+        lengths = dist.gather(torch.cat([ro.completion_mask.sum(1) for ro in rollouts]).float())  # [W*N]
+        truncated = dist.gather(torch.cat([ro.truncated for ro in rollouts]).float())  # [W*N]
+        metrics = {**reward_metrics(rewards, per_func, self.reward_names),
+                   "completion/length_mean": lengths.mean().item(),
+                   "completion/truncated_frac": truncated.mean().item(),
+                   "perf/generate_s": generate_s, "perf/tokens_per_s": lengths.sum().item() / generate_s}
+        return Generation(batches, metrics, Scored(prompts, completions, rewards, per_func, advantages))
 
     def accumulate(self, batches: list[Batch]) -> dict:
         """Back-propagate the loss of every micro-batch, normalized by the step's totals (over all ranks, so
@@ -210,26 +163,23 @@ class Trainer:
         num_tokens, num_sequences = counts["tokens"], int(counts["sequences"])
         totals: dict[str, float] = {"kl": 0.0}  # logged as 0 when there is no reference
         for i, b in enumerate(batches):
-            ro = b.rollout
-            with self.policy.sync_gradients(i == len(batches) - 1):
-                with self._autocast():
-                    logprobs = self.policy(lambda model: self._logprobs(model, ro, ro.prompt_ids.shape[1]))  # [N, C]
+            with self.policy.parallel.sync_gradients(i == len(batches) - 1):
+                logprobs = self.policy.logprobs(b.rollout)  # [N, C]                             policy
                 old_logprobs = b.old_logprobs if b.old_logprobs is not None else logprobs.detach()
-                loss, m = policy_loss(
-                    logprobs, old_logprobs, b.ref_logprobs, b.advantages, ro.completion_mask,
+                loss, m = policy_loss(                                                         # algo/loss
+                    logprobs, old_logprobs, b.ref_logprobs, b.advantages, b.rollout.completion_mask,
                     epsilon_low=cfg.epsilon_low, epsilon_high=cfg.epsilon_high, beta=cfg.beta,
                     aggregation=cfg.loss_aggregation, max_completion_length=cfg.max_completion_length,
                     num_tokens=num_tokens, num_sequences=num_sequences,
                 )
-                self.policy.backward(loss)
+                self.policy.parallel.backward(loss)
             # Per-token metrics are means over this micro-batch: weight them by its share of the step's
             # tokens (so that summing over ranks gives the step's means, as the losses sum to the step's).
-            share = ro.completion_mask.sum().item() / max(1, num_tokens)
+            share = b.rollout.completion_mask.sum().item() / max(1, num_tokens)
             for k, v in m.items():
                 totals[k] = totals.get(k, 0.0) + (v if k.startswith("loss/") else v * share)
             totals["loss"] = totals.get("loss", 0.0) + loss.item()
-        totals = self.dist.reduce(totals)
-        return totals
+        return self.dist.reduce(totals)
 
     def apply_update(self, totals: dict) -> dict:
         """Clip and apply the accumulated gradients; a NaN/inf loss or gradient norm skips the update
@@ -252,9 +202,25 @@ class Trainer:
         totals["skipped/nonfinite"] = float(self.nonfinite_total)
         return totals
 
-    def _autocast(self):
-        use_bf16 = self.config.bf16 and self.device.type == "cuda"
-        return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16, enabled=use_bf16)
+    @contextlib.contextmanager
+    def _undone_on_failure(self, signals: StopSignals):
+        """A stop signal or an error before the update rolls the step back (data position, RNG states,
+        gradients) and saves the steps done, so that only this one is lost and resuming repeats it exactly."""
+        start = (checkpoint.rng_state(), self.prompts.state_dict(), self.generation)
+        try:
+            # Ranks cannot abandon a step alone: the others would wait for them in a collective.
+            with signals.abandonable() if self.dist.world_size == 1 else contextlib.nullcontext():
+                yield
+        except Exception as error:
+            checkpoint.set_rng_state(start[0])
+            self.prompts.load_state_dict(start[1])
+            self.generation = start[2]
+            self.optimizer.zero_grad(set_to_none=True)
+            if isinstance(error, StepAbandoned):
+                raise TrainingInterrupted(signals.received, self.step, self._save_if_trained()) from None
+            if self.dist.world_size == 1:  # saving is collective: a rank failing alone cannot
+                self._save_after_error()
+            raise
 
     def evaluate(self) -> dict:
         """Greedy pass@1 on the eval dataset, logged as its own metrics.jsonl line (`eval/*` keys). Under
@@ -264,31 +230,84 @@ class Trainer:
                               accuracy_func=cfg.eval_accuracy_func, format_func=cfg.eval_format_func,
                               max_prompt_length=cfg.max_prompt_length, max_completion_length=cfg.max_completion_length,
                               batch_size=cfg.eval_batch_size, limit=cfg.eval_limit, progress=self.dist.is_main,
-                              generate=self.policy.generate)
+                              generate=self.policy.parallel.generate)
         return log_eval(self.output_dir, self.step, metrics, self.dist.is_main)
 
-    # --- output and checkpoints (run_logs.py, trainer_state.py) ---
     def log(self, metrics: dict) -> dict:
         """Every rank calls it (it gathers); rank 0 writes. Timings and memory are the slowest / largest rank's."""
         line = log_metrics(self.output_dir, self.step, metrics, self.dist)
         if (self.step - 1) % self.config.num_iterations == 0:  # once per generation batch, not per pass
-            log_completions(self.output_dir, self.step, self.generation.rows, self.reward_names, self.dist)
+            log_completions(self.output_dir, self.step, self.generation.scored, self.reward_names, self.dist)
         return line
 
+    # --- checkpoints: what they hold (state_dict), and writing and finding them (run/checkpoint.py) ---
+    def state_dict(self) -> dict:
+        """Everything besides the weights that resuming needs: optimizer, schedule, data position, step and
+        skipped-step counters, each rank's RNG states and a generation batch later steps still use. Under
+        torchrun every rank calls it (gathering is collective); rank 0 gets the whole."""
+        mid_batch = self.step % self.config.num_iterations != 0
+        own = {"rng": checkpoint.rng_state(), "generation": asdict(self.generation) if mid_batch else None}
+        return {"step": self.step, "optimizer": self.policy.parallel.optimizer_state(self.optimizer),
+                "scheduler": self.scheduler.state_dict(), "prompts": self.prompts.state_dict(),
+                "nonfinite": (self.nonfinite_streak, self.nonfinite_total),
+                **(own if self.dist.world_size == 1 else {"ranks": self.dist.gather_to_main(own)})}
+
+    def load_state_dict(self, state: dict) -> None:
+        """The inverse of `state_dict`; the current settings (learning rate, betas) win over the saved ones."""
+        cfg, saved_ranks = self.config, len(state.get("ranks", [state]))
+        if saved_ranks != self.dist.world_size:
+            raise ConfigError(f"the checkpoint was saved by {saved_ranks} rank(s) and holds each one's sampling "
+                              f"state: resume it with as many (torchrun --nproc_per_node={saved_ranks}), not "
+                              f"{self.dist.world_size}")
+        own = state if saved_ranks == 1 else state["ranks"][self.dist.rank]
+        self.policy.parallel.load_optimizer_state(self.optimizer, state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        set_hyperparameters(self.optimizer, self.scheduler, cfg.learning_rate, (cfg.adam_beta1, cfg.adam_beta2),
+                            cfg.weight_decay)
+        self.prompts.load_state_dict(state["prompts"])
+        self.nonfinite_streak, self.nonfinite_total = state["nonfinite"]
+        if own["generation"] is not None:
+            self.generation = generation_from_dict(own["generation"], self.policy.device)
+        checkpoint.set_rng_state(own["rng"])
+        self.step = state["step"]
+
     def save(self) -> Path:
-        """Write checkpoint-STEP with everything `resume` needs (once per step); returns its path. Under
-        torchrun every rank calls it (gathering is collective) and rank 0 writes. See trainer_state.py."""
-        return trainer_state.save(self)
+        """Write checkpoint-STEP (once per step); returns its path. Under torchrun every rank calls it and
+        rank 0 writes; the others wait until the checkpoint is complete."""
+        if self.saved_step != self.step:
+            state, weights = self.state_dict(), self.policy.parallel.full_state_dict()  # FSDP: gathered
+            if self.dist.is_main:
+                checkpoint.save_checkpoint(str(self.output_dir), self.step, self.model, self.tokenizer,
+                                           asdict(self.config), state, self.config.save_total_limit, weights)
+            self.dist.barrier()
+            self.last_checkpoint, self.saved_step = self.output_dir / f"checkpoint-{self.step}", self.step
+        return self.last_checkpoint
 
-    def resume(self, checkpoint: str) -> None:
-        """Continue from `checkpoint`, a folder or "latest" (the newest complete one in output_dir; none
-        yet means step 0), dropping log lines written after its step. See trainer_state.py."""
-        trainer_state.resume(self, checkpoint)
+    def resume(self, spec: str) -> None:
+        """Continue from `spec`, a checkpoint folder or "latest" (the newest complete one in output_dir; none
+        yet means step 0). Lines of the logs written after its step are dropped, so they never repeat."""
+        path = checkpoint.find_checkpoint(spec, str(self.output_dir))
+        if path is None:
+            print(f"no checkpoint in {self.output_dir} yet: starting from step 0", file=sys.stderr)
+        else:
+            for change in checkpoint.changed_settings(path, asdict(self.config)):
+                print(f"resuming with a changed setting: {change}", file=sys.stderr)
+            self.policy.parallel.load_weights(path)
+            self.load_state_dict(checkpoint.load_state(path))
+            self.last_checkpoint, self.saved_step = path, self.step
+        if self.dist.is_main:  # the one writer of the logs
+            checkpoint.drop_log_lines_after(str(self.output_dir), self.step)
 
-    def _nonfinite_stop(self) -> TrainingStopped:
-        n = self.nonfinite_streak
-        return TrainingStopped(
-            f"stopped at step {self.step}: the loss or gradient norm was NaN/inf for {n} steps in a row "
-            f"(max_nonfinite_steps={self.config.max_nonfinite_steps}); their updates were skipped, so the weights "
-            f"are those of step {self.step - n}. Newest checkpoint: {self.last_checkpoint or 'none yet'}. Try a lower "
-            f"--learning_rate or --max_grad_norm, or check the rewards, then --resume_from_checkpoint=latest.")
+    def _save_if_trained(self) -> Path | None:
+        return self.save() if self.step > 0 else None
+
+    def _save_after_error(self) -> None:
+        """Keep the steps done before a failing one; never let the save hide the error itself."""
+        try:
+            path = self._save_if_trained()
+        except Exception as save_error:
+            print(f"could not save a checkpoint after the error below: {save_error!r}", file=sys.stderr)
+            return
+        if path is not None:
+            print(f"step {self.step + 1} failed; {path} holds the state after step {self.step}", file=sys.stderr)
+

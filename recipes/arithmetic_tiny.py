@@ -13,8 +13,9 @@ run's metrics.jsonl shows GRPO's own gain, whatever `--seed` is given.
 """
 from datasets import Dataset
 
-from grpo import Config, arithmetic
-from grpo.rewards import answer_accuracy_reward, xml_format_reward
+from grpo import Config
+from grpo.tasks import arithmetic
+from grpo.tasks.gsm8k import answer_accuracy_reward, xml_format_reward
 
 DIGITS = 4
 TRAIN, HELD_OUT = arithmetic.split(num_train=20_000, num_eval=512, digits=DIGITS)
@@ -55,8 +56,8 @@ def eval_dataset():
 
 
 def build_tokenizer():
-    """Digits one per token (grpo.tiny's tokenizer) and each format tag a single token."""
-    from grpo.tiny import train_tokenizer
+    """Digits one per token (grpo.tasks.tiny's tokenizer) and each format tag a single token."""
+    from grpo.tasks.tiny import train_tokenizer
 
     sample = TRAIN[:300]
     corpus = [arithmetic.prompt(a, b) for a, b in sample] + [arithmetic.worked(a, b) for a, b in sample]
@@ -69,8 +70,8 @@ def build_model(config, warm_start_steps: int = WARM_START["steps"]):
     """Stage 1/2: a random-weight tiny GPT-2, warm-started on demonstrations of the training problems."""
     import torch
 
-    from grpo.sft import supervised_warm_start
-    from grpo.tiny import model_for, tiny_gpt2
+    from grpo.tasks.sft import supervised_warm_start
+    from grpo.tasks.tiny import model_for, tiny_gpt2
 
     # Matrices this small gain ~25% from a second CPU thread on an idle machine, and run ~10x slower with
     # two threads when another process holds one of two cores (measured: 0.11 / 1.3 s per warm-start step

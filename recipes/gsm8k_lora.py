@@ -4,10 +4,8 @@
     python -m grpo.train recipes/gsm8k_lora.py                     # meta-llama/Llama-3.2-1B-Instruct (gated)
     python -m grpo.train recipes/gsm8k_lora.py --model=Qwen/Qwen2.5-0.5B-Instruct
 """
-from datasets import load_dataset
-
 from grpo import Config
-from grpo.rewards import SYSTEM_PROMPT, answer_accuracy_reward, extract_hash_answer, xml_format_reward
+from grpo.tasks.gsm8k import answer_accuracy_reward, load_gsm8k, xml_format_reward
 
 config = Config(
     model="meta-llama/Llama-3.2-1B-Instruct",
@@ -40,21 +38,9 @@ config = Config(
 reward_funcs = [xml_format_reward, answer_accuracy_reward]
 
 
-def gsm8k(split: str):
-    """GSM8K as chat prompts; the reference answer (after '####') becomes the `answer` column."""
-    data = load_dataset("openai/gsm8k", "main", split=split)
-    return data.map(
-        lambda row: {
-            "prompt": [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": row["question"]}],
-            "answer": extract_hash_answer(row["answer"]),
-        },
-        remove_columns=data.column_names,
-    )
-
-
 def train_dataset():
-    return gsm8k("train")
+    return load_gsm8k("train")
 
 
 def eval_dataset():
-    return gsm8k("test")
+    return load_gsm8k("test")

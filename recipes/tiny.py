@@ -8,7 +8,7 @@ import random
 from datasets import Dataset
 
 from grpo import Config
-from grpo.tiny import model_for, train_tokenizer
+from grpo.tasks.tiny import model_for, train_tokenizer
 
 config = Config(
     output_dir="runs/tiny",

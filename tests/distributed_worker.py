@@ -15,14 +15,14 @@ import zlib
 
 import torch
 from datasets import Dataset
+from tiny_setup import digit_prompts, digit_share, tiny_model, tiny_tokenizer
 
-import grpo.trainer
+import grpo.policy.policy
 from grpo import Config, Trainer
 from grpo.config import apply_overrides
-from grpo.distributed import setup
-from grpo.sampling import Rollout, completion_mask_after_eos, eos_token_ids
-from grpo.tiny import model_for
-from tiny_setup import digit_prompts, digit_share, tiny_model, tiny_tokenizer
+from grpo.policy.distributed import setup
+from grpo.rollout.sampling import Rollout, completion_mask_after_eos, eos_token_ids
+from grpo.tasks.tiny import model_for
 
 # The 2-rank runs use per_device_train_batch_size=1: one prompt per rank per micro-batch. The 1-process
 # reference takes the same global batch as 2 prompts per micro-batch.
@@ -56,7 +56,7 @@ class Crash(BaseException):
 
 
 def fixed_sample(model, tokenizer, encode, prompts, *, num_generations, max_completion_length, **_):
-    """Stands in for grpo.sampling.sample: random tokens and lengths seeded by each prompt's text."""
+    """Stands in for grpo.rollout.sampling.sample: random tokens and lengths seeded by each prompt's text."""
     prompt_ids, prompt_mask = encode(prompts)  # [B, P]
     eos = eos_token_ids(tokenizer, model)[0]
     completion_ids = torch.full((len(prompts) * num_generations, max_completion_length), eos)  # [N, C]
@@ -127,11 +127,11 @@ def crash_and_resume(out_dir: str, name: str) -> None:
 
 
 def main(out_dir: str, names: list[str]) -> None:
-    from grpo.distributed import shutdown
+    from grpo.policy.distributed import shutdown
 
-    real_sample = grpo.trainer.sample
+    real_sample = grpo.policy.policy.sample
     for name in names:
-        grpo.trainer.sample = fixed_sample if name.startswith("fixed") else real_sample
+        grpo.policy.policy.sample = fixed_sample if name.startswith("fixed") else real_sample
         (crash_and_resume if name.startswith("resumed") else train)(out_dir, name)
     shutdown()
 

@@ -1,7 +1,7 @@
 """A tiny offline model, tokenizer and dataset shared by the integration tests."""
 from datasets import Dataset
 
-from grpo.tiny import model_for, train_tokenizer
+from grpo.tasks.tiny import model_for, train_tokenizer
 
 CORPUS = [f"Write {k} digits: " + "0123456789"[:k] for k in range(1, 10)] * 20 + [
     "<reasoning> think </reasoning> <answer> 42 </answer>"] * 20

@@ -1,0 +1,8 @@
+"""GRPO's math as pure tensor functions: group-normalized advantages, chunked per-token log-probs from
+hidden states, the clipped policy loss with its KL penalty. Nothing here knows a model, a Config or a file.
+
+The choice lists live here, free of torch, so that checking a Config (grpo.config_checks) stays fast."""
+
+SCALES = ("group", "batch", "none")  # advantages.group_advantages(scale=...)
+AGGREGATIONS = ("sequence", "token", "constant")  # loss.policy_loss(aggregation=...)
+LOGPROB_CHUNK_SIZE = 512  # logprobs.token_logprobs(chunk_size=...)'s default, and Config.logprob_chunk_size's

@@ -1,0 +1,233 @@
+"""Per-token log-probabilities from hidden states and the LM head, without full logits.
+
+Full logits are ``[B, T, V]``; with V ~ 150k they dwarf everything else in a GRPO step
+(B=8, T=1024 is ~5 GB in float32; plain autograd peaks at about four such copies).
+``token_logprobs`` walks the ``N = B * T`` token rows in chunks, keeps only one chunk of
+logits alive at a time, and recomputes a chunk's logits in backward instead of saving them.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+from . import LOGPROB_CHUNK_SIZE
+
+# Rows of the [V, H] weight gradient produced per matmul when the LM head is not float32:
+# bounds the low-precision temporary that is added into the float32 accumulator.
+_WEIGHT_GRAD_BLOCK = 16384
+
+
+def _softmax_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float32 for half types; float64 stays float64 (gradcheck needs it)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+class _Workspace:
+    """Chunk-sized logits buffers reused across chunks.
+
+    Reusing them instead of allocating per chunk matters on CPU, where every fresh
+    multi-hundred-MB allocation is a new mmap whose page faults cost more than the matmul.
+    """
+
+    def __init__(self, rows: int, weight: Tensor, with_entropy: bool = False):
+        vocab, dtype = weight.shape[0], _softmax_dtype(weight.dtype)
+        self.logits = weight.new_empty(rows, vocab, dtype=dtype)  # [c, V]
+        # Low-precision matmul output, upcast into self.logits (none when already float32).
+        self.raw = weight.new_empty(rows, vocab) if weight.dtype != dtype else None  # [c, V]
+        self.exps = weight.new_empty(rows, vocab, dtype=dtype) if with_entropy else None  # [c, V]
+
+    def chunk_logits(self, h: Tensor, weight: Tensor, bias: Tensor | None, temperature: float) -> Tensor:
+        """Tempered float32 logits of one chunk of rows, in the shared buffer."""
+        c = h.shape[0]
+        logits = self.logits[:c]  # [c, V]
+        h = h.to(weight.dtype)  # [c, H]
+        if self.raw is None:
+            torch.mm(h, weight.T, out=logits)
+        else:
+            # Matmul in the input dtype: no float32 copy of the [V, H] weight.
+            logits.copy_(torch.mm(h, weight.T, out=self.raw[:c]))
+        if bias is not None:
+            logits += bias  # [c, V]
+        if temperature != 1.0:
+            logits /= temperature  # [c, V]
+        return logits
+
+    def low_precision(self, values: Tensor, dtype: torch.dtype) -> Tensor:
+        """``values`` cast to ``dtype``, in the shared buffer when a cast is needed."""
+        if values.dtype == dtype:
+            return values
+        return self.raw[: values.shape[0]].copy_(values)  # [c, V]
+
+
+def _forward_chunk(
+    logits: Tensor, targets: Tensor, exps: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Return (logprob of target, logsumexp, entropy or None) of a chunk; destroys ``logits``.
+
+    Entropy is computed only when an ``exps`` buffer of the same shape is given.
+    """
+    target_logits = logits.gather(1, targets[:, None]).squeeze(1)  # [c]
+    row_max = logits.amax(dim=1, keepdim=True)  # [c, 1]
+    logits -= row_max  # [c, V], shifted so exp cannot overflow
+    if exps is not None:
+        # Needs the shifted logits and their exps together, hence the second buffer.
+        torch.exp(logits, out=exps)  # [c, V]
+        sum_exp = exps.sum(dim=1)  # [c]
+        # H = log Z - sum(e * z) / Z with z the shifted logits and Z = sum(e).
+        weighted = exps.mul_(logits).sum(dim=1)  # [c]
+        entropy = sum_exp.log() - weighted / sum_exp  # [c]
+    else:
+        sum_exp = logits.exp_().sum(dim=1)  # [c]
+        entropy = None
+    lse = row_max.squeeze(1) + sum_exp.log()  # [c]
+    return target_logits - lse, lse, entropy
+
+
+def _accumulate_weight_grad(acc: Tensor, grad_logits: Tensor, h: Tensor) -> None:
+    """acc[V, H] (float32 or wider) += grad_logits[c, V].T @ h[c, H]."""
+    if grad_logits.dtype == acc.dtype:
+        acc.addmm_(grad_logits.T, h)
+        return
+    # Low-precision matmul for speed; summing into float32 across chunks keeps precision.
+    # Blocking over V keeps the low-precision partial product small instead of [V, H].
+    for v0 in range(0, acc.shape[0], _WEIGHT_GRAD_BLOCK):
+        v1 = v0 + _WEIGHT_GRAD_BLOCK
+        acc[v0:v1] += grad_logits[:, v0:v1].T @ h  # [v, H]
+
+
+class _TokenLogprobs(torch.autograd.Function):
+    """Chunked log-softmax-gather whose backward recomputes logits chunk by chunk."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, temperature, chunk_size, want_entropy):
+        n, dtype = hidden.shape[0], _softmax_dtype(weight.dtype)
+        logprobs = hidden.new_empty(n, dtype=dtype)  # [N]
+        lse = hidden.new_empty(n, dtype=dtype)  # [N]
+        entropy = hidden.new_empty(n if want_entropy else 0, dtype=dtype)  # [N] or [0]
+        work = _Workspace(min(chunk_size, n), weight, with_entropy=want_entropy)
+        # Autocast would change the matmul dtype between forward and the recomputation in
+        # backward, making the saved logsumexp inconsistent with the recomputed logits.
+        with torch.autocast(hidden.device.type, enabled=False):
+            for s in range(0, n, chunk_size):
+                e = min(s + chunk_size, n)
+                logits = work.chunk_logits(hidden[s:e], weight, bias, temperature)  # [c, V]
+                exps = work.exps[: e - s] if want_entropy else None  # [c, V]
+                lp, chunk_lse, ent = _forward_chunk(logits, targets[s:e], exps)
+                logprobs[s:e] = lp
+                lse[s:e] = chunk_lse
+                if want_entropy:
+                    entropy[s:e] = ent
+        del work
+        ctx.save_for_backward(hidden, weight, bias, targets, lse)
+        ctx.temperature = temperature
+        ctx.chunk_size = chunk_size
+        ctx.mark_non_differentiable(entropy)
+        return logprobs, entropy
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_logprobs, _grad_entropy):
+        hidden, weight, bias, targets, lse = ctx.saved_tensors
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        tau, n = ctx.temperature, hidden.shape[0]
+        grad_hidden = torch.empty_like(hidden) if need_h else None  # [N, H]
+        # Float32 accumulators only for what is trained: a frozen head costs no [V, H] buffer.
+        acc_dtype = lse.dtype
+        grad_weight = weight.new_zeros(weight.shape, dtype=acc_dtype) if need_w else None  # [V, H]
+        grad_bias = bias.new_zeros(bias.shape, dtype=acc_dtype) if need_b else None  # [V]
+        work = _Workspace(min(ctx.chunk_size, n), weight)
+        with torch.autocast(hidden.device.type, enabled=False):
+            for s in range(0, n, ctx.chunk_size):
+                e = min(s + ctx.chunk_size, n)
+                logits = work.chunk_logits(hidden[s:e], weight, bias, tau)  # [c, V]
+                # d logp[t] / d z = onehot(t) - softmax(z), times 1/tau from z = x / tau.
+                probs = logits.sub_(lse[s:e, None]).exp_()  # [c, V], softmax in place
+                grad_logits = probs.neg_()  # [c, V]
+                grad_logits.scatter_add_(1, targets[s:e, None], torch.ones_like(lse[s:e, None]))
+                grad_logits *= (grad_logprobs[s:e] / tau)[:, None]  # [c, V]
+                if need_b:
+                    grad_bias += grad_logits.sum(dim=0)  # [V]
+                grad_logits = work.low_precision(grad_logits, weight.dtype)  # [c, V]
+                if need_h:
+                    grad_hidden[s:e] = (grad_logits @ weight).to(hidden.dtype)  # [c, H]
+                if need_w:
+                    _accumulate_weight_grad(grad_weight, grad_logits, hidden[s:e].to(weight.dtype))
+        del work
+        if need_w:
+            grad_weight = grad_weight.to(weight.dtype)  # [V, H]
+        if need_b:
+            grad_bias = grad_bias.to(bias.dtype)  # [V]
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None
+
+
+def _check_inputs(hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor | None,
+                  temperature: float, chunk_size: int) -> None:
+    if hidden.dim() < 1 or weight.dim() != 2 or hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(
+            f"hidden [..., H] and weight [V, H] disagree: {tuple(hidden.shape)} vs {tuple(weight.shape)}"
+        )
+    if targets.shape != hidden.shape[:-1]:
+        raise ValueError(
+            f"targets {tuple(targets.shape)} must be hidden's shape without H, {tuple(hidden.shape[:-1])}"
+        )
+    if bias is not None and bias.shape != weight.shape[:1]:
+        raise ValueError(f"bias must be [V] = {tuple(weight.shape[:1])}, got {tuple(bias.shape)}")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    if targets.is_floating_point():
+        raise ValueError(f"targets must be integer token ids, got {targets.dtype}")
+    if targets.numel() and (targets.min() < 0 or targets.max() >= weight.shape[0]):
+        # gather would raise on CPU but may corrupt or assert on an accelerator.
+        raise ValueError(
+            f"targets must lie in [0, {weight.shape[0]}); got range "
+            f"[{int(targets.min())}, {int(targets.max())}]"
+        )
+
+
+def token_logprobs(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    temperature: float = 1.0,
+    bias: Tensor | None = None,
+    chunk_size: int = LOGPROB_CHUNK_SIZE,
+    return_entropy: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Log-probability of each target token under ``softmax((hidden @ weight.T + bias) / temperature)``.
+
+    Args:
+        hidden: ``[B, T, H]`` final hidden states (any leading shape works).
+        weight: ``[V, H]`` LM-head weight.
+        targets: ``[B, T]`` token ids in ``[0, V)``; pad ids on masked positions are fine.
+        temperature: the sampling temperature the completions were drawn with.
+        bias: optional ``[V]`` LM-head bias.
+        chunk_size: token rows (of ``N = B * T``) whose logits are materialized at once;
+            peak extra memory is about ``chunk_size * V * 4`` bytes (twice that with entropy,
+            1.5 times for a bf16 head), plus the weight gradient when it is trained.
+        return_entropy: also return the per-token entropy of the tempered distribution.
+
+    The matmul runs in the weight's dtype; the softmax math runs in float32 (float64
+    if the weight is float64, which only tests use). Backward
+    recomputes each chunk's logits from ``hidden`` and ``weight`` and the saved float32
+    logsumexp, so no logits outlive their chunk. Gradients go to ``hidden``, and to
+    ``weight`` / ``bias`` only when they require grad.
+
+    Returns:
+        float32 ``[B, T]`` log-probs, or ``(logprobs, entropy)`` with entropy float32
+        ``[B, T]`` and carrying no gradient.
+    """
+    _check_inputs(hidden, weight, targets, bias, temperature, chunk_size)
+    lead_shape = targets.shape
+    flat_hidden = hidden.reshape(-1, hidden.shape[-1])  # [N, H]
+    flat_targets = targets.reshape(-1).long()  # [N]
+    logprobs, entropy = _TokenLogprobs.apply(
+        flat_hidden, weight, bias, flat_targets, float(temperature), int(chunk_size), return_entropy
+    )
+    logprobs = logprobs.view(lead_shape)  # [B, T]
+    if return_entropy:
+        return logprobs, entropy.view(lead_shape)  # [B, T], [B, T]
+    return logprobs

@@ -1,0 +1,253 @@
+"""Predicted peak memory of a GRPO run, from architecture numbers and settings alone (pure arithmetic).
+
+It follows what this trainer allocates. On CUDA: full fine-tuning keeps float32 weights and runs the forward
+under bf16 autocast (which keeps a bf16 copy of every linear weight until backward), its frozen reference is
+a bf16 copy (only when beta > 0); LoRA keeps a bf16 base (no reference: the adapter is disabled instead) and
+float32 adapters; QLoRA stores the body's linear weights as 4-bit NF4. On CPU everything is float32.
+Generation samples each micro-batch of prompts x num_generations with a KV cache, outside autocast (so in the
+weights' dtype). The loss runs per micro-batch: activations of the whole micro-batch, the LM head applied in
+chunks of `logprob_chunk_size` token rows (float32 logits), and the head's gradient in backward.
+
+Peak = the largest of six moments: generation, the end of a micro-batch's forward, the start of its backward,
+the recomputation of a layer (gradient checkpointing), the end of the backward, and the optimizer step.
+Optimizer states exist from the first step on, gradients only between the first backward and the optimizer
+step (they are freed, not zeroed). Sizes are in bytes; `GB` is 1e9 bytes, as the trainer's
+`memory/peak_gb` metric.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..policy import reference_kind
+
+GB = 1e9
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+BNB_8BIT_MIN_SIZE = 4096  # bitsandbytes keeps 32-bit states for smaller tensors
+BNB_BLOCK = 256  # 8-bit optimizer states: one float32 absmax per block
+NF4_BLOCK = 64  # 4-bit weights: one float32 absmax per block
+BNB_CPU_SLICE = 1 << 22  # elements per 8-bit optimizer update on CPU (policy/optim.py), a multiple of BNB_BLOCK
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """What memory depends on in a Llama / Qwen2-style decoder (facts from a model's config.json)."""
+
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    vocab_size: int
+    tie_word_embeddings: bool = False
+    head_dim: int | None = None
+    attention_bias: bool = False
+    name: str = ""
+
+    @classmethod
+    def from_hf_config(cls, config, name: str = "") -> Architecture:
+        config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        heads = config.num_attention_heads
+        return cls(
+            hidden_size=config.hidden_size, num_layers=config.num_hidden_layers, num_heads=heads,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+            intermediate_size=config.intermediate_size, vocab_size=config.vocab_size,
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            head_dim=getattr(config, "head_dim", None),
+            # Qwen2 has q/k/v biases without saying so in its config.
+            attention_bias=bool(getattr(config, "attention_bias", False)) or config.model_type == "qwen2",
+            name=name or getattr(config, "name_or_path", "") or getattr(config, "model_type", ""),
+        )
+
+    @property
+    def q_dim(self) -> int:
+        return self.num_heads * (self.head_dim or self.hidden_size // self.num_heads)
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_kv_heads * (self.head_dim or self.hidden_size // self.num_heads)
+
+    def linear_shapes(self) -> dict[str, tuple[int, int]]:
+        """(in, out) features of each linear layer of one decoder layer."""
+        H, I = self.hidden_size, self.intermediate_size
+        return {"q_proj": (H, self.q_dim), "k_proj": (H, self.kv_dim), "v_proj": (H, self.kv_dim),
+                "o_proj": (self.q_dim, H), "gate_proj": (H, I), "up_proj": (H, I), "down_proj": (I, H)}
+
+    def linear_params(self) -> int:
+        """Weights of the decoder layers' linear layers (what 4-bit quantizes)."""
+        return self.num_layers * sum(i * o for i, o in self.linear_shapes().values())
+
+    def embedding_params(self) -> int:
+        """Input embedding plus, when untied, the LM head."""
+        return self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
+
+    def other_params(self) -> int:
+        """Norm weights and attention biases."""
+        bias = self.q_dim + 2 * self.kv_dim if self.attention_bias else 0
+        return self.num_layers * (2 * self.hidden_size + bias) + self.hidden_size
+
+    def num_params(self) -> int:
+        return self.linear_params() + self.embedding_params() + self.other_params()
+
+    def lora_tensors(self, r: int, targets: tuple[str, ...] | None) -> list[int]:
+        """Element counts of the LoRA A and B matrices (all decoder linears unless `targets` names some)."""
+        shapes = [s for n, s in self.linear_shapes().items() if targets is None or n in targets]
+        return [n for i, o in shapes for n in (r * i, o * r)] * self.num_layers
+
+    def trainable_tensors(self) -> list[int]:
+        """Element counts of every parameter tensor (full fine-tuning), the big ones first."""
+        H, V, L = self.hidden_size, self.vocab_size, self.num_layers
+        body = [i * o for i, o in self.linear_shapes().values()] * L
+        heads = [V * H] * (1 if self.tie_word_embeddings else 2)
+        norms = [H] * (2 * L + 1)
+        biases = [self.q_dim, self.kv_dim, self.kv_dim] * L if self.attention_bias else []
+        return heads + body + norms + biases
+
+
+@dataclass
+class Estimate:
+    """Bytes per part, the parts each moment holds, and the peak moment."""
+
+    parts: dict[str, float]
+    moments: dict[str, tuple[str, ...]]
+
+    def total(self, moment: str) -> float:
+        return sum(self.parts[p] for p in self.moments[moment])
+
+    @property
+    def peak_moment(self) -> str:
+        return max(self.moments, key=self.total)
+
+    @property
+    def peak(self) -> float:
+        return self.total(self.peak_moment)
+
+
+@dataclass(frozen=True)
+class _Dtypes:
+    base: int  # bytes per frozen or trained base weight element
+    compute: int  # activations inside the layers (bf16 under autocast)
+    residual: int  # the residual stream between layers
+    autocast: bool
+    dropout_mask: int  # CUDA keeps a bool mask; CPU dropout keeps a float noise tensor
+
+
+def _dtypes(s, device: str) -> _Dtypes:
+    if device != "cuda" or not s.bf16:
+        return _Dtypes(base=4, compute=4, residual=4, autocast=False, dropout_mask=1 if device == "cuda" else 4)
+    if s.use_lora:  # bf16 base (4-bit linears compute in bf16 too): everything flows in bf16
+        return _Dtypes(base=2, compute=2, residual=2, autocast=True, dropout_mask=1)
+    return _Dtypes(base=4, compute=2, residual=4, autocast=True, dropout_mask=1)  # float32 weights, bf16 autocast
+
+
+def _layer_activations(a: Architecture, s, d: _Dtypes) -> float:
+    """Bytes one decoder layer keeps for backward, per token."""
+    targets = lora_targets(s)
+    H, I, q, c = a.hidden_size, a.intermediate_size, a.q_dim, d.compute
+    # SDPA keeps q, k, v and its output; under a padding mask transformers repeats k and v to all heads.
+    kv = q if a.num_kv_heads < a.num_heads else a.kv_dim
+    attention = c * (2 * q + 2 * kv)
+    if not s.use_lora:
+        norms = 2 * (d.residual * H + 4 * H)  # each RMSNorm keeps its input and its float32 normalized value
+        if d.autocast:
+            inputs = c * (5 * H + q)  # each linear keeps its own bf16 cast of its input (q, k, v, gate, up, o)
+        else:
+            inputs = 4 * (2 * H + q)  # each norm's output (shared by the linears reading it), o_proj's input
+        return norms + attention + inputs + 4 * c * I  # MLP: gate, silu(gate), up, their product
+    # Frozen linears keep no inputs; the frozen norms keep only their float32 input.
+    norms = 2 * 4 * H
+    shapes = {n: sh for n, sh in a.linear_shapes().items() if targets is None or n in targets}
+    lora = c * s.lora_r * len(shapes)  # A's output, kept by B
+    if s.lora_dropout > 0:
+        lora += sum((c + d.dropout_mask) * i for i, _ in shapes.values())  # each adapter's dropout output and mask
+    else:  # A keeps its input, shared by the adapters reading the same tensor
+        lora += c * sum(dict((sh[0] if n not in ("o_proj", "down_proj") else n, sh[0])
+                             for n, sh in shapes.items()).values())
+    return norms + attention + 3 * c * I + lora  # MLP: gate (silu's input), silu(gate), up
+
+
+def _optimizer_bytes(tensors: list[int], optim: str) -> float:
+    if optim == "adamw":
+        return 8 * sum(tensors)
+    big = sum(n for n in tensors if n >= BNB_8BIT_MIN_SIZE)
+    return 2 * big * (1 + 4 / BNB_BLOCK) + 8 * (sum(tensors) - big)
+
+
+def lora_targets(s) -> tuple[str, ...] | None:
+    return tuple(s.lora_target_modules) if s.lora_target_modules else None
+
+
+def estimate(a: Architecture, s, device: str = "cuda") -> Estimate:
+    """Peak memory of training `a` with the settings of `s` (a `grpo.Config`) on `device` ("cuda" or "cpu"),
+    prompts counted at max_prompt_length (the worst case); see the module docstring."""
+    d = _dtypes(s, device)
+    V, H, L = a.vocab_size, a.hidden_size, a.num_layers
+    N = s.per_device_train_batch_size * s.num_generations  # sequences per micro-batch
+    P, C = s.max_prompt_length, s.max_completion_length
+    T = P + C
+    quantized = s.use_lora and s.load_in_4bit
+    trainable = a.lora_tensors(s.lora_r, lora_targets(s)) if s.use_lora else a.trainable_tensors()
+    n_trainable = sum(trainable)
+    parts: dict[str, float] = {}
+
+    # --- always there ---
+    linear_bytes = a.linear_params() * (0.5 + 4 / NF4_BLOCK) if quantized else a.linear_params() * d.base
+    parts["weights"] = linear_bytes + (a.embedding_params() + a.other_params()) * d.base
+    if s.use_lora:
+        parts["weights"] += 4 * n_trainable  # float32 adapters
+    parts["optimizer states"] = _optimizer_bytes(trainable, s.optim)
+    copy = reference_kind(s.use_lora, s.beta) == "copy"
+    parts["reference model"] = a.num_params() * (2 if device == "cuda" else 4) if copy else 0.0
+    rollout_rows = N * s.gradient_accumulation_steps
+    parts["rollouts"] = rollout_rows * (T * 8 * 2 + C * 4 * (2 if s.beta > 0 else 1))  # ids, masks, log-probs
+
+    # --- generation: KV cache in the weights' dtype (no autocast), logits of one step, a layer's prefill ---
+    kv_bytes = d.base  # 4-bit layers compute in the same dtype as the rest
+    parts["KV cache"] = 2 * L * N * T * a.kv_dim * kv_bytes * (1 + 1 / L)  # + a layer's copy while it grows
+    # A step's logits, their row-major copy, softmax, float64 cumulative sum; a layer's prefill intermediates.
+    parts["sampling buffers"] = 20 * N * V + N * P * (3 * a.intermediate_size + 4 * H) * kv_bytes
+
+    # --- a micro-batch's forward and backward ---
+    tokens = N * T
+    per_layer = _layer_activations(a, s, d) * tokens
+    # With checkpointing each layer keeps only its input, and recomputes its activations in backward, one layer
+    # at a time, after the log-prob backward has freed its chunk; that layer's backward also holds gradients
+    # of its activations, about a third more (measured on CPU).
+    parts["activations"] = L * (d.residual * H * tokens if s.gradient_checkpointing else per_layer)
+    parts["recomputed layer"] = 1.35 * per_layer if s.gradient_checkpointing else 0.0
+    # Final norm, and the completion hidden states the log-prob function keeps (a copy: a strided slice).
+    parts["activations"] += tokens * (d.residual + 4) * H + N * C * H * d.residual
+    rows = min(s.logprob_chunk_size, N * C)
+    head_bytes = 4 if not s.use_lora else d.base
+    parts["log-prob chunk"] = rows * V * 4 + (rows * V * 2 if head_bytes == 2 else 0)
+    parts["log-prob chunk"] += N * C * H * d.residual  # the gradient of the hidden states
+    head_trained = not s.use_lora
+    parts["LM-head gradient"] = 4 * V * H if head_trained else 0.0  # accumulated while backward starts
+    parts["autocast weight copies"] = 2 * a.linear_params() if d.autocast and not s.use_lora else 0.0
+    parts["gradients"] = 4 * n_trainable
+    parts["earlier micro-batches' gradients"] = parts["gradients"] if s.gradient_accumulation_steps > 1 else 0.0
+    # After the first micro-batch, a new [V, H] gradient (the head's, or an untied embedding's) waits to be added
+    # to the stored one when backward ends. (A tied embedding's lookup adds a sparse gradient into the head's.)
+    accumulating = s.gradient_accumulation_steps > 1
+    parts["pending embedding gradients"] = 4 * V * H if head_trained and accumulating else 0.0
+
+    # --- optimizer step: torch AdamW runs fused (in place); bitsandbytes' CPU kernel works on float32 copies
+    # of a slice's states, gradient and denominator (about six at once), its CUDA kernel in place ---
+    on_cpu_8bit = s.optim != "adamw" and device != "cuda"
+    parts["optimizer step temporaries"] = 6 * 4 * min(max(trainable), BNB_CPU_SLICE) if on_cpu_8bit else 0.0
+
+    kept = ("weights", "optimizer states", "reference model", "rollouts")
+    # Autocast keeps its weight copies until the forward ends; for backward too, unless checkpointing
+    # recomputes them layer by layer.
+    copies = () if s.gradient_checkpointing else ("autocast weight copies",)
+    moments = {
+        "generation": kept + ("KV cache", "sampling buffers"),
+        "forward end": kept + ("activations", "autocast weight copies", "log-prob chunk",
+                               "earlier micro-batches' gradients"),
+        "backward start": kept + ("activations", "log-prob chunk", "LM-head gradient",
+                                  "earlier micro-batches' gradients") + copies,
+        "layer recompute": kept + ("activations", "recomputed layer", "LM-head gradient",
+                                   "earlier micro-batches' gradients"),
+        "backward end": kept + ("gradients", "pending embedding gradients"),
+        "optimizer step": kept + ("gradients", "optimizer step temporaries"),
+    }
+    return Estimate(parts, moments)

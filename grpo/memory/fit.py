@@ -1,0 +1,138 @@
+"""Does a run fit on the card, and what to change when it does not: one list of memory-saving changes,
+cheapest first, used both by the planner (`python -m grpo.plan`) and by the out-of-memory report."""
+from __future__ import annotations
+
+import dataclasses
+
+from ..config import Config, format_value
+from .estimate import GB, Architecture, Estimate, estimate
+from .known_models import architecture_of
+
+CUDA_CONTEXT_GB = 0.5  # the CUDA context and kernels: outside the allocator, still on the card
+FRAGMENTATION = 1.05  # the caching allocator reserves somewhat more than it hands out
+
+
+def memory_savings(c: Config) -> list[tuple[dict, str]]:
+    """(settings change, what it does) for each change that lowers peak memory from `c`, cheapest first: free
+    ones, then slower steps, then a different kind of training, then less work per step."""
+    changes = []
+    if c.logprob_chunk_size > 128:
+        changes.append(({"logprob_chunk_size": 128}, "smaller LM-head logits chunks"))
+    if c.optim != "adamw_8bit":
+        changes.append(({"optim": "adamw_8bit"}, "optimizer state 4x smaller"))
+    if c.use_lora and c.lora_dropout > 0:
+        changes.append(({"lora_dropout": 0.0}, "each adapter's dropout keeps a copy of its input for backward"))
+    if not c.gradient_checkpointing:
+        changes.append(({"gradient_checkpointing": True}, "recompute activations in backward"))
+    if c.per_device_train_batch_size > 1:
+        half = c.per_device_train_batch_size // 2
+        accumulation = c.gradient_accumulation_steps * c.per_device_train_batch_size // half
+        changes.append(({"per_device_train_batch_size": half, "gradient_accumulation_steps": accumulation},
+                        "same prompts per step, if it divides evenly"))
+    if not c.use_lora:
+        changes.append(({"use_lora": True}, "train adapters: no full gradients, optimizer state or reference copy"))
+    if not c.load_in_4bit:
+        changes.append(({"use_lora": True, "load_in_4bit": True}, "QLoRA: 4-bit frozen base weights"))
+    if c.num_generations > 2:
+        changes.append(({"num_generations": c.num_generations // 2}, "fewer completions per prompt"))
+    if c.max_completion_length > 64:
+        changes.append(({"max_completion_length": c.max_completion_length // 2}, "shorter completions"))
+    return changes
+
+
+def flags(change: dict) -> str:
+    return " ".join(f"--{k}={format_value(v)}" for k, v in change.items())
+
+
+def predicted_gb(arch: Architecture, config: Config, device: str = "cuda") -> float:
+    return estimate(arch, config, device).peak / GB
+
+
+def needed_gb(arch: Architecture, config: Config) -> float:
+    """What the card must hold: the allocator's peak, its slack and the CUDA context."""
+    return predicted_gb(arch, config) * FRAGMENTATION + CUDA_CONTEXT_GB
+
+
+def cheapest_fit(arch: Architecture, config: Config, budget_gb: float) -> tuple[dict, float] | None:
+    """The first single change that fits, else the shortest run of cumulative changes that does."""
+    changes = [change for change, _ in memory_savings(config)]
+    for change in changes:
+        if needed_gb(arch, dataclasses.replace(config, **change)) <= budget_gb:
+            return change, needed_gb(arch, dataclasses.replace(config, **change))
+    for k in range(2, len(changes) + 1):
+        chosen = changes[:k]
+        if needed_gb(arch, _apply(config, chosen)) > budget_gb:
+            continue
+        for change in changes[:k - 1]:  # drop the earlier changes that the later ones made unnecessary
+            rest = [c for c in chosen if c is not change]
+            if needed_gb(arch, _apply(config, rest)) <= budget_gb:
+                chosen = rest
+        merged = {k: v for c in chosen for k, v in c.items() if getattr(config, k) != v}
+        return merged, needed_gb(arch, _apply(config, chosen))
+    return None
+
+
+def _apply(config: Config, changes: list[dict]) -> Config:
+    return dataclasses.replace(config, **{k: v for c in changes for k, v in c.items()})
+
+
+def describe(arch: Architecture, config: Config, device: str = "cuda") -> str:
+    """The breakdown of the predicted peak, largest parts first."""
+    e: Estimate = estimate(arch, config, device)
+    mode = "QLoRA" if config.use_lora and config.load_in_4bit else "LoRA" if config.use_lora else "full fine-tuning"
+    extras = [config.optim] + (["checkpointing"] if config.gradient_checkpointing else []) + [f"beta={config.beta:g}"]
+    N = config.per_device_train_batch_size * config.num_generations
+    size = arch.num_params()
+    size_text = f"{size / 1e9:.2f}B" if size >= 1e8 else f"{size / 1e6:.1f}M"
+    lines = [f"{arch.name or 'model'}: {size_text} parameters, {mode}, {', '.join(extras)}, "
+             f"micro-batch {N} sequences of {config.max_prompt_length}+{config.max_completion_length} tokens",
+             f"predicted peak {'GPU' if device == 'cuda' else device.upper()} memory {_size(e.peak)} "
+             f"(at {e.peak_moment}):"]
+    parts = sorted(((e.parts[p], p) for p in e.moments[e.peak_moment] if e.parts[p] >= 0.005 * e.peak), reverse=True)
+    lines += [f"  {name:<34} {_size(size):>10}" for size, name in parts]
+    return "\n".join(lines)
+
+
+def _size(n: float) -> str:
+    return f"{n / GB:.2f} GB" if n >= 0.1 * GB else f"{n / 1e6:.1f} MB"
+
+
+def plan_summary(config: Config, model=None, gpu_memory_gb: float | None = None) -> str:
+    """A short breakdown of the predicted peak GPU memory and the cheapest change that fits `gpu_memory_gb`
+    (default: the current GPU's memory, when there is one). Never raises: printed when training runs out of
+    memory."""
+    try:
+        arch = architecture_of(config, model)
+        if isinstance(arch, str):
+            return arch
+        if gpu_memory_gb is None:
+            gpu_memory_gb = cuda_memory_gb()
+        return "\n".join([describe(arch, config)] + verdict(arch, config, gpu_memory_gb))
+    except Exception as e:  # noqa: BLE001 -- a planning bug must not hide the error that triggered it
+        return f"no memory plan ({type(e).__name__}: {e})"
+
+
+def verdict(arch: Architecture, config: Config, budget_gb: float | None) -> list[str]:
+    needed = needed_gb(arch, config)
+    head = (f"needs about {needed:.1f} GB on the card (+{FRAGMENTATION - 1:.0%} allocator slack, "
+            f"+{CUDA_CONTEXT_GB} GB CUDA context)")
+    if budget_gb is None:
+        return [head]
+    if needed <= budget_gb:
+        return [f"{head}: fits in {budget_gb:.1f} GB"]
+    fit = cheapest_fit(arch, config, budget_gb)
+    if fit is None:
+        everything = {k: v for c, _ in memory_savings(config) for k, v in c.items() if getattr(config, k) != v}
+        return [f"{head}: does not fit in {budget_gb:.1f} GB, not even with all of: {flags(everything)}"]
+    change, after = fit
+    return [f"{head}: does not fit in {budget_gb:.1f} GB",
+            f"cheapest change that fits: {flags(change)} (about {after:.1f} GB)"]
+
+
+def cuda_memory_gb() -> float | None:
+    try:
+        import torch
+
+        return torch.cuda.get_device_properties(0).total_memory / GB if torch.cuda.is_available() else None
+    except Exception:  # noqa: BLE001
+        return None

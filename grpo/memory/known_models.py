@@ -1,0 +1,58 @@
+"""Architectures of well-known models (so the planner needs no download), the "GRPO on a 16 GB GPU"
+write-up's settings and measured peaks, and reading any other model's architecture from its config."""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from ..config import Config
+from .estimate import Architecture
+
+# Facts from each model's config.json (hidden, layers, heads, KV heads, intermediate, vocab, tied, head_dim, bias).
+_FACTS = {
+    "Qwen/Qwen2.5-0.5B": (896, 24, 14, 2, 4864, 151936, True, None, True),
+    "Qwen/Qwen2.5-1.5B": (1536, 28, 12, 2, 8960, 151936, True, None, True),
+    "Qwen/Qwen2.5-3B": (2048, 36, 16, 2, 11008, 151936, True, None, True),
+    "Qwen/Qwen2.5-7B": (3584, 28, 28, 4, 18944, 152064, False, None, True),
+    "Qwen/Qwen2.5-14B": (5120, 48, 40, 8, 13824, 152064, False, None, True),
+    "meta-llama/Llama-3.2-1B": (2048, 16, 32, 8, 8192, 128256, True, 64, False),
+    "meta-llama/Llama-3.2-3B": (3072, 28, 24, 8, 8192, 128256, True, 128, False),
+    "meta-llama/Llama-3.1-8B": (4096, 32, 32, 8, 14336, 128256, False, 128, False),
+}
+KNOWN = {name: Architecture(*facts[:5], vocab_size=facts[5], tie_word_embeddings=facts[6], head_dim=facts[7],
+                            attention_bias=facts[8], name=name) for name, facts in _FACTS.items()}
+KNOWN.update({f"{name}-Instruct": dataclasses.replace(a, name=f"{name}-Instruct") for name, a in list(KNOWN.items())})
+
+# The write-up's table (TRL, H100, GSM8K, 1 x 4 generations, 256 + 786 tokens): peak GB, None where it ran out.
+ARTICLE_GB = {"0.5B": (25, 13), "1B": (38, 16), "3B": (58, 32), "8B": (None, 58), "14B": (None, 69)}
+TABLE_MODELS = {"0.5B": "Qwen/Qwen2.5-0.5B-Instruct", "1B": "meta-llama/Llama-3.2-1B-Instruct",
+                "3B": "Qwen/Qwen2.5-3B-Instruct", "8B": "meta-llama/Llama-3.1-8B-Instruct",
+                "14B": "Qwen/Qwen2.5-14B-Instruct"}
+ARTICLE_CONFIG = Config(per_device_train_batch_size=1, gradient_accumulation_steps=4, num_generations=4,
+                        max_prompt_length=256, max_completion_length=786, beta=0.04, optim="adamw", bf16=True)
+TABLE_COLUMNS = {  # cumulative, as the write-up's columns
+    "full": {},
+    "+8-bit": {"optim": "adamw_8bit"},
+    "+ckpt": {"optim": "adamw_8bit", "gradient_checkpointing": True},
+    "LoRA": {"optim": "adamw_8bit", "gradient_checkpointing": True, "use_lora": True},
+    "QLoRA": {"optim": "adamw_8bit", "gradient_checkpointing": True, "use_lora": True, "load_in_4bit": True},
+}
+
+
+def architecture_of(config: Config, model=None, download: bool = False) -> Architecture | str:
+    """The model's architecture: from `model` (a model or its HF config) when given, the built-in facts for
+    well-known hub ids, else the config.json of `config.model` (a local path, the HF cache, or the hub when
+    `download`). A string says why it could not be read."""
+    if model is not None:
+        hf_config = getattr(model, "config", model)
+        return Architecture.from_hf_config(hf_config, name=getattr(hf_config, "name_or_path", "") or "the given model")
+    if config.model in KNOWN:
+        return KNOWN[config.model]
+    try:
+        from transformers import AutoConfig
+
+        local = os.path.isdir(config.model) or not download
+        return Architecture.from_hf_config(AutoConfig.from_pretrained(config.model, local_files_only=local),
+                                           name=config.model)
+    except Exception as e:  # noqa: BLE001 -- any failure to read a config is reported, never raised
+        return f"cannot read the config of {config.model!r} ({type(e).__name__}), so no memory plan"

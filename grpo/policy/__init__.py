@@ -1,0 +1,15 @@
+"""The model being trained: loading it (LoRA, 4-bit), its named forwards (sampling, log-probs, reference
+log-probs), data parallelism across ranks, and the optimizer.
+
+The choice lists live here, free of torch, so that checking a Config (grpo.config_checks) stays fast."""
+
+OPTIMIZERS = ("adamw_8bit", "adamw")  # optim.build_optimizer
+SCHEDULES = ("cosine", "linear", "constant")  # optim.build_scheduler
+
+
+def reference_kind(use_lora: bool, beta: float) -> str:
+    """Where the KL penalty's reference policy comes from: "none" (beta == 0: no reference forward at all),
+    "adapter" (LoRA: the policy with its adapter disabled) or "copy" (full fine-tuning: a frozen copy)."""
+    if beta == 0:
+        return "none"
+    return "adapter" if use_lora else "copy"

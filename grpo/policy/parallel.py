@@ -1,0 +1,187 @@
+"""The policy wrapped for data parallelism across ranks: DDP keeps a full replica on every rank and averages
+gradients; FSDP2 (`fully_shard`) keeps only a shard of the weights, gradients and optimizer state per rank.
+
+Both act through hooks on a module's forward, but the trainer's log-probs skip the transformers forward
+(they never build the full logits). So every forward that trains, or needs the weights, runs as
+`policy(fn)`: `fn(model)` called inside the forward of a root module that DDP or FSDP wraps."""
+from __future__ import annotations
+
+import contextlib
+import itertools
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..errors import ConfigError
+from ..run.checkpoint import load_weights, read_weights
+from .distributed import Distributed
+from .models import device_of, unwrap
+
+
+class _Root(nn.Module):
+    """Its forward runs `fn(model)`, so that DDP / FSDP hooks fire around whatever `fn` does."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, fn):
+        out = fn(self.model)
+        # FSDP2 hooks the output for backward and warns that an in-place op on a view would lose the hook.
+        return out.clone() if isinstance(out, torch.Tensor) and out._is_view() else out
+
+
+class ParallelPolicy:
+    """Forward, backward and saving of `model` as its wrapping needs them. One process: no wrapper, every
+    call goes straight to the model."""
+
+    def __init__(self, model, dist_info: Distributed, fsdp: bool = False, bf16: bool = False):
+        self.model = model
+        self.world_size = dist_info.world_size
+        self.kind = "single" if dist_info.world_size == 1 else "fsdp" if fsdp else "ddp"
+        self.layers: list[nn.Module] = []
+        self.root = None
+        if self.kind == "ddp":
+            self.root = _wrap_ddp(model)
+        elif self.kind == "fsdp":
+            self.root, self.layers = _wrap_fsdp(model, bf16)
+
+    def __call__(self, fn):
+        """`fn(model)`, inside the wrapper's forward."""
+        return fn(self.model) if self.root is None else self.root(fn)
+
+    def generate(self, fn):
+        """`fn(model)` for sampling. Under FSDP every layer is gathered once for the whole call instead of once
+        per generated token, at the cost of holding the full weights meanwhile. (Ranks that finish early
+        keep stepping until all are done: transformers' generate sees FSDP and sets `synced_gpus`.)"""
+        if self.kind != "fsdp":
+            return fn(self.model)
+        try:
+            return self.root(lambda model: self._gathered(fn, model))
+        finally:
+            # The root unit keeps its weights gathered after a forward, for the backward FSDP expects next.
+            # Sampling has none: without this, a checkpoint saved right after it (say, after an evaluation)
+            # would find whole tensors where the optimizer holds shards.
+            self.root.reshard()
+
+    def _gathered(self, fn, model):
+        for layer in self.layers:
+            layer.set_reshard_after_forward(False, recurse=False)
+            layer.unshard()
+        try:
+            return fn(model)
+        finally:
+            for layer in self.layers:
+                layer.reshard()
+                layer.set_reshard_after_forward(True, recurse=False)
+
+    def sync_gradients(self, sync: bool):
+        """Context for one micro-batch's forward and backward. DDP all-reduces only on the last one (gradients
+        accumulate locally before); FSDP reduce-scatters every one, so gradients stay sharded."""
+        if self.kind == "ddp" and not sync:
+            return self.root.no_sync()
+        return contextlib.nullcontext()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Each rank's loss is already divided by the step's global token (or sequence) count, so the ranks'
+        gradients must add up; DDP and FSDP average them, hence the world-size factor."""
+        (loss if self.root is None else loss * self.world_size).backward()
+
+    # --- checkpoints: FSDP gathers the shards into whole tensors on rank 0, and cuts them up again to load ---
+    def full_state_dict(self) -> dict | None:
+        """Under FSDP the full weights, gathered onto rank 0's CPU (others get {}); a collective, so every rank
+        calls it. None otherwise: the model's own state dict is whole."""
+        if self.kind != "fsdp":
+            return None
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        state = get_model_state_dict(self.model, options=_full_on_main())
+        # Gathering unties tied weights (embeddings and LM head): keep one name each, as save_pretrained does.
+        first: dict[int, str] = {}
+        for name, param in self.model.named_parameters(remove_duplicate=False):
+            if first.setdefault(id(param), name) != name:
+                state.pop(name, None)
+        return state
+
+    def optimizer_state(self, optimizer) -> dict:
+        """The optimizer's state dict; under FSDP gathered whole onto rank 0 (a collective; {} elsewhere)."""
+        if self.kind != "fsdp":
+            return optimizer.state_dict()
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        return get_optimizer_state_dict(self.model, optimizer, options=_full_on_main())
+
+    def load_optimizer_state(self, optimizer, state: dict) -> None:
+        if self.kind != "fsdp":
+            optimizer.load_state_dict(state)
+            return
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_optimizer_state_dict,
+        )
+
+        set_optimizer_state_dict(self.model, optimizer, state, options=StateDictOptions(full_state_dict=True))
+
+    def load_weights(self, checkpoint) -> None:
+        """A checkpoint's weights into the model (each rank reads the files; FSDP keeps its shards of them)."""
+        if self.kind != "fsdp":
+            load_weights(self.model, checkpoint)
+            return
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+        )
+
+        # Not strict: tied weights (embeddings and LM head) are saved under one name only.
+        set_model_state_dict(self.model, read_weights(checkpoint),
+                             options=StateDictOptions(full_state_dict=True, strict=False))
+
+
+def _full_on_main():
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+def check_settings(world_size: int, fsdp: bool, optim: str, use_lora: bool) -> None:
+    """Fail before any model is loaded on settings the wrapping cannot run."""
+    if world_size == 1 or not fsdp:
+        return
+    if use_lora:
+        raise ConfigError("fsdp=true is for full fine-tuning: LoRA's adapters and optimizer state are small, and "
+                          "sampling needs the whole base model on every GPU anyway; use DDP (fsdp=false)")
+    if optim != "adamw":
+        raise ConfigError(f'fsdp=true needs optim="adamw" (got {optim!r}): bitsandbytes\' 8-bit AdamW does not '
+                          f"accept FSDP's sharded (DTensor) parameters")
+
+
+def _wrap_ddp(model) -> nn.Module:
+    from torch.nn.parallel import DistributedDataParallel
+
+    device = device_of(model)
+    # DDP broadcasts rank 0's weights here, so every rank starts from the same (e.g. LoRA) initialization.
+    return DistributedDataParallel(_Root(model), device_ids=[device.index] if device.type == "cuda" else None,
+                                   gradient_as_bucket_view=True)
+
+
+def _wrap_fsdp(model, bf16: bool) -> tuple[nn.Module, list[nn.Module]]:
+    """One FSDP unit per transformer block (as transformers names them in `_no_split_modules`), and the
+    root unit holding the rest: embeddings, final norm, LM head."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    block_names = set(getattr(unwrap(model), "_no_split_modules", None) or ())
+    layers = [m for m in model.modules() if type(m).__name__ in block_names]
+    if not layers:
+        raise ConfigError(f"fsdp: no transformer blocks found to shard in {type(unwrap(model)).__name__} "
+                         f"(looked for its _no_split_modules: {sorted(block_names) or 'none declared'})")
+    # fully_shard keeps each rank's own values: start from rank 0's, as DDP does.
+    for tensor in itertools.chain(model.parameters(), model.buffers()):
+        dist.broadcast(tensor.detach(), src=0)
+    on_cuda = device_of(model).type == "cuda"
+    # bf16 all-gathers and compute with float32 gradient reduction and float32 sharded master weights.
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 and on_cuda \
+        else MixedPrecisionPolicy()
+    for layer in layers:
+        fully_shard(layer, mp_policy=mp)
+    return fully_shard(_Root(model), mp_policy=mp), layers

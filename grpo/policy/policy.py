@@ -1,0 +1,59 @@
+"""The policy as a GRPO step uses it: named forwards (`sample`, `logprobs`, `reference_logprobs`) that own
+the routing through the DDP / FSDP wrapper, bf16 autocast and the switch to the reference policy."""
+from __future__ import annotations
+
+import torch
+
+from ..rollout.sampling import PromptEncoder, Rollout, sample
+from . import reference_kind
+from .models import completion_logprobs, device_of, make_reference, reference_context
+from .parallel import ParallelPolicy
+
+
+class Policy:
+    """`model` (prepared for training) with its reference, wrapped for the ranks; `config` gives the sampling
+    and log-prob settings. Trains on `model`; `parallel` saves and loads it."""
+
+    def __init__(self, model, tokenizer, config, dist):
+        self.model, self.tokenizer, self.config = model, tokenizer, config
+        self.has_reference = reference_kind(config.use_lora, config.beta) != "none"
+        self.reference = make_reference(model, config.use_lora, config.beta)
+        # Before the optimizer exists: FSDP replaces the parameters by their shards.
+        self.parallel = ParallelPolicy(model, dist, fsdp=config.fsdp, bf16=config.bf16)
+        self.device = device_of(model)
+        self.encode = PromptEncoder(tokenizer, config.max_prompt_length)
+        self.reference_forwards = 0
+
+    @torch.no_grad()
+    def sample(self, prompts: list) -> Rollout:
+        """`num_generations` completions per prompt, drawn with the run's sampling settings."""
+        c = self.config
+        return self.parallel.generate(lambda model: sample(
+            model, self.tokenizer, self.encode, prompts, num_generations=c.num_generations,
+            max_completion_length=c.max_completion_length, temperature=c.temperature, top_p=c.top_p, top_k=c.top_k,
+            stop_at_eos=c.stop_at_eos))
+
+    def logprobs(self, rollout: Rollout) -> torch.Tensor:
+        """Per-token log-probs [N, C] of the rollout's completions under the policy (with grad when enabled)."""
+        with self.autocast():
+            return self.parallel(lambda model: self._logprobs(model, rollout))
+
+    @torch.no_grad()
+    def reference_logprobs(self, rollout: Rollout) -> torch.Tensor:
+        """Per-token log-probs [N, C] under the reference: the frozen copy, or the policy with its adapter off."""
+        def forward(policy_model):
+            model, context = reference_context(policy_model, self.reference)
+            with context, self.autocast():
+                return self._logprobs(model, rollout)
+
+        self.reference_forwards += 1
+        return self.parallel(forward)
+
+    def _logprobs(self, model, rollout: Rollout) -> torch.Tensor:
+        return completion_logprobs(model, rollout.input_ids, rollout.attention_mask, rollout.prompt_ids.shape[1],
+                                   temperature=self.config.temperature, chunk_size=self.config.logprob_chunk_size)
+
+    def autocast(self):
+        """bf16 autocast on CUDA when `bf16` is set; CPU runs float32."""
+        enabled = self.config.bf16 and self.device.type == "cuda"
+        return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16, enabled=enabled)

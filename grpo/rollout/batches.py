@@ -1,0 +1,52 @@
+"""The data GRPO's optimizer steps consume: micro-batches of scored rollouts, grouped into the generation
+batch that `num_iterations` steps reuse, and how one is rebuilt from its checkpoint form (`asdict`)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .sampling import Rollout
+
+
+@dataclass
+class Batch:
+    """One micro-batch ready for the loss: a rollout plus what GRPO attaches to it."""
+
+    rollout: Rollout
+    advantages: torch.Tensor  # [N]
+    old_logprobs: torch.Tensor | None = None  # [N, C], only when num_iterations > 1
+    ref_logprobs: torch.Tensor | None = None  # [N, C], only when beta > 0
+
+
+@dataclass
+class Scored:
+    """A generation batch's completions and their scores, as completions.jsonl records them. Row i belongs to
+    prompt i // num_generations; under torchrun the tensors hold every rank's rows (rank-major)."""
+
+    prompts: list  # this rank's, one per completion
+    completions: list  # this rank's
+    rewards: torch.Tensor  # [W*N] weighted sum over the reward functions
+    per_func: torch.Tensor  # [W*N, F] each function's reward, NaN where it returned None
+    advantages: torch.Tensor  # [W*N]
+
+
+@dataclass
+class Generation:
+    """One generation batch, used by `num_iterations` optimizer steps."""
+
+    batches: list[Batch]  # this rank's micro-batches
+    metrics: dict
+    scored: Scored
+
+
+def generation_from_dict(saved: dict, device: torch.device) -> Generation:
+    """The inverse of `dataclasses.asdict(generation)`, with its tensors moved (back) to `device`."""
+    batches = [Batch(Rollout(**{k: to_device(v, device) for k, v in b["rollout"].items()}),
+                     *(to_device(b[k], device) for k in ("advantages", "old_logprobs", "ref_logprobs")))
+               for b in saved["batches"]]
+    return Generation(batches, saved["metrics"], Scored(**saved["scored"]))
+
+
+def to_device(value, device: torch.device):
+    return value.to(device) if isinstance(value, torch.Tensor) else value

@@ -1,0 +1,97 @@
+"""KV-cached sampling, written out instead of `model.generate`: one body forward per new token, the LM head on
+the last position only, and one uniform number per row to pick a token.
+
+Why not `generate`: at a 150k-token vocabulary its per-step overhead rivals the model itself on a CPU.
+`torch.multinomial` draws one exponential per vocabulary entry (~40 ms per step for 8 rows), the min-length
+processor rewrites the whole score matrix, and `F.linear(h, W)` with few rows is ~30% slower than `W @ h.T`
+(measured; see benchmarks/vs_trl.py). Logits here are computed exactly as the loss computes log-probs
+(hidden states times the LM head, float32 softmax), so the sampling policy is the one being trained.
+"""
+from __future__ import annotations
+
+import inspect
+
+import torch
+from transformers import DynamicCache
+
+
+def _cache_argument(body) -> str:
+    """transformers 5.x renamed the forward's `past_key_values` to `cache`."""
+    return "cache" if "cache" in inspect.signature(body.forward).parameters else "past_key_values"
+
+
+def positions(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Position ids [N, T] that count real tokens only: left padding shifts where each sequence starts, and
+    sampling and the loss must agree on every token's position."""
+    return (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+
+
+def next_token_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """float32 logits [N, V] of the last hidden states [N, H] under an LM head [V, H]."""
+    logits = torch.mm(weight, hidden.to(weight.dtype).T).T.contiguous().float()  # [N, V]; W @ h.T: faster
+    return logits + bias if bias is not None else logits
+
+
+def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """Temperature, then top-k, then nucleus (top-p) filtering, in place; removed tokens get -inf."""
+    if temperature != 1.0:
+        logits /= temperature
+    if 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # [N, 1]
+        logits.masked_fill_(logits < kth, -torch.inf)
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)  # [N, V]
+        probs = sorted_logits.softmax(-1)  # [N, V]
+        # Keep the smallest prefix whose mass reaches top_p (so always the most likely token).
+        drop_sorted = probs.cumsum(-1) - probs >= top_p  # [N, V]
+        drop = torch.empty_like(drop_sorted).scatter_(-1, order, drop_sorted)  # [N, V], back in vocab order
+        logits.masked_fill_(drop, -torch.inf)
+    return logits
+
+
+def sample_from_logits(logits: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One token id per row [N], drawn from softmax(logits) by inverse CDF (float64 cumulative sums, so that
+    150k small probabilities still add up exactly enough); -inf logits are never drawn."""
+    cdf = torch.cumsum(logits.softmax(-1), dim=-1, dtype=torch.float64)  # [N, V]
+    u = torch.rand(cdf.shape[0], 1, dtype=torch.float64, device=cdf.device, generator=generator)  # [N, 1]
+    token = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)  # [N, 1]: first index whose cdf exceeds u
+    return token.clamp_(max=logits.shape[-1] - 1).squeeze(1)  # [N]
+
+
+@torch.no_grad()
+def generate(hf_model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, max_new_tokens: int,
+             temperature: float, top_p: float, top_k: int, eos_ids: list[int], pad_id: int,
+             stop_at_eos: bool = True, greedy: bool = False) -> torch.Tensor:
+    """Completion ids [N, C] sampled after left-padded prompts [N, P] by a transformers causal LM (adapters, if
+    any, injected in place). With `stop_at_eos`, rows that sampled EOS continue with `pad_id` and the loop ends
+    when all have; without it, EOS is never sampled and every row gets `max_new_tokens` tokens. `greedy` takes
+    the most likely token instead of sampling (evaluation)."""
+    body, head = hf_model.base_model, hf_model.get_output_embeddings()
+    cache = {_cache_argument(body): DynamicCache(config=hf_model.config)}
+    eos = torch.tensor(eos_ids, device=prompt_ids.device)
+    ids, mask = prompt_ids, prompt_mask  # [N, P]
+    position_ids = positions(mask)  # [N, P]
+    finished = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)  # [N]
+    tokens = []
+    for _ in range(max_new_tokens):
+        hidden = body(input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=True,
+                      **cache).last_hidden_state[:, -1]  # [N, H]
+        logits = next_token_logits(hidden, head.weight, head.bias)  # [N, V]
+        if not stop_at_eos:
+            logits[:, eos] = -torch.inf
+        if greedy:
+            token = logits.argmax(dim=-1)  # [N]
+        else:
+            token = sample_from_logits(filter_logits(logits, temperature, top_k, top_p))  # [N]
+        token = token.masked_fill(finished, pad_id)
+        tokens.append(token)
+        if stop_at_eos:
+            finished |= torch.isin(token, eos)
+            if finished.all():
+                break
+        ids = token[:, None]  # [N, 1]
+        mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)  # [N, P+t]
+        position_ids = position_ids[:, -1:] + 1  # [N, 1]
+    if not tokens:
+        return prompt_ids.new_empty(prompt_ids.shape[0], 0)
+    return torch.stack(tokens, dim=1)  # [N, C]

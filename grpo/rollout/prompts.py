@@ -1,0 +1,77 @@
+"""The prompt stream: a reshuffled pass over the dataset per epoch, resumable from (epoch, position)."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..errors import DatasetError
+
+
+def check_dataset(dataset, name: str = "train_dataset") -> None:
+    """Fail early, in one line, on datasets the trainer cannot use. A column has one Arrow type, so the
+    first prompt's type is every prompt's type, apart from missing (None) ones, counted separately."""
+    columns = getattr(dataset, "column_names", None)
+    if columns is None:
+        raise DatasetError(f"{name} must be a datasets.Dataset, got {type(dataset).__name__}")
+    if "prompt" not in columns:
+        raise DatasetError(f"{name} has no 'prompt' column (columns: {', '.join(columns) or 'none'})")
+    if len(dataset) == 0:
+        raise DatasetError(f"{name} is empty")
+    missing = dataset.with_format("arrow")["prompt"].null_count
+    if missing:
+        raise DatasetError(f"{name} has {missing} missing (None) prompts out of {len(dataset)}")
+    first = dataset[0]["prompt"]
+    if not isinstance(first, (str, list)) or (isinstance(first, list) and not all(
+            isinstance(m, dict) and "role" in m and "content" in m for m in first)):
+        raise DatasetError(f"{name}['prompt'] must hold strings or lists of {{'role', 'content'}} messages, "
+                           f"got {type(first).__name__} {str(first)[:200]!r}")
+
+
+class PromptStream:
+    """Yields batches of dataset rows in a seeded order; a new permutation every epoch."""
+
+    def __init__(self, dataset, seed: int):
+        self.dataset = dataset
+        self.seed = seed
+        self.epoch = 0
+        self.position = 0
+        self.order = self._permutation()
+
+    def _permutation(self) -> list[int]:
+        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        return torch.randperm(len(self.dataset), generator=generator).tolist()
+
+    def next(self, n: int) -> dict[str, list]:
+        """The next `n` rows as columns ({"prompt": [...], "answer": [...], ...}), wrapping epochs."""
+        indices = []
+        while len(indices) < n:
+            if self.position == len(self.order):
+                self.epoch, self.position = self.epoch + 1, 0
+                self.order = self._permutation()
+            take = min(n - len(indices), len(self.order) - self.position)
+            indices += self.order[self.position:self.position + take]
+            self.position += take
+        return self.dataset[indices]
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.position = state["epoch"], state["position"]
+        self.order = self._permutation()
+
+
+def per_completion(columns: dict[str, list], num_generations: int) -> dict[str, list]:
+    """Each prompt's row repeated for its `num_generations` completions: completion i belongs to prompt
+    i // num_generations, everywhere in the trainer (sampling repeats the prompt ids the same way)."""
+    return {k: [v for v in values for _ in range(num_generations)] for k, values in columns.items()}
+
+
+def total_steps(num_prompts: int, prompts_per_step: int, num_train_epochs: float, max_steps: int,
+                num_iterations: int) -> int:
+    """Optimizer steps of a run: `max_steps` when set, else enough generation batches for the epochs, each
+    used by `num_iterations` steps."""
+    if max_steps > 0:
+        return max_steps
+    return max(1, math.ceil(num_train_epochs * num_prompts / prompts_per_step)) * num_iterations

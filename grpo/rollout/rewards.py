@@ -1,0 +1,150 @@
+"""Calling reward functions, weighting and checking what they return (the GSM8K rewards: tasks/gsm8k.py).
+
+A reward function follows TRL's contract, so TRL reward functions work unchanged:
+    f(prompts, completions, **columns) -> list[float | None]
+`completions` are strings for plain-text prompts and `[{"role": "assistant", "content": text}]`
+lists for chat prompts; every other dataset column comes by keyword (e.g. `answer=[...]`), one entry
+per completion, so functions should accept **kwargs. None means "does not apply to this completion".
+"""
+from __future__ import annotations
+
+import functools
+import math
+import numbers
+import os
+import sys
+import traceback
+
+import torch
+from torch import Tensor
+
+from ..errors import UserError
+
+
+class RewardError(UserError):
+    """A reward function raised, or returned the wrong number or kind of values."""
+
+
+def reward_func_name(f) -> str:
+    """The name used in metrics: a function's __name__, a callable object's class name, or for a
+    functools.partial the name of the function it wraps."""
+    while isinstance(f, functools.partial):
+        f = f.func
+    name = getattr(f, "__name__", None) or type(f).__name__
+    return name.strip("<>")  # "<lambda>" -> "lambda"
+
+
+def reward_func_names(funcs) -> list[str]:
+    """Names of `funcs`; repeats get `_2`, `_3`, ... so that metric keys stay unique."""
+    names = []
+    for f in funcs:
+        base = name = reward_func_name(f)
+        k = 1
+        while name in names:
+            k += 1
+            name = f"{base}_{k}"
+        names.append(name)
+    return names
+
+
+def compute_rewards(reward_funcs, prompts, completions, columns: dict[str, list],
+                    weights: list[float] | None = None) -> tuple[Tensor, Tensor, dict]:
+    """Call every reward function on the batch and combine their rewards.
+
+    `columns` holds the dataset's other columns (not the prompt), one entry per completion.
+    Returns `rewards` [N] (weighted sum over functions, Nones left out; 0.0 where no function
+    applies), `per_func` [N, F] (raw values, NaN for None) and metrics: `reward/<name>` and
+    `reward/<name>_std` over the completions a function applied to (absent if it applied to none),
+    and `reward/mean`, `reward/std` of the combined reward. Stds are population stds (ddof 0).
+    """
+    n, names = len(completions), reward_func_names(reward_funcs)
+    if len(prompts) != n or any(len(v) != n for v in columns.values()):
+        raise ValueError("prompts, completions and every column must have one entry per completion")
+    if weights is None:
+        weights = [1.0] * len(reward_funcs)
+    if len(weights) != len(reward_funcs):
+        raise RewardError(f"reward_weights has {len(weights)} values but there are "
+                          f"{len(reward_funcs)} reward functions ({', '.join(names)})")
+
+    per_func = torch.full((n, len(reward_funcs)), math.nan)
+    for j, (f, name) in enumerate(zip(reward_funcs, names)):
+        values = _call(f, name, prompts, completions, columns)
+        per_func[:, j] = torch.tensor(_to_floats(values, name, n), dtype=torch.float32)
+    # NaN * weight stays NaN and nansum skips it: a None never counts, not even as 0.
+    rewards = torch.nansum(per_func * torch.tensor(weights, dtype=torch.float32), dim=1)
+    return rewards, per_func, reward_metrics(rewards, per_func, names)
+
+
+def reward_metrics(rewards: Tensor, per_func: Tensor, names: list[str]) -> dict[str, float]:
+    """The metrics `compute_rewards` returns, from its `rewards` [N] and `per_func` [N, F] (under torchrun,
+    from every rank's rows gathered: stds do not average across ranks)."""
+    metrics = {}
+    for j, name in enumerate(names):
+        applied = per_func[:, j][~per_func[:, j].isnan()]
+        if applied.numel():
+            metrics[f"reward/{name}"] = applied.mean().item()
+            metrics[f"reward/{name}_std"] = applied.std(correction=0).item()
+    metrics["reward/mean"] = rewards.mean().item()
+    metrics["reward/std"] = rewards.std(correction=0).item()
+    return metrics
+
+
+def _call(f, name: str, prompts, completions, columns):
+    """Call `f` on the whole batch; if it raises, find the first item it fails on, for the message."""
+    try:
+        return f(prompts=prompts, completions=completions, **columns)
+    except Exception as batch_error:
+        i, error, note = 0, batch_error, " (fails on the whole batch only; showing its first item)"
+        for k in range(len(completions)):  # an error path, so retrying item by item is affordable
+            try:
+                f(prompts=prompts[k:k + 1], completions=completions[k:k + 1],
+                  **{key: v[k:k + 1] for key, v in columns.items()})
+            except Exception as item_error:
+                i, error, note = k, item_error, ""
+                break
+        raise RewardError(
+            f"reward function '{name}' raised {type(error).__name__}: {error}{note}\n"
+            f"  at {_where(error)}\n"
+            f"  prompt {i}: {_preview(prompts[i])}\n  completion {i}: {_preview(completions[i])}"
+        ) from error
+
+
+def _where(error: BaseException) -> str:
+    """file:line of the innermost frame of `error` outside Python's own and installed libraries: the
+    line of the reward function to look at, in place of the traceback the CLI does not print."""
+    frames = traceback.extract_tb(error.__traceback__)[1:]  # [0] is _call itself
+    libraries = (sys.prefix, sys.base_prefix)
+    own = [f for f in frames if not f.filename.startswith(libraries)] or frames
+    return f"{os.path.basename(own[-1].filename)}:{own[-1].lineno}" if own else "?"
+
+
+def _to_floats(values, name: str, n: int) -> list[float]:
+    """Check one function's return value: n numbers or Nones (-> NaN), all finite."""
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__len__"):
+        raise RewardError(f"reward function '{name}' returned {_preview(values)}; "
+                          f"expected a list of {n} floats (or None)")
+    if len(values) != n:
+        raise RewardError(f"reward function '{name}' returned {len(values)} values; "
+                          f"expected {n}, one per completion")
+    floats = []
+    for i, v in enumerate(values):
+        if v is None:
+            floats.append(math.nan)
+        elif isinstance(v, numbers.Real) or (isinstance(v, Tensor) and v.numel() == 1):
+            floats.append(float(v))  # bools count as 0/1; numpy and torch scalars convert too
+        else:
+            raise RewardError(f"reward function '{name}' returned a non-number at position {i}: "
+                              f"{_preview(v)} ({type(v).__name__}); expected a float or None")
+    bad = [i for i, (v, x) in enumerate(zip(values, floats)) if v is not None and not math.isfinite(x)]
+    if bad:
+        raise RewardError(f"reward function '{name}' returned NaN or inf at positions {bad[:10]}"
+                          f"{' ...' if len(bad) > 10 else ''}; return None for 'does not apply'")
+    return floats
+
+
+def _preview(x, limit: int = 200) -> str:
+    """A short repr for error messages; for a chat, its last message says the most."""
+    if isinstance(x, list) and x and isinstance(x[-1], dict) and "content" in x[-1]:
+        x = x[-1]["content"]
+    text = repr(x)
+    return text if len(text) <= limit else text[:limit] + "..."

@@ -1,0 +1,127 @@
+"""Prompts in, `num_generations` sampled completions each out, with the masks the loss needs."""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from ..policy.models import unwrap
+from .decoding import generate
+
+
+@dataclass
+class Rollout:
+    """One micro-batch of sampled completions; row i belongs to prompt i // num_generations."""
+
+    prompt_ids: torch.Tensor  # [N, P] left-padded
+    prompt_mask: torch.Tensor  # [N, P]
+    completion_ids: torch.Tensor  # [N, C] right-padded
+    completion_mask: torch.Tensor  # [N, C] 1 up to and including EOS
+    completions: list  # N strings, or N chat lists [{"role": "assistant", "content": ...}]
+    truncated: torch.Tensor  # [N] bool: no EOS within max_completion_length
+
+    @property
+    def input_ids(self) -> torch.Tensor:
+        return torch.cat([self.prompt_ids, self.completion_ids], dim=1)  # [N, P+C]
+
+    @property
+    def attention_mask(self) -> torch.Tensor:
+        return torch.cat([self.prompt_mask, self.completion_mask], dim=1)  # [N, P+C]
+
+
+def is_chat(prompt) -> bool:
+    return isinstance(prompt, list)
+
+
+def render_prompt(tokenizer, prompt) -> str:
+    """A chat prompt (list of messages) goes through the chat template with a generation prompt."""
+    if is_chat(prompt):
+        return tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+    if isinstance(prompt, str):
+        return prompt
+    raise TypeError(f"a prompt must be a string or a list of chat messages, got {type(prompt).__name__}")
+
+
+class PromptEncoder:
+    """Tokenizes prompts, cutting overlong ones from the left (the end of a prompt matters most)."""
+
+    def __init__(self, tokenizer, max_prompt_length: int):
+        self.tokenizer = tokenizer
+        self.max_prompt_length = max_prompt_length
+        self.warned = False
+
+    def __call__(self, prompts: list) -> tuple[torch.Tensor, torch.Tensor]:
+        texts = [render_prompt(self.tokenizer, p) for p in prompts]
+        # A chat template already writes any BOS it wants; plain text gets the tokenizer's default.
+        special = not is_chat(prompts[0])
+        rows = [self.tokenizer(t, add_special_tokens=special)["input_ids"] for t in texts]
+        if any(len(r) > self.max_prompt_length for r in rows):
+            if not self.warned:
+                longest = max(len(r) for r in rows)
+                warnings.warn(f"a prompt of {longest} tokens is longer than max_prompt_length="
+                              f"{self.max_prompt_length}; prompts are cut from the left (warned once)")
+                self.warned = True
+            rows = [r[-self.max_prompt_length:] for r in rows]
+        return left_pad(rows, self.tokenizer.pad_token_id)
+
+
+def left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)  # [N, P]
+    mask = torch.zeros((len(rows), width), dtype=torch.long)  # [N, P]
+    for i, r in enumerate(rows):
+        if r:
+            ids[i, width - len(r):] = torch.tensor(r)
+            mask[i, width - len(r):] = 1
+    return ids, mask
+
+
+def completion_mask_after_eos(completion_ids: torch.Tensor, eos_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """1 for every token up to and including the first EOS, 0 after it; and which rows never hit EOS."""
+    is_eos = torch.isin(completion_ids, torch.tensor(eos_ids, device=completion_ids.device))  # [N, C]
+    # Tokens strictly after the first EOS have seen at least one EOS before them.
+    eos_before = is_eos.long().cumsum(dim=1) - is_eos.long()  # [N, C]
+    mask = (eos_before == 0).long()  # [N, C]
+    truncated = ~is_eos.any(dim=1)  # [N]
+    return mask, truncated
+
+
+def eos_token_ids(tokenizer, model) -> list[int]:
+    ids = model.generation_config.eos_token_id if model.generation_config is not None else None
+    ids = ids if ids is not None else tokenizer.eos_token_id
+    return [ids] if isinstance(ids, int) else list(ids)
+
+
+@torch.no_grad()
+def sample(model, tokenizer, encode: PromptEncoder, prompts: list, *, num_generations: int,
+           max_completion_length: int, temperature: float, top_p: float, top_k: int,
+           stop_at_eos: bool = True, greedy: bool = False) -> Rollout:
+    """Sample `num_generations` completions per prompt with KV-cached generation.
+
+    `stop_at_eos=False` forces full-length completions (benchmarks compare equal work that way);
+    `greedy=True` decodes the most likely token each step instead (evaluation), ignoring the sampling knobs."""
+    prompt_ids, prompt_mask = encode(prompts)  # [B, P]
+    device = next(model.parameters()).device
+    prompt_ids = prompt_ids.repeat_interleave(num_generations, dim=0).to(device)  # [N, P]
+    prompt_mask = prompt_mask.repeat_interleave(num_generations, dim=0).to(device)  # [N, P]
+    eos_ids = eos_token_ids(tokenizer, model)
+    was_training = model.training
+    model.eval()  # KV cache on, dropout off (gradient checkpointing would disable the cache)
+    try:
+        # Our own loop, not model.generate: no checkpoint defaults (repetition_penalty, say) can make the
+        # sampling distribution differ from the policy the loss scores, and it is faster (see decoding.py).
+        completion_ids = generate(unwrap(model), prompt_ids, prompt_mask, max_new_tokens=max_completion_length,
+                                  temperature=temperature, top_p=top_p, top_k=top_k, eos_ids=eos_ids,
+                                  pad_id=tokenizer.pad_token_id, stop_at_eos=stop_at_eos,
+                                  greedy=greedy)  # [N, C]
+    finally:
+        model.train(was_training)
+    completion_mask, truncated = completion_mask_after_eos(completion_ids, eos_ids)
+    completion_ids = completion_ids.masked_fill(completion_mask == 0, tokenizer.pad_token_id)
+    texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+    if is_chat(prompts[0]):
+        completions = [[{"role": "assistant", "content": t}] for t in texts]
+    else:
+        completions = texts
+    return Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, completions, truncated)

@@ -1,0 +1,158 @@
+"""Data parallel training under torchrun, on CPU with gloo: 2 ranks (DDP and FSDP2) end with the same weights
+and metrics as 1 process taking the same global batch; rank 0 alone writes; ranks sample differently; a
+2-rank run resumes exactly."""
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import distributed_worker
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import grpo.policy.policy
+from grpo.errors import ConfigError
+from grpo.policy.distributed import Distributed
+from grpo.policy.parallel import ParallelPolicy, check_settings
+
+TESTS = Path(__file__).resolve().parents[1]
+TORCHRUN_RUNS = ["fixed_ddp", "fixed_fsdp", "fixed_ddp_lora", "sampled_ddp", "sampled_fsdp", "resumed_ddp",
+                 "resumed_fsdp"]
+SAME_METRICS = ["loss", "loss/policy", "kl", "grad_norm", "reward/mean", "reward/std", "reward/digit_share_std",
+                "clip/region", "ratio/mean", "completion/length_mean", "completion/truncated_frac", "lr"]
+
+
+# --- one process: everything passes straight through --------------------------------------------------------
+
+
+def test_single_process_is_a_no_op():
+    single = Distributed()
+    rows = {"prompt": ["a", "b"], "answer": ["1", "2"]}
+    t = torch.arange(4.0)
+    assert single.is_main and single.shard(rows) is rows
+    assert single.gather(t) is t and single.local(t) is t
+    assert single.gather_objects(["x"]) == ["x"] and single.reduce({"loss": 2.0}) == {"loss": 2.0}
+    model = torch.nn.Linear(2, 1)
+    policy = ParallelPolicy(model, single, fsdp=True)
+    assert policy.kind == "single" and policy.root is None
+    assert policy(lambda m: m) is model and policy.generate(lambda m: m) is model
+    assert policy.full_state_dict() is None
+
+
+def test_shard_gives_each_rank_whole_prompts_in_rank_order():
+    rows = {"prompt": ["p0", "p1", "p2", "p3"], "answer": [0, 1, 2, 3]}
+    assert Distributed(rank=0, world_size=2).shard(rows) == {"prompt": ["p0", "p1"], "answer": [0, 1]}
+    assert Distributed(rank=1, world_size=2).shard(rows) == {"prompt": ["p2", "p3"], "answer": [2, 3]}
+    assert Distributed(rank=1, world_size=2).local(torch.arange(6)).tolist() == [3, 4, 5]
+    with pytest.raises(ValueError, match="3 rows cannot be split evenly over 2 ranks"):
+        Distributed(rank=0, world_size=2).shard({"prompt": ["a", "b", "c"]})
+
+
+def test_fsdp_refuses_what_it_cannot_run_before_loading_anything():
+    with pytest.raises(ConfigError, match='fsdp=true needs optim="adamw"'):
+        check_settings(2, True, "adamw_8bit", use_lora=False)
+    with pytest.raises(ConfigError, match="fsdp=true is for full fine-tuning"):
+        check_settings(2, True, "adamw", use_lora=True)
+    check_settings(1, True, "adamw_8bit", use_lora=True)  # one process: fsdp does not apply
+    check_settings(2, False, "adamw_8bit", use_lora=True)
+    check_settings(2, True, "adamw", use_lora=False)
+
+
+# --- two ranks under torchrun -----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The torchrun runs (2 ranks) and, meanwhile, their 1-process references, in out/<run name>."""
+    out = tmp_path_factory.mktemp("dist")
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(TESTS.parent), str(TESTS), os.environ.get("PYTHONPATH", "")])}
+    log = out / "torchrun.log"
+    with open(log, "w") as sink:
+        launch = subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+             str(TESTS / "distributed_worker.py"), str(out), *TORCHRUN_RUNS],
+            env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(grpo.policy.policy, "sample", distributed_worker.fixed_sample)
+            for name in ["fixed_single", "fixed_single_lora"]:
+                distributed_worker.train(str(out), name)
+        launch.wait(timeout=240)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"torchrun timed out (ranks out of step?):\n{log.read_text()[-3000:]}")
+    finally:
+        if launch.poll() is None:
+            os.killpg(launch.pid, signal.SIGKILL)  # torchrun and its ranks
+    assert launch.returncode == 0, log.read_text()[-5000:]
+    return out
+
+
+def weights(run: Path, step: int = 2) -> dict:
+    (path,) = glob.glob(str(run / f"checkpoint-{step}" / "*.safetensors"))
+    return load_file(path)
+
+
+def metrics(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def completion_rows(run: Path) -> list[tuple]:
+    rows = [json.loads(line) for line in (run / "completions.jsonl").read_text().splitlines()]
+    return sorted((r["step"], r["prompt"], r["completion"], round(r["reward"], 5), round(r["advantage"], 4))
+                  for r in rows)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("single, parallel", [("fixed_single", "fixed_ddp"), ("fixed_single", "fixed_fsdp"),
+                                              ("fixed_single_lora", "fixed_ddp_lora")])
+def test_two_ranks_match_one_process(runs, single, parallel):
+    one, two = weights(runs / single), weights(runs / parallel)
+    assert one.keys() == two.keys()
+    worst = max((one[k] - two[k]).abs().max().item() for k in one)
+    assert worst < 1e-6, f"max abs weight difference 1 vs 2 processes: {worst:.3g}"
+    m1, m2 = metrics(runs / single), metrics(runs / parallel)
+    assert [m["step"] for m in m2] == [1, 2], "rank 0 alone writes metrics"
+    for a, b in zip(m1, m2):
+        for key in SAME_METRICS:
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), (a["step"], key)
+    assert completion_rows(runs / parallel) == completion_rows(runs / single), "every rank's completions, once"
+    assert sorted(p.name for p in (runs / parallel).glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2"]
+
+
+@pytest.mark.slow
+def test_ranks_sample_differently_and_fsdp_samples_as_ddp(runs):
+    # One repeated prompt, real sampling: with equal seeds both ranks' first micro-batches would be equal.
+    ddp = [json.loads(line) for line in (runs / "sampled_ddp" / "completions.jsonl").read_text().splitlines()]
+    assert len(ddp) == 2 * 2 * 4  # ranks x micro-batches x generations (one prompt each), rank-major
+    assert [r["completion"] for r in ddp[:4]] != [r["completion"] for r in ddp[8:12]]
+    # FSDP gathers the weights for generation: the same seeds must give the same completions as DDP, though
+    # the ranks stop generating after different numbers of tokens.
+    fsdp = [json.loads(line) for line in (runs / "sampled_fsdp" / "completions.jsonl").read_text().splitlines()]
+    assert [r["completion"] for r in fsdp] == [r["completion"] for r in ddp]
+    one, two = load_file(runs / "sampled_ddp" / "checkpoint-1" / "model.safetensors"), \
+        load_file(runs / "sampled_fsdp" / "checkpoint-1" / "model.safetensors")
+    assert max((one[k] - two[k]).abs().max().item() for k in one) < 1e-6
+    # Both evaluated greedily after the step (every rank the whole set), and then saved the checkpoint above.
+    evals = [[m for m in metrics(runs / name) if "eval/accuracy" in m] for name in ("sampled_ddp", "sampled_fsdp")]
+    assert [m["step"] for m in evals[0]] == [m["step"] for m in evals[1]] == [1]
+    for key in ("eval/accuracy", "eval/length_mean", "eval/num_examples"):
+        assert evals[1][0][key] == pytest.approx(evals[0][0][key]), key
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["resumed_ddp", "resumed_fsdp"])
+def test_two_ranks_resume_exactly(runs, name):
+    # Died before step 4, resumed from checkpoint-3 (mid generation batch; step 5 samples anew).
+    reference, resumed = runs / name / "reference", runs / name / "resumed"
+    one, two = weights(reference, 6), weights(resumed, 6)
+    assert all(torch.equal(one[k], two[k]) for k in one)
+    assert [m["step"] for m in metrics(resumed)] == [1, 2, 3, 4, 5, 6]
+    volatile = ("perf/", "memory/")
+    assert [{k: v for k, v in m.items() if not k.startswith(volatile)} for m in metrics(resumed)] == \
+        [{k: v for k, v in m.items() if not k.startswith(volatile)} for m in metrics(reference)]
+    assert (resumed / "completions.jsonl").read_text() == (reference / "completions.jsonl").read_text()

@@ -1,0 +1,199 @@
+"""Bad input and failed runs, as `python -m grpo.train` reports them: one short `error:` message, no
+traceback, a non-zero exit, and nothing half-written. `main()` runs in-process (a subprocess per case would
+cost seconds of imports each); test_cli.py checks the real command once."""
+import math
+import textwrap
+
+import pytest
+import torch
+
+import grpo.memory.fit
+import grpo.trainer
+from grpo.train import main
+
+RECIPE = """
+from datasets import Dataset
+from grpo import Config
+from tiny_setup import digit_prompts, digit_share, tiny_model, tiny_tokenizer
+
+config = Config(output_dir={out!r}, max_steps=3, per_device_train_batch_size=2, num_generations=2,
+                max_prompt_length=16, max_completion_length=4, optim="adamw", save_steps=1, {config})
+{body}
+
+def build_model(config):
+    tokenizer = tiny_tokenizer()
+    return tiny_model(tokenizer), tokenizer
+"""
+GOOD_BODY = "reward_funcs = [digit_share]\ntrain_dataset = digit_prompts"
+
+
+def run(tmp_path, capsys, *overrides, body=GOOD_BODY, config=""):
+    """Write a recipe with `body` and `config` settings, run the CLI on it; (exit code, stderr)."""
+    out = tmp_path / "run"
+    recipe = tmp_path / "recipe.py"
+    recipe.write_text(RECIPE.format(out=str(out), config=config, body=textwrap.dedent(body)))
+    code = main([str(recipe), *overrides])
+    return code, capsys.readouterr().err
+
+
+def assert_short_error(code, err, expected_code, *fragments):
+    assert code == expected_code, err
+    assert "Traceback" not in err and "error: " in err
+    for fragment in fragments:
+        assert fragment in err, err
+
+
+# --- recipes and settings: exit 2, before anything is loaded or written ---
+
+@pytest.mark.parametrize("body, config, overrides, fragments", [
+    ("reward_funcs = [digit_share]", "", [], ["does not define train_dataset"]),
+    ("reward_funcs = digit_share\ntrain_dataset = [{'prompt': 'hi'}]", "", [],
+     ["`train_dataset` must be a datasets.Dataset or a function returning one, got list"]),
+    ("reward_funcs = ['digit_share']\ntrain_dataset = digit_prompts", "", [], ["reward_funcs[0] is not callable"]),
+    (GOOD_BODY, "num_iterations=0", [], ["recipe.py:6: num_iterations must be >= 1, got 0"]),
+    (GOOD_BODY, "learning_rate='1e-5'", [], ["learning_rate must be a float, got str '1e-5'"]),
+    (GOOD_BODY, "", ["--num_generation=4"], ["unknown setting 'num_generation' (did you mean 'num_generations'?)"]),
+    (GOOD_BODY, "", ["--max_steps=ten"], ["--max_steps: expected an integer, got 'ten'"]),
+    (GOOD_BODY, "", ["--num_generations=1"], ["--num_generations=1: num_generations must be >= 2"]),
+    (GOOD_BODY, "", ["--max_completion_length=0"], ["max_completion_length must be >= 1, got 0"]),
+    (GOOD_BODY, "", ["--per_device_train_batch_size=0"], ["per_device_train_batch_size must be >= 1"]),
+    (GOOD_BODY, "", ["--optim=adam"], ["optim must be one of adamw_8bit, adamw, got 'adam'"]),
+], ids=["no-dataset", "dataset-type", "reward-type", "config-in-recipe", "config-type", "unknown-key",
+        "override-type", "one-generation", "no-completion", "no-batch", "unknown-optim"])
+def test_recipe_and_setting_errors(tmp_path, capsys, body, config, overrides, fragments):
+    code, err = run(tmp_path, capsys, *overrides, body=body, config=config)
+    assert_short_error(code, err, 2, *fragments)
+    assert not (tmp_path / "run").exists()
+
+
+def test_missing_recipe_file(tmp_path, capsys):
+    assert main([str(tmp_path / "nope.py")]) == 2
+    assert capsys.readouterr().err == f"error: recipe not found: {tmp_path / 'nope.py'}\n"
+
+
+def test_a_bug_in_the_recipe_keeps_its_traceback(tmp_path, capsys):
+    with pytest.raises(ZeroDivisionError):
+        run(tmp_path, capsys, body=GOOD_BODY + "\nscale = 1 / 0")
+
+
+# --- datasets: exit 1 ---
+
+@pytest.mark.parametrize("rows, fragment", [
+    ("[{'question': 'hi'}]", "train_dataset has no 'prompt' column (columns: question)"),
+    ("[]", "train_dataset has no 'prompt' column (columns: none)"),  # an empty list has no columns
+    ("{'prompt': []}", "train_dataset is empty"),
+    ("[{'prompt': 7}]", "train_dataset['prompt'] must hold strings or lists of {'role', 'content'} messages, got int"),
+    ("[{'prompt': 'a'}, {'prompt': None}]", "train_dataset has 1 missing (None) prompts out of 2"),
+])
+def test_dataset_errors(tmp_path, capsys, rows, fragment):
+    make = "from_dict" if rows.startswith("{") else "from_list"
+    code, err = run(tmp_path, capsys, body=f"reward_funcs = [digit_share]\ntrain_dataset = Dataset.{make}({rows})")
+    assert_short_error(code, err, 1, fragment)
+    assert not (tmp_path / "run").exists()
+
+
+# --- reward functions: exit 1, naming the function and showing what it was given ---
+
+@pytest.mark.parametrize("returns, fragments", [
+    ("[1.0 / (len(c) - len(c)) for c in completions]",
+     ["reward function 'judge' raised ZeroDivisionError: float division by zero", "at recipe.py:9", "prompt 0: 'Write",
+      "completion 0: "]),
+    ("[1.0]", ["reward function 'judge' returned 1 values; expected 4, one per completion"]),
+    ("['good'] * len(completions)", ["reward function 'judge' returned a non-number at position 0: 'good' (str)"]),
+    ("[float('nan')] * len(completions)", ["reward function 'judge' returned NaN or inf at positions [0, 1, 2, 3]"]),
+], ids=["raises", "count", "type", "nan"])
+def test_reward_function_errors(tmp_path, capsys, returns, fragments):
+    body = f"def judge(completions, **kwargs):\n    return {returns}\nreward_funcs = [judge]\ntrain_dataset = digit_prompts"
+    code, err = run(tmp_path, capsys, body=body)
+    assert_short_error(code, err, 1, *fragments)
+    assert len(err) < 1000
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_a_reward_failing_later_keeps_the_steps_before_it(tmp_path, capsys):
+    body = """
+        calls = []
+        def judge(completions, **kwargs):
+            calls.append(1)
+            if len(calls) == 3:
+                raise KeyError("answer")
+            return [0.5] * len(completions)
+        reward_funcs = [judge]
+        train_dataset = digit_prompts
+    """
+    code, err = run(tmp_path, capsys, "--save_steps=10", body=body)
+    assert_short_error(code, err, 1, "reward function 'judge' raised KeyError: 'answer'",
+                       f"step 3 failed; {tmp_path / 'run' / 'checkpoint-2'} holds the state after step 2",
+                       "resume with: python -m grpo.train", "--resume_from_checkpoint=")
+
+
+# --- non-finite loss: skipped, logged, stopped after max_nonfinite_steps in a row ---
+
+def nan_loss_from_step(monkeypatch, first_bad_step: int, last_bad_step: int = 10**9):
+    real = grpo.trainer.policy_loss
+    trainers = []
+    monkeypatch.setattr(grpo.trainer.Trainer, "train", record(grpo.trainer.Trainer.train, trainers))
+
+    def policy_loss(*args, **kwargs):
+        loss, metrics = real(*args, **kwargs)
+        step = trainers[-1].step + 1
+        return (loss * math.nan if first_bad_step <= step <= last_bad_step else loss), metrics
+
+    monkeypatch.setattr(grpo.trainer, "policy_loss", policy_loss)
+    return trainers
+
+
+def record(method, into: list):
+    def wrapped(self):
+        into.append(self)
+        return method(self)
+    return wrapped
+
+
+def test_nonfinite_loss_stops_after_n_in_a_row_keeping_the_last_good_checkpoint(tmp_path, capsys, monkeypatch):
+    trainers = nan_loss_from_step(monkeypatch, 3)
+    code, err = run(tmp_path, capsys, "--max_steps=10", "--save_steps=2", "--max_nonfinite_steps=2")
+    assert_short_error(code, err, 1, "step 3: loss nan, grad norm nan: update skipped (1 in a row; stopping at 2)",
+                       "error: stopped at step 4: the loss or gradient norm was NaN/inf for 2 steps in a row "
+                       "(max_nonfinite_steps=2); their updates were skipped, so the weights are those of step 2. "
+                       f"Newest checkpoint: {tmp_path / 'run' / 'checkpoint-2'}.")
+    lines = [eval(line, {"NaN": math.nan}) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [(line["step"], line["skipped/nonfinite"]) for line in lines] == [(1, 0), (2, 0), (3, 1), (4, 2)]
+    assert sorted(p.name for p in (tmp_path / "run").glob("checkpoint-*")) == ["checkpoint-2"]
+    from safetensors.torch import load_file
+    saved = load_file(tmp_path / "run" / "checkpoint-2" / "model.safetensors")
+    for name, p in trainers[-1].model.named_parameters():
+        assert torch.equal(p, saved.get(name, p)), f"{name} moved on a skipped step"
+
+
+def test_one_nonfinite_step_is_skipped_and_training_goes_on(tmp_path, capsys, monkeypatch):
+    nan_loss_from_step(monkeypatch, 2, 2)
+    code, err = run(tmp_path, capsys)
+    assert code == 0, err
+    assert "step 2: loss nan, grad norm nan: update skipped (1 in a row; stopping at 3)" in err
+
+
+# --- out of memory: what to lower, the planner's estimate where there is one, the steps kept ---
+
+@pytest.mark.parametrize("planner", ["present", "broken"])
+def test_out_of_memory_says_what_to_lower(tmp_path, capsys, monkeypatch, planner):
+    real = grpo.trainer.Trainer.accumulate
+
+    def accumulate(self, batches):
+        if self.step == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB\nmore detail")
+        return real(self, batches)
+
+    monkeypatch.setattr(grpo.trainer.Trainer, "accumulate", accumulate)
+    if planner == "present":
+        summary = lambda config: f"weights 1.0 GB\ntotal 9.9 GB for G={config.num_generations}"  # noqa: E731
+    else:
+        summary = lambda config: 1 / 0  # noqa: E731
+    monkeypatch.setattr(grpo.memory.fit, "plan_summary", summary)
+    code, err = run(tmp_path, capsys)
+    assert_short_error(code, err, 1, "error: out of GPU memory in step 2: CUDA out of memory. Tried to allocate 20.00 GiB",
+                       "--gradient_checkpointing=true (recompute activations in backward)",
+                       "--use_lora=true (train adapters",
+                       f"the last checkpoint is {tmp_path / 'run' / 'checkpoint-1'}")
+    assert "more detail" not in err
+    assert ("memory plan for this configuration:\n  weights 1.0 GB\n  total 9.9 GB for G=2" in err) == (planner == "present")

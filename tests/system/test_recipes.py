@@ -1,0 +1,36 @@
+"""The shipped recipes load offline and say what the README says they do."""
+import datasets
+from datasets import Dataset
+
+from grpo.recipe import load_recipe
+from grpo.tasks.gsm8k import SYSTEM_PROMPT
+
+# The "GRPO on a 16 GB GPU" write-up's settings, which gsm8k_lora.py must port field for field.
+ARTICLE = dict(learning_rate=5e-6, adam_beta1=0.9, adam_beta2=0.99, weight_decay=0.1, warmup_ratio=0.1,
+               lr_scheduler_type="cosine", logging_steps=1, bf16=True, per_device_train_batch_size=1,
+               gradient_accumulation_steps=4, num_generations=4, max_prompt_length=256,
+               max_completion_length=786, num_train_epochs=1, save_steps=100, save_total_limit=1,
+               max_grad_norm=0.1)
+
+
+def test_gsm8k_recipe_ports_the_article_settings():
+    recipe = load_recipe("recipes/gsm8k_lora.py")
+    config = recipe.config
+    for key, value in ARTICLE.items():
+        assert getattr(config, key) == value, key
+    assert config.model == "meta-llama/Llama-3.2-1B-Instruct"
+    assert (config.use_lora, config.lora_r, config.lora_alpha, config.lora_target_modules) == (True, 16, 32, None)
+    assert config.optim == "adamw_8bit" and config.gradient_checkpointing
+    assert [f.__name__ for f in recipe.reward_funcs] == ["xml_format_reward", "answer_accuracy_reward"]
+
+
+def test_gsm8k_rows_become_chat_prompts_with_the_reference_answer(monkeypatch):
+    recipe = load_recipe("recipes/gsm8k_lora.py")
+    fake = Dataset.from_list([{"question": "Tom has 3 apples and buys 1,200 more. How many?",
+                               "answer": "3 + 1200 = 1203\n#### 1,203"}])
+    monkeypatch.setattr(datasets, "load_dataset", lambda *args, **kwargs: fake)  # tasks/gsm8k.py's hub download
+    row = recipe.train_dataset()[0]
+    assert row["prompt"] == [{"role": "system", "content": SYSTEM_PROMPT},
+                             {"role": "user", "content": fake[0]["question"]}]
+    assert row["answer"] == "1203"
+    assert set(recipe.eval_dataset().column_names) == {"prompt", "answer"}

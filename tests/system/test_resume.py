@@ -1,0 +1,161 @@
+"""Resuming is exact: 6 steps in one run and the same run stopped after step 4 (crash or signal), then
+resumed, end with bit-identical weights and the same metrics and completions lines."""
+import json
+import os
+import signal
+
+import pytest
+import torch
+from tiny_setup import digit_prompts, digit_share, tiny_model, tiny_tokenizer
+
+from grpo import Config, Trainer
+from grpo.errors import ConfigError
+from grpo.run.checkpoint import complete_checkpoints
+from grpo.run.interrupts import TrainingInterrupted
+
+VOLATILE = ("perf/", "memory/")  # timings and memory differ between any two runs
+SETTINGS = {
+    # A reference copy, and num_iterations=2 puts checkpoint-3 in the middle of a generation batch.
+    "full-adamw-mid-batch": dict(optim="adamw", beta=0.04, num_iterations=2),
+    # 8-bit AdamW state, LoRA dropout drawing from the RNG in every forward, gradient checkpointing.
+    "lora-8bit-dropout": dict(use_lora=True, lora_r=4, lora_alpha=8, lora_dropout=0.1, optim="adamw_8bit",
+                              gradient_checkpointing=True, beta=0.04),
+}
+
+
+class Crash(BaseException):
+    """Stands in for the process dying: not an Exception, so nothing catches it or saves."""
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return tiny_tokenizer()
+
+
+def make_trainer(out, tokenizer, settings, **overrides) -> Trainer:
+    base = dict(output_dir=str(out), max_steps=6, save_steps=3, per_device_train_batch_size=2,
+                gradient_accumulation_steps=2, num_generations=4, max_prompt_length=16, max_completion_length=8,
+                learning_rate=1e-2, warmup_ratio=0.2, lr_scheduler_type="linear", seed=0)
+    config = Config(**{**base, **settings, **overrides})
+    return Trainer(config, model=tiny_model(tokenizer), tokenizer=tokenizer, reward_funcs=[digit_share],
+                   train_dataset=digit_prompts())
+
+
+def stop_when(trainer, method: str, step: int, stop) -> None:
+    """Call `stop()` when `trainer.<method>` is entered while `step` steps are done."""
+    original = getattr(trainer, method)
+
+    def wrapped(*args):
+        if trainer.step == step:
+            stop()
+        return original(*args)
+
+    setattr(trainer, method, wrapped)
+
+
+def read_jsonl(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def stable(lines: list[dict]) -> list[dict]:
+    return [{k: v for k, v in line.items() if not k.startswith(VOLATILE)} for line in lines]
+
+
+_uninterrupted = {}
+
+
+def uninterrupted(name, tmp_path_factory, tokenizer):
+    """The 6-step run every stopped-and-resumed one must equal (made once per settings)."""
+    if name not in _uninterrupted:
+        out = tmp_path_factory.mktemp(name)
+        trainer = make_trainer(out, tokenizer, SETTINGS[name])
+        trainer.train()
+        _uninterrupted[name] = (trainer, out)
+    return _uninterrupted[name]
+
+
+def assert_same_run(resumed, out, reference, reference_out):
+    for (name, p), q in zip(reference.model.named_parameters(), resumed.model.parameters(), strict=True):
+        assert torch.equal(p, q), f"{name} differs after resume"
+    assert [line["step"] for line in read_jsonl(out / "metrics.jsonl")] == [1, 2, 3, 4, 5, 6]
+    assert stable(read_jsonl(out / "metrics.jsonl")) == stable(read_jsonl(reference_out / "metrics.jsonl"))
+    assert read_jsonl(out / "completions.jsonl") == read_jsonl(reference_out / "completions.jsonl")
+
+
+@pytest.mark.parametrize("name", SETTINGS)
+def test_resume_after_a_crash_is_bit_identical(tmp_path, tmp_path_factory, tokenizer, name):
+    reference, reference_out = uninterrupted(name, tmp_path_factory, tokenizer)
+    out = tmp_path / "run"
+    first = make_trainer(out, tokenizer, SETTINGS[name])
+    stop_when(first, "accumulate", 4, lambda: (_ for _ in ()).throw(Crash()))  # dies inside step 5
+    with pytest.raises(Crash):
+        first.train()
+    assert [p.name for p in complete_checkpoints(out)] == ["checkpoint-3"]
+    assert read_jsonl(out / "metrics.jsonl")[-1]["step"] == 4, "step 4's lines were written after checkpoint-3"
+
+    resumed = make_trainer(out, tokenizer, SETTINGS[name], resume_from_checkpoint="latest")
+    resumed.train()
+    assert_same_run(resumed, out, reference, reference_out)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_signal_mid_step_rolls_it_back_saves_and_resumes_exactly(tmp_path, tmp_path_factory, tokenizer, signum):
+    name = "full-adamw-mid-batch"
+    reference, reference_out = uninterrupted(name, tmp_path_factory, tokenizer)
+    out = tmp_path / "run"
+    first = make_trainer(out, tokenizer, SETTINGS[name])
+    # Step 5 has generated a batch (RNG and data position moved on) and is about to back-propagate.
+    stop_when(first, "accumulate", 4, lambda: os.kill(os.getpid(), signum))
+    handler = signal.getsignal(signum)
+    with pytest.raises(TrainingInterrupted) as info:
+        first.train()
+    assert (info.value.signum, info.value.step, info.value.checkpoint) == (signum, 4, out / "checkpoint-4")
+    assert signal.getsignal(signum) is handler, "the previous handler is back"
+
+    resumed = make_trainer(out, tokenizer, SETTINGS[name], resume_from_checkpoint=str(out / "checkpoint-4"))
+    resumed.train()
+    assert_same_run(resumed, out, reference, reference_out)
+
+
+def test_latest_without_a_checkpoint_starts_afresh_and_drops_unsaved_lines(tmp_path, tokenizer):
+    out = tmp_path / "run"
+    first = make_trainer(out, tokenizer, {}, optim="adamw", max_steps=2, save_steps=10)
+    stop_when(first, "accumulate", 1, lambda: (_ for _ in ()).throw(Crash()))
+    with pytest.raises(Crash):
+        first.train()
+    assert len(read_jsonl(out / "metrics.jsonl")) == 1 and not complete_checkpoints(out)
+    resumed = make_trainer(out, tokenizer, {}, optim="adamw", max_steps=2, save_steps=10,
+                           resume_from_checkpoint="latest")
+    resumed.train()
+    assert [line["step"] for line in read_jsonl(out / "metrics.jsonl")] == [1, 2]
+
+
+def test_a_fresh_run_does_not_write_over_an_earlier_one(tmp_path, tokenizer):
+    out = tmp_path / "run"
+    make_trainer(out, tokenizer, {}, optim="adamw", max_steps=1).train()
+    before = (out / "metrics.jsonl").read_text()
+    with pytest.raises(ConfigError, match=r"already holds a run \(checkpoint-1, .*--resume_from_checkpoint=latest"):
+        make_trainer(out, tokenizer, {}, optim="adamw", max_steps=1).train()
+    assert (out / "metrics.jsonl").read_text() == before
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("missing", "no such folder"),
+    (".", "is a run folder, not a checkpoint: pass one of its checkpoints"),
+    (".checkpoint-3.tmp", "is not a complete checkpoint"),
+    ("checkpoint-1", r"holds checkpoints newer than .*checkpoint-1 \(checkpoint-2\): continuing from it there would "
+                     "mix two runs"),
+])
+def test_resume_from_a_bad_folder_says_why(tmp_path, tokenizer, spec, message):
+    out = tmp_path / "run"
+    make_trainer(out, tokenizer, {}, optim="adamw", max_steps=2, save_steps=1).train()
+    (out / ".checkpoint-3.tmp").mkdir()
+    with pytest.raises(ConfigError, match=message):
+        make_trainer(out, tokenizer, {}, optim="adamw", resume_from_checkpoint=str(out / spec)).train()
+
+
+def test_resume_refuses_other_state_shaping_settings(tmp_path, tokenizer):
+    out = tmp_path / "run"
+    make_trainer(out, tokenizer, {}, optim="adamw", max_steps=1).train()
+    with pytest.raises(ConfigError, match='saved with optim="adamw"; resuming needs the same optim'):
+        make_trainer(out, tokenizer, {}, optim="adamw_8bit", resume_from_checkpoint="latest").train()

@@ -1,0 +1,127 @@
+"""The Trainer trains a tiny offline model for real, through the API."""
+import json
+import math
+
+import pytest
+import torch
+from datasets import Dataset
+from tiny_setup import digit_prompts, digit_share, tiny_model, tiny_tokenizer
+
+from grpo import Config, Trainer
+from grpo.policy.models import completion_logprobs
+
+REQUIRED_KEYS = {
+    "step", "loss/policy", "kl", "reward/mean", "reward/std", "reward/digit_share", "clip/low", "clip/high",
+    "clip/region", "completion/length_mean", "completion/truncated_frac", "lr", "grad_norm", "perf/step_s",
+    "perf/tokens_per_s", "memory/peak_gb",
+}
+
+
+def make_config(tmp_path, **overrides) -> Config:
+    settings = dict(output_dir=str(tmp_path / "run"), max_steps=2, per_device_train_batch_size=2,
+                    gradient_accumulation_steps=2, num_generations=4, max_prompt_length=16,
+                    max_completion_length=8, learning_rate=1e-2, optim="adamw", beta=0.04, seed=0)
+    settings.update(overrides)
+    return Config(**settings)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return tiny_tokenizer()
+
+
+def snapshot(model) -> dict:
+    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def logprobs_of(model, tokenizer, text="Write 3 digits: 012"):
+    ids = torch.tensor([tokenizer(text)["input_ids"]])
+    with torch.no_grad():
+        return completion_logprobs(model.eval(), ids, torch.ones_like(ids), 2, temperature=1.0, chunk_size=4)
+
+
+def test_full_finetune_trains_logs_and_checkpoints(tmp_path, tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    trainer = Trainer(make_config(tmp_path), model=tiny_model(tokenizer), tokenizer=tokenizer,
+                      reward_funcs=[digit_share], train_dataset=digit_prompts())
+    before = snapshot(trainer.model)
+    history = trainer.train()
+
+    assert trainer.step == 2 and len(history) == 2
+    changed = [n for n, p in trainer.model.named_parameters() if not torch.equal(p, before[n])]
+    assert len(changed) == len(before), "every trainable parameter should move under lr=1e-2"
+    lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines] == [1, 2]
+    for line in lines:
+        assert REQUIRED_KEYS <= line.keys(), REQUIRED_KEYS - line.keys()
+        assert math.isfinite(line["loss"]) and math.isfinite(line["grad_norm"])
+    rows = [json.loads(r) for r in (tmp_path / "run" / "completions.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 * 2 * 2 * 4  # steps x micro-batches x prompts x generations
+    assert {"prompt", "completion", "reward", "advantage", "reward/digit_share"} <= rows[0].keys()
+
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "checkpoint-2")
+    torch.testing.assert_close(logprobs_of(reloaded, tokenizer), logprobs_of(trainer.model, tokenizer))
+
+
+def test_lora_8bit_adamw_gradient_checkpointing(tmp_path, tokenizer):
+    from peft import PeftModel
+
+    config = make_config(tmp_path, use_lora=True, lora_r=4, lora_alpha=8, optim="adamw_8bit",
+                         gradient_checkpointing=True)
+    trainer = Trainer(config, model=tiny_model(tokenizer), tokenizer=tokenizer, reward_funcs=[digit_share],
+                      train_dataset=digit_prompts())
+    import bitsandbytes as bnb
+
+    assert isinstance(trainer.optimizer, bnb.optim.AdamW8bit)
+    frozen = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if not p.requires_grad}
+    before = snapshot(trainer.model)
+    assert before and all("lora_" in n for n in before)
+    trainer.train()
+
+    assert any(not torch.equal(p, before[n]) for n, p in trainer.model.named_parameters() if n in before)
+    assert all(torch.equal(p, frozen[n]) for n, p in trainer.model.named_parameters() if n in frozen)
+    assert trainer.policy.reference is None, "LoRA's reference is the adapter-disabled policy, not a copy"
+    checkpoint = tmp_path / "run" / "checkpoint-2"
+    assert (checkpoint / "adapter_model.safetensors").exists()
+    reloaded = PeftModel.from_pretrained(tiny_model(tokenizer), checkpoint)
+    torch.testing.assert_close(logprobs_of(reloaded, tokenizer), logprobs_of(trainer.model, tokenizer))
+
+
+@pytest.mark.parametrize("beta, expected_forwards", [(0.0, 0), (0.04, 2 * 2)])
+def test_reference_forward_only_when_beta_positive(tmp_path, tokenizer, beta, expected_forwards):
+    trainer = Trainer(make_config(tmp_path, beta=beta), model=tiny_model(tokenizer), tokenizer=tokenizer,
+                      reward_funcs=[digit_share], train_dataset=digit_prompts())
+    history = trainer.train()
+    assert trainer.policy.reference_forwards == expected_forwards  # steps x micro-batches
+    assert (trainer.policy.reference is None) == (beta == 0)
+    if beta == 0:
+        assert all(line["kl"] == 0.0 for line in history)
+
+
+def test_trl_style_reward_with_chat_prompts_and_answer_column(tmp_path, tokenizer):
+    seen = {}
+
+    def trl_reward(prompts, completions, answer, **kwargs):
+        # Written for TRL: chat prompts in, completions as [{"role": "assistant", "content": ...}] lists.
+        seen["completion"], seen["answer"], seen["kwargs"] = completions[0], answer[0], set(kwargs)
+        return [1.0 if c[0]["content"].strip().startswith(a) else 0.0 for c, a in zip(completions, answer)]
+
+    data = Dataset.from_list([{"prompt": [{"role": "user", "content": f"Say {d}"}], "answer": str(d),
+                               "source": "test"} for d in range(8)])
+    trainer = Trainer(make_config(tmp_path, max_steps=1), model=tiny_model(tokenizer), tokenizer=tokenizer,
+                      reward_funcs=[trl_reward], train_dataset=data)
+    trainer.train()
+    assert isinstance(seen["completion"], list) and seen["completion"][0]["role"] == "assistant"
+    assert seen["answer"] in {str(d) for d in range(8)}
+    assert "source" in seen["kwargs"]
+
+
+def test_num_iterations_reuses_one_generation_batch(tmp_path, tokenizer):
+    trainer = Trainer(make_config(tmp_path, max_steps=2, num_iterations=2, beta=0.0),
+                      model=tiny_model(tokenizer), tokenizer=tokenizer, reward_funcs=[digit_share],
+                      train_dataset=digit_prompts())
+    history = trainer.train()
+    assert trainer.prompts.position == 4, "two optimizer steps on one generation batch of 2 x 2 prompts"
+    assert history[0]["ratio/mean"] == pytest.approx(1.0)
+    assert history[1]["ratio/mean"] != pytest.approx(1.0, abs=1e-9), "second pass sees an updated policy"

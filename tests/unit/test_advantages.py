@@ -1,0 +1,120 @@
+import math
+
+import pytest
+import torch
+
+from grpo.algo.advantages import group_advantages
+
+
+def reference_advantages(rewards, group_size, scale, eps):
+    """Plain float64 loop over groups, independent of the vectorized implementation."""
+    r = [float(x) for x in rewards]
+    n = len(r)
+
+    def unbiased_std(xs):
+        m = sum(xs) / len(xs)
+        return math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1))
+
+    out = []
+    for g in range(0, n, group_size):
+        group = r[g:g + group_size]
+        mean = sum(group) / group_size
+        if scale == "group":
+            div = unbiased_std(group) + eps
+        elif scale == "batch":
+            div = unbiased_std(r) + eps
+        else:
+            div = 1.0
+        out += [(x - mean) / div for x in group]
+    return torch.tensor(out, dtype=torch.float64)
+
+
+def test_hand_computed_group_scale():
+    # group 1: [1, 0, 1], mean 2/3, centered [1/3, -2/3, 1/3]
+    #   unbiased var = (1/9 + 4/9 + 1/9) / (3 - 1) = 1/3, std = 0.5773503
+    #   A = (1/3) / (0.5773503 + 1e-4) = 0.5772503, -2/3 / ... = -1.1545006
+    # group 2: [2, 2, 2] -> exactly 0
+    rewards = torch.tensor([1.0, 0.0, 1.0, 2.0, 2.0, 2.0], dtype=torch.float64)
+    adv = group_advantages(rewards, group_size=3)
+    std = math.sqrt(1 / 3)
+    expected = [1 / 3 / (std + 1e-4), -2 / 3 / (std + 1e-4), 1 / 3 / (std + 1e-4), 0, 0, 0]
+    torch.testing.assert_close(adv, torch.tensor(expected, dtype=torch.float64), rtol=1e-12, atol=0)
+    assert adv[0].item() == pytest.approx(0.5772503, abs=1e-7)
+    assert torch.all(adv[3:] == 0)
+
+
+def test_convention_is_bessel_corrected_and_eps_is_1e_4():
+    # [0, 1]: centered [-0.5, 0.5]; unbiased std = sqrt((0.25 + 0.25) / 1) = 0.7071068
+    # A = 0.5 / (0.7071068 + 1e-4) = 0.7070068; the biased std (0.5) would give 0.9998
+    adv = group_advantages(torch.tensor([0.0, 1.0], dtype=torch.float64), 2)
+    assert adv[1].item() == pytest.approx(0.5 / (math.sqrt(0.5) + 1e-4), rel=1e-12)
+    assert adv[1].item() == pytest.approx(0.7070068, abs=1e-7)
+    # an explicit eps is used as given: 0.5 / (0.7071068 + 0.3) = 0.4964617
+    adv = group_advantages(torch.tensor([0.0, 1.0], dtype=torch.float64), 2, eps=0.3)
+    assert adv[1].item() == pytest.approx(0.5 / (math.sqrt(0.5) + 0.3), rel=1e-12)
+
+
+def test_hand_computed_batch_scale():
+    # groups [0, 1] and [1, 1]: group means 0.5 and 1 -> centered [-0.5, 0.5, 0, 0]
+    # batch: mean 0.75, squared deviations 0.5625 + 3 * 0.0625 = 0.75, / (4 - 1) = 0.25, std 0.5
+    # A = +-0.5 / (0.5 + 1e-4) = +-0.9998000
+    adv = group_advantages(torch.tensor([0.0, 1.0, 1.0, 1.0], dtype=torch.float64), 2, scale="batch")
+    expected = torch.tensor([-0.5 / 0.5001, 0.5 / 0.5001, 0.0, 0.0], dtype=torch.float64)
+    torch.testing.assert_close(adv, expected, rtol=1e-12, atol=0)
+
+
+def test_hand_computed_no_scale():
+    # Dr. GRPO: only centering. [3, 1] -> mean 2 -> [1, -1]; [0, 4] -> mean 2 -> [-2, 2]
+    adv = group_advantages(torch.tensor([3.0, 1.0, 0.0, 4.0]), 2, scale="none")
+    assert adv.tolist() == [1.0, -1.0, -2.0, 2.0]
+
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+@pytest.mark.parametrize("dtype, rtol", [(torch.float64, 1e-10), (torch.float32, 1e-5)])
+@pytest.mark.parametrize("groups, group_size", [(1, 2), (3, 4), (16, 8), (5, 7)])
+def test_matches_reference(scale, dtype, rtol, groups, group_size):
+    gen = torch.Generator().manual_seed(groups * 100 + group_size)
+    rewards = torch.randn(groups * group_size, generator=gen, dtype=torch.float64) * 3 + 1
+    expected = reference_advantages(rewards, group_size, scale, 1e-4)
+    adv = group_advantages(rewards.to(dtype), group_size, scale=scale)
+    assert adv.dtype == dtype
+    torch.testing.assert_close(adv.double(), expected, rtol=rtol, atol=rtol)
+
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_flat_group_is_exactly_zero(scale, dtype):
+    # 0.1 * 7 / 7 != 0.1 in floating point: a plain subtraction leaves a tiny residue.
+    rewards = torch.tensor([0.1] * 7 + [0.7] * 7 + [0.0, 1, 0, 1, 0, 1, 1], dtype=dtype)
+    adv = group_advantages(rewards, 7, scale=scale)
+    assert torch.all(adv[:14] == 0)
+    assert torch.all(adv[14:] != 0)
+
+
+def test_all_groups_flat_batch_scale_is_zero_not_nan():
+    adv = group_advantages(torch.ones(8), 4, scale="batch")
+    assert torch.all(adv == 0)
+
+
+def test_integer_rewards_become_float():
+    adv = group_advantages(torch.tensor([1, 0, 0, 0]), 2, scale="none")
+    assert adv.dtype == torch.float32
+    assert adv.tolist() == [0.5, -0.5, 0.0, 0.0]
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_rewards_raise_with_positions(bad):
+    rewards = torch.tensor([0.0, bad, 1.0, 1.0, bad, 0.0])
+    with pytest.raises(ValueError, match=r"positions \[1, 4\]"):
+        group_advantages(rewards, 3)
+
+
+def test_bad_shapes_and_options_raise():
+    with pytest.raises(ValueError, match="multiple of group_size"):
+        group_advantages(torch.zeros(5), 2)
+    with pytest.raises(ValueError, match="group_size must be >= 2"):
+        group_advantages(torch.zeros(4), 1)
+    with pytest.raises(ValueError, match="group, batch, none"):
+        group_advantages(torch.zeros(4), 2, scale="std")
+    with pytest.raises(ValueError, match="1-D"):
+        group_advantages(torch.zeros(2, 2), 2)

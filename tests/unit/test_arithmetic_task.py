@@ -1,0 +1,57 @@
+"""The offline arithmetic task and the supervised warm start."""
+import torch
+from tiny_setup import tiny_model, tiny_tokenizer
+
+from grpo.tasks import arithmetic
+from grpo.tasks.gsm8k import answer_accuracy_reward, xml_format_reward
+from grpo.tasks.sft import collate, encode_examples, supervised_warm_start
+
+
+def test_worked_solution_by_hand():
+    assert arithmetic.worked(964, 494) == ("<reasoning>4+4+0=08\n6+9+0=15\n9+4+1=14</reasoning>\n"
+                                           "<answer>1458</answer>")
+    assert arithmetic.direct(12, 34) == "<reasoning></reasoning>\n<answer>46</answer>"
+
+
+def test_demonstrations_earn_full_rewards():
+    pairs = arithmetic.problems(50, digits=3, seed=0)
+    demos = arithmetic.demonstrations(pairs, worked_share=0.5, seed=0)
+    completions = [c for _, c in demos]
+    answers = [row["answer"] for row in arithmetic.rows(pairs)]
+    assert answer_accuracy_reward(completions, answers) == [1.0] * 50
+    assert xml_format_reward(completions) == [1.0] * 50
+    worked = sum(c != arithmetic.direct(a, b) for (a, b), (_, c) in zip(pairs, demos))
+    assert 15 <= worked <= 35, "about half of them show the working"
+
+
+def test_train_and_held_out_problems_never_overlap():
+    train, held_out = arithmetic.split(num_train=5000, num_eval=500, digits=2)
+    assert len(set(train)) == 5000 and len(set(held_out)) == 500
+    assert not set(train) & set(held_out)
+    assert all(10 <= a <= 99 and 10 <= b <= 99 for a, b in train + held_out)
+
+
+def test_collate_puts_loss_on_completion_and_eos_only():
+    tokenizer = tiny_tokenizer()
+    encoded = encode_examples(tokenizer, [("Write 2 digits:", " 01"), ("Write 1 digits:", " 0")])
+    ids, mask, labels = collate(encoded, tokenizer.pad_token_id)
+    for (p, c), row_ids, row_mask, row_labels in zip(encoded, ids, mask, labels):
+        n = len(p) + len(c)
+        assert c[-1] == tokenizer.eos_token_id
+        assert row_ids[:n].tolist() == p + c and row_mask.sum() == n
+        assert row_labels[:len(p)].eq(-100).all() and row_labels[n:].eq(-100).all()
+        assert row_labels[len(p):n].tolist() == c
+
+
+def test_warm_start_fits_the_demonstrations_deterministically():
+    tokenizer = tiny_tokenizer()
+    examples = [(f"Write {k} digits:", " " + "0123456789"[:k]) for k in range(1, 10)]
+    runs = []
+    for _ in range(2):
+        model = tiny_model(tokenizer, seed=0)
+        metrics = supervised_warm_start(model, tokenizer, examples, steps=60, lr=1e-2, batch_size=4, seed=0)
+        runs.append((metrics, [p.detach().clone() for p in model.parameters()]))
+    (metrics, params), (metrics2, params2) = runs
+    assert metrics["warm_start/loss_last"] < 0.3 * metrics["warm_start/loss_first"]
+    assert metrics["warm_start/loss_last"] == metrics2["warm_start/loss_last"]
+    assert all(torch.equal(a, b) for a, b in zip(params, params2)), "the seed fixes the warm start"

@@ -1,0 +1,293 @@
+import dataclasses
+import json
+import math
+import sys
+import textwrap
+
+import pytest
+
+from grpo.config import (
+    Config,
+    ConfigError,
+    apply_overrides,
+    config_to_dict,
+    field_docs,
+    format_help,
+)
+from grpo.recipe import Recipe, load_recipe, resolve_dataset
+
+# --- overrides -----------------------------------------------------------------------------------
+
+
+def test_overrides_of_every_type():
+    config = apply_overrides(Config(), [
+        "--model=tiny/model",  # str
+        "--learning_rate=1e-5",  # float in scientific notation
+        "--adam_beta2=0.95",
+        "--num_generations=4",  # int
+        "--max_steps=-1",
+        "--bf16=false",  # bool
+        "--use_lora",  # bare flag -> True
+        "--epsilon_high=0.28",
+        "--save_total_limit=3",  # int | None
+        "--reward_weights=1,0.5",  # list[float] | None
+        "--lora_target_modules=q_proj,v_proj",  # list[str] | None
+    ])
+    assert config.model == "tiny/model"
+    assert config.learning_rate == 1e-5
+    assert config.adam_beta2 == 0.95
+    assert config.num_generations == 4 and isinstance(config.num_generations, int)
+    assert config.max_steps == -1
+    assert config.bf16 is False and config.use_lora is True
+    assert config.save_total_limit == 3
+    assert config.reward_weights == [1.0, 0.5]
+    assert config.lora_target_modules == ["q_proj", "v_proj"]
+
+
+def test_overrides_return_a_new_config():
+    base = Config()
+    config = apply_overrides(base, ["--seed=7"])
+    assert config.seed == 7 and base.seed == 42
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("true", True), ("True", True), ("1", True), ("yes", True), ("YES", True),
+    ("false", False), ("FALSE", False), ("0", False), ("no", False),
+])
+def test_bool_spellings(text, expected):
+    assert apply_overrides(Config(), [f"--gradient_checkpointing={text}"]).gradient_checkpointing is expected
+
+
+@pytest.mark.parametrize("arg", ["--save_total_limit=none", "--save_total_limit=None",
+                                 "--reward_weights=none", "--epsilon=None"])
+def test_none_for_optional_fields(arg):
+    config = apply_overrides(Config(save_total_limit=2, reward_weights=[1.0]), [arg])
+    key = arg[2:].split("=")[0]
+    assert getattr(config, key) is None
+
+
+def test_later_overrides_win():
+    assert apply_overrides(Config(), ["--seed=1", "--seed=2"]).seed == 2
+
+
+def test_epsilon_folds_into_both_bounds_and_a_later_bound_wins():
+    config = apply_overrides(Config(), ["--epsilon=0.3"])
+    assert (config.epsilon_low, config.epsilon_high, config.epsilon) == (0.3, 0.3, None)
+    config = apply_overrides(Config(), ["--epsilon=0.3", "--epsilon_high=0.28"])
+    assert (config.epsilon_low, config.epsilon_high) == (0.3, 0.28)
+    # Setting epsilon again later overrides both bounds.
+    config = apply_overrides(config, ["--epsilon=0.1"])
+    assert (config.epsilon_low, config.epsilon_high) == (0.1, 0.1)
+
+
+@pytest.mark.parametrize("arg, message", [
+    ("--learning_rate=abc", "--learning_rate: expected a float, got 'abc'"),
+    ("--num_generations=1.5", "--num_generations: expected an integer, got '1.5'"),
+    ("--num_generations=", "--num_generations: expected an integer, got ''"),
+    ("--bf16=maybe", "--bf16: expected a boolean (true/false), got 'maybe'"),
+    ("--save_total_limit=all", "--save_total_limit: expected an integer or none, got 'all'"),
+    ("--reward_weights=1,x", "--reward_weights: expected a comma-separated list of floats or none, got '1,x'"),
+    ("--learning_rate", "--learning_rate needs a value: --learning_rate=VALUE"),
+    ("learning_rate=1", "expected --key=value, got 'learning_rate=1'"),
+    ("--", "expected --key=value, got '--'"),
+])
+def test_bad_values(arg, message):
+    with pytest.raises(ConfigError) as info:
+        apply_overrides(Config(), [arg])
+    assert str(info.value) == message
+
+
+def test_unknown_key_suggests_the_closest():
+    with pytest.raises(ConfigError) as info:
+        apply_overrides(Config(), ["--learning_rat=1e-5"])
+    assert str(info.value) == "unknown setting 'learning_rat' (did you mean 'learning_rate'?)"
+    with pytest.raises(ConfigError, match=r"unknown setting 'zzzzzz' \(see --help"):
+        apply_overrides(Config(), ["--zzzzzz=1"])
+
+
+def test_dashes_in_keys_are_accepted():
+    assert apply_overrides(Config(), ["--max-steps=5"]).max_steps == 5
+
+
+# --- help and serialisation ----------------------------------------------------------------------
+
+
+def test_every_field_has_a_docstring_and_appears_in_help():
+    docs = field_docs()
+    names = [f.name for f in dataclasses.fields(Config)]
+    assert list(docs) == names  # declaration order
+    undocumented = [name for name in names if not docs[name].strip()]
+    assert not undocumented, f"Config fields without a docstring: {undocumented}"
+    text = format_help(Config(reward_weights=[1.0, 0.5]))
+    for name in names:
+        assert f"--{name}=" in text
+        assert docs[name].split()[0] in text
+    assert "--reward_weights=1.0,0.5" in text
+    assert "--save_total_limit=none" in text
+    assert text.index("--model=") < text.index("--learning_rate=") < text.index("--save_steps=")
+
+
+def test_help_values_round_trip_through_overrides():
+    config = Config(reward_weights=[1.0, 0.5], lora_target_modules=["q_proj"], use_lora=True)
+    args = [line.strip() for line in format_help(config).splitlines() if line.startswith("  --")]
+    assert apply_overrides(Config(), args) == config
+
+
+def test_config_to_dict_is_json():
+    data = config_to_dict(Config(reward_weights=[1.0, 2.0]))
+    assert json.loads(json.dumps(data)) == data
+    assert data["reward_weights"] == [1.0, 2.0]
+    assert set(data) == {f.name for f in dataclasses.fields(Config)}
+
+
+# --- recipes -------------------------------------------------------------------------------------
+
+
+def write(path, source):
+    path.write_text(textwrap.dedent(source))
+    return str(path)
+
+
+GOOD_RECIPE = """
+    from datasets import Dataset
+    from grpo.config import Config
+    from helper import double  # a sibling file
+
+    config = Config(learning_rate=2e-6, num_generations=4)
+
+    def length_reward(completions, **kwargs):
+        return [double(len(c)) for c in completions]
+
+    reward_funcs = [length_reward]
+    train_dataset = Dataset.from_dict({"prompt": ["a", "b"], "answer": ["1", "2"]})
+
+    def eval_dataset():
+        return Dataset.from_dict({"prompt": ["c"], "answer": ["3"]})
+"""
+
+
+def test_load_recipe(tmp_path):
+    write(tmp_path / "helper.py", "def double(x):\n    return 2.0 * x\n")
+    path = write(tmp_path / "recipe.py", GOOD_RECIPE)
+    recipe = load_recipe(path)
+    assert isinstance(recipe, Recipe) and recipe.path == path
+    assert recipe.config.learning_rate == 2e-6
+    assert recipe.reward_funcs[0](completions=["abc"]) == [6.0]
+    assert len(resolve_dataset(recipe.train_dataset)) == 2
+    assert callable(recipe.eval_dataset)  # left unresolved until needed
+    assert resolve_dataset(recipe.eval_dataset)["answer"] == ["3"]
+    assert str(tmp_path) not in sys.path  # the folder is only on sys.path while importing
+
+
+def test_load_recipe_minimal(tmp_path):
+    path = write(tmp_path / "r.py", """
+        from grpo.config import Config
+        config = Config()
+        reward_funcs = lambda completions, **kw: [0.0] * len(completions)  # a single function
+        train_dataset = lambda: None
+    """)
+    recipe = load_recipe(path)
+    assert len(recipe.reward_funcs) == 1 and recipe.eval_dataset is None
+    with pytest.raises(ConfigError, match="must be a datasets.Dataset, got NoneType"):
+        resolve_dataset(recipe.train_dataset, "train_dataset")
+    assert resolve_dataset(None) is None
+
+
+def test_two_recipes_do_not_clash(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    body = "from grpo.config import Config\nconfig = Config(seed={})\nreward_funcs = [len]\ntrain_dataset = dict\n"
+    a = load_recipe(write(tmp_path / "a" / "recipe.py", body.format(1)))
+    b = load_recipe(write(tmp_path / "b" / "recipe.py", body.format(2)))
+    assert (a.config.seed, b.config.seed) == (1, 2)
+
+
+def test_recipe_not_found(tmp_path):
+    missing = str(tmp_path / "nope.py")
+    with pytest.raises(ConfigError) as info:
+        load_recipe(missing)
+    assert str(info.value) == f"recipe not found: {missing}"
+
+
+@pytest.mark.parametrize("source, message", [
+    ("x = 1\n", "does not define config, reward_funcs, train_dataset: a recipe must define `config`"),
+    ("from grpo.config import Config\nconfig = Config()\ntrain_dataset = dict\n",
+     "does not define reward_funcs: a recipe must define"),
+    ("config = {'learning_rate': 1e-6}\nreward_funcs = [len]\ntrain_dataset = dict\n",
+     "`config` must be a grpo.config.Config, got dict"),
+    ("from grpo.config import Config\nconfig = Config()\nreward_funcs = []\ntrain_dataset = dict\n",
+     "`reward_funcs` must be a non-empty list of functions"),
+    ("from grpo.config import Config\nconfig = Config()\nreward_funcs = [len, 'oops']\ntrain_dataset = dict\n",
+     "reward_funcs\\[1\\] is not callable: 'oops'"),
+    ("from grpo.config import Config\nconfig = Config()\nreward_funcs = [len]\ntrain_dataset = [{'prompt': 'a'}]\n",
+     "`train_dataset` must be a datasets.Dataset or a function returning one, got list"),
+    ("from grpo.config import Config\nconfig = Config()\nreward_funcs = [len]\ntrain_dataset = dict\n"
+     "eval_dataset = 'data.json'\n",
+     "`eval_dataset` must be a datasets.Dataset or a function returning one, got str"),
+    ("config = (\n", "r.py:1: syntax error"),
+])
+def test_recipe_errors(tmp_path, source, message):
+    with pytest.raises(ConfigError, match=message):
+        load_recipe(write(tmp_path / "r.py", source))
+
+
+def test_recipe_not_python(tmp_path):
+    with pytest.raises(ConfigError, match="not a Python file"):
+        load_recipe(write(tmp_path / "recipe.txt", "config = 1\n"))
+
+
+def test_recipe_runtime_error_keeps_its_traceback(tmp_path):
+    with pytest.raises(ZeroDivisionError):
+        load_recipe(write(tmp_path / "r.py", "x = 1 / 0\n"))
+
+
+# --- checks of values, on every Config made (recipe, override or Python) ---------------------------
+
+
+@pytest.mark.parametrize("settings, message", [
+    (dict(num_generations=1), "num_generations must be >= 2: GRPO scores each completion against the others of "
+                              "its prompt, so a group of one has no signal, got 1"),
+    (dict(max_completion_length=0), "max_completion_length must be >= 1, got 0"),
+    (dict(gradient_accumulation_steps=0), "gradient_accumulation_steps must be >= 1, got 0"),
+    (dict(max_steps=0), "max_steps must be > 0, or -1 to train for num_train_epochs, got 0"),
+    (dict(save_steps=0), "save_steps must be >= 1, got 0"),
+    (dict(save_total_limit=0), "save_total_limit must be >= 1, or None to keep every checkpoint, got 0"),
+    (dict(top_p=0.0), "top_p must be in (0, 1], got 0.0"),
+    (dict(epsilon=1.5), "epsilon must be in [0, 1), got 1.5"),
+    (dict(lr_scheduler_type="cosine_with_restarts"),
+     "lr_scheduler_type must be one of cosine, linear, constant, got 'cosine_with_restarts'"),
+    (dict(scale_rewards="std"), "scale_rewards must be one of group, batch, none, got 'std'"),
+    (dict(num_generations="4"), "num_generations must be an int, got str '4'"),
+    (dict(max_steps=True), "max_steps must be an int, got bool True"),
+    (dict(use_lora="yes"), "use_lora must be a bool, got str 'yes'"),
+    (dict(reward_weights=1.0), "reward_weights must be a list of floats, got 1.0"),
+    (dict(reward_weights=[1.0, "x"]), "reward_weights[1] must be a float, got str 'x'"),
+    (dict(reward_weights=[1.0, math.inf]), "reward_weights must be finite numbers, got [1.0, inf]"),
+    (dict(resume_from_checkpoint=""), "resume_from_checkpoint must be a checkpoint folder or \"latest\", got ''"),
+])
+def test_bad_settings_are_refused_with_one_sentence(settings, message):
+    with pytest.raises(ConfigError) as info:
+        Config(**settings)
+    assert str(info.value) == message
+    assert isinstance(info.value, ValueError)  # for code that catches the usual type
+
+
+def test_ints_given_for_floats_become_floats():
+    config = Config(learning_rate=1, reward_weights=[1, 2], epsilon=0)
+    assert type(config.learning_rate) is float and config.reward_weights == [1.0, 2.0]
+    assert type(config.reward_weights[0]) is float and type(config.epsilon_high) is float
+
+
+def test_choice_lists_are_shared_and_checking_a_config_needs_no_torch():
+    import subprocess
+    import sys
+
+    from grpo import algo, config_checks, policy
+
+    # One list each, defined beside the code that uses it and imported by the checks.
+    assert config_checks.OPTIMIZERS is policy.OPTIMIZERS and config_checks.SCHEDULES is policy.SCHEDULES
+    assert config_checks.SCALES is algo.SCALES and config_checks.AGGREGATIONS is algo.AGGREGATIONS
+    assert set(config_checks.RULES) <= {f.name for f in dataclasses.fields(Config)}
+    code = "import sys, grpo.config; grpo.config.Config(optim='adamw'); print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip() == "False", out.stderr

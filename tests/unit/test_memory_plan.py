@@ -1,0 +1,199 @@
+"""The memory model's arithmetic (hand-computed cases), the planner's output, and predicted vs measured peak
+memory of real CPU training runs."""
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from grpo.config import Config
+from grpo.memory.estimate import Architecture, estimate
+from grpo.memory.fit import cheapest_fit, needed_gb, plan_summary
+from grpo.memory.known_models import KNOWN
+from grpo.plan import main, table
+
+ROOT = Path(__file__).resolve().parents[2]
+QWEN_05B = KNOWN["Qwen/Qwen2.5-0.5B-Instruct"]
+LLAMA_1B = KNOWN["meta-llama/Llama-3.2-1B-Instruct"]
+
+
+def test_parameter_counts_match_the_published_models():
+    assert QWEN_05B.num_params() == 494_032_768  # Qwen2.5-0.5B: tied embeddings, q/k/v biases
+    assert LLAMA_1B.num_params() == 1_235_814_400  # Llama-3.2-1B: tied, head_dim 64
+    assert KNOWN["meta-llama/Llama-3.1-8B-Instruct"].num_params() == 8_030_261_248  # untied
+
+
+def test_architecture_from_a_transformers_config():
+    from transformers import Qwen2Config
+
+    hf = Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                     num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True)
+    arch = Architecture.from_hf_config(hf)
+    assert arch.num_params() == QWEN_05B.num_params()
+    assert (arch.q_dim, arch.kv_dim) == (896, 128)
+
+
+def test_hand_computed_parts_of_a_tiny_model():
+    # V=100, H=8, 1 layer, 2 heads (head_dim 4), 1 KV head, I=16, tied, no bias.
+    a = Architecture(hidden_size=8, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=16, vocab_size=100,
+                     tie_word_embeddings=True)
+    linear = 8 * 8 + 8 * 4 + 8 * 4 + 8 * 8 + 3 * 8 * 16  # q, k, v, o, gate/up/down
+    assert a.linear_params() == linear == 576
+    assert a.num_params() == 576 + 100 * 8 + 2 * 8 + 8  # + embedding + 2 norms + final norm
+    assert sum(a.trainable_tensors()) == a.num_params() and sum(QWEN_05B.trainable_tensors()) == QWEN_05B.num_params()
+    s = Config(optim="adamw", beta=0.04, num_generations=2, max_prompt_length=3, max_completion_length=5,
+               logprob_chunk_size=4)
+    cpu = estimate(a, s, "cpu").parts
+    n = a.num_params()
+    assert cpu["weights"] == cpu["reference model"] == cpu["gradients"] == 4 * n
+    assert cpu["optimizer states"] == 8 * n
+    assert cpu["log-prob chunk"] == 4 * 100 * 4 + 2 * 5 * 8 * 4  # 4 rows x V float32, + the hidden states' grad
+    assert cpu["LM-head gradient"] == 4 * 100 * 8 and cpu["pending embedding gradients"] == 0  # sparse lookup grad
+    accumulating = estimate(a, dataclasses.replace(s, gradient_accumulation_steps=2), "cpu").parts
+    assert accumulating["pending embedding gradients"] == 4 * 100 * 8  # the new head gradient, added at the end
+    cuda = estimate(a, s, "cuda").parts
+    assert cuda["reference model"] == 2 * n  # bf16 copy
+    assert cuda["autocast weight copies"] == 2 * 576
+    lora = estimate(a, dataclasses.replace(s, use_lora=True, lora_r=2), "cuda").parts
+    lora_params = 2 * (8 + 8) + 2 * (8 + 4) * 2 + 2 * (8 + 8) + 2 * (8 + 16) * 2 + 2 * (16 + 8)
+    assert lora["gradients"] == 4 * lora_params and lora["reference model"] == 0
+    assert lora["weights"] == 2 * n + 4 * lora_params  # bf16 base, float32 adapters
+
+
+def test_each_memory_setting_moves_the_prediction_the_right_way():
+    base = Config(optim="adamw", beta=0.04, num_generations=4, max_prompt_length=256, max_completion_length=786,
+                  gradient_accumulation_steps=4)
+    peak = lambda **kw: estimate(LLAMA_1B, dataclasses.replace(base, **kw)).peak  # noqa: E731
+    parts = lambda **kw: estimate(LLAMA_1B, dataclasses.replace(base, **kw)).parts  # noqa: E731
+    assert parts(optim="adamw_8bit")["optimizer states"] == pytest.approx(parts()["optimizer states"] / 4, rel=0.02)
+    assert parts(gradient_checkpointing=True)["activations"] < parts()["activations"] / 5
+    assert parts(beta=0.0)["reference model"] == 0
+    assert parts(use_lora=True, load_in_4bit=True)["weights"] < parts(use_lora=True)["weights"] / 2
+    assert peak(use_lora=True) < peak(optim="adamw_8bit", gradient_checkpointing=True) < peak()
+    assert parts(logprob_chunk_size=128)["log-prob chunk"] < parts()["log-prob chunk"] / 2
+    assert peak(num_generations=8) > peak()
+
+
+def test_table_meets_the_issue_targets_for_lora():
+    lora = Config(per_device_train_batch_size=1, gradient_accumulation_steps=4, num_generations=4,
+                  max_prompt_length=256, max_completion_length=786, beta=0.04, use_lora=True,
+                  optim="adamw_8bit", gradient_checkpointing=True)
+    gb = lambda name, **kw: estimate(KNOWN[name], dataclasses.replace(lora, **kw)).peak / 1e9  # noqa: E731
+    assert gb("meta-llama/Llama-3.2-1B-Instruct") <= 8
+    assert gb("Qwen/Qwen2.5-3B-Instruct") <= 16
+    assert gb("meta-llama/Llama-3.1-8B-Instruct", load_in_4bit=True) <= 16
+    text = table()
+    assert "Llama-3.1-8B" in text and "QLoRA" in text and "article LoRA" in text
+
+
+def test_plan_summary_for_a_local_model_suggests_a_change_that_fits(tmp_path):
+    from transformers import Qwen2Config
+
+    Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True).save_pretrained(tmp_path)
+    config = Config(model=str(tmp_path), num_generations=8, max_completion_length=1024, beta=0.04, optim="adamw")
+    summary = plan_summary(config, gpu_memory_gb=12)
+    assert "predicted peak GPU memory" in summary and "optimizer states" in summary
+    assert "does not fit in 12.0 GB" in summary and "cheapest change that fits: --" in summary
+    change, after = cheapest_fit(QWEN_05B, config, 12)
+    assert after <= 12 and needed_gb(QWEN_05B, dataclasses.replace(config, **change)) == after
+    assert "fits in 80.0 GB" in plan_summary(config, gpu_memory_gb=80)
+
+
+def test_plan_summary_never_raises_when_the_config_cannot_be_read():
+    summary = plan_summary(Config(model="/no/such/model"), gpu_memory_gb=16)
+    assert summary.startswith("cannot read the config of '/no/such/model'") and "\n" not in summary
+
+
+def test_cli_says_so_when_a_recipe_model_cannot_be_built_without_weights(tmp_path, capsys):
+    recipe = tmp_path / "warm.py"
+    recipe.write_text(textwrap.dedent("""
+        from datasets import Dataset
+        from grpo import Config
+        from grpo.tasks.tiny import tiny_qwen2
+
+        config = Config(output_dir="unused")
+        reward_funcs = [lambda completions, **_: [0.0] * len(completions)]
+        train_dataset = Dataset.from_list([{"prompt": "x"}])
+
+        def build_model(config):
+            model = tiny_qwen2(100, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1)
+            model.lm_head.weight.sum().item()  # a warm start reads values: meta tensors have none
+            return model, None
+    """))
+    assert main([str(recipe), "--device", "cpu"]) == 1
+    err = capsys.readouterr().err
+    assert "warm.py's build_model does more than build a model (RuntimeError on the meta device" in err
+    assert "Traceback" not in err
+
+
+def test_cli_on_a_recipe_and_the_table(capsys):
+    assert main([str(ROOT / "recipes" / "gsm8k_lora.py"), "--gpu-memory", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "Llama-3.2-1B-Instruct" in out and "fits in 16.0 GB" in out
+    assert main([str(ROOT / "recipes" / "tiny.py"), "--device", "cpu", "--beta=0"]) == 0
+    out = capsys.readouterr().out
+    assert "build_model" in out and "reference model" not in out
+    assert main(["--table"]) == 0 and "14B" in capsys.readouterr().out
+
+
+# --- predicted vs measured, on CPU ---------------------------------------------------------------------------
+# Each run is a subprocess that trains 2 steps (the second has optimizer states). Measured = peak RSS at the end
+# of the last optimizer step (before the final checkpoint) minus the RSS after imports, tokenizer and dataset,
+# just before the model is built. glibc's mmap threshold is fixed at 64 KiB so that freed tensors leave RSS
+# (as they leave a CUDA allocator's allocated count) instead of lingering in the heap.
+CHILD = textwrap.dedent(r"""
+    import json, resource, sys
+    import torch
+    torch.set_num_threads(1)
+    import grpo.trainer
+    from datasets import Dataset
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+    from grpo import Config, Trainer
+    from grpo.tasks.tiny import tiny_qwen2, wide_tokenizer
+
+    arch, settings = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+    if settings.get("use_lora"):
+        import peft  # imported before the baseline, as the trainer would import it
+    if settings.get("optim") == "adamw_8bit":
+        import bitsandbytes
+    tokenizer = wide_tokenizer(arch["vocab_size"])
+    data = Dataset.from_list([{"prompt": "x" * 16} for _ in range(8)])
+    peaks = []
+    register_optimizer_step_post_hook(
+        lambda *_: peaks.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024))
+    with open("/proc/self/statm") as f:
+        baseline = int(f.read().split()[1]) * resource.getpagesize()
+    model = tiny_qwen2(**arch)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    Trainer(Config(**settings), model=model, tokenizer=tokenizer, train_dataset=data,
+            reward_funcs=[lambda completions, **_: [float(len(set(c))) for c in completions]]).train()
+    print(json.dumps(peaks[-1] - baseline))
+""")
+ARCH = dict(vocab_size=32000, hidden_size=256, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=1408)
+RUN = dict(max_steps=2, per_device_train_batch_size=1, num_generations=8, max_prompt_length=16, stop_at_eos=False,
+           optim="adamw", beta=0.04, save_steps=10**9, max_completion_length=64)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("settings", [
+    dict(RUN),  # full fine-tuning: weights, reference, AdamW states
+    dict(RUN, use_lora=True, per_device_train_batch_size=4),  # LoRA: activations and the log-prob chunk
+    dict(RUN, optim="adamw_8bit", gradient_checkpointing=True),
+], ids=["full", "lora", "full-8bit-checkpointing"])
+def test_predicted_peak_within_25_percent_of_measured_on_cpu(tmp_path, settings):
+    settings = dict(settings, output_dir=str(tmp_path / "run"))
+    env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="65536",
+               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, "-c", CHILD, json.dumps(ARCH), json.dumps(settings)], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    measured = json.loads(out.stdout.strip().splitlines()[-1])
+    arch = Architecture(**{k: v for k, v in ARCH.items()}, tie_word_embeddings=True)
+    predicted = estimate(arch, Config(**settings), device="cpu").peak
+    print(f"predicted {predicted / 1e6:.0f} MB, measured {measured / 1e6:.0f} MB")
+    assert predicted == pytest.approx(measured, rel=0.25)
