@@ -15,9 +15,22 @@ def tiny_model(tokenizer, seed: int = 0):
     return model_for(tokenizer, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, seed=seed)
 
 
+def tiny_4bit_model(tokenizer, seed: int = 0):
+    """Layer sizes real models have, which bitsandbytes' 4-bit CPU kernels need: in_features multiples of 64
+    (the 4-bit block), out_features multiples of 32 (tiny_model's are 32 and 16)."""
+    return model_for(tokenizer, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=2, num_kv_heads=1,
+                     seed=seed)
+
+
 def digit_prompts(n: int = 8) -> Dataset:
     return Dataset.from_list([{"prompt": f"Write {1 + i % 9} digits:", "num_digits": 1 + i % 9} for i in range(n)])
 
 
 def digit_share(completions, **kwargs):
     return [sum(c.isdigit() for c in t) / max(1, len(t)) for t in completions]
+
+
+def text_length(completions, **kwargs):
+    """Characters / 100: a reward that varies within the groups of a random-weight model with real layer sizes,
+    whose completions often hold no digit at all (every advantage 0, no update)."""
+    return [len(t) / 100 for t in completions]

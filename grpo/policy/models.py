@@ -58,12 +58,35 @@ def load_model(config):
     # Embeddings, norms and the LM head stay in `dtype` (bf16 on CUDA); peft's prepare_model_for_kbit_training
     # is skipped on purpose: it would upcast them to float32, and non-reentrant checkpointing needs no input grads.
     quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype)
-    return AutoModelForCausalLM.from_pretrained(config.model, dtype=dtype, quantization_config=quantization,
-                                                device_map={"": device})
+    model = AutoModelForCausalLM.from_pretrained(config.model, dtype=dtype, quantization_config=quantization,
+                                                 device_map={"": device})
+    keep_4bit_layout(model)  # grpo.eval loads through here too: the same numbers as evaluation during training
+    return model
+
+
+def keep_4bit_layout(model) -> None:
+    """Keep every bitsandbytes 4-bit weight in the layout its training forward reads, on every CPU.
+
+    On a CPU with AVX512-BF16, bitsandbytes 0.50 repacks a `Linear4bit` weight for a bf16 inference kernel the
+    first time the layer runs in eval mode without grad (our sampling) and keeps that layout in train mode; it
+    converts back only on `.cuda()` and when saving. Training on it goes wrong: the kernel has no backward
+    (the gradient through the frozen base to earlier layers is silently dropped), it computes in bf16, the
+    conversion back on save leaves the absmax in bf16 (and, without double quantization, in the wrong order:
+    the base changes), and the repack fails on layers whose in_features are not a multiple of the 4-bit block
+    or out_features of 32. Turned off, both kinds of CPU compute alike; sampling is slower on AVX512-BF16."""
+    for name, module in model.named_modules():
+        if not hasattr(module, "support_avx512bf16_for_cpu"):  # not a bitsandbytes.nn.Linear4bit
+            continue
+        if getattr(module.weight.quant_state, "packing_format_for_cpu", False):
+            raise ConfigError(f"the 4-bit layer {name} was repacked for bitsandbytes' CPU inference kernel by an "
+                              "eval-mode forward without grad, and cannot be trained in that layout: pass the "
+                              "model before running it, or let the trainer load it (config.model, load_in_4bit)")
+        module.support_avx512bf16_for_cpu = False
 
 
 def prepare_for_training(model, config, world_size: int = 1):
     """Gradient checkpointing, then LoRA adapters when asked for. Returns the model to train."""
+    keep_4bit_layout(model)  # a 4-bit model passed in, too
     if config.gradient_checkpointing:
         # Non-reentrant checkpointing lets gradients reach LoRA weights without input grads.
         kwargs = {"use_reentrant": False}

@@ -2,7 +2,7 @@
 the 4-bit base stays 4-bit and untouched, and the reference is the adapter-disabled model."""
 import pytest
 import torch
-from tiny_setup import digit_prompts, digit_share, tiny_model, tiny_tokenizer
+from tiny_setup import digit_prompts, digit_share, text_length, tiny_4bit_model, tiny_model, tiny_tokenizer
 
 from grpo import Config, Trainer
 
@@ -12,7 +12,7 @@ def model_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny-model")
     tokenizer = tiny_tokenizer()
     tokenizer.save_pretrained(path)
-    tiny_model(tokenizer).save_pretrained(path)
+    tiny_4bit_model(tokenizer).save_pretrained(path)
     return path
 
 
@@ -28,11 +28,11 @@ def qlora_config(tmp_path, model_dir, **overrides) -> Config:
 def test_qlora_trains_adapters_on_a_frozen_4bit_base(tmp_path, model_dir):
     import bitsandbytes as bnb
 
-    trainer = Trainer(qlora_config(tmp_path, model_dir, gradient_checkpointing=True), reward_funcs=[digit_share],
+    trainer = Trainer(qlora_config(tmp_path, model_dir, gradient_checkpointing=True), reward_funcs=[text_length],
                       train_dataset=digit_prompts())
     quantized = {n: m for n, m in trainer.model.named_modules() if isinstance(m, bnb.nn.Linear4bit)}
     assert len(quantized) == 2 * 7, "every linear layer of both decoder layers is 4-bit"
-    packed = {n: m.weight.detach().clone() for n, m in quantized.items()}
+    packed = {n: (m.weight.detach().clone(), m.weight.quant_state.absmax.clone()) for n, m in quantized.items()}
     adapters = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
     assert adapters and all("lora_" in n for n in adapters)
     assert trainer.policy.reference is None, "the reference is the base model with the adapter disabled"
@@ -42,7 +42,9 @@ def test_qlora_trains_adapters_on_a_frozen_4bit_base(tmp_path, model_dir):
     assert any(not torch.equal(p, adapters[n]) for n, p in trainer.model.named_parameters() if n in adapters)
     for name, module in quantized.items():
         assert isinstance(module.weight, bnb.nn.Params4bit) and module.weight.dtype == torch.uint8
-        assert torch.equal(module.weight, packed[name]), f"{name}: the 4-bit base changed"
+        weight, absmax = packed[name]
+        assert torch.equal(module.weight, weight) and torch.equal(module.weight.quant_state.absmax, absmax), \
+            f"{name}: the 4-bit base changed"
     assert trainer.policy.reference_forwards == 2  # one micro-batch per step, each with the adapter disabled
     assert history[-1]["kl"] > 0, "after an update the adapted policy differs from the 4-bit reference"
     assert (tmp_path / "run" / "checkpoint-2" / "adapter_model.safetensors").exists()
