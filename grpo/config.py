@@ -120,6 +120,15 @@ class Config:
     """Keep at most this many checkpoints, deleting the oldest (None keeps all)."""
     resume_from_checkpoint: str | None = None
     """Continue from this checkpoint folder, or "latest" (the newest complete one in output_dir, if any)."""
+    report_to: str | list[str] = "none"
+    """Trackers that also receive the config, every metrics.jsonl line and completion samples: "tensorboard",
+    "trackio", "wandb", several (a list or comma-separated), or "none". TRL's default too: offline-first,
+    nothing is sent anywhere unless asked (W&B stays offline unless logged in)."""
+    log_completions: bool = False
+    """Every logging step, print a sample of completions with their rewards and advantages (with rich when
+    installed) and log it as a table to the trackers of `report_to`."""
+    num_completions_to_print: int | None = None
+    """Completions in that sample, taken from the start of the generation batch (None: all of them)."""
 
     # --- multi-GPU (torchrun) ---
     fsdp: bool = False
@@ -191,6 +200,8 @@ def parse_value(key: str, text: str, tp):
         if text.strip().lower() == "none":
             return None
         (tp,) = [t for t in typing.get_args(tp) if t is not type(None)]
+    if typing.get_origin(tp) in (typing.Union, types.UnionType) and str in typing.get_args(tp):
+        return text  # `str | list[str]` (report_to): the field's own check reads the text
     is_list = typing.get_origin(tp) is list
     item = typing.get_args(tp)[0] if is_list else tp
     if item not in _SCALARS:

@@ -12,6 +12,7 @@ import typing
 from .algo import AGGREGATIONS, SCALES
 from .errors import ConfigError
 from .policy import OPTIMIZERS, SCHEDULES
+from .run.trackers import TRACKERS, tracker_names
 
 # field: (holds, requirement as read after "must be"); None values of optional fields are not checked.
 RULES: dict[str, tuple[typing.Callable, str]] = {
@@ -51,6 +52,9 @@ RULES: dict[str, tuple[typing.Callable, str]] = {
     "save_steps": (lambda v: v >= 1, ">= 1"),
     "save_total_limit": (lambda v: v >= 1, ">= 1, or None to keep every checkpoint"),
     "resume_from_checkpoint": (lambda v: v.strip() != "", 'a checkpoint folder or "latest"'),
+    "report_to": (lambda v: tracker_names(v) is not None,
+                  f'"none" or one or more (a list, or comma-separated) of {", ".join(TRACKERS)}'),
+    "num_completions_to_print": (lambda v: v >= 1, ">= 1, or None for all of them"),
     "eval_steps": (lambda v: v >= 0, ">= 0 (0: no evaluation during training)"),
     "eval_limit": (lambda v: v >= 1, ">= 1, or None to evaluate every prompt"),
     "eval_batch_size": (lambda v: v >= 1, ">= 1"),

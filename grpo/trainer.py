@@ -33,6 +33,7 @@ from .rollout.rewards import compute_rewards, reward_func_names, reward_metrics
 from .run import checkpoint
 from .run.interrupts import StepAbandoned, StopSignals, TrainingInterrupted
 from .run.logs import log_completions, log_eval, log_metrics, peak_memory_gb
+from .run.trackers import Trackers
 
 
 class Trainer:
@@ -53,6 +54,7 @@ class Trainer:
             check_eval_funcs(self.reward_funcs, config.eval_accuracy_func, config.eval_format_func)
         check_load_options(config, model_given=model is not None)
         self.dist = setup_distributed()  # world size 1 without torchrun
+        self.trackers = Trackers(config, self.dist.is_main)  # report_to: a missing package fails here, early
         check_parallel_settings(self.dist.world_size, config.fsdp, config.optim, config.use_lora)
         torch.manual_seed(config.seed + self.dist.rank)  # ranks sample differently; wrapping syncs the weights
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model)
@@ -84,12 +86,13 @@ class Trainer:
         elif self.step == 0:  # a fresh run must not append to an earlier one's logs
             checkpoint.check_no_earlier_run(str(self.output_dir))
         self.output_dir.mkdir(parents=True, exist_ok=True)
+        self.trackers.start(asdict(self.config), self.step)
         history = []
         if self.config.eval_on_start and self.step == 0:
             history.append(self.evaluate())
         bar = tqdm(total=self.total_steps, initial=self.step, desc="grpo", dynamic_ncols=True,
                    disable=not self.dist.is_main)
-        with StopSignals() as signals, bar:
+        with StopSignals() as signals, bar, self.trackers:
             while self.step < self.total_steps:
                 t0 = time.perf_counter()
                 metrics = self.run_step(signals)
@@ -231,13 +234,13 @@ class Trainer:
                               max_prompt_length=cfg.max_prompt_length, max_completion_length=cfg.max_completion_length,
                               batch_size=cfg.eval_batch_size, limit=cfg.eval_limit, progress=self.dist.is_main,
                               generate=self.policy.parallel.generate)
-        return log_eval(self.output_dir, self.step, metrics, self.dist.is_main)
+        return log_eval(self.output_dir, self.step, metrics, self.dist.is_main, self.trackers)
 
     def log(self, metrics: dict) -> dict:
         """Every rank calls it (it gathers); rank 0 writes. Timings and memory are the slowest / largest rank's."""
-        line = log_metrics(self.output_dir, self.step, metrics, self.dist)
+        line = log_metrics(self.output_dir, self.step, metrics, self.dist, self.trackers)
         if (self.step - 1) % self.config.num_iterations == 0:  # once per generation batch, not per pass
-            log_completions(self.output_dir, self.step, self.generation.scored, self.reward_names, self.dist)
+            log_completions(self.output_dir, self.step, self.generation.scored, self.reward_names, self.dist, self.trackers)
         return line
 
     # --- checkpoints: what they hold (state_dict), and writing and finding them (run/checkpoint.py) ---

@@ -1,6 +1,7 @@
 """A run's logs in its output_dir: metrics.jsonl (a line per logged step and per evaluation) and
-completions.jsonl (every completion of a logged generation batch with its rewards). Under torchrun every
-rank calls these (they gather across ranks) and rank 0 alone writes."""
+completions.jsonl (every completion of a logged generation batch with its rewards), each also passed on to
+the run's `Trackers` (run/trackers.py). Under torchrun every rank calls these (they gather across ranks) and
+rank 0 alone writes."""
 from __future__ import annotations
 
 import json
@@ -21,16 +22,17 @@ def peak_memory_gb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9  # Linux reports KiB
 
 
-def log_metrics(output_dir: Path, step: int, metrics: dict, dist) -> dict:
+def log_metrics(output_dir: Path, step: int, metrics: dict, dist, trackers) -> dict:
     """The step's metrics.jsonl line, as floats; timings and memory are the slowest / largest rank's."""
     timings = dist.reduce({k: v for k, v in metrics.items() if k.startswith(("perf/", "memory/"))}, "max")
     line = {"step": step, **{k: float(v) for k, v in sorted({**metrics, **timings}.items())}}
     if dist.is_main:
         _append_line(output_dir / METRICS, line)
+        trackers.log(step, line)
     return line
 
 
-def log_eval(output_dir: Path, step: int, metrics: dict, is_main: bool) -> dict:
+def log_eval(output_dir: Path, step: int, metrics: dict, is_main: bool, trackers) -> dict:
     """Print an evaluation's summary and write its metrics.jsonl line (`eval/*` keys)."""
     line = {"step": step, **metrics}
     if is_main:
@@ -38,15 +40,17 @@ def log_eval(output_dir: Path, step: int, metrics: dict, is_main: bool) -> dict:
                    + (f", format {metrics['eval/format']:.3f}" if "eval/format" in metrics else "")
                    + f", mean length {metrics['eval/length_mean']:.1f} tokens")
         _append_line(output_dir / METRICS, line)
+        trackers.log(step, line)
     return line
 
 
-def log_completions(output_dir: Path, step: int, scored, reward_names: list[str], dist) -> None:
+def log_completions(output_dir: Path, step: int, scored, reward_names: list[str], dist, trackers) -> None:
     """Every completion of a generation batch (`rollout.batches.Scored`, every rank's) with its rewards."""
     prompts, completions = dist.gather_objects(scored.prompts), dist.gather_objects(scored.completions)
     rewards, per_func, advantages = scored.rewards, scored.per_func, scored.advantages
     if not dist.is_main:
         return
+    rows = []
     with open(output_dir / COMPLETIONS, "a") as f:
         for i in range(len(completions)):
             row = {"step": step, "prompt": prompts[i], "completion": completions[i],
@@ -55,6 +59,8 @@ def log_completions(output_dir: Path, step: int, scored, reward_names: list[str]
                 value = per_func[i, j].item()
                 row[f"reward/{name}"] = None if math.isnan(value) else value  # NaN: the function returned None
             f.write(json.dumps(row) + "\n")
+            rows.append(row)
+    trackers.log_completions(step, rows)
 
 
 def _append_line(path: Path, line: dict) -> None:

@@ -122,6 +122,7 @@ def test_eval_cli_on_the_recipe_model_and_on_a_checkpoint(tmp_path, tokenizer, c
 
 
 def test_plot_writes_pngs(tmp_path, capsys, monkeypatch):
+    pytest.importorskip("matplotlib", reason="grpo.plot needs the plot extra (matplotlib)")
     lines = [{"step": 0, "eval/accuracy": 0.1, "eval/format": 0.9, "eval/length_mean": 9.0}]
     lines += [{"step": s, "reward/mean": s / 30, "reward/acc": s / 30, "reward/acc_std": 0.1, "reward/std": 0.2,
                "kl": 0.01 * s, "completion/length_mean": 10 + s} for s in range(1, 31)]
