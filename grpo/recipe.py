@@ -138,7 +138,8 @@ def load_with_overrides(path: str, overrides: list[str]) -> tuple[Recipe, Config
     either is wrong): what every `python -m grpo.X RECIPE [--key=value ...]` command starts with."""
     recipe = load_recipe(path)
     config = apply_overrides(recipe.config, overrides)
-    if recipe.build_model is not None and config.model != recipe.config.model:
+    keys = [a[2:].partition("=")[0].replace("-", "_") for a in overrides]  # apply_overrides checked their form
+    if recipe.build_model is not None and "model" in keys:
         raise ConfigError(f"recipe {path} builds its own model in build_model; --model is not used: drop "
                           f"--model={config.model}, or use a recipe without build_model to load that model")
     return recipe, config

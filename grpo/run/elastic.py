@@ -32,7 +32,7 @@ def rank_state(state: dict, rank: int, world_size: int) -> dict | None:
 def unfinished_prompts(state: dict, num_generations: int) -> int:
     """Prompts (over all saved ranks) of the generation batch a checkpoint holds for later steps to reuse; 0
     when it holds none. Resuming on another number of ranks rewinds the prompt stream by this many."""
-    ranks = state["ranks"] if "ranks" in state else [state]
+    ranks = state.get("ranks", [state])
     return sum(len(r["generation"]["scored"]["prompts"]) for r in ranks if r["generation"]) // num_generations
 
 
