@@ -49,7 +49,7 @@ def load_error(name: str, error: Exception) -> ConfigError:
             f"model={name} is read as a Hugging Face Hub id, {why}, and it is not in the Hugging Face cache "
             f"(HF_HOME, default ~/.cache/huggingface): download it once where there is a network "
             f"(`huggingface-cli download {name}`) and run with HF_HUB_OFFLINE=1, or point --model at {LOCAL_FOLDER}")
-    if "gated" in text.lower() or "401" in text or "403" in text:
+    if "gated" in text.lower() or "401 Client Error" in text or "403 Client Error" in text:
         return ConfigError(f"model={name} is a gated or private Hub repository: accept its licence on the Hub and "
                            f"run `huggingface-cli login`, or point --model at a local folder ({first})")
     return ConfigError(f"model={name} is read as a Hugging Face Hub id and cannot be loaded ({first}): check the "
