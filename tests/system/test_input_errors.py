@@ -65,6 +65,7 @@ def test_a_model_path_that_does_not_exist(tmp_path, capsys):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow  # a subprocess: seconds of imports
 def test_a_hub_model_without_a_network(tmp_path):
     # HF_HUB_OFFLINE=1 makes the hub lookup fail at once, as a machine without a network would after retries;
     # an empty HF_HOME, so that a model cached on this machine is not found. A subprocess: huggingface_hub reads
