@@ -46,12 +46,12 @@ def load_recipe(path: str) -> Recipe:
         raise ConfigError(f"recipe not found: {path}")
     module = _import_file(path)
     missing = [n for n in ("config", "reward_funcs", "train_dataset") if not hasattr(module, n)]
-    if missing:
-        raise ConfigError(f"recipe {path} does not define {', '.join(missing)}: {RECIPE_CONTRACT}")
-    if not isinstance(module.config, Config):
-        raise ConfigError(
-            f"recipe {path}: `config` must be a grpo.config.Config, got {type(module.config).__name__}"
-        )
+    problems = [f"does not define {', '.join(missing)}"] if missing else []
+    if hasattr(module, "config") and not isinstance(module.config, Config):  # said even when others are missing
+        problems.append(f"defines `config` as {type(module.config).__name__} {module.config!r:.60}, "
+                        f"not a grpo.Config (write config = Config(...))")
+    if problems:
+        raise ConfigError(f"recipe {path} {' and '.join(problems)}: {RECIPE_CONTRACT}")
     return Recipe(
         config=module.config,
         reward_funcs=_check_reward_funcs(module.reward_funcs, path),
@@ -137,4 +137,9 @@ def load_with_overrides(path: str, overrides: list[str]) -> tuple[Recipe, Config
     """The recipe at `path` and its config with the `--key=value` `overrides` applied (ConfigError if
     either is wrong): what every `python -m grpo.X RECIPE [--key=value ...]` command starts with."""
     recipe = load_recipe(path)
-    return recipe, apply_overrides(recipe.config, overrides)
+    config = apply_overrides(recipe.config, overrides)
+    keys = [a[2:].partition("=")[0].replace("-", "_") for a in overrides]  # apply_overrides checked their form
+    if recipe.build_model is not None and "model" in keys:
+        raise ConfigError(f"recipe {path} builds its own model in build_model; --model is not used: drop "
+                          f"--model={config.model}, or use a recipe without build_model to load that model")
+    return recipe, config

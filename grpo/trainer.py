@@ -30,7 +30,7 @@ from .rollout.batches import Batch, Generation, Scored, generation_from_dict
 from .rollout.evaluate import check_eval_funcs, evaluate
 from .rollout.prompts import PromptStream, check_dataset, per_completion, total_steps
 from .rollout.rewards import compute_rewards, reward_func_names, reward_metrics
-from .run import checkpoint
+from .run import checkpoint, elastic
 from .run.interrupts import StepAbandoned, StopSignals, TrainingInterrupted
 from .run.logs import log_completions, log_eval, log_metrics, peak_memory_gb
 from .run.trackers import Trackers
@@ -53,6 +53,7 @@ class Trainer:
                 raise ConfigError("eval_steps / eval_on_start need an eval_dataset")
             check_eval_funcs(self.reward_funcs, config.eval_accuracy_func, config.eval_format_func)
         check_load_options(config, model_given=model is not None)
+        checkpoint.check_output_dir(config.output_dir)
         self.dist = setup_distributed()  # world size 1 without torchrun
         self.trackers = Trackers(config, self.dist.is_main)  # report_to: a missing package fails here, early
         check_parallel_settings(self.dist.world_size, config.fsdp, config.optim, config.use_lora)
@@ -119,7 +120,7 @@ class Trainer:
     def run_step(self, signals: StopSignals) -> dict:
         """One optimizer step, sampling a new generation batch every `num_iterations` steps."""
         with self._undone_on_failure(signals):
-            if self.step % self.config.num_iterations == 0:
+            if self.step % self.config.num_iterations == 0 or self.generation is None:  # None: resumed elastically
                 self.generation = self.generate()
             totals = self.accumulate(self.generation.batches)
         metrics = {**self.generation.metrics, **self.apply_update(totals)}
@@ -257,21 +258,21 @@ class Trainer:
 
     def load_state_dict(self, state: dict) -> None:
         """The inverse of `state_dict`; the current settings (learning rate, betas) win over the saved ones."""
-        cfg, saved_ranks = self.config, len(state.get("ranks", [state]))
-        if saved_ranks != self.dist.world_size:
-            raise ConfigError(f"the checkpoint was saved by {saved_ranks} rank(s) and holds each one's sampling "
-                              f"state: resume it with as many (torchrun --nproc_per_node={saved_ranks}), not "
-                              f"{self.dist.world_size}")
-        own = state if saved_ranks == 1 else state["ranks"][self.dist.rank]
+        cfg = self.config
+        own = elastic.rank_state(state, self.dist.rank, self.dist.world_size)  # None: saved by another rank count
         self.policy.parallel.load_optimizer_state(self.optimizer, state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         set_hyperparameters(self.optimizer, self.scheduler, cfg.learning_rate, (cfg.adam_beta1, cfg.adam_beta2),
                             cfg.weight_decay)
         self.prompts.load_state_dict(state["prompts"])
         self.nonfinite_streak, self.nonfinite_total = state["nonfinite"]
-        if own["generation"] is not None:
-            self.generation = generation_from_dict(own["generation"], self.policy.device)
-        checkpoint.set_rng_state(own["rng"])
+        if own is None:  # run/elastic.py: sample anew what later steps would have reused, seeded per rank
+            self.prompts.rewind(elastic.unfinished_prompts(state, cfg.num_generations))
+            elastic.seed_rank(cfg.seed, self.dist.rank, state["step"])
+        else:
+            if own["generation"] is not None:
+                self.generation = generation_from_dict(own["generation"], self.policy.device)
+            checkpoint.set_rng_state(own["rng"])
         self.step = state["step"]
 
     def save(self) -> Path:
@@ -293,10 +294,13 @@ class Trainer:
         if path is None:
             print(f"no checkpoint in {self.output_dir} yet: starting from step 0", file=sys.stderr)
         else:
-            for change in checkpoint.changed_settings(path, asdict(self.config)):
-                print(f"resuming with a changed setting: {change}", file=sys.stderr)
+            state, config = checkpoint.load_state(path), asdict(self.config)
+            notes = [f"resuming with a changed setting: {c}" for c in checkpoint.changed_settings(path, config)]
+            notes += elastic.rank_change_notes(checkpoint.saved_config(path), state, config, self.dist.world_size)
+            if notes and self.dist.is_main:
+                print("\n".join(notes), file=sys.stderr)
             self.policy.parallel.load_weights(path)
-            self.load_state_dict(checkpoint.load_state(path))
+            self.load_state_dict(state)
             self.last_checkpoint, self.saved_step = path, self.step
         if self.dist.is_main:  # the one writer of the logs
             checkpoint.drop_log_lines_after(str(self.output_dir), self.step)

@@ -9,9 +9,11 @@ benchmarks/data_parallel.py reuses these runs with a bigger model or on GPUs, th
 GRPO_WORKER_MODEL=HIDDENxLAYERS, GRPO_WORKER_DEVICE=cuda, GRPO_WORKER_OVERRIDES="--key=value ...". """
 from __future__ import annotations
 
+import json
 import os
 import sys
 import zlib
+from pathlib import Path
 
 import torch
 from datasets import Dataset
@@ -48,7 +50,14 @@ RUNS = {
     # one: every rank's generation batch and RNG states must come back.
     "resumed_ddp": dict(max_steps=6, save_steps=3, num_iterations=2, max_completion_length=12),
     "resumed_fsdp": dict(max_steps=6, save_steps=3, num_iterations=2, max_completion_length=12, fsdp=True),
+    # `elastic_*`: the same global batch (4 prompts per step) on 1 and 2 ranks; `*_to_*` resume the other one's
+    # checkpoint (ELASTIC_RESUMES): 1 -> 2 from the middle of a generation batch, 2 -> 1 from its end.
+    "elastic_one": dict(per_device_train_batch_size=2, num_iterations=2),
+    "elastic_two": dict(num_iterations=2),
+    "elastic_one_to_two": dict(num_iterations=2, max_steps=3),
+    "elastic_two_to_one": dict(per_device_train_batch_size=2, num_iterations=2, max_steps=3),
 }
+ELASTIC_RESUMES = {"elastic_one_to_two": "elastic_one/checkpoint-1", "elastic_two_to_one": "elastic_two/checkpoint-2"}
 
 
 class Crash(BaseException):
@@ -126,13 +135,41 @@ def crash_and_resume(out_dir: str, name: str) -> None:
     make_trainer(f"{out_dir}/{name}/resumed", name, resume_from_checkpoint="latest").train()
 
 
+def resume_elsewhere(out_dir: str, name: str) -> None:
+    """Resume the checkpoint ELASTIC_RESUMES names (written by another number of ranks) into out_dir/name, write
+    what was loaded to out_dir/name/loaded.json (rank 0), and train on."""
+    from safetensors.torch import load_file
+
+    from grpo.run.checkpoint import load_state
+
+    path = Path(out_dir) / ELASTIC_RESUMES[name]
+    trainer = make_trainer(f"{out_dir}/{name}", name)
+    trainer.resume(str(path))
+    saved_weights, saved = load_file(path / "model.safetensors"), load_state(path)
+    weights = trainer.model.state_dict()
+    optimizer = trainer.optimizer.state_dict()["state"]
+    loaded = {
+        "step": trainer.step, "prompts": trainer.prompts.state_dict(), "saved_prompts": saved["prompts"],
+        "weight_diff": max((weights[k] - v).abs().max().item() for k, v in saved_weights.items()),
+        "optimizer_diff": max((optimizer[i][k] - v).abs().max().item() for i, s in saved["optimizer"]["state"].items()
+                              for k, v in s.items()),
+        "optimizer_tensors": len(saved["optimizer"]["state"]),
+        "seeds": trainer.dist.gather_objects([torch.initial_seed()]), "scheduler": trainer.scheduler.last_epoch,
+    }
+    if trainer.dist.is_main:
+        (Path(out_dir) / name).mkdir(exist_ok=True)
+        (Path(out_dir) / name / "loaded.json").write_text(json.dumps(loaded))
+    trainer.train()
+
+
 def main(out_dir: str, names: list[str]) -> None:
     from grpo.policy.distributed import shutdown
 
     real_sample = grpo.policy.policy.sample
     for name in names:
         grpo.policy.policy.sample = fixed_sample if name.startswith("fixed") else real_sample
-        (crash_and_resume if name.startswith("resumed") else train)(out_dir, name)
+        run = crash_and_resume if name.startswith("resumed") else resume_elsewhere if name in ELASTIC_RESUMES else train
+        run(out_dir, name)
     shutdown()
 
 

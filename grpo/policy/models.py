@@ -11,6 +11,7 @@ from ..algo.logprobs import token_logprobs
 from ..errors import ConfigError
 from ..rollout.decoding import positions
 from . import reference_kind
+from .sources import loading
 
 
 def device_of(model) -> torch.device:
@@ -28,7 +29,8 @@ def train_dtype(use_lora: bool, bf16: bool) -> torch.dtype:
 def load_tokenizer(name_or_path: str):
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+    with loading(name_or_path):  # a missing model: one line saying whether it was read as a path or a hub id
+        tokenizer = AutoTokenizer.from_pretrained(name_or_path)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
@@ -52,14 +54,16 @@ def load_model(config):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = train_dtype(config.use_lora, config.bf16)
     if not config.load_in_4bit:
-        return AutoModelForCausalLM.from_pretrained(config.model, dtype=dtype).to(device)
+        with loading(config.model):
+            return AutoModelForCausalLM.from_pretrained(config.model, dtype=dtype).to(device)
     from transformers import BitsAndBytesConfig
 
     # Embeddings, norms and the LM head stay in `dtype` (bf16 on CUDA); peft's prepare_model_for_kbit_training
     # is skipped on purpose: it would upcast them to float32, and non-reentrant checkpointing needs no input grads.
     quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype)
-    model = AutoModelForCausalLM.from_pretrained(config.model, dtype=dtype, quantization_config=quantization,
-                                                 device_map={"": device})
+    with loading(config.model):
+        model = AutoModelForCausalLM.from_pretrained(config.model, dtype=dtype, quantization_config=quantization,
+                                                     device_map={"": device})
     keep_4bit_layout(model)  # grpo.eval loads through here too: the same numbers as evaluation during training
     return model
 

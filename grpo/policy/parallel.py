@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import ConfigError
-from ..run.checkpoint import load_weights, read_weights
+from ..run.checkpoint import check_shapes, load_weights, read_weights
 from .distributed import Distributed
 from .models import device_of, unwrap
 
@@ -133,9 +133,10 @@ class ParallelPolicy:
             set_model_state_dict,
         )
 
+        state = read_weights(checkpoint)
+        check_shapes(state, self.model.state_dict(), checkpoint)  # DTensors report their full shape
         # Not strict: tied weights (embeddings and LM head) are saved under one name only.
-        set_model_state_dict(self.model, read_weights(checkpoint),
-                             options=StateDictOptions(full_state_dict=True, strict=False))
+        set_model_state_dict(self.model, state, options=StateDictOptions(full_state_dict=True, strict=False))
 
 
 def _full_on_main():

@@ -26,6 +26,14 @@ def check_dataset(dataset, name: str = "train_dataset") -> None:
             isinstance(m, dict) and "role" in m and "content" in m for m in first)):
         raise DatasetError(f"{name}['prompt'] must hold strings or lists of {{'role', 'content'}} messages, "
                            f"got {type(first).__name__} {str(first)[:200]!r}")
+    if isinstance(first, list):  # a chat with no messages would render as an empty prompt
+        import pyarrow.compute as pc
+
+        lengths = pc.list_value_length(dataset.with_format("arrow")["prompt"]).to_pylist()
+        empty = [i for i, n in enumerate(lengths) if n == 0]
+        if empty:
+            raise DatasetError(f"{name} has {len(empty)} empty chat prompts (no messages) out of {len(dataset)}, "
+                               f"first at row {empty[0]}: each needs at least one {{'role', 'content'}} message")
 
 
 class PromptStream:
@@ -53,6 +61,15 @@ class PromptStream:
             indices += self.order[self.position:self.position + take]
             self.position += take
         return self.dataset[indices]
+
+    def rewind(self, n: int) -> None:
+        """Step back `n` rows (into earlier epochs if need be), so that `next` draws them again."""
+        while n > self.position and self.epoch > 0:
+            n -= self.position
+            self.epoch -= 1
+            self.order = self._permutation()
+            self.position = len(self.order)
+        self.position = max(0, self.position - n)
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "position": self.position}

@@ -11,6 +11,7 @@ import os
 import random
 import re
 import shutil
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -82,6 +83,22 @@ def check_no_earlier_run(output_dir: str) -> None:
                           f"--resume_from_checkpoint=latest, or pick another --output_dir")
 
 
+def check_output_dir(output_dir: str) -> None:
+    """Fail before any loading if `output_dir` cannot be created or written: a folder is made and removed
+    again in its nearest existing parent (permissions alone say nothing for root, or on /proc)."""
+    path = Path(output_dir).absolute()
+    parent = next(p for p in (path, *path.parents) if p.exists())
+    if not parent.is_dir():
+        raise ConfigError(f"output_dir={output_dir} cannot be created: {parent} is a file, not a folder; "
+                          f"pick another --output_dir")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".grpo-write-test-", dir=parent))
+    except OSError as error:
+        raise ConfigError(f"output_dir={output_dir} cannot be {'written' if parent == path else 'created'}: "
+                          f"making a folder in {parent} fails ({error.strerror}); pick a writable --output_dir"
+                          ) from None
+
+
 def find_checkpoint(spec: str, output_dir: str) -> Path | None:
     """The checkpoint folder `spec` names, or for "latest" the newest complete one in `output_dir`
     (None if there is none yet). ConfigError if `spec` is not a complete checkpoint, or if `output_dir`
@@ -120,7 +137,7 @@ def _checked_folder(spec: str) -> Path:
 def changed_settings(checkpoint: Path, config_dict: dict) -> list[str]:
     """The settings that differ from the ones `checkpoint` was saved with, as "key: old -> new".
     ConfigError if one of them shapes the saved tensors (LoRA vs full, rank, modules, optimizer)."""
-    saved = json.loads((checkpoint / "grpo_config.json").read_text())
+    saved = saved_config(checkpoint)
     changed = {k: (saved[k], v) for k, v in config_dict.items()
                if k in saved and saved[k] != v and k != "resume_from_checkpoint"}
     clashes = [k for k in STATE_SHAPING if k in changed]
@@ -131,19 +148,26 @@ def changed_settings(checkpoint: Path, config_dict: dict) -> list[str]:
     return [f"{k}: {json.dumps(old)} -> {json.dumps(new)}" for k, (old, new) in changed.items()]
 
 
+def saved_config(checkpoint: Path) -> dict:
+    """The settings `checkpoint` was saved with."""
+    return json.loads((checkpoint / "grpo_config.json").read_text())
+
+
 def load_weights(model, checkpoint: Path) -> None:
     """Load the checkpoint's weights into `model`: the adapter under peft, else every weight (tied ones
     are saved once, under one of their names)."""
     from safetensors.torch import load_file
 
     if hasattr(model, "peft_config"):
-        from peft import set_peft_model_state_dict
+        from peft import get_peft_model_state_dict, set_peft_model_state_dict
 
         state = load_file(checkpoint / "adapter_model.safetensors")
+        check_shapes(state, get_peft_model_state_dict(model), checkpoint)
         result = set_peft_model_state_dict(model, state)
         missing = [k for k in result.missing_keys if "lora_" in k]
     else:
         state = read_weights(checkpoint)
+        check_shapes(state, model.state_dict(), checkpoint)
         result = model.load_state_dict(state, strict=False)
         own = model.state_dict()
         loaded = {own[name].data_ptr() for name in state if name in own}
@@ -151,6 +175,17 @@ def load_weights(model, checkpoint: Path) -> None:
     if missing or result.unexpected_keys:
         raise ConfigError(f"{checkpoint} does not fit this model: missing {missing[:3]}, "
                           f"unexpected {result.unexpected_keys[:3]} (is --model the one it was trained from?)")
+
+
+def check_shapes(saved: dict, own: dict, checkpoint: Path) -> None:
+    """ConfigError, instead of torch's size-mismatch traceback, when the checkpoint's tensors do not fit the
+    model's (another model, or another LoRA rank): the first few, and how many in all."""
+    clashes = [f"{name} {tuple(saved[name].shape)} vs {tuple(own[name].shape)}" for name in saved
+               if name in own and saved[name].shape != own[name].shape]
+    if clashes:
+        raise ConfigError(f"{checkpoint} does not fit this model: {len(clashes)} tensors of another shape "
+                          f"(saved vs this model), e.g. {', '.join(clashes[:2])}; resume with the model it was "
+                          f"trained from (--model, or the recipe's build_model, as when it was saved)")
 
 
 def read_weights(checkpoint: Path) -> dict:

@@ -1,6 +1,6 @@
 """Data parallel training under torchrun, on CPU with gloo: 2 ranks (DDP and FSDP2) end with the same weights
 and metrics as 1 process taking the same global batch; rank 0 alone writes; ranks sample differently; a
-2-rank run resumes exactly."""
+2-rank run resumes exactly; a checkpoint of 1 rank resumes on 2 and one of 2 on 1 with what it saved."""
 import glob
 import json
 import os
@@ -69,19 +69,39 @@ def test_fsdp_refuses_what_it_cannot_run_before_loading_anything():
 def runs(tmp_path_factory):
     """The torchrun runs (2 ranks) and, meanwhile, their 1-process references, in out/<run name>."""
     out = tmp_path_factory.mktemp("dist")
+
+    def meanwhile():
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(grpo.policy.policy, "sample", distributed_worker.fixed_sample)
+            for name in ["fixed_single", "fixed_single_lora"]:
+                distributed_worker.train(str(out), name)
+
+    torchrun(out, TORCHRUN_RUNS, meanwhile)
+    return out
+
+
+@pytest.fixture(scope="module")
+def elastic(tmp_path_factory):
+    """A 1-process run resumed on 2 ranks, and a 2-rank run resumed in 1 process (distributed_worker.py)."""
+    out = tmp_path_factory.mktemp("elastic")
+    distributed_worker.train(str(out), "elastic_one")
+    torchrun(out, ["elastic_two", "elastic_one_to_two"])
+    distributed_worker.resume_elsewhere(str(out), "elastic_two_to_one")
+    return out
+
+
+def torchrun(out: Path, names: list[str], meanwhile=lambda: None) -> None:
+    """distributed_worker.py's runs `names` on 2 ranks, calling `meanwhile()` in this process while they run."""
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(TESTS.parent), str(TESTS), os.environ.get("PYTHONPATH", "")])}
     log = out / "torchrun.log"
     with open(log, "w") as sink:
         launch = subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-             str(TESTS / "distributed_worker.py"), str(out), *TORCHRUN_RUNS],
+             str(TESTS / "distributed_worker.py"), str(out), *names],
             env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(grpo.policy.policy, "sample", distributed_worker.fixed_sample)
-            for name in ["fixed_single", "fixed_single_lora"]:
-                distributed_worker.train(str(out), name)
+        meanwhile()
         launch.wait(timeout=240)
     except subprocess.TimeoutExpired:
         pytest.fail(f"torchrun timed out (ranks out of step?):\n{log.read_text()[-3000:]}")
@@ -89,7 +109,6 @@ def runs(tmp_path_factory):
         if launch.poll() is None:
             os.killpg(launch.pid, signal.SIGKILL)  # torchrun and its ranks
     assert launch.returncode == 0, log.read_text()[-5000:]
-    return out
 
 
 def weights(run: Path, step: int = 2) -> dict:
@@ -156,3 +175,18 @@ def test_two_ranks_resume_exactly(runs, name):
     assert [{k: v for k, v in m.items() if not k.startswith(volatile)} for m in metrics(resumed)] == \
         [{k: v for k, v in m.items() if not k.startswith(volatile)} for m in metrics(reference)]
     assert (resumed / "completions.jsonl").read_text() == (reference / "completions.jsonl").read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, saved_step", [("elastic_one_to_two", 1), ("elastic_two_to_one", 2)])
+def test_resuming_on_another_number_of_ranks(elastic, name, saved_step):
+    # Exact continuation is not expected (sampling is seeded anew); what was saved must come back as saved.
+    loaded = json.loads((elastic / name / "loaded.json").read_text())
+    assert loaded["weight_diff"] == 0.0 and loaded["optimizer_diff"] == 0.0, loaded
+    assert loaded["optimizer_tensors"] > 0 and loaded["step"] == loaded["scheduler"] == saved_step
+    assert len(set(loaded["seeds"])) == len(loaded["seeds"]), "ranks must sample differently"
+    # 1 -> 2 resumes in the middle of a generation batch: its 4 prompts are drawn again, on 2 ranks.
+    rewound = 4 if saved_step % 2 else 0
+    assert loaded["prompts"]["position"] == loaded["saved_prompts"]["position"] - rewound
+    assert [m["step"] for m in metrics(elastic / name)] == list(range(saved_step + 1, 4))
+    assert (elastic / name / "checkpoint-3" / "COMPLETE").exists()

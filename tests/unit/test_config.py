@@ -214,7 +214,9 @@ def test_recipe_not_found(tmp_path):
     ("from grpo.config import Config\nconfig = Config()\ntrain_dataset = dict\n",
      "does not define reward_funcs: a recipe must define"),
     ("config = {'learning_rate': 1e-6}\nreward_funcs = [len]\ntrain_dataset = dict\n",
-     "`config` must be a grpo.config.Config, got dict"),
+     "defines `config` as dict {'learning_rate': 1e-06}, not a grpo.Config"),
+    ("config = 5\n", "does not define reward_funcs, train_dataset and defines `config` as int 5, not a grpo.Config "
+                     "\\(write config = Config\\(...\\)\\)"),
     ("from grpo.config import Config\nconfig = Config()\nreward_funcs = []\ntrain_dataset = dict\n",
      "`reward_funcs` must be a non-empty list of functions"),
     ("from grpo.config import Config\nconfig = Config()\nreward_funcs = [len, 'oops']\ntrain_dataset = dict\n",

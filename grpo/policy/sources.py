@@ -1,0 +1,56 @@
+"""Where `config.model` comes from: a local folder or a Hugging Face Hub id, and a one-line error saying which
+it was read as and what to do when transformers cannot load it (its own OSErrors do not say)."""
+from __future__ import annotations
+
+import contextlib
+import os
+
+from ..errors import ConfigError
+
+LOCAL_FOLDER = "a folder holding config.json, the weights and the tokenizer files (as save_pretrained writes them)"
+
+
+def reads_as_path(name: str) -> bool:
+    """A hub id is "name" or "namespace/name"; anything else, or anything that exists on disk, is a path."""
+    return (os.path.exists(name) or name.startswith(("/", ".", "~")) or name.count("/") > 1
+            or os.sep != "/" and os.sep in name)
+
+
+@contextlib.contextmanager
+def loading(name: str):
+    """Context for transformers' from_pretrained(`name`): a path with nothing there fails before it is tried,
+    and an OSError from inside becomes a ConfigError that says how `name` was read."""
+    if reads_as_path(name) and not os.path.isdir(name):
+        raise ConfigError(f"model={name} is read as a local path (not a hub id 'namespace/name'), and there is "
+                          f"no such folder: point --model at {LOCAL_FOLDER}")
+    if os.path.isdir(name) and not os.path.isfile(os.path.join(name, "config.json")):
+        raise ConfigError(f"model={name} is a local folder without config.json: point --model at {LOCAL_FOLDER}")
+    try:
+        yield
+    except OSError as error:
+        raise load_error(name, error) from None
+    except ValueError as error:  # what transformers raises for a local folder it cannot make sense of
+        if not os.path.isdir(name):
+            raise
+        raise load_error(name, error) from None
+
+
+def load_error(name: str, error: Exception) -> ConfigError:
+    """What an error of transformers' loading of `name` means for the user."""
+    text = str(error)
+    first = text.strip().splitlines()[0] if text.strip() else type(error).__name__
+    if os.path.isdir(name):
+        return ConfigError(f"model={name} is a local folder, but transformers cannot load it ({first}); it must be "
+                           f"{LOCAL_FOLDER}")
+    offline = os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
+    if offline or "couldn't connect" in text or "offline" in text.lower():
+        why = "HF_HUB_OFFLINE=1 is set" if offline else "the Hub cannot be reached"
+        return ConfigError(
+            f"model={name} is read as a Hugging Face Hub id, {why}, and it is not in the Hugging Face cache "
+            f"(HF_HOME, default ~/.cache/huggingface): download it once where there is a network "
+            f"(`huggingface-cli download {name}`) and run with HF_HUB_OFFLINE=1, or point --model at {LOCAL_FOLDER}")
+    if "gated" in text.lower() or "401 Client Error" in text or "403 Client Error" in text:
+        return ConfigError(f"model={name} is a gated or private Hub repository: accept its licence on the Hub and "
+                           f"run `huggingface-cli login`, or point --model at a local folder ({first})")
+    return ConfigError(f"model={name} is read as a Hugging Face Hub id and cannot be loaded ({first}): check the "
+                       f"id on huggingface.co, or point --model at {LOCAL_FOLDER}")

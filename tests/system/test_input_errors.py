@@ -1,0 +1,122 @@
+"""Bad inputs a new user tries, each reported by `python -m grpo.train` as one `error:` line, with a non-zero
+exit, no traceback and nothing written: an output folder that cannot be created, a model that cannot be found
+(a local path, or a hub id without a network), `--model` on a recipe that builds its own, a checkpoint of
+another shape, an empty chat prompt, a `config` that is not a Config."""
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from test_errors import assert_short_error, run
+
+from grpo.train import main
+
+ROOT = Path(__file__).resolve().parents[2]
+# A recipe that loads `config.model` itself (no build_model).
+LOADS_MODEL = """
+from grpo import Config
+from tiny_setup import digit_prompts, digit_share
+
+config = Config(output_dir={out!r}, model={model!r}, max_steps=1, per_device_train_batch_size=2,
+                num_generations=2, optim="adamw")
+reward_funcs = [digit_share]
+train_dataset = digit_prompts
+"""
+# A recipe whose model's hidden size comes from the environment, to resume a checkpoint onto another shape.
+SIZED = """
+import os
+from grpo import Config
+from tiny_setup import digit_prompts, digit_share, tiny_tokenizer
+from grpo.tasks.tiny import model_for
+
+config = Config(output_dir={out!r}, max_steps=2, save_steps=1, per_device_train_batch_size=2, num_generations=2,
+                max_prompt_length=16, max_completion_length=4, optim="adamw", lora_r=2)
+reward_funcs = [digit_share]
+train_dataset = digit_prompts
+
+def build_model(config):
+    tokenizer = tiny_tokenizer()
+    return model_for(tokenizer, hidden_size=int(os.environ["HIDDEN"]), num_layers=1, num_heads=2, num_kv_heads=1,
+                     seed=0), tokenizer
+"""
+
+
+def write_recipe(tmp_path, template: str, **fields) -> str:
+    recipe = tmp_path / "recipe.py"
+    recipe.write_text(textwrap.dedent(template).format(out=str(tmp_path / "run"), **fields))
+    return str(recipe)
+
+
+def test_an_output_dir_that_cannot_be_created(tmp_path, capsys):
+    code, err = run(tmp_path, capsys, "--output_dir=/proc/grpo-run")
+    assert_short_error(code, err, 2, "error: output_dir=/proc/grpo-run cannot be created: making a folder in /proc "
+                                     "fails", "pick a writable --output_dir")
+    assert not Path("/proc/grpo-run").exists()
+
+
+def test_a_model_path_that_does_not_exist(tmp_path, capsys):
+    code = main([write_recipe(tmp_path, LOADS_MODEL, model="/nonexistent/model")])
+    err = capsys.readouterr().err
+    assert_short_error(code, err, 2, "error: model=/nonexistent/model is read as a local path (not a hub id "
+                                     "'namespace/name'), and there is no such folder: point --model at a folder "
+                                     "holding config.json")
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow  # a subprocess: seconds of imports
+def test_a_hub_model_without_a_network(tmp_path):
+    # HF_HUB_OFFLINE=1 makes the hub lookup fail at once, as a machine without a network would after retries;
+    # an empty HF_HOME, so that a model cached on this machine is not found. A subprocess: huggingface_hub reads
+    # HF_HUB_OFFLINE when it is imported.
+    recipe = write_recipe(tmp_path, LOADS_MODEL, model="Qwen/Qwen2.5-0.5B-Instruct")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"), "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
+    result = subprocess.run([sys.executable, "-m", "grpo.train", recipe], cwd=ROOT, env=env, capture_output=True,
+                            text=True, timeout=120)
+    assert_short_error(result.returncode, result.stderr, 2,
+                       "error: model=Qwen/Qwen2.5-0.5B-Instruct is read as a Hugging Face Hub id, HF_HUB_OFFLINE=1 is "
+                       "set, and it is not in the Hugging Face cache", "point --model at a folder")
+    assert [line for line in result.stderr.splitlines() if line.strip()] == [result.stderr.strip()], "one line"
+    assert not (tmp_path / "run").exists()
+
+
+def test_model_on_a_recipe_that_builds_its_own(tmp_path, capsys):
+    code, err = run(tmp_path, capsys, "--model=Qwen/Qwen2.5-0.5B-Instruct")
+    assert_short_error(code, err, 2, "builds its own model in build_model; --model is not used: drop "
+                                     "--model=Qwen/Qwen2.5-0.5B-Instruct")
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("lora", ["false", "true"])
+def test_resuming_onto_a_model_of_another_shape(tmp_path, capsys, monkeypatch, lora):
+    recipe = write_recipe(tmp_path, SIZED)
+    monkeypatch.setenv("HIDDEN", "16")
+    assert main([recipe, f"--use_lora={lora}", "--max_steps=1"]) == 0
+    before = sorted(p.name for p in (tmp_path / "run").iterdir())
+    monkeypatch.setenv("HIDDEN", "32")
+    code = main([recipe, f"--use_lora={lora}", "--resume_from_checkpoint=latest"])
+    err = capsys.readouterr().err
+    shapes = "lora_A.weight (2, 64) vs (2, 128)" if lora == "true" else "embed_tokens.weight (260, 16) vs (260, 32)"
+    assert_short_error(code, err, 2, f"error: {tmp_path / 'run' / 'checkpoint-1'} does not fit this model: ",
+                       "tensors of another shape (saved vs this model), e.g. ", shapes,
+                       "resume with the model it was trained from")
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == before
+
+
+def test_an_empty_chat_prompt(tmp_path, capsys):
+    chat = "[{'role': 'user', 'content': 'Write 3 digits:'}]"
+    body = f"reward_funcs = [digit_share]\ntrain_dataset = Dataset.from_list([{{'prompt': {chat}}}, {{'prompt': []}}])"
+    code, err = run(tmp_path, capsys, body=body)
+    assert_short_error(code, err, 1, "error: train_dataset has 1 empty chat prompts (no messages) out of 2, first "
+                                     "at row 1")
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_config_that_is_not_a_config(tmp_path, capsys):
+    recipe = tmp_path / "recipe.py"
+    recipe.write_text("config = 5\n")
+    code = main([str(recipe)])
+    assert_short_error(code, capsys.readouterr().err, 2, f"error: recipe {recipe} does not define reward_funcs, "
+                       "train_dataset and defines `config` as int 5, not a grpo.Config (write config = Config(...))")
