@@ -302,8 +302,8 @@ class Trainer:
             self.policy.parallel.load_weights(path)
             self.load_state_dict(state)
             self.last_checkpoint, self.saved_step = path, self.step
-        if self.dist.is_main:  # the one writer of the logs
-            checkpoint.drop_log_lines_after(str(self.output_dir), self.step)
+        if self.dist.is_main:  # the one writer; with no checkpoint even step 0's evaluation is done again
+            checkpoint.drop_log_lines_after(str(self.output_dir), self.step if path is not None else -1)
 
     def _save_if_trained(self) -> Path | None:
         return self.save() if self.step > 0 else None
