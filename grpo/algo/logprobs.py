@@ -4,6 +4,10 @@ Full logits are ``[B, T, V]``; with V ~ 150k they dwarf everything else in a GRP
 (B=8, T=1024 is ~5 GB in float32; plain autograd peaks at about four such copies).
 ``token_logprobs`` walks the ``N = B * T`` token rows in chunks, keeps only one chunk of
 logits alive at a time, and recomputes a chunk's logits in backward instead of saving them.
+
+Some model families transform the LM head's output before the softmax (Cohere scales it, Granite divides
+it, Gemma 2 soft-caps it): ``transform_logits_`` applies ``softcap * tanh(scale * x / softcap)`` (or
+``scale * x`` without a cap) here and in sampling alike, so both score the model's own distribution.
 """
 
 from __future__ import annotations
@@ -19,6 +23,17 @@ from . import LOGPROB_CHUNK_SIZE
 _WEIGHT_GRAD_BLOCK = 16384
 
 
+def transform_logits_(logits: Tensor, scale: float = 1.0, softcap: float | None = None) -> Tensor:
+    """In place: ``softcap * tanh(scale * logits / softcap)``, or ``scale * logits`` when ``softcap`` is None;
+    what a family's forward does to ``hidden @ W.T + b`` before returning its logits."""
+    if softcap is None:
+        if scale != 1.0:
+            logits *= scale
+        return logits
+    logits *= scale / softcap
+    return logits.tanh_().mul_(softcap)
+
+
 def _softmax_dtype(dtype: torch.dtype) -> torch.dtype:
     """float32 for half types; float64 stays float64 (gradcheck needs it)."""
     return torch.promote_types(dtype, torch.float32)
@@ -31,15 +46,17 @@ class _Workspace:
     multi-hundred-MB allocation is a new mmap whose page faults cost more than the matmul.
     """
 
-    def __init__(self, rows: int, weight: Tensor, with_entropy: bool = False):
+    def __init__(self, rows: int, weight: Tensor, with_exps: bool = False):
         vocab, dtype = weight.shape[0], _softmax_dtype(weight.dtype)
         self.logits = weight.new_empty(rows, vocab, dtype=dtype)  # [c, V]
         # Low-precision matmul output, upcast into self.logits (none when already float32).
         self.raw = weight.new_empty(rows, vocab) if weight.dtype != dtype else None  # [c, V]
-        self.exps = weight.new_empty(rows, vocab, dtype=dtype) if with_entropy else None  # [c, V]
+        # A second float32 buffer: exps beside the logits, for the entropy or a soft cap's backward.
+        self.exps = weight.new_empty(rows, vocab, dtype=dtype) if with_exps else None  # [c, V]
 
-    def chunk_logits(self, h: Tensor, weight: Tensor, bias: Tensor | None, temperature: float) -> Tensor:
-        """Tempered float32 logits of one chunk of rows, in the shared buffer."""
+    def chunk_logits(self, h: Tensor, weight: Tensor, bias: Tensor | None, scale: float, softcap: float | None,
+                     temperature: float) -> Tensor:
+        """Transformed, tempered float32 logits of one chunk of rows, in the shared buffer."""
         c = h.shape[0]
         logits = self.logits[:c]  # [c, V]
         h = h.to(weight.dtype)  # [c, H]
@@ -50,6 +67,7 @@ class _Workspace:
             logits.copy_(torch.mm(h, weight.T, out=self.raw[:c]))
         if bias is not None:
             logits += bias  # [c, V]
+        transform_logits_(logits, scale, softcap)  # [c, V]
         if temperature != 1.0:
             logits /= temperature  # [c, V]
         return logits
@@ -101,18 +119,18 @@ class _TokenLogprobs(torch.autograd.Function):
     """Chunked log-softmax-gather whose backward recomputes logits chunk by chunk."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature, chunk_size, want_entropy):
+    def forward(ctx, hidden, weight, bias, targets, scale, softcap, temperature, chunk_size, want_entropy):
         n, dtype = hidden.shape[0], _softmax_dtype(weight.dtype)
         logprobs = hidden.new_empty(n, dtype=dtype)  # [N]
         lse = hidden.new_empty(n, dtype=dtype)  # [N]
         entropy = hidden.new_empty(n if want_entropy else 0, dtype=dtype)  # [N] or [0]
-        work = _Workspace(min(chunk_size, n), weight, with_entropy=want_entropy)
+        work = _Workspace(min(chunk_size, n), weight, with_exps=want_entropy)
         # Autocast would change the matmul dtype between forward and the recomputation in
         # backward, making the saved logsumexp inconsistent with the recomputed logits.
         with torch.autocast(hidden.device.type, enabled=False):
             for s in range(0, n, chunk_size):
                 e = min(s + chunk_size, n)
-                logits = work.chunk_logits(hidden[s:e], weight, bias, temperature)  # [c, V]
+                logits = work.chunk_logits(hidden[s:e], weight, bias, scale, softcap, temperature)  # [c, V]
                 exps = work.exps[: e - s] if want_entropy else None  # [c, V]
                 lp, chunk_lse, ent = _forward_chunk(logits, targets[s:e], exps)
                 logprobs[s:e] = lp
@@ -121,7 +139,7 @@ class _TokenLogprobs(torch.autograd.Function):
                     entropy[s:e] = ent
         del work
         ctx.save_for_backward(hidden, weight, bias, targets, lse)
-        ctx.temperature = temperature
+        ctx.scale, ctx.softcap, ctx.temperature = scale, softcap, temperature
         ctx.chunk_size = chunk_size
         ctx.mark_non_differentiable(entropy)
         return logprobs, entropy
@@ -131,22 +149,29 @@ class _TokenLogprobs(torch.autograd.Function):
     def backward(ctx, grad_logprobs, _grad_entropy):
         hidden, weight, bias, targets, lse = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        tau, n = ctx.temperature, hidden.shape[0]
+        scale, cap, tau, n = ctx.scale, ctx.softcap, ctx.temperature, hidden.shape[0]
         grad_hidden = torch.empty_like(hidden) if need_h else None  # [N, H]
         # Float32 accumulators only for what is trained: a frozen head costs no [V, H] buffer.
         acc_dtype = lse.dtype
         grad_weight = weight.new_zeros(weight.shape, dtype=acc_dtype) if need_w else None  # [V, H]
         grad_bias = bias.new_zeros(bias.shape, dtype=acc_dtype) if need_b else None  # [V]
-        work = _Workspace(min(ctx.chunk_size, n), weight)
+        work = _Workspace(min(ctx.chunk_size, n), weight, with_exps=cap is not None)
         with torch.autocast(hidden.device.type, enabled=False):
             for s in range(0, n, ctx.chunk_size):
                 e = min(s + ctx.chunk_size, n)
-                logits = work.chunk_logits(hidden[s:e], weight, bias, tau)  # [c, V]
-                # d logp[t] / d z = onehot(t) - softmax(z), times 1/tau from z = x / tau.
-                probs = logits.sub_(lse[s:e, None]).exp_()  # [c, V], softmax in place
+                logits = work.chunk_logits(hidden[s:e], weight, bias, scale, cap, tau)  # [c, V]
+                # z = f(x) / tau with x = h @ W.T + b: d logp[t] / dx = (onehot(t) - softmax(z)) * f'(x) / tau,
+                # f'(x) = scale, or scale * (1 - tanh^2) = scale * (1 - (z * tau / cap)^2) under a soft cap.
+                if cap is None:
+                    probs = logits.sub_(lse[s:e, None]).exp_()  # [c, V], softmax in place
+                else:
+                    probs = torch.sub(logits, lse[s:e, None], out=work.exps[: e - s]).exp_()  # [c, V]
                 grad_logits = probs.neg_()  # [c, V]
                 grad_logits.scatter_add_(1, targets[s:e, None], torch.ones_like(lse[s:e, None]))
-                grad_logits *= (grad_logprobs[s:e] / tau)[:, None]  # [c, V]
+                grad_logits *= (grad_logprobs[s:e] * scale / tau)[:, None]  # [c, V]
+                if cap is not None:
+                    tanh_sq = logits.mul_(tau / cap).square_()  # [c, V]
+                    grad_logits *= tanh_sq.neg_().add_(1.0)  # [c, V]
                 if need_b:
                     grad_bias += grad_logits.sum(dim=0)  # [V]
                 grad_logits = work.low_precision(grad_logits, weight.dtype)  # [c, V]
@@ -159,11 +184,11 @@ class _TokenLogprobs(torch.autograd.Function):
             grad_weight = grad_weight.to(weight.dtype)  # [V, H]
         if need_b:
             grad_bias = grad_bias.to(bias.dtype)  # [V]
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None
 
 
-def _check_inputs(hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor | None,
-                  temperature: float, chunk_size: int) -> None:
+def _check_inputs(hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor | None, logit_scale: float,
+                  softcap: float | None, temperature: float, chunk_size: int) -> None:
     if hidden.dim() < 1 or weight.dim() != 2 or hidden.shape[-1] != weight.shape[1]:
         raise ValueError(
             f"hidden [..., H] and weight [V, H] disagree: {tuple(hidden.shape)} vs {tuple(weight.shape)}"
@@ -176,6 +201,10 @@ def _check_inputs(hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor 
         raise ValueError(f"bias must be [V] = {tuple(weight.shape[:1])}, got {tuple(bias.shape)}")
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
+    if not 0 < logit_scale < float("inf"):
+        raise ValueError(f"logit_scale must be positive and finite, got {logit_scale}")
+    if softcap is not None and not 0 < softcap < float("inf"):
+        raise ValueError(f"softcap must be None or positive and finite, got {softcap}")
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     if targets.is_floating_point():
@@ -196,8 +225,11 @@ def token_logprobs(
     bias: Tensor | None = None,
     chunk_size: int = LOGPROB_CHUNK_SIZE,
     return_entropy: bool = False,
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
-    """Log-probability of each target token under ``softmax((hidden @ weight.T + bias) / temperature)``.
+    """Log-probability of each target token under ``softmax(f(hidden @ weight.T + bias) / temperature)``, with
+    ``f(x) = softcap * tanh(logit_scale * x / softcap)``, or ``logit_scale * x`` when ``softcap`` is None.
 
     Args:
         hidden: ``[B, T, H]`` final hidden states (any leading shape works).
@@ -209,6 +241,8 @@ def token_logprobs(
             peak extra memory is about ``chunk_size * V * 4`` bytes (twice that with entropy,
             1.5 times for a bf16 head), plus the weight gradient when it is trained.
         return_entropy: also return the per-token entropy of the tempered distribution.
+        logit_scale, softcap: the model family's transform of the head's output, applied before the
+            temperature (see ``grpo.policy.head``); a soft cap doubles the chunk memory in backward.
 
     The matmul runs in the weight's dtype; the softmax math runs in float32 (float64
     if the weight is float64, which only tests use). Backward
@@ -220,12 +254,13 @@ def token_logprobs(
         float32 ``[B, T]`` log-probs, or ``(logprobs, entropy)`` with entropy float32
         ``[B, T]`` and carrying no gradient.
     """
-    _check_inputs(hidden, weight, targets, bias, temperature, chunk_size)
+    _check_inputs(hidden, weight, targets, bias, logit_scale, softcap, temperature, chunk_size)
     lead_shape = targets.shape
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])  # [N, H]
     flat_targets = targets.reshape(-1).long()  # [N]
     logprobs, entropy = _TokenLogprobs.apply(
-        flat_hidden, weight, bias, flat_targets, float(temperature), int(chunk_size), return_entropy
+        flat_hidden, weight, bias, flat_targets, float(logit_scale), None if softcap is None else float(softcap),
+        float(temperature), int(chunk_size), return_entropy,
     )
     logprobs = logprobs.view(lead_shape)  # [B, T]
     if return_entropy:
