@@ -7,7 +7,7 @@ Most families return `hidden @ W.T (+ b)`. Some transform it; in transformers 5.
 | config attribute | the forward does | families |
 |---|---|---|
 | `logit_scale` | `logits * s` | Cohere, Cohere2, Cohere2-MoE, CohereCompass |
-| `logits_scaling` | `logits / s` | Granite (all variants); MiniCPM3 divides the hidden states, the same without a head bias |
+| `logits_scaling` | `logits / s` | Granite (all variants); MiniCPM3 (`hidden / s`: the same, having no head bias) |
 | `logits_scaling` | `logits * s` | HyperCLOVAX (same name, opposite meaning) |
 | `logits_mup_width_multiplier` | `hidden / s` | Inkling |
 | `lm_head_multiplier` | `logits * s` | FalconH1 |
@@ -15,9 +15,11 @@ Most families return `hidden @ W.T (+ b)`. Some transform it; in transformers 5.
 | `final_logit_softcapping` | `c * tanh(logits / c)` | Gemma 2/3/3n/4, VaultGemma, NanoChat, Beam, Inkling2, ... |
 | `logits_soft_cap`, `output_logit_soft_cap` | `c * tanh(logits / c)` | RecurrentGemma, xLSTM |
 
-MiniCPM (v1, remote code) divides the hidden states by `hidden_size / dim_model_base`. A config that declares
-a logit transform not in this table is refused (ConfigError) rather than trained on wrong log-probs; the
-start-up check (models.check_logprobs_match_forward) catches any family whose forward does something else.
+A multimodal model reads them from its `text_config`; AyaVision, Cohere2Vision and Gemma3's
+ForConditionalGeneration do not apply them. MiniCPM (v1, remote code) divides the hidden states by
+`hidden_size / dim_model_base`; Inkling drops the logits past `unpadded_vocab_size`, which is refused. A config
+that declares a logit transform not in this table is refused (ConfigError) rather than trained on wrong
+log-probs; the start-up check (models.check_logprobs_match_forward) catches a forward that does anything else.
 """
 from __future__ import annotations
 
@@ -38,6 +40,8 @@ class HeadTransform:
 _MULTIPLY = ("logit_scale", "lm_head_multiplier", "output_multiplier")
 _DIVIDE = ("logits_scaling", "logits_mup_width_multiplier")
 _SOFTCAPS = ("final_logit_softcapping", "logits_soft_cap", "output_logit_soft_cap")
+# Multimodal wrappers whose forward returns the plain head output whatever their text config declares.
+_PLAIN_WRAPPERS = ("aya_vision", "cohere2_vision", "gemma3")
 # (model_type, attribute) whose forward differs from the attribute's usual meaning.
 _EXCEPTIONS = {("hyperclovax", "logits_scaling"): "multiply"}
 _UNSUPPORTED = {
@@ -64,6 +68,8 @@ def head_transform(config) -> HeadTransform:
     """The transform a transformers causal LM with this config applies to its LM head's output."""
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     family, where = getattr(text, "model_type", ""), type(text).__name__
+    if text is not config and getattr(config, "model_type", "") in _PLAIN_WRAPPERS:
+        return HeadTransform()
     for (kind, name), why in _UNSUPPORTED.items():
         if family == kind and getattr(text, name, None) is not None:
             raise ConfigError(f"{where}.{name} = {getattr(text, name)!r}: {why}; set it to None to train with "
