@@ -124,6 +124,20 @@ def test_the_start_up_check_names_the_model_and_the_mismatch():
     assert model.training  # restored after the check's eval-mode forwards
 
 
+def test_the_start_up_check_under_bf16_weights():
+    # Gemma 2 soft-caps bf16 logits in bf16 (~0.025 from ours, in float32): within the 16-bit tolerance.
+    ids, mask = left_padded_batch()
+    for model_type in ("gemma2", "cohere"):
+        model = tiny_family(model_type).to(torch.bfloat16)
+        assert check_logprobs_match_forward(model, ids, mask, 5, temperature=0.7, chunk_size=4) < 0.1
+    torch.manual_seed(0)
+    model = ScaledLlama(AutoConfig.for_model("llama", **SMALL)).to(torch.bfloat16)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20)  # logits of ~10: the 16-bit tolerance grows with them
+    with pytest.raises(ConfigError, match="ScaledLlama"):
+        check_logprobs_match_forward(model, ids, mask, 5, temperature=0.7, chunk_size=4)
+
+
 def test_the_trainer_runs_the_check_on_its_first_generation(tmp_path):
     tokenizer = tiny_tokenizer()
     config = Config(output_dir=str(tmp_path / "run"), max_steps=1, per_device_train_batch_size=1,
