@@ -21,6 +21,8 @@ from . import LOGPROB_CHUNK_SIZE
 # Rows of the [V, H] weight gradient produced per matmul when the LM head is not float32:
 # bounds the low-precision temporary that is added into the float32 accumulator.
 _WEIGHT_GRAD_BLOCK = 16384
+# Vocabulary columns per block of a soft cap's backward: bounds its [c, block] temporary.
+_SOFTCAP_BLOCK = 4096
 
 
 def transform_logits_(logits: Tensor, scale: float = 1.0, softcap: float | None = None) -> Tensor:
@@ -46,13 +48,12 @@ class _Workspace:
     multi-hundred-MB allocation is a new mmap whose page faults cost more than the matmul.
     """
 
-    def __init__(self, rows: int, weight: Tensor, with_exps: bool = False):
+    def __init__(self, rows: int, weight: Tensor, with_entropy: bool = False):
         vocab, dtype = weight.shape[0], _softmax_dtype(weight.dtype)
         self.logits = weight.new_empty(rows, vocab, dtype=dtype)  # [c, V]
         # Low-precision matmul output, upcast into self.logits (none when already float32).
         self.raw = weight.new_empty(rows, vocab) if weight.dtype != dtype else None  # [c, V]
-        # A second float32 buffer: exps beside the logits, for the entropy or a soft cap's backward.
-        self.exps = weight.new_empty(rows, vocab, dtype=dtype) if with_exps else None  # [c, V]
+        self.exps = weight.new_empty(rows, vocab, dtype=dtype) if with_entropy else None  # [c, V]
 
     def chunk_logits(self, h: Tensor, weight: Tensor, bias: Tensor | None, scale: float, softcap: float | None,
                      temperature: float) -> Tensor:
@@ -103,6 +104,17 @@ def _forward_chunk(
     return target_logits - lse, lse, entropy
 
 
+def _softcapped_grad_(z: Tensor, lse: Tensor, targets: Tensor, tau_over_cap: float) -> Tensor:
+    """In place: (onehot(t) - softmax(z)) * (1 - tanh^2) for the tempered capped logits z[c, V] = cap * tanh / tau,
+    so tanh = z * tau / cap. Column blocks keep the tanh temporary small instead of a second [c, V] buffer."""
+    tanh_target = z.gather(1, targets[:, None]) * tau_over_cap  # [c, 1]
+    for v0 in range(0, z.shape[1], _SOFTCAP_BLOCK):
+        block = z[:, v0:v0 + _SOFTCAP_BLOCK]  # [c, v]
+        dtanh = torch.mul(block, tau_over_cap).square_().neg_().add_(1.0)  # [c, v]
+        block.sub_(lse[:, None]).exp_().neg_().mul_(dtanh)  # [c, v]: -softmax * (1 - tanh^2)
+    return z.scatter_add_(1, targets[:, None], tanh_target.square().neg_().add_(1.0))  # [c, V]
+
+
 def _accumulate_weight_grad(acc: Tensor, grad_logits: Tensor, h: Tensor) -> None:
     """acc[V, H] (float32 or wider) += grad_logits[c, V].T @ h[c, H]."""
     if grad_logits.dtype == acc.dtype:
@@ -124,7 +136,7 @@ class _TokenLogprobs(torch.autograd.Function):
         logprobs = hidden.new_empty(n, dtype=dtype)  # [N]
         lse = hidden.new_empty(n, dtype=dtype)  # [N]
         entropy = hidden.new_empty(n if want_entropy else 0, dtype=dtype)  # [N] or [0]
-        work = _Workspace(min(chunk_size, n), weight, with_exps=want_entropy)
+        work = _Workspace(min(chunk_size, n), weight, with_entropy=want_entropy)
         # Autocast would change the matmul dtype between forward and the recomputation in
         # backward, making the saved logsumexp inconsistent with the recomputed logits.
         with torch.autocast(hidden.device.type, enabled=False):
@@ -155,23 +167,20 @@ class _TokenLogprobs(torch.autograd.Function):
         acc_dtype = lse.dtype
         grad_weight = weight.new_zeros(weight.shape, dtype=acc_dtype) if need_w else None  # [V, H]
         grad_bias = bias.new_zeros(bias.shape, dtype=acc_dtype) if need_b else None  # [V]
-        work = _Workspace(min(ctx.chunk_size, n), weight, with_exps=cap is not None)
+        work = _Workspace(min(ctx.chunk_size, n), weight)
         with torch.autocast(hidden.device.type, enabled=False):
             for s in range(0, n, ctx.chunk_size):
                 e = min(s + ctx.chunk_size, n)
                 logits = work.chunk_logits(hidden[s:e], weight, bias, scale, cap, tau)  # [c, V]
                 # z = f(x) / tau with x = h @ W.T + b: d logp[t] / dx = (onehot(t) - softmax(z)) * f'(x) / tau,
-                # f'(x) = scale, or scale * (1 - tanh^2) = scale * (1 - (z * tau / cap)^2) under a soft cap.
+                # f'(x) = scale, or scale * (1 - tanh^2) under a soft cap.
                 if cap is None:
                     probs = logits.sub_(lse[s:e, None]).exp_()  # [c, V], softmax in place
+                    grad_logits = probs.neg_()  # [c, V]
+                    grad_logits.scatter_add_(1, targets[s:e, None], torch.ones_like(lse[s:e, None]))
                 else:
-                    probs = torch.sub(logits, lse[s:e, None], out=work.exps[: e - s]).exp_()  # [c, V]
-                grad_logits = probs.neg_()  # [c, V]
-                grad_logits.scatter_add_(1, targets[s:e, None], torch.ones_like(lse[s:e, None]))
+                    grad_logits = _softcapped_grad_(logits, lse[s:e], targets[s:e], tau / cap)  # [c, V]
                 grad_logits *= (grad_logprobs[s:e] * scale / tau)[:, None]  # [c, V]
-                if cap is not None:
-                    tanh_sq = logits.mul_(tau / cap).square_()  # [c, V]
-                    grad_logits *= tanh_sq.neg_().add_(1.0)  # [c, V]
                 if need_b:
                     grad_bias += grad_logits.sum(dim=0)  # [V]
                 grad_logits = work.low_precision(grad_logits, weight.dtype)  # [c, V]
@@ -242,7 +251,7 @@ def token_logprobs(
             1.5 times for a bf16 head), plus the weight gradient when it is trained.
         return_entropy: also return the per-token entropy of the tempered distribution.
         logit_scale, softcap: the model family's transform of the head's output, applied before the
-            temperature (see ``grpo.policy.head``); a soft cap doubles the chunk memory in backward.
+            temperature (see ``grpo.policy.head``).
 
     The matmul runs in the weight's dtype; the softmax math runs in float32 (float64
     if the weight is float64, which only tests use). Backward
