@@ -140,14 +140,17 @@ def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Te
 
 @torch.no_grad()
 def check_logprobs_match_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int, *,
-                                 temperature: float, chunk_size: int, rows: int = 2, tokens: int = 16) -> float:
+                                 temperature: float, chunk_size: int, rows: int = 2, tokens: int = 16,
+                                 agree=lambda excess: excess) -> float:
     """The start-up check: log-probs of the first `tokens` completion tokens of `rows` sequences, and the sampling
     logits there, against the model's own `log_softmax(model(...).logits / temperature)`. A mismatch means this
     family's forward does something to its logits that policy/head does not know: ConfigError naming the model
-    class and the size. Runs in eval mode (no dropout) and without autocast; returns the largest difference."""
+    class and the size. `agree` turns this rank's error / tolerance into the largest over ranks, so that all
+    ranks stop together. Runs in eval mode (no dropout) and without autocast; returns the largest difference."""
     hf = unwrap(model)
     ids, mask = input_ids[:rows, :prompt_length + tokens], attention_mask[:rows, :prompt_length + tokens]  # [r, P+k]
     if ids.shape[1] == prompt_length:
+        agree(0.0)
         return 0.0
     was_training = model.training
     model.eval()
@@ -172,10 +175,11 @@ def check_logprobs_match_forward(model, input_ids: torch.Tensor, attention_mask:
     # 16-bit logits carry 8 significant bits: the two paths may differ in the last few places of the largest.
     low_precision = hf.get_output_embeddings().weight.dtype not in (torch.float32, torch.float64)
     tolerance = 1e-3 + (2**-5 * logits.abs().max().item() if low_precision else 0.0)
-    if max(logprob_error, sampling_error) > tolerance:
+    excess = agree(max(logprob_error, sampling_error) / tolerance)
+    if excess > 1:
         raise ConfigError(
             f"log-probs here differ from {type(hf).__name__}'s own forward by up to {logprob_error:.3g} "
-            f"(sampling logits: {sampling_error:.3g}; tolerance {tolerance:.3g}): its forward makes its logits in a "
-            f"way grpo/policy/head.py does not know (read here: {head_transform(hf.config)}), so training would "
-            f"optimize the wrong distribution")
+            f"(sampling logits: {sampling_error:.3g}; tolerance {tolerance:.3g}; {excess:.3g}x the tolerance on the "
+            f"worst rank): its forward makes its logits in a way grpo/policy/head.py does not know (read here: "
+            f"{head_transform(hf.config)}), so training would optimize the wrong distribution")
     return max(logprob_error, sampling_error)

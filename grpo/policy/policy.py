@@ -15,7 +15,7 @@ class Policy:
     and log-prob settings. Trains on `model`; `parallel` saves and loads it."""
 
     def __init__(self, model, tokenizer, config, dist):
-        self.model, self.tokenizer, self.config = model, tokenizer, config
+        self.model, self.tokenizer, self.config, self.dist = model, tokenizer, config, dist
         self.has_reference = reference_kind(config.use_lora, config.beta) != "none"
         self.reference = make_reference(model, config.use_lora, config.beta)
         # Before the optimizer exists: FSDP replaces the parameters by their shards.
@@ -57,7 +57,8 @@ class Policy:
             c = self.config
             self.parallel(lambda model: check_logprobs_match_forward(
                 model, rollout.input_ids, rollout.attention_mask, rollout.prompt_ids.shape[1],
-                temperature=c.temperature, chunk_size=c.logprob_chunk_size))
+                temperature=c.temperature, chunk_size=c.logprob_chunk_size,
+                agree=lambda excess: self.dist.reduce({"excess": excess}, "max")["excess"]))
             self.head_checked = True
 
     def _logprobs(self, model, rollout: Rollout) -> torch.Tensor:

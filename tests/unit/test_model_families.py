@@ -122,6 +122,12 @@ def test_the_start_up_check_names_the_model_and_the_mismatch():
     with pytest.raises(ConfigError, match=r"ScaledLlama's own forward by up to \d"):
         check_logprobs_match_forward(model, ids, mask, 5, temperature=1.0, chunk_size=4)
     assert model.training  # restored after the check's eval-mode forwards
+    # Another rank over the tolerance stops this one too, whose own rows match.
+    good, seen = tiny_family("cohere"), []
+    with pytest.raises(ConfigError, match="2x the tolerance on the worst rank"):
+        check_logprobs_match_forward(good, ids, mask, 5, temperature=1.0, chunk_size=4,
+                                     agree=lambda excess: seen.append(excess) or 2.0)
+    assert len(seen) == 1 and seen[0] < 0.01
 
 
 def test_the_start_up_check_under_bf16_weights():
