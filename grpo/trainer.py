@@ -137,6 +137,7 @@ class Trainer:
                 for _ in range(cfg.gradient_accumulation_steps)]                           # rollout/prompts
         rollouts = [self.policy.sample(r["prompt"]) for r in rows]                       # rollout/sampling
         generate_s = dist.reduce({"s": time.perf_counter() - t0}, "max")["s"]  # the slowest rank's
+        self.policy.check_head_once(rollouts[0])  # first step: our log-probs vs the model's own   policy
         columns = per_completion({k: [v for r in rows for v in r[k]] for k in rows[0]}, G)
         prompts, completions = columns.pop("prompt"), [c for ro in rollouts for c in ro.completions]
         rewards, per_func, _ = compute_rewards(self.reward_funcs, prompts, completions, columns,

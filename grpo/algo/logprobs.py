@@ -4,6 +4,10 @@ Full logits are ``[B, T, V]``; with V ~ 150k they dwarf everything else in a GRP
 (B=8, T=1024 is ~5 GB in float32; plain autograd peaks at about four such copies).
 ``token_logprobs`` walks the ``N = B * T`` token rows in chunks, keeps only one chunk of
 logits alive at a time, and recomputes a chunk's logits in backward instead of saving them.
+
+Some model families transform the LM head's output before the softmax (Cohere scales it, Granite divides
+it, Gemma 2 soft-caps it): ``transform_logits_`` applies ``softcap * tanh(scale * x / softcap)`` (or
+``scale * x`` without a cap) here and in sampling alike, so both score the model's own distribution.
 """
 
 from __future__ import annotations
@@ -17,6 +21,19 @@ from . import LOGPROB_CHUNK_SIZE
 # Rows of the [V, H] weight gradient produced per matmul when the LM head is not float32:
 # bounds the low-precision temporary that is added into the float32 accumulator.
 _WEIGHT_GRAD_BLOCK = 16384
+# Vocabulary columns per block of a soft cap's backward: bounds its [c, block] temporary.
+_SOFTCAP_BLOCK = 4096
+
+
+def transform_logits_(logits: Tensor, scale: float = 1.0, softcap: float | None = None) -> Tensor:
+    """In place: ``softcap * tanh(scale * logits / softcap)``, or ``scale * logits`` when ``softcap`` is None;
+    what a family's forward does to ``hidden @ W.T + b`` before returning its logits."""
+    if softcap is None:
+        if scale != 1.0:
+            logits *= scale
+        return logits
+    logits *= scale / softcap
+    return logits.tanh_().mul_(softcap)
 
 
 def _softmax_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -38,8 +55,9 @@ class _Workspace:
         self.raw = weight.new_empty(rows, vocab) if weight.dtype != dtype else None  # [c, V]
         self.exps = weight.new_empty(rows, vocab, dtype=dtype) if with_entropy else None  # [c, V]
 
-    def chunk_logits(self, h: Tensor, weight: Tensor, bias: Tensor | None, temperature: float) -> Tensor:
-        """Tempered float32 logits of one chunk of rows, in the shared buffer."""
+    def chunk_logits(self, h: Tensor, weight: Tensor, bias: Tensor | None, scale: float, softcap: float | None,
+                     temperature: float) -> Tensor:
+        """Transformed, tempered float32 logits of one chunk of rows, in the shared buffer."""
         c = h.shape[0]
         logits = self.logits[:c]  # [c, V]
         h = h.to(weight.dtype)  # [c, H]
@@ -50,6 +68,7 @@ class _Workspace:
             logits.copy_(torch.mm(h, weight.T, out=self.raw[:c]))
         if bias is not None:
             logits += bias  # [c, V]
+        transform_logits_(logits, scale, softcap)  # [c, V]
         if temperature != 1.0:
             logits /= temperature  # [c, V]
         return logits
@@ -85,6 +104,17 @@ def _forward_chunk(
     return target_logits - lse, lse, entropy
 
 
+def _softcapped_grad_(z: Tensor, lse: Tensor, targets: Tensor, tau_over_cap: float) -> Tensor:
+    """In place: (onehot(t) - softmax(z)) * (1 - tanh^2) for the tempered capped logits z[c, V] = cap * tanh / tau,
+    so tanh = z * tau / cap. Column blocks keep the tanh temporary small instead of a second [c, V] buffer."""
+    tanh_target = z.gather(1, targets[:, None]) * tau_over_cap  # [c, 1]
+    for v0 in range(0, z.shape[1], _SOFTCAP_BLOCK):
+        block = z[:, v0:v0 + _SOFTCAP_BLOCK]  # [c, v]
+        dtanh = torch.mul(block, tau_over_cap).square_().neg_().add_(1.0)  # [c, v]
+        block.sub_(lse[:, None]).exp_().neg_().mul_(dtanh)  # [c, v]: -softmax * (1 - tanh^2)
+    return z.scatter_add_(1, targets[:, None], tanh_target.square().neg_().add_(1.0))  # [c, V]
+
+
 def _accumulate_weight_grad(acc: Tensor, grad_logits: Tensor, h: Tensor) -> None:
     """acc[V, H] (float32 or wider) += grad_logits[c, V].T @ h[c, H]."""
     if grad_logits.dtype == acc.dtype:
@@ -101,7 +131,7 @@ class _TokenLogprobs(torch.autograd.Function):
     """Chunked log-softmax-gather whose backward recomputes logits chunk by chunk."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature, chunk_size, want_entropy):
+    def forward(ctx, hidden, weight, bias, targets, scale, softcap, temperature, chunk_size, want_entropy):
         n, dtype = hidden.shape[0], _softmax_dtype(weight.dtype)
         logprobs = hidden.new_empty(n, dtype=dtype)  # [N]
         lse = hidden.new_empty(n, dtype=dtype)  # [N]
@@ -112,7 +142,7 @@ class _TokenLogprobs(torch.autograd.Function):
         with torch.autocast(hidden.device.type, enabled=False):
             for s in range(0, n, chunk_size):
                 e = min(s + chunk_size, n)
-                logits = work.chunk_logits(hidden[s:e], weight, bias, temperature)  # [c, V]
+                logits = work.chunk_logits(hidden[s:e], weight, bias, scale, softcap, temperature)  # [c, V]
                 exps = work.exps[: e - s] if want_entropy else None  # [c, V]
                 lp, chunk_lse, ent = _forward_chunk(logits, targets[s:e], exps)
                 logprobs[s:e] = lp
@@ -121,7 +151,7 @@ class _TokenLogprobs(torch.autograd.Function):
                     entropy[s:e] = ent
         del work
         ctx.save_for_backward(hidden, weight, bias, targets, lse)
-        ctx.temperature = temperature
+        ctx.scale, ctx.softcap, ctx.temperature = scale, softcap, temperature
         ctx.chunk_size = chunk_size
         ctx.mark_non_differentiable(entropy)
         return logprobs, entropy
@@ -131,7 +161,7 @@ class _TokenLogprobs(torch.autograd.Function):
     def backward(ctx, grad_logprobs, _grad_entropy):
         hidden, weight, bias, targets, lse = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        tau, n = ctx.temperature, hidden.shape[0]
+        scale, cap, tau, n = ctx.scale, ctx.softcap, ctx.temperature, hidden.shape[0]
         grad_hidden = torch.empty_like(hidden) if need_h else None  # [N, H]
         # Float32 accumulators only for what is trained: a frozen head costs no [V, H] buffer.
         acc_dtype = lse.dtype
@@ -141,12 +171,16 @@ class _TokenLogprobs(torch.autograd.Function):
         with torch.autocast(hidden.device.type, enabled=False):
             for s in range(0, n, ctx.chunk_size):
                 e = min(s + ctx.chunk_size, n)
-                logits = work.chunk_logits(hidden[s:e], weight, bias, tau)  # [c, V]
-                # d logp[t] / d z = onehot(t) - softmax(z), times 1/tau from z = x / tau.
-                probs = logits.sub_(lse[s:e, None]).exp_()  # [c, V], softmax in place
-                grad_logits = probs.neg_()  # [c, V]
-                grad_logits.scatter_add_(1, targets[s:e, None], torch.ones_like(lse[s:e, None]))
-                grad_logits *= (grad_logprobs[s:e] / tau)[:, None]  # [c, V]
+                logits = work.chunk_logits(hidden[s:e], weight, bias, scale, cap, tau)  # [c, V]
+                # z = f(x) / tau with x = h @ W.T + b: d logp[t] / dx = (onehot(t) - softmax(z)) * f'(x) / tau,
+                # f'(x) = scale, or scale * (1 - tanh^2) under a soft cap.
+                if cap is None:
+                    probs = logits.sub_(lse[s:e, None]).exp_()  # [c, V], softmax in place
+                    grad_logits = probs.neg_()  # [c, V]
+                    grad_logits.scatter_add_(1, targets[s:e, None], torch.ones_like(lse[s:e, None]))
+                else:
+                    grad_logits = _softcapped_grad_(logits, lse[s:e], targets[s:e], tau / cap)  # [c, V]
+                grad_logits *= (grad_logprobs[s:e] * scale / tau)[:, None]  # [c, V]
                 if need_b:
                     grad_bias += grad_logits.sum(dim=0)  # [V]
                 grad_logits = work.low_precision(grad_logits, weight.dtype)  # [c, V]
@@ -159,11 +193,11 @@ class _TokenLogprobs(torch.autograd.Function):
             grad_weight = grad_weight.to(weight.dtype)  # [V, H]
         if need_b:
             grad_bias = grad_bias.to(bias.dtype)  # [V]
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None
 
 
-def _check_inputs(hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor | None,
-                  temperature: float, chunk_size: int) -> None:
+def _check_inputs(hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor | None, logit_scale: float,
+                  softcap: float | None, temperature: float, chunk_size: int) -> None:
     if hidden.dim() < 1 or weight.dim() != 2 or hidden.shape[-1] != weight.shape[1]:
         raise ValueError(
             f"hidden [..., H] and weight [V, H] disagree: {tuple(hidden.shape)} vs {tuple(weight.shape)}"
@@ -176,6 +210,10 @@ def _check_inputs(hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor 
         raise ValueError(f"bias must be [V] = {tuple(weight.shape[:1])}, got {tuple(bias.shape)}")
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
+    if not 0 < logit_scale < float("inf"):
+        raise ValueError(f"logit_scale must be positive and finite, got {logit_scale}")
+    if softcap is not None and not 0 < softcap < float("inf"):
+        raise ValueError(f"softcap must be None or positive and finite, got {softcap}")
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     if targets.is_floating_point():
@@ -196,8 +234,11 @@ def token_logprobs(
     bias: Tensor | None = None,
     chunk_size: int = LOGPROB_CHUNK_SIZE,
     return_entropy: bool = False,
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
-    """Log-probability of each target token under ``softmax((hidden @ weight.T + bias) / temperature)``.
+    """Log-probability of each target token under ``softmax(f(hidden @ weight.T + bias) / temperature)``, with
+    ``f(x) = softcap * tanh(logit_scale * x / softcap)``, or ``logit_scale * x`` when ``softcap`` is None.
 
     Args:
         hidden: ``[B, T, H]`` final hidden states (any leading shape works).
@@ -209,6 +250,8 @@ def token_logprobs(
             peak extra memory is about ``chunk_size * V * 4`` bytes (twice that with entropy,
             1.5 times for a bf16 head), plus the weight gradient when it is trained.
         return_entropy: also return the per-token entropy of the tempered distribution.
+        logit_scale, softcap: the model family's transform of the head's output, applied before the
+            temperature (see ``grpo.policy.head``).
 
     The matmul runs in the weight's dtype; the softmax math runs in float32 (float64
     if the weight is float64, which only tests use). Backward
@@ -220,12 +263,13 @@ def token_logprobs(
         float32 ``[B, T]`` log-probs, or ``(logprobs, entropy)`` with entropy float32
         ``[B, T]`` and carrying no gradient.
     """
-    _check_inputs(hidden, weight, targets, bias, temperature, chunk_size)
+    _check_inputs(hidden, weight, targets, bias, logit_scale, softcap, temperature, chunk_size)
     lead_shape = targets.shape
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])  # [N, H]
     flat_targets = targets.reshape(-1).long()  # [N]
     logprobs, entropy = _TokenLogprobs.apply(
-        flat_hidden, weight, bias, flat_targets, float(temperature), int(chunk_size), return_entropy
+        flat_hidden, weight, bias, flat_targets, float(logit_scale), None if softcap is None else float(softcap),
+        float(temperature), int(chunk_size), return_entropy,
     )
     logprobs = logprobs.view(lead_shape)  # [B, T]
     if return_entropy:

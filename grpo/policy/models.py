@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 
 import torch
 
 from ..algo.logprobs import token_logprobs
 from ..errors import ConfigError
-from ..rollout.decoding import positions
+from ..rollout.decoding import head_logits, positions
 from . import reference_kind
 from .sources import loading
+from .head import head_transform
 
 
 def device_of(model) -> torch.device:
@@ -151,7 +153,7 @@ def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Te
                         temperature: float, chunk_size: int, return_entropy: bool = False):
     """Log-probs `[N, C]` of the completion tokens (positions >= prompt_length) under `model`."""
     hf = unwrap(model)
-    body, head = hf.base_model, hf.get_output_embeddings()
+    body, head, transform = hf.base_model, hf.get_output_embeddings(), head_transform(hf.config)
     # Left padding shifts where each sequence starts; positions must count real tokens only, as in generation.
     position_ids = positions(attention_mask)  # [N, P+C]
     hidden = body(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
@@ -159,4 +161,52 @@ def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Te
     hidden = hidden[:, prompt_length - 1:-1]  # [N, C, H]: the state before each completion token
     targets = input_ids[:, prompt_length:]  # [N, C]
     return token_logprobs(hidden, head.weight, targets, temperature=temperature, bias=head.bias,
-                          chunk_size=chunk_size, return_entropy=return_entropy)
+                          chunk_size=chunk_size, return_entropy=return_entropy, logit_scale=transform.scale,
+                          softcap=transform.softcap)
+
+
+@torch.no_grad()
+def check_logprobs_match_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int, *,
+                                 temperature: float, chunk_size: int, rows: int = 2, tokens: int = 16,
+                                 agree=lambda excess: excess) -> float:
+    """The start-up check: log-probs of the first `tokens` completion tokens of `rows` sequences, and the sampling
+    logits there, against the model's own `log_softmax(model(...).logits / temperature)`. A mismatch means this
+    family's forward does something to its logits that policy/head does not know: ConfigError naming the model
+    class and the size. `agree` turns this rank's error / tolerance into the largest over ranks, so that all
+    ranks stop together. Runs in eval mode (no dropout) and without autocast; returns the largest difference."""
+    hf = unwrap(model)
+    ids, mask = input_ids[:rows, :prompt_length + tokens], attention_mask[:rows, :prompt_length + tokens]  # [r, P+k]
+    if ids.shape[1] == prompt_length:
+        agree(0.0)
+        return 0.0
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.autocast(ids.device.type, enabled=False):
+            ours = completion_logprobs(model, ids, mask, prompt_length, temperature=temperature,
+                                       chunk_size=chunk_size)  # [r, k]
+            hidden = hf.base_model(input_ids=ids, attention_mask=mask, position_ids=positions(mask),
+                                   use_cache=False).last_hidden_state[:, prompt_length - 1:-1]  # [r, k, H]
+            sampling = head_logits(hf)(hidden.flatten(0, 1)).view(*hidden.shape[:2], -1)  # [r, k, V]: as generate
+            k = ids.shape[1] - prompt_length
+            keep = {"logits_to_keep": k + 1} if "logits_to_keep" in inspect.signature(hf.forward).parameters else {}
+            logits = hf(input_ids=ids, attention_mask=mask, position_ids=positions(mask), use_cache=False,
+                        **keep).logits[:, -k - 1:-1].float()  # [r, k, V]
+    finally:
+        model.train(was_training)
+    reference = torch.log_softmax(logits / temperature, dim=-1)  # [r, k, V]
+    padding = mask[:, prompt_length:] == 0  # [r, k]: after EOS, not scored
+    logprob_error = (ours - reference.gather(-1, ids[:, prompt_length:, None]).squeeze(-1)).abs()  # [r, k]
+    sampling_error = (torch.log_softmax(sampling / temperature, dim=-1) - reference).abs().amax(-1)  # [r, k]
+    logprob_error, sampling_error = (e.masked_fill(padding, 0).max().item() for e in (logprob_error, sampling_error))
+    # 16-bit logits carry 8 significant bits: the two paths may differ in the last few places of the largest.
+    low_precision = hf.get_output_embeddings().weight.dtype not in (torch.float32, torch.float64)
+    tolerance = 1e-3 + (2**-5 * logits.abs().max().item() if low_precision else 0.0)
+    excess = agree(max(logprob_error, sampling_error) / tolerance)
+    if excess > 1:
+        raise ConfigError(
+            f"log-probs here differ from {type(hf).__name__}'s own forward by up to {logprob_error:.3g} "
+            f"(sampling logits: {sampling_error:.3g}; tolerance {tolerance:.3g}; {excess:.3g}x the tolerance on the "
+            f"worst rank): its forward makes its logits in a way grpo/policy/head.py does not know (read here: "
+            f"{head_transform(hf.config)}), so training would optimize the wrong distribution")
+    return max(logprob_error, sampling_error)

@@ -6,7 +6,7 @@ import torch
 
 from ..rollout.sampling import PromptEncoder, Rollout, sample
 from . import reference_kind
-from .models import completion_logprobs, device_of, make_reference, reference_context
+from .models import check_logprobs_match_forward, completion_logprobs, device_of, make_reference, reference_context
 from .parallel import ParallelPolicy
 
 
@@ -15,7 +15,7 @@ class Policy:
     and log-prob settings. Trains on `model`; `parallel` saves and loads it."""
 
     def __init__(self, model, tokenizer, config, dist):
-        self.model, self.tokenizer, self.config = model, tokenizer, config
+        self.model, self.tokenizer, self.config, self.dist = model, tokenizer, config, dist
         self.has_reference = reference_kind(config.use_lora, config.beta) != "none"
         self.reference = make_reference(model, config.use_lora, config.beta)
         # Before the optimizer exists: FSDP replaces the parameters by their shards.
@@ -23,6 +23,7 @@ class Policy:
         self.device = device_of(model)
         self.encode = PromptEncoder(tokenizer, config.max_prompt_length)
         self.reference_forwards = 0
+        self.head_checked = False
 
     @torch.no_grad()
     def sample(self, prompts: list) -> Rollout:
@@ -48,6 +49,17 @@ class Policy:
 
         self.reference_forwards += 1
         return self.parallel(forward)
+
+    def check_head_once(self, rollout: Rollout) -> None:
+        """On the first call only: log-probs and sampling logits of two of the rollout's rows against the model's
+        own forward (models.check_logprobs_match_forward); a family whose logits we get wrong stops the run."""
+        if not self.head_checked:
+            c = self.config
+            self.parallel(lambda model: check_logprobs_match_forward(
+                model, rollout.input_ids, rollout.attention_mask, rollout.prompt_ids.shape[1],
+                temperature=c.temperature, chunk_size=c.logprob_chunk_size,
+                agree=lambda excess: self.dist.reduce({"excess": excess}, "max")["excess"]))
+            self.head_checked = True
 
     def _logprobs(self, model, rollout: Rollout) -> torch.Tensor:
         return completion_logprobs(model, rollout.input_ids, rollout.attention_mask, rollout.prompt_ids.shape[1],

@@ -5,7 +5,8 @@ Why not `generate`: at a 150k-token vocabulary its per-step overhead rivals the 
 `torch.multinomial` draws one exponential per vocabulary entry (~40 ms per step for 8 rows), the min-length
 processor rewrites the whole score matrix, and `F.linear(h, W)` with few rows is ~30% slower than `W @ h.T`
 (measured; see benchmarks/vs_trl.py). Logits here are computed exactly as the loss computes log-probs
-(hidden states times the LM head, float32 softmax), so the sampling policy is the one being trained.
+(hidden states times the LM head, the family's scale or soft cap (policy/head), float32 softmax), so the
+sampling policy is the one being trained.
 """
 from __future__ import annotations
 
@@ -13,6 +14,9 @@ import inspect
 
 import torch
 from transformers import DynamicCache
+
+from ..algo.logprobs import transform_logits_
+from ..policy.head import head_transform
 
 
 def _cache_argument(body) -> str:
@@ -26,10 +30,21 @@ def positions(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
 
 
-def next_token_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """float32 logits [N, V] of the last hidden states [N, H] under an LM head [V, H]."""
+def next_token_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, logit_scale: float = 1.0,
+                      softcap: float | None = None) -> torch.Tensor:
+    """float32 logits [N, V] of the last hidden states [N, H] under an LM head [V, H], transformed as the
+    log-probs do (`algo.logprobs.transform_logits_`)."""
     logits = torch.mm(weight, hidden.to(weight.dtype).T).T.contiguous().float()  # [N, V]; W @ h.T: faster
-    return logits + bias if bias is not None else logits
+    if bias is not None:
+        logits += bias  # [N, V]
+    return transform_logits_(logits, logit_scale, softcap)  # [N, V]
+
+
+def head_logits(hf_model):
+    """`hidden [N, H] -> logits [N, V]` as `hf_model`'s forward makes them from its last hidden states: its LM
+    head and its family's scale or soft cap (read from its config once, policy/head), in float32."""
+    head, transform = hf_model.get_output_embeddings(), head_transform(hf_model.config)
+    return lambda hidden: next_token_logits(hidden, head.weight, head.bias, transform.scale, transform.softcap)
 
 
 def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
@@ -66,7 +81,7 @@ def generate(hf_model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, m
     any, injected in place). With `stop_at_eos`, rows that sampled EOS continue with `pad_id` and the loop ends
     when all have; without it, EOS is never sampled and every row gets `max_new_tokens` tokens. `greedy` takes
     the most likely token instead of sampling (evaluation)."""
-    body, head = hf_model.base_model, hf_model.get_output_embeddings()
+    body, logits_of = hf_model.base_model, head_logits(hf_model)
     cache = {_cache_argument(body): DynamicCache(config=hf_model.config)}
     eos = torch.tensor(eos_ids, device=prompt_ids.device)
     ids, mask = prompt_ids, prompt_mask  # [N, P]
@@ -76,7 +91,7 @@ def generate(hf_model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, m
     for _ in range(max_new_tokens):
         hidden = body(input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=True,
                       **cache).last_hidden_state[:, -1]  # [N, H]
-        logits = next_token_logits(hidden, head.weight, head.bias)  # [N, V]
+        logits = logits_of(hidden)  # [N, V]
         if not stop_at_eos:
             logits[:, eos] = -torch.inf
         if greedy:

@@ -7,16 +7,18 @@ from pathlib import Path
 import pytest
 import torch
 
+import grpo.algo.logprobs as logprobs_module
 from grpo.algo.logprobs import token_logprobs
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def reference(hidden, weight, targets, temperature=1.0, bias=None):
+def reference(hidden, weight, targets, temperature=1.0, bias=None, scale=1.0, softcap=None):
     """Full-logits float64 log-probs and entropy: the plain formula."""
     logits = hidden.double() @ weight.double().T  # [B, T, V]
     if bias is not None:
         logits = logits + bias.double()
+    logits = scale * logits if softcap is None else softcap * torch.tanh(scale * logits / softcap)
     logp_all = torch.log_softmax(logits / temperature, dim=-1)  # [B, T, V]
     logp = logp_all.gather(-1, targets[..., None]).squeeze(-1)  # [B, T]
     entropy = -(logp_all.exp() * logp_all).sum(-1)  # [B, T]
@@ -85,6 +87,67 @@ def test_matches_reference_values_and_grads(B, T, chunk, tau, with_bias, dtype, 
         assert g.dtype == dtype
         assert rel_err(g, w) < tol
 
+
+def test_hand_computed_head_transforms():
+    # scale 0.5 turns logits [2, 0] into [1, 0]: logp(0) = 1 - ln(1 + e) = -0.3132617
+    hidden = torch.full((1, 1, 1), 2.0, dtype=torch.float64)
+    weight = torch.tensor([[1.0], [0.0]], dtype=torch.float64)
+    logp = token_logprobs(hidden, weight, torch.tensor([[0]]), logit_scale=0.5)
+    assert logp.item() == pytest.approx(-0.3132617, abs=1e-7)
+    # soft cap 2 turns x = 2 atanh(ln 3 / 2) into 2 tanh(x / 2) = ln 3: softmax [3/4, 1/4] as above
+    hidden = torch.full((1, 2, 1), 2 * math.atanh(math.log(3.0) / 2), dtype=torch.float64)
+    logp = token_logprobs(hidden, weight, torch.tensor([[0, 1]]), softcap=2.0)
+    assert logp.tolist()[0] == pytest.approx([-0.2876821, -1.3862944], abs=1e-7)
+    # scale 2 and cap 2 on x = atanh(ln 3 / 2): the scale comes first, then the cap
+    hidden = torch.full((1, 1, 1), math.atanh(math.log(3.0) / 2), dtype=torch.float64)
+    logp = token_logprobs(hidden, weight, torch.tensor([[0]]), logit_scale=2.0, softcap=2.0)
+    assert logp.item() == pytest.approx(-0.2876821, abs=1e-7)
+
+
+TRANSFORMS = [
+    # logit_scale, softcap, temperature, bias
+    (0.0625, None, 1.0, False),  # Cohere's scale
+    (1 / 8, None, 0.7, True),  # Granite's logits_scaling = 8, with a temperature
+    (1.0, 1.5, 1.0, True),  # a Gemma 2 soft cap tight enough to bend most logits
+    (3.0, 2.0, 0.6, False),  # scale and cap together (MuseSpark's order)
+]
+
+
+@pytest.mark.parametrize("scale, cap, tau, with_bias", TRANSFORMS)
+@pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-10), (torch.float32, 1e-5)])
+def test_head_transforms_match_reference_chunked_and_not(scale, cap, tau, with_bias, dtype, tol, monkeypatch):
+    monkeypatch.setattr(logprobs_module, "_SOFTCAP_BLOCK", 8)  # a soft cap's backward in 5 column blocks
+    B, T, V, H = 2, 7, 37, 16
+    hidden, weight, bias, targets = make_inputs(B, T, V, H, dtype, seed=23, bias=with_bias)
+    with torch.no_grad():
+        weight *= 4  # logits of size ~5-10: where a cap of 1.5-2 changes them most
+    expected, expected_ent = reference(hidden, weight, targets, tau, bias, scale, cap)
+    plain, _ = reference(hidden, weight, targets, tau, bias)
+    assert (expected - plain).abs().max() > 0.1, "the transform must matter here, or the test proves nothing"
+    grad_out = torch.randn(B, T, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    want = grads(expected, grad_out, (hidden, weight, bias))
+    results = []
+    for chunk in (3, B * T):  # chunked, and one chunk holding every row
+        logp, ent = token_logprobs(hidden, weight, targets, temperature=tau, bias=bias, chunk_size=chunk,
+                                   logit_scale=scale, softcap=cap, return_entropy=True)
+        assert rel_err(logp, expected) < tol and rel_err(ent, expected_ent) < tol
+        got = grads(logp, grad_out.to(logp.dtype), (hidden, weight, bias))
+        for g, w in zip(got, want):
+            assert rel_err(g, w) < tol
+        results.append((logp, got))
+    (chunked, chunked_grads), (whole, whole_grads) = results
+    torch.testing.assert_close(chunked, whole)
+    for a, b in zip(chunked_grads, whole_grads):
+        torch.testing.assert_close(a, b)
+
+
+def test_gradcheck_float64_with_scale_and_softcap():
+    hidden, weight, bias, targets = make_inputs(2, 3, 5, 3, torch.float64, seed=19, bias=True)
+
+    def f(h, w, b):
+        return token_logprobs(h, w, targets, temperature=0.7, bias=b, chunk_size=4, logit_scale=2.5, softcap=1.2)
+
+    assert torch.autograd.gradcheck(f, ((hidden * 2).detach().requires_grad_(), weight, bias))
 
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_bf16_inputs(with_bias):
@@ -208,6 +271,10 @@ def test_bad_inputs_raise():
         token_logprobs(hidden, weight, targets, temperature=0.0)
     with pytest.raises(ValueError, match="chunk_size"):
         token_logprobs(hidden, weight, targets, chunk_size=0)
+    with pytest.raises(ValueError, match="logit_scale"):
+        token_logprobs(hidden, weight, targets, logit_scale=0.0)
+    with pytest.raises(ValueError, match="softcap"):
+        token_logprobs(hidden, weight, targets, softcap=-30.0)
 
 
 MEMORY_CHILD = r"""
