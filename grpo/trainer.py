@@ -19,6 +19,7 @@ from .errors import ConfigError, nonfinite_stop
 from .policy.distributed import setup as setup_distributed
 from .policy.models import (
     check_load_options,
+    device_of,
     load_model,
     load_tokenizer,
     prepare_for_training,
@@ -26,6 +27,7 @@ from .policy.models import (
 from .policy.optim import build_optimizer, build_scheduler, set_hyperparameters
 from .policy.parallel import check_settings as check_parallel_settings
 from .policy.policy import Policy
+from .policy.precision import Precision
 from .rollout.batches import Batch, Generation, Scored, generation_from_dict
 from .rollout.evaluate import check_eval_funcs, evaluate
 from .rollout.prompts import PromptStream, check_dataset, per_completion, total_steps
@@ -56,9 +58,10 @@ class Trainer:
         check_parallel_settings(self.dist.world_size, config.fsdp, config.optim, config.use_lora)
         torch.manual_seed(config.seed + self.dist.rank)  # ranks sample differently; wrapping syncs the weights
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model)
-        self.model = prepare_for_training(model if model is not None else load_model(config), config,
+        self.precision = Precision.plan(config.bf16, config.use_lora, device_of(model) if model is not None else None)
+        self.model = prepare_for_training(model if model is not None else load_model(config, self.precision), config,
                                           self.dist.world_size)
-        self.policy = Policy(self.model, self.tokenizer, config, self.dist)
+        self.policy = Policy(self.model, self.tokenizer, config, self.dist, self.precision)
         self.prompts = PromptStream(train_dataset, config.seed)
         self.prompts_per_step = (config.per_device_train_batch_size * config.gradient_accumulation_steps
                                  * self.dist.world_size)
