@@ -31,15 +31,8 @@ sys.path.insert(0, str(ROOT))
 
 from grpo.config import Config  # noqa: E402
 from grpo.memory.estimate import GB, Architecture  # noqa: E402
-from grpo.plan import (  # noqa: E402
-    ARTICLE_CONFIG,
-    ARTICLE_GB,
-    KNOWN,
-    TABLE_COLUMNS,
-    TABLE_MODELS,
-    needed_gb,
-    predicted_gb,
-)
+from grpo.memory.fit import needed_gb, predicted_gb  # noqa: E402
+from grpo.memory.known_models import ARTICLE_CONFIG, ARTICLE_GB, KNOWN, TABLE_COLUMNS, TABLE_MODELS  # noqa: E402
 
 TINY = Architecture(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=704,
                     vocab_size=32000, tie_word_embeddings=True, attention_bias=True, name="tiny")
