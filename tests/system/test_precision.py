@@ -9,6 +9,7 @@ import torch
 from tiny_setup import digit_prompts, digit_share, tiny_tokenizer
 
 from grpo import Config, Trainer
+from grpo.config import apply_overrides
 from grpo.memory.estimate import Architecture, estimate
 from grpo.policy.precision import Precision
 from grpo.tasks.tiny import model_for
@@ -34,6 +35,13 @@ def test_the_plan_float32_on_cpu_unless_asked():
         assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
     with cpu.autocast():
         assert not torch.is_autocast_enabled("cpu")
+
+
+def test_bf16_is_true_false_or_none_on_the_command_line():
+    assert Config().bf16 is None  # auto: bf16 on CUDA, float32 on CPU
+    assert apply_overrides(Config(), ["--bf16"]).bf16 is True  # a bare flag, as for plain booleans
+    assert apply_overrides(Config(bf16=True), ["--bf16=none"]).bf16 is None
+    assert apply_overrides(Config(), ["--bf16=false"]).bf16 is False
 
 
 def test_the_planner_follows_the_same_plan():
