@@ -163,7 +163,7 @@ def memory(size: str, *columns: str, tiny: bool = False, root: str = "") -> dict
         if needed_gb(arch, config) > card:
             rows.append({**row, "skipped": f"needs {needed_gb(arch, config):.0f} GB, the card has {card:.0f}"})
             continue
-        peaks = []
+        peaks, hook = [], None
         try:
             model = tokenizer = None
             if config.load_in_4bit:  # the trainer quantizes what it loads itself
@@ -176,10 +176,12 @@ def memory(size: str, *columns: str, tiny: bool = False, root: str = "") -> dict
             trainer.save = lambda: None  # no multi-GB checkpoint at the end: only the peak matters
             start = time.perf_counter()
             trainer.train()
-            hook.remove()
             row.update(measured_gb=peaks[-1], seconds=time.perf_counter() - start)
         except torch.OutOfMemoryError as e:
             row["error"] = f"out of memory: {str(e).splitlines()[0][:120]}"
+        finally:
+            if hook is not None:
+                hook.remove()
         trainer = model = None
         fresh_memory()
         rows.append(row)
