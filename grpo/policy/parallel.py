@@ -180,7 +180,8 @@ def _wrap_fsdp(model, bf16: bool) -> tuple[nn.Module, list[nn.Module]]:
         dist.broadcast(tensor.detach(), src=0)
     # bf16 (Precision.bf16: decided in policy/precision.py) all-gathers and computes in bf16, with float32
     # gradient reduction and float32 sharded master weights.
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
+        else MixedPrecisionPolicy()
     for layer in layers:
         fully_shard(layer, mp_policy=mp)
     return fully_shard(_Root(model), mp_policy=mp), layers

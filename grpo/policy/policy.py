@@ -1,5 +1,6 @@
 """The policy as a GRPO step uses it: named forwards (`sample`, `logprobs`, `reference_logprobs`) that own
-the routing through the DDP / FSDP wrapper, the run's autocast (policy/precision.py) and the switch to the reference policy."""
+the routing through the DDP / FSDP wrapper, the run's autocast (policy/precision.py) and the switch to the
+reference policy."""
 from __future__ import annotations
 
 import torch
