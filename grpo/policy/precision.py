@@ -17,6 +17,8 @@ from . import uses_bf16
 
 @dataclass(frozen=True)
 class Precision:
+    """The dtypes of a run, built once (Precision.plan) and read by loading, the reference copy and autocast."""
+
     device_type: str  # "cuda" or "cpu": where the policy runs
     bf16: bool  # compute in bf16 (autocast for the forwards that score tokens)
     base_dtype: torch.dtype  # the weights load_model loads (bf16 only for a frozen LoRA / 4-bit base)
