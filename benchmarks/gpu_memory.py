@@ -69,7 +69,7 @@ def child(args, arch: Architecture, column: dict) -> dict:
     from transformers import AutoModelForCausalLM
 
     from grpo import Trainer
-    from grpo.policy.models import train_dtype
+    from grpo.policy.precision import Precision
     from grpo.tasks.tiny import wide_tokenizer
 
     cuda = args.device == "cuda"
@@ -87,7 +87,7 @@ def child(args, arch: Architecture, column: dict) -> dict:
             tokenizer.save_pretrained(path)
             config = dataclasses.replace(config, model=path)
         else:
-            dtype = train_dtype(config.use_lora, config.bf16)
+            dtype = Precision.plan(config.bf16, config.use_lora, args.device).base_dtype
             with torch.device(args.device):
                 model = AutoModelForCausalLM.from_config(hf_config(arch), dtype=dtype)
         if cuda:

@@ -24,8 +24,9 @@ class Config:
     """Hub id or local path of the policy model (ignored when a model is passed to `Trainer`)."""
     output_dir: str = "runs/grpo"
     """Where metrics.jsonl, completions.jsonl and checkpoint-STEP/ folders are written."""
-    bf16: bool = True
-    """Train in bfloat16 autocast on CUDA; CPU always runs float32."""
+    bf16: bool | None = None
+    """bf16 mixed precision (bf16 LoRA base, bf16 autocast, bf16 reference copy; policy/precision.py). None: on
+    CUDA only (TRL's None means True everywhere; CPUs are slower in bf16), True: also on CPU, False: float32."""
 
     # --- optimisation ---
     learning_rate: float = 1e-6
@@ -176,7 +177,7 @@ def apply_overrides(config: Config, args: list[str]) -> Config:
             hint = f" (did you mean '{close[0]}'?)" if close else " (see --help for the settings)"
             raise ConfigError(f"unknown setting '{key}'{hint}")
         if not has_value:
-            if hints[key] is not bool:
+            if hints[key] not in (bool, bool | None):
                 raise ConfigError(f"--{key} needs a value: --{key}=VALUE")
             text = "true"
         value = parse_value(key, text, hints[key])

@@ -3,7 +3,6 @@ stage implemented in the module named beside it; this file only orchestrates."""
 from __future__ import annotations
 
 import contextlib
-import math
 import sys
 import time
 from dataclasses import asdict
@@ -17,15 +16,11 @@ from .algo.loss import policy_loss
 from .config import Config
 from .errors import ConfigError, nonfinite_stop
 from .policy.distributed import setup as setup_distributed
-from .policy.models import (
-    check_load_options,
-    load_model,
-    load_tokenizer,
-    prepare_for_training,
-)
-from .policy.optim import build_optimizer, build_scheduler, set_hyperparameters
+from .policy.models import check_load_options, device_of, load_model, load_tokenizer, prepare_for_training
+from .policy.optim import build_optimizer, build_scheduler, optimizer_step, set_hyperparameters
 from .policy.parallel import check_settings as check_parallel_settings
 from .policy.policy import Policy
+from .policy.precision import Precision
 from .rollout.batches import Batch, Generation, Scored, generation_from_dict
 from .rollout.evaluate import check_eval_funcs, evaluate
 from .rollout.prompts import PromptStream, check_dataset, per_completion, total_steps
@@ -59,9 +54,10 @@ class Trainer:
         check_parallel_settings(self.dist.world_size, config.fsdp, config.optim, config.use_lora)
         torch.manual_seed(config.seed + self.dist.rank)  # ranks sample differently; wrapping syncs the weights
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model)
-        self.model = prepare_for_training(model if model is not None else load_model(config), config,
+        self.precision = Precision.plan(config.bf16, config.use_lora, device_of(model) if model is not None else None)
+        self.model = prepare_for_training(model if model is not None else load_model(config, self.precision), config,
                                           self.dist.world_size)
-        self.policy = Policy(self.model, self.tokenizer, config, self.dist)
+        self.policy = Policy(self.model, self.tokenizer, config, self.dist, self.precision)
         self.prompts = PromptStream(train_dataset, config.seed)
         self.prompts_per_step = (config.per_device_train_batch_size * config.gradient_accumulation_steps
                                  * self.dist.world_size)
@@ -189,23 +185,16 @@ class Trainer:
     def apply_update(self, totals: dict) -> dict:
         """Clip and apply the accumulated gradients; a NaN/inf loss or gradient norm skips the update
         (the weights stay finite) and counts towards `max_nonfinite_steps`."""
-        cfg = self.config
         params = [p for p in self.model.parameters() if p.requires_grad]
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm if cfg.max_grad_norm > 0 else math.inf)
-        totals["lr"] = self.scheduler.get_last_lr()[0]
-        totals["grad_norm"] = grad_norm.item()
-        if math.isfinite(totals["loss"]) and math.isfinite(totals["grad_norm"]):
-            self.optimizer.step()
-            self.nonfinite_streak = 0
-        else:
-            self.nonfinite_streak += 1
-            self.nonfinite_total += 1
-            tqdm.write(f"step {self.step + 1}: loss {totals['loss']}, grad norm {totals['grad_norm']}: update skipped "
-                       f"({self.nonfinite_streak} in a row; stopping at {cfg.max_nonfinite_steps})", file=sys.stderr)
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        totals["skipped/nonfinite"] = float(self.nonfinite_total)
-        return totals
+        metrics, applied = optimizer_step(params, self.optimizer, self.scheduler, self.config.max_grad_norm,
+                                          totals["loss"])                                     # policy/optim
+        self.nonfinite_streak, self.nonfinite_total = (0, self.nonfinite_total) if applied else (
+            self.nonfinite_streak + 1, self.nonfinite_total + 1)
+        if not applied:
+            tqdm.write(f"step {self.step + 1}: loss {totals['loss']}, grad norm {metrics['grad_norm']}: update skipped "
+                       f"({self.nonfinite_streak} in a row; stopping at {self.config.max_nonfinite_steps})",
+                       file=sys.stderr)
+        return {**totals, **metrics, "skipped/nonfinite": float(self.nonfinite_total)}
 
     @contextlib.contextmanager
     def _undone_on_failure(self, signals: StopSignals):

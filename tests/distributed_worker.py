@@ -36,6 +36,7 @@ RUNS = {
     "fixed_single": dict(per_device_train_batch_size=2),
     "fixed_ddp": {},
     "fixed_fsdp": dict(fsdp=True),
+    "fixed_fsdp_bf16": dict(fsdp=True, bf16=True),  # CUDA's mixed precision (bf16 gathers), rehearsed on gloo
     "fixed_single_lora": dict(per_device_train_batch_size=2, use_lora=True, lora_r=4, lora_dropout=0.0,
                               gradient_checkpointing=True, scale_rewards="batch"),
     "fixed_ddp_lora": dict(use_lora=True, lora_r=4, lora_dropout=0.0, gradient_checkpointing=True,

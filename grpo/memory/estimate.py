@@ -3,7 +3,8 @@
 It follows what this trainer allocates. On CUDA: full fine-tuning keeps float32 weights and runs the forward
 under bf16 autocast (which keeps a bf16 copy of every linear weight until backward), its frozen reference is
 a bf16 copy (only when beta > 0); LoRA keeps a bf16 base (no reference: the adapter is disabled instead) and
-float32 adapters; QLoRA stores the body's linear weights as 4-bit NF4. On CPU everything is float32.
+float32 adapters; QLoRA stores the body's linear weights as 4-bit NF4. On CPU everything is float32 unless
+`bf16=True` asks for the same plan there.
 Generation samples each micro-batch of prompts x num_generations with a KV cache, outside autocast (so in the
 weights' dtype). The loss runs per micro-batch: activations of the whole micro-batch, the LM head applied in
 chunks of `logprob_chunk_size` token rows (float32 logits), and the head's gradient in backward.
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..policy import reference_kind
+from ..policy import reference_kind, uses_bf16
 
 GB = 1e9
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -132,11 +133,13 @@ class _Dtypes:
 
 
 def _dtypes(s, device: str) -> _Dtypes:
-    if device != "cuda" or not s.bf16:
-        return _Dtypes(base=4, compute=4, residual=4, autocast=False, dropout_mask=1 if device == "cuda" else 4)
+    """The trainer's dtype plan (policy/precision.py; `bf16=None` means bf16 on CUDA only)."""
+    mask = 1 if device == "cuda" else 4
+    if not uses_bf16(s.bf16, device):
+        return _Dtypes(base=4, compute=4, residual=4, autocast=False, dropout_mask=mask)
     if s.use_lora:  # bf16 base (4-bit linears compute in bf16 too): everything flows in bf16
-        return _Dtypes(base=2, compute=2, residual=2, autocast=True, dropout_mask=1)
-    return _Dtypes(base=4, compute=2, residual=4, autocast=True, dropout_mask=1)  # float32 weights, bf16 autocast
+        return _Dtypes(base=2, compute=2, residual=2, autocast=True, dropout_mask=mask)
+    return _Dtypes(base=4, compute=2, residual=4, autocast=True, dropout_mask=mask)  # float32 weights
 
 
 def _layer_activations(a: Architecture, s, d: _Dtypes) -> float:
@@ -196,7 +199,7 @@ def estimate(a: Architecture, s, device: str = "cuda") -> Estimate:
         parts["weights"] += 4 * n_trainable  # float32 adapters
     parts["optimizer states"] = _optimizer_bytes(trainable, s.optim)
     copy = reference_kind(s.use_lora, s.beta) == "copy"
-    parts["reference model"] = a.num_params() * (2 if device == "cuda" else 4) if copy else 0.0
+    parts["reference model"] = a.num_params() * (2 if d.autocast else 4) if copy else 0.0  # bf16 under bf16
     rollout_rows = N * s.gradient_accumulation_steps
     parts["rollouts"] = rollout_rows * (T * 8 * 2 + C * 4 * (2 if s.beta > 0 else 1))  # ids, masks, log-probs
 

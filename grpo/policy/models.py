@@ -12,20 +12,13 @@ from ..algo.logprobs import token_logprobs
 from ..errors import ConfigError
 from ..rollout.decoding import head_logits, positions
 from . import reference_kind
-from .sources import loading
 from .head import head_transform
+from .precision import Precision
+from .sources import loading
 
 
 def device_of(model) -> torch.device:
     return next(model.parameters()).device
-
-
-def train_dtype(use_lora: bool, bf16: bool) -> torch.dtype:
-    """Frozen LoRA bases can live in bf16; fully trained weights stay float32 under bf16 autocast,
-    since bf16 weights would round away updates of lr ~1e-6."""
-    if use_lora and bf16 and torch.cuda.is_available():
-        return torch.bfloat16
-    return torch.float32
 
 
 def load_tokenizer(name_or_path: str):
@@ -48,19 +41,20 @@ def check_load_options(config, model_given: bool) -> None:
                          "used as built (load it with a transformers BitsAndBytesConfig, or pass config.model)")
 
 
-def load_model(config):
-    """The policy from `config.model` (hub id or local path), on the GPU when there is one; with
-    `load_in_4bit`, its decoder's linear layers are stored as 4-bit NF4 (QLoRA)."""
+def load_model(config, precision: Precision | None = None):
+    """The policy from `config.model` (hub id or local path) on `precision`'s device (default: the GPU when there
+    is one), in its base dtype; with `load_in_4bit`, its decoder's linear layers are stored as 4-bit NF4 (QLoRA),
+    computing in that dtype."""
     from transformers import AutoModelForCausalLM
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = train_dtype(config.use_lora, config.bf16)
+    precision = precision or Precision.plan(config.bf16, config.use_lora)
+    device, dtype = precision.device_type, precision.base_dtype
     if not config.load_in_4bit:
         with loading(config.model):
             return AutoModelForCausalLM.from_pretrained(config.model, dtype=dtype).to(device)
     from transformers import BitsAndBytesConfig
 
-    # Embeddings, norms and the LM head stay in `dtype` (bf16 on CUDA); peft's prepare_model_for_kbit_training
+    # Embeddings, norms and the LM head stay in `dtype` (bf16 under bf16); peft's prepare_model_for_kbit_training
     # is skipped on purpose: it would upcast them to float32, and non-reentrant checkpointing needs no input grads.
     quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype)
     with loading(config.model):
@@ -131,15 +125,12 @@ def unwrap(model):
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
-def make_reference(model, use_lora: bool, beta: float):
-    """A frozen copy for full fine-tuning; None when the adapter-disabled policy serves (LoRA) or no
-    reference is needed (beta == 0)."""
+def make_reference(model, use_lora: bool, beta: float, dtype: torch.dtype = torch.float32):
+    """A frozen copy for full fine-tuning, in `dtype` (forward-only: bf16 halves its memory); None when the
+    adapter-disabled policy serves (LoRA) or no reference is needed (beta == 0)."""
     if reference_kind(use_lora, beta) != "copy":
         return None
-    reference = copy.deepcopy(unwrap(model)).eval().requires_grad_(False)
-    if torch.cuda.is_available() and device_of(reference).type == "cuda":
-        reference = reference.to(torch.bfloat16)  # forward-only: bf16 halves its memory
-    return reference
+    return copy.deepcopy(unwrap(model)).eval().requires_grad_(False).to(dtype)
 
 
 def reference_context(model, reference):

@@ -87,3 +87,17 @@ def build_scheduler(optimizer, total_steps: int, warmup_ratio: float, schedule: 
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_multiplier(step, total_steps, warmup_steps, schedule)
     )
+
+
+def optimizer_step(params, optimizer, scheduler, max_grad_norm: float, loss: float) -> tuple[dict, bool]:
+    """Clip the accumulated gradients of `params` (0: no clipping), step the optimizer unless the loss or the
+    gradient norm is NaN/inf (so the weights stay finite), then advance the schedule and free the gradients.
+    Returns the `lr` and `grad_norm` metrics, and whether the update was applied."""
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm > 0 else math.inf).item()
+    metrics = {"lr": scheduler.get_last_lr()[0], "grad_norm": grad_norm}
+    applied = math.isfinite(loss) and math.isfinite(grad_norm)
+    if applied:
+        optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return metrics, applied

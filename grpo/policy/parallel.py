@@ -179,9 +179,9 @@ def _wrap_fsdp(model, bf16: bool) -> tuple[nn.Module, list[nn.Module]]:
     # fully_shard keeps each rank's own values: start from rank 0's, as DDP does.
     for tensor in itertools.chain(model.parameters(), model.buffers()):
         dist.broadcast(tensor.detach(), src=0)
-    on_cuda = device_of(model).type == "cuda"
-    # bf16 all-gathers and compute with float32 gradient reduction and float32 sharded master weights.
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 and on_cuda \
+    # bf16 (Precision.bf16: decided in policy/precision.py) all-gathers and computes in bf16, with float32
+    # gradient reduction and float32 sharded master weights.
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
         else MixedPrecisionPolicy()
     for layer in layers:
         fully_shard(layer, mp_policy=mp)

@@ -1,5 +1,6 @@
 """The policy as a GRPO step uses it: named forwards (`sample`, `logprobs`, `reference_logprobs`) that own
-the routing through the DDP / FSDP wrapper, bf16 autocast and the switch to the reference policy."""
+the routing through the DDP / FSDP wrapper, the run's autocast (policy/precision.py) and the switch to the
+reference policy."""
 from __future__ import annotations
 
 import torch
@@ -8,18 +9,20 @@ from ..rollout.sampling import PromptEncoder, Rollout, sample
 from . import reference_kind
 from .models import check_logprobs_match_forward, completion_logprobs, device_of, make_reference, reference_context
 from .parallel import ParallelPolicy
+from .precision import Precision
 
 
 class Policy:
     """`model` (prepared for training) with its reference, wrapped for the ranks; `config` gives the sampling
     and log-prob settings. Trains on `model`; `parallel` saves and loads it."""
 
-    def __init__(self, model, tokenizer, config, dist):
+    def __init__(self, model, tokenizer, config, dist, precision: Precision):
         self.model, self.tokenizer, self.config, self.dist = model, tokenizer, config, dist
+        self.precision = precision
         self.has_reference = reference_kind(config.use_lora, config.beta) != "none"
-        self.reference = make_reference(model, config.use_lora, config.beta)
+        self.reference = make_reference(model, config.use_lora, config.beta, precision.reference_dtype)
         # Before the optimizer exists: FSDP replaces the parameters by their shards.
-        self.parallel = ParallelPolicy(model, dist, fsdp=config.fsdp, bf16=config.bf16)
+        self.parallel = ParallelPolicy(model, dist, fsdp=config.fsdp, bf16=precision.bf16)
         self.device = device_of(model)
         self.encode = PromptEncoder(tokenizer, config.max_prompt_length)
         self.reference_forwards = 0
@@ -36,7 +39,7 @@ class Policy:
 
     def logprobs(self, rollout: Rollout) -> torch.Tensor:
         """Per-token log-probs [N, C] of the rollout's completions under the policy (with grad when enabled)."""
-        with self.autocast():
+        with self.precision.autocast():
             return self.parallel(lambda model: self._logprobs(model, rollout))
 
     @torch.no_grad()
@@ -44,7 +47,7 @@ class Policy:
         """Per-token log-probs [N, C] under the reference: the frozen copy, or the policy with its adapter off."""
         def forward(policy_model):
             model, context = reference_context(policy_model, self.reference)
-            with context, self.autocast():
+            with context, self.precision.autocast():
                 return self._logprobs(model, rollout)
 
         self.reference_forwards += 1
@@ -64,8 +67,3 @@ class Policy:
     def _logprobs(self, model, rollout: Rollout) -> torch.Tensor:
         return completion_logprobs(model, rollout.input_ids, rollout.attention_mask, rollout.prompt_ids.shape[1],
                                    temperature=self.config.temperature, chunk_size=self.config.logprob_chunk_size)
-
-    def autocast(self):
-        """bf16 autocast on CUDA when `bf16` is set; CPU runs float32."""
-        enabled = self.config.bf16 and self.device.type == "cuda"
-        return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16, enabled=enabled)

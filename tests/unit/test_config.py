@@ -84,7 +84,7 @@ def test_epsilon_folds_into_both_bounds_and_a_later_bound_wins():
     ("--learning_rate=abc", "--learning_rate: expected a float, got 'abc'"),
     ("--num_generations=1.5", "--num_generations: expected an integer, got '1.5'"),
     ("--num_generations=", "--num_generations: expected an integer, got ''"),
-    ("--bf16=maybe", "--bf16: expected a boolean (true/false), got 'maybe'"),
+    ("--bf16=maybe", "--bf16: expected a boolean (true/false) or none, got 'maybe'"),
     ("--save_total_limit=all", "--save_total_limit: expected an integer or none, got 'all'"),
     ("--reward_weights=1,x", "--reward_weights: expected a comma-separated list of floats or none, got '1,x'"),
     ("--learning_rate", "--learning_rate needs a value: --learning_rate=VALUE"),

@@ -1,0 +1,46 @@
+"""The run's dtype plan, decided once from the device and the `bf16` setting (policy.uses_bf16), so that every
+place that casts or autocasts reads the same answer, on CUDA and in the CPU rehearsal of the CUDA plan alike.
+
+Under bf16: a frozen LoRA base (and QLoRA's 4-bit layers' compute) in bf16 with float32 adapters (peft upcasts
+them); fully trained weights stay float32, since bf16 weights would round away updates of lr ~1e-6, and their
+forwards run under bf16 autocast; full fine-tuning's frozen reference copy is bf16 (forward-only: half the
+memory); FSDP gathers bf16 and reduces float32. Otherwise everything is float32."""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+from . import uses_bf16
+
+
+@dataclass(frozen=True)
+class Precision:
+    """The dtypes of a run, built once (Precision.plan) and read by loading, the reference copy and autocast."""
+
+    device_type: str  # "cuda" or "cpu": where the policy runs
+    bf16: bool  # compute in bf16 (autocast for the forwards that score tokens)
+    base_dtype: torch.dtype  # the weights load_model loads (bf16 only for a frozen LoRA / 4-bit base)
+    reference_dtype: torch.dtype  # full fine-tuning's frozen reference copy
+
+    @classmethod
+    def plan(cls, bf16: bool | None, use_lora: bool, device: torch.device | str | None = None) -> Precision:
+        """The plan for `Config.bf16` and `use_lora` on `device` (None: the one load_model uses)."""
+        device_type = torch.device(device if device is not None else default_device()).type
+        half = uses_bf16(bf16, device_type)
+        low = torch.bfloat16 if half else torch.float32
+        return cls(device_type=device_type, bf16=half, base_dtype=low if use_lora else torch.float32,
+                   reference_dtype=low)
+
+    def autocast(self):
+        """bf16 autocast for the policy's and the reference's log-prob forwards (sampling runs without it, in
+        the weights' dtype)."""
+        if not self.bf16:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device_type, dtype=torch.bfloat16)
+
+
+def default_device() -> torch.device:
+    """Where load_model puts the policy: this rank's GPU when there is one (distributed.setup picks it)."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
