@@ -9,7 +9,7 @@ import math
 import types
 import typing
 
-from .algo import AGGREGATIONS, SCALES
+from .algo import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, SCALES
 from .errors import ConfigError
 from .policy import OPTIMIZERS, SCHEDULES
 
@@ -36,12 +36,17 @@ RULES: dict[str, tuple[typing.Callable, str]] = {
     "top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
     "top_k": (lambda v: v >= 0, ">= 0 (0 disables it)"),
     "beta": (lambda v: v >= 0, ">= 0"),
-    "epsilon_low": (lambda v: 0 <= v < 1, "in [0, 1)"),
-    "epsilon_high": (lambda v: v >= 0, ">= 0"),
     "epsilon": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "epsilon_high": (lambda v: v >= 0, ">= 0"),
+    "delta": (lambda v: v > 0, "> 0, or None for one-sided clipping"),
     "num_iterations": (lambda v: v >= 1, ">= 1"),
     "scale_rewards": (lambda v: v in SCALES, f"one of {', '.join(SCALES)}"),
-    "loss_aggregation": (lambda v: v in AGGREGATIONS, f"one of {', '.join(AGGREGATIONS)}"),
+    "loss_type": (lambda v: v in LOSS_TYPES, f"one of {', '.join(LOSS_TYPES)}"),
+    "importance_sampling_level": (lambda v: v in IMPORTANCE_SAMPLING_LEVELS,
+                                  f"one of {', '.join(IMPORTANCE_SAMPLING_LEVELS)}"),
+    "top_entropy_quantile": (lambda v: 0 <= v <= 1, "in [0, 1]"),
+    "sapo_temperature_neg": (lambda v: v > 0, "> 0"),
+    "sapo_temperature_pos": (lambda v: v > 0, "> 0"),
     "reward_weights": (lambda v: all(math.isfinite(w) for w in v), "finite numbers"),
     "lora_r": (lambda v: v >= 1, ">= 1"),
     "lora_alpha": (lambda v: v > 0, "> 0"),
