@@ -96,7 +96,8 @@ def test_plan_summary_for_a_local_model_suggests_a_change_that_fits(tmp_path):
 
     Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                 num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True).save_pretrained(tmp_path)
-    config = Config(model=str(tmp_path), num_generations=8, max_completion_length=1024, beta=0.04, optim="adamw")
+    config = Config(model=str(tmp_path), num_generations=8, max_completion_length=1024, beta=0.04, optim="adamw",
+                    gradient_checkpointing=False)
     summary = plan_summary(config, gpu_memory_gb=12)
     assert "predicted peak GPU memory" in summary and "optimizer states" in summary
     assert "does not fit in 12.0 GB" in summary and "cheapest change that fits: --" in summary
