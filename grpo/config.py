@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import difflib
+import functools
 import inspect
 import re
 import textwrap
@@ -170,14 +171,21 @@ class Config:
                     top_entropy_quantile=self.top_entropy_quantile, sapo_temperature_pos=self.sapo_temperature_pos,
                     sapo_temperature_neg=self.sapo_temperature_neg, max_completion_length=self.max_completion_length)
 
-    @classmethod
-    def from_trl(cls, settings: dict) -> "Config":
-        """A Config from the keyword arguments of a TRL `GRPOConfig(...)`: a setting TRL has and we do not
-        is a ConfigError naming it (and why), unlike an unknown key, which gets a spelling suggestion."""
-        for key in settings:
-            check_key(key)
-        return cls(**settings)
 
+def _checked_init(init):
+    """Config's generated __init__, preceded by `check_key` on every keyword: `Config(use_vllm=True)` (a TRL
+    config ported verbatim) says that TRL setting is not supported here, `Config(learning_rat=1)` suggests
+    the right name, instead of Python's "unexpected keyword argument"."""
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        for key in kwargs:
+            check_key(key)
+        init(self, *args, **kwargs)
+
+    return __init__
+
+
+Config.__init__ = _checked_init(Config.__init__)
 
 # ---------------------------------------------------------------------------------------------------
 # Turning `--key=value` flags into a Config, and a Config back into text (recipe files: recipe.py).

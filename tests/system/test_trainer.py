@@ -137,7 +137,7 @@ def test_trl_loss_settings_and_unscored_completions(tmp_path, tokenizer):
     trl_settings = dict(per_device_train_batch_size=2, num_generations=4, loss_type="dr_grpo", epsilon_high=0.28,
                         mask_truncated_completions=True, importance_sampling_level="sequence",
                         top_entropy_quantile=0.5, delta=2.0, beta=0.04, max_completion_length=4)
-    config = Config.from_trl({**trl_settings, "output_dir": str(tmp_path / "run"), "max_steps": 2,
+    config = Config(**{**trl_settings, "output_dir": str(tmp_path / "run"), "max_steps": 2,
                               "max_prompt_length": 16, "learning_rate": 1e-2, "optim": "adamw", "seed": 0})
     trainer = Trainer(config, model=tiny_model(tokenizer), tokenizer=tokenizer, reward_funcs=[picky],
                       train_dataset=digit_prompts())

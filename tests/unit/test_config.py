@@ -114,7 +114,7 @@ def test_trl_settings_we_lack_get_their_own_error(key, message):
         apply_overrides(Config(), [f"--{key}=1"])
     assert str(info.value).startswith(message) and "did you mean" not in str(info.value)
     with pytest.raises(ConfigError) as info:
-        Config.from_trl({"learning_rate": 1e-5, key: 1})
+        Config(**{"learning_rate": 1e-5, key: 1})  # from Python (and recipes) too
     assert str(info.value).startswith(message)
 
 
@@ -122,11 +122,11 @@ def test_a_trl_config_dict_ports_verbatim():
     settings = dict(output_dir="runs/x", learning_rate=1e-6, per_device_train_batch_size=8, num_generations=4,
                     loss_type="dr_grpo", epsilon_high=0.28, mask_truncated_completions=True, beta=0.001,
                     max_completion_length=256, gradient_checkpointing=True, bf16=True, logging_steps=10)
-    config = Config.from_trl(settings)
+    config = Config(**settings)
     assert all(getattr(config, k) == v for k, v in settings.items())
     assert clip_range(config) == (0.2, 0.28)
     with pytest.raises(ConfigError, match=r"unknown setting 'learning_rat' \(did you mean 'learning_rate'"):
-        Config.from_trl({"learning_rat": 1e-5})
+        Config(learning_rat=1e-5)
 
 
 def test_trl_settings_list_matches_trl():
