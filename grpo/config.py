@@ -86,7 +86,8 @@ class Config:
     """Upper clip range: the ratio is clipped at 1 + epsilon_high; None: epsilon (DAPO's clip-higher: 0.28).
     With loss_type="cispo" it is the weight's upper bound itself (MiniMax-M1's eps_max, e.g. 5.0)."""
     delta: float | None = None
-    """Two-sided clipping (INTELLECT-2): also bound the unclipped ratio at delta (None: off; TRL advises > 1 + epsilon)."""
+    """Two-sided clipping (INTELLECT-2): also bound the unclipped ratio at delta, so that a negative advantage's
+    loss stays bounded (None: off; TRL advises delta > 1 + epsilon)."""
     num_iterations: int = 1
     """Optimizer passes over each generation batch (mu in the GRPO paper)."""
     scale_rewards: str = "group"
