@@ -42,7 +42,7 @@ class Config:
     """Clip the global gradient norm to this value (0 disables clipping)."""
     lr_scheduler_type: str = "linear"
     """Learning-rate schedule after warmup: "cosine", "linear" or "constant"."""
-    warmup_ratio: float = 0.0
+    warmup_ratio: float = 0.0  # TRL 1.16 (transformers 5): warmup_steps, a ratio when in [0, 1)
     """Fraction of the optimizer steps spent warming the learning rate up linearly from 0."""
     optim: str = "adamw_8bit"  # TRL: "adamw_torch_fused"; 8-bit here: a quarter of the state memory
     """Optimizer: "adamw_8bit" (bitsandbytes, 4x smaller state) or "adamw" (torch)."""

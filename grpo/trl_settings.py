@@ -51,7 +51,7 @@ TRL_REASONS = {
     "repetition_penalty": _LATER, "generation_kwargs": _LATER, "chat_template_kwargs": _LATER,
     "log_completions": _LOGGING, "num_completions_to_print": _LOGGING, "report_to": _LOGGING,
     "logging_strategy": "logging_steps sets when a metrics line is written", "run_name": _LOGGING,
-    "warmup_steps": "set warmup_ratio (the share of the optimizer steps) instead",
+    "warmup_steps": "set warmup_ratio (the share of the optimizer steps: transformers 5's warmup_steps < 1)",
     "gradient_checkpointing_kwargs": "checkpointing is always non-reentrant here",
     "activation_checkpointing": "it is called gradient_checkpointing here (on by default, as in TRL)",
     "save_strategy": "save_steps sets when checkpoints are written", "eval_strategy": "set eval_steps instead",
