@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import ast
 import dataclasses
-import difflib
 import functools
 import inspect
 import re
@@ -14,9 +13,8 @@ import typing
 from dataclasses import dataclass
 
 from .algo import LOGPROB_CHUNK_SIZE
-from .config_checks import check_config
+from .config_checks import check_config, check_key
 from .errors import ConfigError
-from .trl_settings import RENAMED, TRL_ONLY, TRL_REASONS
 
 
 @dataclass
@@ -180,7 +178,7 @@ def _checked_init(init):
     @functools.wraps(init)
     def __init__(self, *args, **kwargs):
         for key in kwargs:
-            check_key(key)
+            check_key(key, list(Config.__dataclass_fields__))
         init(self, *args, **kwargs)
 
     return __init__
@@ -192,22 +190,6 @@ Config.__init__ = _checked_init(Config.__init__)
 # Turning `--key=value` flags into a Config, and a Config back into text (recipe files: recipe.py).
 
 
-def check_key(key: str) -> None:
-    """ConfigError unless `key` is a Config field: TRL's settings we lack get their own message (why, or what
-    to use instead), anything else the closest field's name."""
-    names = [f.name for f in dataclasses.fields(Config)]
-    if key in names:
-        return
-    if key in RENAMED:
-        raise ConfigError(f"'{key}' is gone: {RENAMED[key]}")
-    if key in TRL_ONLY:
-        reason = TRL_REASONS.get(key, "this trainer does not implement it")
-        raise ConfigError(f"TRL's `{key}` is not supported here: {reason}")
-    close = difflib.get_close_matches(key, names, n=1)
-    hint = f" (did you mean '{close[0]}'?)" if close else " (see --help for the settings)"
-    raise ConfigError(f"unknown setting '{key}'{hint}")
-
-
 def apply_overrides(config: Config, args: list[str]) -> Config:
     """Apply `--key=value` command-line overrides (a bare `--flag` sets a bool field to True).
     Each one is applied in turn, so later ones win."""
@@ -217,7 +199,7 @@ def apply_overrides(config: Config, args: list[str]) -> Config:
             raise ConfigError(f"expected --key=value, got {arg!r}")
         key, has_value, text = arg[2:].partition("=")
         key = key.replace("-", "_")
-        check_key(key)
+        check_key(key, list(Config.__dataclass_fields__))
         if not has_value:
             if hints[key] is not bool:
                 raise ConfigError(f"--{key} needs a value: --{key}=VALUE")

@@ -1,9 +1,10 @@
-"""Checks of a `Config`'s values, run when one is made (in a recipe, by an override or from Python), so
-that a typo costs seconds, not a model load: each field's type against its annotation, then ranges and
-choices, each failure one sentence naming the setting."""
+"""Checks of a `Config`'s keys and values, run when one is made (in a recipe, by an override or from Python),
+so that a typo costs seconds, not a model load: each key (a TRL setting we lack says so), each field's type
+against its annotation, then ranges and choices, each failure one sentence naming the setting."""
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 import math
 import types
@@ -12,6 +13,7 @@ import typing
 from .algo import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, SCALES
 from .errors import ConfigError
 from .policy import OPTIMIZERS, SCHEDULES
+from .trl_settings import RENAMED, TRL_ONLY, TRL_REASONS
 
 # field: (holds, requirement as read after "must be"); None values of optional fields are not checked.
 RULES: dict[str, tuple[typing.Callable, str]] = {
@@ -60,6 +62,21 @@ RULES: dict[str, tuple[typing.Callable, str]] = {
     "eval_limit": (lambda v: v >= 1, ">= 1, or None to evaluate every prompt"),
     "eval_batch_size": (lambda v: v >= 1, ">= 1"),
 }
+
+
+def check_key(key: str, names: list[str]) -> None:
+    """ConfigError unless `key` is one of `names` (Config's fields): TRL's settings we lack get their own
+    message (why, or what to use instead), anything else the closest field's name."""
+    if key in names:
+        return
+    if key in RENAMED:
+        raise ConfigError(f"'{key}' is gone: {RENAMED[key]}")
+    if key in TRL_ONLY:
+        reason = TRL_REASONS.get(key, "this trainer does not implement it")
+        raise ConfigError(f"TRL's `{key}` is not supported here: {reason}")
+    close = difflib.get_close_matches(key, names, n=1)
+    hint = f" (did you mean '{close[0]}'?)" if close else " (see --help for the settings)"
+    raise ConfigError(f"unknown setting '{key}'{hint}")
 
 
 def check_config(config) -> None:
