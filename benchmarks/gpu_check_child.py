@@ -227,7 +227,7 @@ def step(tiny: bool = False, root: str = "") -> dict:
     (line,) = trainer.train()
     planned = estimate(arch, config, "cuda")
     return {"seconds": seconds, "step_s": line["perf/step_s"], "tokens_per_s": line["perf/tokens_per_s"],
-            "generated_tokens": line["completion/length_mean"] * config.num_generations
+            "generated_tokens": line["completions/mean_length"] * config.num_generations
             * config.gradient_accumulation_steps, "loss": line["loss"],
             "changed_fraction": moved_fraction(trainer, before),
             "dtype_problems": dtype_problems(trainer), "peak_gb": peak_gb(),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
-import difflib
+import functools
 import inspect
 import re
 import textwrap
@@ -13,7 +13,7 @@ import typing
 from dataclasses import dataclass
 
 from .algo import LOGPROB_CHUNK_SIZE
-from .config_checks import check_config
+from .config_checks import check_config, check_key
 from .errors import ConfigError
 
 
@@ -33,7 +33,7 @@ class Config:
     """Peak learning rate of the optimizer."""
     adam_beta1: float = 0.9
     """AdamW beta1."""
-    adam_beta2: float = 0.99
+    adam_beta2: float = 0.999
     """AdamW beta2."""
     weight_decay: float = 0.0
     """AdamW decoupled weight decay."""
@@ -41,9 +41,9 @@ class Config:
     """Clip the global gradient norm to this value (0 disables clipping)."""
     lr_scheduler_type: str = "linear"
     """Learning-rate schedule after warmup: "cosine", "linear" or "constant"."""
-    warmup_ratio: float = 0.0
+    warmup_ratio: float = 0.0  # TRL 1.16 (transformers 5): warmup_steps, a ratio when in [0, 1)
     """Fraction of the optimizer steps spent warming the learning rate up linearly from 0."""
-    optim: str = "adamw_8bit"
+    optim: str = "adamw_8bit"  # TRL: "adamw_torch_fused"; 8-bit here: a quarter of the state memory
     """Optimizer: "adamw_8bit" (bitsandbytes, 4x smaller state) or "adamw" (torch)."""
     max_nonfinite_steps: int = 3
     """Stop after this many optimizer steps in a row with a NaN/inf loss or gradient norm (each is skipped)."""
@@ -55,7 +55,7 @@ class Config:
     """Micro-batches per optimizer step (prompts per step = this x per_device_train_batch_size x ranks)."""
     num_generations: int = 8
     """Completions sampled per prompt (the group size G of GRPO)."""
-    num_train_epochs: float = 1.0
+    num_train_epochs: float = 1.0  # TRL: 3.0 (transformers'); one pass is the usual GRPO run
     """Passes over the training prompts (ignored when max_steps > 0)."""
     max_steps: int = -1
     """Number of optimizer steps; when > 0 it overrides num_train_epochs."""
@@ -63,9 +63,9 @@ class Config:
     """Seed for data order, sampling and initialisation."""
 
     # --- sampling ---
-    max_prompt_length: int = 512
+    max_prompt_length: int = 512  # TRL 1.16 has none (it leaves prompts whole): a bound on memory here
     """Prompts longer than this (in tokens) are cut from the left, with a one-time warning."""
-    max_completion_length: int = 256
+    max_completion_length: int = 512
     """Most tokens generated per completion."""
     temperature: float = 1.0
     """Sampling temperature; log-probs are computed at the same temperature."""
@@ -79,18 +79,36 @@ class Config:
     # --- algorithm ---
     beta: float = 0.0
     """Weight of the k3 KL penalty to the reference model (0: no reference model, no reference forward)."""
-    epsilon_low: float = 0.2
-    """Lower clip range: the ratio is clipped at 1 - epsilon_low."""
-    epsilon_high: float = 0.2
-    """Upper clip range: the ratio is clipped at 1 + epsilon_high (DAPO's clip-higher uses e.g. 0.28)."""
-    epsilon: float | None = None
-    """Symmetric clip range: when set, it sets both epsilon_low and epsilon_high."""
+    epsilon: float = 0.2
+    """Lower clip range: the ratio is clipped at 1 - epsilon (and at 1 + epsilon when epsilon_high is unset)."""
+    epsilon_high: float | None = None
+    """Upper clip range: the ratio is clipped at 1 + epsilon_high; None: epsilon (DAPO's clip-higher: 0.28).
+    With loss_type="cispo" it is the weight's upper bound itself (MiniMax-M1's eps_max, e.g. 5.0)."""
+    delta: float | None = None
+    """Two-sided clipping (INTELLECT-2): also bound the unclipped ratio at delta, so that a negative advantage's
+    loss stays bounded (None: off; TRL advises delta > 1 + epsilon)."""
     num_iterations: int = 1
     """Optimizer passes over each generation batch (mu in the GRPO paper)."""
     scale_rewards: str = "group"
     """Advantage scaling: "group" std, "batch" std, or "none" (Dr. GRPO)."""
-    loss_aggregation: str = "token"
-    """Loss aggregation: "token" (DAPO), "sequence" (GRPO) or "constant" (Dr. GRPO)."""
+    loss_type: str = "dapo"
+    """How per-token losses are normalized (grpo.algo.loss): "dapo" (by the step's tokens), "grpo" (each
+    completion's token mean, then their mean), "bnpo" (by each micro-batch's own tokens), "dr_grpo" (by
+    max_completion_length x completions), "luspo" (completion sums); "cispo" and "sapo" change the objective."""
+    importance_sampling_level: str = "token"
+    """Importance ratio per "token", or per "sequence" (GSPO: exp of the mean log-ratio of the completion)."""
+    use_bias_correction_kl: bool = True
+    """Multiply the per-token k3 KL by the (differentiable) importance ratio: the unbiased KL gradient
+    (DeepSeek-V3.2); it changes the gradient whenever beta > 0, also on-policy."""
+    mask_truncated_completions: bool = False
+    """Leave completions that hit max_completion_length without EOS out of the loss (DAPO)."""
+    top_entropy_quantile: float = 1.0
+    """Train the policy term only on this top share of completion tokens by entropy (0.2 in "Beyond the
+    80/20 rule"; 1.0 keeps every token). Per micro-batch (and rank) here; TRL gathers the ranks."""
+    sapo_temperature_neg: float = 1.05
+    """loss_type="sapo": the gate's temperature for tokens with advantage <= 0."""
+    sapo_temperature_pos: float = 1.0
+    """loss_type="sapo": the gate's temperature for tokens with advantage > 0."""
     reward_weights: list[float] | None = None
     """One weight per reward function (default: all 1.0)."""
 
@@ -105,7 +123,7 @@ class Config:
     """Dropout on the LoRA input."""
     lora_target_modules: list[str] | None = None
     """Module names to adapt (default: every linear layer except the LM head)."""
-    gradient_checkpointing: bool = False
+    gradient_checkpointing: bool = True
     """Recompute activations in backward instead of storing them."""
     logprob_chunk_size: int = LOGPROB_CHUNK_SIZE
     """Token rows per chunk of LM-head logits when computing log-probs (bounds logits memory)."""
@@ -113,7 +131,7 @@ class Config:
     """QLoRA: load `model` as 4-bit NF4 (bitsandbytes) under LoRA; applies when the trainer loads `model` itself."""
 
     # --- logging and checkpoints ---
-    logging_steps: int = 1
+    logging_steps: int = 1  # TRL: 10; a metrics line is cheap and short runs need every point
     """Write a metrics.jsonl line (and completions.jsonl rows) every this many optimizer steps."""
     save_steps: int = 500
     """Save a checkpoint every this many optimizer steps (and always at the end)."""
@@ -132,11 +150,11 @@ class Config:
     """Completions in that sample, taken from the start of the generation batch (None: all of them)."""
 
     # --- multi-GPU (torchrun) ---
-    fsdp: bool = False
+    fsdp: bool = False  # TRL: a string of transformers FSDP options ("full_shard ..."); one switch here
     """Under torchrun: shard weights, gradients and optimizer state over ranks (FSDP2), not replicate (DDP)."""
 
     # --- evaluation ---
-    eval_steps: int = 0
+    eval_steps: int = 0  # TRL: None (= logging_steps, with eval_strategy="steps"); no eval_strategy here
     """Greedy pass@1 on the eval dataset every this many optimizer steps and at the end (0: never)."""
     eval_on_start: bool = False
     """Also evaluate before the first GRPO step (step 0), so one run's metrics show GRPO's own gain."""
@@ -151,12 +169,32 @@ class Config:
 
     def __post_init__(self):
         check_config(self)
-        if self.epsilon is not None:
-            # Fold the symmetric form into the two bounds, then forget it, so that a later
-            # `--epsilon_high=` override is not undone by a stale `epsilon`.
-            self.epsilon_low = self.epsilon_high = self.epsilon
-            self.epsilon = None
 
+    def loss_settings(self) -> dict:
+        """The keyword arguments of `grpo.algo.loss.policy_loss` that settings decide. An unset epsilon_high
+        is epsilon (TRL), resolved here and never stored, so --epsilon and --epsilon_high commute."""
+        return dict(loss_type=self.loss_type, epsilon_low=self.epsilon,
+                    epsilon_high=self.epsilon if self.epsilon_high is None else self.epsilon_high,
+                    delta=self.delta, beta=self.beta, use_bias_correction_kl=self.use_bias_correction_kl,
+                    importance_sampling_level=self.importance_sampling_level,
+                    top_entropy_quantile=self.top_entropy_quantile, sapo_temperature_pos=self.sapo_temperature_pos,
+                    sapo_temperature_neg=self.sapo_temperature_neg, max_completion_length=self.max_completion_length)
+
+
+def _checked_init(init):
+    """Config's generated __init__, preceded by `check_key` on every keyword: `Config(use_vllm=True)` (a TRL
+    config ported verbatim) says that TRL setting is not supported here, `Config(learning_rat=1)` suggests
+    the right name, instead of Python's "unexpected keyword argument"."""
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        for key in kwargs:
+            check_key(key, list(Config.__dataclass_fields__))
+        init(self, *args, **kwargs)
+
+    return __init__
+
+
+Config.__init__ = _checked_init(Config.__init__)
 
 # ---------------------------------------------------------------------------------------------------
 # Turning `--key=value` flags into a Config, and a Config back into text (recipe files: recipe.py).
@@ -164,18 +202,14 @@ class Config:
 
 def apply_overrides(config: Config, args: list[str]) -> Config:
     """Apply `--key=value` command-line overrides (a bare `--flag` sets a bool field to True).
-    Each one is applied in turn, so later ones win and `epsilon` folding happens in order."""
+    Each one is applied in turn, so later ones win."""
     hints = typing.get_type_hints(Config)
-    names = [f.name for f in dataclasses.fields(Config)]
     for arg in args:
         if not arg.startswith("--") or len(arg) == 2:
             raise ConfigError(f"expected --key=value, got {arg!r}")
         key, has_value, text = arg[2:].partition("=")
         key = key.replace("-", "_")
-        if key not in names:
-            close = difflib.get_close_matches(key, names, n=1)
-            hint = f" (did you mean '{close[0]}'?)" if close else " (see --help for the settings)"
-            raise ConfigError(f"unknown setting '{key}'{hint}")
+        check_key(key, list(Config.__dataclass_fields__))
         if not has_value:
             if hints[key] not in (bool, bool | None):
                 raise ConfigError(f"--{key} needs a value: --{key}=VALUE")

@@ -1,18 +1,20 @@
-"""Checks of a `Config`'s values, run when one is made (in a recipe, by an override or from Python), so
-that a typo costs seconds, not a model load: each field's type against its annotation, then ranges and
-choices, each failure one sentence naming the setting."""
+"""Checks of a `Config`'s keys and values, run when one is made (in a recipe, by an override or from Python),
+so that a typo costs seconds, not a model load: each key (a TRL setting we lack says so), each field's type
+against its annotation, then ranges and choices, each failure one sentence naming the setting."""
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 import math
 import types
 import typing
 
-from .algo import AGGREGATIONS, SCALES
+from .algo import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, SCALES
 from .errors import ConfigError
 from .policy import OPTIMIZERS, SCHEDULES
 from .run.trackers import TRACKERS, tracker_names
+from .trl_settings import RENAMED, TRL_ONLY, TRL_REASONS
 
 # field: (holds, requirement as read after "must be"); None values of optional fields are not checked.
 RULES: dict[str, tuple[typing.Callable, str]] = {
@@ -37,12 +39,17 @@ RULES: dict[str, tuple[typing.Callable, str]] = {
     "top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
     "top_k": (lambda v: v >= 0, ">= 0 (0 disables it)"),
     "beta": (lambda v: v >= 0, ">= 0"),
-    "epsilon_low": (lambda v: 0 <= v < 1, "in [0, 1)"),
-    "epsilon_high": (lambda v: v >= 0, ">= 0"),
     "epsilon": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "epsilon_high": (lambda v: v >= 0, ">= 0"),
+    "delta": (lambda v: v > 0, "> 0, or None for one-sided clipping"),
     "num_iterations": (lambda v: v >= 1, ">= 1"),
     "scale_rewards": (lambda v: v in SCALES, f"one of {', '.join(SCALES)}"),
-    "loss_aggregation": (lambda v: v in AGGREGATIONS, f"one of {', '.join(AGGREGATIONS)}"),
+    "loss_type": (lambda v: v in LOSS_TYPES, f"one of {', '.join(LOSS_TYPES)}"),
+    "importance_sampling_level": (lambda v: v in IMPORTANCE_SAMPLING_LEVELS,
+                                  f"one of {', '.join(IMPORTANCE_SAMPLING_LEVELS)}"),
+    "top_entropy_quantile": (lambda v: 0 <= v <= 1, "in [0, 1]"),
+    "sapo_temperature_neg": (lambda v: v > 0, "> 0"),
+    "sapo_temperature_pos": (lambda v: v > 0, "> 0"),
     "reward_weights": (lambda v: all(math.isfinite(w) for w in v), "finite numbers"),
     "lora_r": (lambda v: v >= 1, ">= 1"),
     "lora_alpha": (lambda v: v > 0, "> 0"),
@@ -59,6 +66,21 @@ RULES: dict[str, tuple[typing.Callable, str]] = {
     "eval_limit": (lambda v: v >= 1, ">= 1, or None to evaluate every prompt"),
     "eval_batch_size": (lambda v: v >= 1, ">= 1"),
 }
+
+
+def check_key(key: str, names: list[str]) -> None:
+    """ConfigError unless `key` is one of `names` (Config's fields): TRL's settings we lack get their own
+    message (why, or what to use instead), anything else the closest field's name."""
+    if key in names:
+        return
+    if key in RENAMED:
+        raise ConfigError(f"'{key}' is gone: {RENAMED[key]}")
+    if key in TRL_ONLY:
+        reason = TRL_REASONS.get(key, "this trainer does not implement it")
+        raise ConfigError(f"TRL's `{key}` is not supported here: {reason}")
+    close = difflib.get_close_matches(key, names, n=1)
+    hint = f" (did you mean '{close[0]}'?)" if close else " (see --help for the settings)"
+    raise ConfigError(f"unknown setting '{key}'{hint}")
 
 
 def check_config(config) -> None:

@@ -44,7 +44,7 @@ def panels(lines: list[dict]) -> list[tuple[str, str, str, list[str], bool]]:
     found = [
         ("reward.png", "reward (training samples)", "reward", reward_keys(lines), True),
         ("kl.png", "KL to the reference", "k3 KL", ["kl"], True),
-        ("completion_length.png", "completion length", "tokens", ["completion/length_mean", "eval/length_mean"], True),
+        ("completion_length.png", "completion length", "tokens", ["completions/mean_length", "eval/length_mean"], True),
         ("eval.png", "held-out greedy pass@1", "share of prompts", ["eval/accuracy", "eval/format"], False),
     ]
     out = []

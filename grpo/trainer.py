@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from .algo.advantages import group_advantages
+from .algo.advantages import group_advantages, zero_std_fraction
 from .algo.loss import policy_loss
 from .config import Config
 from .errors import ConfigError, nonfinite_stop
@@ -21,7 +21,7 @@ from .policy.optim import build_optimizer, build_scheduler, optimizer_step, set_
 from .policy.parallel import check_settings as check_parallel_settings
 from .policy.policy import Policy
 from .policy.precision import Precision
-from .rollout.batches import Batch, Generation, Scored, generation_from_dict
+from .rollout.batches import Batch, Generation, Scored, generation_from_dict, length_metrics, loss_rollout
 from .rollout.evaluate import check_eval_funcs, evaluate
 from .rollout.prompts import PromptStream, check_dataset, per_completion, total_steps
 from .rollout.rewards import compute_rewards, reward_func_names, reward_metrics
@@ -139,9 +139,11 @@ class Trainer:
         rewards, per_func, _ = compute_rewards(self.reward_funcs, prompts, completions, columns,
                                                cfg.reward_weights)                       # rollout/rewards
         rewards, per_func = dist.gather(rewards), dist.gather(per_func)  # [W*N], [W*N, F]: all ranks, rank-major
-        advantages = group_advantages(rewards, G, scale=cfg.scale_rewards)  # [W*N]      algo/advantages
+        scored = ~per_func.isnan().all(dim=1)  # [W*N]: False where every reward function returned None
+        advantages = group_advantages(rewards, G, scale=cfg.scale_rewards, scored=scored)  # [W*N]  algo/advantages
         sizes = [len(ro.completions) for ro in rollouts]
-        batches = [Batch(ro, adv.to(self.policy.device)) for ro, adv in zip(rollouts, dist.local(advantages).split(sizes))]
+        batches = [Batch(loss_rollout(ro, cfg.mask_truncated_completions), adv.to(self.policy.device))
+                   for ro, adv in zip(rollouts, dist.local(advantages).split(sizes))]
         for b in batches:  # log-probs that stay fixed during the step, only when the loss uses them
             if cfg.num_iterations > 1:
                 b.old_logprobs = self.policy.logprobs(b.rollout)                             # policy
@@ -149,29 +151,26 @@ class Trainer:
                 b.ref_logprobs = self.policy.reference_logprobs(b.rollout)                   # policy
         lengths = dist.gather(torch.cat([ro.completion_mask.sum(1) for ro in rollouts]).float())  # [W*N]
         truncated = dist.gather(torch.cat([ro.truncated for ro in rollouts]).float())  # [W*N]
-        metrics = {**reward_metrics(rewards, per_func, self.reward_names),
-                   "completion/length_mean": lengths.mean().item(),
-                   "completion/truncated_frac": truncated.mean().item(),
+        metrics = {**reward_metrics(rewards, per_func, self.reward_names), **length_metrics(lengths, truncated),
+                   "frac_reward_zero_std": zero_std_fraction(rewards, G, scored),
                    "perf/generate_s": generate_s, "perf/tokens_per_s": lengths.sum().item() / generate_s}
         return Generation(batches, metrics, Scored(prompts, completions, rewards, per_func, advantages))
 
     def accumulate(self, batches: list[Batch]) -> dict:
-        """Back-propagate the loss of every micro-batch, normalized by the step's totals (over all ranks, so
-        that the ranks' summed gradients are those of the whole step's loss); returns metrics."""
+        """Back-propagate the loss of every micro-batch, each normalized as `loss_type` says with the step's
+        counts over all ranks (so the ranks' summed gradients are those of the step's loss); returns metrics."""
         cfg = self.config
-        counts = self.dist.reduce({"tokens": sum(b.rollout.completion_mask.sum().item() for b in batches),
-                                   "sequences": sum(len(b.advantages) for b in batches)})
-        num_tokens, num_sequences = counts["tokens"], int(counts["sequences"])
+        tokens = {"tokens": sum(b.rollout.completion_mask.sum().item() for b in batches)}
+        num_tokens = self.dist.reduce(tokens)["tokens"]  # the step's, over all ranks (dapo, cispo)
         totals: dict[str, float] = {"kl": 0.0}  # logged as 0 when there is no reference
         for i, b in enumerate(batches):
             with self.policy.parallel.sync_gradients(i == len(batches) - 1):
-                logprobs = self.policy.logprobs(b.rollout)  # [N, C]                             policy
+                logprobs, entropies = self.policy.logprobs(b.rollout, with_entropy=True)  # [N, C] each  policy
                 old_logprobs = b.old_logprobs if b.old_logprobs is not None else logprobs.detach()
                 loss, m = policy_loss(                                                         # algo/loss
                     logprobs, old_logprobs, b.ref_logprobs, b.advantages, b.rollout.completion_mask,
-                    epsilon_low=cfg.epsilon_low, epsilon_high=cfg.epsilon_high, beta=cfg.beta,
-                    aggregation=cfg.loss_aggregation, max_completion_length=cfg.max_completion_length,
-                    num_tokens=num_tokens, num_sequences=num_sequences,
+                    entropies=entropies, **cfg.loss_settings(), num_tokens=num_tokens,
+                    num_micro_batches=len(batches) * self.dist.world_size,
                 )
                 self.policy.parallel.backward(loss)
             # Per-token metrics are means over this micro-batch: weight them by its share of the step's

@@ -28,6 +28,7 @@ config = Config(
     save_total_limit=1,
     max_grad_norm=0.1,
     beta=0.04,
+    use_bias_correction_kl=False,  # the write-up's TRL (~0.14) used the plain k3 KL
     use_lora=True,
     lora_r=16,
     lora_alpha=32,

@@ -4,5 +4,7 @@ hidden states, the clipped policy loss with its KL penalty. Nothing here knows a
 The choice lists live here, free of torch, so that checking a Config (grpo.config_checks) stays fast."""
 
 SCALES = ("group", "batch", "none")  # advantages.group_advantages(scale=...)
-AGGREGATIONS = ("sequence", "token", "constant")  # loss.policy_loss(aggregation=...)
+# loss.policy_loss(loss_type=...): TRL 1.16's values but "vespo"
+LOSS_TYPES = ("dapo", "grpo", "bnpo", "dr_grpo", "cispo", "sapo", "luspo")
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")  # loss.policy_loss(importance_sampling_level=...)
 LOGPROB_CHUNK_SIZE = 512  # logprobs.token_logprobs(chunk_size=...)'s default, and Config.logprob_chunk_size's

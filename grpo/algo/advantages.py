@@ -1,7 +1,9 @@
 """Group-relative advantages (GRPO, DeepSeekMath; Dr. GRPO variant without scaling).
 
 Each prompt is sampled ``group_size`` times; a completion's advantage is its reward
-relative to its siblings, so no learned value function is needed.
+relative to its siblings, so no learned value function is needed. A completion that no
+reward function scored (all returned None) is left out of its group's mean and std and
+gets advantage 0, as in TRL.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from torch import Tensor
 from . import SCALES
 
 
-def _check_rewards(rewards: Tensor, group_size: int, scale: str) -> None:
+def _check_rewards(rewards: Tensor, group_size: int, scale: str, scored: Tensor | None = None) -> None:
     if scale not in SCALES:
         raise ValueError(f"unknown scale {scale!r}; valid: {', '.join(SCALES)}")
     if rewards.dim() != 1:
@@ -33,10 +35,13 @@ def _check_rewards(rewards: Tensor, group_size: int, scale: str) -> None:
     if bad.any():
         positions = bad.nonzero().flatten().tolist()
         raise ValueError(f"non-finite rewards (NaN or inf) at positions {positions}")
+    if scored is not None and scored.shape != rewards.shape:
+        raise ValueError(f"scored must be [N] = {tuple(rewards.shape)}, got {tuple(scored.shape)}")
 
 
 def group_advantages(
-    rewards: Tensor, group_size: int, scale: str = "group", eps: float = 1e-4
+    rewards: Tensor, group_size: int, scale: str = "group", eps: float = 1e-4,
+    scored: Tensor | None = None,
 ) -> Tensor:
     """Return group-normalized advantages ``A = (r - mean_group(r)) / (std + eps)``.
 
@@ -49,9 +54,12 @@ def group_advantages(
             ``"batch"``: the std over all N rewards (the mean is still per group);
             ``"none"``: nothing, only centering (Dr. GRPO).
         eps: added to the std before dividing.
+        scored: ``[N]`` bool, False where no reward function scored the completion (default:
+            all True). Those rows take no part in any mean or std, and get advantage 0.
 
     The std is the unbiased (Bessel-corrected, divide by ``n - 1``) sample std, as
-    ``torch.std`` computes it by default. A group whose rewards are all equal gets an
+    ``torch.std`` computes it by default. A group whose scored rewards are all equal, or
+    that has fewer than two scored completions (TRL: a NaN std, then 0), gets an
     advantage of exactly 0 under every scale.
 
     Returns:
@@ -61,19 +69,44 @@ def group_advantages(
         ValueError: on NaN/inf rewards (naming the positions), a bad ``group_size``,
             N not a multiple of ``group_size``, or an unknown ``scale``.
     """
-    _check_rewards(rewards, group_size, scale)
+    _check_rewards(rewards, group_size, scale, scored)
     if not rewards.is_floating_point():
         rewards = rewards.float()
+    if scored is None:
+        scored = torch.ones_like(rewards, dtype=torch.bool)  # [N]
     grouped = rewards.view(-1, group_size)  # [N/G, G]
-    centered = grouped - grouped.mean(dim=1, keepdim=True)  # [N/G, G]
+    valid = scored.view(-1, group_size)  # [N/G, G]
+    weight = valid.to(rewards.dtype)  # [N/G, G]
+    count = weight.sum(dim=1, keepdim=True)  # [N/G, 1]
+    mean = (grouped * weight).sum(dim=1, keepdim=True) / count.clamp(min=1)  # [N/G, 1]
+    centered = (grouped - mean) * weight  # [N/G, G]: unscored rows 0
     # Equal rewards can leave a rounding residue after subtracting the mean; the spec
     # promises an exact zero, so no signal leaks from a group that carries none.
-    flat = (grouped == grouped[:, :1]).all(dim=1, keepdim=True)  # [N/G, 1]
-    centered = centered.masked_fill(flat, 0.0)  # [N/G, G]
+    centered = centered.masked_fill(_no_signal(grouped, valid), 0.0)  # [N/G, G]
     if scale == "group":
-        std = grouped.std(dim=1, keepdim=True, correction=1)  # [N/G, 1]
+        var = (centered**2).sum(dim=1, keepdim=True) / (count - 1).clamp(min=1)  # [N/G, 1]
+        std = var.sqrt()  # [N/G, 1]
     elif scale == "batch":
-        std = rewards.std(correction=1)  # []
+        flat = rewards[scored]  # [n_scored]
+        std = flat.std(correction=1) if flat.numel() > 1 else rewards.new_zeros(())  # []
     else:
         return centered.reshape(-1)  # [N]
     return (centered / (std + eps)).reshape(-1)  # [N]
+
+
+def _no_signal(grouped: Tensor, valid: Tensor) -> Tensor:
+    """``[N/G, 1]`` True for groups whose scored rewards are all equal (or fewer than two)."""
+    high = grouped.masked_fill(~valid, -torch.inf).amax(dim=1, keepdim=True)  # [N/G, 1]
+    low = grouped.masked_fill(~valid, torch.inf).amin(dim=1, keepdim=True)  # [N/G, 1]
+    return (high <= low) | (valid.sum(dim=1, keepdim=True) < 2)  # [N/G, 1]
+
+
+def zero_std_fraction(rewards: Tensor, group_size: int, scored: Tensor | None = None) -> float:
+    """Fraction of groups whose scored rewards all agree (TRL's ``frac_reward_zero_std``): groups
+    that carry no learning signal. A group with fewer than two scored completions counts too."""
+    _check_rewards(rewards, group_size, "group", scored)
+    rewards = rewards if rewards.is_floating_point() else rewards.float()
+    if scored is None:
+        scored = torch.ones_like(rewards, dtype=torch.bool)  # [N]
+    flat = _no_signal(rewards.view(-1, group_size), scored.view(-1, group_size))  # [N/G, 1]
+    return flat.float().mean().item()

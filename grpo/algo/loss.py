@@ -1,9 +1,31 @@
-"""Clipped GRPO policy loss with a k3 KL penalty and the three usual aggregations.
+"""The GRPO policy loss with TRL's `loss_type`s, importance-sampling levels, two-sided clipping, the
+(bias-corrected) k3 KL penalty and the high-entropy token mask; TRL 1.16's formulas, term by term.
 
-Aggregations differ only in the weight each completion token gets:
-``"sequence"`` (DeepSeekMath GRPO) 1 / (|o_i| * B): long completions are under-weighted per token;
-``"token"`` (DAPO) 1 / sum_i |o_i|: every token counts the same;
-``"constant"`` (Dr. GRPO) 1 / (B * L_max): no length-dependent normalization at all.
+Per completion token t of sequence i (m the completion mask, A_i the advantage, H the token entropy)::
+
+    log_w = lp - old                                   importance_sampling_level="token"
+    log_w = sum_t m * (lp - old) / max(1, |o_i|)       "sequence" (GSPO): one weight per sequence
+    w     = exp(log_w)                                 differentiable; 1 on-policy, its gradient is not 0
+    grpo, bnpo, dr_grpo, dapo, luspo:
+        l = -min(min(w, delta) * A, clip(w, 1 - epsilon_low, 1 + epsilon_high) * A)
+            (min(w, delta) only when delta is set: INTELLECT-2's two-sided clipping bounds w for A < 0 too)
+    cispo:  l = -stopgrad(min(w, epsilon_high)) * A * lp            (MiniMax-M1: epsilon_high is eps_max)
+    sapo:   l = -sigmoid(tau * (w - 1)) * 4 / tau * A,  tau = sapo_temperature_pos if A > 0 else _neg
+    l     = l * [H >= q-quantile of H over this call's tokens]    only when top_entropy_quantile q < 1
+    kl    = exp(ref - lp) - (ref - lp) - 1   (k3, >= 0);  kl * w when use_bias_correction_kl
+    l     = l + beta * kl
+
+Aggregation: what one call (one micro-batch) contributes, such that the calls of a step summed over
+micro-batches and ranks give the step's loss (ranks' gradients add up). K = ``num_micro_batches``, the
+step's micro-batches over all ranks (TRL divides by the accumulation steps and DDP averages the ranks)::
+
+    grpo, sapo:   mean_i( sum_t m l / max(1, |o_i|) ) / K      each sequence's token mean, then their mean
+    bnpo:         sum_{i,t} m l / max(1, sum m) / K            token mean of THIS micro-batch only
+    dr_grpo:      sum_{i,t} m l / (B * max_completion_length) / K
+    dapo, cispo:  sum_{i,t} m l / max(1, num_tokens)           num_tokens: the whole step's (all ranks)
+    luspo:        mean_i( sum_t m l ) / K                      sums, not means: length-weighted
+
+Masked positions never reach the loss (nor ``exp``: garbage there cannot overflow into inf * 0).
 """
 
 from __future__ import annotations
@@ -11,25 +33,32 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import AGGREGATIONS
+from . import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES
+
+CLIPPED = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")  # the loss types with PPO's clipped objective
 
 
-def _check_inputs(logprobs, old_logprobs, ref_logprobs, advantages, completion_mask,
-                  aggregation, max_completion_length) -> None:
-    if aggregation not in AGGREGATIONS:
-        raise ValueError(f"unknown aggregation {aggregation!r}; valid: {', '.join(AGGREGATIONS)}")
+def _check_inputs(logprobs, old_logprobs, ref_logprobs, advantages, completion_mask, entropies,
+                  loss_type, importance_sampling_level, max_completion_length, top_entropy_quantile) -> None:
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"unknown loss_type {loss_type!r}; valid: {', '.join(LOSS_TYPES)}")
+    if importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
+        raise ValueError(f"unknown importance_sampling_level {importance_sampling_level!r}; "
+                         f"valid: {', '.join(IMPORTANCE_SAMPLING_LEVELS)}")
     if logprobs.dim() != 2:
         raise ValueError(f"logprobs must be [B, T], got shape {tuple(logprobs.shape)}")
     for name, t in (("old_logprobs", old_logprobs), ("ref_logprobs", ref_logprobs),
-                    ("completion_mask", completion_mask)):
+                    ("completion_mask", completion_mask), ("entropies", entropies)):
         if t is not None and t.shape != logprobs.shape:
             raise ValueError(f"{name} shape {tuple(t.shape)} != logprobs shape {tuple(logprobs.shape)}")
     if advantages.shape != logprobs.shape[:1]:
         raise ValueError(
             f"advantages must be [B] = {tuple(logprobs.shape[:1])}, got {tuple(advantages.shape)}"
         )
-    if aggregation == "constant" and not max_completion_length:
-        raise ValueError('aggregation "constant" needs max_completion_length (a positive int)')
+    if loss_type == "dr_grpo" and not max_completion_length:
+        raise ValueError('loss_type "dr_grpo" needs max_completion_length (a positive int)')
+    if top_entropy_quantile < 1.0 and entropies is None:
+        raise ValueError("top_entropy_quantile < 1 needs the per-token entropies")
 
 
 def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
@@ -38,32 +67,36 @@ def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
     return (values * mask).sum() / mask.sum().clamp(min=1)
 
 
-def aggregate(
-    per_token: Tensor,
-    completion_mask: Tensor,
-    aggregation: str = "token",
-    max_completion_length: int | None = None,
-    num_tokens: float | None = None,
-    num_sequences: int | None = None,
-) -> Tensor:
-    """Reduce a ``[B, T]`` per-token loss over completion tokens to a scalar.
+def high_entropy_mask(entropies: Tensor, completion_mask: Tensor, quantile: float) -> Tensor:
+    """``[B, T]`` bool: completion tokens whose entropy is at least the ``1 - quantile`` quantile
+    (linear interpolation, ``torch.quantile``) of this call's completion tokens' entropies: the top
+    ``quantile`` share of tokens by entropy ("Beyond the 80/20 rule"; TRL's ``top_entropy_quantile``)."""
+    on = completion_mask.bool()  # [B, T]
+    values = entropies[on].float()  # [n]
+    if values.numel() == 0:
+        return torch.zeros_like(on)
+    threshold = torch.quantile(values, 1.0 - quantile)
+    return (entropies >= threshold) & on  # [B, T]
 
-    ``num_tokens`` / ``num_sequences`` replace the local token count / B as divisors, so
-    micro-batches each normalized by the whole step's counts sum to the full-batch value.
-    """
+
+def aggregate(per_token: Tensor, completion_mask: Tensor, loss_type: str = "dapo",
+              max_completion_length: int | None = None, num_tokens: float | None = None,
+              num_micro_batches: int = 1) -> Tensor:
+    """Reduce a ``[B, T]`` per-token loss to this call's share of the step's loss (module docstring)."""
     mask = completion_mask.to(per_token.dtype)  # [B, T]
     masked_sum = (per_token * mask).sum(dim=1)  # [B]
-    n_seq = per_token.shape[0] if num_sequences is None else num_sequences
-    if aggregation == "sequence":
-        # An empty completion contributes 0, not 0 / 0.
-        per_seq = masked_sum / mask.sum(dim=1).clamp(min=1)  # [B]
-        return per_seq.sum() / n_seq
-    if aggregation == "token":
-        n_tok = mask.sum().clamp(min=1) if num_tokens is None else num_tokens
+    if loss_type in ("grpo", "sapo"):
+        return (masked_sum / mask.sum(dim=1).clamp(min=1)).mean() / num_micro_batches
+    if loss_type == "bnpo":
+        return masked_sum.sum() / mask.sum().clamp(min=1) / num_micro_batches
+    if loss_type == "dr_grpo":
+        return masked_sum.sum() / (per_token.shape[0] * max_completion_length) / num_micro_batches
+    if loss_type in ("dapo", "cispo"):
+        n_tok = mask.sum().clamp(min=1) if num_tokens is None else max(1.0, float(num_tokens))
         return masked_sum.sum() / n_tok
-    if aggregation == "constant":
-        return masked_sum.sum() / (n_seq * max_completion_length)
-    raise ValueError(f"unknown aggregation {aggregation!r}; valid: {', '.join(AGGREGATIONS)}")
+    if loss_type == "luspo":
+        return masked_sum.mean() / num_micro_batches
+    raise ValueError(f"unknown loss_type {loss_type!r}; valid: {', '.join(LOSS_TYPES)}")
 
 
 def policy_loss(
@@ -73,80 +106,105 @@ def policy_loss(
     advantages: Tensor,
     completion_mask: Tensor,
     *,
+    loss_type: str = "dapo",
     epsilon_low: float = 0.2,
     epsilon_high: float = 0.2,
+    delta: float | None = None,
     beta: float = 0.0,
-    aggregation: str = "token",
+    use_bias_correction_kl: bool = True,
+    importance_sampling_level: str = "token",
+    entropies: Tensor | None = None,
+    top_entropy_quantile: float = 1.0,
+    sapo_temperature_pos: float = 1.0,
+    sapo_temperature_neg: float = 1.05,
     max_completion_length: int | None = None,
     num_tokens: float | None = None,
-    num_sequences: int | None = None,
+    num_micro_batches: int = 1,
 ) -> tuple[Tensor, dict[str, float]]:
-    """GRPO clipped surrogate loss plus ``beta`` times the k3 KL to the reference policy.
-
-    Per completion token, with ``ratio = exp(logprobs - old_logprobs)`` and A the
-    sequence's advantage::
-
-        policy = -min(ratio * A, clip(ratio, 1 - epsilon_low, 1 + epsilon_high) * A)
-        kl     = exp(ref - logprobs) - (ref - logprobs) - 1          (k3, always >= 0)
-        loss   = aggregate(policy + beta * kl)
+    """The loss of one micro-batch, as written in the module docstring; TRL's defaults.
 
     Args:
         logprobs: ``[B, T]`` log-probs of the current policy (with grad).
         old_logprobs: ``[B, T]`` log-probs of the policy that sampled the completions;
-            None means ``logprobs.detach()`` (one optimizer step per generation, ratio 1).
+            None means ``logprobs.detach()`` (one optimizer step per generation, w = 1).
         ref_logprobs: ``[B, T]`` reference log-probs, or None. Not used at all when
             ``beta == 0`` or it is None (then no KL term and no ``kl`` metric).
         advantages: ``[B]`` one advantage per completion.
         completion_mask: ``[B, T]`` 1 on completion tokens, 0 on prompt/padding. Values
             at masked positions are ignored (must only be finite).
+        loss_type: one of ``LOSS_TYPES`` (module docstring).
         epsilon_low, epsilon_high: clip range ``[1 - epsilon_low, 1 + epsilon_high]``.
+        delta: upper bound of w in the unclipped term (two-sided clipping), or None.
         beta: KL coefficient.
-        aggregation: ``"sequence"``, ``"token"`` or ``"constant"`` (see module docstring).
-        max_completion_length: the divisor L_max of ``"constant"`` (required there).
-        num_tokens: for ``"token"``, divide by this instead of the local mask sum.
-        num_sequences: for ``"sequence"`` and ``"constant"``, use this instead of B.
+        use_bias_correction_kl: multiply the k3 KL by w (DeepSeek-V3.2's unbiased KL gradient).
+        importance_sampling_level: ``"token"`` or ``"sequence"`` (GSPO).
+        entropies: ``[B, T]`` per-token entropies (no grad): the ``entropy`` metric, and
+            the high-entropy mask when ``top_entropy_quantile < 1``.
+        top_entropy_quantile: keep only the policy term of the top this share of tokens by entropy.
+        sapo_temperature_pos, sapo_temperature_neg: SAPO's gate temperatures.
+        max_completion_length: the L of ``"dr_grpo"`` (required there).
+        num_tokens: for ``"dapo"`` / ``"cispo"``, the step's token count (default: this call's).
+        num_micro_batches: K of the module docstring (default 1: this call is the whole step).
 
     Returns:
-        ``(loss, metrics)``: a scalar tensor and detached python floats: ``loss/policy``
-        (the policy term aggregated like the loss), ``ratio/mean``, ``clip/low``
-        (A < 0 and ratio < 1 - epsilon_low), ``clip/high`` (A > 0 and ratio > 1 +
-        epsilon_high), ``clip/region`` (their sum: tokens whose gradient clipping
-        zeroes) and, when the KL term is used, ``kl``. These are masked means over
-        this call's completion tokens.
+        ``(loss, metrics)``: a scalar tensor and detached python floats, TRL's names where TRL logs
+        the same thing: ``loss/policy`` (the policy term aggregated like the loss), ``ratio/mean``
+        (w), ``clip_ratio/low_mean`` (A < 0 and w < 1 - epsilon_low), ``clip_ratio/high_mean``
+        (A > 0 and w > 1 + epsilon_high), ``clip_ratio/region_mean`` (either) for the clipped
+        loss types, ``cispo_clip_ratio`` (A > 0 and w > epsilon_high) for cispo, ``kl`` when the
+        KL term is used, ``entropy`` when entropies are given. Masked means over this call's
+        completion tokens.
     """
-    _check_inputs(logprobs, old_logprobs, ref_logprobs, advantages, completion_mask,
-                  aggregation, max_completion_length)
+    _check_inputs(logprobs, old_logprobs, ref_logprobs, advantages, completion_mask, entropies,
+                  loss_type, importance_sampling_level, max_completion_length, top_entropy_quantile)
     on = completion_mask.bool()  # [B, T]
     if old_logprobs is None:
         old_logprobs = logprobs.detach()
     adv = advantages.to(logprobs.dtype)[:, None]  # [B, 1]
-    # where() instead of a multiply: garbage at padding then cannot overflow exp into inf*0.
     log_ratio = torch.where(on, logprobs - old_logprobs, 0.0)  # [B, T]
+    if importance_sampling_level == "sequence":
+        count = on.sum(dim=1, keepdim=True).clamp(min=1)  # [B, 1]
+        log_ratio = (log_ratio.sum(dim=1, keepdim=True) / count).expand_as(log_ratio)  # [B, T]
     ratio = torch.exp(log_ratio)  # [B, T]
-    clipped = torch.clamp(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high)  # [B, T]
-    policy = -torch.minimum(ratio * adv, clipped * adv)  # [B, T]
-    agg = dict(aggregation=aggregation, max_completion_length=max_completion_length,
-               num_tokens=num_tokens, num_sequences=num_sequences)
+
+    if loss_type in CLIPPED:
+        clipped = torch.clamp(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high)  # [B, T]
+        unclipped = ratio if delta is None else torch.clamp(ratio, max=delta)  # [B, T]
+        policy = -torch.minimum(unclipped * adv, clipped * adv)  # [B, T]
+    elif loss_type == "cispo":
+        weight = torch.clamp(ratio, max=epsilon_high).detach()  # [B, T]
+        policy = -weight * adv * torch.where(on, logprobs, 0.0)  # [B, T]
+    else:  # sapo
+        tau = torch.full_like(adv, sapo_temperature_neg).masked_fill(adv > 0, sapo_temperature_pos)  # [B, 1]
+        policy = -torch.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau * adv  # [B, T]
+    if top_entropy_quantile < 1.0:
+        policy = policy * high_entropy_mask(entropies, on, top_entropy_quantile).to(policy.dtype)  # [B, T]
+    agg = dict(loss_type=loss_type, max_completion_length=max_completion_length, num_tokens=num_tokens,
+               num_micro_batches=num_micro_batches)
     per_token = policy  # [B, T]
     use_kl = beta != 0 and ref_logprobs is not None
     if use_kl:
         ref_diff = torch.where(on, ref_logprobs - logprobs, 0.0)  # [B, T]
         kl = torch.exp(ref_diff) - ref_diff - 1.0  # [B, T]
+        if use_bias_correction_kl:
+            kl = kl * ratio  # [B, T]
         per_token = policy + beta * kl  # [B, T]
     loss = aggregate(per_token, completion_mask, **agg)
 
     with torch.no_grad():
-        clip_low = (adv < 0) & (ratio < 1.0 - epsilon_low)  # [B, T]
-        clip_high = (adv > 0) & (ratio > 1.0 + epsilon_high)  # [B, T]
-        low = masked_mean(clip_low.to(ratio.dtype), on)
-        high = masked_mean(clip_high.to(ratio.dtype), on)
-        metrics = {
-            "loss/policy": aggregate(policy, completion_mask, **agg).item(),
-            "ratio/mean": masked_mean(ratio, on).item(),
-            "clip/low": low.item(),
-            "clip/high": high.item(),
-            "clip/region": (low + high).item(),
-        }
+        metrics = {"loss/policy": aggregate(policy, completion_mask, **agg).item(),
+                   "ratio/mean": masked_mean(ratio, on).item()}
+        w = ratio if delta is None or loss_type not in CLIPPED else torch.clamp(ratio, max=delta)  # TRL's coef_1
+        if loss_type in CLIPPED:
+            low = masked_mean(((adv < 0) & (w < 1.0 - epsilon_low)).to(w.dtype), on)
+            high = masked_mean(((adv > 0) & (w > 1.0 + epsilon_high)).to(w.dtype), on)
+            metrics["clip_ratio/low_mean"] = low.item()
+            metrics["clip_ratio/high_mean"] = high.item()
+            metrics["clip_ratio/region_mean"] = (low + high).item()  # the two regions never overlap
+        elif loss_type == "cispo":
+            metrics["cispo_clip_ratio"] = masked_mean(((adv > 0) & (w > epsilon_high)).to(w.dtype), on).item()
         if use_kl:
             metrics["kl"] = masked_mean(kl, on).item()
+        if entropies is not None:
+            metrics["entropy"] = masked_mean(entropies.to(ratio.dtype), on).item()
     return loss, metrics

@@ -221,7 +221,8 @@ def estimate(a: Architecture, s, device: str = "cuda") -> Estimate:
     parts["activations"] += tokens * (d.residual + 4) * H + N * C * H * d.residual
     rows = min(s.logprob_chunk_size, N * C)
     head_bytes = 4 if not s.use_lora else d.base
-    parts["log-prob chunk"] = rows * V * 4 + (rows * V * 2 if head_bytes == 2 else 0)
+    # float32 logits, their exponentials for the entropy metric (training forward), a bf16 head's matmul output
+    parts["log-prob chunk"] = 2 * rows * V * 4 + (rows * V * 2 if head_bytes == 2 else 0)
     parts["log-prob chunk"] += N * C * H * d.residual  # the gradient of the hidden states
     head_trained = not s.use_lora
     parts["LM-head gradient"] = 4 * V * H if head_trained else 0.0  # accumulated while backward starts

@@ -29,7 +29,8 @@ class _Root(nn.Module):
     def forward(self, fn):
         out = fn(self.model)
         # FSDP2 hooks the output for backward and warns that an in-place op on a view would lose the hook.
-        return out.clone() if isinstance(out, torch.Tensor) and out._is_view() else out
+        unview = lambda t: t.clone() if isinstance(t, torch.Tensor) and t._is_view() else t  # noqa: E731
+        return tuple(map(unview, out)) if isinstance(out, tuple) else unview(out)
 
 
 class ParallelPolicy:

@@ -37,10 +37,11 @@ class Policy:
             max_completion_length=c.max_completion_length, temperature=c.temperature, top_p=c.top_p, top_k=c.top_k,
             stop_at_eos=c.stop_at_eos))
 
-    def logprobs(self, rollout: Rollout) -> torch.Tensor:
-        """Per-token log-probs [N, C] of the rollout's completions under the policy (with grad when enabled)."""
+    def logprobs(self, rollout: Rollout, with_entropy: bool = False):
+        """Per-token log-probs [N, C] of the rollout's completions under the policy (with grad when enabled);
+        with `with_entropy`, `(logprobs, entropies)`, the entropies [N, C] without grad."""
         with self.precision.autocast():
-            return self.parallel(lambda model: self._logprobs(model, rollout))
+            return self.parallel(lambda model: self._logprobs(model, rollout, with_entropy))
 
     @torch.no_grad()
     def reference_logprobs(self, rollout: Rollout) -> torch.Tensor:
@@ -64,6 +65,8 @@ class Policy:
                 agree=lambda excess: self.dist.reduce({"excess": excess}, "max")["excess"]))
             self.head_checked = True
 
-    def _logprobs(self, model, rollout: Rollout) -> torch.Tensor:
+    def _logprobs(self, model, rollout: Rollout, with_entropy: bool = False):
         return completion_logprobs(model, rollout.input_ids, rollout.attention_mask, rollout.prompt_ids.shape[1],
-                                   temperature=self.config.temperature, chunk_size=self.config.logprob_chunk_size)
+                                   temperature=self.config.temperature, chunk_size=self.config.logprob_chunk_size,
+                                   return_entropy=with_entropy)
+

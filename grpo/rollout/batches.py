@@ -2,6 +2,7 @@
 batch that `num_iterations` steps reuse, and how one is rebuilt from its checkpoint form (`asdict`)."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -50,3 +51,22 @@ def generation_from_dict(saved: dict, device: torch.device) -> Generation:
 
 def to_device(value, device: torch.device):
     return value.to(device) if isinstance(value, torch.Tensor) else value
+
+
+def loss_rollout(rollout: Rollout, mask_truncated: bool) -> Rollout:
+    """The rollout as the loss sees it. With `mask_truncated` (TRL's mask_truncated_completions) a completion
+    that hit max_completion_length without EOS gets an all-zero completion mask: it counts in no loss term,
+    token count or loss metric (and, as in TRL, its tokens are masked from attention)."""
+    if not mask_truncated:
+        return rollout
+    keep = (~rollout.truncated).to(rollout.completion_mask.dtype)[:, None]  # [N, 1]
+    return dataclasses.replace(rollout, completion_mask=rollout.completion_mask * keep)  # [N, C]
+
+
+def length_metrics(lengths: torch.Tensor, truncated: torch.Tensor) -> dict[str, float]:
+    """TRL's `completions/*` metrics from a generation batch's completion lengths [N] (before any masking)
+    and truncation flags [N] (`clipped_ratio`: the share that hit max_completion_length without EOS)."""
+    return {"completions/mean_length": lengths.float().mean().item(),
+            "completions/min_length": lengths.float().min().item(),
+            "completions/max_length": lengths.float().max().item(),
+            "completions/clipped_ratio": truncated.float().mean().item()}

@@ -55,7 +55,8 @@ def compute_rewards(reward_funcs, prompts, completions, columns: dict[str, list]
     Returns `rewards` [N] (weighted sum over functions, Nones left out; 0.0 where no function
     applies), `per_func` [N, F] (raw values, NaN for None) and metrics: `reward/<name>` and
     `reward/<name>_std` over the completions a function applied to (absent if it applied to none),
-    and `reward/mean`, `reward/std` of the combined reward. Stds are population stds (ddof 0).
+    and `reward/mean`, `reward/std` of the combined reward over the completions some function scored.
+    Stds are population stds (ddof 0).
     """
     n, names = len(completions), reward_func_names(reward_funcs)
     if len(prompts) != n or any(len(v) != n for v in columns.values()):
@@ -84,8 +85,11 @@ def reward_metrics(rewards: Tensor, per_func: Tensor, names: list[str]) -> dict[
         if applied.numel():
             metrics[f"reward/{name}"] = applied.mean().item()
             metrics[f"reward/{name}_std"] = applied.std(correction=0).item()
-    metrics["reward/mean"] = rewards.mean().item()
-    metrics["reward/std"] = rewards.std(correction=0).item()
+    # As in TRL, completions no function scored are left out (unless none was scored: then their zeros).
+    scored = ~per_func.isnan().all(dim=1)  # [N]
+    combined = rewards[scored] if scored.any() else rewards  # [n]
+    metrics["reward/mean"] = combined.mean().item()
+    metrics["reward/std"] = combined.std(correction=0).item()
     return metrics
 
 

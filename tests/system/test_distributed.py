@@ -25,7 +25,8 @@ TESTS = Path(__file__).resolve().parents[1]
 TORCHRUN_RUNS = ["fixed_ddp", "fixed_fsdp", "fixed_fsdp_bf16", "fixed_ddp_lora", "sampled_ddp", "sampled_fsdp",
                  "resumed_ddp", "resumed_fsdp"]
 SAME_METRICS = ["loss", "loss/policy", "kl", "grad_norm", "reward/mean", "reward/std", "reward/digit_share_std",
-                "clip/region", "ratio/mean", "completion/length_mean", "completion/truncated_frac", "lr"]
+                "clip_ratio/region_mean", "ratio/mean", "entropy", "frac_reward_zero_std", "completions/mean_length",
+                "completions/max_length", "completions/clipped_ratio", "lr"]
 
 
 # --- one process: everything passes straight through --------------------------------------------------------

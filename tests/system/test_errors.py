@@ -17,7 +17,8 @@ from grpo import Config
 from tiny_setup import digit_prompts, digit_share, tiny_model, tiny_tokenizer
 
 config = Config(output_dir={out!r}, max_steps=3, per_device_train_batch_size=2, num_generations=2,
-                max_prompt_length=16, max_completion_length=4, optim="adamw", save_steps=1, {config})
+                max_prompt_length=16, max_completion_length=4, optim="adamw", save_steps=1,
+                gradient_checkpointing=False, {config})
 {body}
 
 def build_model(config):
@@ -97,7 +98,7 @@ def test_dataset_errors(tmp_path, capsys, rows, fragment):
 
 @pytest.mark.parametrize("returns, fragments", [
     ("[1.0 / (len(c) - len(c)) for c in completions]",
-     ["reward function 'judge' raised ZeroDivisionError: float division by zero", "at recipe.py:9", "prompt 0: 'Write",
+     ["reward function 'judge' raised ZeroDivisionError: float division by zero", "at recipe.py:10", "prompt 0: 'Write",
       "completion 0: "]),
     ("[1.0]", ["reward function 'judge' returned 1 values; expected 4, one per completion"]),
     ("['good'] * len(completions)", ["reward function 'judge' returned a non-number at position 0: 'good' (str)"]),

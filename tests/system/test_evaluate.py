@@ -125,7 +125,7 @@ def test_plot_writes_pngs(tmp_path, capsys, monkeypatch):
     pytest.importorskip("matplotlib", reason="grpo.plot needs the plot extra (matplotlib)")
     lines = [{"step": 0, "eval/accuracy": 0.1, "eval/format": 0.9, "eval/length_mean": 9.0}]
     lines += [{"step": s, "reward/mean": s / 30, "reward/acc": s / 30, "reward/acc_std": 0.1, "reward/std": 0.2,
-               "kl": 0.01 * s, "completion/length_mean": 10 + s} for s in range(1, 31)]
+               "kl": 0.01 * s, "completions/mean_length": 10 + s} for s in range(1, 31)]
     lines += [{"step": 30, "eval/accuracy": 0.8, "eval/format": 1.0, "eval/length_mean": 30.0}]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
     written = plot(tmp_path)

@@ -11,9 +11,10 @@ from grpo import Config, Trainer
 from grpo.policy.models import completion_logprobs
 
 REQUIRED_KEYS = {
-    "step", "loss/policy", "kl", "reward/mean", "reward/std", "reward/digit_share", "clip/low", "clip/high",
-    "clip/region", "completion/length_mean", "completion/truncated_frac", "lr", "grad_norm", "perf/step_s",
-    "perf/tokens_per_s", "memory/peak_gb",
+    "step", "loss/policy", "kl", "reward/mean", "reward/std", "reward/digit_share", "clip_ratio/low_mean",
+    "clip_ratio/high_mean", "clip_ratio/region_mean", "entropy", "frac_reward_zero_std", "completions/mean_length",
+    "completions/min_length", "completions/max_length", "completions/clipped_ratio", "lr", "grad_norm",
+    "perf/step_s", "perf/tokens_per_s", "memory/peak_gb",
 }
 
 
@@ -125,3 +126,31 @@ def test_num_iterations_reuses_one_generation_batch(tmp_path, tokenizer):
     assert trainer.prompts.position == 4, "two optimizer steps on one generation batch of 2 x 2 prompts"
     assert history[0]["ratio/mean"] == pytest.approx(1.0)
     assert history[1]["ratio/mean"] != pytest.approx(1.0, abs=1e-9), "second pass sees an updated policy"
+
+
+def test_trl_loss_settings_and_unscored_completions(tmp_path, tokenizer):
+    # A TRL GRPOConfig's settings, verbatim; a reward that gives up (None) on every completion of odd length,
+    # with no other reward function: those completions must get advantage 0.
+    def picky(completions, **kwargs):
+        return [None if len(c) % 2 else sum(ch.isdigit() for ch in c) / max(1, len(c)) for c in completions]
+
+    trl_settings = dict(per_device_train_batch_size=2, num_generations=4, loss_type="dr_grpo", epsilon_high=0.28,
+                        mask_truncated_completions=True, importance_sampling_level="sequence",
+                        top_entropy_quantile=0.5, delta=2.0, beta=0.04, max_completion_length=4)
+    config = Config(**{**trl_settings, "output_dir": str(tmp_path / "run"), "max_steps": 2,
+                              "max_prompt_length": 16, "learning_rate": 1e-2, "optim": "adamw", "seed": 0})
+    trainer = Trainer(config, model=tiny_model(tokenizer), tokenizer=tokenizer, reward_funcs=[picky],
+                      train_dataset=digit_prompts())
+    history = trainer.train()
+    for line in history:
+        assert REQUIRED_KEYS - {"reward/digit_share"} <= line.keys()
+        assert all(math.isfinite(v) for v in line.values())
+        assert line["completions/max_length"] <= 4 and 0 <= line["frac_reward_zero_std"] <= 1
+    rows = [json.loads(r) for r in (tmp_path / "run" / "completions.jsonl").read_text().splitlines()]
+    unscored = [r for r in rows if r["reward/picky"] is None]
+    assert unscored and all(r["advantage"] == 0.0 for r in unscored)
+    # max_completion_length 4 truncates most completions; masked, they leave the loss
+    truncated = [b.rollout.truncated for b in trainer.generation.batches]
+    assert any(t.any() for t in truncated)
+    for b in trainer.generation.batches:
+        assert b.rollout.completion_mask[b.rollout.truncated].sum() == 0

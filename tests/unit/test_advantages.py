@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from grpo.algo.advantages import group_advantages
+from grpo.algo.advantages import group_advantages, zero_std_fraction
 
 
 def reference_advantages(rewards, group_size, scale, eps):
@@ -118,3 +118,37 @@ def test_bad_shapes_and_options_raise():
         group_advantages(torch.zeros(4), 2, scale="std")
     with pytest.raises(ValueError, match="1-D"):
         group_advantages(torch.zeros(2, 2), 2)
+
+
+def test_unscored_completions_are_left_out_and_get_zero():
+    # Group 1 [1, x, 0, 1] with x unscored (every reward function returned None; its summed reward is 0):
+    #   scored [1, 0, 1]: mean 2/3, centered [1/3, -2/3, 1/3], unbiased std sqrt(1/3) = 0.5773503
+    #   A = [0.5772503, 0, -1.1545006, 0.5772503]; counting x as 0 would give mean 1/2 instead.
+    # Group 2 [2, x, x, 5]: two scored, mean 3.5, centered [-1.5, 1.5], std sqrt(4.5) = 2.1213203
+    #   A = [-0.7070734, 0, 0, 0.7070734]
+    # Group 3 [x, 3, x, x]: one scored: no std (TRL: NaN), so every advantage is 0.
+    rewards = torch.tensor([1.0, 0, 0, 1, 2, 0, 0, 5, 0, 3, 0, 0], dtype=torch.float64)
+    scored = torch.tensor([1, 0, 1, 1, 1, 0, 0, 1, 0, 1, 0, 0], dtype=torch.bool)
+    adv = group_advantages(rewards, 4, scored=scored)
+    s1, s2 = math.sqrt(1 / 3) + 1e-4, math.sqrt(4.5) + 1e-4
+    expected = [1 / 3 / s1, 0, -2 / 3 / s1, 1 / 3 / s1, -1.5 / s2, 0, 0, 1.5 / s2, 0, 0, 0, 0]
+    torch.testing.assert_close(adv, torch.tensor(expected, dtype=torch.float64), rtol=1e-12, atol=0)
+    assert adv[0].item() == pytest.approx(0.5772503, abs=1e-7)
+    # batch scale: the std over the 6 scored rewards [1, 0, 1, 2, 5, 3] only: mean 2,
+    #   squared deviations 1 + 4 + 1 + 0 + 9 + 1 = 16, / 5 = 3.2, std 1.7888544
+    adv = group_advantages(rewards, 4, scale="batch", scored=scored)
+    sb = math.sqrt(3.2) + 1e-4
+    assert adv[0].item() == pytest.approx(1 / 3 / sb, rel=1e-12) and adv[7].item() == pytest.approx(1.5 / sb)
+    assert adv[[1, 5, 6, 8, 9, 10, 11]].abs().sum() == 0
+    # all scored: the same as without the mask
+    everything = torch.ones(12, dtype=torch.bool)
+    torch.testing.assert_close(group_advantages(rewards, 4, scored=everything), group_advantages(rewards, 4))
+
+
+def test_zero_std_fraction_hand_computed():
+    # groups: [1, 1] flat; [0, 1] signal; [2, x] one scored: no signal; [0.3, 0.3] flat -> 3 of 4
+    rewards = torch.tensor([1.0, 1.0, 0.0, 1.0, 2.0, 0.0, 0.3, 0.3])
+    scored = torch.tensor([1, 1, 1, 1, 1, 0, 1, 1], dtype=torch.bool)
+    assert zero_std_fraction(rewards, 2, scored) == 0.75
+    assert zero_std_fraction(rewards, 2) == 0.5  # [2, 0] has signal once its 0 counts
+    assert zero_std_fraction(torch.tensor([1, 1, 1, 0]), 4) == 0.0

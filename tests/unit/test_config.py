@@ -59,9 +59,9 @@ def test_bool_spellings(text, expected):
 
 
 @pytest.mark.parametrize("arg", ["--save_total_limit=none", "--save_total_limit=None",
-                                 "--reward_weights=none", "--epsilon=None"])
+                                 "--reward_weights=none", "--epsilon_high=None"])
 def test_none_for_optional_fields(arg):
-    config = apply_overrides(Config(save_total_limit=2, reward_weights=[1.0]), [arg])
+    config = apply_overrides(Config(save_total_limit=2, reward_weights=[1.0], epsilon_high=0.3), [arg])
     key = arg[2:].split("=")[0]
     assert getattr(config, key) is None
 
@@ -70,14 +70,80 @@ def test_later_overrides_win():
     assert apply_overrides(Config(), ["--seed=1", "--seed=2"]).seed == 2
 
 
-def test_epsilon_folds_into_both_bounds_and_a_later_bound_wins():
-    config = apply_overrides(Config(), ["--epsilon=0.3"])
-    assert (config.epsilon_low, config.epsilon_high, config.epsilon) == (0.3, 0.3, None)
-    config = apply_overrides(Config(), ["--epsilon=0.3", "--epsilon_high=0.28"])
-    assert (config.epsilon_low, config.epsilon_high) == (0.3, 0.28)
-    # Setting epsilon again later overrides both bounds.
-    config = apply_overrides(config, ["--epsilon=0.1"])
-    assert (config.epsilon_low, config.epsilon_high) == (0.1, 0.1)
+def clip_range(config):
+    settings = config.loss_settings()
+    return settings["epsilon_low"], settings["epsilon_high"]
+
+
+def test_epsilon_is_the_lower_bound_and_epsilon_high_defaults_to_it_as_in_trl():
+    assert clip_range(Config()) == (0.2, 0.2)
+    assert clip_range(Config(epsilon=0.3)) == (0.3, 0.3)
+    config = Config(epsilon=0.2, epsilon_high=0.28)
+    assert (config.epsilon, config.epsilon_high) == (0.2, 0.28) and clip_range(config) == (0.2, 0.28)
+    # On the command line the order does not matter.
+    for args in (["--epsilon=0.1", "--epsilon_high=0.28"], ["--epsilon_high=0.28", "--epsilon=0.1"]):
+        assert clip_range(apply_overrides(Config(), args)) == (0.1, 0.28)
+    # An unset epsilon_high follows a later epsilon; --epsilon_high=none unsets it again.
+    assert clip_range(apply_overrides(Config(), ["--epsilon=0.1"])) == (0.1, 0.1)
+    unset = apply_overrides(Config(epsilon_high=0.28), ["--epsilon_high=none", "--epsilon=0.3"])
+    assert clip_range(unset) == (0.3, 0.3)
+
+
+def test_trl_defaults():
+    # TRL 1.16's GRPOConfig defaults, where Config has the same setting (checked against TRL itself, when
+    # installed, by test_trl_settings_list_matches_trl).
+    config = Config()
+    assert (config.adam_beta1, config.adam_beta2, config.learning_rate, config.gradient_checkpointing) == \
+        (0.9, 0.999, 1e-6, True)
+    assert (config.max_completion_length, config.num_generations, config.temperature, config.beta) == (512, 8, 1.0, 0.0)
+    assert (config.loss_type, config.importance_sampling_level) == ("dapo", "token")
+    assert config.use_bias_correction_kl is True
+    assert (config.epsilon, config.epsilon_high, config.delta, config.top_entropy_quantile) == (0.2, None, None, 1.0)
+    assert (config.mask_truncated_completions, config.scale_rewards, config.num_iterations) == (False, "group", 1)
+
+
+@pytest.mark.parametrize("key, message", [
+    ("use_vllm", "TRL's `use_vllm` is not supported here: sampling runs on the policy itself"),
+    ("vllm_gpu_memory_utilization", "TRL's `vllm_gpu_memory_utilization` is not supported here: sampling runs"),
+    ("steps_per_generation", "TRL's `steps_per_generation` is not supported here: not implemented yet"),
+    ("warmup_steps", "TRL's `warmup_steps` is not supported here: set warmup_ratio"),
+    ("dataloader_num_workers", "TRL's `dataloader_num_workers` is not supported here: this trainer does not"),
+    ("loss_aggregation", "'loss_aggregation' is gone: use TRL's loss_type: 'token' is 'dapo'"),
+    ("epsilon_low", "'epsilon_low' is gone: use TRL's epsilon"),
+])
+def test_trl_settings_we_lack_get_their_own_error(key, message):
+    with pytest.raises(ConfigError) as info:
+        apply_overrides(Config(), [f"--{key}=1"])
+    assert str(info.value).startswith(message) and "did you mean" not in str(info.value)
+    with pytest.raises(ConfigError) as info:
+        Config(**{"learning_rate": 1e-5, key: 1})  # from Python (and recipes) too
+    assert str(info.value).startswith(message)
+
+
+def test_a_trl_config_dict_ports_verbatim():
+    settings = dict(output_dir="runs/x", learning_rate=1e-6, per_device_train_batch_size=8, num_generations=4,
+                    loss_type="dr_grpo", epsilon_high=0.28, mask_truncated_completions=True, beta=0.001,
+                    max_completion_length=256, gradient_checkpointing=True, bf16=True, logging_steps=10)
+    config = Config(**settings)
+    assert all(getattr(config, k) == v for k, v in settings.items())
+    assert clip_range(config) == (0.2, 0.28)
+    with pytest.raises(ConfigError, match=r"unknown setting 'learning_rat' \(did you mean 'learning_rate'"):
+        Config(learning_rat=1e-5)
+
+
+def test_trl_settings_list_matches_trl():
+    trl = pytest.importorskip("trl")
+    from grpo.trl_settings import RENAMED, TRL_ONLY, TRL_REASONS
+
+    ours = {f.name for f in dataclasses.fields(Config)}
+    theirs = {f.name for f in dataclasses.fields(trl.GRPOConfig)}
+    assert TRL_ONLY == theirs - ours  # exactly TRL's settings we lack (TRL 1.16 with this transformers)
+    assert set(TRL_REASONS) <= TRL_ONLY and not set(RENAMED) & (ours | theirs)
+    # Their defaults are ours but where a comment beside the field says why not.
+    args, config = trl.GRPOConfig(output_dir="unused", use_cpu=True), Config()
+    differ = {k for k in ours & theirs if getattr(args, k) != getattr(config, k)}
+    assert differ == {"output_dir", "per_device_train_batch_size", "num_train_epochs", "optim", "logging_steps",
+                      "eval_steps", "fsdp", "bf16", "report_to"}
 
 
 @pytest.mark.parametrize("arg, message", [
@@ -256,6 +322,10 @@ def test_recipe_runtime_error_keeps_its_traceback(tmp_path):
     (dict(save_total_limit=0), "save_total_limit must be >= 1, or None to keep every checkpoint, got 0"),
     (dict(top_p=0.0), "top_p must be in (0, 1], got 0.0"),
     (dict(epsilon=1.5), "epsilon must be in [0, 1), got 1.5"),
+    (dict(loss_type="token"), "loss_type must be one of dapo, grpo, bnpo, dr_grpo, cispo, sapo, luspo, got 'token'"),
+    (dict(importance_sampling_level="seq"), "importance_sampling_level must be one of token, sequence, got 'seq'"),
+    (dict(top_entropy_quantile=1.5), "top_entropy_quantile must be in [0, 1], got 1.5"),
+    (dict(delta=0), "delta must be > 0, or None for one-sided clipping, got 0.0"),
     (dict(lr_scheduler_type="cosine_with_restarts"),
      "lr_scheduler_type must be one of cosine, linear, constant, got 'cosine_with_restarts'"),
     (dict(scale_rewards="std"), "scale_rewards must be one of group, batch, none, got 'std'"),
@@ -275,7 +345,7 @@ def test_bad_settings_are_refused_with_one_sentence(settings, message):
 
 
 def test_ints_given_for_floats_become_floats():
-    config = Config(learning_rate=1, reward_weights=[1, 2], epsilon=0)
+    config = Config(learning_rate=1, reward_weights=[1, 2], epsilon=0, epsilon_high=1)
     assert type(config.learning_rate) is float and config.reward_weights == [1.0, 2.0]
     assert type(config.reward_weights[0]) is float and type(config.epsilon_high) is float
 
@@ -288,7 +358,7 @@ def test_choice_lists_are_shared_and_checking_a_config_needs_no_torch():
 
     # One list each, defined beside the code that uses it and imported by the checks.
     assert config_checks.OPTIMIZERS is policy.OPTIMIZERS and config_checks.SCHEDULES is policy.SCHEDULES
-    assert config_checks.SCALES is algo.SCALES and config_checks.AGGREGATIONS is algo.AGGREGATIONS
+    assert config_checks.SCALES is algo.SCALES and config_checks.LOSS_TYPES is algo.LOSS_TYPES
     assert set(config_checks.RULES) <= {f.name for f in dataclasses.fields(Config)}
     code = "import sys, grpo.config; grpo.config.Config(optim='adamw'); print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

@@ -46,12 +46,13 @@ def test_hand_computed_parts_of_a_tiny_model():
     assert a.num_params() == 576 + 100 * 8 + 2 * 8 + 8  # + embedding + 2 norms + final norm
     assert sum(a.trainable_tensors()) == a.num_params() and sum(QWEN_05B.trainable_tensors()) == QWEN_05B.num_params()
     s = Config(optim="adamw", beta=0.04, num_generations=2, max_prompt_length=3, max_completion_length=5,
-               logprob_chunk_size=4)
+               logprob_chunk_size=4, gradient_checkpointing=False)
     cpu = estimate(a, s, "cpu").parts
     n = a.num_params()
     assert cpu["weights"] == cpu["reference model"] == cpu["gradients"] == 4 * n
     assert cpu["optimizer states"] == 8 * n
-    assert cpu["log-prob chunk"] == 4 * 100 * 4 + 2 * 5 * 8 * 4  # 4 rows x V float32, + the hidden states' grad
+    # 4 rows x V float32 logits and their exponentials (entropy), + the hidden states' grad
+    assert cpu["log-prob chunk"] == 2 * 4 * 100 * 4 + 2 * 5 * 8 * 4
     assert cpu["LM-head gradient"] == 4 * 100 * 8 and cpu["pending embedding gradients"] == 0  # sparse lookup grad
     accumulating = estimate(a, dataclasses.replace(s, gradient_accumulation_steps=2), "cpu").parts
     assert accumulating["pending embedding gradients"] == 4 * 100 * 8  # the new head gradient, added at the end
@@ -66,7 +67,7 @@ def test_hand_computed_parts_of_a_tiny_model():
 
 def test_each_memory_setting_moves_the_prediction_the_right_way():
     base = Config(optim="adamw", beta=0.04, num_generations=4, max_prompt_length=256, max_completion_length=786,
-                  gradient_accumulation_steps=4)
+                  gradient_accumulation_steps=4, gradient_checkpointing=False)
     peak = lambda **kw: estimate(LLAMA_1B, dataclasses.replace(base, **kw)).peak  # noqa: E731
     parts = lambda **kw: estimate(LLAMA_1B, dataclasses.replace(base, **kw)).parts  # noqa: E731
     assert parts(optim="adamw_8bit")["optimizer states"] == pytest.approx(parts()["optimizer states"] / 4, rel=0.02)
@@ -95,7 +96,8 @@ def test_plan_summary_for_a_local_model_suggests_a_change_that_fits(tmp_path):
 
     Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                 num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True).save_pretrained(tmp_path)
-    config = Config(model=str(tmp_path), num_generations=8, max_completion_length=1024, beta=0.04, optim="adamw")
+    config = Config(model=str(tmp_path), num_generations=8, max_completion_length=1024, beta=0.04, optim="adamw",
+                    gradient_checkpointing=False)
     summary = plan_summary(config, gpu_memory_gb=12)
     assert "predicted peak GPU memory" in summary and "optimizer states" in summary
     assert "does not fit in 12.0 GB" in summary and "cheapest change that fits: --" in summary
@@ -176,7 +178,7 @@ CHILD = textwrap.dedent(r"""
 """)
 ARCH = dict(vocab_size=32000, hidden_size=256, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=1408)
 RUN = dict(max_steps=2, per_device_train_batch_size=1, num_generations=8, max_prompt_length=16, stop_at_eos=False,
-           optim="adamw", beta=0.04, save_steps=10**9, max_completion_length=64)
+           optim="adamw", beta=0.04, save_steps=10**9, max_completion_length=64, gradient_checkpointing=False)
 
 
 @pytest.mark.slow

@@ -163,8 +163,9 @@ def test_compute_rewards_weights_and_nones():
     assert metrics["reward/first_std"] == pytest.approx(1.0)
     assert metrics["reward/second"] == pytest.approx(15.0)
     assert metrics["reward/second_std"] == pytest.approx(5.0)
-    assert metrics["reward/mean"] == pytest.approx(19.0 / 4)
-    assert metrics["reward/std"] == pytest.approx(float(np.std([6.0, 10.0, 3.0, 0.0])))
+    # row 3, which no function scored, is left out of the combined reward's metrics (as in TRL)
+    assert metrics["reward/mean"] == pytest.approx(19.0 / 3)
+    assert metrics["reward/std"] == pytest.approx(float(np.std([6.0, 10.0, 3.0])))
 
 
 def test_compute_rewards_default_weights_and_number_types():

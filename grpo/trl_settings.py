@@ -1,0 +1,75 @@
+"""TRL's `GRPOConfig` settings (TRL 1.16.0 with transformers 5.24, TrainingArguments included) that `Config`
+does not have, so that a TRL user's setting gets "not supported here" and why, not a spelling suggestion.
+Data only: the engine never imports trl (tests/unit/test_config.py checks this list against TRL when it
+is installed)."""
+
+TRL_ONLY = frozenset("""
+    accelerator_config activation_checkpointing activation_checkpointing_kwargs adam_epsilon
+    auto_find_batch_size average_tokens_across_devices batch_eval_metrics bf16_full_eval cache_implementation
+    cast_lm_head_to_fp32 chat_template_kwargs data_seed dataloader_drop_last dataloader_in_order
+    dataloader_multiprocessing_context dataloader_num_workers dataloader_persistent_workers
+    dataloader_pin_memory dataloader_prefetch_factor ddp_backend ddp_broadcast_buffers ddp_bucket_cap_mb
+    ddp_find_unused_parameters ddp_static_graph ddp_timeout debug deepspeed disable_dropout disable_tqdm do_eval
+    do_predict do_train ds3_gather_for_generation enable_jit_checkpoint entropy_coef entropy_coef_delta
+    entropy_coef_max entropy_coef_min entropy_target eval_accumulation_steps eval_delay eval_do_concat_batches
+    eval_strategy eval_use_gather_object fp16 fp16_full_eval fsdp_config full_determinism generation_batch_size
+    generation_kwargs gradient_checkpointing_kwargs greater_is_better hub_always_push hub_model_id
+    hub_private_repo hub_revision hub_strategy hub_token ignore_data_skip include_for_metrics
+    include_num_input_tokens_seen label_names label_smoothing_factor length_column_name liger_kernel_config
+    load_best_model_at_end local_rank log_completions_hub_repo log_level log_level_replica
+    log_multimodal log_on_each_node log_unique_prompts logging_first_step logging_nan_inf_filter
+    logging_strategy lr_scheduler_kwargs max_tool_calling_iterations metric_for_best_model min_p
+    model_init_kwargs multi_objective_aggregation neftune_noise_alpha
+    num_generations_eval off_policy_mask_threshold optim_args optim_target_modules pad_to_multiple_of
+    parallelism_config per_device_eval_batch_size prediction_loss_only project push_to_hub ref_model_mixup_alpha
+    ref_model_sync_steps remove_unused_columns repetition_penalty
+    restore_callback_states_from_checkpoint router_aux_loss_coef run_name save_on_each_node save_only_model
+    save_strategy shuffle_dataset skip_memory_metrics steps_per_generation sync_ref_model tf32 torch_compile
+    torch_compile_backend torch_compile_mode torch_empty_cache_steps trackio_bucket_id trackio_space_id
+    trackio_static_space_id train_sampling_strategy transformers_continuous_batching_config trust_remote_code
+    use_adaptive_entropy use_cache use_cpu use_liger_kernel use_transformers_continuous_batching
+    use_transformers_paged use_vllm vespo_k_neg vespo_k_pos vespo_lambda_neg vespo_lambda_pos
+    vllm_enable_sleep_mode vllm_gpu_memory_utilization vllm_group_port vllm_importance_sampling_cap
+    vllm_importance_sampling_clip_max vllm_importance_sampling_clip_min vllm_importance_sampling_correction
+    vllm_importance_sampling_mode vllm_max_model_length vllm_mode vllm_model_impl vllm_server_base_url
+    vllm_server_host vllm_server_port vllm_server_timeout vllm_structured_outputs_regex
+    vllm_tensor_parallel_size warmup_steps
+""".split())
+
+_GENERATION = "sampling runs on the policy itself (KV-cached decoding in grpo.rollout)"
+_LOGGING = "metrics.jsonl and completions.jsonl in output_dir are the logs (python -m grpo.plot draws them)"
+_LATER = "not implemented yet (TRL parity, issue 13)"
+
+# Why, or what to use instead, for the settings a TRL user is most likely to bring; others get a generic line.
+TRL_REASONS = {
+    **{k: _GENERATION for k in TRL_ONLY if k.startswith("vllm_") or "continuous_batching" in k},
+    "use_vllm": _GENERATION, "use_transformers_paged": _GENERATION, "cache_implementation": _GENERATION,
+    "ds3_gather_for_generation": "DeepSpeed is not used here; torchrun with --fsdp=true shards the model",
+    "deepspeed": "DeepSpeed is not used here; torchrun with --fsdp=true shards the model",
+    "fsdp_config": "--fsdp=true under torchrun is the one FSDP (FSDP2) setting",
+    "generation_batch_size": _LATER, "steps_per_generation": _LATER, "min_p": _LATER,
+    "repetition_penalty": _LATER, "generation_kwargs": _LATER, "chat_template_kwargs": _LATER,
+    "logging_strategy": "logging_steps sets when a metrics line is written", "run_name": _LOGGING,
+    "warmup_steps": "set warmup_ratio (the share of the optimizer steps: transformers 5's warmup_steps < 1)",
+    "gradient_checkpointing_kwargs": "checkpointing is always non-reentrant here",
+    "activation_checkpointing": "it is called gradient_checkpointing here (on by default, as in TRL)",
+    "save_strategy": "save_steps sets when checkpoints are written", "eval_strategy": "set eval_steps instead",
+    "per_device_eval_batch_size": "set eval_batch_size (prompts per batch of greedy decoding)",
+    "fp16": "bf16 (CUDA) or float32 only", "use_cpu": "the device is chosen automatically",
+    "push_to_hub": "checkpoints are written to output_dir only", "hub_model_id": "checkpoints stay local",
+    "model_init_kwargs": "load the model yourself and pass it to Trainer(model=...), or use build_model",
+    "remove_unused_columns": "every dataset column always reaches the reward functions",
+    "shuffle_dataset": "prompts are always drawn in a seeded shuffled order (rollout/prompts.py)",
+    "multi_objective_aggregation": "rewards are summed with reward_weights, then normalized (TRL's default)",
+    "vespo_k_pos": "loss_type='vespo' is not implemented", "vespo_k_neg": "loss_type='vespo' is not implemented",
+    "vespo_lambda_pos": "loss_type='vespo' is not implemented",
+    "vespo_lambda_neg": "loss_type='vespo' is not implemented",
+    "entropy_coef": _LATER, "use_adaptive_entropy": _LATER, "sync_ref_model": _LATER,
+    "off_policy_mask_threshold": _LATER, "disable_dropout": _LATER, "num_generations_eval": _LATER,
+}
+
+# Our own settings that were renamed to TRL's: what to write now.
+RENAMED = {
+    "loss_aggregation": "use TRL's loss_type: 'token' is 'dapo', 'sequence' is 'grpo', 'constant' is 'dr_grpo'",
+    "epsilon_low": "use TRL's epsilon (the lower clip bound; epsilon_high defaults to it)",
+}
