@@ -26,6 +26,10 @@ class Config:
     """Where metrics.jsonl, completions.jsonl and checkpoint-STEP/ folders are written."""
     bf16: bool = True
     """Train in bfloat16 autocast on CUDA; CPU always runs float32."""
+    bf16_weights: bool = False
+    """Full fine-tuning keeps bf16 weights and gradients (half of float32's memory, CUDA or CPU); each update is
+    computed in float32 and written back with stochastic rounding, so updates far below bf16's precision still
+    add up on average. Not TRL's (it has no such option); needs use_lora=false."""
 
     # --- optimisation ---
     learning_rate: float = 1e-6

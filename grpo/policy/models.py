@@ -17,10 +17,11 @@ def device_of(model) -> torch.device:
     return next(model.parameters()).device
 
 
-def train_dtype(use_lora: bool, bf16: bool) -> torch.dtype:
-    """Frozen LoRA bases can live in bf16; fully trained weights stay float32 under bf16 autocast,
-    since bf16 weights would round away updates of lr ~1e-6."""
-    if use_lora and bf16 and torch.cuda.is_available():
+def train_dtype(use_lora: bool, bf16: bool, bf16_weights: bool = False) -> torch.dtype:
+    """Frozen LoRA bases can live in bf16; fully trained weights stay float32 under bf16 autocast, since
+    bf16 weights would round away updates of lr ~1e-6, unless `bf16_weights` (the optimizer then rounds
+    stochastically; on CPU too)."""
+    if (use_lora and bf16 and torch.cuda.is_available()) or (bf16_weights and not use_lora):
         return torch.bfloat16
     return torch.float32
 
@@ -39,6 +40,9 @@ def check_load_options(config, model_given: bool) -> None:
     if config.load_in_4bit and not config.use_lora:
         raise ConfigError("load_in_4bit=True needs use_lora=True: 4-bit weights are frozen, QLoRA trains LoRA "
                          "adapters on top of them")
+    if config.bf16_weights and (config.use_lora or config.fsdp):
+        raise ConfigError("bf16_weights=True is for full fine-tuning without FSDP: set use_lora=false and "
+                          "fsdp=false (LoRA keeps a bf16 base on CUDA already; FSDP keeps float32 shards)")
     if config.load_in_4bit and model_given:
         raise ConfigError("load_in_4bit applies when the trainer loads config.model itself; a model passed in is "
                          "used as built (load it with a transformers BitsAndBytesConfig, or pass config.model)")
@@ -50,7 +54,7 @@ def load_model(config):
     from transformers import AutoModelForCausalLM
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = train_dtype(config.use_lora, config.bf16)
+    dtype = train_dtype(config.use_lora, config.bf16, config.bf16_weights)
     if not config.load_in_4bit:
         return AutoModelForCausalLM.from_pretrained(config.model, dtype=dtype).to(device)
     from transformers import BitsAndBytesConfig
@@ -63,7 +67,10 @@ def load_model(config):
 
 
 def prepare_for_training(model, config, world_size: int = 1):
-    """Gradient checkpointing, then LoRA adapters when asked for. Returns the model to train."""
+    """bf16 weights when asked for, gradient checkpointing, then LoRA adapters when asked for. Returns the
+    model to train."""
+    if config.bf16_weights:  # a model built or passed in float32, as load_model would have loaded it
+        model = model.to(torch.bfloat16)
     if config.gradient_checkpointing:
         # Non-reentrant checkpointing lets gradients reach LoRA weights without input grads.
         kwargs = {"use_reentrant": False}
