@@ -94,7 +94,7 @@ def child(args, arch: Architecture, column: dict) -> dict:
             tokenizer.save_pretrained(path)
             config = dataclasses.replace(config, model=path)
         else:
-            dtype = train_dtype(config.use_lora, config.bf16)
+            dtype = train_dtype(config.use_lora, config.bf16, config.bf16_weights)
             with torch.device(args.device):
                 model = AutoModelForCausalLM.from_config(hf_config(arch), dtype=dtype)
         if cuda:

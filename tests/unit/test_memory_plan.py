@@ -64,6 +64,39 @@ def test_hand_computed_parts_of_a_tiny_model():
     assert lora["weights"] == 2 * n + 4 * lora_params  # bf16 base, float32 adapters
 
 
+def test_hand_computed_parts_with_bf16_weights():
+    a = Architecture(hidden_size=8, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=16, vocab_size=100,
+                     tie_word_embeddings=True)
+    n = a.num_params()
+    s = Config(optim="adamw", beta=0.04, num_generations=2, max_prompt_length=3, max_completion_length=5,
+               logprob_chunk_size=4, bf16_weights=True)
+    for device in ("cpu", "cuda"):
+        parts = estimate(a, s, device).parts
+        assert parts["weights"] == parts["reference model"] == parts["gradients"] == 2 * n
+        assert parts["optimizer states"] == 8 * n  # float32 states, as before
+        assert parts["autocast weight copies"] == 0
+        assert parts["LM-head gradient"] == 2 * 100 * 8 and parts["LM-head float32 accumulator"] == 4 * 100 * 8
+        # 4 rows x V: the bf16 matmul output and its float32 copy; the hidden states' bf16 gradient (2 x 5 rows).
+        assert parts["log-prob chunk"] == 4 * 100 * (4 + 2) + 2 * 5 * 8 * 2
+    # torch AdamW on the largest tensor (the [100, 8] head) in one slice: float32 weight, gradient, 2 temporaries.
+    assert estimate(a, s, "cpu").parts["optimizer step temporaries"] == 4 * 4 * 100 * 8
+    eight_bit = estimate(a, dataclasses.replace(s, optim="adamw_8bit"), "cpu").parts
+    assert eight_bit["optimizer step temporaries"] == (6 + 3) * 4 * 100 * 8  # + bitsandbytes' six copies
+
+
+def test_bf16_weights_lower_full_finetuning_to_half_the_write_up():
+    from grpo.memory.known_models import ARTICLE_CONFIG, ARTICLE_GB, TABLE_MODELS
+
+    lean = dataclasses.replace(ARTICLE_CONFIG, optim="adamw_8bit", gradient_checkpointing=True)
+    for size in ("0.5B", "1B", "3B"):
+        arch = KNOWN[TABLE_MODELS[size]]
+        bf16 = estimate(arch, dataclasses.replace(lean, bf16_weights=True)).peak / 1e9
+        assert bf16 < estimate(arch, lean).peak / 1e9
+        assert bf16 <= ARTICLE_GB[size][0] / 2, size
+    assert estimate(QWEN_05B, dataclasses.replace(lean, bf16_weights=True), "cpu").peak < \
+        estimate(QWEN_05B, lean, "cpu").peak / 1.5
+
+
 def test_each_memory_setting_moves_the_prediction_the_right_way():
     base = Config(optim="adamw", beta=0.04, num_generations=4, max_prompt_length=256, max_completion_length=786,
                   gradient_accumulation_steps=4)
@@ -87,7 +120,7 @@ def test_table_meets_the_issue_targets_for_lora():
     assert gb("Qwen/Qwen2.5-3B-Instruct") <= 16
     assert gb("meta-llama/Llama-3.1-8B-Instruct", load_in_4bit=True) <= 16
     text = table()
-    assert "Llama-3.1-8B" in text and "QLoRA" in text and "article LoRA" in text
+    assert "Llama-3.1-8B" in text and "QLoRA" in text and "article LoRA" in text and "+bf16w" in text
 
 
 def test_plan_summary_for_a_local_model_suggests_a_change_that_fits(tmp_path):
@@ -184,7 +217,9 @@ RUN = dict(max_steps=2, per_device_train_batch_size=1, num_generations=8, max_pr
     dict(RUN),  # full fine-tuning: weights, reference, AdamW states
     dict(RUN, use_lora=True, per_device_train_batch_size=4),  # LoRA: activations and the log-prob chunk
     dict(RUN, optim="adamw_8bit", gradient_checkpointing=True),
-], ids=["full", "lora", "full-8bit-checkpointing"])
+    dict(RUN, bf16_weights=True),
+    dict(RUN, optim="adamw_8bit", gradient_checkpointing=True, bf16_weights=True),
+], ids=["full", "lora", "full-8bit-checkpointing", "full-bf16", "full-8bit-checkpointing-bf16"])
 def test_predicted_peak_within_25_percent_of_measured_on_cpu(tmp_path, settings):
     settings = dict(settings, output_dir=str(tmp_path / "run"))
     env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="65536",
@@ -196,4 +231,4 @@ def test_predicted_peak_within_25_percent_of_measured_on_cpu(tmp_path, settings)
     arch = Architecture(**{k: v for k, v in ARCH.items()}, tie_word_embeddings=True)
     predicted = estimate(arch, Config(**settings), device="cpu").peak
     print(f"predicted {predicted / 1e6:.0f} MB, measured {measured / 1e6:.0f} MB")
-    assert predicted == pytest.approx(measured, rel=0.25)
+    assert predicted == pytest.approx(measured, rel=0.15 if settings.get("bf16_weights") else 0.25)
