@@ -74,7 +74,8 @@ class StochasticRoundingAdamW(torch.optim.Optimizer):
 
     def _update(self, p: torch.Tensor, state: dict, group: dict) -> None:
         grad = p.grad.to_dense() if p.grad.is_sparse else p.grad
-        weight, grad = p.data.view(-1), grad.contiguous().view(-1)  # [n] each; p.data is contiguous (a Parameter)
+        p.data = p.data.contiguous()  # a no-op for the parameters models make
+        weight, grad = p.data.view(-1), grad.contiguous().view(-1)  # [n] each
         m, v = state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1)  # [n] float32
         for start in range(0, weight.numel(), self.slice_size):
             part = slice(start, start + self.slice_size)

@@ -225,7 +225,7 @@ def test_predicted_peak_within_25_percent_of_measured_on_cpu(tmp_path, settings)
     env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="65536",
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     out = subprocess.run([sys.executable, "-c", CHILD, json.dumps(ARCH), json.dumps(settings)], env=env,
-                         capture_output=True, text=True, timeout=300)
+                         capture_output=True, text=True, timeout=1200)  # bf16 matmuls are slow on CPUs without AVX512-BF16
     assert out.returncode == 0, out.stderr[-3000:]
     measured = json.loads(out.stdout.strip().splitlines()[-1])
     arch = Architecture(**{k: v for k, v in ARCH.items()}, tie_word_embeddings=True)
