@@ -28,6 +28,7 @@ BNB_8BIT_MIN_SIZE = 4096  # bitsandbytes keeps 32-bit states for smaller tensors
 BNB_BLOCK = 256  # 8-bit optimizer states: one float32 absmax per block
 NF4_BLOCK = 64  # 4-bit weights: one float32 absmax per block
 BNB_CPU_SLICE = 1 << 22  # elements per 8-bit optimizer update on CPU (policy/optim.py), a multiple of BNB_BLOCK
+HEAD_GRAD_BLOCK = 16384  # rows of a low-precision LM head's gradient made per matmul (algo/logprobs.py)
 
 
 @dataclass(frozen=True)
@@ -227,7 +228,12 @@ def estimate(a: Architecture, s, device: str = "cuda") -> Estimate:
     grad_bytes = d.base if head_trained else 4  # trained weights' gradients in their dtype; adapters float32
     # The log-prob backward accumulates the head's gradient in float32, cast at its end to a bf16 head's dtype.
     parts["LM-head gradient"] = grad_bytes * V * H if head_trained else 0.0
-    parts["LM-head float32 accumulator"] = 4 * V * H if head_trained and grad_bytes != 4 else 0.0
+    low_precision_head = head_trained and grad_bytes != 4
+    parts["LM-head float32 accumulator"] = 4 * V * H if low_precision_head else 0.0
+    # Each block of it: the bf16 product, its float32 promotion for the add, the block's gradient logits (measured
+    # on CPU; tens of MB).
+    block = min(V, HEAD_GRAD_BLOCK)
+    parts["LM-head gradient block"] = block * (6 * H + 2 * rows) if low_precision_head else 0.0
     parts["autocast weight copies"] = 2 * a.linear_params() if d.autocast and not s.use_lora else 0.0
     parts["gradients"] = grad_bytes * n_trainable
     parts["earlier micro-batches' gradients"] = parts["gradients"] if s.gradient_accumulation_steps > 1 else 0.0
@@ -248,13 +254,14 @@ def estimate(a: Architecture, s, device: str = "cuda") -> Estimate:
     # recomputes them layer by layer.
     copies = () if s.gradient_checkpointing else ("autocast weight copies",)
     # While the log-prob backward runs, the head's gradient grows in the float32 accumulator, when there is one.
-    head_accumulating = "LM-head float32 accumulator" if parts["LM-head float32 accumulator"] else "LM-head gradient"
+    head_accumulating = (("LM-head float32 accumulator", "LM-head gradient block") if low_precision_head
+                         else ("LM-head gradient",))
     moments = {
         "generation": kept + ("KV cache", "sampling buffers"),
         "forward end": kept + ("activations", "autocast weight copies", "log-prob chunk",
                                "earlier micro-batches' gradients"),
-        "backward start": kept + ("activations", "log-prob chunk", head_accumulating,
-                                  "earlier micro-batches' gradients") + copies,
+        "backward start": kept + ("activations", "log-prob chunk", "earlier micro-batches' gradients")
+                          + head_accumulating + copies,
         "log-prob backward end": kept + ("activations", "LM-head float32 accumulator", "LM-head gradient",
                                          "earlier micro-batches' gradients"),
         "layer recompute": kept + ("activations", "recomputed layer", "LM-head gradient",

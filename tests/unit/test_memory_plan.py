@@ -76,6 +76,8 @@ def test_hand_computed_parts_with_bf16_weights():
         assert parts["optimizer states"] == 8 * n  # float32 states, as before
         assert parts["autocast weight copies"] == 0
         assert parts["LM-head gradient"] == 2 * 100 * 8 and parts["LM-head float32 accumulator"] == 4 * 100 * 8
+        # One block of V=100 rows: its bf16 product and float32 promotion [100, 8], its gradient logits [4, 100].
+        assert parts["LM-head gradient block"] == 100 * 8 * (2 + 4) + 4 * 100 * 2
         # 4 rows x V: the bf16 matmul output and its float32 copy; the hidden states' bf16 gradient (2 x 5 rows).
         assert parts["log-prob chunk"] == 4 * 100 * (4 + 2) + 2 * 5 * 8 * 2
     # torch AdamW on the largest tensor (the [100, 8] head) in one slice: float32 weight, gradient, 2 temporaries.
