@@ -91,4 +91,4 @@ class StochasticRoundingAdamW(torch.optim.Optimizer):
         params = [p for group in self.param_groups for p in group["params"]]
         for index, saved in state_dict["state"].items():
             for key in ("exp_avg", "exp_avg_sq"):
-                self.state[params[index]][key] = saved[key].to(device=params[index].device, dtype=torch.float32)
+                self.state[params[index]][key] = saved[key].to(params[index].device, torch.float32, copy=True)
