@@ -139,6 +139,19 @@ def test_plan_summary_for_a_local_model_suggests_a_change_that_fits(tmp_path):
     assert "fits in 80.0 GB" in plan_summary(config, gpu_memory_gb=80)
 
 
+def test_the_planner_offers_bf16_weights_for_full_finetuning_never_with_lora():
+    config = Config(model="meta-llama/Llama-3.2-1B-Instruct", optim="adamw_8bit", gradient_checkpointing=True,
+                    num_generations=4, gradient_accumulation_steps=4, max_completion_length=786, beta=0.04)
+    budget = needed_gb(LLAMA_1B, dataclasses.replace(config, bf16_weights=True)) + 0.1  # 13.2 GB, from 19.3
+    assert needed_gb(LLAMA_1B, config) > budget
+    assert cheapest_fit(LLAMA_1B, config, budget)[0] == {"bf16_weights": True}
+    for budget in (3, 4, 5, 8):  # LoRA and QLoRA budgets: chains that pass through bf16_weights
+        change, _ = cheapest_fit(LLAMA_1B, config, budget)
+        assert change.get("use_lora") and not change.get("bf16_weights"), change
+    on = dataclasses.replace(config, bf16_weights=True)
+    assert cheapest_fit(LLAMA_1B, on, 5)[0]["bf16_weights"] is False  # LoRA must turn the user's setting off
+
+
 def test_plan_summary_never_raises_when_the_config_cannot_be_read():
     summary = plan_summary(Config(model="/no/such/model"), gpu_memory_gb=16)
     assert summary.startswith("cannot read the config of '/no/such/model'") and "\n" not in summary
