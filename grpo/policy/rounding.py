@@ -50,7 +50,7 @@ class StochasticRoundingAdamW(torch.optim.Optimizer):
 
     def __init__(self, params, lr: float, betas: tuple[float, float], weight_decay: float, eps: float = 1e-8,
                  slice_size: int = 1 << 22):
-        super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay, eps=eps))
+        super().__init__(params, {"lr": lr, "betas": betas, "weight_decay": weight_decay, "eps": eps})
         self.slice_size = slice_size
 
     @torch.no_grad()
