@@ -87,7 +87,7 @@ def child(args, arch: Architecture, column: dict) -> dict:
             tokenizer.save_pretrained(path)
             config = dataclasses.replace(config, model=path)
         else:
-            dtype = Precision.plan(config.bf16, config.use_lora, args.device).base_dtype
+            dtype = Precision.plan(config.bf16, config.use_lora, args.device, config.bf16_weights).base_dtype
             with torch.device(args.device):
                 model = AutoModelForCausalLM.from_config(hf_config(arch), dtype=dtype)
         if cuda:

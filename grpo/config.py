@@ -27,6 +27,10 @@ class Config:
     bf16: bool | None = None
     """bf16 mixed precision (bf16 LoRA base, bf16 autocast, bf16 reference copy; policy/precision.py). None: on
     CUDA only (TRL's None means True everywhere; CPUs are slower in bf16), True: also on CPU, False: float32."""
+    bf16_weights: bool = False
+    """Full fine-tuning keeps bf16 weights and gradients (half of float32's memory, CUDA or CPU); each update is
+    computed in float32 and written back with stochastic rounding, so updates far below bf16's precision still
+    add up on average. Not TRL's (it has no such option); needs use_lora=false."""
 
     # --- optimisation ---
     learning_rate: float = 1e-6

@@ -54,7 +54,8 @@ class Trainer:
         check_parallel_settings(self.dist.world_size, config.fsdp, config.optim, config.use_lora)
         torch.manual_seed(config.seed + self.dist.rank)  # ranks sample differently; wrapping syncs the weights
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model)
-        self.precision = Precision.plan(config.bf16, config.use_lora, device_of(model) if model is not None else None)
+        self.precision = Precision.plan(config.bf16, config.use_lora, device_of(model) if model is not None else None,
+                                        config.bf16_weights)
         self.model = prepare_for_training(model if model is not None else load_model(config, self.precision), config,
                                           self.dist.world_size)
         self.policy = Policy(self.model, self.tokenizer, config, self.dist, self.precision)

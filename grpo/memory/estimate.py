@@ -4,7 +4,9 @@ It follows what this trainer allocates. On CUDA: full fine-tuning keeps float32 
 under bf16 autocast (which keeps a bf16 copy of every linear weight until backward), its frozen reference is
 a bf16 copy (only when beta > 0); LoRA keeps a bf16 base (no reference: the adapter is disabled instead) and
 float32 adapters; QLoRA stores the body's linear weights as 4-bit NF4. On CPU everything is float32 unless
-`bf16=True` asks for the same plan there.
+`bf16=True` asks for the same plan there. With `bf16_weights` (full fine-tuning, either device) weights,
+gradients, activations and the reference are bf16, the optimizer states stay as they are, and the optimizer
+updates slices of float32 copies.
 Generation samples each micro-batch of prompts x num_generations with a KV cache, outside autocast (so in the
 weights' dtype). The loss runs per micro-batch: activations of the whole micro-batch, the LM head applied in
 chunks of `logprob_chunk_size` token rows (float32 logits), and the head's gradient in backward.
@@ -27,6 +29,7 @@ BNB_8BIT_MIN_SIZE = 4096  # bitsandbytes keeps 32-bit states for smaller tensors
 BNB_BLOCK = 256  # 8-bit optimizer states: one float32 absmax per block
 NF4_BLOCK = 64  # 4-bit weights: one float32 absmax per block
 BNB_CPU_SLICE = 1 << 22  # elements per 8-bit optimizer update on CPU (policy/optim.py), a multiple of BNB_BLOCK
+HEAD_GRAD_BLOCK = 16384  # rows of a low-precision LM head's gradient made per matmul (algo/logprobs.py)
 
 
 @dataclass(frozen=True)
@@ -135,6 +138,8 @@ class _Dtypes:
 def _dtypes(s, device: str) -> _Dtypes:
     """The trainer's dtype plan (policy/precision.py; `bf16=None` means bf16 on CUDA only)."""
     mask = 1 if device == "cuda" else 4
+    if s.bf16_weights and not s.use_lora:  # bf16 weights: no autocast copies, everything flows in bf16
+        return _Dtypes(base=2, compute=2, residual=2, autocast=False, dropout_mask=1 if device == "cuda" else 2)
     if not uses_bf16(s.bf16, device):
         return _Dtypes(base=4, compute=4, residual=4, autocast=False, dropout_mask=mask)
     if s.use_lora:  # bf16 base (4-bit linears compute in bf16 too): everything flows in bf16
@@ -154,7 +159,7 @@ def _layer_activations(a: Architecture, s, d: _Dtypes) -> float:
         if d.autocast:
             inputs = c * (5 * H + q)  # each linear keeps its own bf16 cast of its input (q, k, v, gate, up, o)
         else:
-            inputs = 4 * (2 * H + q)  # each norm's output (shared by the linears reading it), o_proj's input
+            inputs = c * (2 * H + q)  # each norm's output (shared by the linears reading it), o_proj's input
         return norms + attention + inputs + 4 * c * I  # MLP: gate, silu(gate), up, their product
     # Frozen linears keep no inputs; the frozen norms keep only their float32 input.
     norms = 2 * 4 * H
@@ -199,7 +204,7 @@ def estimate(a: Architecture, s, device: str = "cuda") -> Estimate:
         parts["weights"] += 4 * n_trainable  # float32 adapters
     parts["optimizer states"] = _optimizer_bytes(trainable, s.optim)
     copy = reference_kind(s.use_lora, s.beta) == "copy"
-    parts["reference model"] = a.num_params() * (2 if d.autocast else 4) if copy else 0.0  # bf16 under bf16
+    parts["reference model"] = a.num_params() * (2 if d.autocast or d.base == 2 else 4) if copy else 0.0  # bf16 copy
     rollout_rows = N * s.gradient_accumulation_steps
     parts["rollouts"] = rollout_rows * (T * 8 * 2 + C * 4 * (2 if s.beta > 0 else 1))  # ids, masks, log-probs
 
@@ -220,35 +225,49 @@ def estimate(a: Architecture, s, device: str = "cuda") -> Estimate:
     # Final norm, and the completion hidden states the log-prob function keeps (a copy: a strided slice).
     parts["activations"] += tokens * (d.residual + 4) * H + N * C * H * d.residual
     rows = min(s.logprob_chunk_size, N * C)
-    head_bytes = 4 if not s.use_lora else d.base
     # float32 logits, their exponentials for the entropy metric (training forward), a bf16 head's matmul output
-    parts["log-prob chunk"] = 2 * rows * V * 4 + (rows * V * 2 if head_bytes == 2 else 0)
+    parts["log-prob chunk"] = 2 * rows * V * 4 + (rows * V * 2 if d.base == 2 else 0)
     parts["log-prob chunk"] += N * C * H * d.residual  # the gradient of the hidden states
     head_trained = not s.use_lora
-    parts["LM-head gradient"] = 4 * V * H if head_trained else 0.0  # accumulated while backward starts
+    grad_bytes = d.base if head_trained else 4  # trained weights' gradients in their dtype; adapters float32
+    # The log-prob backward accumulates the head's gradient in float32, cast at its end to a bf16 head's dtype.
+    parts["LM-head gradient"] = grad_bytes * V * H if head_trained else 0.0
+    low_precision_head = head_trained and grad_bytes != 4
+    parts["LM-head float32 accumulator"] = 4 * V * H if low_precision_head else 0.0
+    # Each block of it: the bf16 product, its float32 promotion for the add, the block's gradient logits (measured
+    # on CPU; tens of MB).
+    block = min(V, HEAD_GRAD_BLOCK)
+    parts["LM-head gradient block"] = block * (6 * H + 2 * rows) if low_precision_head else 0.0
     parts["autocast weight copies"] = 2 * a.linear_params() if d.autocast and not s.use_lora else 0.0
-    parts["gradients"] = 4 * n_trainable
+    parts["gradients"] = grad_bytes * n_trainable
     parts["earlier micro-batches' gradients"] = parts["gradients"] if s.gradient_accumulation_steps > 1 else 0.0
     # After the first micro-batch, a new [V, H] gradient (the head's, or an untied embedding's) waits to be added
     # to the stored one when backward ends. (A tied embedding's lookup adds a sparse gradient into the head's.)
     accumulating = s.gradient_accumulation_steps > 1
-    parts["pending embedding gradients"] = 4 * V * H if head_trained and accumulating else 0.0
+    parts["pending embedding gradients"] = grad_bytes * V * H if head_trained and accumulating else 0.0
 
     # --- optimizer step: torch AdamW runs fused (in place); bitsandbytes' CPU kernel works on float32 copies
-    # of a slice's states, gradient and denominator (about six at once), its CUDA kernel in place ---
+    # of a slice's states, gradient and denominator (about six at once), its CUDA kernel in place. bf16 weights
+    # add a slice's float32 weight, gradient and rounding noise (torch AdamW: weight, gradient, two temporaries).
     on_cpu_8bit = s.optim != "adamw" and device != "cuda"
-    parts["optimizer step temporaries"] = 6 * 4 * min(max(trainable), BNB_CPU_SLICE) if on_cpu_8bit else 0.0
+    float32_slices = (4 if s.optim == "adamw" else 3) if d.base == 2 and not s.use_lora else 0
+    parts["optimizer step temporaries"] = (6 * on_cpu_8bit + float32_slices) * 4 * min(max(trainable), BNB_CPU_SLICE)
 
     kept = ("weights", "optimizer states", "reference model", "rollouts")
     # Autocast keeps its weight copies until the forward ends; for backward too, unless checkpointing
     # recomputes them layer by layer.
     copies = () if s.gradient_checkpointing else ("autocast weight copies",)
+    # While the log-prob backward runs, the head's gradient grows in the float32 accumulator, when there is one.
+    head_accumulating = (("LM-head float32 accumulator", "LM-head gradient block") if low_precision_head
+                         else ("LM-head gradient",))
     moments = {
         "generation": kept + ("KV cache", "sampling buffers"),
         "forward end": kept + ("activations", "autocast weight copies", "log-prob chunk",
                                "earlier micro-batches' gradients"),
-        "backward start": kept + ("activations", "log-prob chunk", "LM-head gradient",
-                                  "earlier micro-batches' gradients") + copies,
+        "backward start": kept + ("activations", "log-prob chunk", "earlier micro-batches' gradients")
+                          + head_accumulating + copies,
+        "log-prob backward end": kept + ("activations", "LM-head float32 accumulator", "LM-head gradient",
+                                         "earlier micro-batches' gradients"),
         "layer recompute": kept + ("activations", "recomputed layer", "LM-head gradient",
                                    "earlier micro-batches' gradients"),
         "backward end": kept + ("gradients", "pending embedding gradients"),

@@ -20,6 +20,8 @@ def memory_savings(c: Config) -> list[tuple[dict, str]]:
         changes.append(({"logprob_chunk_size": 128}, "smaller LM-head logits chunks"))
     if c.optim != "adamw_8bit":
         changes.append(({"optim": "adamw_8bit"}, "optimizer state 4x smaller"))
+    if not c.use_lora and not c.bf16_weights and not c.fsdp:
+        changes.append(({"bf16_weights": True}, "bf16 weights and gradients, updated with stochastic rounding"))
     if c.use_lora and c.lora_dropout > 0:
         changes.append(({"lora_dropout": 0.0}, "each adapter's dropout keeps a copy of its input for backward"))
     if not c.gradient_checkpointing:
@@ -29,10 +31,11 @@ def memory_savings(c: Config) -> list[tuple[dict, str]]:
         accumulation = c.gradient_accumulation_steps * c.per_device_train_batch_size // half
         changes.append(({"per_device_train_batch_size": half, "gradient_accumulation_steps": accumulation},
                         "same prompts per step, if it divides evenly"))
+    lora = {"use_lora": True, "bf16_weights": False} if c.bf16_weights else {"use_lora": True}
     if not c.use_lora:
-        changes.append(({"use_lora": True}, "train adapters: no full gradients, optimizer state or reference copy"))
+        changes.append((lora, "train adapters: no full gradients, optimizer state or reference copy"))
     if not c.load_in_4bit:
-        changes.append(({"use_lora": True, "load_in_4bit": True}, "QLoRA: 4-bit frozen base weights"))
+        changes.append(({**lora, "load_in_4bit": True}, "QLoRA: 4-bit frozen base weights"))
     if c.num_generations > 2:
         changes.append(({"num_generations": c.num_generations // 2}, "fewer completions per prompt"))
     if c.max_completion_length > 64:
@@ -57,8 +60,8 @@ def cheapest_fit(arch: Architecture, config: Config, budget_gb: float) -> tuple[
     """The first single change that fits, else the shortest run of cumulative changes that does."""
     changes = [change for change, _ in memory_savings(config)]
     for change in changes:
-        if needed_gb(arch, dataclasses.replace(config, **change)) <= budget_gb:
-            return change, needed_gb(arch, dataclasses.replace(config, **change))
+        if needed_gb(arch, _apply(config, [change])) <= budget_gb:
+            return change, needed_gb(arch, _apply(config, [change]))
     for k in range(2, len(changes) + 1):
         chosen = changes[:k]
         if needed_gb(arch, _apply(config, chosen)) > budget_gb:
@@ -67,13 +70,22 @@ def cheapest_fit(arch: Architecture, config: Config, budget_gb: float) -> tuple[
             rest = [c for c in chosen if c is not change]
             if needed_gb(arch, _apply(config, rest)) <= budget_gb:
                 chosen = rest
-        merged = {k: v for c in chosen for k, v in c.items() if getattr(config, k) != v}
-        return merged, needed_gb(arch, _apply(config, chosen))
+        return _changed(config, chosen), needed_gb(arch, _apply(config, chosen))
     return None
 
 
 def _apply(config: Config, changes: list[dict]) -> Config:
-    return dataclasses.replace(config, **{k: v for c in changes for k, v in c.items()})
+    applied = dataclasses.replace(config, **{k: v for c in changes for k, v in c.items()})
+    if applied.use_lora and applied.bf16_weights:  # bf16_weights is for full fine-tuning: LoRA replaces it
+        applied = dataclasses.replace(applied, bf16_weights=False)
+    return applied
+
+
+def _changed(config: Config, changes: list[dict]) -> dict:
+    """The settings that `changes`, applied in order, leave different from `config` (a later change may undo
+    an earlier one: LoRA turns bf16_weights off again)."""
+    final = _apply(config, changes)
+    return {k: getattr(final, k) for c in changes for k in c if getattr(final, k) != getattr(config, k)}
 
 
 def describe(arch: Architecture, config: Config, device: str = "cuda") -> str:
@@ -122,7 +134,7 @@ def verdict(arch: Architecture, config: Config, budget_gb: float | None) -> list
         return [f"{head}: fits in {budget_gb:.1f} GB"]
     fit = cheapest_fit(arch, config, budget_gb)
     if fit is None:
-        everything = {k: v for c, _ in memory_savings(config) for k, v in c.items() if getattr(config, k) != v}
+        everything = _changed(config, [c for c, _ in memory_savings(config)])
         return [f"{head}: does not fit in {budget_gb:.1f} GB, not even with all of: {flags(everything)}"]
     change, after = fit
     return [f"{head}: does not fit in {budget_gb:.1f} GB",

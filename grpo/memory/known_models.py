@@ -35,6 +35,7 @@ TABLE_COLUMNS = {  # cumulative, as the write-up's columns
     "full": {},
     "+8-bit": {"optim": "adamw_8bit"},
     "+ckpt": {"optim": "adamw_8bit", "gradient_checkpointing": True},
+    "+bf16w": {"optim": "adamw_8bit", "gradient_checkpointing": True, "bf16_weights": True},
     "LoRA": {"optim": "adamw_8bit", "gradient_checkpointing": True, "use_lora": True},
     "QLoRA": {"optim": "adamw_8bit", "gradient_checkpointing": True, "use_lora": True, "load_in_4bit": True},
 }

@@ -36,6 +36,9 @@ def check_load_options(config, model_given: bool) -> None:
     if config.load_in_4bit and not config.use_lora:
         raise ConfigError("load_in_4bit=True needs use_lora=True: 4-bit weights are frozen, QLoRA trains LoRA "
                          "adapters on top of them")
+    if config.bf16_weights and (config.use_lora or config.fsdp):
+        raise ConfigError("bf16_weights=True is for full fine-tuning without FSDP: set use_lora=false and "
+                          "fsdp=false (LoRA keeps a bf16 base on CUDA already; FSDP keeps float32 shards)")
     if config.load_in_4bit and model_given:
         raise ConfigError("load_in_4bit applies when the trainer loads config.model itself; a model passed in is "
                          "used as built (load it with a transformers BitsAndBytesConfig, or pass config.model)")
@@ -47,7 +50,7 @@ def load_model(config, precision: Precision | None = None):
     computing in that dtype."""
     from transformers import AutoModelForCausalLM
 
-    precision = precision or Precision.plan(config.bf16, config.use_lora)
+    precision = precision or Precision.plan(config.bf16, config.use_lora, bf16_weights=config.bf16_weights)
     device, dtype = precision.device_type, precision.base_dtype
     if not config.load_in_4bit:
         with loading(config.model):
@@ -85,8 +88,11 @@ def keep_4bit_layout(model) -> None:
 
 
 def prepare_for_training(model, config, world_size: int = 1):
-    """Gradient checkpointing, then LoRA adapters when asked for. Returns the model to train."""
+    """bf16 weights when asked for, gradient checkpointing, then LoRA adapters when asked for. Returns the
+    model to train."""
     keep_4bit_layout(model)  # a 4-bit model passed in, too
+    if config.bf16_weights:  # a model built or passed in float32, as load_model would have loaded it
+        model = model.to(torch.bfloat16)
     if config.gradient_checkpointing:
         # Non-reentrant checkpointing lets gradients reach LoRA weights without input grads.
         kwargs = {"use_reentrant": False}

@@ -8,14 +8,19 @@ import torch
 from ..errors import ConfigError
 from ..memory.estimate import BNB_CPU_SLICE as CPU_SLICE
 from . import OPTIMIZERS, SCHEDULES
+from .rounding import StochasticRoundingAdamW, stochastic_round_to_bf16
 
 
 def build_optimizer(params, name: str, lr: float, betas: tuple[float, float], weight_decay: float):
+    """AdamW over the trainable `params`; bf16 ones (`bf16_weights`) are updated in float32 and written back
+    with stochastic rounding, by either optimizer."""
     params = [p for p in params if p.requires_grad]
     if not params:
         raise ConfigError("the model has no trainable parameters (all frozen: with use_lora=false, unfreeze them)")
     if name == "adamw_8bit":
         return _sliced_adamw_8bit()(params, lr=lr, betas=betas, weight_decay=weight_decay)
+    if name == "adamw" and any(p.dtype == torch.bfloat16 for p in params):
+        return StochasticRoundingAdamW(params, lr=lr, betas=betas, weight_decay=weight_decay, slice_size=CPU_SLICE)
     if name == "adamw":
         # The fused kernel updates each tensor in one pass: the default implementations allocate float32
         # temporaries as large as the largest tensor (CPU) or as all the states together (CUDA, foreach).
@@ -24,15 +29,16 @@ def build_optimizer(params, name: str, lr: float, betas: tuple[float, float], we
     raise ValueError(f"unknown optim {name!r}; valid: {', '.join(OPTIMIZERS)}")
 
 
-
-
 def _sliced_adamw_8bit():
-    """bitsandbytes' AdamW8bit, except that big tensors on CPU are updated in slices of whole quantization blocks.
+    """bitsandbytes' AdamW8bit, except that big tensors on CPU, and bf16 weights anywhere, are updated in slices
+    of whole quantization blocks.
 
     Its CPU kernel works on float32 copies of a whole tensor's two states, gradient and update (about six at
     once: 1.9 GB for a 152k x 512 embedding, more than everything else in a small model's step). States are
     quantized per 256-element block, so slices of whole blocks update independently, to the same result. On
-    CUDA its kernel updates in place and nothing changes."""
+    CUDA its kernel updates in place and nothing changes. A bf16 weight's slice and gradient are updated as
+    float32 copies, then written back with stochastic rounding (the kernel itself would round to nearest and
+    lose small updates)."""
     import bitsandbytes as bnb
     import bitsandbytes.functional as F
 
@@ -40,21 +46,36 @@ def _sliced_adamw_8bit():
         @torch.no_grad()
         def update_step(self, group, p, gindex, pindex):
             state = self.state[p]
-            if p.device.type != "cpu" or state["state1"].dtype != torch.uint8 or p.numel() <= CPU_SLICE:
+            eight_bit, bf16 = state["state1"].dtype == torch.uint8, p.dtype == torch.bfloat16
+            if not bf16 and (p.device.type != "cpu" or not eight_bit or p.numel() <= CPU_SLICE):
                 return super().update_step(group, p, gindex, pindex)
             config = self.get_config(gindex, pindex, group)
+            if config["max_unorm"] > 0:  # a whole-tensor norm: slices cannot apply it
+                raise ValueError("max_unorm needs whole-tensor updates")
             state["step"] += 1
             p.data = p.data.contiguous()
             betas = config["betas"]
             flat = [t.view(-1) for t in (p.grad.contiguous(), p.data, state["state1"], state["state2"])]
             for start in range(0, p.numel(), CPU_SLICE):
                 end = min(start + CPU_SLICE, p.numel())
-                blocks = slice(start // 256, -(-end // 256))
-                F.optimizer_update_8bit_blockwise(
-                    self.optimizer_name, *(t[start:end] for t in flat), betas[0], betas[1],
-                    betas[2] if len(betas) >= 3 else 0.0, config.get("alpha", 0.0), config["eps"], state["step"],
-                    config["lr"], state["qmap1"], state["qmap2"], state["absmax1"][blocks], state["absmax2"][blocks],
-                    config["weight_decay"], gnorm_scale=1.0, skip_zeros=config["skip_zeros"])
+                grad, weight, state1, state2 = (t[start:end] for t in flat)
+                weight32, grad = weight.float(), grad.float()  # copies when bf16, the tensors themselves if not
+                if eight_bit:
+                    blocks = slice(start // 256, -(-end // 256))
+                    F.optimizer_update_8bit_blockwise(
+                        self.optimizer_name, grad, weight32, state1, state2, betas[0], betas[1],
+                        betas[2] if len(betas) >= 3 else 0.0, config.get("alpha", 0.0), config["eps"],
+                        state["step"], config["lr"], state["qmap1"], state["qmap2"], state["absmax1"][blocks],
+                        state["absmax2"][blocks], config["weight_decay"], gnorm_scale=1.0,
+                        skip_zeros=config["skip_zeros"])
+                else:  # bitsandbytes keeps float32 states for small tensors
+                    F.optimizer_update_32bit(
+                        self.optimizer_name, grad, weight32, state1, betas[0], config["eps"], state["step"],
+                        config["lr"], state2, betas[1], betas[2] if len(betas) >= 3 else 0.0,
+                        config.get("alpha", 0.0), config["weight_decay"], 1.0, None, max_unorm=0.0,
+                        skip_zeros=config["skip_zeros"])
+                if bf16:
+                    weight.copy_(stochastic_round_to_bf16(weight32))
 
     return SlicedAdamW8bit
 

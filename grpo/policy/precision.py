@@ -25,13 +25,18 @@ class Precision:
     reference_dtype: torch.dtype  # full fine-tuning's frozen reference copy
 
     @classmethod
-    def plan(cls, bf16: bool | None, use_lora: bool, device: torch.device | str | None = None) -> Precision:
-        """The plan for `Config.bf16` and `use_lora` on `device` (None: the one load_model uses)."""
+    def plan(cls, bf16: bool | None, use_lora: bool, device: torch.device | str | None = None,
+             bf16_weights: bool = False) -> Precision:
+        """The plan for `Config.bf16`, `use_lora` and `bf16_weights` on `device` (None: the one load_model uses).
+        `bf16_weights` (full fine-tuning) keeps the trained weights and the reference in bf16 on any device: the
+        optimizer rounds stochastically (policy/rounding.py)."""
         device_type = torch.device(device if device is not None else default_device()).type
         half = uses_bf16(bf16, device_type)
         low = torch.bfloat16 if half else torch.float32
-        return cls(device_type=device_type, bf16=half, base_dtype=low if use_lora else torch.float32,
-                   reference_dtype=low)
+        trained_bf16 = bf16_weights and not use_lora
+        base = low if use_lora else torch.bfloat16 if trained_bf16 else torch.float32
+        return cls(device_type=device_type, bf16=half, base_dtype=base,
+                   reference_dtype=torch.bfloat16 if trained_bf16 else low)
 
     def autocast(self):
         """bf16 autocast for the policy's and the reference's log-prob forwards (sampling runs without it, in

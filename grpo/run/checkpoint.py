@@ -23,7 +23,7 @@ COMPLETE = "COMPLETE"
 STATE = "trainer_state.pt"
 NAME = re.compile(r"^checkpoint-(\d+)$")
 # Settings that shape the saved tensors: a checkpoint only loads into a run with the same ones.
-STATE_SHAPING = ("use_lora", "lora_r", "lora_target_modules", "optim", "fsdp")
+STATE_SHAPING = ("use_lora", "lora_r", "lora_target_modules", "optim", "fsdp", "bf16_weights")
 
 
 def save_checkpoint(output_dir: str, step: int, model, tokenizer, config_dict: dict, state: dict,

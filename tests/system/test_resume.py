@@ -20,6 +20,8 @@ SETTINGS = {
     # 8-bit AdamW state, LoRA dropout drawing from the RNG in every forward, gradient checkpointing.
     "lora-8bit-dropout": dict(use_lora=True, lora_r=4, lora_alpha=8, lora_dropout=0.1, optim="adamw_8bit",
                               gradient_checkpointing=True, beta=0.04),
+    # bf16 weights: float32 optimizer states, stochastic rounding drawing from the RNG in every update.
+    "full-bf16-weights": dict(optim="adamw", beta=0.04, bf16_weights=True),
 }
 
 

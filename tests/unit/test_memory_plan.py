@@ -65,6 +65,43 @@ def test_hand_computed_parts_of_a_tiny_model():
     assert lora["weights"] == 2 * n + 4 * lora_params  # bf16 base, float32 adapters
 
 
+def test_hand_computed_parts_with_bf16_weights():
+    a = Architecture(hidden_size=8, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=16, vocab_size=100,
+                     tie_word_embeddings=True)
+    n = a.num_params()
+    s = Config(optim="adamw", beta=0.04, num_generations=2, max_prompt_length=3, max_completion_length=5,
+               logprob_chunk_size=4, bf16_weights=True)
+    for device in ("cpu", "cuda"):
+        parts = estimate(a, s, device).parts
+        assert parts["weights"] == parts["reference model"] == parts["gradients"] == 2 * n
+        assert parts["optimizer states"] == 8 * n  # float32 states, as before
+        assert parts["autocast weight copies"] == 0
+        assert parts["LM-head gradient"] == 2 * 100 * 8 and parts["LM-head float32 accumulator"] == 4 * 100 * 8
+        # One block of V=100 rows: its bf16 product and float32 promotion [100, 8], its gradient logits [4, 100].
+        assert parts["LM-head gradient block"] == 100 * 8 * (2 + 4) + 4 * 100 * 2
+        # 4 rows x V: the bf16 matmul output and its float32 copy; the hidden states' bf16 gradient (2 x 5 rows).
+        # float32 logits and their exponentials (the entropy metric), the bf16 head's matmul output; hidden grad
+        assert parts["log-prob chunk"] == 4 * 100 * (2 * 4 + 2) + 2 * 5 * 8 * 2
+    # torch AdamW on the largest tensor (the [100, 8] head) in one slice: float32 weight, gradient, 2 temporaries.
+    assert estimate(a, s, "cpu").parts["optimizer step temporaries"] == 4 * 4 * 100 * 8
+    eight_bit = estimate(a, dataclasses.replace(s, optim="adamw_8bit"), "cpu").parts
+    assert eight_bit["optimizer step temporaries"] == (6 + 3) * 4 * 100 * 8  # + bitsandbytes' six copies
+
+
+def test_bf16_weights_lower_full_finetuning_to_half_the_write_up():
+    from grpo.memory.known_models import ARTICLE_CONFIG, ARTICLE_GB, TABLE_MODELS
+
+    lean = dataclasses.replace(ARTICLE_CONFIG, optim="adamw_8bit", gradient_checkpointing=True)
+    for size in ("0.5B", "1B", "3B"):
+        arch = KNOWN[TABLE_MODELS[size]]
+        bf16 = estimate(arch, dataclasses.replace(lean, bf16_weights=True)).peak / 1e9
+        assert bf16 < estimate(arch, lean).peak / 1e9
+        assert bf16 <= ARTICLE_GB[size][0] / 2, size
+    cpu = dataclasses.replace(lean, bf16=None)  # on CPU the float32 plan is the one to halve
+    assert estimate(QWEN_05B, dataclasses.replace(cpu, bf16_weights=True), "cpu").peak < \
+        estimate(QWEN_05B, cpu, "cpu").peak / 1.5
+
+
 def test_each_memory_setting_moves_the_prediction_the_right_way():
     base = Config(optim="adamw", beta=0.04, num_generations=4, max_prompt_length=256, max_completion_length=786,
                   gradient_accumulation_steps=4, gradient_checkpointing=False)
@@ -88,7 +125,7 @@ def test_table_meets_the_issue_targets_for_lora():
     assert gb("Qwen/Qwen2.5-3B-Instruct") <= 16
     assert gb("meta-llama/Llama-3.1-8B-Instruct", load_in_4bit=True) <= 16
     text = table()
-    assert "Llama-3.1-8B" in text and "QLoRA" in text and "article LoRA" in text
+    assert "Llama-3.1-8B" in text and "QLoRA" in text and "article LoRA" in text and "+bf16w" in text
 
 
 def test_plan_summary_for_a_local_model_suggests_a_change_that_fits(tmp_path):
@@ -104,6 +141,19 @@ def test_plan_summary_for_a_local_model_suggests_a_change_that_fits(tmp_path):
     change, after = cheapest_fit(QWEN_05B, config, 12)
     assert after <= 12 and needed_gb(QWEN_05B, dataclasses.replace(config, **change)) == after
     assert "fits in 80.0 GB" in plan_summary(config, gpu_memory_gb=80)
+
+
+def test_the_planner_offers_bf16_weights_for_full_finetuning_never_with_lora():
+    config = Config(model="meta-llama/Llama-3.2-1B-Instruct", optim="adamw_8bit", gradient_checkpointing=True,
+                    num_generations=4, gradient_accumulation_steps=4, max_completion_length=786, beta=0.04)
+    budget = needed_gb(LLAMA_1B, dataclasses.replace(config, bf16_weights=True)) + 0.1  # 13.2 GB, from 19.3
+    assert needed_gb(LLAMA_1B, config) > budget
+    assert cheapest_fit(LLAMA_1B, config, budget)[0] == {"bf16_weights": True}
+    for budget in (3, 4, 5, 8):  # LoRA and QLoRA budgets: chains that pass through bf16_weights
+        change, _ = cheapest_fit(LLAMA_1B, config, budget)
+        assert change.get("use_lora") and not change.get("bf16_weights"), change
+    on = dataclasses.replace(config, bf16_weights=True)
+    assert cheapest_fit(LLAMA_1B, on, 5)[0]["bf16_weights"] is False  # LoRA must turn the user's setting off
 
 
 def test_plan_summary_never_raises_when_the_config_cannot_be_read():
@@ -186,16 +236,18 @@ RUN = dict(max_steps=2, per_device_train_batch_size=1, num_generations=8, max_pr
     dict(RUN),  # full fine-tuning: weights, reference, AdamW states
     dict(RUN, use_lora=True, per_device_train_batch_size=4),  # LoRA: activations and the log-prob chunk
     dict(RUN, optim="adamw_8bit", gradient_checkpointing=True),
-], ids=["full", "lora", "full-8bit-checkpointing"])
+    dict(RUN, bf16_weights=True),
+    dict(RUN, optim="adamw_8bit", gradient_checkpointing=True, bf16_weights=True),
+], ids=["full", "lora", "full-8bit-checkpointing", "full-bf16", "full-8bit-checkpointing-bf16"])
 def test_predicted_peak_within_25_percent_of_measured_on_cpu(tmp_path, settings):
     settings = dict(settings, output_dir=str(tmp_path / "run"))
     env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="65536",
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     out = subprocess.run([sys.executable, "-c", CHILD, json.dumps(ARCH), json.dumps(settings)], env=env,
-                         capture_output=True, text=True, timeout=300)
+                         capture_output=True, text=True, timeout=1200)  # bf16 matmuls are slow on CPUs without AVX512-BF16
     assert out.returncode == 0, out.stderr[-3000:]
     measured = json.loads(out.stdout.strip().splitlines()[-1])
     arch = Architecture(**{k: v for k, v in ARCH.items()}, tie_word_embeddings=True)
     predicted = estimate(arch, Config(**settings), device="cpu").peak
     print(f"predicted {predicted / 1e6:.0f} MB, measured {measured / 1e6:.0f} MB")
-    assert predicted == pytest.approx(measured, rel=0.25)
+    assert predicted == pytest.approx(measured, rel=0.15 if settings.get("bf16_weights") else 0.25)

@@ -80,3 +80,10 @@ def test_the_memory_model_knows_the_slice_size():
     from grpo.policy.optim import CPU_SLICE
 
     assert BNB_CPU_SLICE == CPU_SLICE and CPU_SLICE % 256 == 0
+
+
+def test_the_memory_model_knows_the_head_gradient_block():
+    from grpo.algo.logprobs import _WEIGHT_GRAD_BLOCK
+    from grpo.memory.estimate import HEAD_GRAD_BLOCK
+
+    assert HEAD_GRAD_BLOCK == _WEIGHT_GRAD_BLOCK
