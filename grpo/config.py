@@ -49,10 +49,16 @@ class Config:
     """Stop after this many optimizer steps in a row with a NaN/inf loss or gradient norm (each is skipped)."""
 
     # --- batch and schedule ---
-    per_device_train_batch_size: int = 1
-    """Prompts per micro-batch on each rank; each prompt is expanded to `num_generations` completions."""
+    per_device_train_batch_size: int = 8
+    """Completions per micro-batch on each rank (TRL 1.16's meaning; TRL < 0.16 counted prompts)."""
     gradient_accumulation_steps: int = 1
-    """Micro-batches per optimizer step (prompts per step = this x per_device_train_batch_size x ranks)."""
+    """Micro-batches per optimizer step (completions per step = this x per_device_train_batch_size x ranks)."""
+    steps_per_generation: int | None = None
+    """Micro-batches sampled together as one generation batch (None: gradient_accumulation_steps, or from
+    generation_batch_size); a multiple of gradient_accumulation_steps here (TRL also allows others)."""
+    generation_batch_size: int | None = None
+    """Completions per generation batch over all ranks (None: per_device_train_batch_size x ranks x
+    steps_per_generation); advantages are computed over it. Set at most one of the two."""
     num_generations: int = 8
     """Completions sampled per prompt (the group size G of GRPO)."""
     num_train_epochs: float = 1.0  # TRL: 3.0 (transformers'); one pass is the usual GRPO run

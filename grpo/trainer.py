@@ -21,9 +21,9 @@ from .policy.optim import build_optimizer, build_scheduler, optimizer_step, set_
 from .policy.parallel import check_settings as check_parallel_settings
 from .policy.policy import Policy
 from .policy.precision import Precision
-from .rollout.batches import Batch, Generation, Scored, generation_from_dict, length_metrics, loss_rollout
+from .rollout.batches import Batch, Generation, Scored, generation_from_dict, length_metrics, loss_rollout, regroup
 from .rollout.evaluate import check_eval_funcs, evaluate
-from .rollout.prompts import PromptStream, check_dataset, per_completion, total_steps
+from .rollout.prompts import PromptStream, check_dataset, per_completion, steps_per_generation, total_steps
 from .rollout.rewards import compute_rewards, reward_func_names, reward_metrics
 from .run import checkpoint, elastic
 from .run.interrupts import StepAbandoned, StopSignals, TrainingInterrupted
@@ -59,10 +59,15 @@ class Trainer:
                                           self.dist.world_size)
         self.policy = Policy(self.model, self.tokenizer, config, self.dist, self.precision)
         self.prompts = PromptStream(train_dataset, config.seed)
-        self.prompts_per_step = (config.per_device_train_batch_size * config.gradient_accumulation_steps
-                                 * self.dist.world_size)
-        self.total_steps = total_steps(len(train_dataset), self.prompts_per_step, config.num_train_epochs,
-                                       config.max_steps, config.num_iterations)
+        self.steps_per_generation = steps_per_generation(  # micro-batches per generation batch, on each rank
+            config.per_device_train_batch_size, config.gradient_accumulation_steps, config.steps_per_generation,
+            config.generation_batch_size, config.num_generations, self.dist.world_size)
+        # Optimizer steps one generation batch feeds (each step-sized slice num_iterations times), and its prompts.
+        self.generation_every = self.steps_per_generation // config.gradient_accumulation_steps * config.num_iterations
+        self.prompts_per_generation = self.steps_per_generation * config.per_device_train_batch_size \
+            * self.dist.world_size // config.num_generations
+        self.total_steps = total_steps(len(train_dataset), self.prompts_per_generation, config.num_train_epochs,
+                                       config.max_steps, self.generation_every)
         self.optimizer = build_optimizer(self.model.parameters(), config.optim, config.learning_rate,
                                          (config.adam_beta1, config.adam_beta2), config.weight_decay)
         self.scheduler = build_scheduler(self.optimizer, self.total_steps, config.warmup_ratio,
@@ -114,27 +119,32 @@ class Trainer:
         return history
 
     def run_step(self, signals: StopSignals) -> dict:
-        """One optimizer step, sampling a new generation batch every `num_iterations` steps."""
+        """One optimizer step on the next gradient_accumulation_steps micro-batches of the generation batch,
+        sampling a new one every `generation_every` steps (TRL's steps_per_generation x num_iterations)."""
         with self._undone_on_failure(signals):
-            if self.step % self.config.num_iterations == 0 or self.generation is None:  # None: resumed elastically
+            if self.step % self.generation_every == 0 or self.generation is None:  # None: resumed elastically
                 self.generation = self.generate()
-            totals = self.accumulate(self.generation.batches)
+            k = self.config.gradient_accumulation_steps
+            first = self.step % (self.steps_per_generation // k) * k
+            totals = self.accumulate(self.generation.batches[first:first + k])
         metrics = {**self.generation.metrics, **self.apply_update(totals)}
         self.step += 1
         return metrics
 
     @torch.no_grad()
     def generate(self) -> Generation:
-        """Sample every micro-batch of one step, score it, and attach what the loss needs to each."""
+        """Sample a generation batch, score it, and cut it into micro-batches with what the loss needs."""
         cfg, G, dist = self.config, self.config.num_generations, self.dist
         t0 = time.perf_counter()
-        # Every rank draws the same global micro-batches and keeps its own share of whole prompts.
-        rows = [dist.shard(self.prompts.next(cfg.per_device_train_batch_size * dist.world_size))
-                for _ in range(cfg.gradient_accumulation_steps)]                           # rollout/prompts
-        rollouts = [self.policy.sample(r["prompt"]) for r in rows]                       # rollout/sampling
+        # Every rank draws the same global prompts and keeps its own share of whole prompts; it samples them
+        # a micro-batch's worth at a time (at least one prompt), so the KV cache is a micro-batch's.
+        rows = dist.shard(self.prompts.next(self.prompts_per_generation))                   # rollout/prompts
+        k, prompts = max(1, cfg.per_device_train_batch_size // G), rows["prompt"]
+        rollouts = regroup([self.policy.sample(prompts[i:i + k]) for i in range(0, len(prompts), k)],  # sampling
+                                 cfg.per_device_train_batch_size, self.tokenizer.pad_token_id)  # rollout/batches
         generate_s = dist.reduce({"s": time.perf_counter() - t0}, "max")["s"]  # the slowest rank's
         self.policy.check_head_once(rollouts[0])  # first step: our log-probs vs the model's own   policy
-        columns = per_completion({k: [v for r in rows for v in r[k]] for k in rows[0]}, G)
+        columns = per_completion(rows, G)
         prompts, completions = columns.pop("prompt"), [c for ro in rollouts for c in ro.completions]
         rewards, per_func, _ = compute_rewards(self.reward_funcs, prompts, completions, columns,
                                                cfg.reward_weights)                       # rollout/rewards
@@ -145,7 +155,7 @@ class Trainer:
         batches = [Batch(loss_rollout(ro, cfg.mask_truncated_completions), adv.to(self.policy.device))
                    for ro, adv in zip(rollouts, dist.local(advantages).split(sizes))]
         for b in batches:  # log-probs that stay fixed during the step, only when the loss uses them
-            if cfg.num_iterations > 1:
+            if self.generation_every > 1:  # later steps are off-policy
                 b.old_logprobs = self.policy.logprobs(b.rollout)                             # policy
             if self.policy.has_reference:
                 b.ref_logprobs = self.policy.reference_logprobs(b.rollout)                   # policy
@@ -229,7 +239,7 @@ class Trainer:
     def log(self, metrics: dict) -> dict:
         """Every rank calls it (it gathers); rank 0 writes. Timings and memory are the slowest / largest rank's."""
         line = log_metrics(self.output_dir, self.step, metrics, self.dist, self.trackers)
-        if (self.step - 1) % self.config.num_iterations == 0:  # once per generation batch, not per pass
+        if (self.step - 1) % self.generation_every == 0:  # once per generation batch, not per pass
             log_completions(self.output_dir, self.step, self.generation.scored, self.reward_names, self.dist, self.trackers)
         return line
 
@@ -238,7 +248,7 @@ class Trainer:
         """Everything besides the weights that resuming needs: optimizer, schedule, data position, step and
         skipped-step counters, each rank's RNG states and a generation batch later steps still use. Under
         torchrun every rank calls it (gathering is collective); rank 0 gets the whole."""
-        mid_batch = self.step % self.config.num_iterations != 0
+        mid_batch = self.step % self.generation_every != 0
         own = {"rng": checkpoint.rng_state(), "generation": asdict(self.generation) if mid_batch else None}
         return {"step": self.step, "optimizer": self.policy.parallel.optimizer_state(self.optimizer),
                 "scheduler": self.scheduler.state_dict(), "prompts": self.prompts.state_dict(),

@@ -28,7 +28,7 @@ def memory_savings(c: Config) -> list[tuple[dict, str]]:
         half = c.per_device_train_batch_size // 2
         accumulation = c.gradient_accumulation_steps * c.per_device_train_batch_size // half
         changes.append(({"per_device_train_batch_size": half, "gradient_accumulation_steps": accumulation},
-                        "same prompts per step, if it divides evenly"))
+                        "same completions per step, if it divides evenly"))
     if not c.use_lora:
         changes.append(({"use_lora": True}, "train adapters: no full gradients, optimizer state or reference copy"))
     if not c.load_in_4bit:
@@ -81,7 +81,7 @@ def describe(arch: Architecture, config: Config, device: str = "cuda") -> str:
     e: Estimate = estimate(arch, config, device)
     mode = "QLoRA" if config.use_lora and config.load_in_4bit else "LoRA" if config.use_lora else "full fine-tuning"
     extras = [config.optim] + (["checkpointing"] if config.gradient_checkpointing else []) + [f"beta={config.beta:g}"]
-    N = config.per_device_train_batch_size * config.num_generations
+    N = config.per_device_train_batch_size
     size = arch.num_params()
     size_text = f"{size / 1e9:.2f}B" if size >= 1e8 else f"{size / 1e6:.1f}M"
     lines = [f"{arch.name or 'model'}: {size_text} parameters, {mode}, {', '.join(extras)}, "

@@ -53,6 +53,34 @@ def to_device(value, device: torch.device):
     return value.to(device) if isinstance(value, torch.Tensor) else value
 
 
+def regroup(rollouts: list[Rollout], size: int, pad_id: int) -> list[Rollout]:
+    """The rows of `rollouts` (sampled in chunks of whole prompts) in order, cut into micro-batches of `size`
+    rows: a prompt's group may span two micro-batches. Each micro-batch keeps only the padding its own rows
+    need (prompts stay left-padded, completions right-padded), so its compute does not depend on the chunks."""
+    if all(len(r.completions) == size for r in rollouts):
+        return rollouts  # sampled as they are trained: nothing to move
+    P = max(r.prompt_ids.shape[1] for r in rollouts)
+    C = max(r.completion_ids.shape[1] for r in rollouts)
+
+    def cat(name: str, width: int, left: bool, value: int) -> torch.Tensor:
+        parts = [getattr(r, name) for r in rollouts]
+        return torch.cat([torch.nn.functional.pad(t, (width - t.shape[1], 0) if left else (0, width - t.shape[1]),
+                                                  value=value) for t in parts])  # [sum N, width]
+    prompt_ids, prompt_mask = cat("prompt_ids", P, True, pad_id), cat("prompt_mask", P, True, 0)  # [M, P]
+    completion_ids = cat("completion_ids", C, False, pad_id)  # [M, C]
+    completion_mask = cat("completion_mask", C, False, 0)  # [M, C]
+    completions = [c for r in rollouts for c in r.completions]
+    truncated = torch.cat([r.truncated for r in rollouts])  # [M]
+    out = []
+    for start in range(0, len(completions), size):
+        rows = slice(start, start + size)
+        p = int(prompt_mask[rows].sum(0).nonzero().min()) if prompt_mask[rows].any() else P  # first used column
+        c = int(completion_mask[rows].sum(0).nonzero().max()) + 1 if completion_mask[rows].any() else 1
+        out.append(Rollout(prompt_ids[rows, p:], prompt_mask[rows, p:], completion_ids[rows, :c],
+                           completion_mask[rows, :c], completions[rows], truncated[rows]))
+    return out
+
+
 def loss_rollout(rollout: Rollout, mask_truncated: bool) -> Rollout:
     """The rollout as the loss sees it. With `mask_truncated` (TRL's mask_truncated_completions) a completion
     that hit max_completion_length without EOS gets an all-zero completion mask: it counts in no loss term,
