@@ -21,10 +21,11 @@ from .policy.optim import build_optimizer, build_scheduler, optimizer_step, set_
 from .policy.parallel import check_settings as check_parallel_settings
 from .policy.policy import Policy
 from .policy.precision import Precision
-from .rollout.batches import Batch, Generation, Scored, generation_from_dict, length_metrics, loss_rollout, regroup
+from .rollout.batches import Batch, Generation, Scored, generation_from_dict, length_metrics, loss_batches, sample_batch
+from .rollout.custom import CustomRollouts
 from .rollout.evaluate import check_eval_funcs, evaluate
 from .rollout.prompts import PromptStream, check_dataset, per_completion, steps_per_generation, total_steps
-from .rollout.rewards import compute_rewards, reward_func_names, reward_metrics
+from .rollout.rewards import RewardContext, compute_rewards, reward_func_names, reward_metrics
 from .run import checkpoint, elastic
 from .run.interrupts import StepAbandoned, StopSignals, TrainingInterrupted
 from .run.logs import log_completions, log_eval, log_metrics, peak_memory_gb
@@ -35,7 +36,7 @@ class Trainer:
     """GRPO on `model` (or `config.model`), rewarded by `reward_funcs`, over `train_dataset` prompts."""
 
     def __init__(self, config: Config, model=None, tokenizer=None, reward_funcs=(), train_dataset=None,
-                 eval_dataset=None):
+                 eval_dataset=None, rollout_func=None):
         if not reward_funcs:
             raise ConfigError("Trainer needs at least one reward function")
         check_dataset(train_dataset)
@@ -58,6 +59,8 @@ class Trainer:
         self.model = prepare_for_training(model if model is not None else load_model(config, self.precision), config,
                                           self.dist.world_size)
         self.policy = Policy(self.model, self.tokenizer, config, self.dist, self.precision)
+        self.sample = self.policy.sample if rollout_func is None else CustomRollouts(
+            rollout_func, self, self.tokenizer, self.model, config.num_generations, config.max_completion_length)
         self.prompts = PromptStream(train_dataset, config.seed)
         self.steps_per_generation = steps_per_generation(  # micro-batches per generation batch, on each rank
             config.per_device_train_batch_size, config.gradient_accumulation_steps, config.steps_per_generation,
@@ -136,24 +139,22 @@ class Trainer:
         """Sample a generation batch, score it, and cut it into micro-batches with what the loss needs."""
         cfg, G, dist = self.config, self.config.num_generations, self.dist
         t0 = time.perf_counter()
-        # Every rank draws the same global prompts and keeps its own share of whole prompts; it samples them
-        # a micro-batch's worth at a time (at least one prompt), so the KV cache is a micro-batch's.
+        # Every rank draws the same global prompts and keeps its own share of whole prompts.
         rows = dist.shard(self.prompts.next(self.prompts_per_generation))                   # rollout/prompts
-        k, prompts = max(1, cfg.per_device_train_batch_size // G), rows["prompt"]
-        rollouts = regroup([self.policy.sample(prompts[i:i + k]) for i in range(0, len(prompts), k)],  # sampling
-                                 cfg.per_device_train_batch_size, self.tokenizer.pad_token_id)  # rollout/batches
+        rollouts = sample_batch(self.sample, rows["prompt"], cfg.per_device_train_batch_size, G,
+                                self.tokenizer.pad_token_id)                                # rollout/batches
         generate_s = dist.reduce({"s": time.perf_counter() - t0}, "max")["s"]  # the slowest rank's
         self.policy.check_head_once(rollouts[0])  # first step: our log-probs vs the model's own   policy
         columns = per_completion(rows, G)
         prompts, completions = columns.pop("prompt"), [c for ro in rollouts for c in ro.completions]
-        rewards, per_func, _ = compute_rewards(self.reward_funcs, prompts, completions, columns,
-                                               cfg.reward_weights)                       # rollout/rewards
+        context = RewardContext(self.step, self.total_steps)  # TRL's trainer_state, log_metric, log_extra
+        rewards, per_func, _ = compute_rewards(self.reward_funcs, prompts, completions, columns, cfg.reward_weights,
+                                               completion_ids=[i for ro in rollouts for i in ro.completion_id_lists],
+                                               context=context)                          # rollout/rewards
         rewards, per_func = dist.gather(rewards), dist.gather(per_func)  # [W*N], [W*N, F]: all ranks, rank-major
         scored = ~per_func.isnan().all(dim=1)  # [W*N]: False where every reward function returned None
         advantages = group_advantages(rewards, G, scale=cfg.scale_rewards, scored=scored)  # [W*N]  algo/advantages
-        sizes = [len(ro.completions) for ro in rollouts]
-        batches = [Batch(loss_rollout(ro, cfg.mask_truncated_completions), adv.to(self.policy.device))
-                   for ro, adv in zip(rollouts, dist.local(advantages).split(sizes))]
+        batches = loss_batches(rollouts, dist.local(advantages), cfg.mask_truncated_completions, self.policy.device)
         for b in batches:  # log-probs that stay fixed during the step, only when the loss uses them
             if self.generation_every > 1:  # later steps are off-policy
                 b.old_logprobs = self.policy.logprobs(b.rollout)                             # policy
@@ -162,9 +163,9 @@ class Trainer:
         lengths = dist.gather(torch.cat([ro.completion_mask.sum(1) for ro in rollouts]).float())  # [W*N]
         truncated = dist.gather(torch.cat([ro.truncated for ro in rollouts]).float())  # [W*N]
         metrics = {**reward_metrics(rewards, per_func, self.reward_names), **length_metrics(lengths, truncated),
-                   "frac_reward_zero_std": zero_std_fraction(rewards, G, scored),
+                   "frac_reward_zero_std": zero_std_fraction(rewards, G, scored), **context.metrics_over(dist),
                    "perf/generate_s": generate_s, "perf/tokens_per_s": lengths.sum().item() / generate_s}
-        return Generation(batches, metrics, Scored(prompts, completions, rewards, per_func, advantages))
+        return Generation(batches, metrics, Scored(prompts, completions, rewards, per_func, advantages, context.extras))
 
     def accumulate(self, batches: list[Batch]) -> dict:
         """Back-propagate the loss of every micro-batch, each normalized as `loss_type` says with the step's

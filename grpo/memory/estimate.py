@@ -7,8 +7,9 @@ float32 adapters; QLoRA stores the body's linear weights as 4-bit NF4. On CPU ev
 `bf16=True` asks for the same plan there.
 Generation samples a micro-batch's whole prompts at a time (per_device_train_batch_size completions, at least one
 group of num_generations) with a KV cache, outside autocast (so in the weights' dtype), and keeps the whole
-generation batch (steps_per_generation micro-batches) until it is trained on. The loss runs per micro-batch: activations of the whole micro-batch, the LM head applied in
-chunks of `logprob_chunk_size` token rows (float32 logits), and the head's gradient in backward.
+generation batch (steps_per_generation micro-batches) until it is trained on. The loss runs per micro-batch:
+activations of the whole micro-batch, the LM head applied in chunks of `logprob_chunk_size` token rows (float32
+logits), and the head's gradient in backward.
 
 Peak = the largest of six moments: generation, the end of a micro-batch's forward, the start of its backward,
 the recomputation of a layer (gradient checkpointing), the end of the backward, and the optimizer step.

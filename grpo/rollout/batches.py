@@ -30,6 +30,7 @@ class Scored:
     rewards: torch.Tensor  # [W*N] weighted sum over the reward functions
     per_func: torch.Tensor  # [W*N, F] each function's reward, NaN where it returned None
     advantages: torch.Tensor  # [W*N]
+    extras: dict = dataclasses.field(default_factory=dict)  # this rank's reward functions' log_extra columns
 
 
 @dataclass
@@ -51,6 +52,21 @@ def generation_from_dict(saved: dict, device: torch.device) -> Generation:
 
 def to_device(value, device: torch.device):
     return value.to(device) if isinstance(value, torch.Tensor) else value
+
+
+def loss_batches(rollouts: list[Rollout], advantages: torch.Tensor, mask_truncated: bool,
+                 device: torch.device) -> list[Batch]:
+    """The micro-batches as the loss takes them, each with its rows of `advantages` [N] (this rank's)."""
+    sizes = [len(r.completions) for r in rollouts]
+    return [Batch(loss_rollout(r, mask_truncated), a.to(device)) for r, a in zip(rollouts, advantages.split(sizes))]
+
+
+def sample_batch(sample, prompts: list, per_device: int, num_generations: int, pad_id: int) -> list[Rollout]:
+    """A generation batch's micro-batches of `per_device` rows: `sample(prompts) -> Rollout` (our decoder or a
+    rollout_func) is called on a micro-batch's worth of whole prompts at a time (at least one), so the KV cache
+    is a micro-batch's, then the rows are regrouped."""
+    k = max(1, per_device // num_generations)
+    return regroup([sample(prompts[i:i + k]) for i in range(0, len(prompts), k)], per_device, pad_id)
 
 
 def regroup(rollouts: list[Rollout], size: int, pad_id: int) -> list[Rollout]:

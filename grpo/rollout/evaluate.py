@@ -46,7 +46,7 @@ def evaluate(model, tokenizer, dataset, reward_funcs, *, accuracy_func: str, for
     if limit is not None:
         dataset = dataset.select(range(min(limit, len(dataset))))
     encode = PromptEncoder(tokenizer, max_prompt_length)
-    completions, lengths = [], []
+    completions, completion_ids, lengths = [], [], []
     t0 = time.perf_counter()
     for start in tqdm(range(0, len(dataset), batch_size), desc="eval", leave=False, disable=not progress):
         prompts = dataset[start:start + batch_size]["prompt"]
@@ -54,10 +54,12 @@ def evaluate(model, tokenizer, dataset, reward_funcs, *, accuracy_func: str, for
                                             max_completion_length=max_completion_length, temperature=1.0,
                                             top_p=1.0, top_k=0))
         completions += rollout.completions
+        completion_ids += rollout.completion_id_lists
         lengths.append(rollout.completion_mask.sum(dim=1).float())  # [b]
     columns = {k: dataset[k] for k in dataset.column_names if k != "prompt"}
     prompts = dataset["prompt"]
-    _, per_func, reward_metrics = compute_rewards(reward_funcs, prompts, completions, columns)  # per_func [N, F]
+    _, per_func, reward_metrics = compute_rewards(reward_funcs, prompts, completions, columns,
+                                                  completion_ids=completion_ids)  # per_func [N, F]
     metrics = {"eval/accuracy": full_marks_rate(per_func[:, names.index(accuracy_func)])}
     if format_func is not None:
         metrics["eval/format"] = full_marks_rate(per_func[:, names.index(format_func)])
