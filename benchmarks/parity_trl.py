@@ -51,9 +51,9 @@ def digit_share(completions, **kwargs):
     return [sum(c.isdigit() for c in t) / max(1, len(t)) for t in completions]
 
 
-def run_ours(model, tokenizer, loss_type: str, steps: int, out: str):
+def run_ours(model, tokenizer, loss_type: str, steps: int, out: str, shared: dict):
     config = Config(output_dir=out, max_steps=steps, loss_type=loss_type, optim="adamw", bf16=False,
-                    save_steps=10**6, **SHARED)
+                    save_steps=10**6, **shared)
     trainer = Trainer(config, model=model, tokenizer=tokenizer, reward_funcs=[digit_share],
                       train_dataset=Dataset.from_list([{"prompt": PROMPT}] * 64),
                       rollout_func=fixed_rollout_func(tokenizer, SHARED["max_completion_length"]))
@@ -61,7 +61,7 @@ def run_ours(model, tokenizer, loss_type: str, steps: int, out: str):
     return trainer.model, [{"loss": h["loss"], "kl": h["kl"]} for h in history]
 
 
-def run_trl(model_dir: str, tokenizer, loss_type: str, steps: int, out: str):
+def run_trl(model_dir: str, tokenizer, loss_type: str, steps: int, out: str, shared: dict):
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     import trl.trainer.grpo_trainer
     from trl import GRPOConfig, GRPOTrainer
@@ -72,7 +72,7 @@ def run_trl(model_dir: str, tokenizer, loss_type: str, steps: int, out: str):
 
     args = GRPOConfig(output_dir=out, max_steps=steps, loss_type=loss_type, optim="adamw_torch", bf16=False,
                       use_cpu=True, logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True,
-                      dataloader_num_workers=0, **SHARED)
+                      dataloader_num_workers=0, **shared)
     # A path, not the model object: with beta > 0 TRL loads its reference model from the same path.
     trainer = GRPOTrainer(model=model_dir, reward_funcs=[digit_share], args=args, processing_class=tokenizer,
                           train_dataset=Dataset.from_list([{"prompt": PROMPT}] * 64),
@@ -82,13 +82,16 @@ def run_trl(model_dir: str, tokenizer, loss_type: str, steps: int, out: str):
     return trainer.model, [{"loss": h["loss"], "kl": h.get("kl", 0.0)} for h in logs]
 
 
-def compare(loss_type: str, steps: int = 2) -> dict:
+def compare(loss_type: str, steps: int = 2, **settings) -> dict:
+    """One loss type on both sides; `settings` override SHARED (e.g. steps_per_generation)."""
+    shared = {**SHARED, **settings}
     tokenizer = train_tokenizer(CORPUS, vocab_size=200)
     model = model_for(tokenizer, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, seed=0)
     with tempfile.TemporaryDirectory() as out:
         model.save_pretrained(os.path.join(out, "model"))
-        ours, our_logs = run_ours(copy.deepcopy(model), tokenizer, loss_type, steps, os.path.join(out, "ours"))
-        theirs, trl_logs = run_trl(os.path.join(out, "model"), tokenizer, loss_type, steps, os.path.join(out, "trl"))
+        ours, our_logs = run_ours(copy.deepcopy(model), tokenizer, loss_type, steps, os.path.join(out, "ours"), shared)
+        theirs, trl_logs = run_trl(os.path.join(out, "model"), tokenizer, loss_type, steps, os.path.join(out, "trl"),
+                                   shared)
     theirs_by_name = dict(theirs.named_parameters())
     diff = max((p - theirs_by_name[n]).abs().max().item() for n, p in ours.named_parameters())
     moved = max((p - q).abs().max().item() for p, q in zip(ours.parameters(), model.parameters()))
@@ -100,9 +103,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--loss_types", default=",".join(LOSS_TYPES))
     parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--steps_per_generation", type=int, default=None,
+                        help="e.g. 2 with --gradient_accumulation_steps=1: one generation batch feeds 2 steps")
+    parser.add_argument("--gradient_accumulation_steps", type=int, default=SHARED["gradient_accumulation_steps"])
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    rows = [compare(t, args.steps) for t in args.loss_types.split(",")]
+    settings = dict(gradient_accumulation_steps=args.gradient_accumulation_steps,
+                    steps_per_generation=args.steps_per_generation)
+    rows = [compare(t, args.steps, **settings) for t in args.loss_types.split(",")]
     print(f"{'loss_type':<10}{'max |dw|':>12}{'max change':>12}  loss ours / TRL per step, kl ours / TRL per step")
     for r in rows:
         losses = " ".join(f"{a['loss']:.6f}/{b['loss']:.6f}" for a, b in zip(r["ours"], r["trl"]))

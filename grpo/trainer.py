@@ -59,13 +59,12 @@ class Trainer:
         self.model = prepare_for_training(model if model is not None else load_model(config, self.precision), config,
                                           self.dist.world_size)
         self.policy = Policy(self.model, self.tokenizer, config, self.dist, self.precision)
-        self.sample = self.policy.sample if rollout_func is None else CustomRollouts(
-            rollout_func, self, self.tokenizer, self.model, config.num_generations, config.max_completion_length)
+        self.sample = self.policy.sample if rollout_func is None else CustomRollouts(rollout_func, self)
         self.prompts = PromptStream(train_dataset, config.seed)
-        self.steps_per_generation = steps_per_generation(  # micro-batches per generation batch, on each rank
+        # Micro-batches per generation batch (each rank), the optimizer steps it feeds (num_iterations each), prompts.
+        self.steps_per_generation = steps_per_generation(
             config.per_device_train_batch_size, config.gradient_accumulation_steps, config.steps_per_generation,
             config.generation_batch_size, config.num_generations, self.dist.world_size)
-        # Optimizer steps one generation batch feeds (each step-sized slice num_iterations times), and its prompts.
         self.generation_every = self.steps_per_generation // config.gradient_accumulation_steps * config.num_iterations
         self.prompts_per_generation = self.steps_per_generation * config.per_device_train_batch_size \
             * self.dist.world_size // config.num_generations
@@ -170,9 +169,10 @@ class Trainer:
     def accumulate(self, batches: list[Batch]) -> dict:
         """Back-propagate the loss of every micro-batch, each normalized as `loss_type` says with the step's
         counts over all ranks (so the ranks' summed gradients are those of the step's loss); returns metrics."""
-        cfg = self.config
-        tokens = {"tokens": sum(b.rollout.completion_mask.sum().item() for b in batches)}
-        num_tokens = self.dist.reduce(tokens)["tokens"]  # the step's, over all ranks (dapo, cispo)
+        cfg, generation = self.config, self.generation.batches
+        # Tokens over all ranks: the step's, and the generation batch's per step it feeds (TRL's dapo/cispo divisor).
+        tokens = self.dist.reduce({"step": sum(b.tokens for b in batches), "all": sum(b.tokens for b in generation)})
+        num_tokens, divisor = tokens["step"], tokens["all"] * len(batches) / len(generation)
         totals: dict[str, float] = {"kl": 0.0}  # logged as 0 when there is no reference
         for i, b in enumerate(batches):
             with self.policy.parallel.sync_gradients(i == len(batches) - 1):
@@ -180,7 +180,7 @@ class Trainer:
                 old_logprobs = b.old_logprobs if b.old_logprobs is not None else logprobs.detach()
                 loss, m = policy_loss(                                                         # algo/loss
                     logprobs, old_logprobs, b.ref_logprobs, b.advantages, b.rollout.completion_mask,
-                    entropies=entropies, **cfg.loss_settings(), num_tokens=num_tokens,
+                    entropies=entropies, **cfg.loss_settings(), num_tokens=divisor,
                     num_micro_batches=len(batches) * self.dist.world_size,
                 )
                 self.policy.parallel.backward(loss)

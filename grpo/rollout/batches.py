@@ -19,6 +19,11 @@ class Batch:
     old_logprobs: torch.Tensor | None = None  # [N, C], only when num_iterations > 1
     ref_logprobs: torch.Tensor | None = None  # [N, C], only when beta > 0
 
+    @property
+    def tokens(self) -> int:
+        """Completion tokens the loss counts."""
+        return int(self.rollout.completion_mask.sum().item())
+
 
 @dataclass
 class Scored:

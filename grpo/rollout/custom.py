@@ -22,10 +22,11 @@ class RolloutFuncError(UserError):
 class CustomRollouts:
     """Stands in for `Policy.sample`: prompts in, a Rollout of num_generations completions each out."""
 
-    def __init__(self, rollout_func, trainer, tokenizer, model, num_generations: int, max_completion_length: int):
-        self.rollout_func, self.trainer, self.tokenizer = rollout_func, trainer, tokenizer
-        self.eos_ids, self.device = eos_token_ids(tokenizer, model), next(model.parameters()).device
-        self.num_generations, self.max_completion_length = num_generations, max_completion_length
+    def __init__(self, rollout_func, trainer):
+        self.rollout_func, self.trainer, self.tokenizer = rollout_func, trainer, trainer.tokenizer
+        self.eos_ids, self.device = eos_token_ids(trainer.tokenizer, trainer.model), trainer.policy.device
+        self.num_generations = trainer.config.num_generations
+        self.max_completion_length = trainer.config.max_completion_length
 
     def __call__(self, prompts: list) -> Rollout:
         repeated = [p for p in prompts for _ in range(self.num_generations)]
