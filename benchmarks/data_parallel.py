@@ -55,8 +55,8 @@ def main() -> None:
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
            "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]),
            "GRPO_WORKER_DEVICE": args.device, "GRPO_WORKER_MODEL": args.model, "GRPO_WORKER_OVERRIDES": overrides}
-    # The 1-process reference takes the global batch: per_device_train_batch_size=1 on each of N ranks.
-    single_env = {**env, "GRPO_WORKER_OVERRIDES": f"{overrides} --per_device_train_batch_size={args.nproc}"}
+    # The 1-process reference takes the global batch: per_device_train_batch_size=4 (1 prompt x 4) on each of N ranks.
+    single_env = {**env, "GRPO_WORKER_OVERRIDES": f"{overrides} --per_device_train_batch_size={4 * args.nproc}"}
     run([sys.executable, str(WORKER), str(out), "fixed_single"], single_env, args.timeout)
     run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
          str(WORKER), str(out), "fixed_ddp", "fixed_fsdp"], env, args.timeout)

@@ -56,7 +56,7 @@ from grpo import Config
 from gpu_check_child import LLAMA_1B, architecture, checksum, random_model
 
 config = Config(model=LLAMA_1B, output_dir={out!r}, use_lora=True, gradient_checkpointing=True, stop_at_eos=False,
-                num_generations=4, max_prompt_length=256, max_completion_length=786, per_device_train_batch_size=4096)
+                num_generations=4, max_prompt_length=256, max_completion_length=786, per_device_train_batch_size=16384)
 reward_funcs = [checksum]
 train_dataset = Dataset.from_list([{{"prompt": "x" * 256}}] * 4096)
 

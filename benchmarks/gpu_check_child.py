@@ -227,7 +227,7 @@ def step(tiny: bool = False, root: str = "") -> dict:
     (line,) = trainer.train()
     planned = estimate(arch, config, "cuda")
     return {"seconds": seconds, "step_s": line["perf/step_s"], "tokens_per_s": line["perf/tokens_per_s"],
-            "generated_tokens": line["completions/mean_length"] * config.num_generations
+            "generated_tokens": line["completions/mean_length"] * config.per_device_train_batch_size
             * config.gradient_accumulation_steps, "loss": line["loss"],
             "changed_fraction": moved_fraction(trainer, before),
             "dtype_problems": dtype_problems(trainer), "peak_gb": peak_gb(),
@@ -241,7 +241,7 @@ def one_step(mode: str, tiny: bool = False, root: str = "") -> dict:
     arch = architecture(QWEN_05B, tiny)
     settings = dict(use_lora=True, load_in_4bit=True) if mode == "qlora" else dict(use_lora=False)
     config = Config(model=model_dir(arch, root), output_dir=tempfile.mkdtemp(dir=root), max_steps=1, num_generations=4,
-                    max_prompt_length=16 if tiny else 256, max_completion_length=16 if tiny else 128,
+                    per_device_train_batch_size=4, max_prompt_length=16 if tiny else 256, max_completion_length=16 if tiny else 128,
                     stop_at_eos=False, learning_rate=1e-5, beta=0.04, optim="adamw_8bit", gradient_checkpointing=True,
                     save_steps=10**9, **settings)
     trainer = trainer_for(config)
@@ -261,7 +261,7 @@ def resume(mode: str, tiny: bool = False, root: str = "") -> dict:
     arch = architecture(QWEN_05B, tiny)
     settings = dict(use_lora=True, lora_dropout=0.05) if mode == "lora" else dict(use_lora=False)
     base = Config(model=model_dir(arch, root, num_layers=2), max_steps=2, save_steps=1, num_generations=4,
-                  gradient_accumulation_steps=2, max_prompt_length=16 if tiny else 64, max_completion_length=32,
+                  per_device_train_batch_size=4, gradient_accumulation_steps=2, max_prompt_length=16 if tiny else 64, max_completion_length=32,
                   learning_rate=1e-4, beta=0.04, optim="adamw_8bit", gradient_checkpointing=True, seed=0, **settings)
     runs = {}
     for name in ("straight", "resumed"):

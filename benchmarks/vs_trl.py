@@ -103,7 +103,7 @@ def run_ours(spec: dict, output_dir: str) -> None:
 
     config = Config(
         model=spec["model_dir"], output_dir=output_dir, max_steps=spec["steps"], bf16=spec["cuda"],
-        per_device_train_batch_size=spec["prompts_per_step"], gradient_accumulation_steps=1,
+        per_device_train_batch_size=spec["prompts_per_step"] * spec["num_generations"], gradient_accumulation_steps=1,
         num_generations=spec["num_generations"], max_completion_length=spec["completion_length"],
         stop_at_eos=False, temperature=1.0, beta=spec["beta"], learning_rate=1e-6, adam_beta2=0.99,
         weight_decay=0.0, max_grad_norm=1.0, optim=spec["optim"],
@@ -124,7 +124,7 @@ def run_trl(spec: dict, output_dir: str) -> None:
 
     args = GRPOConfig(
         output_dir=output_dir, max_steps=spec["steps"], bf16=spec["cuda"], use_cpu=not spec["cuda"],
-        # TRL counts completions per device batch; this is prompts_per_step prompts x num_generations.
+        # Completions per device batch, as ours: prompts_per_step prompts x num_generations.
         per_device_train_batch_size=spec["prompts_per_step"] * spec["num_generations"],
         gradient_accumulation_steps=1, num_generations=spec["num_generations"],
         max_completion_length=spec["completion_length"],

@@ -27,8 +27,11 @@ RULES: dict[str, tuple[typing.Callable, str]] = {
     "warmup_ratio": (lambda v: 0 <= v <= 1, "in [0, 1]"),
     "optim": (lambda v: v in OPTIMIZERS, f"one of {', '.join(OPTIMIZERS)}"),
     "max_nonfinite_steps": (lambda v: v >= 1, ">= 1"),
-    "per_device_train_batch_size": (lambda v: v >= 1, ">= 1 (prompts per micro-batch)"),
+    "per_device_train_batch_size": (lambda v: v >= 1, ">= 1 (completions per micro-batch)"),
     "gradient_accumulation_steps": (lambda v: v >= 1, ">= 1"),
+    "steps_per_generation": (lambda v: v >= 1, ">= 1, or None for gradient_accumulation_steps"),
+    "generation_batch_size": (lambda v: v >= 1, ">= 1, or None for per_device_train_batch_size x ranks x "
+                                                "steps_per_generation"),
     "num_generations": (lambda v: v >= 2, ">= 2: GRPO scores each completion against the others of its "
                                           "prompt, so a group of one has no signal"),
     "num_train_epochs": (lambda v: v > 0, "> 0"),

@@ -30,7 +30,7 @@ from .memory.known_models import (
 def table() -> str:
     """Predicted peak GB for the write-up's models and columns, with its measured TRL figures."""
     head = f"{'model':<34}" + "".join(f"{c:>8}" for c in TABLE_COLUMNS) + f"{'article full':>14}{'article LoRA':>14}"
-    lines = ["predicted peak GPU memory (GB, allocated), 1 prompt x 4 generations, 256 + 786 tokens, "
+    lines = ["predicted peak GPU memory (GB, allocated), 4 completions (1 prompt x 4), 256 + 786 tokens, "
              "4 micro-batches per step, beta=0.04, bf16", head]
     for size, name in TABLE_MODELS.items():
         arch = KNOWN[name]

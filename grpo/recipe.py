@@ -10,8 +10,9 @@ import traceback
 import types
 from dataclasses import dataclass
 
-from .config import Config, apply_overrides
+from .config import Config
 from .errors import ConfigError
+from .overrides import apply_overrides
 
 
 @dataclass
@@ -26,6 +27,8 @@ class Recipe:
     path: str = ""
     build_model: object = None
     """Optional `build_model(config) -> (model, tokenizer)`, for recipes that make their own (offline) model."""
+    rollout_func: object = None
+    """Optional TRL `rollout_func(prompts, trainer) -> {"prompt_ids", "completion_ids"}` replacing our decoder."""
 
     def resolve_model(self, config: Config) -> tuple:
         """(model, tokenizer) from the recipe's `build_model`, or (None, None) to load `config.model`."""
@@ -35,7 +38,7 @@ class Recipe:
 RECIPE_CONTRACT = (
     "a recipe must define `config` (a grpo.config.Config), `reward_funcs` (a list of reward "
     "functions) and `train_dataset` (a datasets.Dataset or a function returning one); "
-    "`eval_dataset` and `build_model(config) -> (model, tokenizer)` are optional"
+    "`eval_dataset`, `build_model(config) -> (model, tokenizer)` and `rollout_func` are optional"
 )
 _recipe_ids = itertools.count()
 
@@ -59,6 +62,7 @@ def load_recipe(path: str) -> Recipe:
         eval_dataset=_check_dataset(getattr(module, "eval_dataset", None), "eval_dataset", path),
         path=path,
         build_model=getattr(module, "build_model", None),
+        rollout_func=getattr(module, "rollout_func", None),
     )
 
 

@@ -22,7 +22,7 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE)
         return 0 if argv else 2
     try:
-        from .config import format_help
+        from .overrides import format_help
         from .recipe import load_with_overrides
 
         recipe_path, overrides = argv[0], argv[1:]
@@ -55,7 +55,7 @@ def run(recipe, config, argv: list[str]) -> int:
     try:
         model, tokenizer = recipe.resolve_model(config)
         trainer = Trainer(config, model=model, tokenizer=tokenizer, reward_funcs=recipe.reward_funcs,
-                          train_dataset=train_dataset, eval_dataset=eval_dataset)
+                          train_dataset=train_dataset, eval_dataset=eval_dataset, rollout_func=recipe.rollout_func)
         trainer.train()
     except TrainingInterrupted as e:
         saved = f"saved {e.checkpoint}\n{resume_hint(argv, e.checkpoint)}" if e.checkpoint else "nothing to save yet"

@@ -21,10 +21,11 @@ from .policy.optim import build_optimizer, build_scheduler, optimizer_step, set_
 from .policy.parallel import check_settings as check_parallel_settings
 from .policy.policy import Policy
 from .policy.precision import Precision
-from .rollout.batches import Batch, Generation, Scored, generation_from_dict, length_metrics, loss_rollout
-from .rollout.evaluate import check_eval_funcs, evaluate
-from .rollout.prompts import PromptStream, check_dataset, per_completion, total_steps
-from .rollout.rewards import compute_rewards, reward_func_names, reward_metrics
+from .rollout.batches import Batch, Generation, Scored, generation_from_dict, length_metrics, loss_batches, sample_batch
+from .rollout.custom import CustomRollouts
+from .rollout.evaluate import check_eval_setup, evaluate
+from .rollout.prompts import PromptStream, check_dataset, per_completion, steps_per_generation, total_steps
+from .rollout.rewards import RewardContext, compute_rewards, reward_func_names, reward_metrics
 from .run import checkpoint, elastic
 from .run.interrupts import StepAbandoned, StopSignals, TrainingInterrupted
 from .run.logs import log_completions, log_eval, log_metrics, peak_memory_gb
@@ -35,7 +36,7 @@ class Trainer:
     """GRPO on `model` (or `config.model`), rewarded by `reward_funcs`, over `train_dataset` prompts."""
 
     def __init__(self, config: Config, model=None, tokenizer=None, reward_funcs=(), train_dataset=None,
-                 eval_dataset=None):
+                 eval_dataset=None, rollout_func=None):
         if not reward_funcs:
             raise ConfigError("Trainer needs at least one reward function")
         check_dataset(train_dataset)
@@ -43,10 +44,7 @@ class Trainer:
         self.reward_funcs = list(reward_funcs)
         self.reward_names = reward_func_names(self.reward_funcs)
         self.eval_dataset = eval_dataset
-        if config.eval_steps > 0 or config.eval_on_start:
-            if eval_dataset is None:
-                raise ConfigError("eval_steps / eval_on_start need an eval_dataset")
-            check_eval_funcs(self.reward_funcs, config.eval_accuracy_func, config.eval_format_func)
+        check_eval_setup(config, eval_dataset, self.reward_funcs)
         check_load_options(config, model_given=model is not None)
         checkpoint.check_output_dir(config.output_dir)
         self.dist = setup_distributed()  # world size 1 without torchrun
@@ -59,11 +57,17 @@ class Trainer:
         self.model = prepare_for_training(model if model is not None else load_model(config, self.precision), config,
                                           self.dist.world_size)
         self.policy = Policy(self.model, self.tokenizer, config, self.dist, self.precision)
+        self.sample = self.policy.sample if rollout_func is None else CustomRollouts(rollout_func, self)
         self.prompts = PromptStream(train_dataset, config.seed)
-        self.prompts_per_step = (config.per_device_train_batch_size * config.gradient_accumulation_steps
-                                 * self.dist.world_size)
-        self.total_steps = total_steps(len(train_dataset), self.prompts_per_step, config.num_train_epochs,
-                                       config.max_steps, config.num_iterations)
+        # Micro-batches per generation batch (each rank), the optimizer steps it feeds (num_iterations each), prompts.
+        self.steps_per_generation = steps_per_generation(
+            config.per_device_train_batch_size, config.gradient_accumulation_steps, config.steps_per_generation,
+            config.generation_batch_size, config.num_generations, self.dist.world_size)
+        self.generation_every = self.steps_per_generation // config.gradient_accumulation_steps * config.num_iterations
+        self.prompts_per_generation = self.steps_per_generation * config.per_device_train_batch_size \
+            * self.dist.world_size // config.num_generations
+        self.total_steps = total_steps(len(train_dataset), self.prompts_per_generation, config.num_train_epochs,
+                                       config.max_steps, self.generation_every)
         self.optimizer = build_optimizer(self.model.parameters(), config.optim, config.learning_rate,
                                          (config.adam_beta1, config.adam_beta2), config.weight_decay)
         self.scheduler = build_scheduler(self.optimizer, self.total_steps, config.warmup_ratio,
@@ -115,54 +119,58 @@ class Trainer:
         return history
 
     def run_step(self, signals: StopSignals) -> dict:
-        """One optimizer step, sampling a new generation batch every `num_iterations` steps."""
+        """One optimizer step on the next gradient_accumulation_steps micro-batches of the generation batch,
+        sampling a new one every `generation_every` steps (TRL's steps_per_generation x num_iterations)."""
         with self._undone_on_failure(signals):
-            if self.step % self.config.num_iterations == 0 or self.generation is None:  # None: resumed elastically
+            if self.step % self.generation_every == 0 or self.generation is None:  # None: resumed elastically
                 self.generation = self.generate()
-            totals = self.accumulate(self.generation.batches)
+            k = self.config.gradient_accumulation_steps
+            first = self.step % (self.steps_per_generation // k) * k
+            totals = self.accumulate(self.generation.batches[first:first + k])
         metrics = {**self.generation.metrics, **self.apply_update(totals)}
         self.step += 1
         return metrics
 
     @torch.no_grad()
     def generate(self) -> Generation:
-        """Sample every micro-batch of one step, score it, and attach what the loss needs to each."""
+        """Sample a generation batch, score it, and cut it into micro-batches with what the loss needs."""
         cfg, G, dist = self.config, self.config.num_generations, self.dist
         t0 = time.perf_counter()
-        # Every rank draws the same global micro-batches and keeps its own share of whole prompts.
-        rows = [dist.shard(self.prompts.next(cfg.per_device_train_batch_size * dist.world_size))
-                for _ in range(cfg.gradient_accumulation_steps)]                           # rollout/prompts
-        rollouts = [self.policy.sample(r["prompt"]) for r in rows]                       # rollout/sampling
+        # Every rank draws the same global prompts and keeps its own share of whole prompts.
+        rows = dist.shard(self.prompts.next(self.prompts_per_generation))                   # rollout/prompts
+        rollouts = sample_batch(self.sample, rows["prompt"], cfg.per_device_train_batch_size, G,
+                                self.tokenizer.pad_token_id)                                # rollout/batches
         generate_s = dist.reduce({"s": time.perf_counter() - t0}, "max")["s"]  # the slowest rank's
         self.policy.check_head_once(rollouts[0])  # first step: our log-probs vs the model's own   policy
-        columns = per_completion({k: [v for r in rows for v in r[k]] for k in rows[0]}, G)
+        columns = per_completion(rows, G)
         prompts, completions = columns.pop("prompt"), [c for ro in rollouts for c in ro.completions]
-        rewards, per_func, _ = compute_rewards(self.reward_funcs, prompts, completions, columns,
-                                               cfg.reward_weights)                       # rollout/rewards
+        context = RewardContext(self.step, self.total_steps)  # TRL's trainer_state, log_metric, log_extra
+        rewards, per_func, _ = compute_rewards(self.reward_funcs, prompts, completions, columns, cfg.reward_weights,
+                                               completion_ids=[i for ro in rollouts for i in ro.completion_id_lists],
+                                               context=context)                          # rollout/rewards
         rewards, per_func = dist.gather(rewards), dist.gather(per_func)  # [W*N], [W*N, F]: all ranks, rank-major
         scored = ~per_func.isnan().all(dim=1)  # [W*N]: False where every reward function returned None
         advantages = group_advantages(rewards, G, scale=cfg.scale_rewards, scored=scored)  # [W*N]  algo/advantages
-        sizes = [len(ro.completions) for ro in rollouts]
-        batches = [Batch(loss_rollout(ro, cfg.mask_truncated_completions), adv.to(self.policy.device))
-                   for ro, adv in zip(rollouts, dist.local(advantages).split(sizes))]
+        batches = loss_batches(rollouts, dist.local(advantages), cfg.mask_truncated_completions, self.policy.device)
         for b in batches:  # log-probs that stay fixed during the step, only when the loss uses them
-            if cfg.num_iterations > 1:
+            if self.generation_every > 1:  # later steps are off-policy
                 b.old_logprobs = self.policy.logprobs(b.rollout)                             # policy
             if self.policy.has_reference:
                 b.ref_logprobs = self.policy.reference_logprobs(b.rollout)                   # policy
         lengths = dist.gather(torch.cat([ro.completion_mask.sum(1) for ro in rollouts]).float())  # [W*N]
         truncated = dist.gather(torch.cat([ro.truncated for ro in rollouts]).float())  # [W*N]
         metrics = {**reward_metrics(rewards, per_func, self.reward_names), **length_metrics(lengths, truncated),
-                   "frac_reward_zero_std": zero_std_fraction(rewards, G, scored),
+                   "frac_reward_zero_std": zero_std_fraction(rewards, G, scored), **context.metrics_over(dist),
                    "perf/generate_s": generate_s, "perf/tokens_per_s": lengths.sum().item() / generate_s}
-        return Generation(batches, metrics, Scored(prompts, completions, rewards, per_func, advantages))
+        return Generation(batches, metrics, Scored(prompts, completions, rewards, per_func, advantages, context.extras))
 
     def accumulate(self, batches: list[Batch]) -> dict:
         """Back-propagate the loss of every micro-batch, each normalized as `loss_type` says with the step's
         counts over all ranks (so the ranks' summed gradients are those of the step's loss); returns metrics."""
-        cfg = self.config
-        tokens = {"tokens": sum(b.rollout.completion_mask.sum().item() for b in batches)}
-        num_tokens = self.dist.reduce(tokens)["tokens"]  # the step's, over all ranks (dapo, cispo)
+        cfg, generation = self.config, self.generation.batches
+        # Tokens over all ranks: the step's, and the generation batch's per step it feeds (TRL's dapo/cispo divisor).
+        tokens = self.dist.reduce({"step": sum(b.tokens for b in batches), "all": sum(b.tokens for b in generation)})
+        num_tokens, divisor = tokens["step"], tokens["all"] * len(batches) / len(generation)
         totals: dict[str, float] = {"kl": 0.0}  # logged as 0 when there is no reference
         for i, b in enumerate(batches):
             with self.policy.parallel.sync_gradients(i == len(batches) - 1):
@@ -170,7 +178,7 @@ class Trainer:
                 old_logprobs = b.old_logprobs if b.old_logprobs is not None else logprobs.detach()
                 loss, m = policy_loss(                                                         # algo/loss
                     logprobs, old_logprobs, b.ref_logprobs, b.advantages, b.rollout.completion_mask,
-                    entropies=entropies, **cfg.loss_settings(), num_tokens=num_tokens,
+                    entropies=entropies, **cfg.loss_settings(), num_tokens=divisor,
                     num_micro_batches=len(batches) * self.dist.world_size,
                 )
                 self.policy.parallel.backward(loss)
@@ -230,7 +238,7 @@ class Trainer:
     def log(self, metrics: dict) -> dict:
         """Every rank calls it (it gathers); rank 0 writes. Timings and memory are the slowest / largest rank's."""
         line = log_metrics(self.output_dir, self.step, metrics, self.dist, self.trackers)
-        if (self.step - 1) % self.config.num_iterations == 0:  # once per generation batch, not per pass
+        if (self.step - 1) % self.generation_every == 0:  # once per generation batch, not per pass
             log_completions(self.output_dir, self.step, self.generation.scored, self.reward_names, self.dist, self.trackers)
         return line
 
@@ -239,7 +247,7 @@ class Trainer:
         """Everything besides the weights that resuming needs: optimizer, schedule, data position, step and
         skipped-step counters, each rank's RNG states and a generation batch later steps still use. Under
         torchrun every rank calls it (gathering is collective); rank 0 gets the whole."""
-        mid_batch = self.step % self.config.num_iterations != 0
+        mid_batch = self.step % self.generation_every != 0
         own = {"rng": checkpoint.rng_state(), "generation": asdict(self.generation) if mid_batch else None}
         return {"step": self.step, "optimizer": self.policy.parallel.optimizer_state(self.optimizer),
                 "scheduler": self.scheduler.state_dict(), "prompts": self.prompts.state_dict(),

@@ -12,7 +12,7 @@ TRL_ONLY = frozenset("""
     ddp_find_unused_parameters ddp_static_graph ddp_timeout debug deepspeed disable_dropout disable_tqdm do_eval
     do_predict do_train ds3_gather_for_generation enable_jit_checkpoint entropy_coef entropy_coef_delta
     entropy_coef_max entropy_coef_min entropy_target eval_accumulation_steps eval_delay eval_do_concat_batches
-    eval_strategy eval_use_gather_object fp16 fp16_full_eval fsdp_config full_determinism generation_batch_size
+    eval_strategy eval_use_gather_object fp16 fp16_full_eval fsdp_config full_determinism
     generation_kwargs gradient_checkpointing_kwargs greater_is_better hub_always_push hub_model_id
     hub_private_repo hub_revision hub_strategy hub_token ignore_data_skip include_for_metrics
     include_num_input_tokens_seen label_names label_smoothing_factor length_column_name liger_kernel_config
@@ -24,7 +24,7 @@ TRL_ONLY = frozenset("""
     parallelism_config per_device_eval_batch_size prediction_loss_only project push_to_hub ref_model_mixup_alpha
     ref_model_sync_steps remove_unused_columns repetition_penalty
     restore_callback_states_from_checkpoint router_aux_loss_coef run_name save_on_each_node save_only_model
-    save_strategy shuffle_dataset skip_memory_metrics steps_per_generation sync_ref_model tf32 torch_compile
+    save_strategy shuffle_dataset skip_memory_metrics sync_ref_model tf32 torch_compile
     torch_compile_backend torch_compile_mode torch_empty_cache_steps trackio_bucket_id trackio_space_id
     trackio_static_space_id train_sampling_strategy transformers_continuous_batching_config trust_remote_code
     use_adaptive_entropy use_cache use_cpu use_liger_kernel use_transformers_continuous_batching
@@ -47,7 +47,7 @@ TRL_REASONS = {
     "ds3_gather_for_generation": "DeepSpeed is not used here; torchrun with --fsdp=true shards the model",
     "deepspeed": "DeepSpeed is not used here; torchrun with --fsdp=true shards the model",
     "fsdp_config": "--fsdp=true under torchrun is the one FSDP (FSDP2) setting",
-    "generation_batch_size": _LATER, "steps_per_generation": _LATER, "min_p": _LATER,
+    "min_p": _LATER,
     "repetition_penalty": _LATER, "generation_kwargs": _LATER, "chat_template_kwargs": _LATER,
     "logging_strategy": "logging_steps sets when a metrics line is written", "run_name": _LOGGING,
     "warmup_steps": "set warmup_ratio (the share of the optimizer steps: transformers 5's warmup_steps < 1)",

@@ -13,7 +13,7 @@ from grpo.tasks.tiny import model_for, train_tokenizer
 config = Config(
     output_dir="runs/tiny",
     max_steps=20,
-    per_device_train_batch_size=4,
+    per_device_train_batch_size=16,  # completions: 4 prompts x 4 generations per micro-batch, as before
     gradient_accumulation_steps=1,
     num_generations=4,
     max_prompt_length=32,

@@ -21,14 +21,14 @@ from tiny_setup import digit_prompts, digit_share, tiny_model, tiny_tokenizer
 
 import grpo.policy.policy
 from grpo import Config, Trainer
-from grpo.config import apply_overrides
+from grpo.overrides import apply_overrides
 from grpo.policy.distributed import setup
 from grpo.rollout.sampling import Rollout, completion_mask_after_eos, eos_token_ids
 from grpo.tasks.tiny import model_for
 
-# The 2-rank runs use per_device_train_batch_size=1: one prompt per rank per micro-batch. The 1-process
-# reference takes the same global batch as 2 prompts per micro-batch.
-BASE = dict(max_steps=2, per_device_train_batch_size=1, gradient_accumulation_steps=2, num_generations=4,
+# The 2-rank runs use per_device_train_batch_size=4: one prompt's 4 completions per rank per micro-batch. The
+# 1-process reference takes the same global batch as 2 prompts (8 completions) per micro-batch.
+BASE = dict(max_steps=2, per_device_train_batch_size=4, gradient_accumulation_steps=2, num_generations=4,
             max_prompt_length=16, max_completion_length=8, learning_rate=1e-2, optim="adamw", beta=0.04,
             seed=0, save_steps=1,
             # The defaults before TRL's: with TRL's (checkpointing on, beta2 0.999, bias-corrected KL) 1 and 2
@@ -38,11 +38,11 @@ BASE = dict(max_steps=2, per_device_train_batch_size=1, gradient_accumulation_st
             gradient_checkpointing=False, adam_beta2=0.99, use_bias_correction_kl=False)
 EVAL = dict(eval_steps=1, eval_limit=3, eval_accuracy_func="digit_share", eval_format_func=None)
 RUNS = {
-    "fixed_single": dict(per_device_train_batch_size=2),
+    "fixed_single": dict(per_device_train_batch_size=8),
     "fixed_ddp": {},
     "fixed_fsdp": dict(fsdp=True),
     "fixed_fsdp_bf16": dict(fsdp=True, bf16=True),  # CUDA's mixed precision (bf16 gathers), rehearsed on gloo
-    "fixed_single_lora": dict(per_device_train_batch_size=2, use_lora=True, lora_r=4, lora_dropout=0.0,
+    "fixed_single_lora": dict(per_device_train_batch_size=8, use_lora=True, lora_r=4, lora_dropout=0.0,
                               gradient_checkpointing=True, scale_rewards="batch"),
     "fixed_ddp_lora": dict(use_lora=True, lora_r=4, lora_dropout=0.0, gradient_checkpointing=True,
                            scale_rewards="batch"),
@@ -58,10 +58,10 @@ RUNS = {
     "resumed_fsdp": dict(max_steps=6, save_steps=3, num_iterations=2, max_completion_length=12, fsdp=True),
     # `elastic_*`: the same global batch (4 prompts per step) on 1 and 2 ranks; `*_to_*` resume the other one's
     # checkpoint (ELASTIC_RESUMES): 1 -> 2 from the middle of a generation batch, 2 -> 1 from its end.
-    "elastic_one": dict(per_device_train_batch_size=2, num_iterations=2),
+    "elastic_one": dict(per_device_train_batch_size=8, num_iterations=2),
     "elastic_two": dict(num_iterations=2),
     "elastic_one_to_two": dict(num_iterations=2, max_steps=3),
-    "elastic_two_to_one": dict(per_device_train_batch_size=2, num_iterations=2, max_steps=3),
+    "elastic_two_to_one": dict(per_device_train_batch_size=8, num_iterations=2, max_steps=3),
 }
 ELASTIC_RESUMES = {"elastic_one_to_two": "elastic_one/checkpoint-1", "elastic_two_to_one": "elastic_two/checkpoint-2"}
 

@@ -7,9 +7,11 @@ float32 adapters; QLoRA stores the body's linear weights as 4-bit NF4. On CPU ev
 `bf16=True` asks for the same plan there. With `bf16_weights` (full fine-tuning, either device) weights,
 gradients, activations and the reference are bf16, the optimizer states stay as they are, and the optimizer
 updates slices of float32 copies.
-Generation samples each micro-batch of prompts x num_generations with a KV cache, outside autocast (so in the
-weights' dtype). The loss runs per micro-batch: activations of the whole micro-batch, the LM head applied in
-chunks of `logprob_chunk_size` token rows (float32 logits), and the head's gradient in backward.
+Generation samples a micro-batch's whole prompts at a time (per_device_train_batch_size completions, at least one
+group of num_generations) with a KV cache, outside autocast (so in the weights' dtype), and keeps the whole
+generation batch (steps_per_generation micro-batches) until it is trained on. The loss runs per micro-batch:
+activations of the whole micro-batch, the LM head applied in chunks of `logprob_chunk_size` token rows (float32
+logits), and the head's gradient in backward.
 
 Peak = the largest of six moments: generation, the end of a micro-batch's forward, the start of its backward,
 the recomputation of a layer (gradient checkpointing), the end of the backward, and the optimizer step.
@@ -189,7 +191,9 @@ def estimate(a: Architecture, s, device: str = "cuda") -> Estimate:
     prompts counted at max_prompt_length (the worst case); see the module docstring."""
     d = _dtypes(s, device)
     V, H, L = a.vocab_size, a.hidden_size, a.num_layers
-    N = s.per_device_train_batch_size * s.num_generations  # sequences per micro-batch
+    N = s.per_device_train_batch_size  # sequences per micro-batch (TRL 1.16: completions)
+    # Sampling runs a micro-batch's whole prompts at a time, at least one prompt's group.
+    N_sample = max(1, N // s.num_generations) * s.num_generations
     P, C = s.max_prompt_length, s.max_completion_length
     T = P + C
     quantized = s.use_lora and s.load_in_4bit
@@ -205,14 +209,16 @@ def estimate(a: Architecture, s, device: str = "cuda") -> Estimate:
     parts["optimizer states"] = _optimizer_bytes(trainable, s.optim)
     copy = reference_kind(s.use_lora, s.beta) == "copy"
     parts["reference model"] = a.num_params() * (2 if d.autocast or d.base == 2 else 4) if copy else 0.0  # bf16 copy
-    rollout_rows = N * s.gradient_accumulation_steps
+    rollout_rows = N * (s.steps_per_generation or s.gradient_accumulation_steps)  # a generation batch's rows
+    if s.generation_batch_size:  # one rank's share is modelled as the whole (ranks are not known here)
+        rollout_rows = s.generation_batch_size
     parts["rollouts"] = rollout_rows * (T * 8 * 2 + C * 4 * (2 if s.beta > 0 else 1))  # ids, masks, log-probs
 
     # --- generation: KV cache in the weights' dtype (no autocast), logits of one step, a layer's prefill ---
     kv_bytes = d.base  # 4-bit layers compute in the same dtype as the rest
-    parts["KV cache"] = 2 * L * N * T * a.kv_dim * kv_bytes * (1 + 1 / L)  # + a layer's copy while it grows
+    parts["KV cache"] = 2 * L * N_sample * T * a.kv_dim * kv_bytes * (1 + 1 / L)  # + a layer's copy while it grows
     # A step's logits, their row-major copy, softmax, float64 cumulative sum; a layer's prefill intermediates.
-    parts["sampling buffers"] = 20 * N * V + N * P * (3 * a.intermediate_size + 4 * H) * kv_bytes
+    parts["sampling buffers"] = 20 * N_sample * V + N_sample * P * (3 * a.intermediate_size + 4 * H) * kv_bytes
 
     # --- a micro-batch's forward and backward ---
     tokens = N * T

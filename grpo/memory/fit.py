@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..config import Config, format_value
+from ..config import Config
+from ..overrides import format_value
 from .estimate import GB, Architecture, Estimate, estimate
 from .known_models import architecture_of
 
@@ -30,7 +31,7 @@ def memory_savings(c: Config) -> list[tuple[dict, str]]:
         half = c.per_device_train_batch_size // 2
         accumulation = c.gradient_accumulation_steps * c.per_device_train_batch_size // half
         changes.append(({"per_device_train_batch_size": half, "gradient_accumulation_steps": accumulation},
-                        "same prompts per step, if it divides evenly"))
+                        "same completions per step, if it divides evenly"))
     lora = {"use_lora": True, "bf16_weights": False} if c.bf16_weights else {"use_lora": True}
     if not c.use_lora:
         changes.append((lora, "train adapters: no full gradients, optimizer state or reference copy"))
@@ -93,7 +94,7 @@ def describe(arch: Architecture, config: Config, device: str = "cuda") -> str:
     e: Estimate = estimate(arch, config, device)
     mode = "QLoRA" if config.use_lora and config.load_in_4bit else "LoRA" if config.use_lora else "full fine-tuning"
     extras = [config.optim] + (["checkpointing"] if config.gradient_checkpointing else []) + [f"beta={config.beta:g}"]
-    N = config.per_device_train_batch_size * config.num_generations
+    N = config.per_device_train_batch_size
     size = arch.num_params()
     size_text = f"{size / 1e9:.2f}B" if size >= 1e8 else f"{size / 1e6:.1f}M"
     lines = [f"{arch.name or 'model'}: {size_text} parameters, {mode}, {', '.join(extras)}, "

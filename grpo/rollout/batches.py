@@ -19,6 +19,11 @@ class Batch:
     old_logprobs: torch.Tensor | None = None  # [N, C], only when num_iterations > 1
     ref_logprobs: torch.Tensor | None = None  # [N, C], only when beta > 0
 
+    @property
+    def tokens(self) -> int:
+        """Completion tokens the loss counts."""
+        return int(self.rollout.completion_mask.sum().item())
+
 
 @dataclass
 class Scored:
@@ -30,6 +35,7 @@ class Scored:
     rewards: torch.Tensor  # [W*N] weighted sum over the reward functions
     per_func: torch.Tensor  # [W*N, F] each function's reward, NaN where it returned None
     advantages: torch.Tensor  # [W*N]
+    extras: dict = dataclasses.field(default_factory=dict)  # this rank's reward functions' log_extra columns
 
 
 @dataclass
@@ -51,6 +57,49 @@ def generation_from_dict(saved: dict, device: torch.device) -> Generation:
 
 def to_device(value, device: torch.device):
     return value.to(device) if isinstance(value, torch.Tensor) else value
+
+
+def loss_batches(rollouts: list[Rollout], advantages: torch.Tensor, mask_truncated: bool,
+                 device: torch.device) -> list[Batch]:
+    """The micro-batches as the loss takes them, each with its rows of `advantages` [N] (this rank's)."""
+    sizes = [len(r.completions) for r in rollouts]
+    return [Batch(loss_rollout(r, mask_truncated), a.to(device)) for r, a in zip(rollouts, advantages.split(sizes))]
+
+
+def sample_batch(sample, prompts: list, per_device: int, num_generations: int, pad_id: int) -> list[Rollout]:
+    """A generation batch's micro-batches of `per_device` rows: `sample(prompts) -> Rollout` (our decoder or a
+    rollout_func) is called on a micro-batch's worth of whole prompts at a time (at least one), so the KV cache
+    is a micro-batch's, then the rows are regrouped."""
+    k = max(1, per_device // num_generations)
+    return regroup([sample(prompts[i:i + k]) for i in range(0, len(prompts), k)], per_device, pad_id)
+
+
+def regroup(rollouts: list[Rollout], size: int, pad_id: int) -> list[Rollout]:
+    """The rows of `rollouts` (sampled in chunks of whole prompts) in order, cut into micro-batches of `size`
+    rows: a prompt's group may span two micro-batches. Each micro-batch keeps only the padding its own rows
+    need (prompts stay left-padded, completions right-padded), so its compute does not depend on the chunks."""
+    if all(len(r.completions) == size for r in rollouts):
+        return rollouts  # sampled as they are trained: nothing to move
+    P = max(r.prompt_ids.shape[1] for r in rollouts)
+    C = max(r.completion_ids.shape[1] for r in rollouts)
+
+    def cat(name: str, width: int, left: bool, value: int) -> torch.Tensor:
+        parts = [getattr(r, name) for r in rollouts]
+        return torch.cat([torch.nn.functional.pad(t, (width - t.shape[1], 0) if left else (0, width - t.shape[1]),
+                                                  value=value) for t in parts])  # [sum N, width]
+    prompt_ids, prompt_mask = cat("prompt_ids", P, True, pad_id), cat("prompt_mask", P, True, 0)  # [M, P]
+    completion_ids = cat("completion_ids", C, False, pad_id)  # [M, C]
+    completion_mask = cat("completion_mask", C, False, 0)  # [M, C]
+    completions = [c for r in rollouts for c in r.completions]
+    truncated = torch.cat([r.truncated for r in rollouts])  # [M]
+    out = []
+    for start in range(0, len(completions), size):
+        rows = slice(start, start + size)
+        p = int(prompt_mask[rows].sum(0).nonzero().min()) if prompt_mask[rows].any() else P  # first used column
+        c = int(completion_mask[rows].sum(0).nonzero().max()) + 1 if completion_mask[rows].any() else 1
+        out.append(Rollout(prompt_ids[rows, p:], prompt_mask[rows, p:], completion_ids[rows, :c],
+                           completion_mask[rows, :c], completions[rows], truncated[rows]))
+    return out
 
 
 def loss_rollout(rollout: Rollout, mask_truncated: bool) -> Rollout:

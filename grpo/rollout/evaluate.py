@@ -16,6 +16,14 @@ from .rewards import compute_rewards, reward_func_names
 from .sampling import PromptEncoder, sample
 
 
+def check_eval_setup(config, eval_dataset, reward_funcs) -> None:
+    """Evaluating during training needs an eval dataset and the config's accuracy / format reward functions."""
+    if config.eval_steps > 0 or config.eval_on_start:
+        if eval_dataset is None:
+            raise ConfigError("eval_steps / eval_on_start need an eval_dataset")
+        check_eval_funcs(reward_funcs, config.eval_accuracy_func, config.eval_format_func)
+
+
 def check_eval_funcs(reward_funcs, accuracy_func: str, format_func: str | None) -> None:
     """Fail early, naming the choices, when the accuracy or format function is not a reward function."""
     reward_names = reward_func_names(reward_funcs)
@@ -46,7 +54,7 @@ def evaluate(model, tokenizer, dataset, reward_funcs, *, accuracy_func: str, for
     if limit is not None:
         dataset = dataset.select(range(min(limit, len(dataset))))
     encode = PromptEncoder(tokenizer, max_prompt_length)
-    completions, lengths = [], []
+    completions, completion_ids, lengths = [], [], []
     t0 = time.perf_counter()
     for start in tqdm(range(0, len(dataset), batch_size), desc="eval", leave=False, disable=not progress):
         prompts = dataset[start:start + batch_size]["prompt"]
@@ -54,10 +62,12 @@ def evaluate(model, tokenizer, dataset, reward_funcs, *, accuracy_func: str, for
                                             max_completion_length=max_completion_length, temperature=1.0,
                                             top_p=1.0, top_k=0))
         completions += rollout.completions
+        completion_ids += rollout.completion_id_lists
         lengths.append(rollout.completion_mask.sum(dim=1).float())  # [b]
     columns = {k: dataset[k] for k in dataset.column_names if k != "prompt"}
     prompts = dataset["prompt"]
-    _, per_func, reward_metrics = compute_rewards(reward_funcs, prompts, completions, columns)  # per_func [N, F]
+    _, per_func, reward_metrics = compute_rewards(reward_funcs, prompts, completions, columns,
+                                                  completion_ids=completion_ids)  # per_func [N, F]
     metrics = {"eval/accuracy": full_marks_rate(per_func[:, names.index(accuracy_func)])}
     if format_func is not None:
         metrics["eval/format"] = full_marks_rate(per_func[:, names.index(format_func)])

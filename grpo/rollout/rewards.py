@@ -1,19 +1,27 @@
 """Calling reward functions, weighting and checking what they return (the GSM8K rewards: tasks/gsm8k.py).
 
-A reward function follows TRL's contract, so TRL reward functions work unchanged:
-    f(prompts, completions, **columns) -> list[float | None]
+A reward function follows TRL 1.16's contract, so TRL reward functions work unchanged:
+    f(prompts, completions, completion_ids, trainer_state, log_metric, log_extra, **columns) -> list[float | None]
 `completions` are strings for plain-text prompts and `[{"role": "assistant", "content": text}]`
-lists for chat prompts; every other dataset column comes by keyword (e.g. `answer=[...]`), one entry
-per completion, so functions should accept **kwargs. None means "does not apply to this completion".
+lists for chat prompts, `completion_ids` each completion's token ids (up to and including EOS); every other
+dataset column comes by keyword (e.g. `answer=[...]`), one entry per completion. `trainer_state.global_step`
+is the optimizer steps done, `log_metric(name, value)` adds a metrics.jsonl key (the mean of the values
+logged in a generation batch) and `log_extra(column, values)` a completions.jsonl column (one value per
+completion). A function that takes no **kwargs gets only the arguments it names. `async def` functions run
+concurrently (asyncio.gather), after the plain ones. None means "does not apply to this completion".
 """
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import functools
+import inspect
 import math
 import numbers
 import os
 import sys
 import traceback
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -47,11 +55,46 @@ def reward_func_names(funcs) -> list[str]:
     return names
 
 
+@dataclass
+class TrainerState:
+    """What reward functions get as `trainer_state`: the fields of transformers' TrainerState they use most."""
+
+    global_step: int = 0  # optimizer steps done
+    max_steps: int = 0  # optimizer steps of the run
+
+
+class RewardContext:
+    """TRL's per-call reward arguments besides the batch, and what the functions log through them."""
+
+    def __init__(self, global_step: int = 0, max_steps: int = 0):
+        self.trainer_state = TrainerState(global_step, max_steps)
+        self.metrics: dict[str, list[float]] = {}
+        self.extras: dict[str, list] = {}  # column: one value per completion
+
+    def log_metric(self, name: str, value: float) -> None:
+        self.metrics.setdefault(name, []).append(float(value))
+
+    def log_extra(self, column: str, values: list) -> None:
+        self.extras.setdefault(column, []).extend(values)
+
+    def kwargs(self) -> dict:
+        return {"trainer_state": self.trainer_state, "log_metric": self.log_metric, "log_extra": self.log_extra}
+
+    def metrics_over(self, dist) -> dict[str, float]:
+        """Each logged metric's mean over its values on every rank (`dist`: policy.distributed's, or None)."""
+        names = sorted(set(dist.gather_objects(list(self.metrics)) if dist else self.metrics))
+        totals = {f"{k} {n}": f(self.metrics.get(n, [])) for n in names for k, f in (("sum", sum), ("count", len))}
+        totals = dist.reduce(totals) if dist else totals
+        return {n: totals[f"sum {n}"] / max(1, totals[f"count {n}"]) for n in names}
+
+
 def compute_rewards(reward_funcs, prompts, completions, columns: dict[str, list],
-                    weights: list[float] | None = None) -> tuple[Tensor, Tensor, dict]:
+                    weights: list[float] | None = None, *, completion_ids: list[list[int]] | None = None,
+                    context: RewardContext | None = None) -> tuple[Tensor, Tensor, dict]:
     """Call every reward function on the batch and combine their rewards.
 
-    `columns` holds the dataset's other columns (not the prompt), one entry per completion.
+    `columns` holds the dataset's other columns (not the prompt), one entry per completion; `completion_ids`
+    the completions' token ids (empty lists when not given); `context` receives what the functions log.
     Returns `rewards` [N] (weighted sum over functions, Nones left out; 0.0 where no function
     applies), `per_func` [N, F] (raw values, NaN for None) and metrics: `reward/<name>` and
     `reward/<name>_std` over the completions a function applied to (absent if it applied to none),
@@ -67,10 +110,18 @@ def compute_rewards(reward_funcs, prompts, completions, columns: dict[str, list]
         raise RewardError(f"reward_weights has {len(weights)} values but there are "
                           f"{len(reward_funcs)} reward functions ({', '.join(names)})")
 
+    batch = {"prompts": prompts, "completions": completions,
+             "completion_ids": completion_ids if completion_ids is not None else [[] for _ in range(n)], **columns}
+    context = context or RewardContext()
+    values, pending = {}, {}
+    for j, f in enumerate(reward_funcs):
+        out = _call(f, names[j], batch, context)
+        (pending if inspect.isawaitable(out) else values)[j] = out
+    for j, out in zip(pending, _await_all(list(pending.values()))):  # async functions, concurrently
+        values[j] = out if not isinstance(out, BaseException) else _raise(reward_funcs[j], names[j], out, batch)
     per_func = torch.full((n, len(reward_funcs)), math.nan)
-    for j, (f, name) in enumerate(zip(reward_funcs, names)):
-        values = _call(f, name, prompts, completions, columns)
-        per_func[:, j] = torch.tensor(_to_floats(values, name, n), dtype=torch.float32)
+    for j, name in enumerate(names):
+        per_func[:, j] = torch.tensor(_to_floats(values[j], name, n), dtype=torch.float32)
     # NaN * weight stays NaN and nansum skips it: a None never counts, not even as 0.
     rewards = torch.nansum(per_func * torch.tensor(weights, dtype=torch.float32), dim=1)
     return rewards, per_func, reward_metrics(rewards, per_func, names)
@@ -93,24 +144,59 @@ def reward_metrics(rewards: Tensor, per_func: Tensor, names: list[str]) -> dict[
     return metrics
 
 
-def _call(f, name: str, prompts, completions, columns):
-    """Call `f` on the whole batch; if it raises, find the first item it fails on, for the message."""
+def _call(f, name: str, batch: dict, context: RewardContext):
+    """`f` on the whole batch, given only the arguments it accepts (all of them when it takes **kwargs); an
+    async function's coroutine is returned unawaited. A RewardError if it raises."""
     try:
-        return f(prompts=prompts, completions=completions, **columns)
+        return f(**_accepted(f, {**batch, **context.kwargs()}))
     except Exception as batch_error:
-        i, error, note = 0, batch_error, " (fails on the whole batch only; showing its first item)"
-        for k in range(len(completions)):  # an error path, so retrying item by item is affordable
-            try:
-                f(prompts=prompts[k:k + 1], completions=completions[k:k + 1],
-                  **{key: v[k:k + 1] for key, v in columns.items()})
-            except Exception as item_error:
-                i, error, note = k, item_error, ""
-                break
-        raise RewardError(
-            f"reward function '{name}' raised {type(error).__name__}: {error}{note}\n"
-            f"  at {_where(error)}\n"
-            f"  prompt {i}: {_preview(prompts[i])}\n  completion {i}: {_preview(completions[i])}"
-        ) from error
+        _raise(f, name, batch_error, batch)
+
+
+def _accepted(f, kwargs: dict) -> dict:
+    try:
+        params = inspect.signature(f).parameters
+    except (TypeError, ValueError):  # no signature to read (some builtins): pass everything, as TRL does
+        return kwargs
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return kwargs
+    return {k: v for k, v in kwargs.items() if k in params}
+
+
+def _await_all(coroutines: list) -> list:
+    """The coroutines' results (or exceptions), run concurrently on an event loop of their own (in a worker
+    thread when the caller already runs one, e.g. a notebook)."""
+    if not coroutines:
+        return []
+
+    async def gather():
+        return await asyncio.gather(*coroutines, return_exceptions=True)
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(gather())
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, gather()).result()
+
+
+def _raise(f, name: str, batch_error: BaseException, batch: dict):
+    """Raise a RewardError for `f` failing on `batch`, naming the first item it fails on alone (an error path,
+    so retrying item by item is affordable; what the retries log is dropped)."""
+    i, error, note = 0, batch_error, " (fails on the whole batch only; showing its first item)"
+    for k in range(len(batch["completions"])):
+        try:
+            out = f(**_accepted(f, {**{key: v[k:k + 1] for key, v in batch.items()}, **RewardContext().kwargs()}))
+            if inspect.isawaitable(out) and isinstance(err := _await_all([out])[0], BaseException):
+                raise err
+        except Exception as item_error:
+            i, error, note = k, item_error, ""
+            break
+    prompts, completions = batch["prompts"], batch["completions"]
+    raise RewardError(
+        f"reward function '{name}' raised {type(error).__name__}: {error}{note}\n"
+        f"  at {_where(error)}\n"
+        f"  prompt {i}: {_preview(prompts[i])}\n  completion {i}: {_preview(completions[i])}"
+    ) from error
 
 
 def _where(error: BaseException) -> str:

@@ -29,6 +29,11 @@ class Rollout:
     def attention_mask(self) -> torch.Tensor:
         return torch.cat([self.prompt_mask, self.completion_mask], dim=1)  # [N, P+C]
 
+    @property
+    def completion_id_lists(self) -> list[list[int]]:
+        """Each completion's token ids up to and including EOS (reward functions' `completion_ids`)."""
+        return [row[mask.bool()].tolist() for row, mask in zip(self.completion_ids, self.completion_mask)]
+
 
 def is_chat(prompt) -> bool:
     return isinstance(prompt, list)

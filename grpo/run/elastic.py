@@ -2,7 +2,8 @@
 LR schedule, data position and step are whole in every checkpoint and carry over as saved; the prompt stream
 is global (every rank draws the same prompts), so the data position holds for any M. What cannot carry over
 is each rank's sampling state: its RNG states are replaced by ones seeded from (seed, rank, step), and a
-generation batch that later steps were still to reuse (num_iterations > 1) is drawn and sampled again."""
+generation batch that later steps were still to reuse (num_iterations > 1, or steps_per_generation >
+gradient_accumulation_steps) is drawn and sampled again."""
 from __future__ import annotations
 
 import random
@@ -12,7 +13,7 @@ import torch
 
 from ..errors import ConfigError
 
-# Config fields whose product with the rank count is the prompts one optimizer step takes.
+# Config fields whose product with the rank count is the completions one optimizer step takes.
 BATCH_FIELDS = ("per_device_train_batch_size", "gradient_accumulation_steps")
 
 
@@ -46,7 +47,7 @@ def seed_rank(seed: int, rank: int, step: int) -> None:
 
 
 def global_batch(config: dict, ranks: int) -> int:
-    """Prompts per optimizer step."""
+    """Completions per optimizer step."""
     return config[BATCH_FIELDS[0]] * config[BATCH_FIELDS[1]] * ranks
 
 
@@ -74,6 +75,6 @@ def rank_change_notes(saved_config: dict, state: dict, config: dict, world_size:
         fix = (f"--gradient_accumulation_steps={old // per_rank} keeps it" if old % per_rank == 0 else
                f"per_device_train_batch_size x gradient_accumulation_steps = {old // world_size} keeps it"
                if old % world_size == 0 else f"no batch setting on {world_size} rank(s) keeps it")
-        notes.append(f"warning: the global batch changes from {old} to {new} prompts per step "
+        notes.append(f"warning: the global batch changes from {old} to {new} completions per step "
                      f"(per_device_train_batch_size x gradient_accumulation_steps x ranks); {fix}")
     return notes

@@ -48,6 +48,9 @@ def log_completions(output_dir: Path, step: int, scored, reward_names: list[str]
     """Every completion of a generation batch (`rollout.batches.Scored`, every rank's) with its rewards."""
     prompts, completions = dist.gather_objects(scored.prompts), dist.gather_objects(scored.completions)
     rewards, per_func, advantages = scored.rewards, scored.per_func, scored.advantages
+    # Reward functions' log_extra columns, one value per completion (None where a rank logged none).
+    names = sorted(set(dist.gather_objects(list(scored.extras))))
+    extras = {c: dist.gather_objects(list(scored.extras.get(c, [None] * len(scored.completions)))) for c in names}
     if not dist.is_main:
         return
     rows = []
@@ -58,6 +61,7 @@ def log_completions(output_dir: Path, step: int, scored, reward_names: list[str]
             for j, name in enumerate(reward_names):
                 value = per_func[i, j].item()
                 row[f"reward/{name}"] = None if math.isnan(value) else value  # NaN: the function returned None
+            row.update({c: values[i] if i < len(values) else None for c, values in extras.items()})
             f.write(json.dumps(row) + "\n")
             rows.append(row)
     trackers.log_completions(step, rows)

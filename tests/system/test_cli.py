@@ -28,7 +28,7 @@ def test_cli_help_lists_every_setting():
     result = run("recipes/tiny.py", "--help", timeout=120)
     assert result.returncode == 0, result.stderr
     assert "--max_steps=20" in result.stdout and "--learning_rate=" in result.stdout
-    assert "Prompts per micro-batch" in result.stdout
+    assert "Completions per micro-batch" in result.stdout
 
 
 def test_cli_unknown_key_names_the_closest_field():

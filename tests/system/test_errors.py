@@ -16,7 +16,7 @@ from datasets import Dataset
 from grpo import Config
 from tiny_setup import digit_prompts, digit_share, tiny_model, tiny_tokenizer
 
-config = Config(output_dir={out!r}, max_steps=3, per_device_train_batch_size=2, num_generations=2,
+config = Config(output_dir={out!r}, max_steps=3, per_device_train_batch_size=4, num_generations=2,
                 max_prompt_length=16, max_completion_length=4, optim="adamw", save_steps=1,
                 gradient_checkpointing=False, {config})
 {body}

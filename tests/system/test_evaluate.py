@@ -58,7 +58,7 @@ def test_evaluate_is_greedy_and_scores_every_prompt(tokenizer):
 
 
 def test_trainer_evaluates_at_start_every_eval_steps_and_at_the_end(tmp_path, tokenizer):
-    config = Config(output_dir=str(tmp_path / "run"), max_steps=3, per_device_train_batch_size=2,
+    config = Config(output_dir=str(tmp_path / "run"), max_steps=3, per_device_train_batch_size=4,
                     num_generations=2, max_prompt_length=16, max_completion_length=6, learning_rate=1e-3,
                     optim="adamw", eval_steps=2, eval_on_start=True, eval_limit=4,
                     eval_accuracy_func="always_one", eval_format_func=None)
@@ -108,7 +108,7 @@ def test_eval_cli_on_the_recipe_model_and_on_a_checkpoint(tmp_path, tokenizer, c
     assert result["decoding"] == "greedy" and result["metrics"]["eval/num_examples"] == 4
     assert len(result["samples"]) == 4 and "accuracy" in capsys.readouterr().out
 
-    config = Config(output_dir=str(tmp_path / "run"), max_steps=1, per_device_train_batch_size=2,
+    config = Config(output_dir=str(tmp_path / "run"), max_steps=1, per_device_train_batch_size=4,
                     num_generations=2, max_prompt_length=16, max_completion_length=6, optim="adamw")
     Trainer(config, model=tiny_model(tokenizer), tokenizer=tokenizer, reward_funcs=[always_one],
             train_dataset=digit_prompts()).train()

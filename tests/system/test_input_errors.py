@@ -19,7 +19,7 @@ LOADS_MODEL = """
 from grpo import Config
 from tiny_setup import digit_prompts, digit_share
 
-config = Config(output_dir={out!r}, model={model!r}, max_steps=1, per_device_train_batch_size=2,
+config = Config(output_dir={out!r}, model={model!r}, max_steps=1, per_device_train_batch_size=4,
                 num_generations=2, optim="adamw")
 reward_funcs = [digit_share]
 train_dataset = digit_prompts
@@ -31,7 +31,7 @@ from grpo import Config
 from tiny_setup import digit_prompts, digit_share, tiny_tokenizer
 from grpo.tasks.tiny import model_for
 
-config = Config(output_dir={out!r}, max_steps=2, save_steps=1, per_device_train_batch_size=2, num_generations=2,
+config = Config(output_dir={out!r}, max_steps=2, save_steps=1, per_device_train_batch_size=4, num_generations=2,
                 max_prompt_length=16, max_completion_length=4, optim="adamw", lora_r=2)
 reward_funcs = [digit_share]
 train_dataset = digit_prompts

@@ -9,8 +9,8 @@ import torch
 from tiny_setup import digit_prompts, digit_share, tiny_tokenizer
 
 from grpo import Config, Trainer
-from grpo.config import apply_overrides
 from grpo.memory.estimate import Architecture, estimate
+from grpo.overrides import apply_overrides
 from grpo.policy.precision import Precision
 from grpo.tasks.tiny import model_for
 
@@ -72,7 +72,7 @@ def model_dir(tmp_path_factory):
 
 def make_trainer(tmp_path, model_dir, mode: str, bf16: bool) -> Trainer:
     config = Config(model=str(model_dir), output_dir=str(tmp_path / f"{mode}-{bf16}"), bf16=bf16, max_steps=2,
-                    per_device_train_batch_size=2, num_generations=4, max_prompt_length=16, max_completion_length=8,
+                    per_device_train_batch_size=8, num_generations=4, max_prompt_length=16, max_completion_length=8,
                     learning_rate=1e-2, beta=0.04, lora_r=4, lora_alpha=8, lora_dropout=0.0,
                     gradient_checkpointing=True, save_steps=10**9, seed=0, **MODES[mode])
     return Trainer(config, reward_funcs=[digit_share], train_dataset=digit_prompts())

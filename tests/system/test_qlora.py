@@ -18,7 +18,7 @@ def model_dir(tmp_path_factory):
 
 def qlora_config(tmp_path, model_dir, **overrides) -> Config:
     settings = dict(model=str(model_dir), output_dir=str(tmp_path / "run"), use_lora=True, load_in_4bit=True,
-                    lora_r=4, lora_alpha=8, max_steps=2, per_device_train_batch_size=2, gradient_accumulation_steps=1,
+                    lora_r=4, lora_alpha=8, max_steps=2, per_device_train_batch_size=8, gradient_accumulation_steps=1,
                     num_generations=4, max_prompt_length=16, max_completion_length=8, learning_rate=1e-2,
                     optim="adamw", beta=0.04, seed=0)
     return Config(**{**settings, **overrides})

@@ -35,7 +35,7 @@ def tokenizer():
 
 
 def make_trainer(out, tokenizer, settings, **overrides) -> Trainer:
-    base = dict(output_dir=str(out), max_steps=6, save_steps=3, per_device_train_batch_size=2,
+    base = dict(output_dir=str(out), max_steps=6, save_steps=3, per_device_train_batch_size=8,
                 gradient_accumulation_steps=2, num_generations=4, max_prompt_length=16, max_completion_length=8,
                 learning_rate=1e-2, warmup_ratio=0.2, lr_scheduler_type="linear", seed=0)
     config = Config(**{**base, **settings, **overrides})

@@ -10,8 +10,8 @@ import pytest
 from tiny_setup import digit_prompts, digit_share, tiny_model, tiny_tokenizer
 
 from grpo import Config, Trainer
-from grpo.config import apply_overrides
 from grpo.errors import ConfigError
+from grpo.overrides import apply_overrides
 from grpo.run import trackers
 
 # Trackio reads TRACKIO_DIR once, when imported: point it at a scratch store before any test imports it.
@@ -40,7 +40,7 @@ def offline(monkeypatch, tmp_path):
 
 def make_trainer(out, tokenizer, **settings) -> Trainer:
     """3 steps of 2 prompts x 4 completions; evaluation at steps 2 and 3, so eval lines share train steps."""
-    config = Config(output_dir=str(out), max_steps=3, per_device_train_batch_size=2, num_generations=4,
+    config = Config(output_dir=str(out), max_steps=3, per_device_train_batch_size=8, num_generations=4,
                     max_prompt_length=16, max_completion_length=6, learning_rate=1e-2, optim="adamw", seed=0,
                     eval_steps=2, eval_limit=2, eval_accuracy_func="digit_share", eval_format_func=None,
                     log_completions=True, num_completions_to_print=3, **settings)

@@ -19,7 +19,7 @@ REQUIRED_KEYS = {
 
 
 def make_config(tmp_path, **overrides) -> Config:
-    settings = dict(output_dir=str(tmp_path / "run"), max_steps=2, per_device_train_batch_size=2,
+    settings = dict(output_dir=str(tmp_path / "run"), max_steps=2, per_device_train_batch_size=8,
                     gradient_accumulation_steps=2, num_generations=4, max_prompt_length=16,
                     max_completion_length=8, learning_rate=1e-2, optim="adamw", beta=0.04, seed=0)
     settings.update(overrides)
@@ -134,7 +134,7 @@ def test_trl_loss_settings_and_unscored_completions(tmp_path, tokenizer):
     def picky(completions, **kwargs):
         return [None if len(c) % 2 else sum(ch.isdigit() for ch in c) / max(1, len(c)) for c in completions]
 
-    trl_settings = dict(per_device_train_batch_size=2, num_generations=4, loss_type="dr_grpo", epsilon_high=0.28,
+    trl_settings = dict(per_device_train_batch_size=8, num_generations=4, loss_type="dr_grpo", epsilon_high=0.28,
                         mask_truncated_completions=True, importance_sampling_level="sequence",
                         top_entropy_quantile=0.5, delta=2.0, beta=0.04, max_completion_length=4)
     config = Config(**{**trl_settings, "output_dir": str(tmp_path / "run"), "max_steps": 2,

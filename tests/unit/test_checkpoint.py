@@ -44,7 +44,7 @@ def save_then_die(obj, path, *args, **kwargs):
 
 torch.save = save_then_die
 tokenizer = tiny_tokenizer()
-config = Config(output_dir={out!r}, max_steps=6, save_steps=2, save_total_limit=1, per_device_train_batch_size=2,
+config = Config(output_dir={out!r}, max_steps=6, save_steps=2, save_total_limit=1, per_device_train_batch_size=4,
                 num_generations=2, max_prompt_length=16, max_completion_length=4, optim="adamw_8bit", seed=0)
 Trainer(config, model=tiny_model(tokenizer), tokenizer=tokenizer, reward_funcs=[digit_share],
         train_dataset=digit_prompts()).train()
@@ -71,7 +71,7 @@ def test_kill_9_mid_save_keeps_the_previous_checkpoint(tmp_path):
         from grpo import Config
         from tiny_setup import digit_prompts, digit_share, tiny_model, tiny_tokenizer
         config = Config(output_dir={str(out)!r}, max_steps=6, save_steps=2, save_total_limit=1,
-                        per_device_train_batch_size=2, num_generations=2, max_prompt_length=16,
+                        per_device_train_batch_size=4, num_generations=2, max_prompt_length=16,
                         max_completion_length=4, optim="adamw_8bit", seed=0)
         reward_funcs = [digit_share]
         train_dataset = digit_prompts

@@ -6,14 +6,9 @@ import textwrap
 
 import pytest
 
-from grpo.config import (
-    Config,
-    ConfigError,
-    apply_overrides,
-    config_to_dict,
-    field_docs,
-    format_help,
-)
+from grpo.config import Config
+from grpo.errors import ConfigError
+from grpo.overrides import apply_overrides, config_to_dict, field_docs, format_help
 from grpo.recipe import Recipe, load_recipe, resolve_dataset
 
 # --- overrides -----------------------------------------------------------------------------------
@@ -105,7 +100,7 @@ def test_trl_defaults():
 @pytest.mark.parametrize("key, message", [
     ("use_vllm", "TRL's `use_vllm` is not supported here: sampling runs on the policy itself"),
     ("vllm_gpu_memory_utilization", "TRL's `vllm_gpu_memory_utilization` is not supported here: sampling runs"),
-    ("steps_per_generation", "TRL's `steps_per_generation` is not supported here: not implemented yet"),
+    ("min_p", "TRL's `min_p` is not supported here: not implemented yet"),
     ("warmup_steps", "TRL's `warmup_steps` is not supported here: set warmup_ratio"),
     ("dataloader_num_workers", "TRL's `dataloader_num_workers` is not supported here: this trainer does not"),
     ("loss_aggregation", "'loss_aggregation' is gone: use TRL's loss_type: 'token' is 'dapo'"),
@@ -142,8 +137,15 @@ def test_trl_settings_list_matches_trl():
     # Their defaults are ours but where a comment beside the field says why not.
     args, config = trl.GRPOConfig(output_dir="unused", use_cpu=True), Config()
     differ = {k for k in ours & theirs if getattr(args, k) != getattr(config, k)}
-    assert differ == {"output_dir", "per_device_train_batch_size", "num_train_epochs", "optim", "logging_steps",
-                      "eval_steps", "fsdp", "bf16", "report_to"}
+    assert differ == {"output_dir", "num_train_epochs", "optim", "logging_steps", "eval_steps", "fsdp", "bf16",
+                      "report_to", "steps_per_generation", "generation_batch_size"}
+    # TRL resolves those two in __post_init__ (it knows the rank count); the Trainer resolves our Nones alike.
+    from grpo.rollout.prompts import steps_per_generation
+
+    steps = steps_per_generation(config.per_device_train_batch_size, config.gradient_accumulation_steps, None, None,
+                                 config.num_generations, world_size=1)
+    assert (steps, steps * config.per_device_train_batch_size) == (args.steps_per_generation,
+                                                                   args.generation_batch_size)
 
 
 @pytest.mark.parametrize("arg, message", [

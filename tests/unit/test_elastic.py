@@ -11,7 +11,7 @@ from grpo.errors import ConfigError
 from grpo.rollout.prompts import PromptStream
 from grpo.run import elastic
 
-CONFIG = {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 4, "num_generations": 4, "fsdp": False}
+CONFIG = {"per_device_train_batch_size": 8, "gradient_accumulation_steps": 4, "num_generations": 4, "fsdp": False}
 
 
 def state(ranks: int, prompts_per_rank_in_generation: int = 0) -> dict:
@@ -52,7 +52,7 @@ def test_sampling_seeds_depend_on_seed_rank_and_step_alone():
 
 
 def test_what_a_rank_change_says_about_the_global_batch():
-    two = state(2, prompts_per_rank_in_generation=8)  # saved by 2 ranks x 2 x 4 = 16 prompts per step
+    two = state(2, prompts_per_rank_in_generation=8)  # saved by 2 ranks x 8 x 4 = 64 completions (16 prompts) per step
     assert elastic.rank_change_notes(CONFIG, two, CONFIG, 2) == []
     kept = elastic.rank_change_notes(CONFIG, two, {**CONFIG, "gradient_accumulation_steps": 8}, 1)
     assert kept == ["resuming on 1 rank(s) a checkpoint of 2: weights, optimizer, schedule, data position and step "
@@ -60,10 +60,10 @@ def test_what_a_rank_change_says_about_the_global_batch():
                     "the generation batch that step 6 would reuse was sampled by 2 rank(s): its 16 prompts are drawn "
                     "again and sampled on 1"]
     halved = elastic.rank_change_notes(CONFIG, state(2), CONFIG, 1)
-    assert halved[-1] == ("warning: the global batch changes from 16 to 8 prompts per step (per_device_train_batch_size"
+    assert halved[-1] == ("warning: the global batch changes from 64 to 32 completions per step (per_device_train_batch_size"
                           " x gradient_accumulation_steps x ranks); --gradient_accumulation_steps=8 keeps it")
-    odd = elastic.rank_change_notes(CONFIG, state(2), {**CONFIG, "per_device_train_batch_size": 3}, 4)
-    assert odd[-1].endswith("per_device_train_batch_size x gradient_accumulation_steps = 4 keeps it")
+    odd = elastic.rank_change_notes(CONFIG, state(2), {**CONFIG, "per_device_train_batch_size": 12}, 4)
+    assert odd[-1].endswith("per_device_train_batch_size x gradient_accumulation_steps = 16 keeps it")
 
 
 @pytest.mark.parametrize("before, after", [(1, 2), (2, 1)])

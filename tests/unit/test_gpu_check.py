@@ -73,7 +73,7 @@ def test_resume_must_be_bit_identical_in_both_modes():
 
 
 def test_the_out_of_memory_check_wants_the_trainers_report_not_a_traceback():
-    config = Config(model="meta-llama/Llama-3.2-1B-Instruct", use_lora=True, per_device_train_batch_size=4096)
+    config = Config(model="meta-llama/Llama-3.2-1B-Instruct", use_lora=True, per_device_train_batch_size=16384)
     report = out_of_memory_report(config, torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 64 GiB"), None)
     assert gpu_check.judge("oom", {"returncode": 1, "stderr": report + "\n"}) == []
     assert gpu_check.summary("oom", {"returncode": 1, "stderr": report}).startswith(

@@ -45,7 +45,7 @@ def test_hand_computed_parts_of_a_tiny_model():
     assert a.linear_params() == linear == 576
     assert a.num_params() == 576 + 100 * 8 + 2 * 8 + 8  # + embedding + 2 norms + final norm
     assert sum(a.trainable_tensors()) == a.num_params() and sum(QWEN_05B.trainable_tensors()) == QWEN_05B.num_params()
-    s = Config(optim="adamw", beta=0.04, num_generations=2, max_prompt_length=3, max_completion_length=5,
+    s = Config(optim="adamw", beta=0.04, per_device_train_batch_size=2, num_generations=2, max_prompt_length=3, max_completion_length=5,
                logprob_chunk_size=4, gradient_checkpointing=False)
     cpu = estimate(a, s, "cpu").parts
     n = a.num_params()
@@ -69,8 +69,8 @@ def test_hand_computed_parts_with_bf16_weights():
     a = Architecture(hidden_size=8, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=16, vocab_size=100,
                      tie_word_embeddings=True)
     n = a.num_params()
-    s = Config(optim="adamw", beta=0.04, num_generations=2, max_prompt_length=3, max_completion_length=5,
-               logprob_chunk_size=4, bf16_weights=True)
+    s = Config(optim="adamw", beta=0.04, num_generations=2, per_device_train_batch_size=2, max_prompt_length=3,
+               max_completion_length=5, logprob_chunk_size=4, bf16_weights=True)
     for device in ("cpu", "cuda"):
         parts = estimate(a, s, device).parts
         assert parts["weights"] == parts["reference model"] == parts["gradients"] == 2 * n
@@ -103,8 +103,8 @@ def test_bf16_weights_lower_full_finetuning_to_half_the_write_up():
 
 
 def test_each_memory_setting_moves_the_prediction_the_right_way():
-    base = Config(optim="adamw", beta=0.04, num_generations=4, max_prompt_length=256, max_completion_length=786,
-                  gradient_accumulation_steps=4, gradient_checkpointing=False)
+    base = Config(optim="adamw", beta=0.04, per_device_train_batch_size=4, num_generations=4, max_prompt_length=256,
+                  max_completion_length=786, gradient_accumulation_steps=4, gradient_checkpointing=False)
     peak = lambda **kw: estimate(LLAMA_1B, dataclasses.replace(base, **kw)).peak  # noqa: E731
     parts = lambda **kw: estimate(LLAMA_1B, dataclasses.replace(base, **kw)).parts  # noqa: E731
     assert parts(optim="adamw_8bit")["optimizer states"] == pytest.approx(parts()["optimizer states"] / 4, rel=0.02)
@@ -113,11 +113,13 @@ def test_each_memory_setting_moves_the_prediction_the_right_way():
     assert parts(use_lora=True, load_in_4bit=True)["weights"] < parts(use_lora=True)["weights"] / 2
     assert peak(use_lora=True) < peak(optim="adamw_8bit", gradient_checkpointing=True) < peak()
     assert parts(logprob_chunk_size=128)["log-prob chunk"] < parts()["log-prob chunk"] / 2
-    assert peak(num_generations=8) > peak()
+    assert peak(per_device_train_batch_size=8) > peak()
+    # A micro-batch counts completions: more per prompt changes only what sampling holds (at least one group).
+    assert peak(num_generations=8) == peak() and parts(num_generations=8)["KV cache"] == 2 * parts()["KV cache"]
 
 
 def test_table_meets_the_issue_targets_for_lora():
-    lora = Config(per_device_train_batch_size=1, gradient_accumulation_steps=4, num_generations=4,
+    lora = Config(per_device_train_batch_size=4, gradient_accumulation_steps=4, num_generations=4,
                   max_prompt_length=256, max_completion_length=786, beta=0.04, use_lora=True,
                   optim="adamw_8bit", gradient_checkpointing=True)
     gb = lambda name, **kw: estimate(KNOWN[name], dataclasses.replace(lora, **kw)).peak / 1e9  # noqa: E731
@@ -227,14 +229,14 @@ CHILD = textwrap.dedent(r"""
     print(json.dumps(peaks[-1] - baseline))
 """)
 ARCH = dict(vocab_size=32000, hidden_size=256, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=1408)
-RUN = dict(max_steps=2, per_device_train_batch_size=1, num_generations=8, max_prompt_length=16, stop_at_eos=False,
+RUN = dict(max_steps=2, per_device_train_batch_size=8, num_generations=8, max_prompt_length=16, stop_at_eos=False,
            optim="adamw", beta=0.04, save_steps=10**9, max_completion_length=64, gradient_checkpointing=False)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("settings", [
     dict(RUN),  # full fine-tuning: weights, reference, AdamW states
-    dict(RUN, use_lora=True, per_device_train_batch_size=4),  # LoRA: activations and the log-prob chunk
+    dict(RUN, use_lora=True, per_device_train_batch_size=32),  # LoRA: activations and the log-prob chunk
     dict(RUN, optim="adamw_8bit", gradient_checkpointing=True),
     dict(RUN, bf16_weights=True),
     dict(RUN, optim="adamw_8bit", gradient_checkpointing=True, bf16_weights=True),

@@ -146,7 +146,7 @@ def test_the_start_up_check_under_bf16_weights():
 
 def test_the_trainer_runs_the_check_on_its_first_generation(tmp_path):
     tokenizer = tiny_tokenizer()
-    config = Config(output_dir=str(tmp_path / "run"), max_steps=1, per_device_train_batch_size=1,
+    config = Config(output_dir=str(tmp_path / "run"), max_steps=1, per_device_train_batch_size=2,
                     num_generations=2, max_prompt_length=16, max_completion_length=4, optim="adamw", beta=0.0)
     settings = {**SMALL, "vocab_size": len(tokenizer), "pad_token_id": tokenizer.pad_token_id}
     torch.manual_seed(0)

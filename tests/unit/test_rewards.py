@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from grpo.rollout.rewards import (
+    RewardContext,
     RewardError,
     compute_rewards,
     reward_func_name,
@@ -291,3 +292,64 @@ def test_nan_and_inf_values():
 def test_column_length_mismatch_is_a_caller_bug():
     with pytest.raises(ValueError, match="one entry per completion"):
         compute_rewards([always(1.0)], ["p"] * 2, ["c"] * 2, {"answer": ["1"]})
+
+
+# --- TRL 1.16's full reward contract ---------------------------------------------------------------
+
+def test_trl_soft_overlong_punishment_runs_unchanged():
+    trl_rewards = pytest.importorskip("trl.rewards", reason="trl (a test peer) is not installed")
+    punish = trl_rewards.get_soft_overlong_punishment(max_completion_len=10, soft_punish_cache=4)
+    ids = [[1] * 5, [1] * 8, [1] * 10]  # within, 2 into the cache (-0.5), at the limit (-1)
+    _, per_func, _ = compute_rewards([punish], ["p"] * 3, ["c"] * 3, {}, completion_ids=ids)
+    assert per_func[:, 0].tolist() == pytest.approx([0.0, -0.5, -1.0])
+
+
+def test_every_function_gets_trls_arguments_and_logs_through_them():
+    seen = {}
+
+    def logging_reward(prompts, completions, completion_ids, trainer_state, log_metric, log_extra, **kwargs):
+        seen.update(step=trainer_state.global_step, ids=completion_ids, columns=set(kwargs))
+        log_metric("my/length", sum(map(len, completion_ids)) / len(completion_ids))
+        log_extra("parsed", [c.upper() for c in completions])
+        return [1.0] * len(completions)
+
+    context = RewardContext(global_step=7, max_steps=10)
+    compute_rewards([logging_reward], ["p", "q"], ["a", "b"], {"answer": ["1", "2"]},
+                    completion_ids=[[5, 6], [7]], context=context)
+    assert seen == {"step": 7, "ids": [[5, 6], [7]], "columns": {"answer"}}
+    assert context.metrics_over(None) == {"my/length": 1.5} and context.extras == {"parsed": ["A", "B"]}
+
+
+def test_a_function_without_kwargs_gets_only_what_it_names():
+    def plain(completions, answer):  # no **kwargs: TRL would pass it everything and fail
+        return [float(c == a) for c, a in zip(completions, answer)]
+
+    _, per_func, _ = compute_rewards([plain], ["p"] * 2, ["1", "3"], {"answer": ["1", "2"], "other": [0, 0]})
+    assert per_func[:, 0].tolist() == [1.0, 0.0]
+
+
+def test_async_rewards_run_concurrently():
+    import asyncio
+    import time
+
+    def slow(value):
+        async def reward(completions, **kwargs):
+            await asyncio.sleep(0.3)
+            return [value] * len(completions)
+        reward.__name__ = f"slow_{value}"
+        return reward
+
+    t0 = time.perf_counter()
+    rewards, per_func, _ = compute_rewards([slow(1.0), always(10.0), slow(2.0)], ["p"] * 2, ["c"] * 2, {})
+    assert per_func.tolist() == [[1.0, 10.0, 2.0]] * 2 and rewards.tolist() == [13.0, 13.0]
+    assert time.perf_counter() - t0 < 0.55, "the two 0.3 s functions were awaited one after the other"
+
+
+def test_an_async_reward_that_raises_names_its_item():
+    async def picky(completions, **kwargs):
+        if "bad" in completions:
+            raise ValueError("no")
+        return [1.0] * len(completions)
+
+    with pytest.raises(RewardError, match=r"'picky' raised ValueError: no\n.*\n  prompt 1: 'q'"):
+        compute_rewards([picky], ["p", "q"], ["good", "bad"], {})

@@ -1,0 +1,71 @@
+"""TRL's `rollout_func`: generation replaced by the user's own (an inference engine, an environment, an agent
+loop). TRL 1.16's contract: `rollout_func(prompts, trainer) -> dict` gets the prompts, each repeated
+num_generations times in a row (one entry per completion, as TRL's sampler hands them over) and returns, one
+entry per completion, `prompt_ids` and `completion_ids` (lists of token ids) and optionally `logprobs` (the
+sampler's per-token log-probs: accepted, not used, as sampling here is on-policy; TRL uses them only for its
+vLLM importance-sampling correction). The loss scores the returned tokens under the policy, whatever made them."""
+from __future__ import annotations
+
+import torch
+
+from ..errors import UserError
+from .sampling import Rollout, completion_mask_after_eos, eos_token_ids, is_chat, left_pad
+
+REQUIRED = ("prompt_ids", "completion_ids")
+OPTIONAL = ("logprobs", "logprob_token_ids")
+
+
+class RolloutFuncError(UserError):
+    """A rollout_func returned something the trainer cannot train on."""
+
+
+class CustomRollouts:
+    """Stands in for `Policy.sample`: prompts in, a Rollout of num_generations completions each out."""
+
+    def __init__(self, rollout_func, trainer):
+        self.rollout_func, self.trainer, self.tokenizer = rollout_func, trainer, trainer.tokenizer
+        self.eos_ids, self.device = eos_token_ids(trainer.tokenizer, trainer.model), trainer.policy.device
+        self.num_generations = trainer.config.num_generations
+        self.max_completion_length = trainer.config.max_completion_length
+
+    def __call__(self, prompts: list) -> Rollout:
+        repeated = [p for p in prompts for _ in range(self.num_generations)]
+        output = self.rollout_func(repeated, self.trainer)
+        name = getattr(self.rollout_func, "__name__", type(self.rollout_func).__name__)
+        if not isinstance(output, dict) or any(k not in output for k in REQUIRED):
+            raise RolloutFuncError(f"rollout_func '{name}' must return a dict with {', '.join(REQUIRED)} "
+                                   f"(and optionally logprobs), got {type(output).__name__}"
+                                   f"{' with keys ' + ', '.join(output) if isinstance(output, dict) else ''}")
+        extra = sorted(set(output) - set(REQUIRED) - set(OPTIONAL))
+        if extra:  # TRL forwards them to the reward functions; not done here yet, so never silently dropped
+            raise RolloutFuncError(f"rollout_func '{name}' returned {', '.join(extra)}: extra fields for the reward "
+                                   f"functions are not supported here yet")
+        prompt_rows, completion_rows = output["prompt_ids"], output["completion_ids"]
+        if len(prompt_rows) != len(repeated) or len(completion_rows) != len(repeated):
+            raise RolloutFuncError(f"rollout_func '{name}' returned {len(prompt_rows)} prompt_ids and "
+                                   f"{len(completion_rows)} completion_ids for {len(repeated)} prompts (one "
+                                   f"completion per prompt entry: each prompt comes num_generations times)")
+        too_long = max(len(r) for r in completion_rows)
+        if too_long > self.max_completion_length:
+            raise RolloutFuncError(f"rollout_func '{name}' returned a completion of {too_long} tokens, more than "
+                                   f"max_completion_length={self.max_completion_length}")
+        return self.rollout(prompts, [list(map(int, r)) for r in prompt_rows],
+                            [list(map(int, r)) for r in completion_rows])
+
+    def rollout(self, prompts: list, prompt_rows: list[list[int]], completion_rows: list[list[int]]) -> Rollout:
+        pad = self.tokenizer.pad_token_id
+        prompt_ids, prompt_mask = left_pad(prompt_rows, pad)  # [N, P]
+        width = max(1, max(len(r) for r in completion_rows))
+        completion_ids = torch.full((len(completion_rows), width), pad, dtype=torch.long)  # [N, C]
+        given = torch.zeros_like(completion_ids)  # [N, C] 1 where the function returned a token
+        for i, r in enumerate(completion_rows):
+            completion_ids[i, :len(r)], given[i, :len(r)] = torch.tensor(r, dtype=torch.long), 1
+        # As for our own samples: up to and including the first EOS, and "truncated" when there is none.
+        after_eos, truncated = completion_mask_after_eos(completion_ids.masked_fill(given == 0, -1), self.eos_ids)
+        completion_mask = after_eos * given  # [N, C]
+        completion_ids = completion_ids.masked_fill(completion_mask == 0, pad)
+        texts = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+        completions = [[{"role": "assistant", "content": t}] for t in texts] if is_chat(prompts[0]) else texts
+        to = self.device
+        return Rollout(prompt_ids.to(to), prompt_mask.to(to), completion_ids.to(to), completion_mask.to(to),
+                       completions, truncated)

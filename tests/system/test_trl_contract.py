@@ -1,0 +1,82 @@
+"""TRL 1.16's hooks through a real (tiny) run: what reward functions log lands in metrics.jsonl and
+completions.jsonl, and a `rollout_func` replaces our decoder."""
+import json
+
+import pytest
+from tiny_setup import digit_prompts, digit_share, tiny_model, tiny_tokenizer
+
+from grpo import Config, Trainer
+from grpo.rollout.custom import RolloutFuncError
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return tiny_tokenizer()
+
+
+def config(tmp_path, **overrides) -> Config:
+    return Config(**{**dict(output_dir=str(tmp_path / "run"), max_steps=2, per_device_train_batch_size=8,
+                            num_generations=4, max_prompt_length=16, max_completion_length=6, learning_rate=1e-2,
+                            optim="adamw", seed=0), **overrides})
+
+
+def read(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_reward_logs_reach_metrics_and_completions(tmp_path, tokenizer):
+    steps = []
+
+    def logging_reward(completions, completion_ids, trainer_state, log_metric, log_extra, **kwargs):
+        steps.append(trainer_state.global_step)
+        log_metric("tokens/mean", sum(map(len, completion_ids)) / len(completion_ids))
+        log_extra("num_tokens", [len(ids) for ids in completion_ids])
+        return [float(len(ids) % 2) for ids in completion_ids]
+
+    trainer = Trainer(config(tmp_path), model=tiny_model(tokenizer), tokenizer=tokenizer,
+                      reward_funcs=[logging_reward, digit_share], train_dataset=digit_prompts())
+    trainer.train()
+    assert steps == [0, 1]
+    metrics, rows = read(tmp_path / "run" / "metrics.jsonl"), read(tmp_path / "run" / "completions.jsonl")
+    assert len(rows) == 16 and all(isinstance(r["num_tokens"], int) and r["num_tokens"] >= 1 for r in rows)
+    for line in metrics:  # the logged metric is the mean of that step's logged column
+        step_rows = [r["num_tokens"] for r in rows if r["step"] == line["step"]]
+        assert line["tokens/mean"] == pytest.approx(sum(step_rows) / len(step_rows))
+
+
+def test_rollout_func_replaces_the_decoder(tmp_path, tokenizer):
+    calls, seen_ids = [], []
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+
+    def fixed_rollouts(prompts, trainer):
+        """TRL's contract: one entry per completion (each prompt num_generations times in a row)."""
+        calls.append(len(prompts))
+        digits = [tokenizer(str(i % 10))["input_ids"] for i in range(len(prompts))]
+        return {"prompt_ids": [tokenizer(p)["input_ids"] for p in prompts],
+                "completion_ids": [d + [eos] if i % 2 else d * 3 for i, d in enumerate(digits)],
+                "logprobs": [[0.0] * 3 for _ in prompts]}
+
+    def spy(completion_ids, **kwargs):
+        seen_ids.extend(completion_ids)
+        return [float(len(ids)) for ids in completion_ids]
+
+    trainer = Trainer(config(tmp_path), model=tiny_model(tokenizer), tokenizer=tokenizer,
+                      reward_funcs=[spy], train_dataset=digit_prompts(), rollout_func=fixed_rollouts)
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    trainer.train()
+    assert calls == [8, 8], "one call per micro-batch (2 prompts x 4), one micro-batch per step"
+    one = tokenizer("1")["input_ids"]
+    assert seen_ids[:2] == [tokenizer("0")["input_ids"] * 3, one + [eos]]  # EOS kept, as our decoder keeps it
+    rows = read(tmp_path / "run" / "completions.jsonl")
+    assert [r["completion"] for r in rows[:4]] == ["000", "1", "222", "3"]
+    assert max((a - b).abs().max().item() for a, b in zip(before, trainer.model.parameters())) > 1e-4
+
+
+def test_rollout_func_output_is_checked(tmp_path, tokenizer):
+    def wrong(prompts, trainer):
+        return {"prompt_ids": [[1]] * len(prompts), "completion_ids": [[1]], "logprobs": None}
+
+    trainer = Trainer(config(tmp_path, max_steps=1), model=tiny_model(tokenizer), tokenizer=tokenizer,
+                      reward_funcs=[digit_share], train_dataset=digit_prompts(), rollout_func=wrong)
+    with pytest.raises(RolloutFuncError, match="returned 8 prompt_ids and 1 completion_ids for 8 prompts"):
+        trainer.train()
