@@ -231,8 +231,9 @@ def estimate(a: Architecture, s, device: str = "cuda") -> Estimate:
     # Final norm, and the completion hidden states the log-prob function keeps (a copy: a strided slice).
     parts["activations"] += tokens * (d.residual + 4) * H + N * C * H * d.residual
     rows = min(s.logprob_chunk_size, N * C)
-    # float32 logits, their exponentials for the entropy metric (training forward), a bf16 head's matmul output
-    parts["log-prob chunk"] = 2 * rows * V * 4 + (rows * V * 2 if d.base == 2 else 0)
+    # float32 logits, a bf16 head's matmul output
+    parts["log-prob chunk"] = rows * V * 4 + (rows * V * 2 if d.base == 2 else 0)
+    parts["entropy buffer"] = rows * V * 4  # the training forward's exponentials (entropy metric); not in backward
     parts["log-prob chunk"] += N * C * H * d.residual  # the gradient of the hidden states
     head_trained = not s.use_lora
     grad_bytes = d.base if head_trained else 4  # trained weights' gradients in their dtype; adapters float32
@@ -268,7 +269,7 @@ def estimate(a: Architecture, s, device: str = "cuda") -> Estimate:
                          else ("LM-head gradient",))
     moments = {
         "generation": kept + ("KV cache", "sampling buffers"),
-        "forward end": kept + ("activations", "autocast weight copies", "log-prob chunk",
+        "forward end": kept + ("activations", "autocast weight copies", "log-prob chunk", "entropy buffer",
                                "earlier micro-batches' gradients"),
         "backward start": kept + ("activations", "log-prob chunk", "earlier micro-batches' gradients")
                           + head_accumulating + copies,

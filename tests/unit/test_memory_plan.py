@@ -51,8 +51,8 @@ def test_hand_computed_parts_of_a_tiny_model():
     n = a.num_params()
     assert cpu["weights"] == cpu["reference model"] == cpu["gradients"] == 4 * n
     assert cpu["optimizer states"] == 8 * n
-    # 4 rows x V float32 logits and their exponentials (entropy), + the hidden states' grad
-    assert cpu["log-prob chunk"] == 2 * 4 * 100 * 4 + 2 * 5 * 8 * 4
+    assert cpu["log-prob chunk"] == 4 * 100 * 4 + 2 * 5 * 8 * 4  # 4 rows x V float32, + the hidden states' grad
+    assert cpu["entropy buffer"] == 4 * 100 * 4  # the training forward's exponentials, for the entropy metric
     assert cpu["LM-head gradient"] == 4 * 100 * 8 and cpu["pending embedding gradients"] == 0  # sparse lookup grad
     accumulating = estimate(a, dataclasses.replace(s, gradient_accumulation_steps=2), "cpu").parts
     assert accumulating["pending embedding gradients"] == 4 * 100 * 8  # the new head gradient, added at the end
@@ -80,8 +80,7 @@ def test_hand_computed_parts_with_bf16_weights():
         # One block of V=100 rows: its bf16 product and float32 promotion [100, 8], its gradient logits [4, 100].
         assert parts["LM-head gradient block"] == 100 * 8 * (2 + 4) + 4 * 100 * 2
         # 4 rows x V: the bf16 matmul output and its float32 copy; the hidden states' bf16 gradient (2 x 5 rows).
-        # float32 logits and their exponentials (the entropy metric), the bf16 head's matmul output; hidden grad
-        assert parts["log-prob chunk"] == 4 * 100 * (2 * 4 + 2) + 2 * 5 * 8 * 2
+        assert parts["log-prob chunk"] == 4 * 100 * (4 + 2) + 2 * 5 * 8 * 2  # + the bf16 head's matmul output
     # torch AdamW on the largest tensor (the [100, 8] head) in one slice: float32 weight, gradient, 2 temporaries.
     assert estimate(a, s, "cpu").parts["optimizer step temporaries"] == 4 * 4 * 100 * 8
     eight_bit = estimate(a, dataclasses.replace(s, optim="adamw_8bit"), "cpu").parts
