@@ -25,7 +25,7 @@ from .rollout.batches import Batch, Generation, Scored, generation_from_dict, le
 from .rollout.custom import CustomRollouts
 from .rollout.evaluate import check_eval_setup, evaluate
 from .rollout.prompts import PromptStream, check_dataset, per_completion, steps_per_generation, total_steps
-from .rollout.rewards import RewardContext, compute_rewards, reward_func_names, reward_metrics
+from .rollout.rewards import NoSignalWatch, RewardContext, compute_rewards, reward_func_names, reward_metrics
 from .run import checkpoint, elastic
 from .run.interrupts import StepAbandoned, StopSignals, TrainingInterrupted
 from .run.logs import log_completions, log_eval, log_metrics, peak_memory_gb
@@ -76,8 +76,8 @@ class Trainer:
         self.output_dir = Path(config.output_dir)
         self.generation: Generation | None = None
         self.nonfinite_streak = self.nonfinite_total = 0  # optimizer steps skipped for a NaN/inf loss or grad
-        self.last_checkpoint: Path | None = None
-        self.saved_step: int | None = None  # the step last saved: saving it again is a no-op
+        self.last_checkpoint, self.saved_step = None, None  # the newest checkpoint; its step (saving again: no-op)
+        self.no_signal = NoSignalWatch(patience=3)  # steps in a row where every group's rewards were equal
 
     # --- the loop ---
     def train(self) -> list[dict]:
@@ -138,8 +138,9 @@ class Trainer:
         t0 = time.perf_counter()
         # Every rank draws the same global prompts and keeps its own share of whole prompts.
         rows = dist.shard(self.prompts.next(self.prompts_per_generation))                   # rollout/prompts
-        rollouts = sample_batch(self.sample, rows["prompt"], cfg.per_device_train_batch_size, G,
-                                self.tokenizer.pad_token_id)                                # rollout/batches
+        with self.policy.progress(f"sampling step {self.step + 1}", enabled=dist.is_main):
+            rollouts = sample_batch(self.sample, rows["prompt"], cfg.per_device_train_batch_size, G,
+                                    self.tokenizer.pad_token_id)                            # rollout/batches
         generate_s = dist.reduce({"s": time.perf_counter() - t0}, "max")["s"]  # the slowest rank's
         self.policy.check_head_once(rollouts[0])  # first step: our log-probs vs the model's own   policy
         columns = per_completion(rows, G)
@@ -162,6 +163,7 @@ class Trainer:
         metrics = {**reward_metrics(rewards, per_func, self.reward_names), **length_metrics(lengths, truncated),
                    "frac_reward_zero_std": zero_std_fraction(rewards, G, scored), **context.metrics_over(dist),
                    "perf/generate_s": generate_s, "perf/tokens_per_s": lengths.sum().item() / generate_s}
+        self.no_signal.update(metrics["frac_reward_zero_std"], show=dist.is_main)  # says once what usually fixes it
         return Generation(batches, metrics, Scored(prompts, completions, rewards, per_func, advantages, context.extras))
 
     def accumulate(self, batches: list[Batch]) -> dict:

@@ -54,8 +54,11 @@ def architecture_of(config: Config, model=None, download: bool = False) -> Archi
     try:
         from transformers import AutoConfig
 
-        local = os.path.isdir(config.model) or not download
-        return Architecture.from_hf_config(AutoConfig.from_pretrained(config.model, local_files_only=local),
+        from ..policy.gguf import resolve_model_path
+
+        path = resolve_model_path(config.model)  # a .gguf file or the packaged short name: its converted folder
+        local = os.path.isdir(path) or not download
+        return Architecture.from_hf_config(AutoConfig.from_pretrained(path, local_files_only=local),
                                            name=config.model)
     except Exception as e:  # noqa: BLE001 -- any failure to read a config is reported, never raised
         return f"cannot read the config of {config.model!r} ({type(e).__name__}), so no memory plan"

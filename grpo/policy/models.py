@@ -12,6 +12,7 @@ from ..algo.logprobs import token_logprobs
 from ..errors import ConfigError
 from ..rollout.decoding import head_logits, positions
 from . import reference_kind
+from .gguf import resolve_model_path
 from .head import head_transform
 from .precision import Precision
 from .sources import loading
@@ -24,8 +25,9 @@ def device_of(model) -> torch.device:
 def load_tokenizer(name_or_path: str):
     from transformers import AutoTokenizer
 
-    with loading(name_or_path):  # a missing model: one line saying whether it was read as a path or a hub id
-        tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+    name = resolve_model_path(name_or_path)  # a .gguf file or the packaged short name: its converted folder
+    with loading(name):  # a missing model: one line saying whether it was read as a path or a hub id
+        tokenizer = AutoTokenizer.from_pretrained(name)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
@@ -52,16 +54,17 @@ def load_model(config, precision: Precision | None = None):
 
     precision = precision or Precision.plan(config.bf16, config.use_lora, bf16_weights=config.bf16_weights)
     device, dtype = precision.device_type, precision.base_dtype
+    name = resolve_model_path(config.model)  # a .gguf file or the packaged short name: its converted folder
     if not config.load_in_4bit:
-        with loading(config.model):
-            return AutoModelForCausalLM.from_pretrained(config.model, dtype=dtype).to(device)
+        with loading(name):
+            return AutoModelForCausalLM.from_pretrained(name, dtype=dtype).to(device)
     from transformers import BitsAndBytesConfig
 
     # Embeddings, norms and the LM head stay in `dtype` (bf16 under bf16); peft's prepare_model_for_kbit_training
     # is skipped on purpose: it would upcast them to float32, and non-reentrant checkpointing needs no input grads.
     quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype)
-    with loading(config.model):
-        model = AutoModelForCausalLM.from_pretrained(config.model, dtype=dtype, quantization_config=quantization,
+    with loading(name):
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, quantization_config=quantization,
                                                      device_map={"": device})
     keep_4bit_layout(model)  # grpo.eval loads through here too: the same numbers as evaluation during training
     return model

@@ -3,8 +3,11 @@ the routing through the DDP / FSDP wrapper, the run's autocast (policy/precision
 reference policy."""
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
+from ..rollout.progress import TokenProgress
 from ..rollout.sampling import PromptEncoder, Rollout, sample
 from . import reference_kind
 from .models import check_logprobs_match_forward, completion_logprobs, device_of, make_reference, reference_context
@@ -26,16 +29,27 @@ class Policy:
         self.device = device_of(model)
         self.encode = PromptEncoder(tokenizer, config.max_prompt_length)
         self.reference_forwards = 0
+        self.on_token = None  # the open progress bar's counter, if any
         self.head_checked = False
 
     @torch.no_grad()
     def sample(self, prompts: list) -> Rollout:
-        """`num_generations` completions per prompt, drawn with the run's sampling settings."""
+        """`num_generations` completions per prompt, drawn with the run's sampling settings (tokens counted on the
+        `progress` bar while one is open)."""
         c = self.config
         return self.parallel.generate(lambda model: sample(
             model, self.tokenizer, self.encode, prompts, num_generations=c.num_generations,
             max_completion_length=c.max_completion_length, temperature=c.temperature, top_p=c.top_p, top_k=c.top_k,
-            stop_at_eos=c.stop_at_eos))
+            stop_at_eos=c.stop_at_eos, on_token=self.on_token))
+
+    @contextlib.contextmanager
+    def progress(self, desc: str, enabled: bool):
+        """A tokens and tokens/s bar for the sampling inside the block (a step's takes minutes on a CPU)."""
+        with TokenProgress(desc, enabled=enabled) as self.on_token:
+            try:
+                yield
+            finally:
+                self.on_token = None
 
     def logprobs(self, rollout: Rollout, with_entropy: bool = False):
         """Per-token log-probs [N, C] of the rollout's completions under the policy (with grad when enabled);

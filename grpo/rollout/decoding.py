@@ -76,11 +76,12 @@ def sample_from_logits(logits: torch.Tensor, generator: torch.Generator | None =
 @torch.no_grad()
 def generate(hf_model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, max_new_tokens: int,
              temperature: float, top_p: float, top_k: int, eos_ids: list[int], pad_id: int,
-             stop_at_eos: bool = True, greedy: bool = False) -> torch.Tensor:
+             stop_at_eos: bool = True, greedy: bool = False, on_token=None) -> torch.Tensor:
     """Completion ids [N, C] sampled after left-padded prompts [N, P] by a transformers causal LM (adapters, if
     any, injected in place). With `stop_at_eos`, rows that sampled EOS continue with `pad_id` and the loop ends
     when all have; without it, EOS is never sampled and every row gets `max_new_tokens` tokens. `greedy` takes
-    the most likely token instead of sampling (evaluation)."""
+    the most likely token instead of sampling (evaluation). `on_token(n)`, if given, is called after every
+    decoding step with the number of tokens it generated (rows not yet finished), for progress bars."""
     body, logits_of = hf_model.base_model, head_logits(hf_model)
     cache = {_cache_argument(body): DynamicCache(config=hf_model.config)}
     eos = torch.tensor(eos_ids, device=prompt_ids.device)
@@ -100,6 +101,8 @@ def generate(hf_model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, m
             token = sample_from_logits(filter_logits(logits, temperature, top_k, top_p))  # [N]
         token = token.masked_fill(finished, pad_id)
         tokens.append(token)
+        if on_token is not None:
+            on_token(int((~finished).sum()))
         if stop_at_eos:
             finished |= torch.isin(token, eos)
             if finished.all():

@@ -9,9 +9,9 @@ from __future__ import annotations
 import time
 
 import torch
-from tqdm.auto import tqdm
 
 from ..errors import ConfigError
+from .progress import TokenProgress
 from .rewards import compute_rewards, reward_func_names
 from .sampling import PromptEncoder, sample
 
@@ -56,14 +56,16 @@ def evaluate(model, tokenizer, dataset, reward_funcs, *, accuracy_func: str, for
     encode = PromptEncoder(tokenizer, max_prompt_length)
     completions, completion_ids, lengths = [], [], []
     t0 = time.perf_counter()
-    for start in tqdm(range(0, len(dataset), batch_size), desc="eval", leave=False, disable=not progress):
-        prompts = dataset[start:start + batch_size]["prompt"]
-        rollout = generate(lambda m: sample(m, tokenizer, encode, prompts, num_generations=1, greedy=True,
-                                            max_completion_length=max_completion_length, temperature=1.0,
-                                            top_p=1.0, top_k=0))
-        completions += rollout.completions
-        completion_ids += rollout.completion_id_lists
-        lengths.append(rollout.completion_mask.sum(dim=1).float())  # [b]
+    with TokenProgress("eval", enabled=progress) as bar:
+        for start in range(0, len(dataset), batch_size):
+            bar.prompts_done(start, len(dataset))
+            prompts = dataset[start:start + batch_size]["prompt"]
+            rollout = generate(lambda m: sample(m, tokenizer, encode, prompts, num_generations=1, greedy=True,
+                                                max_completion_length=max_completion_length, temperature=1.0,
+                                                top_p=1.0, top_k=0, on_token=bar))
+            completions += rollout.completions
+            completion_ids += rollout.completion_id_lists
+            lengths.append(rollout.completion_mask.sum(dim=1).float())  # [b]
     columns = {k: dataset[k] for k in dataset.column_names if k != "prompt"}
     prompts = dataset["prompt"]
     _, per_func, reward_metrics = compute_rewards(reward_funcs, prompts, completions, columns,
@@ -76,7 +78,8 @@ def evaluate(model, tokenizer, dataset, reward_funcs, *, accuracy_func: str, for
                     for n in names if f"reward/{n}" in reward_metrics})
     metrics["eval/num_examples"] = float(len(dataset))
     metrics["eval/seconds"] = time.perf_counter() - t0
-    samples = [{"prompt": p, "completion": c,
+    # The dataset's other columns (the expected answer, say) sit next to each completion.
+    samples = [{"prompt": p, "completion": c, **{k: v[i] for k, v in columns.items()},
                 **{f"reward/{n}": (None if v != v else v) for n, v in zip(names, per_func[i].tolist())}}
                for i, (p, c) in enumerate(zip(prompts, completions))]
     return metrics, samples

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+from tqdm.auto import tqdm
 
 from ..errors import UserError
 
@@ -238,3 +239,25 @@ def _preview(x, limit: int = 200) -> str:
         x = x[-1]["content"]
     text = repr(x)
     return text if len(text) <= limit else text[:limit] + "..."
+
+
+class NoSignalWatch:
+    """Says once, on stderr, when `patience` steps in a row had no group with unequal rewards: every advantage
+    was 0 and the policy could not change. `update` takes each step's frac_reward_zero_std."""
+
+    def __init__(self, patience: int = 3):
+        self.patience, self.streak, self.warned = patience, 0, False
+
+    def update(self, frac_zero_std: float, show: bool = True) -> str | None:
+        self.streak = self.streak + 1 if frac_zero_std >= 1.0 else 0
+        if self.warned or self.streak < self.patience:
+            return None
+        self.warned = True
+        message = (f"warning: no learning signal for {self.streak} steps in a row: in every group all completions got "
+                   f"the same reward, so every advantage is 0 and the policy does not change (frac_reward_zero_std = "
+                   f"1). What usually fixes it: a worked example turn in the prompt showing the expected format, a "
+                   f"higher --temperature or more --num_generations (more varied completions), or partial-credit "
+                   f"rewards (e.g. 0.5 for a near-miss) so that some completions score differently. (warned once)")
+        if show:
+            tqdm.write(message, file=sys.stderr)
+        return message

@@ -101,11 +101,12 @@ def eos_token_ids(tokenizer, model) -> list[int]:
 @torch.no_grad()
 def sample(model, tokenizer, encode: PromptEncoder, prompts: list, *, num_generations: int,
            max_completion_length: int, temperature: float, top_p: float, top_k: int,
-           stop_at_eos: bool = True, greedy: bool = False) -> Rollout:
+           stop_at_eos: bool = True, greedy: bool = False, on_token=None) -> Rollout:
     """Sample `num_generations` completions per prompt with KV-cached generation.
 
     `stop_at_eos=False` forces full-length completions (benchmarks compare equal work that way);
-    `greedy=True` decodes the most likely token each step instead (evaluation), ignoring the sampling knobs."""
+    `greedy=True` decodes the most likely token each step instead (evaluation), ignoring the sampling knobs;
+    `on_token(n)` is called after each decoding step with the tokens it generated (progress bars)."""
     prompt_ids, prompt_mask = encode(prompts)  # [B, P]
     device = next(model.parameters()).device
     prompt_ids = prompt_ids.repeat_interleave(num_generations, dim=0).to(device)  # [N, P]
@@ -119,7 +120,7 @@ def sample(model, tokenizer, encode: PromptEncoder, prompts: list, *, num_genera
         completion_ids = generate(unwrap(model), prompt_ids, prompt_mask, max_new_tokens=max_completion_length,
                                   temperature=temperature, top_p=top_p, top_k=top_k, eos_ids=eos_ids,
                                   pad_id=tokenizer.pad_token_id, stop_at_eos=stop_at_eos,
-                                  greedy=greedy)  # [N, C]
+                                  greedy=greedy, on_token=on_token)  # [N, C]
     finally:
         model.train(was_training)
     completion_mask, truncated = completion_mask_after_eos(completion_ids, eos_ids)

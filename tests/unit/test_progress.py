@@ -1,0 +1,39 @@
+"""Progress during long steps: the decoding loop reports each step's new tokens; evaluation rows carry the
+dataset's reference columns."""
+import torch
+
+from grpo.rollout.decoding import generate
+from grpo.rollout.evaluate import evaluate
+from grpo.rollout.sampling import left_pad
+from tiny_setup import digit_prompts, tiny_model, tiny_tokenizer
+
+
+def half(completions, **kwargs):
+    return [0.5] * len(completions)
+
+
+def test_on_token_counts_every_generated_token_until_eos():
+    tokenizer = tiny_tokenizer()
+    model = tiny_model(tokenizer).eval()
+    ids, mask = left_pad([tokenizer("Write 3 digits:")["input_ids"], tokenizer("Write 7 digits: 01")["input_ids"]],
+                         tokenizer.pad_token_id)
+    with torch.no_grad():
+        first = int(model(ids[:1], attention_mask=mask[:1]).logits[0, -1].argmax())
+    counts = []
+    out = generate(model, ids, mask, max_new_tokens=6, temperature=1.0, top_p=1.0, top_k=1, eos_ids=[first],
+                   pad_id=tokenizer.pad_token_id, on_token=counts.append)
+    assert counts[0] == 2 and counts == sorted(counts, reverse=True)
+    # Tokens up to and including each row's EOS are counted; padding after it is not.
+    is_eos = out == first
+    length = torch.where(is_eos.any(1), is_eos.int().argmax(1) + 1, torch.full((2,), out.shape[1]))
+    assert sum(counts) == int(length.sum())
+
+
+def test_eval_rows_carry_the_reference_columns():
+    tokenizer = tiny_tokenizer()
+    seen = []
+    _, samples = evaluate(tiny_model(tokenizer), tokenizer, digit_prompts(4), [half], accuracy_func="half",
+                          max_prompt_length=16, max_completion_length=3, batch_size=2, progress=True,
+                          generate=lambda fn: seen.append(1) or fn(tiny_model(tokenizer)))
+    assert [s["num_digits"] for s in samples] == [1, 2, 3, 4] and len(seen) == 2
+    assert {"prompt", "completion", "reward/half", "num_digits"} <= samples[0].keys()
