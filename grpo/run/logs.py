@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import resource
+import sys
 from pathlib import Path
 
 import torch
@@ -19,7 +20,18 @@ COMPLETIONS = "completions.jsonl"
 def peak_memory_gb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 1e9
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9  # Linux reports KiB
+    return peak_rss_bytes() / 1e9
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory. Linux's VmHWM, not getrusage's ru_maxrss: that one keeps the RSS
+    the process had before exec, i.e. its parent's at fork (a run started from a big process reports the
+    parent's size)."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    except (OSError, StopIteration):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
 
 
 def log_metrics(output_dir: Path, step: int, metrics: dict, dist, trackers) -> dict:

@@ -282,6 +282,7 @@ import json, resource, sys
 import torch
 sys.path.insert(0, sys.argv[1])
 from grpo.algo.logprobs import token_logprobs
+from grpo.run.logs import peak_rss_bytes
 
 def rss():
     with open("/proc/self/statm") as f:
@@ -301,7 +302,7 @@ cap = vm_size() + 4 * 2**30
 resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
 before = rss()
 token_logprobs(hidden, weight, targets).sum().backward()
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+peak = peak_rss_bytes()  # VmHWM: ru_maxrss would keep the pytest parent's RSS from before exec
 print(json.dumps({"extra": peak - before, "grad_ok": bool(torch.isfinite(weight.grad).all())}))
 """
 

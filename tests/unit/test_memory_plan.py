@@ -204,6 +204,7 @@ CHILD = textwrap.dedent(r"""
     import torch
     torch.set_num_threads(1)
     import grpo.trainer
+    from grpo.run.logs import peak_rss_bytes
     from datasets import Dataset
     from torch.optim.optimizer import register_optimizer_step_post_hook
     from grpo import Config, Trainer
@@ -218,7 +219,7 @@ CHILD = textwrap.dedent(r"""
     data = Dataset.from_list([{"prompt": "x" * 16} for _ in range(8)])
     peaks = []
     register_optimizer_step_post_hook(
-        lambda *_: peaks.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024))
+        lambda *_: peaks.append(peak_rss_bytes()))  # VmHWM: ru_maxrss keeps the pytest parent's RSS
     with open("/proc/self/statm") as f:
         baseline = int(f.read().split()[1]) * resource.getpagesize()
     model = tiny_qwen2(**arch)
