@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
+import warnings
 
 import torch
 
@@ -113,7 +114,9 @@ def prepare_for_training(model, config, world_size: int = 1):
             r=config.lora_r, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
             target_modules=config.lora_target_modules or "all-linear", task_type="CAUSAL_LM",
         )
-        model = get_peft_model(model, lora)
+        with warnings.catch_warnings():  # peft 0.21 reads transformers 5's deprecated alias: not the user's to fix
+            warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+            model = get_peft_model(model, lora)
     model.train()
     return model
 
