@@ -30,7 +30,7 @@ PROMPT = "Write 5 digits:"  # every row the same prompt: the two sides' data ord
 
 def fixed_rollout_func(tokenizer, max_len: int):
     """TRL's rollout_func contract; the k-th completion asked for is the same on both sides, however many
-    each call asks for (TRL: a generation batch, here a micro-batch's worth)."""
+    each call asks for (a generation batch's worth on both sides)."""
     rows = [0]
     eos = tokenizer.eos_token_id
 

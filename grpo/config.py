@@ -92,7 +92,7 @@ class Config:
     num_iterations: int = 1
     """Optimizer passes over each generation batch (mu in the GRPO paper)."""
     scale_rewards: str = "group"
-    """Advantage scaling: "group" std, "batch" std, or "none" (Dr. GRPO)."""
+    """Advantage scaling: "group" std, "batch" std, or "none" (Dr. GRPO); TRL's True / False are "group" / "none"."""
     loss_type: str = "dapo"
     """How per-token losses are normalized (grpo.algo.loss): "dapo" (by the step's tokens), "grpo" (each
     completion's token mean, then their mean), "bnpo" (by each micro-batch's own tokens), "dr_grpo" (by
@@ -170,6 +170,8 @@ class Config:
     """Reward function (by name) whose full marks count an eval completion as well-formatted (None: skip)."""
 
     def __post_init__(self):
+        if isinstance(self.scale_rewards, bool):  # TRL 1.16 takes a bool too, and stores its string the same way
+            self.scale_rewards = "group" if self.scale_rewards else "none"
         check_config(self)
 
     def loss_settings(self) -> dict:

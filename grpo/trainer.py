@@ -139,11 +139,11 @@ class Trainer:
         # Every rank draws the same global prompts and keeps its own share of whole prompts.
         rows = dist.shard(self.prompts.next(self.prompts_per_generation))                   # rollout/prompts
         with self.policy.progress(f"sampling step {self.step + 1}", enabled=dist.is_main):
-            rollouts = sample_batch(self.sample, rows["prompt"], cfg.per_device_train_batch_size, G,
-                                    self.tokenizer.pad_token_id)                            # rollout/batches
+            rollouts, fields = sample_batch(self.sample, rows["prompt"], cfg.per_device_train_batch_size, G,
+                                            self.tokenizer.pad_token_id)                            # rollout/batches
         generate_s = dist.reduce({"s": time.perf_counter() - t0}, "max")["s"]  # the slowest rank's
         self.policy.check_head_once(rollouts[0])  # first step: our log-probs vs the model's own   policy
-        columns = per_completion(rows, G)
+        columns = {**per_completion(rows, G), **fields}  # a rollout_func's fields win over columns, as in TRL
         prompts, completions = columns.pop("prompt"), [c for ro in rollouts for c in ro.completions]
         context = RewardContext(self.step, self.total_steps)  # TRL's trainer_state, log_metric, log_extra
         rewards, per_func, _ = compute_rewards(self.reward_funcs, prompts, completions, columns, cfg.reward_weights,

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .custom import CustomRollouts
 from .sampling import Rollout
 
 
@@ -66,12 +67,18 @@ def loss_batches(rollouts: list[Rollout], advantages: torch.Tensor, mask_truncat
     return [Batch(loss_rollout(r, mask_truncated), a.to(device)) for r, a in zip(rollouts, advantages.split(sizes))]
 
 
-def sample_batch(sample, prompts: list, per_device: int, num_generations: int, pad_id: int) -> list[Rollout]:
-    """A generation batch's micro-batches of `per_device` rows: `sample(prompts) -> Rollout` (our decoder or a
-    rollout_func) is called on a micro-batch's worth of whole prompts at a time (at least one), so the KV cache
-    is a micro-batch's, then the rows are regrouped."""
+def sample_batch(sample, prompts: list, per_device: int, num_generations: int,
+                 pad_id: int) -> tuple[list[Rollout], dict[str, list]]:
+    """A generation batch's micro-batches of `per_device` rows, and the reward columns a rollout_func returned
+    besides its tokens (none for our decoder). Our decoder (`sample(prompts) -> Rollout`) is called on a
+    micro-batch's worth of whole prompts at a time (at least one), so its KV cache is a micro-batch's; a
+    rollout_func (`CustomRollouts`) once for the whole generation batch, as TRL calls it. Either way the rows
+    are then cut into micro-batches."""
+    if isinstance(sample, CustomRollouts):
+        rollout, fields = sample(prompts)
+        return regroup([rollout], per_device, pad_id), fields
     k = max(1, per_device // num_generations)
-    return regroup([sample(prompts[i:i + k]) for i in range(0, len(prompts), k)], per_device, pad_id)
+    return regroup([sample(prompts[i:i + k]) for i in range(0, len(prompts), k)], per_device, pad_id), {}
 
 
 def regroup(rollouts: list[Rollout], size: int, pad_id: int) -> list[Rollout]:

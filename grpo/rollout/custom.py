@@ -1,9 +1,11 @@
 """TRL's `rollout_func`: generation replaced by the user's own (an inference engine, an environment, an agent
-loop). TRL 1.16's contract: `rollout_func(prompts, trainer) -> dict` gets the prompts, each repeated
-num_generations times in a row (one entry per completion, as TRL's sampler hands them over) and returns, one
-entry per completion, `prompt_ids` and `completion_ids` (lists of token ids) and optionally `logprobs` (the
-sampler's per-token log-probs: accepted, not used, as sampling here is on-policy; TRL uses them only for its
-vLLM importance-sampling correction). The loss scores the returned tokens under the policy, whatever made them."""
+loop). TRL 1.16's contract: `rollout_func(prompts, trainer) -> dict` is called once per generation batch (on
+each rank, with that rank's share) and gets its prompts, each repeated num_generations times in a row (one
+entry per completion, as TRL's sampler hands them over). It returns, one entry per completion, `prompt_ids`
+and `completion_ids` (lists of token ids) and optionally `logprobs` (the sampler's per-token log-probs:
+accepted, not used, as sampling here is on-policy; TRL uses them only for its vLLM importance-sampling
+correction). Every other key it returns (TRL's optional `logprob_token_ids` too) reaches the reward functions
+as a keyword column, as in TRL. The loss scores the returned tokens under the policy, whatever made them."""
 from __future__ import annotations
 
 import torch
@@ -12,7 +14,14 @@ from ..errors import UserError
 from .sampling import Rollout, completion_mask_after_eos, eos_token_ids, is_chat, left_pad
 
 REQUIRED = ("prompt_ids", "completion_ids")
-OPTIONAL = ("logprobs", "logprob_token_ids")
+USED = (*REQUIRED, "logprobs")  # TRL's own keys; every other one is a field for the reward functions
+# The reward functions' own arguments (rollout/rewards.py) and the dataset's prompt: a field of that name would
+# collide with them (TRL: a TypeError, or the field silently dropped), so it is refused.
+RESERVED = ("prompts", "completions", "completion_ids", "trainer_state", "log_metric", "log_extra", "prompt",
+            "completion")
+# Fields TRL gives a meaning beyond the rewards; forwarding them would silently drop that meaning.
+UNSUPPORTED = {"env_mask": "TRL masks the tokens it marks 0 out of the loss (environment feedback); "
+                           "not implemented here"}
 
 
 class RolloutFuncError(UserError):
@@ -20,37 +29,52 @@ class RolloutFuncError(UserError):
 
 
 class CustomRollouts:
-    """Stands in for `Policy.sample`: prompts in, a Rollout of num_generations completions each out."""
+    """Stands in for our decoder: a generation batch's prompts in, one Rollout of num_generations completions
+    each and the rollout_func's extra fields (reward columns, one value per completion) out."""
 
     def __init__(self, rollout_func, trainer):
         self.rollout_func, self.trainer, self.tokenizer = rollout_func, trainer, trainer.tokenizer
         self.eos_ids, self.device = eos_token_ids(trainer.tokenizer, trainer.model), trainer.policy.device
         self.num_generations = trainer.config.num_generations
         self.max_completion_length = trainer.config.max_completion_length
+        self.name = getattr(rollout_func, "__name__", type(rollout_func).__name__)
 
-    def __call__(self, prompts: list) -> Rollout:
+    def __call__(self, prompts: list) -> tuple[Rollout, dict[str, list]]:
         repeated = [p for p in prompts for _ in range(self.num_generations)]
         output = self.rollout_func(repeated, self.trainer)
-        name = getattr(self.rollout_func, "__name__", type(self.rollout_func).__name__)
         if not isinstance(output, dict) or any(k not in output for k in REQUIRED):
-            raise RolloutFuncError(f"rollout_func '{name}' must return a dict with {', '.join(REQUIRED)} "
+            raise RolloutFuncError(f"rollout_func '{self.name}' must return a dict with {', '.join(REQUIRED)} "
                                    f"(and optionally logprobs), got {type(output).__name__}"
                                    f"{' with keys ' + ', '.join(output) if isinstance(output, dict) else ''}")
-        extra = sorted(set(output) - set(REQUIRED) - set(OPTIONAL))
-        if extra:  # TRL forwards them to the reward functions; not done here yet, so never silently dropped
-            raise RolloutFuncError(f"rollout_func '{name}' returned {', '.join(extra)}: extra fields for the reward "
-                                   f"functions are not supported here yet")
         prompt_rows, completion_rows = output["prompt_ids"], output["completion_ids"]
         if len(prompt_rows) != len(repeated) or len(completion_rows) != len(repeated):
-            raise RolloutFuncError(f"rollout_func '{name}' returned {len(prompt_rows)} prompt_ids and "
+            raise RolloutFuncError(f"rollout_func '{self.name}' returned {len(prompt_rows)} prompt_ids and "
                                    f"{len(completion_rows)} completion_ids for {len(repeated)} prompts (one "
                                    f"completion per prompt entry: each prompt comes num_generations times)")
         too_long = max(len(r) for r in completion_rows)
         if too_long > self.max_completion_length:
-            raise RolloutFuncError(f"rollout_func '{name}' returned a completion of {too_long} tokens, more than "
-                                   f"max_completion_length={self.max_completion_length}")
+            raise RolloutFuncError(f"rollout_func '{self.name}' returned a completion of {too_long} tokens, more "
+                                   f"than max_completion_length={self.max_completion_length}")
+        fields = self.reward_fields({k: v for k, v in output.items() if k not in USED}, len(repeated))
         return self.rollout(prompts, [list(map(int, r)) for r in prompt_rows],
-                            [list(map(int, r)) for r in completion_rows])
+                            [list(map(int, r)) for r in completion_rows]), fields
+
+    def reward_fields(self, extra: dict, n: int) -> dict[str, list]:
+        """The extra fields as reward columns of `n` values. As in TRL, a list holds one value per completion
+        and anything else (a number, a string, a tuple) is every completion's value. A list of another length
+        is an error here (TRL fails later on a shorter one, with a KeyError, and drops a longer one's tail)."""
+        for key in extra:
+            if key in UNSUPPORTED:
+                raise RolloutFuncError(f"rollout_func '{self.name}' returned '{key}': {UNSUPPORTED[key]}")
+            if key in RESERVED:
+                raise RolloutFuncError(f"rollout_func '{self.name}' returned a field '{key}', a name the reward "
+                                       f"functions' own arguments use ({', '.join(RESERVED)}): rename it")
+        wrong = [f"{len(v)} values of '{k}'" for k, v in extra.items() if isinstance(v, list) and len(v) != n]
+        if wrong:
+            raise RolloutFuncError(f"rollout_func '{self.name}' returned {', '.join(wrong)} for {n} completions: "
+                                   f"a list field holds one value per completion (anything else is every "
+                                   f"completion's value)")
+        return {k: v if isinstance(v, list) else [v] * n for k, v in extra.items()}
 
     def rollout(self, prompts: list, prompt_rows: list[list[int]], completion_rows: list[list[int]]) -> Rollout:
         pad = self.tokenizer.pad_token_id

@@ -64,12 +64,75 @@ def test_rollout_func_replaces_the_decoder(tmp_path, tokenizer):
                       reward_funcs=[spy], train_dataset=digit_prompts(), rollout_func=fixed_rollouts)
     before = [p.detach().clone() for p in trainer.model.parameters()]
     trainer.train()
-    assert calls == [8, 8], "one call per micro-batch (2 prompts x 4), one micro-batch per step"
+    assert calls == [8, 8], "one call per generation batch (2 prompts x 4), one generation batch per step"
     one = tokenizer("1")["input_ids"]
     assert seen_ids[:2] == [tokenizer("0")["input_ids"] * 3, one + [eos]]  # EOS kept, as our decoder keeps it
     rows = read(tmp_path / "run" / "completions.jsonl")
     assert [r["completion"] for r in rows[:4]] == ["000", "1", "222", "3"]
     assert max((a - b).abs().max().item() for a, b in zip(before, trainer.model.parameters())) > 1e-4
+
+
+def digit_rollouts(tokenizer, calls: list, **fields):
+    """A rollout_func whose completion i is the digit i % 10 then EOS, returning `fields` besides its tokens
+    (each a value, or a function of the number of completions giving a list)."""
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+
+    def rollout_func(prompts, trainer):
+        calls.append(list(prompts))
+        return {"prompt_ids": [tokenizer(p)["input_ids"] for p in prompts],
+                "completion_ids": [tokenizer(str(i % 10))["input_ids"] + [eos] for i in range(len(prompts))],
+                "logprobs": [[0.0, 0.0] for _ in prompts],
+                **{k: v(len(prompts)) if callable(v) else v for k, v in fields.items()}}
+    return rollout_func
+
+
+def test_rollout_func_is_called_once_per_generation_batch_and_its_fields_reach_the_rewards(tmp_path, tokenizer):
+    calls, seen = [], []
+
+    def spy(prompts, completions, digit, engine, num_digits, **kwargs):
+        seen.append((prompts, completions, digit, engine, num_digits))
+        return [float(d) / 10 for d in digit]
+
+    # 6 completions per micro-batch, 4 micro-batches per generation batch (24 completions: 6 prompts x 4),
+    # 2 per optimizer step: a generation batch feeds 2 steps, and the 2nd prompt's group spans 2 micro-batches.
+    cfg = config(tmp_path, max_steps=4, per_device_train_batch_size=6, gradient_accumulation_steps=2,
+                 steps_per_generation=4)
+    rollout_func = digit_rollouts(tokenizer, calls, digit=lambda n: [str(i % 10) for i in range(n)],
+                                  engine="mine", num_digits=lambda n: [-1] * n)
+    trainer = Trainer(cfg, model=tiny_model(tokenizer), tokenizer=tokenizer, reward_funcs=[spy],
+                      train_dataset=digit_prompts(12), rollout_func=rollout_func)
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    trainer.train()
+    assert len(calls) == 2 and all(len(c) == 24 for c in calls), "once per generation batch, not per micro-batch"
+    for c in calls:  # each of its 6 prompts num_generations times in a row
+        assert all(c[i:i + 4] == [c[i]] * 4 for i in range(0, 24, 4))
+    assert sorted(calls[0][::4] + calls[1][::4]) == sorted(digit_prompts(12)["prompt"]), "one epoch, 6 + 6"
+    assert [len(b.rollout.completions) for b in trainer.generation.batches] == [6, 6, 6, 6]
+    assert len(seen) == 2
+    for call, (prompts, completions, digit, engine, num_digits) in zip(calls, seen):
+        assert prompts == call and completions == [str(i % 10) for i in range(24)]  # in the function's order
+        assert digit == completions, "one value per completion, the one the rollout_func gave it"
+        assert engine == ["mine"] * 24, "a value that is not a list is every completion's, as in TRL"
+        assert num_digits == [-1] * 24, "a field named like a dataset column wins over it, as in TRL"
+    rows = read(tmp_path / "run" / "completions.jsonl")
+    assert [r["prompt"] for r in rows] == calls[0] + calls[1]
+    assert [r["reward/spy"] for r in rows] == pytest.approx([i % 10 / 10 for i in range(24)] * 2)
+    assert max((a - b).abs().max().item() for a, b in zip(before, trainer.model.parameters())) > 1e-4
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"digit": lambda n: ["1"] * (n - 1)}, (r"returned 7 values of 'digit' for 8 completions: a list field "
+                                            r"holds one value per completion")),
+    ({"prompts": lambda n: ["x"] * n}, r"returned a field 'prompts', a name the reward functions' own arguments use"),
+    ({"completion": "x"}, r"returned a field 'completion', a name the reward functions' own arguments use"),
+    ({"env_mask": lambda n: [[1]] * n}, r"returned 'env_mask': TRL masks the tokens it marks 0 out of the loss"),
+])
+def test_rollout_func_fields_are_checked(tmp_path, tokenizer, fields, message):
+    trainer = Trainer(config(tmp_path, max_steps=1), model=tiny_model(tokenizer), tokenizer=tokenizer,
+                      reward_funcs=[digit_share], train_dataset=digit_prompts(),
+                      rollout_func=digit_rollouts(tokenizer, [], **fields))
+    with pytest.raises(RolloutFuncError, match=message):
+        trainer.train()
 
 
 def test_rollout_func_output_is_checked(tmp_path, tokenizer):

@@ -126,6 +126,12 @@ def test_a_trl_config_dict_ports_verbatim():
         Config(learning_rat=1e-5)
 
 
+def test_scale_rewards_takes_trls_bools():
+    assert (Config(scale_rewards=True).scale_rewards, Config(scale_rewards=False).scale_rewards) == ("group", "none")
+    with pytest.raises(ConfigError, match="scale_rewards must be one of group, batch, none"):
+        Config(scale_rewards="std")
+
+
 def test_trl_settings_list_matches_trl():
     trl = pytest.importorskip("trl")
     from grpo.trl_settings import RENAMED, TRL_ONLY, TRL_REASONS
