@@ -75,6 +75,20 @@ class Config:
     """Nucleus sampling threshold (1.0 disables it)."""
     top_k: int = 0
     """Sample only from the k most likely tokens (0 disables it)."""
+    min_p: float | None = None
+    """Min-p sampling: drop tokens less likely than min_p x the most likely one's probability, after temperature
+    (None disables it; typical values 0.01-0.2)."""
+    repetition_penalty: float = 1.0
+    """Penalize tokens already in the prompt or the completion so far (transformers' rule): > 1 discourages
+    repeating, < 1 encourages it, 1.0 disables it. Applied before temperature."""
+    generation_kwargs: dict | None = None
+    """Sampling settings that override the ones above (TRL passes it to GenerationConfig last), a dict or its
+    JSON text: temperature, top_p, top_k, min_p, repetition_penalty (and do_sample=true); other keys are refused,
+    since decoding here is not model.generate. A temperature here changes sampling only: the loss's log-probs
+    use `temperature`, as in TRL."""
+    chat_template_kwargs: dict | None = None
+    """Extra keyword arguments of the tokenizer's apply_chat_template for chat prompts, training and evaluation
+    alike (a dict or its JSON text), e.g. {"enable_thinking": false} for Qwen3."""
     stop_at_eos: bool = True
     """End completions at EOS; False always samples max_completion_length tokens (benchmarks: equal work)."""
 
@@ -173,6 +187,15 @@ class Config:
         if isinstance(self.scale_rewards, bool):  # TRL 1.16 takes a bool too, and stores its string the same way
             self.scale_rewards = "group" if self.scale_rewards else "none"
         check_config(self)
+
+    def sampling_settings(self) -> dict:
+        """The sampling keyword arguments of `grpo.rollout.sampling.sample`: the sampling fields, each overridden by
+        its generation_kwargs entry if any (checked on creation), so every caller samples alike. They shape sampling
+        only, as in TRL: the loss scores the policy's own distribution at `temperature`."""
+        settings = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p,
+                    "repetition_penalty": self.repetition_penalty}
+        overrides = self.generation_kwargs or {}
+        return {key: overrides.get(key, value) for key, value in settings.items()}
 
     def loss_settings(self) -> dict:
         """The keyword arguments of `grpo.algo.loss.policy_loss` that settings decide. An unset epsilon_high

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import json
 import math
 import types
 import typing
@@ -41,6 +42,8 @@ RULES: dict[str, tuple[typing.Callable, str]] = {
     "temperature": (lambda v: v > 0, "> 0"),
     "top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
     "top_k": (lambda v: v >= 0, ">= 0 (0 disables it)"),
+    "min_p": (lambda v: 0 <= v <= 1, "in [0, 1], or None to disable it"),
+    "repetition_penalty": (lambda v: v > 0, "> 0 (1.0 disables it)"),
     "beta": (lambda v: v >= 0, ">= 0"),
     "epsilon": (lambda v: 0 <= v < 1, "in [0, 1)"),
     "epsilon_high": (lambda v: v >= 0, ">= 0"),
@@ -91,12 +94,37 @@ def check_config(config) -> None:
     fields become floats, so the saved config reads the same however it was written."""
     hints = _type_hints(type(config))
     for f in dataclasses.fields(config):
-        value = _checked_type(f.name, getattr(config, f.name), hints[f.name])
-        setattr(config, f.name, value)
-        if f.name in RULES and value is not None:
-            holds, requirement = RULES[f.name]
-            if not holds(value):
-                raise ConfigError(f"{f.name} must be {requirement}, got {value!r}")
+        setattr(config, f.name, _checked_value(f.name, f.name, getattr(config, f.name), hints[f.name]))
+    if config.generation_kwargs:
+        config.generation_kwargs = {key: _generation_kwarg(key, value, hints)
+                                    for key, value in config.generation_kwargs.items()}
+
+
+def _checked_value(name: str, field: str, value, tp):
+    """`value` type-checked against `tp`, then against `field`'s rule; `name` is what an error calls it."""
+    value = _checked_type(name, value, tp)
+    if field in RULES and value is not None:
+        holds, requirement = RULES[field]
+        if not holds(value):
+            raise ConfigError(f"{name} must be {requirement}, got {value!r}")
+    return value
+
+
+# The generation_kwargs our decoder implements: each overrides the Config field of its name (Config.sampling_settings).
+GENERATION_KWARGS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+def _generation_kwarg(key: str, value, hints: dict):
+    """One generation_kwargs entry, checked as the field it overrides; do_sample=true (TRL's own) is allowed and
+    ignored. Any other key is refused: decoding here is our own loop, not transformers' GenerationConfig."""
+    name = f"generation_kwargs[{key!r}]"
+    if key == "do_sample":
+        if value is not True:
+            raise ConfigError(f"{name} must be true, got {value!r}: GRPO samples its completions")
+        return value
+    if key not in GENERATION_KWARGS:
+        hint = " (set max_completion_length instead)" if key == "max_new_tokens" else ""
+        raise ConfigError(f"{name} is not supported{hint}: sampling here is its own loop, not model.generate, "
+                          f"and takes {', '.join(GENERATION_KWARGS)} (and do_sample=true)")
+    return _checked_value(name, key, value, hints[key])
 
 
 @functools.lru_cache(maxsize=None)
@@ -105,8 +133,9 @@ def _type_hints(cls) -> dict:
 
 
 def _checked_type(name: str, value, tp):
-    """`value` if it fits `tp` (int, float, bool, str, list[X], X | None), an int widened to float
-    where a float is wanted; ConfigError otherwise. Other annotations are not checked."""
+    """`value` if it fits `tp` (int, float, bool, str, list[X], dict, X | None), an int widened to float
+    where a float is wanted, JSON text parsed where a dict is; ConfigError otherwise. Other annotations are not
+    checked."""
     if typing.get_origin(tp) in (typing.Union, types.UnionType):
         if value is None and type(None) in typing.get_args(tp):
             return None
@@ -114,12 +143,31 @@ def _checked_type(name: str, value, tp):
         if len(options) != 1:
             return value
         tp = options[0]
+    if tp is dict:
+        return _json_object(name, value)
     if typing.get_origin(tp) is list and typing.get_args(tp)[0] in _NAMES:
         (item,) = typing.get_args(tp)
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{name} must be a list of {_NAMES[item][1]}, got {value!r:.100}")
         return [_scalar(f"{name}[{i}]", v, item) for i, v in enumerate(value)]
     return _scalar(name, value, tp)
+
+
+def _json_object(name: str, value) -> dict:
+    """A dict setting from a dict or, as TRL accepts, its JSON text; JSON data either way, since the config is
+    saved with the run (grpo_config.json, trackers)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError:
+            raise ConfigError(f'{name} must be a JSON object such as \'{{"key": 1}}\', got {value!r:.100}') from None
+    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+        raise ConfigError(f"{name} must be a dict with string keys (or its JSON text), got {value!r:.100}")
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{name} must hold JSON data (it is saved with the run), got {value!r:.100}") from None
+    return dict(value)
 
 
 _NAMES = {int: ("an int", "ints"), float: ("a float", "floats"), bool: ("a bool", "bools"), str: ("a string", "strings")}

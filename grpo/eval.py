@@ -91,7 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     metrics, samples = evaluate(model, tokenizer, dataset, recipe.reward_funcs, accuracy_func=config.eval_accuracy_func,
                                 format_func=config.eval_format_func, max_prompt_length=config.max_prompt_length,
                                 max_completion_length=config.max_completion_length, batch_size=config.eval_batch_size,
-                                limit=limit if limit is not None else config.eval_limit)
+                                limit=limit if limit is not None else config.eval_limit,
+                                chat_template_kwargs=config.chat_template_kwargs)
     n = int(metrics["eval/num_examples"])
     print(f"greedy pass@1 on {n} prompts: accuracy {metrics['eval/accuracy']:.3f}"
           + (f", format {metrics['eval/format']:.3f}" if "eval/format" in metrics else "")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import inspect
+import json
 import re
 import textwrap
 import types
@@ -52,6 +53,8 @@ def parse_value(key: str, text: str, tp):
         (tp,) = [t for t in typing.get_args(tp) if t is not type(None)]
     if typing.get_origin(tp) in (typing.Union, types.UnionType) and str in typing.get_args(tp):
         return text  # `str | list[str]` (report_to): the field's own check reads the text
+    if tp is dict:
+        return _parse_json_object(key, text, optional)
     is_list = typing.get_origin(tp) is list
     item = typing.get_args(tp)[0] if is_list else tp
     if item not in _SCALARS:
@@ -65,6 +68,18 @@ def parse_value(key: str, text: str, tp):
         expected = f"a comma-separated list of {plural}" if is_list else single
         expected += " or none" if optional else ""
         raise ConfigError(f"--{key}: expected {expected}, got {text!r}") from None
+
+
+def _parse_json_object(key: str, text: str, optional: bool) -> dict:
+    """A dict setting's JSON text (`--generation_kwargs='{"top_k": 5}'`); the field's own check reads its keys."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        value = None
+    if not isinstance(value, dict):
+        expected = 'a JSON object (such as {"top_k": 5})' + (" or none" if optional else "")
+        raise ConfigError(f"--{key}: expected {expected}, got {text!r}")
+    return value
 
 
 def _parse_scalar(text: str, tp):
@@ -109,6 +124,8 @@ def format_value(value) -> str:
         return str(value).lower()
     if isinstance(value, list):
         return ",".join(str(v) for v in value)
+    if isinstance(value, dict):
+        return json.dumps(value)
     return str(value)
 
 

@@ -234,7 +234,7 @@ class Trainer:
                               accuracy_func=cfg.eval_accuracy_func, format_func=cfg.eval_format_func,
                               max_prompt_length=cfg.max_prompt_length, max_completion_length=cfg.max_completion_length,
                               batch_size=cfg.eval_batch_size, limit=cfg.eval_limit, progress=self.dist.is_main,
-                              generate=self.policy.parallel.generate)
+                              generate=self.policy.parallel.generate, chat_template_kwargs=cfg.chat_template_kwargs)
         return log_eval(self.output_dir, self.step, metrics, self.dist.is_main, self.trackers)
 
     def log(self, metrics: dict) -> dict:

@@ -6,23 +6,23 @@ is installed)."""
 TRL_ONLY = frozenset("""
     accelerator_config activation_checkpointing activation_checkpointing_kwargs adam_epsilon
     auto_find_batch_size average_tokens_across_devices batch_eval_metrics bf16_full_eval cache_implementation
-    cast_lm_head_to_fp32 chat_template_kwargs data_seed dataloader_drop_last dataloader_in_order
+    cast_lm_head_to_fp32 data_seed dataloader_drop_last dataloader_in_order
     dataloader_multiprocessing_context dataloader_num_workers dataloader_persistent_workers
     dataloader_pin_memory dataloader_prefetch_factor ddp_backend ddp_broadcast_buffers ddp_bucket_cap_mb
     ddp_find_unused_parameters ddp_static_graph ddp_timeout debug deepspeed disable_dropout disable_tqdm do_eval
     do_predict do_train ds3_gather_for_generation enable_jit_checkpoint entropy_coef entropy_coef_delta
     entropy_coef_max entropy_coef_min entropy_target eval_accumulation_steps eval_delay eval_do_concat_batches
     eval_strategy eval_use_gather_object fp16 fp16_full_eval fsdp_config full_determinism
-    generation_kwargs gradient_checkpointing_kwargs greater_is_better hub_always_push hub_model_id
+    gradient_checkpointing_kwargs greater_is_better hub_always_push hub_model_id
     hub_private_repo hub_revision hub_strategy hub_token ignore_data_skip include_for_metrics
     include_num_input_tokens_seen label_names label_smoothing_factor length_column_name liger_kernel_config
     load_best_model_at_end local_rank log_completions_hub_repo log_level log_level_replica
     log_multimodal log_on_each_node log_unique_prompts logging_first_step logging_nan_inf_filter
-    logging_strategy lr_scheduler_kwargs max_tool_calling_iterations metric_for_best_model min_p
+    logging_strategy lr_scheduler_kwargs max_tool_calling_iterations metric_for_best_model
     model_init_kwargs multi_objective_aggregation neftune_noise_alpha
     num_generations_eval off_policy_mask_threshold optim_args optim_target_modules pad_to_multiple_of
     parallelism_config per_device_eval_batch_size prediction_loss_only project push_to_hub ref_model_mixup_alpha
-    ref_model_sync_steps remove_unused_columns repetition_penalty
+    ref_model_sync_steps remove_unused_columns
     restore_callback_states_from_checkpoint router_aux_loss_coef run_name save_on_each_node save_only_model
     save_strategy shuffle_dataset skip_memory_metrics sync_ref_model tf32 torch_compile
     torch_compile_backend torch_compile_mode torch_empty_cache_steps trackio_bucket_id trackio_space_id
@@ -47,8 +47,6 @@ TRL_REASONS = {
     "ds3_gather_for_generation": "DeepSpeed is not used here; torchrun with --fsdp=true shards the model",
     "deepspeed": "DeepSpeed is not used here; torchrun with --fsdp=true shards the model",
     "fsdp_config": "--fsdp=true under torchrun is the one FSDP (FSDP2) setting",
-    "min_p": _LATER,
-    "repetition_penalty": _LATER, "generation_kwargs": _LATER, "chat_template_kwargs": _LATER,
     "logging_strategy": "logging_steps sets when a metrics line is written", "run_name": _LOGGING,
     "warmup_steps": "set warmup_ratio (the share of the optimizer steps: transformers 5's warmup_steps < 1)",
     "gradient_checkpointing_kwargs": "checkpointing is always non-reentrant here",

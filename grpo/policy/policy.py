@@ -27,7 +27,7 @@ class Policy:
         # Before the optimizer exists: FSDP replaces the parameters by their shards.
         self.parallel = ParallelPolicy(model, dist, fsdp=config.fsdp, bf16=precision.bf16)
         self.device = device_of(model)
-        self.encode = PromptEncoder(tokenizer, config.max_prompt_length)
+        self.encode = PromptEncoder(tokenizer, config.max_prompt_length, config.chat_template_kwargs)
         self.reference_forwards = 0
         self.on_token = None  # the open progress bar's counter, if any
         self.head_checked = False
@@ -39,7 +39,7 @@ class Policy:
         c = self.config
         return self.parallel.generate(lambda model: sample(
             model, self.tokenizer, self.encode, prompts, num_generations=c.num_generations,
-            max_completion_length=c.max_completion_length, temperature=c.temperature, top_p=c.top_p, top_k=c.top_k,
+            max_completion_length=c.max_completion_length, **c.sampling_settings(),
             stop_at_eos=c.stop_at_eos, on_token=self.on_token))
 
     @contextlib.contextmanager

@@ -47,8 +47,10 @@ def head_logits(hf_model):
     return lambda hidden: next_token_logits(hidden, head.weight, head.bias, transform.scale, transform.softcap)
 
 
-def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
-    """Temperature, then top-k, then nucleus (top-p) filtering, in place; removed tokens get -inf."""
+def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
+                  min_p: float | None = None) -> torch.Tensor:
+    """Temperature, then top-k, nucleus (top-p) and min-p filtering (transformers' order), in place; removed
+    tokens get -inf."""
     if temperature != 1.0:
         logits /= temperature
     if 0 < top_k < logits.shape[-1]:
@@ -61,7 +63,28 @@ def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: f
         drop_sorted = probs.cumsum(-1) - probs >= top_p  # [N, V]
         drop = torch.empty_like(drop_sorted).scatter_(-1, order, drop_sorted)  # [N, V], back in vocab order
         logits.masked_fill_(drop, -torch.inf)
+    if min_p is not None:
+        probs = logits.softmax(-1)  # [N, V]
+        # The most likely token always stays: its probability is the bound's largest value.
+        logits.masked_fill_(probs < min_p * probs.amax(-1, keepdim=True), -torch.inf)
     return logits
+
+
+def seen_tokens(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[N, V] bool: the vocabulary entries each row's prompt [N, P] holds, padding left out (transformers counts
+    from the first real token). Ids past the LM head's vocabulary (embeddings larger than the head) cannot be
+    sampled, so they are dropped, as transformers drops them."""
+    ids = prompt_ids.masked_fill(prompt_mask == 0, vocab_size).clamp(max=vocab_size)  # [N, P]; V: not counted
+    seen = torch.zeros(ids.shape[0], vocab_size + 1, dtype=torch.bool, device=ids.device)  # [N, V+1]
+    return seen.scatter_(1, ids, True)[:, :vocab_size]  # [N, V]
+
+
+def penalize_repetitions(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+    """transformers' repetition penalty: the logits [N, V] of tokens already seen [N, V] (in the prompt or the
+    completion so far) are divided by `penalty` where positive and multiplied where negative, so a penalty > 1
+    makes any repeat less likely. Applied to the raw logits, before temperature."""
+    penalized = torch.where(logits < 0, logits * penalty, logits / penalty)  # [N, V]
+    return torch.where(seen, penalized, logits)  # [N, V]
 
 
 def sample_from_logits(logits: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -76,29 +99,38 @@ def sample_from_logits(logits: torch.Tensor, generator: torch.Generator | None =
 @torch.no_grad()
 def generate(hf_model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, max_new_tokens: int,
              temperature: float, top_p: float, top_k: int, eos_ids: list[int], pad_id: int,
-             stop_at_eos: bool = True, greedy: bool = False, on_token=None) -> torch.Tensor:
+             min_p: float | None = None, repetition_penalty: float = 1.0, stop_at_eos: bool = True,
+             greedy: bool = False, on_token=None) -> torch.Tensor:
     """Completion ids [N, C] sampled after left-padded prompts [N, P] by a transformers causal LM (adapters, if
     any, injected in place). With `stop_at_eos`, rows that sampled EOS continue with `pad_id` and the loop ends
     when all have; without it, EOS is never sampled and every row gets `max_new_tokens` tokens. `greedy` takes
-    the most likely token instead of sampling (evaluation). `on_token(n)`, if given, is called after every
-    decoding step with the number of tokens it generated (rows not yet finished), for progress bars."""
+    the most likely token instead of sampling (evaluation): the filters are skipped, a repetition penalty still
+    applies (as in transformers). `on_token(n)`, if given, is called after every decoding step with the number of
+    tokens it generated (rows not yet finished), for progress bars."""
     body, logits_of = hf_model.base_model, head_logits(hf_model)
     cache = {_cache_argument(body): DynamicCache(config=hf_model.config)}
     eos = torch.tensor(eos_ids, device=prompt_ids.device)
     ids, mask = prompt_ids, prompt_mask  # [N, P]
     position_ids = positions(mask)  # [N, P]
     finished = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)  # [N]
+    # Tokens seen so far, kept only when penalized: the default path does no extra work per step.
+    seen = None if repetition_penalty == 1.0 else seen_tokens(
+        prompt_ids, prompt_mask, hf_model.get_output_embeddings().weight.shape[0])  # [N, V]
     tokens = []
     for _ in range(max_new_tokens):
         hidden = body(input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=True,
                       **cache).last_hidden_state[:, -1]  # [N, H]
         logits = logits_of(hidden)  # [N, V]
+        if seen is not None:
+            logits = penalize_repetitions(logits, seen, repetition_penalty)  # [N, V]
         if not stop_at_eos:
             logits[:, eos] = -torch.inf
         if greedy:
             token = logits.argmax(dim=-1)  # [N]
         else:
-            token = sample_from_logits(filter_logits(logits, temperature, top_k, top_p))  # [N]
+            token = sample_from_logits(filter_logits(logits, temperature, top_k, top_p, min_p))  # [N]
+        if seen is not None:  # before padding: a finished row's mark does not matter, and pad may be past V
+            seen.scatter_(1, token[:, None], True)
         token = token.masked_fill(finished, pad_id)
         tokens.append(token)
         if on_token is not None:

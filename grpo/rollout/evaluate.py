@@ -42,8 +42,10 @@ def full_marks_rate(values: torch.Tensor) -> float:
 @torch.no_grad()
 def evaluate(model, tokenizer, dataset, reward_funcs, *, accuracy_func: str, format_func: str | None = None,
              max_prompt_length: int, max_completion_length: int, batch_size: int = 64,
-             limit: int | None = None, progress: bool = True, generate=None) -> tuple[dict[str, float], list[dict]]:
-    """Greedy-decode one completion per prompt of `dataset` (its first `limit` rows) and score it.
+             limit: int | None = None, progress: bool = True, generate=None,
+             chat_template_kwargs: dict | None = None) -> tuple[dict[str, float], list[dict]]:
+    """Greedy-decode one completion per prompt of `dataset` (its first `limit` rows), chat prompts rendered with
+    `chat_template_kwargs` as in training, and score it.
 
     `generate(fn)` runs `fn(model)` for each batch (default: directly); the Trainer passes its parallel
     wrapper, so that FSDP ranks generate together. Returns `(metrics, samples)`: `eval/*` metrics and one
@@ -53,7 +55,7 @@ def evaluate(model, tokenizer, dataset, reward_funcs, *, accuracy_func: str, for
     names = reward_func_names(reward_funcs)
     if limit is not None:
         dataset = dataset.select(range(min(limit, len(dataset))))
-    encode = PromptEncoder(tokenizer, max_prompt_length)
+    encode = PromptEncoder(tokenizer, max_prompt_length, chat_template_kwargs)
     completions, completion_ids, lengths = [], [], []
     t0 = time.perf_counter()
     with TokenProgress("eval", enabled=progress) as bar:

@@ -39,25 +39,29 @@ def is_chat(prompt) -> bool:
     return isinstance(prompt, list)
 
 
-def render_prompt(tokenizer, prompt) -> str:
-    """A chat prompt (list of messages) goes through the chat template with a generation prompt."""
+def render_prompt(tokenizer, prompt, chat_template_kwargs: dict | None = None) -> str:
+    """A chat prompt (list of messages) goes through the chat template with a generation prompt and the run's
+    `chat_template_kwargs` (e.g. Qwen3's enable_thinking=False), which the template reads as variables."""
     if is_chat(prompt):
-        return tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+        return tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False,
+                                             **(chat_template_kwargs or {}))
     if isinstance(prompt, str):
         return prompt
     raise TypeError(f"a prompt must be a string or a list of chat messages, got {type(prompt).__name__}")
 
 
 class PromptEncoder:
-    """Tokenizes prompts, cutting overlong ones from the left (the end of a prompt matters most)."""
+    """Tokenizes prompts (chat ones rendered with `chat_template_kwargs`), cutting overlong ones from the left
+    (the end of a prompt matters most)."""
 
-    def __init__(self, tokenizer, max_prompt_length: int):
+    def __init__(self, tokenizer, max_prompt_length: int, chat_template_kwargs: dict | None = None):
         self.tokenizer = tokenizer
         self.max_prompt_length = max_prompt_length
+        self.chat_template_kwargs = chat_template_kwargs
         self.warned = False
 
     def __call__(self, prompts: list) -> tuple[torch.Tensor, torch.Tensor]:
-        texts = [render_prompt(self.tokenizer, p) for p in prompts]
+        texts = [render_prompt(self.tokenizer, p, self.chat_template_kwargs) for p in prompts]
         # A chat template already writes any BOS it wants; plain text gets the tokenizer's default.
         special = not is_chat(prompts[0])
         rows = [self.tokenizer(t, add_special_tokens=special)["input_ids"] for t in texts]
@@ -100,12 +104,14 @@ def eos_token_ids(tokenizer, model) -> list[int]:
 
 @torch.no_grad()
 def sample(model, tokenizer, encode: PromptEncoder, prompts: list, *, num_generations: int,
-           max_completion_length: int, temperature: float, top_p: float, top_k: int,
-           stop_at_eos: bool = True, greedy: bool = False, on_token=None) -> Rollout:
-    """Sample `num_generations` completions per prompt with KV-cached generation.
+           max_completion_length: int, temperature: float, top_p: float, top_k: int, min_p: float | None = None,
+           repetition_penalty: float = 1.0, stop_at_eos: bool = True, greedy: bool = False,
+           on_token=None) -> Rollout:
+    """Sample `num_generations` completions per prompt with KV-cached generation (`Config.sampling_settings()`
+    gives the sampling knobs).
 
     `stop_at_eos=False` forces full-length completions (benchmarks compare equal work that way);
-    `greedy=True` decodes the most likely token each step instead (evaluation), ignoring the sampling knobs;
+    `greedy=True` decodes the most likely token each step instead (evaluation), ignoring the sampling filters;
     `on_token(n)` is called after each decoding step with the tokens it generated (progress bars)."""
     prompt_ids, prompt_mask = encode(prompts)  # [B, P]
     device = next(model.parameters()).device
@@ -115,10 +121,12 @@ def sample(model, tokenizer, encode: PromptEncoder, prompts: list, *, num_genera
     was_training = model.training
     model.eval()  # KV cache on, dropout off (gradient checkpointing would disable the cache)
     try:
-        # Our own loop, not model.generate: no checkpoint defaults (repetition_penalty, say) can make the
-        # sampling distribution differ from the policy the loss scores, and it is faster (see decoding.py).
+        # Our own loop, not model.generate: a checkpoint's generation-config defaults (a repetition_penalty, say)
+        # never apply, only the knobs the run sets, as in TRL; and it is faster (see decoding.py). Knobs beyond
+        # temperature make sampling off-policy (as in TRL): the loss scores the policy's own distribution.
         completion_ids = generate(unwrap(model), prompt_ids, prompt_mask, max_new_tokens=max_completion_length,
-                                  temperature=temperature, top_p=top_p, top_k=top_k, eos_ids=eos_ids,
+                                  temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                                  repetition_penalty=repetition_penalty, eos_ids=eos_ids,
                                   pad_id=tokenizer.pad_token_id, stop_at_eos=stop_at_eos,
                                   greedy=greedy, on_token=on_token)  # [N, C]
     finally:

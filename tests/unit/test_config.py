@@ -100,7 +100,7 @@ def test_trl_defaults():
 @pytest.mark.parametrize("key, message", [
     ("use_vllm", "TRL's `use_vllm` is not supported here: sampling runs on the policy itself"),
     ("vllm_gpu_memory_utilization", "TRL's `vllm_gpu_memory_utilization` is not supported here: sampling runs"),
-    ("min_p", "TRL's `min_p` is not supported here: not implemented yet"),
+    ("entropy_coef", "TRL's `entropy_coef` is not supported here: not implemented yet"),
     ("warmup_steps", "TRL's `warmup_steps` is not supported here: set warmup_ratio"),
     ("dataloader_num_workers", "TRL's `dataloader_num_workers` is not supported here: this trainer does not"),
     ("loss_aggregation", "'loss_aggregation' is gone: use TRL's loss_type: 'token' is 'dapo'"),
@@ -183,6 +183,61 @@ def test_dashes_in_keys_are_accepted():
     assert apply_overrides(Config(), ["--max-steps=5"]).max_steps == 5
 
 
+# --- sampling settings: TRL's min_p, repetition_penalty, generation_kwargs, chat_template_kwargs ----------------
+
+
+def test_generation_kwargs_override_the_sampling_fields():
+    config = Config(temperature=0.9, top_k=0, min_p=0.05,
+                    generation_kwargs={"top_k": 5, "min_p": None, "do_sample": True})
+    defaults = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": None, "repetition_penalty": 1.0}
+    assert config.sampling_settings() == {**defaults, "temperature": 0.9, "top_k": 5}
+    assert (config.top_k, config.min_p) == (0, 0.05), "the fields themselves keep their values"
+    assert Config().sampling_settings() == defaults
+    # As in TRL: JSON text is accepted from Python too, and ints become floats where the field is a float.
+    assert Config(generation_kwargs='{"repetition_penalty": 2}').sampling_settings()["repetition_penalty"] == 2.0
+
+
+UNSUPPORTED = ("its own loop, not model.generate, and takes temperature, top_p, top_k, min_p, repetition_penalty "
+               "(and do_sample=true)")
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"min_p": 1.5}, "min_p must be in [0, 1], or None to disable it, got 1.5"),
+    ({"repetition_penalty": 0}, "repetition_penalty must be > 0 (1.0 disables it), got 0.0"),
+    ({"generation_kwargs": {"num_beams": 4}}, "generation_kwargs['num_beams'] is not supported: sampling here is "
+                                              + UNSUPPORTED),
+    ({"generation_kwargs": {"max_new_tokens": 4}},
+     "generation_kwargs['max_new_tokens'] is not supported (set max_completion_length instead)"),
+    ({"generation_kwargs": {"do_sample": False}}, "generation_kwargs['do_sample'] must be true, got False"),
+    ({"generation_kwargs": {"top_k": -1}}, "generation_kwargs['top_k'] must be >= 0 (0 disables it), got -1"),
+    ({"generation_kwargs": {"top_p": "0.9"}}, "generation_kwargs['top_p'] must be a float, got str '0.9'"),
+    ({"generation_kwargs": "top_k=5"}, """generation_kwargs must be a JSON object such as '{"key": 1}', got"""),
+    ({"chat_template_kwargs": ["enable_thinking"]}, "chat_template_kwargs must be a dict with string keys"),
+    ({"chat_template_kwargs": {"x": {1, 2}}}, "chat_template_kwargs must hold JSON data (it is saved with the run)"),
+])
+def test_bad_sampling_settings(settings, message):
+    with pytest.raises(ConfigError) as info:
+        Config(**settings)
+    assert str(info.value).startswith(message)
+
+
+def test_dict_settings_from_the_command_line():
+    config = apply_overrides(Config(), ['--generation_kwargs={"top_k": 5, "temperature": 0.7}',
+                                        '--chat_template_kwargs={"enable_thinking": false}', "--min_p=0.1",
+                                        "--repetition_penalty=1.1"])
+    assert config.generation_kwargs == {"top_k": 5, "temperature": 0.7}
+    assert config.chat_template_kwargs == {"enable_thinking": False}
+    assert (config.min_p, config.repetition_penalty) == (0.1, 1.1)
+    assert apply_overrides(config, ["--generation_kwargs=none"]).generation_kwargs is None
+    with pytest.raises(ConfigError) as info:
+        apply_overrides(Config(), ["--generation_kwargs=top_k=5"])
+    assert str(info.value) == ("--generation_kwargs: expected a JSON object (such as {\"top_k\": 5}) or none, "
+                               "got 'top_k=5'")
+    with pytest.raises(ConfigError) as info:
+        apply_overrides(Config(), ['--generation_kwargs={"beams": 2}'])
+    assert str(info.value).startswith("""--generation_kwargs={"beams": 2}: generation_kwargs['beams'] is not""")
+
+
 # --- help and serialisation ----------------------------------------------------------------------
 
 
@@ -202,7 +257,9 @@ def test_every_field_has_a_docstring_and_appears_in_help():
 
 
 def test_help_values_round_trip_through_overrides():
-    config = Config(reward_weights=[1.0, 0.5], lora_target_modules=["q_proj"], use_lora=True)
+    config = Config(reward_weights=[1.0, 0.5], lora_target_modules=["q_proj"], use_lora=True,
+                    generation_kwargs={"top_k": 5}, chat_template_kwargs={"enable_thinking": False, "note": "a b"})
+    assert '--generation_kwargs={"top_k": 5}' in format_help(config)
     args = [line.strip() for line in format_help(config).splitlines() if line.startswith("  --")]
     assert apply_overrides(Config(), args) == config
 

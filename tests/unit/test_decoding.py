@@ -1,11 +1,12 @@
-"""The KV-cached sampling loop: token draws follow the softmax, filters keep what they should, and cached
-decoding of left-padded prompts reproduces uncached greedy decoding."""
+"""The KV-cached sampling loop: token draws follow the softmax, filters keep what they should, cached
+decoding of left-padded prompts reproduces uncached greedy decoding, and min_p and repetition_penalty are
+transformers' (its processors, its order, its `generate`)."""
 import math
 
 import torch
 from tiny_setup import tiny_model, tiny_tokenizer
 
-from grpo.rollout.decoding import filter_logits, generate, sample_from_logits
+from grpo.rollout.decoding import filter_logits, generate, penalize_repetitions, sample_from_logits, seen_tokens
 from grpo.rollout.sampling import left_pad
 
 
@@ -59,3 +60,87 @@ def test_rows_stop_at_eos_and_are_padded_after_it():
                     pad_id=tokenizer.pad_token_id, stop_at_eos=False)
     assert full.shape == (4, 5) and not (full == first).any()
     assert math.isfinite(float(full.float().mean()))
+
+
+# --- min_p and repetition_penalty, against transformers' own processors ---------------------------------------
+
+
+def test_min_p_after_temperature_matches_transformers():
+    from transformers import MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper
+
+    logits = torch.randn(16, 300, generator=torch.Generator().manual_seed(0)) * 3  # [N, V]
+    for temperature, top_k, min_p in [(1.0, 0, 0.1), (0.5, 0, 0.1), (1.7, 0, 0.3), (0.7, 20, 0.05), (1.0, 0, 0.0),
+                                      (1.0, 0, 1.0)]:
+        theirs = TemperatureLogitsWarper(temperature)(None, logits.clone())
+        theirs = TopKLogitsWarper(top_k)(None, theirs) if top_k else theirs
+        theirs = MinPLogitsWarper(min_p)(None, theirs)
+        ours = filter_logits(logits.clone(), temperature=temperature, top_k=top_k, top_p=1.0, min_p=min_p)
+        assert torch.equal(ours, theirs), (temperature, top_k, min_p)
+    # Temperature first: at 0.5 a min_p of 0.1 keeps fewer tokens than at 1.0 (a hotter bound is looser).
+    kept = [int(filter_logits(logits.clone(), t, 0, 1.0, 0.1).isfinite().sum()) for t in (0.5, 1.0)]
+    assert kept[0] < kept[1]
+    assert torch.equal(filter_logits(logits.clone(), 1.0, 0, 1.0, None), logits)  # None: off
+
+
+def test_repetition_penalty_matches_transformers_over_padded_prompts():
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    g = torch.Generator().manual_seed(1)
+    vocab = 50
+    ids = torch.randint(0, vocab + 5, (6, 12), generator=g)  # [N, P]; ids past the head's vocabulary are skipped
+    mask = torch.ones_like(ids)
+    mask[1, :4], mask[3, :11] = 0, 0  # left padding: not counted
+    logits = torch.randn(6, vocab, generator=g) * 2  # [N, V]
+    pad_lengths = (mask != 0).int().argmax(dim=1)  # [N], as generate computes them
+    seen = seen_tokens(ids, mask, vocab)
+    for penalty in (1.3, 0.7, 2.0):
+        theirs = RepetitionPenaltyLogitsProcessor(penalty, prompt_ignore_length=pad_lengths)(ids, logits.clone())
+        ours = penalize_repetitions(logits.clone(), seen, penalty)
+        assert torch.equal(ours, theirs), penalty
+        assert not torch.equal(ours, logits)
+    assert seen[3].sum() == int(ids[3, 11] < vocab)  # row 3's one real token
+
+
+def decode_inputs(tokenizer):
+    rows = [tokenizer("Write 3 digits: 0")["input_ids"], tokenizer("Write 12345 digits: 012")["input_ids"]]
+    return left_pad(rows, tokenizer.pad_token_id)
+
+
+def test_greedy_with_a_repetition_penalty_matches_model_generate():
+    tokenizer = tiny_tokenizer()
+    model = tiny_model(tokenizer).eval()
+    ids, mask = decode_inputs(tokenizer)
+    kwargs = {"max_new_tokens": 10, "temperature": 1.0, "top_p": 1.0, "top_k": 0, "eos_ids": [10**6],
+              "pad_id": tokenizer.pad_token_id, "greedy": True}
+    plain = generate(model, ids, mask, **kwargs)
+    ours = generate(model, ids, mask, repetition_penalty=3.0, **kwargs)
+    assert not torch.equal(ours, plain), "the penalty should change this greedy decode"
+    theirs = model.generate(ids, attention_mask=mask, do_sample=False, repetition_penalty=3.0, max_new_tokens=10,
+                            min_new_tokens=10, pad_token_id=tokenizer.pad_token_id)[:, ids.shape[1]:]
+    assert torch.equal(ours, theirs)
+
+
+def test_sampling_draws_from_the_distribution_model_generate_would(monkeypatch):
+    """At every step of our loop (temperature, min_p and a repetition penalty set), the logits we sample from are
+    the scores transformers' `generate` computes for the same prefix, its processors in its own order."""
+    from grpo.rollout import decoding
+
+    tokenizer = tiny_tokenizer()
+    model = tiny_model(tokenizer).eval()
+    ids, mask = decode_inputs(tokenizer)
+    recorded = []
+    draw = decoding.sample_from_logits
+    monkeypatch.setattr(decoding, "sample_from_logits", lambda logits: recorded.append(logits.clone()) or draw(logits))
+    # A random tiny model's logits are close together: a low temperature and a high min_p make min_p bite.
+    settings = {"temperature": 0.5, "top_k": 0, "top_p": 1.0, "min_p": 0.6, "repetition_penalty": 1.5}
+    torch.manual_seed(0)
+    out = generate(model, ids, mask, max_new_tokens=6, eos_ids=[10**6], pad_id=tokenizer.pad_token_id, **settings)
+    for t, ours in enumerate(recorded):
+        prefix = torch.cat([ids, out[:, :t]], dim=1)  # [N, P+t]
+        prefix_mask = torch.cat([mask, torch.ones_like(out[:, :t])], dim=1)  # [N, P+t]
+        theirs = model.generate(prefix, attention_mask=prefix_mask, do_sample=True, max_new_tokens=1,
+                                output_scores=True, return_dict_in_generate=True,
+                                pad_token_id=tokenizer.pad_token_id, **settings).scores[0]  # [N, V]
+        assert torch.equal(ours.isinf(), theirs.isinf()), t
+        assert ours.isinf().any(), "min_p should drop tokens"
+        torch.testing.assert_close(ours[ours.isfinite()], theirs[theirs.isfinite()], atol=1e-5, rtol=1e-5)
