@@ -63,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if argv else 2
     from .recipe import load_with_overrides, resolve_dataset
     from .rollout.evaluate import check_eval_funcs, evaluate
+    from .rollout.reward_models import reward_callables, to_device
 
     try:
         own, overrides = split_options(argv[1:])
@@ -70,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"--limit must be a positive integer, got {own['limit']!r}")
         limit = int(own["limit"]) if "limit" in own else None
         recipe, config = load_with_overrides(argv[0], overrides)
-        check_eval_funcs(recipe.reward_funcs, config.eval_accuracy_func, config.eval_format_func)
+        reward_funcs = reward_callables(recipe.reward_funcs, recipe.reward_processing_classes)  # models: functions
+        check_eval_funcs(reward_funcs, config.eval_accuracy_func, config.eval_format_func)
         dataset = resolve_dataset(recipe.eval_dataset, "eval_dataset")
         if dataset is None:
             raise ConfigError(f"recipe {argv[0]} defines no eval_dataset")
@@ -84,11 +86,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return e.exit_code
 
-    from .policy.models import load_model, load_tokenizer
+    from .policy.models import device_of, load_model, load_tokenizer
 
     model = model if model is not None else load_model(config)
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model)
-    metrics, samples = evaluate(model, tokenizer, dataset, recipe.reward_funcs, accuracy_func=config.eval_accuracy_func,
+    to_device(reward_funcs, device_of(model))
+    metrics, samples = evaluate(model, tokenizer, dataset, reward_funcs, accuracy_func=config.eval_accuracy_func,
                                 format_func=config.eval_format_func, max_prompt_length=config.max_prompt_length,
                                 max_completion_length=config.max_completion_length, batch_size=config.eval_batch_size,
                                 limit=limit if limit is not None else config.eval_limit,

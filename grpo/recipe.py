@@ -29,6 +29,8 @@ class Recipe:
     """Optional `build_model(config) -> (model, tokenizer)`, for recipes that make their own (offline) model."""
     rollout_func: object = None
     """Optional TRL `rollout_func(prompts, trainer) -> {"prompt_ids", "completion_ids"}` replacing our decoder."""
+    reward_processing_classes: object = None
+    """Optional, as in TRL: the tokenizer of each reward model in `reward_funcs` (None for plain functions)."""
 
     def resolve_model(self, config: Config) -> tuple:
         """(model, tokenizer) from the recipe's `build_model`, or (None, None) to load `config.model`."""
@@ -37,8 +39,9 @@ class Recipe:
 
 RECIPE_CONTRACT = (
     "a recipe must define `config` (a grpo.config.Config), `reward_funcs` (a list of reward "
-    "functions) and `train_dataset` (a datasets.Dataset or a function returning one); "
-    "`eval_dataset`, `build_model(config) -> (model, tokenizer)` and `rollout_func` are optional"
+    "functions, reward models or reward model paths) and `train_dataset` (a datasets.Dataset or a function "
+    "returning one); `eval_dataset`, `build_model(config) -> (model, tokenizer)`, `rollout_func` and "
+    "`reward_processing_classes` are optional"
 )
 _recipe_ids = itertools.count()
 
@@ -63,6 +66,7 @@ def load_recipe(path: str) -> Recipe:
         path=path,
         build_model=getattr(module, "build_model", None),
         rollout_func=getattr(module, "rollout_func", None),
+        reward_processing_classes=getattr(module, "reward_processing_classes", None),
     )
 
 
@@ -95,16 +99,20 @@ def _import_file(path: str) -> types.ModuleType:
 
 
 def _check_reward_funcs(funcs, path: str) -> list:
-    """A single callable is wrapped in a list; anything else must be a non-empty list of callables."""
-    if callable(funcs):
-        return [funcs]
+    """A single entry is wrapped in a list; anything else must be a non-empty list of callables (functions or
+    reward models) and reward models' local folders or hub ids, loaded only when training or evaluating
+    (rollout/reward_models.py). A string without "/" that is no folder is taken for a function's name, a
+    common slip, rather than for a namespace-less hub id (no reward model has one)."""
+    if callable(funcs) or isinstance(funcs, str):
+        funcs = [funcs]
     if not isinstance(funcs, (list, tuple)) or not funcs:
         raise ConfigError(
             f"recipe {path}: `reward_funcs` must be a non-empty list of functions, got {funcs!r:.100}"
         )
     for i, f in enumerate(funcs):
-        if not callable(f):
-            raise ConfigError(f"recipe {path}: reward_funcs[{i}] is not callable: {f!r:.100}")
+        if not callable(f) and not (isinstance(f, str) and ("/" in f or os.path.isdir(f))):
+            raise ConfigError(f"recipe {path}: reward_funcs[{i}] is not callable: {f!r:.100} (a function goes in "
+                              f"itself, not its name; a reward model as a local folder or hub id 'namespace/name')")
     return list(funcs)
 
 

@@ -55,7 +55,8 @@ def run(recipe, config, argv: list[str]) -> int:
     try:
         model, tokenizer = recipe.resolve_model(config)
         trainer = Trainer(config, model=model, tokenizer=tokenizer, reward_funcs=recipe.reward_funcs,
-                          train_dataset=train_dataset, eval_dataset=eval_dataset, rollout_func=recipe.rollout_func)
+                          train_dataset=train_dataset, eval_dataset=eval_dataset, rollout_func=recipe.rollout_func,
+                          reward_processing_classes=recipe.reward_processing_classes)
         trainer.train()
     except TrainingInterrupted as e:
         saved = f"saved {e.checkpoint}\n{resume_hint(argv, e.checkpoint)}" if e.checkpoint else "nothing to save yet"
@@ -79,7 +80,7 @@ def run(recipe, config, argv: list[str]) -> int:
 
 def resume_hint(argv: list[str], checkpoint) -> str:
     args = [a for a in argv if not a.startswith(("--resume_from_checkpoint=", "--resume-from-checkpoint="))]
-    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))  # set by torchrun: resume with as many ranks
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # set by torchrun: resume with as many ranks
     launcher = f"torchrun --nproc_per_node={ranks}" if ranks > 1 else "python"
     resume = f"--resume_from_checkpoint={shlex.quote(str(checkpoint))}"
     return f"resume with: {launcher} -m grpo.train {shlex.join(args)} {resume}"
@@ -95,7 +96,7 @@ def out_of_memory_report(config, error: Exception, trainer) -> str:
     lines += [f"  {fit.flags(change)} ({why})" for change, why in fit.memory_savings(config)]
     try:
         lines += ["memory plan for this configuration:", *(f"  {line}" for line in fit.plan_summary(config).splitlines())]
-    except Exception:  # noqa: BLE001 -- the planner must never hide the message above
+    except Exception:  # noqa: BLE001, S110 -- the planner must never hide the message above
         pass
     if trainer is not None and trainer.last_checkpoint is not None:
         lines.append(f"the last checkpoint is {trainer.last_checkpoint}; after changing settings, "

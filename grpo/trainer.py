@@ -14,7 +14,7 @@ from tqdm.auto import tqdm
 from .algo.advantages import group_advantages, zero_std_fraction
 from .algo.loss import policy_loss
 from .config import Config
-from .errors import ConfigError, nonfinite_stop
+from .errors import nonfinite_stop
 from .policy.distributed import setup as setup_distributed
 from .policy.models import check_load_options, device_of, load_model, load_tokenizer, prepare_for_training
 from .policy.optim import build_optimizer, build_scheduler, optimizer_step, set_hyperparameters
@@ -25,6 +25,7 @@ from .rollout.batches import Batch, Generation, Scored, generation_from_dict, le
 from .rollout.custom import CustomRollouts
 from .rollout.evaluate import check_eval_setup, evaluate
 from .rollout.prompts import PromptStream, check_dataset, per_completion, steps_per_generation, total_steps
+from .rollout.reward_models import reward_callables, to_device
 from .rollout.rewards import NoSignalWatch, RewardContext, compute_rewards, reward_func_names, reward_metrics
 from .run import checkpoint, elastic
 from .run.interrupts import StepAbandoned, StopSignals, TrainingInterrupted
@@ -36,12 +37,10 @@ class Trainer:
     """GRPO on `model` (or `config.model`), rewarded by `reward_funcs`, over `train_dataset` prompts."""
 
     def __init__(self, config: Config, model=None, tokenizer=None, reward_funcs=(), train_dataset=None,
-                 eval_dataset=None, rollout_func=None):
-        if not reward_funcs:
-            raise ConfigError("Trainer needs at least one reward function")
+                 eval_dataset=None, rollout_func=None, reward_processing_classes=None):
         check_dataset(train_dataset)
         self.config = config
-        self.reward_funcs = list(reward_funcs)
+        self.reward_funcs = reward_callables(reward_funcs, reward_processing_classes)  # models too: rollout/reward_models
         self.reward_names = reward_func_names(self.reward_funcs)
         self.eval_dataset = eval_dataset
         check_eval_setup(config, eval_dataset, self.reward_funcs)
@@ -57,6 +56,7 @@ class Trainer:
         self.model = prepare_for_training(model if model is not None else load_model(config, self.precision), config,
                                           self.dist.world_size)
         self.policy = Policy(self.model, self.tokenizer, config, self.dist, self.precision)
+        to_device(self.reward_funcs, self.policy.device)  # reward models next to the policy
         self.sample = self.policy.sample if rollout_func is None else CustomRollouts(rollout_func, self)
         self.prompts = PromptStream(train_dataset, config.seed)
         # Micro-batches per generation batch (each rank), the optimizer steps it feeds (num_iterations each), prompts.
@@ -312,7 +312,7 @@ class Trainer:
         """Keep the steps done before a failing one; never let the save hide the error itself."""
         try:
             path = self._save_if_trained()
-        except Exception as save_error:
+        except Exception as save_error:  # noqa: BLE001 -- the error being raised matters more
             print(f"could not save a checkpoint after the error below: {save_error!r}", file=sys.stderr)
             return
         if path is not None:

@@ -34,3 +34,21 @@ def text_length(completions, **kwargs):
     """Characters / 100: a reward that varies within the groups of a random-weight model with real layer sizes,
     whose completions often hold no digit at all (every advantage 0, no update)."""
     return [len(t) / 100 for t in completions]
+
+
+def tiny_reward_model(tokenizer, seed: int = 0, name: str = "org/tiny-rm", num_labels: int = 1):
+    """A random-weight GPT-2 sequence classifier (TRL's reward-model shape) sized to `tokenizer`. Its absolute
+    positions make wrong padding visible in the scores (rotary ones shift with it); its dropout (0.1) makes a
+    model left in train mode visible. The score head is drawn with std 1 (not 0.02): scores are O(1) and differ
+    clearly between texts."""
+    import torch
+    from transformers import GPT2Config, GPT2ForSequenceClassification
+
+    config = GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=2, n_head=2, n_positions=256,
+                        bos_token_id=None, eos_token_id=None, num_labels=num_labels,
+                        pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(seed)
+    model = GPT2ForSequenceClassification(config)
+    torch.nn.init.normal_(model.score.weight, std=1.0)
+    model.config._name_or_path = name
+    return model
