@@ -71,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"--limit must be a positive integer, got {own['limit']!r}")
         limit = int(own["limit"]) if "limit" in own else None
         recipe, config = load_with_overrides(argv[0], overrides)
-        reward_funcs = reward_callables(recipe.reward_funcs, recipe.reward_processing_classes)  # models: functions
+        reward_funcs = reward_callables(recipe.reward_funcs, recipe.reward_processing_classes,
+                                        config.chat_template_kwargs)  # reward models become functions
         check_eval_funcs(reward_funcs, config.eval_accuracy_func, config.eval_format_func)
         dataset = resolve_dataset(recipe.eval_dataset, "eval_dataset")
         if dataset is None:

@@ -40,7 +40,7 @@ class Trainer:
                  eval_dataset=None, rollout_func=None, reward_processing_classes=None):
         check_dataset(train_dataset)
         self.config = config
-        self.reward_funcs = reward_callables(reward_funcs, reward_processing_classes)  # models too: rollout/reward_models
+        self.reward_funcs = reward_callables(reward_funcs, reward_processing_classes, config.chat_template_kwargs)
         self.reward_names = reward_func_names(self.reward_funcs)
         self.eval_dataset = eval_dataset
         check_eval_setup(config, eval_dataset, self.reward_funcs)

@@ -115,7 +115,7 @@ def prepare_for_training(model, config, world_size: int = 1):
             target_modules=config.lora_target_modules or "all-linear", task_type="CAUSAL_LM",
         )
         with warnings.catch_warnings():  # peft 0.21 reads transformers 5's deprecated alias: not the user's to fix
-            warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+            warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
             model = get_peft_model(model, lora)
     model.train()
     return model

@@ -24,13 +24,15 @@ from .sampling import is_chat
 class RewardModel:
     """A sequence-classification model and its tokenizer as a reward function of (prompts, completions)."""
 
-    def __init__(self, model: torch.nn.Module, tokenizer):
-        self.model, self.tokenizer = model.eval(), tokenizer  # eval: no dropout (TRL relies on from_pretrained's eval mode)
+    def __init__(self, model: torch.nn.Module, tokenizer, chat_template_kwargs: dict | None = None):
+        self.model, self.tokenizer = model.eval(), tokenizer  # eval: no dropout (TRL relies on from_pretrained's)
+        self.chat_template_kwargs = chat_template_kwargs or {}  # as for the policy's prompts (TRL passes them too)
         self.__name__ = model.config._name_or_path.split("/")[-1] or type(model).__name__
 
     def __call__(self, prompts: list, completions: list) -> list[float]:
         if is_chat(prompts[0]):
-            texts = [self.tokenizer.apply_chat_template(p + c, tokenize=False) for p, c in zip(prompts, completions)]
+            texts = [self.tokenizer.apply_chat_template(p + c, tokenize=False, **self.chat_template_kwargs)
+                     for p, c in zip(prompts, completions)]
         else:
             texts = [p + c for p, c in zip(prompts, completions)]
         device = next(self.model.parameters()).device
@@ -48,9 +50,10 @@ class RewardModel:
         return self
 
 
-def reward_callables(reward_funcs, reward_processing_classes=None) -> list:
+def reward_callables(reward_funcs, reward_processing_classes=None, chat_template_kwargs: dict | None = None) -> list:
     """`reward_funcs` (one or a list of functions, reward models and model paths) with every model wrapped as a
-    `RewardModel` (on the CPU when loaded here: see `to_device`); `reward_processing_classes` as in TRL."""
+    `RewardModel` (on the CPU when loaded here: see `to_device`); `reward_processing_classes` as in TRL, and
+    `chat_template_kwargs` for the reward tokenizers' chat templates."""
     funcs = [reward_funcs] if isinstance(reward_funcs, str) or callable(reward_funcs) else list(reward_funcs or ())
     if not funcs:
         raise ConfigError("Trainer needs at least one reward function")
@@ -62,7 +65,7 @@ def reward_callables(reward_funcs, reward_processing_classes=None) -> list:
     if len(classes) != len(funcs):
         raise ConfigError(f"reward_processing_classes has {len(classes)} entries but there are {len(funcs)} reward "
                           f"functions: give one per reward function, None for plain functions")
-    return [_wrap(f, tokenizer, i) for i, (f, tokenizer) in enumerate(zip(funcs, classes))]
+    return [_wrap(f, tokenizer, i, chat_template_kwargs) for i, (f, tokenizer) in enumerate(zip(funcs, classes))]
 
 
 def to_device(reward_funcs: list, device) -> None:
@@ -72,7 +75,7 @@ def to_device(reward_funcs: list, device) -> None:
             f.to(device)
 
 
-def _wrap(f, tokenizer, i: int):
+def _wrap(f, tokenizer, i: int, chat_template_kwargs: dict | None):
     """Entry `i` of reward_funcs as a callable: a model (or path) becomes a RewardModel, a function stays."""
     if isinstance(f, str):
         f = _load_model(f)
@@ -94,7 +97,7 @@ def _wrap(f, tokenizer, i: int):
                               f"set tokenizer.pad_token")
         tokenizer.pad_token = tokenizer.eos_token
     config.get_text_config().pad_token_id = tokenizer.pad_token_id  # where the model finds each text's last token
-    return RewardModel(f, tokenizer)
+    return RewardModel(f, tokenizer, chat_template_kwargs)
 
 
 def _load_model(path: str) -> torch.nn.Module:

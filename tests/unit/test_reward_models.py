@@ -57,6 +57,22 @@ def test_chat_prompts_go_through_the_reward_tokenizers_chat_template(tokenizer):
     assert max(abs(a - b) for a, b in zip(scores, plain)) > 1e-3
 
 
+def test_chat_template_kwargs_reach_the_reward_tokenizers_template(tokenizer):
+    """TRL passes chat_template_kwargs to the reward tokenizer's template too (e.g. enable_thinking)."""
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = ("{% for m in messages %}{% if greeting is defined %}{{ greeting }} {% endif %}"
+                         "{{ m['content'] }}\n{% endfor %}")
+    model = tiny_reward_model(tok, seed=2)
+    [plain_template] = reward_callables([model], [tok])
+    [with_kwargs] = reward_callables([model], [tok], chat_template_kwargs={"greeting": "hello there"})
+    prompt, completion = chat(PROMPTS[0], COMPLETIONS[0])
+    expected = direct_score(model, tok, f"hello there {PROMPTS[0]}\nhello there {COMPLETIONS[0]}\n")
+    assert with_kwargs([prompt], [completion])[0] == pytest.approx(expected, abs=1e-5)
+    assert plain_template([prompt], [completion])[0] == pytest.approx(
+        direct_score(model, tok, f"{PROMPTS[0]}\n{COMPLETIONS[0]}\n"), abs=1e-5)
+    assert abs(with_kwargs([prompt], [completion])[0] - plain_template([prompt], [completion])[0]) > 1e-4
+
+
 def test_no_special_tokens_are_added(tokenizer):
     from tokenizers import processors
 
