@@ -151,7 +151,7 @@ def summarize(args, start: dict) -> dict:
 
 
 def print_table(result: dict) -> None:
-    print(f"\nheld-out greedy pass@1 (before: evaluated once, seed-independent, scored on the same problems)")
+    print("\nheld-out greedy pass@1 (before: evaluated once, seed-independent, scored on the same problems)")
     print("seed | held-out | steps | accuracy before -> after (gain) | format before -> after | train min | s/step | peak GB")
     for s in result["seeds"]:
         print(f"{s['seed']:>4} | {s['held_out']:>8} | {s['steps']:>5} | {s['accuracy_before']:.3f} -> {s['accuracy_after']:.3f} "
