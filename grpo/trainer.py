@@ -12,7 +12,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .algo.advantages import group_advantages, zero_std_fraction
-from .algo.loss import policy_loss
+from .algo.loss import add_metrics, no_token_metrics, policy_loss, zero_advantage_has_no_gradient
 from .config import Config
 from .errors import nonfinite_stop
 from .policy.distributed import setup as setup_distributed
@@ -152,8 +152,9 @@ class Trainer:
         rewards, per_func = dist.gather(rewards), dist.gather(per_func)  # [W*N], [W*N, F]: all ranks, rank-major
         scored = ~per_func.isnan().all(dim=1)  # [W*N]: False where every reward function returned None
         advantages = group_advantages(rewards, G, scale=cfg.scale_rewards, scored=scored)  # [W*N]  algo/advantages
-        batches = loss_batches(rollouts, dist.local(advantages), cfg.mask_truncated_completions, self.policy.device)
-        for b in batches:  # log-probs that stay fixed during the step, only when the loss uses them
+        batches = loss_batches(rollouts, dist.local(advantages), cfg.mask_truncated_completions, self.policy.device,
+                               zero_advantage_has_no_gradient(cfg.beta, cfg.top_entropy_quantile), dist.world_size > 1)
+        for b in (b for b in batches if not b.empty):  # log-probs fixed during the step, when the loss uses them
             if self.generation_every > 1:  # later steps are off-policy
                 b.old_logprobs = self.policy.logprobs(b.rollout)                             # policy
             if self.policy.has_reference:
@@ -168,29 +169,25 @@ class Trainer:
 
     def accumulate(self, batches: list[Batch]) -> dict:
         """Back-propagate the loss of every micro-batch, each normalized as `loss_type` says with the step's
-        counts over all ranks (so the ranks' summed gradients are those of the step's loss); returns metrics."""
-        cfg, generation = self.config, self.generation.batches
-        # Tokens over all ranks: the step's, and the generation batch's per step it feeds (TRL's dapo/cispo divisor).
-        tokens = self.dist.reduce({"step": sum(b.tokens for b in batches), "all": sum(b.tokens for b in generation)})
-        num_tokens, divisor = tokens["step"], tokens["all"] * len(batches) / len(generation)
-        totals: dict[str, float] = {"kl": 0.0}  # logged as 0 when there is no reference
-        for i, b in enumerate(batches):
-            with self.policy.parallel.sync_gradients(i == len(batches) - 1):
-                logprobs, entropies = self.policy.logprobs(b.rollout, with_entropy=True)  # [N, C] each  policy
+        counts over all ranks (so the ranks' summed gradients are those of the step's loss); returns metrics.
+        Rows whose gradient is exactly 0 are left out (rollout/batches.trained_rows), but not from the counts."""
+        counts = self.generation.step_counts(batches, self.dist.reduce)  # over all ranks      rollout/batches
+        totals: dict[str, float] = {"kl": 0.0, "loss": 0.0}  # kl: logged as 0 when there is no reference
+        trained = [b for b in batches if not b.empty]  # one process: no forward where no row is left (ranks keep one)
+        for i, b in enumerate(trained):
+            with self.policy.parallel.sync_gradients(i == len(trained) - 1):
+                logprobs, entropies = self.policy.logprobs(b.rollout, with_entropy=True)  # [n, C] each  policy
                 old_logprobs = b.old_logprobs if b.old_logprobs is not None else logprobs.detach()
                 loss, m = policy_loss(                                                         # algo/loss
                     logprobs, old_logprobs, b.ref_logprobs, b.advantages, b.rollout.completion_mask,
-                    entropies=entropies, **cfg.loss_settings(), num_tokens=divisor,
-                    num_micro_batches=len(batches) * self.dist.world_size,
-                )
+                    entropies=entropies, **self.config.loss_settings(), num_tokens=counts["divisor"],
+                    num_sequences=b.rows, micro_batch_tokens=b.tokens, num_micro_batches=counts["micro_batches"])
                 self.policy.parallel.backward(loss)
-            # Per-token metrics are means over this micro-batch: weight them by its share of the step's
-            # tokens (so that summing over ranks gives the step's means, as the losses sum to the step's).
-            share = b.rollout.completion_mask.sum().item() / max(1, num_tokens)
-            for k, v in m.items():
-                totals[k] = totals.get(k, 0.0) + (v if k.startswith("loss/") else v * share)
-            totals["loss"] = totals.get("loss", 0.0) + loss.item()
-        return self.dist.reduce(totals)
+            add_metrics(totals, m, share=b.trained_tokens / max(1, counts["trained"]))  # over rows trained  algo/loss
+            totals["loss"] += loss.item()
+        # Per-token metrics (entropy, ratio, clip ratios) are the rows trained's; 0 where no row was trained.
+        totals = {**no_token_metrics(**self.config.loss_settings()), **self.dist.reduce(totals)}  # algo/loss
+        return {**totals, "skipped/zero_gradient": counts["skipped"] / counts["rows"]}
 
     def apply_update(self, totals: dict) -> dict:
         """Clip and apply the accumulated gradients; a NaN/inf loss or gradient norm skips the update

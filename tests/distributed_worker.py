@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 from datasets import Dataset
-from tiny_setup import digit_prompts, digit_share, tiny_model, tiny_tokenizer
+from tiny_setup import digit_prompts, digit_share, odd_digit_share, tiny_model, tiny_tokenizer
 
 import grpo.policy.policy
 from grpo import Config, Trainer
@@ -54,6 +54,11 @@ RUNS = {
     # `resumed_*`: 6 steps in one go (out/NAME/reference), and the same run dying before step 4, then resumed
     # from checkpoint-3 (out/NAME/resumed). Step 4 reuses the generation batch of step 3, step 5 samples a new
     # one: every rank's generation batch and RNG states must come back.
+    # `*_skip`: half the prompts' groups get equal rewards (odd_digit_share) and, with beta 0, no forward: a rank
+    # whose micro-batch has none left must still take part in every collective.
+    "fixed_single_skip": {"per_device_train_batch_size": 8, "beta": 0.0},
+    "fixed_ddp_skip": {"beta": 0.0},
+    "fixed_fsdp_skip": {"beta": 0.0, "fsdp": True},
     "resumed_ddp": dict(max_steps=6, save_steps=3, num_iterations=2, max_completion_length=12),
     "resumed_fsdp": dict(max_steps=6, save_steps=3, num_iterations=2, max_completion_length=12, fsdp=True),
     # `elastic_*`: the same global batch (4 prompts per step) on 1 and 2 ranks; `*_to_*` resume the other one's
@@ -112,7 +117,8 @@ def make_trainer(output_dir: str, name: str, **overrides) -> Trainer:
     model = build_model(tokenizer)
     if not fixed:
         model.generation_config.eos_token_id = list(range(4, len(tokenizer), 2))
-    return Trainer(config, model=model, tokenizer=tokenizer, reward_funcs=[digit_share], train_dataset=data,
+    reward = odd_digit_share if name.endswith("_skip") else digit_share
+    return Trainer(config, model=model, tokenizer=tokenizer, reward_funcs=[reward], train_dataset=data,
                    eval_dataset=data if config.eval_steps else None)
 
 

@@ -52,3 +52,9 @@ def tiny_reward_model(tokenizer, seed: int = 0, name: str = "org/tiny-rm", num_l
     torch.nn.init.normal_(model.score.weight, std=1.0)
     model.config._name_or_path = name
     return model
+
+
+def odd_digit_share(completions, num_digits, **kwargs):
+    """digit_share where the prompt asks for an odd number of digits, 0.5 where even: those groups' rewards
+    are all equal, so every one of their advantages is exactly 0."""
+    return [s if n % 2 else 0.5 for s, n in zip(digit_share(completions), num_digits)]

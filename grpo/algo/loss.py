@@ -17,15 +17,18 @@ Per completion token t of sequence i (m the completion mask, A_i the advantage, 
 
 Aggregation: what one call (one micro-batch) contributes, such that the calls of a step summed over
 micro-batches and ranks give the step's loss (ranks' gradients add up). K = ``num_micro_batches``, the
-step's micro-batches over all ranks (TRL divides by the accumulation steps and DDP averages the ranks)::
+step's micro-batches over all ranks (TRL divides by the accumulation steps and DDP averages the ranks);
+B = ``num_sequences`` and the micro-batch's tokens ``micro_batch_tokens`` default to this call's::
 
-    grpo, sapo:   mean_i( sum_t m l / max(1, |o_i|) ) / K      each sequence's token mean, then their mean
-    bnpo:         sum_{i,t} m l / max(1, sum m) / K            token mean of THIS micro-batch only
+    grpo, sapo:   sum_i( sum_t m l / max(1, |o_i|) ) / B / K   each sequence's token mean, then their mean
+    bnpo:         sum_{i,t} m l / max(1, micro_batch_tokens) / K   token mean of THIS micro-batch only
     dr_grpo:      sum_{i,t} m l / (B * max_completion_length) / K
     dapo, cispo:  sum_{i,t} m l / max(1, num_tokens)           num_tokens: the whole step's (all ranks)
-    luspo:        mean_i( sum_t m l ) / K                      sums, not means: length-weighted
+    luspo:        sum_i( sum_t m l ) / B / K                   sums, not means: length-weighted
 
-Masked positions never reach the loss (nor ``exp``: garbage there cannot overflow into inf * 0).
+Masked positions never reach the loss (nor ``exp``: garbage there cannot overflow into inf * 0). Rows whose
+gradient is exactly 0 may be left out of the call (`zero_advantage_has_no_gradient`) when B and the
+micro-batch's tokens are passed as counted before: the loss and its gradient stay those of all rows.
 """
 
 from __future__ import annotations
@@ -61,6 +64,16 @@ def _check_inputs(logprobs, old_logprobs, ref_logprobs, advantages, completion_m
         raise ValueError("top_entropy_quantile < 1 needs the per-token entropies")
 
 
+def zero_advantage_has_no_gradient(beta: float, top_entropy_quantile: float) -> bool:
+    """Whether a completion whose advantage is exactly 0 adds exactly 0 to the gradient (and to the loss), so
+    that it needs no forward or backward. Every loss type's policy term is A times a finite factor: clipped
+    ``-min(min(w, delta) A, clip(w) A)``, cispo ``-sg(min(w, eps)) A lp``, sapo ``-sigmoid(tau (w - 1)) 4 / tau A``,
+    at token or sequence level (GSPO's w is the row's own), so A = 0 zeroes its value and gradient. Not so with a
+    KL term (beta != 0), which pulls every row towards the reference, nor with the high-entropy mask
+    (top_entropy_quantile < 1): its quantile is over every row's tokens, and leaving some out moves it."""
+    return beta == 0 and top_entropy_quantile >= 1.0
+
+
 def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
     """Mean of ``values`` over positions where ``mask`` is true; 0 when the mask is empty."""
     mask = mask.to(values.dtype)
@@ -81,21 +94,24 @@ def high_entropy_mask(entropies: Tensor, completion_mask: Tensor, quantile: floa
 
 def aggregate(per_token: Tensor, completion_mask: Tensor, loss_type: str = "dapo",
               max_completion_length: int | None = None, num_tokens: float | None = None,
-              num_micro_batches: int = 1) -> Tensor:
+              num_micro_batches: int = 1, num_sequences: int | None = None,
+              micro_batch_tokens: float | None = None) -> Tensor:
     """Reduce a ``[B, T]`` per-token loss to this call's share of the step's loss (module docstring)."""
     mask = completion_mask.to(per_token.dtype)  # [B, T]
     masked_sum = (per_token * mask).sum(dim=1)  # [B]
+    B = per_token.shape[0] if num_sequences is None else num_sequences
     if loss_type in ("grpo", "sapo"):
-        return (masked_sum / mask.sum(dim=1).clamp(min=1)).mean() / num_micro_batches
+        return (masked_sum / mask.sum(dim=1).clamp(min=1)).sum() / max(1, B) / num_micro_batches
     if loss_type == "bnpo":
-        return masked_sum.sum() / mask.sum().clamp(min=1) / num_micro_batches
+        n_tok = mask.sum().clamp(min=1) if micro_batch_tokens is None else max(1.0, float(micro_batch_tokens))
+        return masked_sum.sum() / n_tok / num_micro_batches
     if loss_type == "dr_grpo":
-        return masked_sum.sum() / (per_token.shape[0] * max_completion_length) / num_micro_batches
+        return masked_sum.sum() / (max(1, B) * max_completion_length) / num_micro_batches
     if loss_type in ("dapo", "cispo"):
         n_tok = mask.sum().clamp(min=1) if num_tokens is None else max(1.0, float(num_tokens))
         return masked_sum.sum() / n_tok
     if loss_type == "luspo":
-        return masked_sum.mean() / num_micro_batches
+        return masked_sum.sum() / max(1, B) / num_micro_batches
     raise ValueError(f"unknown loss_type {loss_type!r}; valid: {', '.join(LOSS_TYPES)}")
 
 
@@ -120,6 +136,8 @@ def policy_loss(
     max_completion_length: int | None = None,
     num_tokens: float | None = None,
     num_micro_batches: int = 1,
+    num_sequences: int | None = None,
+    micro_batch_tokens: float | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """The loss of one micro-batch, as written in the module docstring; TRL's defaults.
 
@@ -145,6 +163,8 @@ def policy_loss(
         max_completion_length: the L of ``"dr_grpo"`` (required there).
         num_tokens: for ``"dapo"`` / ``"cispo"``, the step's token count (default: this call's).
         num_micro_batches: K of the module docstring (default 1: this call is the whole step).
+        num_sequences, micro_batch_tokens: the micro-batch's rows (grpo, sapo, dr_grpo, luspo) and completion
+            tokens (bnpo), counted before rows with exactly zero gradient were left out (default: this call's).
 
     Returns:
         ``(loss, metrics)``: a scalar tensor and detached python floats, TRL's names where TRL logs
@@ -179,8 +199,9 @@ def policy_loss(
         policy = -torch.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau * adv  # [B, T]
     if top_entropy_quantile < 1.0:
         policy = policy * high_entropy_mask(entropies, on, top_entropy_quantile).to(policy.dtype)  # [B, T]
-    agg = dict(loss_type=loss_type, max_completion_length=max_completion_length, num_tokens=num_tokens,
-               num_micro_batches=num_micro_batches)
+    agg = {"loss_type": loss_type, "max_completion_length": max_completion_length, "num_tokens": num_tokens,
+           "num_micro_batches": num_micro_batches, "num_sequences": num_sequences,
+           "micro_batch_tokens": micro_batch_tokens}
     per_token = policy  # [B, T]
     use_kl = beta != 0 and ref_logprobs is not None
     if use_kl:
@@ -208,3 +229,18 @@ def policy_loss(
         if entropies is not None:
             metrics["entropy"] = masked_mean(entropies.to(ratio.dtype), on).item()
     return loss, metrics
+
+
+def no_token_metrics(**settings) -> dict[str, float]:
+    """The metrics `policy_loss` with `settings` gives a call without completion tokens, all 0: a step's where no
+    row was trained (all skipped: zero gradients), so that every step logs the same keys."""
+    empty = torch.zeros(0, 0)  # [0, 0]
+    return policy_loss(empty, None, empty, torch.zeros(0), empty, entropies=empty, **settings)[1]
+
+
+def add_metrics(totals: dict[str, float], metrics: dict[str, float], share: float) -> None:
+    """Add one call's `policy_loss` metrics to a step's `totals`: `loss/*` add up as the losses do; the others,
+    means over the call's completion tokens, weighted by `share`, its part of the step's tokens, so that the
+    sums over micro-batches and ranks are the step's means."""
+    for k, v in metrics.items():
+        totals[k] = totals.get(k, 0.0) + (v if k.startswith("loss/") else v * share)

@@ -13,17 +13,37 @@ from .sampling import Rollout
 
 @dataclass
 class Batch:
-    """One micro-batch ready for the loss: a rollout plus what GRPO attaches to it."""
+    """One micro-batch ready for the loss: a rollout plus what GRPO attaches to it. The rollout may hold only the
+    rows whose gradient is not exactly 0 (`trained_rows`); `rows` and `tokens` count the whole micro-batch, the
+    loss's divisors."""
 
-    rollout: Rollout
-    advantages: torch.Tensor  # [N]
-    old_logprobs: torch.Tensor | None = None  # [N, C], only when num_iterations > 1
-    ref_logprobs: torch.Tensor | None = None  # [N, C], only when beta > 0
+    rollout: Rollout  # n of the micro-batch's rows
+    advantages: torch.Tensor  # [n]
+    old_logprobs: torch.Tensor | None = None  # [n, C], only when num_iterations > 1
+    ref_logprobs: torch.Tensor | None = None  # [n, C], only when beta > 0
+    rows: int | None = None  # the micro-batch's completions (None: the rollout's)
+    tokens: int | None = None  # their completion tokens the loss counts (None: the rollout's)
+
+    def __post_init__(self):
+        if self.rows is None:
+            self.rows = len(self.rollout.completions)
+        if self.tokens is None:
+            self.tokens = self.trained_tokens
 
     @property
-    def tokens(self) -> int:
-        """Completion tokens the loss counts."""
+    def trained_tokens(self) -> int:
+        """Completion tokens of the rows the forward sees: what per-token metrics average over."""
         return int(self.rollout.completion_mask.sum().item())
+
+    @property
+    def empty(self) -> bool:
+        """No row left to forward (one process only: `trained_rows` keeps one where there are several ranks)."""
+        return len(self.rollout.completions) == 0
+
+    @property
+    def skipped(self) -> int:
+        """Rows left out of the forward and backward (a row kept only to run the forward counts too)."""
+        return self.rows - int(self.rollout.completion_mask.any(dim=1).sum().item())
 
 
 @dataclass
@@ -47,11 +67,23 @@ class Generation:
     metrics: dict
     scored: Scored
 
+    def step_counts(self, step: list[Batch], reduce) -> dict[str, float]:
+        """What the loss and metrics of an optimizer step on micro-batches `step` count, summed over ranks by
+        `reduce`: the generation batch's completion tokens per step it feeds (`divisor`, TRL's dapo/cispo
+        divisor), counted before rows were skipped; the step's tokens trained on (`trained`: per-token metrics
+        average over them); its micro-batches, rows, and rows skipped."""
+        counts = reduce({"all": sum(b.tokens for b in self.batches), "trained": sum(b.trained_tokens for b in step),
+                         "micro_batches": len(step), "rows": sum(b.rows for b in step),
+                         "skipped": sum(b.skipped for b in step)})
+        return {**counts, "divisor": counts["all"] * len(step) / len(self.batches)}
+
 
 def generation_from_dict(saved: dict, device: torch.device) -> Generation:
-    """The inverse of `dataclasses.asdict(generation)`, with its tensors moved (back) to `device`."""
+    """The inverse of `dataclasses.asdict(generation)`, with its tensors moved (back) to `device`. (Checkpoints
+    from before rows were skipped have no `rows` and `tokens`: their rollouts hold every row.)"""
     batches = [Batch(Rollout(**{k: to_device(v, device) for k, v in b["rollout"].items()}),
-                     *(to_device(b[k], device) for k in ("advantages", "old_logprobs", "ref_logprobs")))
+                     *(to_device(b[k], device) for k in ("advantages", "old_logprobs", "ref_logprobs")),
+                     b.get("rows"), b.get("tokens"))
                for b in saved["batches"]]
     return Generation(batches, saved["metrics"], Scored(**saved["scored"]))
 
@@ -60,11 +92,46 @@ def to_device(value, device: torch.device):
     return value.to(device) if isinstance(value, torch.Tensor) else value
 
 
-def loss_batches(rollouts: list[Rollout], advantages: torch.Tensor, mask_truncated: bool,
-                 device: torch.device) -> list[Batch]:
-    """The micro-batches as the loss takes them, each with its rows of `advantages` [N] (this rank's)."""
+def loss_batches(rollouts: list[Rollout], advantages: torch.Tensor, mask_truncated: bool, device: torch.device,
+                 skip_zero_advantage: bool = False, keep_one: bool = False) -> list[Batch]:
+    """The micro-batches as the loss takes them, each with its rows of `advantages` [N] (this rank's), cut to
+    the rows whose gradient is not exactly 0 (`trained_rows`)."""
     sizes = [len(r.completions) for r in rollouts]
-    return [Batch(loss_rollout(r, mask_truncated), a.to(device)) for r, a in zip(rollouts, advantages.split(sizes))]
+    return [trained_rows(Batch(loss_rollout(r, mask_truncated), a.to(device)), skip_zero_advantage, keep_one)
+            for r, a in zip(rollouts, advantages.split(sizes))]
+
+
+def trained_rows(batch: Batch, skip_zero_advantage: bool, keep_one: bool) -> Batch:
+    """`batch` (before any log-probs are attached) cut to the rows whose gradient is not exactly 0, its counts
+    before the cut kept for the loss's divisors: gone are rows with no completion token in the loss
+    (mask_truncated_completions) and, with `skip_zero_advantage` (algo/loss.zero_advantage_has_no_gradient),
+    rows whose advantage is exactly 0. With `keep_one` (several ranks) a micro-batch left with no row keeps its
+    first, its completion mask zeroed so that it adds nothing to the loss or the metrics: every rank must run
+    every micro-batch's forward and backward, or DDP's and FSDP's collectives wait for it forever."""
+    needed = batch.rollout.completion_mask.bool().any(dim=1).cpu()  # [N]
+    if skip_zero_advantage:
+        needed &= batch.advantages.cpu() != 0
+    if needed.all():
+        return batch
+    keep = needed.nonzero().squeeze(1)  # [n], on the CPU: it indexes tensors on either device
+    rollout = batch.rollout
+    if keep.numel() == 0 and keep_one:
+        keep = keep.new_zeros(1)  # [1]
+        rollout = dataclasses.replace(rollout, completion_mask=torch.zeros_like(rollout.completion_mask))  # [N, C]
+    return Batch(select_rows(rollout, keep), batch.advantages[keep], rows=batch.rows, tokens=batch.tokens)
+
+
+def select_rows(rollout: Rollout, rows: torch.Tensor) -> Rollout:
+    """Rows `rows` [n] (indices, in order) of `rollout`, with only the padding they need: prompts stay
+    left-padded and completions right-padded, but columns no kept row uses are dropped, so that their compute
+    does not depend on the rows left out."""
+    prompt_mask, completion_mask = rollout.prompt_mask[rows], rollout.completion_mask[rows]  # [n, P], [n, C]
+    used = prompt_mask.any(dim=0).nonzero()  # [p, 1]
+    p = int(used.min()) if used.numel() else prompt_mask.shape[1]  # the first column a row uses
+    used = completion_mask.any(dim=0).nonzero()  # [c, 1]
+    c = int(used.max()) + 1 if used.numel() else 1
+    return Rollout(rollout.prompt_ids[rows, p:], prompt_mask[:, p:], rollout.completion_ids[rows, :c],
+                   completion_mask[:, :c], [rollout.completions[i] for i in rows.tolist()], rollout.truncated[rows])
 
 
 def sample_batch(sample, prompts: list, per_device: int, num_generations: int,
@@ -94,19 +161,11 @@ def regroup(rollouts: list[Rollout], size: int, pad_id: int) -> list[Rollout]:
         parts = [getattr(r, name) for r in rollouts]
         return torch.cat([torch.nn.functional.pad(t, (width - t.shape[1], 0) if left else (0, width - t.shape[1]),
                                                   value=value) for t in parts])  # [sum N, width]
-    prompt_ids, prompt_mask = cat("prompt_ids", P, True, pad_id), cat("prompt_mask", P, True, 0)  # [M, P]
-    completion_ids = cat("completion_ids", C, False, pad_id)  # [M, C]
-    completion_mask = cat("completion_mask", C, False, 0)  # [M, C]
-    completions = [c for r in rollouts for c in r.completions]
-    truncated = torch.cat([r.truncated for r in rollouts])  # [M]
-    out = []
-    for start in range(0, len(completions), size):
-        rows = slice(start, start + size)
-        p = int(prompt_mask[rows].sum(0).nonzero().min()) if prompt_mask[rows].any() else P  # first used column
-        c = int(completion_mask[rows].sum(0).nonzero().max()) + 1 if completion_mask[rows].any() else 1
-        out.append(Rollout(prompt_ids[rows, p:], prompt_mask[rows, p:], completion_ids[rows, :c],
-                           completion_mask[rows, :c], completions[rows], truncated[rows]))
-    return out
+    whole = Rollout(cat("prompt_ids", P, True, pad_id), cat("prompt_mask", P, True, 0),  # [M, P] each
+                    cat("completion_ids", C, False, pad_id), cat("completion_mask", C, False, 0),  # [M, C] each
+                    [c for r in rollouts for c in r.completions], torch.cat([r.truncated for r in rollouts]))
+    M = len(whole.completions)
+    return [select_rows(whole, torch.arange(start, min(start + size, M))) for start in range(0, M, size)]
 
 
 def loss_rollout(rollout: Rollout, mask_truncated: bool) -> Rollout:

@@ -84,6 +84,21 @@ def runs(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def skipping(tmp_path_factory):
+    """2-rank runs (DDP, FSDP) where some ranks' micro-batches have no row with a gradient, and their 1-process
+    reference (distributed_worker.py's `*_skip` runs)."""
+    out = tmp_path_factory.mktemp("skip")
+
+    def meanwhile():
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(grpo.policy.policy, "sample", distributed_worker.fixed_sample)
+            distributed_worker.train(str(out), "fixed_single_skip")
+
+    torchrun(out, ["fixed_ddp_skip", "fixed_fsdp_skip"], meanwhile)
+    return out
+
+
+@pytest.fixture(scope="module")
 def elastic(tmp_path_factory):
     """A 1-process run resumed on 2 ranks, and a 2-rank run resumed in 1 process (distributed_worker.py)."""
     out = tmp_path_factory.mktemp("elastic")
@@ -144,6 +159,26 @@ def test_two_ranks_match_one_process(runs, single, parallel):
             assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), (a["step"], key)
     assert completion_rows(runs / parallel) == completion_rows(runs / single), "every rank's completions, once"
     assert sorted(p.name for p in (runs / parallel).glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parallel", ["fixed_ddp_skip", "fixed_fsdp_skip"])
+def test_ranks_left_without_rows_to_train_keep_in_step(skipping, parallel):
+    # One prompt's 4 completions per rank and micro-batch: every prompt whose group has equal rewards leaves its
+    # rank's micro-batch with no row to train. The rank keeps one inert row so that DDP's and FSDP's collectives
+    # run on every rank, and the run matches 1 process (which does no forward for such a micro-batch).
+    one, two = weights(skipping / "fixed_single_skip"), weights(skipping / parallel)
+    worst = max((one[k] - two[k]).abs().max().item() for k in one)
+    assert worst < 1e-6, f"max abs weight difference 1 vs 2 processes: {worst:.3g}"
+    m1, m2 = metrics(skipping / "fixed_single_skip"), metrics(skipping / parallel)
+    # Step 1: 3 of its 4 prompts' groups have equal rewards; step 2: all 4, so no token is trained (its update is
+    # AdamW's on a zero gradient: momentum goes on) and the per-token metrics are 0.
+    assert [m["skipped/zero_gradient"] for m in m1] == [0.75, 1.0]
+    assert m1[0]["entropy"] > 0 and m1[1]["entropy"] == 0.0
+    for a, b in zip(m1, m2):
+        assert a.keys() == b.keys()
+        for key in [k for k in SAME_METRICS if k in a] + ["skipped/zero_gradient"]:
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), (a["step"], key)
 
 
 @pytest.mark.slow

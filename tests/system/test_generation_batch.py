@@ -3,7 +3,7 @@ per_device_train_batch_size completions (TRL 1.16's meaning): how it is cut must
 import pytest
 import torch
 from distributed_worker import fixed_sample
-from tiny_setup import digit_prompts, digit_share, tiny_model, tiny_tokenizer
+from tiny_setup import digit_prompts, digit_share, text_length, tiny_model, tiny_tokenizer
 
 import grpo.policy.policy
 from grpo import Config, Trainer
@@ -16,11 +16,11 @@ def tokenizer():
     return tiny_tokenizer()
 
 
-def train(tmp_path, name, tokenizer, **batch) -> Trainer:
+def train(tmp_path, name, tokenizer, reward=digit_share, **batch) -> Trainer:
     config = Config(**{**dict(output_dir=str(tmp_path / name), max_steps=2, num_generations=4, max_prompt_length=16,
                               max_completion_length=8, learning_rate=1e-2, optim="adamw", beta=0.04, seed=0,
                               save_steps=10**6), **batch})
-    trainer = Trainer(config, model=tiny_model(tokenizer), tokenizer=tokenizer, reward_funcs=[digit_share],
+    trainer = Trainer(config, model=tiny_model(tokenizer), tokenizer=tokenizer, reward_funcs=[reward],
                       train_dataset=digit_prompts(8))
     trainer.train()
     return trainer
@@ -40,9 +40,12 @@ def test_a_group_spanning_two_micro_batches_trains_as_one_micro_batch(tmp_path, 
     assert worst < 1e-6 and moved > 1e-3, (worst, moved)  # measured: 8e-9 after 2 steps
 
 
-def test_steps_per_generation_feeds_several_optimizer_steps(tmp_path, tokenizer):
+def test_steps_per_generation_feeds_several_optimizer_steps(tmp_path, tokenizer, monkeypatch):
     # TRL's steps_per_generation = 2 x gradient_accumulation_steps: one generation batch, two optimizer steps.
-    trainer = train(tmp_path, "spg", tokenizer, per_device_train_batch_size=4, steps_per_generation=2, beta=0.0)
+    # Random completions rewarded by length, so that no group has equal rewards and nothing to train.
+    monkeypatch.setattr(grpo.policy.policy, "sample", fixed_sample)
+    trainer = train(tmp_path, "spg", tokenizer, per_device_train_batch_size=4, steps_per_generation=2, beta=0.0,
+                    reward=text_length)
     assert trainer.prompts.state_dict()["position"] == 2, "one generation batch of 2 prompts for both steps"
     assert len(trainer.generation.batches) == 2 and trainer.generation.batches[1].old_logprobs is not None
 

@@ -149,8 +149,9 @@ def test_trl_loss_settings_and_unscored_completions(tmp_path, tokenizer):
     rows = [json.loads(r) for r in (tmp_path / "run" / "completions.jsonl").read_text().splitlines()]
     unscored = [r for r in rows if r["reward/picky"] is None]
     assert unscored and all(r["advantage"] == 0.0 for r in unscored)
-    # max_completion_length 4 truncates most completions; masked, they leave the loss
-    truncated = [b.rollout.truncated for b in trainer.generation.batches]
-    assert any(t.any() for t in truncated)
+    # max_completion_length 4 truncates most completions; masked, they leave the loss and with it the micro-batches
+    # (no token in the loss: no forward), though not its counts
+    assert all(line["completions/clipped_ratio"] > 0 for line in history)
+    assert all(line["skipped/zero_gradient"] >= line["completions/clipped_ratio"] for line in history)
     for b in trainer.generation.batches:
-        assert b.rollout.completion_mask[b.rollout.truncated].sum() == 0
+        assert not b.rollout.truncated.any() and b.rows == 8 and len(b.rollout.completions) == 8 - b.skipped

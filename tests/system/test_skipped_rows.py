@@ -1,0 +1,101 @@
+"""Rows whose gradient is exactly 0 (advantage 0 without a KL term) get no forward or backward: the Trainer's
+gradients and updates are those of training every row, for every loss type, and the metrics say how many."""
+import json
+
+import pytest
+import torch
+from distributed_worker import fixed_sample
+from tiny_setup import digit_prompts, odd_digit_share, tiny_model, tiny_tokenizer
+
+import grpo.policy.policy
+import grpo.trainer
+from grpo import Config, Trainer
+from grpo.algo import LOSS_TYPES
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return tiny_tokenizer()
+
+
+@pytest.fixture(autouse=True)
+def fixed_completions(monkeypatch):
+    """Completions that depend on the prompt text alone: runs with and without skipping see the same ones."""
+    monkeypatch.setattr(grpo.policy.policy, "sample", fixed_sample)
+
+
+def make_trainer(tmp_path, tokenizer, name, reward=odd_digit_share, **overrides) -> Trainer:
+    config = Config(**{"output_dir": str(tmp_path / name), "max_steps": 2, "per_device_train_batch_size": 8,
+                       "gradient_accumulation_steps": 2, "num_generations": 4, "max_prompt_length": 16,
+                       "max_completion_length": 8, "learning_rate": 1e-2, "optim": "adamw", "beta": 0.0, "seed": 0,
+                       "save_steps": 10**6, **overrides})
+    return Trainer(config, model=tiny_model(tokenizer), tokenizer=tokenizer, reward_funcs=[reward],
+                   train_dataset=digit_prompts(8))
+
+
+def step_gradients(trainer: Trainer) -> tuple[dict, dict]:
+    trainer.generation = trainer.generate()
+    totals = trainer.accumulate(trainer.generation.batches)
+    return {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}, totals
+
+
+def no_skipping(monkeypatch):
+    """Every row with a completion token trained, as before zero-advantage rows were skipped."""
+    monkeypatch.setattr(grpo.trainer, "zero_advantage_has_no_gradient", lambda *_: False)
+
+
+def count_forwards(trainer: Trainer) -> list:
+    """The rollouts the training forward sees, as they come."""
+    seen, logprobs = [], trainer.policy.logprobs
+    trainer.policy.logprobs = lambda rollout, **kwargs: seen.append(rollout) or logprobs(rollout, **kwargs)
+    return seen
+
+
+@pytest.mark.parametrize("settings", [*({"loss_type": t} for t in LOSS_TYPES),
+                                      {"loss_type": "grpo", "importance_sampling_level": "sequence"},
+                                      {"loss_type": "dapo", "delta": 1.5, "scale_rewards": "none"}])
+def test_skipping_zero_advantage_rows_leaves_the_gradient_unchanged(tmp_path, tokenizer, monkeypatch, settings):
+    skipped = make_trainer(tmp_path, tokenizer, "skipped", **settings)
+    forwards = count_forwards(skipped)
+    grads, totals = step_gradients(skipped)
+    no_skipping(monkeypatch)
+    full_grads, full_totals = step_gradients(make_trainer(tmp_path, tokenizer, "full", **settings))
+
+    advantages = skipped.generation.scored.advantages  # [N]
+    assert 0 < (advantages == 0).sum() < len(advantages), "some groups must have equal rewards, not all"
+    assert totals["skipped/zero_gradient"] == pytest.approx((advantages == 0).float().mean().item())
+    assert full_totals["skipped/zero_gradient"] == 0.0
+    assert sum(len(r.completions) for r in forwards) == (advantages != 0).sum(), "forwards of trained rows only"
+    assert grads.keys() == full_grads.keys() and grads
+    for name, g in grads.items():
+        torch.testing.assert_close(g, full_grads[name], rtol=1e-5, atol=1e-8, msg=name)
+    assert totals["loss"] == pytest.approx(full_totals["loss"], rel=1e-5, abs=1e-8)
+    assert totals["loss/policy"] == pytest.approx(full_totals["loss/policy"], rel=1e-5, abs=1e-8)
+
+
+def test_off_policy_steps_skip_the_old_logprobs_too_and_train_alike(tmp_path, tokenizer, monkeypatch):
+    # num_iterations=2: the old log-probs, computed once per generation batch, are computed for trained rows only;
+    # two optimizer steps (the second off-policy) end at the weights of training every row.
+    skipped = make_trainer(tmp_path, tokenizer, "skipped", num_iterations=2, loss_type="grpo")
+    skipped.train()
+    batches = skipped.generation.batches
+    assert any(b.empty for b in batches) and any(0 < len(b.advantages) < b.rows for b in batches)
+    assert all(b.old_logprobs.shape[0] == len(b.advantages) for b in batches if not b.empty)
+    no_skipping(monkeypatch)
+    full = make_trainer(tmp_path, tokenizer, "full", num_iterations=2, loss_type="grpo")
+    full.train()
+    worst = max((a - b).abs().max().item() for a, b in zip(skipped.model.parameters(), full.model.parameters()))
+    assert worst < 1e-6, worst
+    lines = [json.loads(line) for line in (tmp_path / "skipped" / "metrics.jsonl").read_text().splitlines()]
+    assert all(0 < line["skipped/zero_gradient"] < 1 for line in lines)
+    assert lines[1]["ratio/mean"] != pytest.approx(1.0, abs=1e-9), "the second step is off-policy"
+
+
+def test_a_step_where_every_advantage_is_zero_runs_no_forward(tmp_path, tokenizer, monkeypatch):
+    trainer = make_trainer(tmp_path, tokenizer, "flat", reward=lambda completions, **_: [1.0] * len(completions),
+                           max_steps=1)
+    monkeypatch.setattr(trainer.policy, "logprobs", lambda *a, **kw: pytest.fail("no row needs a forward"))
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    (line,) = trainer.train()
+    assert line["skipped/zero_gradient"] == 1.0 and line["loss"] == 0.0 and line["grad_norm"] == 0.0
+    assert all(torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))  # AdamW's first step on 0
