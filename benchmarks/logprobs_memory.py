@@ -1,7 +1,7 @@
 """Peak extra RSS of one forward + backward of per-token log-probs: chunked vs full logits.
 
 Each measurement runs in a fresh subprocess so peaks do not leak between runs:
-extra = ru_maxrss after forward+backward - current RSS just before it (inputs already
+extra = peak RSS (VmHWM) after forward+backward - current RSS just before it (inputs already
 allocated, so they are not counted; the [V, H] weight gradient is). Times are wall-clock
 and noisy on a shared CPU; the memory figures are the point.
 
@@ -26,6 +26,7 @@ import json, resource, sys, time
 import torch
 sys.path.insert(0, {root!r})
 from grpo.algo.logprobs import token_logprobs
+from grpo.run.logs import peak_rss_bytes
 
 def rss_now():
     with open("/proc/self/statm") as f:
@@ -46,7 +47,7 @@ else:
     logprobs = torch.log_softmax(logits.float(), dim=-1).gather(-1, targets[..., None]).squeeze(-1)
 logprobs.sum().backward()
 seconds = time.perf_counter() - t0
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+peak = peak_rss_bytes()  # VmHWM: ru_maxrss would keep this parent's RSS from before exec
 print(json.dumps({{"extra_bytes": peak - before, "seconds": seconds}}))
 """
 

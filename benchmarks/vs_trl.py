@@ -55,13 +55,13 @@ def rss_bytes() -> int:
 
 
 def peak_bytes(cuda: bool) -> int:
-    import resource
-
     import torch
+
+    from grpo.run.logs import peak_rss_bytes
 
     if cuda:
         return torch.cuda.max_memory_allocated()
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    return peak_rss_bytes()  # VmHWM: ru_maxrss would keep the parent's RSS from before exec
 
 
 def instrument(cuda: bool) -> dict:

@@ -17,6 +17,7 @@ from transformers import DynamicCache
 
 from ..algo.logprobs import transform_logits_
 from ..policy.head import head_transform
+from .compaction import DecodingRows
 
 
 def _cache_argument(body) -> str:
@@ -87,11 +88,14 @@ def penalize_repetitions(logits: torch.Tensor, seen: torch.Tensor, penalty: floa
     return torch.where(seen, penalized, logits)  # [N, V]
 
 
-def sample_from_logits(logits: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+def sample_from_logits(logits: torch.Tensor, generator: torch.Generator | None = None,
+                       u: torch.Tensor | None = None) -> torch.Tensor:
     """One token id per row [N], drawn from softmax(logits) by inverse CDF (float64 cumulative sums, so that
-    150k small probabilities still add up exactly enough); -inf logits are never drawn."""
+    150k small probabilities still add up exactly enough); -inf logits are never drawn. `u` [N, 1] (float64):
+    the rows' uniforms, drawn here (from `generator`) when not given."""
     cdf = torch.cumsum(logits.softmax(-1), dim=-1, dtype=torch.float64)  # [N, V]
-    u = torch.rand(cdf.shape[0], 1, dtype=torch.float64, device=cdf.device, generator=generator)  # [N, 1]
+    if u is None:
+        u = torch.rand(cdf.shape[0], 1, dtype=torch.float64, device=cdf.device, generator=generator)  # [N, 1]
     token = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)  # [N, 1]: first index whose cdf exceeds u
     return token.clamp_(max=logits.shape[-1] - 1).squeeze(1)  # [N]
 
@@ -106,42 +110,46 @@ def generate(hf_model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, m
     when all have; without it, EOS is never sampled and every row gets `max_new_tokens` tokens. `greedy` takes
     the most likely token instead of sampling (evaluation): the filters are skipped, a repetition penalty still
     applies (as in transformers). `on_token(n)`, if given, is called after every decoding step with the number of
-    tokens it generated (rows not yet finished), for progress bars."""
+    tokens it generated (rows not yet finished), for progress bars. Finished rows leave the batch and the cache
+    as they accumulate (rollout/compaction): the n rows left decode on."""
     body, logits_of = hf_model.base_model, head_logits(hf_model)
-    cache = {_cache_argument(body): DynamicCache(config=hf_model.config)}
+    cache = DynamicCache(config=hf_model.config)
     eos = torch.tensor(eos_ids, device=prompt_ids.device)
-    ids, mask = prompt_ids, prompt_mask  # [N, P]
-    position_ids = positions(mask)  # [N, P]
-    finished = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)  # [N]
+    ids, mask = prompt_ids, prompt_mask  # [n, P]
+    position_ids = positions(mask)  # [n, P]
+    # The rows still in the batch, all N at first; transformers marks models with state outside the cache.
+    batch = DecodingRows(ids.shape[0], ids.device, compacts=not getattr(hf_model, "_is_stateful", False))
     # Tokens seen so far, kept only when penalized: the default path does no extra work per step.
     seen = None if repetition_penalty == 1.0 else seen_tokens(
-        prompt_ids, prompt_mask, hf_model.get_output_embeddings().weight.shape[0])  # [N, V]
+        prompt_ids, prompt_mask, hf_model.get_output_embeddings().weight.shape[0])  # [n, V]
     tokens = []
     for _ in range(max_new_tokens):
         hidden = body(input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=True,
-                      **cache).last_hidden_state[:, -1]  # [N, H]
-        logits = logits_of(hidden)  # [N, V]
+                      **{_cache_argument(body): cache}).last_hidden_state[:, -1]  # [n, H]
+        logits = logits_of(hidden)  # [n, V]
         if seen is not None:
-            logits = penalize_repetitions(logits, seen, repetition_penalty)  # [N, V]
+            logits = penalize_repetitions(logits, seen, repetition_penalty)  # [n, V]
         if not stop_at_eos:
             logits[:, eos] = -torch.inf
         if greedy:
-            token = logits.argmax(dim=-1)  # [N]
+            token = logits.argmax(dim=-1)  # [n]
         else:
-            token = sample_from_logits(filter_logits(logits, temperature, top_k, top_p, min_p))  # [N]
+            token = sample_from_logits(filter_logits(logits, temperature, top_k, top_p, min_p),
+                                       u=batch.uniforms())  # [n]
         if seen is not None:  # before padding: a finished row's mark does not matter, and pad may be past V
             seen.scatter_(1, token[:, None], True)
-        token = token.masked_fill(finished, pad_id)
-        tokens.append(token)
+        token = token.masked_fill(batch.finished, pad_id)
+        tokens.append(batch.scatter(token, pad_id))  # [N]
         if on_token is not None:
-            on_token(int((~finished).sum()))
+            on_token(int((~batch.finished).sum()))
         if stop_at_eos:
-            finished |= torch.isin(token, eos)
-            if finished.all():
+            batch.finished |= torch.isin(token, eos)
+            if batch.finished.all():
                 break
-        ids = token[:, None]  # [N, 1]
-        mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)  # [N, P+t]
-        position_ids = position_ids[:, -1:] + 1  # [N, 1]
+            token, mask, position_ids, seen = batch.compact(cache, token, mask, position_ids, seen)  # compaction
+        ids = token[:, None]  # [n, 1]
+        mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)  # [n, P+t]
+        position_ids = position_ids[:, -1:] + 1  # [n, 1]
     if not tokens:
         return prompt_ids.new_empty(prompt_ids.shape[0], 0)
     return torch.stack(tokens, dim=1)  # [N, C]

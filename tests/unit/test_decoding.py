@@ -6,6 +6,7 @@ import math
 import torch
 from tiny_setup import tiny_model, tiny_tokenizer
 
+from grpo.rollout.compaction import DecodingRows
 from grpo.rollout.decoding import filter_logits, generate, penalize_repetitions, sample_from_logits, seen_tokens
 from grpo.rollout.sampling import left_pad
 
@@ -130,7 +131,8 @@ def test_sampling_draws_from_the_distribution_model_generate_would(monkeypatch):
     ids, mask = decode_inputs(tokenizer)
     recorded = []
     draw = decoding.sample_from_logits
-    monkeypatch.setattr(decoding, "sample_from_logits", lambda logits: recorded.append(logits.clone()) or draw(logits))
+    monkeypatch.setattr(decoding, "sample_from_logits",
+                        lambda logits, **kw: recorded.append(logits.clone()) or draw(logits, **kw))
     # A random tiny model's logits are close together: a low temperature and a high min_p make min_p bite.
     settings = {"temperature": 0.5, "top_k": 0, "top_p": 1.0, "min_p": 0.6, "repetition_penalty": 1.5}
     torch.manual_seed(0)
@@ -144,3 +146,73 @@ def test_sampling_draws_from_the_distribution_model_generate_would(monkeypatch):
         assert torch.equal(ours.isinf(), theirs.isinf()), t
         assert ours.isinf().any(), "min_p should drop tokens"
         torch.testing.assert_close(ours[ours.isfinite()], theirs[theirs.isfinite()], atol=1e-5, rtol=1e-5)
+
+
+PROMPTS = ["Write 3 digits:", "Write 12345 digits: 0", "<reasoning> think", "Write 7 digits: 01", "Write 1 digits:",
+           "<answer>", "Write 9 digits: 0123", "think </reasoning>"]
+
+
+def lively_model(tokenizer):
+    """The tiny model with larger random weights: its greedy continuations vary (the default's repeat one token)."""
+    model = tiny_model(tokenizer).eval()
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.copy_(torch.randn(p.shape, generator=generator) * 0.3)
+    return model
+
+
+def decode(model, tokenizer, eos_ids, batch_sizes=None, **kwargs):
+    ids, mask = left_pad([tokenizer(p)["input_ids"] for p in PROMPTS], tokenizer.pad_token_id)
+    hook = model.base_model.register_forward_pre_hook(
+        lambda _, args, kw: batch_sizes.append(kw["input_ids"].shape[0]) if batch_sizes is not None else None,
+        with_kwargs=True)
+    try:
+        return generate(model, ids, mask, max_new_tokens=12, temperature=1.0, top_p=1.0, top_k=0, eos_ids=eos_ids,
+                        pad_id=tokenizer.pad_token_id, **kwargs)
+    finally:
+        hook.remove()
+
+
+def uncompacted(monkeypatch):
+    monkeypatch.setattr(DecodingRows, "compact", lambda self, cache, *tensors: tensors)
+
+
+def finish_steps(out: torch.Tensor, eos: int) -> list:
+    return [int((row == eos).nonzero()[0]) if (row == eos).any() else None for row in out]
+
+
+def test_finished_rows_leave_the_batch_and_greedy_decoding_is_unchanged(monkeypatch):
+    tokenizer = tiny_tokenizer()
+    model = lively_model(tokenizer)
+    free = decode(model, tokenizer, [10**6], greedy=True)  # [8, 12]: no EOS, every row runs to the end
+    eos = max(free.unique().tolist(), key=lambda t: len(set(finish_steps(free, t))))  # rows end one after another
+    assert len(set(finish_steps(free, eos))) >= 4, finish_steps(free, eos)
+    sizes = []
+    out = decode(model, tokenizer, [eos], sizes, greedy=True)
+    assert sizes[0] == 8 and sizes == sorted(sizes, reverse=True) and len(set(sizes)) >= 3, sizes  # compacted twice
+    uncompacted(monkeypatch)
+    full_sizes = []
+    reference = decode(model, tokenizer, [eos], full_sizes, greedy=True)
+    assert set(full_sizes) == {8} and len(full_sizes) == len(sizes)
+    assert torch.equal(out, reference)
+    for row, step in zip(out.tolist(), finish_steps(out, eos)):  # padded after EOS, and as the free run up to it
+        if step is not None:
+            assert set(row[step + 1:]) <= {tokenizer.pad_token_id}
+    assert torch.equal(torch.where(out == tokenizer.pad_token_id, free, out), free)
+
+
+def test_sampling_with_compaction_draws_what_the_uncompacted_loop_draws(monkeypatch):
+    # Every step draws one uniform per original row, so a row's tokens do not depend on which rows have left.
+    tokenizer = tiny_tokenizer()
+    model = lively_model(tokenizer)
+    torch.manual_seed(1)
+    sizes = []
+    out = decode(model, tokenizer, list(range(4, 60)), sizes)  # a fifth of the vocabulary ends a completion
+    assert sizes[-1] < 8 and (out == tokenizer.pad_token_id).any()
+    uncompacted(monkeypatch)
+    torch.manual_seed(1)
+    assert torch.equal(decode(model, tokenizer, list(range(4, 60))), out)
+    torch.manual_seed(2)
+    assert not torch.equal(decode(model, tokenizer, list(range(4, 60))), out)

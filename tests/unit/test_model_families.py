@@ -11,7 +11,8 @@ from grpo.algo.logprobs import token_logprobs
 from grpo.errors import ConfigError
 from grpo.policy.head import HeadTransform, head_transform
 from grpo.policy.models import check_logprobs_match_forward, completion_logprobs
-from grpo.rollout.decoding import head_logits, positions
+from grpo.rollout.compaction import DecodingRows
+from grpo.rollout.decoding import generate, head_logits, positions
 
 V = 96
 SMALL = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
@@ -72,6 +73,35 @@ def test_logprobs_and_sampling_logits_are_the_models_own(model_type):
     before = (untransformed - reference)[real].abs().max().item()  # what log-probs were without the transform
     assert (before > 0.05) == (head_transform(model.config) != HeadTransform()), before
     assert check_logprobs_match_forward(model, ids, mask, P, temperature=tau, chunk_size=4) <= 1e-4
+
+
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+def test_rows_leaving_the_decoding_batch_change_no_greedy_token(model_type, monkeypatch):
+    # Finished rows leave the batch and every cache layer (sliding-window, hybrid and MLA ones too); RecurrentGemma
+    # keeps its own state outside the cache, so its batch stays whole.
+    model = tiny_family(model_type)
+    ids = torch.randint(1, V, (8, 6), generator=torch.Generator().manual_seed(0))  # [N, P]
+    mask = torch.ones_like(ids)
+    mask[1, :2] = mask[3, :4] = 0  # left padding
+    sizes = []
+    model.base_model.register_forward_pre_hook(lambda _, args, kw: sizes.append(kw["input_ids"].shape[0]),
+                                               with_kwargs=True)
+
+    def decode(eos: int) -> torch.Tensor:
+        return generate(model, ids, mask, max_new_tokens=12, temperature=1.0, top_p=1.0, top_k=0, eos_ids=[eos],
+                        pad_id=0, greedy=True)  # [N, C]
+
+    def ends(t: int) -> list:
+        return [int((row == t).nonzero()[0]) if (row == t).any() else None for row in free]
+
+    free = decode(V)  # an EOS never drawn
+    eos = max(free.unique().tolist(), key=lambda t: len(set(ends(t))))  # rows finish one after another
+    assert len(set(ends(eos))) >= 3
+    sizes.clear()
+    compacted = decode(eos)
+    assert (min(sizes) == 8) == (model_type == "recurrent_gemma"), sizes
+    monkeypatch.setattr(DecodingRows, "compact", lambda self, cache, *tensors: tensors)
+    assert torch.equal(compacted, decode(eos))
 
 
 def test_transforms_read_from_configs():
