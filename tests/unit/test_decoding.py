@@ -3,6 +3,7 @@ decoding of left-padded prompts reproduces uncached greedy decoding, and min_p a
 transformers' (its processors, its order, its `generate`)."""
 import math
 
+import pytest
 import torch
 from tiny_setup import tiny_model, tiny_tokenizer
 
@@ -183,18 +184,20 @@ def finish_steps(out: torch.Tensor, eos: int) -> list:
     return [int((row == eos).nonzero()[0]) if (row == eos).any() else None for row in out]
 
 
-def test_finished_rows_leave_the_batch_and_greedy_decoding_is_unchanged(monkeypatch):
+@pytest.mark.parametrize("penalty", [1.0, 1.5])  # with a repetition penalty, its tokens seen leave with the rows
+def test_finished_rows_leave_the_batch_and_greedy_decoding_is_unchanged(monkeypatch, penalty):
     tokenizer = tiny_tokenizer()
     model = lively_model(tokenizer)
-    free = decode(model, tokenizer, [10**6], greedy=True)  # [8, 12]: no EOS, every row runs to the end
+    kwargs = {"greedy": True, "repetition_penalty": penalty}
+    free = decode(model, tokenizer, [10**6], **kwargs)  # [8, 12]: no EOS, every row runs to the end
     eos = max(free.unique().tolist(), key=lambda t: len(set(finish_steps(free, t))))  # rows end one after another
     assert len(set(finish_steps(free, eos))) >= 4, finish_steps(free, eos)
     sizes = []
-    out = decode(model, tokenizer, [eos], sizes, greedy=True)
+    out = decode(model, tokenizer, [eos], sizes, **kwargs)
     assert sizes[0] == 8 and sizes == sorted(sizes, reverse=True) and len(set(sizes)) >= 3, sizes  # compacted twice
     uncompacted(monkeypatch)
     full_sizes = []
-    reference = decode(model, tokenizer, [eos], full_sizes, greedy=True)
+    reference = decode(model, tokenizer, [eos], full_sizes, **kwargs)
     assert set(full_sizes) == {8} and len(full_sizes) == len(sizes)
     assert torch.equal(out, reference)
     for row, step in zip(out.tolist(), finish_steps(out, eos)):  # padded after EOS, and as the free run up to it
