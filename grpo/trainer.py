@@ -12,7 +12,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .algo.advantages import group_advantages, zero_std_fraction
-from .algo.loss import policy_loss
+from .algo.loss import STEP_SHARES, policy_loss
 from .config import Config
 from .errors import nonfinite_stop
 from .policy.distributed import setup as setup_distributed
@@ -188,7 +188,7 @@ class Trainer:
             # tokens (so that summing over ranks gives the step's means, as the losses sum to the step's).
             share = b.rollout.completion_mask.sum().item() / max(1, num_tokens)
             for k, v in m.items():
-                totals[k] = totals.get(k, 0.0) + (v if k.startswith("loss/") else v * share)
+                totals[k] = totals.get(k, 0.0) + (v if k.startswith(STEP_SHARES) else v * share)
             totals["loss"] = totals.get("loss", 0.0) + loss.item()
         return self.dist.reduce(totals)
 
