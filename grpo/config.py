@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from .algo import LOGPROB_CHUNK_SIZE
 from .config_checks import check_config, check_key
+from .policy import OPTIMIZER_ALIASES
 
 
 @dataclass
@@ -40,7 +41,8 @@ class Config:
     warmup_ratio: float = 0.0  # TRL 1.16 (transformers 5): warmup_steps, a ratio when in [0, 1)
     """Fraction of the optimizer steps spent warming the learning rate up linearly from 0."""
     optim: str = "adamw_8bit"  # TRL: "adamw_torch_fused"; 8-bit here: a quarter of the state memory
-    """Optimizer: "adamw_8bit" (bitsandbytes, 4x smaller state) or "adamw" (torch)."""
+    """Optimizer: "adamw_8bit" (bitsandbytes, 4x smaller state) or "adamw" (torch). transformers' names are taken
+    and stored as ours: "adamw_torch" and "adamw_torch_fused" are "adamw", "adamw_bnb_8bit" is "adamw_8bit"."""
     max_nonfinite_steps: int = 3
     """Stop after this many optimizer steps in a row with a NaN/inf loss or gradient norm (each is skipped)."""
 
@@ -121,6 +123,14 @@ class Config:
     top_entropy_quantile: float = 1.0
     """Train the policy term only on this top share of completion tokens by entropy (0.2 in "Beyond the
     80/20 rule"; 1.0 keeps every token). Per micro-batch (and rank) here; TRL gathers the ranks."""
+    entropy_coef: float = 0.0
+    """Entropy bonus: subtract entropy_coef x the mean entropy of the tokens the policy term acts on, the same for
+    every loss_type (> 0 keeps the policy from collapsing; 0: none). Static: TRL's adaptive control is not here.
+    With it, every completion has a gradient, advantage 0 included."""
+    off_policy_mask_threshold: float | None = None
+    """DeepSeek-V3.2's off-policy sequence mask: drop the policy loss of completions with a negative advantage
+    whose mean per-token KL(old || current) exceeds this (e.g. 0.5; None: off). Acts only when the policy has moved
+    since sampling (num_iterations > 1, or steps_per_generation > gradient_accumulation_steps)."""
     sapo_temperature_neg: float = 1.05
     """loss_type="sapo": the gate's temperature for tokens with advantage <= 0."""
     sapo_temperature_pos: float = 1.0
@@ -137,6 +147,9 @@ class Config:
     """LoRA scaling numerator (scale = lora_alpha / lora_r)."""
     lora_dropout: float = 0.05
     """Dropout on the LoRA input."""
+    disable_dropout: bool = False
+    """Set every torch.nn.Dropout of the policy to p = 0, LoRA's lora_dropout included (as TRL does): train-mode
+    forwards are then deterministic, so the loss's log-probs are the very ones its old log-probs were taken of."""
     lora_target_modules: list[str] | None = None
     """Module names to adapt (default: every linear layer except the LM head)."""
     gradient_checkpointing: bool = True
@@ -186,6 +199,8 @@ class Config:
     def __post_init__(self):
         if isinstance(self.scale_rewards, bool):  # TRL 1.16 takes a bool too, and stores its string the same way
             self.scale_rewards = "group" if self.scale_rewards else "none"
+        if isinstance(self.optim, str):  # transformers' names, resolved once: the rest of grpo sees only ours
+            self.optim = OPTIMIZER_ALIASES.get(self.optim, self.optim)
         check_config(self)
 
     def sampling_settings(self) -> dict:
@@ -199,13 +214,16 @@ class Config:
 
     def loss_settings(self) -> dict:
         """The keyword arguments of `grpo.algo.loss.policy_loss` that settings decide. An unset epsilon_high
-        is epsilon (TRL), resolved here and never stored, so --epsilon and --epsilon_high commute."""
+        is epsilon (TRL), resolved here and never stored, so --epsilon and --epsilon_high commute. A completion
+        with advantage 0 has no gradient only when beta == 0 and entropy_coef == 0."""
         return dict(loss_type=self.loss_type, epsilon_low=self.epsilon,
                     epsilon_high=self.epsilon if self.epsilon_high is None else self.epsilon_high,
                     delta=self.delta, beta=self.beta, use_bias_correction_kl=self.use_bias_correction_kl,
                     importance_sampling_level=self.importance_sampling_level,
-                    top_entropy_quantile=self.top_entropy_quantile, sapo_temperature_pos=self.sapo_temperature_pos,
-                    sapo_temperature_neg=self.sapo_temperature_neg, max_completion_length=self.max_completion_length)
+                    top_entropy_quantile=self.top_entropy_quantile, entropy_coef=self.entropy_coef,
+                    off_policy_mask_threshold=self.off_policy_mask_threshold,
+                    sapo_temperature_pos=self.sapo_temperature_pos, sapo_temperature_neg=self.sapo_temperature_neg,
+                    max_completion_length=self.max_completion_length)
 
 
 def _checked_init(init):

@@ -13,7 +13,7 @@ import typing
 
 from .algo import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, SCALES
 from .errors import ConfigError
-from .policy import OPTIMIZERS, SCHEDULES
+from .policy import OPTIMIZER_ALIASES, OPTIMIZERS, SCHEDULES
 from .run.trackers import TRACKERS, tracker_names
 from .trl_settings import RENAMED, TRL_ONLY, TRL_REASONS
 
@@ -26,7 +26,8 @@ RULES: dict[str, tuple[typing.Callable, str]] = {
     "max_grad_norm": (lambda v: v >= 0, ">= 0 (0 disables clipping)"),
     "lr_scheduler_type": (lambda v: v in SCHEDULES, f"one of {', '.join(SCHEDULES)}"),
     "warmup_ratio": (lambda v: 0 <= v <= 1, "in [0, 1]"),
-    "optim": (lambda v: v in OPTIMIZERS, f"one of {', '.join(OPTIMIZERS)}"),
+    "optim": (lambda v: v in OPTIMIZERS, f"one of {', '.join(OPTIMIZERS)} (or transformers' "
+                                         f"{', '.join(OPTIMIZER_ALIASES)})"),
     "max_nonfinite_steps": (lambda v: v >= 1, ">= 1"),
     "per_device_train_batch_size": (lambda v: v >= 1, ">= 1 (completions per micro-batch)"),
     "gradient_accumulation_steps": (lambda v: v >= 1, ">= 1"),
@@ -54,6 +55,9 @@ RULES: dict[str, tuple[typing.Callable, str]] = {
     "importance_sampling_level": (lambda v: v in IMPORTANCE_SAMPLING_LEVELS,
                                   f"one of {', '.join(IMPORTANCE_SAMPLING_LEVELS)}"),
     "top_entropy_quantile": (lambda v: 0 <= v <= 1, "in [0, 1]"),
+    "entropy_coef": (math.isfinite, "finite (0 disables the entropy bonus)"),
+    "off_policy_mask_threshold": (lambda v: 0 <= v < math.inf, ">= 0 and finite (a KL bound, e.g. 0.5: below 0 even "
+                                                               "on-policy completions would drop), or None"),
     "sapo_temperature_neg": (lambda v: v > 0, "> 0"),
     "sapo_temperature_pos": (lambda v: v > 0, "> 0"),
     "reward_weights": (lambda v: all(math.isfinite(w) for w in v), "finite numbers"),

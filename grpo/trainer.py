@@ -152,8 +152,9 @@ class Trainer:
         rewards, per_func = dist.gather(rewards), dist.gather(per_func)  # [W*N], [W*N, F]: all ranks, rank-major
         scored = ~per_func.isnan().all(dim=1)  # [W*N]: False where every reward function returned None
         advantages = group_advantages(rewards, G, scale=cfg.scale_rewards, scored=scored)  # [W*N]  algo/advantages
+        skip_zero = zero_advantage_has_no_gradient(cfg.beta, cfg.top_entropy_quantile, cfg.entropy_coef)  # algo/loss
         batches = loss_batches(rollouts, dist.local(advantages), cfg.mask_truncated_completions, self.policy.device,
-                               zero_advantage_has_no_gradient(cfg.beta, cfg.top_entropy_quantile), dist.world_size > 1)
+                               skip_zero, dist.world_size > 1)                                 # rollout/batches
         for b in (b for b in batches if not b.empty):  # log-probs fixed during the step, when the loss uses them
             if self.generation_every > 1:  # later steps are off-policy
                 b.old_logprobs = self.policy.logprobs(b.rollout)                             # policy

@@ -9,8 +9,8 @@ TRL_ONLY = frozenset("""
     cast_lm_head_to_fp32 data_seed dataloader_drop_last dataloader_in_order
     dataloader_multiprocessing_context dataloader_num_workers dataloader_persistent_workers
     dataloader_pin_memory dataloader_prefetch_factor ddp_backend ddp_broadcast_buffers ddp_bucket_cap_mb
-    ddp_find_unused_parameters ddp_static_graph ddp_timeout debug deepspeed disable_dropout disable_tqdm do_eval
-    do_predict do_train ds3_gather_for_generation enable_jit_checkpoint entropy_coef entropy_coef_delta
+    ddp_find_unused_parameters ddp_static_graph ddp_timeout debug deepspeed disable_tqdm do_eval
+    do_predict do_train ds3_gather_for_generation enable_jit_checkpoint entropy_coef_delta
     entropy_coef_max entropy_coef_min entropy_target eval_accumulation_steps eval_delay eval_do_concat_batches
     eval_strategy eval_use_gather_object fp16 fp16_full_eval fsdp_config full_determinism
     gradient_checkpointing_kwargs greater_is_better hub_always_push hub_model_id
@@ -20,7 +20,7 @@ TRL_ONLY = frozenset("""
     log_multimodal log_on_each_node log_unique_prompts logging_first_step logging_nan_inf_filter
     logging_strategy lr_scheduler_kwargs max_tool_calling_iterations metric_for_best_model
     model_init_kwargs multi_objective_aggregation neftune_noise_alpha
-    num_generations_eval off_policy_mask_threshold optim_args optim_target_modules pad_to_multiple_of
+    num_generations_eval optim_args optim_target_modules pad_to_multiple_of
     parallelism_config per_device_eval_batch_size prediction_loss_only project push_to_hub ref_model_mixup_alpha
     ref_model_sync_steps remove_unused_columns
     restore_callback_states_from_checkpoint router_aux_loss_coef run_name save_on_each_node save_only_model
@@ -39,6 +39,7 @@ TRL_ONLY = frozenset("""
 _GENERATION = "sampling runs on the policy itself (KV-cached decoding in grpo.rollout)"
 _LOGGING = "metrics.jsonl and completions.jsonl in output_dir are the logs (python -m grpo.plot draws them)"
 _LATER = "not implemented yet (TRL parity, issue 13)"
+_ADAPTIVE_ENTROPY = "adaptive entropy control is not implemented; entropy_coef is static here"
 
 # Why, or what to use instead, for the settings a TRL user is most likely to bring; others get a generic line.
 TRL_REASONS = {
@@ -62,8 +63,9 @@ TRL_REASONS = {
     "vespo_k_pos": "loss_type='vespo' is not implemented", "vespo_k_neg": "loss_type='vespo' is not implemented",
     "vespo_lambda_pos": "loss_type='vespo' is not implemented",
     "vespo_lambda_neg": "loss_type='vespo' is not implemented",
-    "entropy_coef": _LATER, "use_adaptive_entropy": _LATER, "sync_ref_model": _LATER,
-    "off_policy_mask_threshold": _LATER, "disable_dropout": _LATER, "num_generations_eval": _LATER,
+    **{k: _ADAPTIVE_ENTROPY for k in ("use_adaptive_entropy", "entropy_coef_min", "entropy_coef_max",
+                                      "entropy_coef_delta", "entropy_target")},
+    "sync_ref_model": _LATER, "num_generations_eval": _LATER,
 }
 
 # Our own settings that were renamed to TRL's: what to write now.

@@ -21,8 +21,8 @@ from . import LOGPROB_CHUNK_SIZE
 # Rows of the [V, H] weight gradient produced per matmul when the LM head is not float32:
 # bounds the low-precision temporary that is added into the float32 accumulator.
 _WEIGHT_GRAD_BLOCK = 16384
-# Vocabulary columns per block of a soft cap's backward: bounds its [c, block] temporary.
-_SOFTCAP_BLOCK = 4096
+# Vocabulary columns per block of a soft cap's or the entropy's backward: bounds their [c, block] temporaries.
+_GRAD_BLOCK = 4096
 
 
 def transform_logits_(logits: Tensor, scale: float = 1.0, softcap: float | None = None) -> Tensor:
@@ -104,15 +104,29 @@ def _forward_chunk(
     return target_logits - lse, lse, entropy
 
 
-def _softcapped_grad_(z: Tensor, lse: Tensor, targets: Tensor, tau_over_cap: float) -> Tensor:
-    """In place: (onehot(t) - softmax(z)) * (1 - tanh^2) for the tempered capped logits z[c, V] = cap * tanh / tau,
-    so tanh = z * tau / cap. Column blocks keep the tanh temporary small instead of a second [c, V] buffer."""
-    tanh_target = z.gather(1, targets[:, None]) * tau_over_cap  # [c, 1]
-    for v0 in range(0, z.shape[1], _SOFTCAP_BLOCK):
-        block = z[:, v0:v0 + _SOFTCAP_BLOCK]  # [c, v]
-        dtanh = torch.mul(block, tau_over_cap).square_().neg_().add_(1.0)  # [c, v]
-        block.sub_(lse[:, None]).exp_().neg_().mul_(dtanh)  # [c, v]: -softmax * (1 - tanh^2)
-    return z.scatter_add_(1, targets[:, None], tanh_target.square().neg_().add_(1.0))  # [c, V]
+def _blocked_grad_(z: Tensor, lse: Tensor, targets: Tensor, g_logp: Tensor, entropy_grad: tuple | None,
+                   tau_over_cap: float | None) -> Tensor:
+    """In place: dL/dz for L = sum_r g_logp[r] logp[r, t_r] + g_ent[r] H[r] over the tempered logits z[c, V], times
+    (1 - tanh^2) under a soft cap (tanh = z * tau / cap). With p = softmax(z) and log p = z - lse,
+    dH/dz = -p (log p + H), so dL/dz = g_logp onehot(t) - p (g_logp + g_ent (log p + H)). `entropy_grad` is
+    (g_ent, H), or None when the entropy is not in the loss. Column blocks keep the temporaries [c, block]."""
+    g = g_logp[:, None]  # [c, 1]
+    target = g  # [c, 1]: the one-hot term
+    if tau_over_cap is not None:
+        target = g * (z.gather(1, targets[:, None]) * tau_over_cap).square_().neg_().add_(1.0)  # [c, 1]
+    for v0 in range(0, z.shape[1], _GRAD_BLOCK):
+        block = z[:, v0:v0 + _GRAD_BLOCK]  # [c, v]
+        dtanh = None if tau_over_cap is None else torch.mul(block, tau_over_cap).square_().neg_().add_(1.0)  # [c, v]
+        block.sub_(lse[:, None])  # [c, v]: log p
+        if entropy_grad is None:
+            block.exp_().mul_(-g)  # [c, v]
+        else:
+            g_ent, entropy = entropy_grad  # [c], [c]
+            probs = block.exp()  # [c, v]
+            block.add_(entropy[:, None]).mul_(g_ent[:, None]).add_(g).mul_(probs).neg_()  # [c, v]
+        if dtanh is not None:
+            block.mul_(dtanh)  # [c, v]
+    return z.scatter_add_(1, targets[:, None], target)  # [c, V]
 
 
 def _accumulate_weight_grad(acc: Tensor, grad_logits: Tensor, h: Tensor) -> None:
@@ -150,16 +164,18 @@ class _TokenLogprobs(torch.autograd.Function):
                 if want_entropy:
                     entropy[s:e] = ent
         del work
-        ctx.save_for_backward(hidden, weight, bias, targets, lse)
+        ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy)
         ctx.scale, ctx.softcap, ctx.temperature = scale, softcap, temperature
         ctx.chunk_size = chunk_size
-        ctx.mark_non_differentiable(entropy)
+        ctx.set_materialize_grads(False)  # an output left out of the loss gets None: no entropy term to add
+        if not want_entropy:
+            ctx.mark_non_differentiable(entropy)
         return logprobs, entropy
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad_logprobs, _grad_entropy):
-        hidden, weight, bias, targets, lse = ctx.saved_tensors
+    def backward(ctx, grad_logprobs, grad_entropy):
+        hidden, weight, bias, targets, lse, entropy = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         scale, cap, tau, n = ctx.scale, ctx.softcap, ctx.temperature, hidden.shape[0]
         grad_hidden = torch.empty_like(hidden) if need_h else None  # [N, H]
@@ -167,6 +183,8 @@ class _TokenLogprobs(torch.autograd.Function):
         acc_dtype = lse.dtype
         grad_weight = weight.new_zeros(weight.shape, dtype=acc_dtype) if need_w else None  # [V, H]
         grad_bias = bias.new_zeros(bias.shape, dtype=acc_dtype) if need_b else None  # [V]
+        if grad_logprobs is None:  # only the entropy is in the loss
+            grad_logprobs = torch.zeros_like(lse)  # [N]
         work = _Workspace(min(ctx.chunk_size, n), weight)
         with torch.autocast(hidden.device.type, enabled=False):
             for s in range(0, n, ctx.chunk_size):
@@ -174,13 +192,16 @@ class _TokenLogprobs(torch.autograd.Function):
                 logits = work.chunk_logits(hidden[s:e], weight, bias, scale, cap, tau)  # [c, V]
                 # z = f(x) / tau with x = h @ W.T + b: d logp[t] / dx = (onehot(t) - softmax(z)) * f'(x) / tau,
                 # f'(x) = scale, or scale * (1 - tanh^2) under a soft cap.
-                if cap is None:
+                if cap is None and grad_entropy is None:
                     probs = logits.sub_(lse[s:e, None]).exp_()  # [c, V], softmax in place
                     grad_logits = probs.neg_()  # [c, V]
                     grad_logits.scatter_add_(1, targets[s:e, None], torch.ones_like(lse[s:e, None]))
+                    grad_logits *= (grad_logprobs[s:e] * scale / tau)[:, None]  # [c, V]
                 else:
-                    grad_logits = _softcapped_grad_(logits, lse[s:e], targets[s:e], tau / cap)  # [c, V]
-                grad_logits *= (grad_logprobs[s:e] * scale / tau)[:, None]  # [c, V]
+                    entropy_grad = None if grad_entropy is None else (grad_entropy[s:e], entropy[s:e])
+                    grad_logits = _blocked_grad_(logits, lse[s:e], targets[s:e], grad_logprobs[s:e], entropy_grad,
+                                                 None if cap is None else tau / cap)  # [c, V]
+                    grad_logits *= scale / tau  # [c, V]
                 if need_b:
                     grad_bias += grad_logits.sum(dim=0)  # [V]
                 grad_logits = work.low_precision(grad_logits, weight.dtype)  # [c, V]
@@ -249,7 +270,8 @@ def token_logprobs(
         chunk_size: token rows (of ``N = B * T``) whose logits are materialized at once;
             peak extra memory is about ``chunk_size * V * 4`` bytes (twice that with entropy,
             1.5 times for a bf16 head), plus the weight gradient when it is trained.
-        return_entropy: also return the per-token entropy of the tempered distribution.
+        return_entropy: also return the per-token entropy of the tempered distribution (differentiable: an
+            entropy bonus in the loss trains it, its gradient recomputed chunk by chunk like the log-probs').
         logit_scale, softcap: the model family's transform of the head's output, applied before the
             temperature (see ``grpo.policy.head``).
 
@@ -260,8 +282,7 @@ def token_logprobs(
     ``weight`` / ``bias`` only when they require grad.
 
     Returns:
-        float32 ``[B, T]`` log-probs, or ``(logprobs, entropy)`` with entropy float32
-        ``[B, T]`` and carrying no gradient.
+        float32 ``[B, T]`` log-probs, or ``(logprobs, entropy)`` with entropy float32 ``[B, T]``.
     """
     _check_inputs(hidden, weight, targets, bias, logit_scale, softcap, temperature, chunk_size)
     lead_shape = targets.shape

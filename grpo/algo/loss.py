@@ -1,5 +1,6 @@
 """The GRPO policy loss with TRL's `loss_type`s, importance-sampling levels, two-sided clipping, the
-(bias-corrected) k3 KL penalty and the high-entropy token mask; TRL 1.16's formulas, term by term.
+(bias-corrected) k3 KL penalty, the off-policy sequence mask, the high-entropy token mask and the entropy
+bonus; TRL 1.16's formulas, term by term.
 
 Per completion token t of sequence i (m the completion mask, A_i the advantage, H the token entropy)::
 
@@ -11,6 +12,8 @@ Per completion token t of sequence i (m the completion mask, A_i the advantage, 
             (min(w, delta) only when delta is set: INTELLECT-2's two-sided clipping bounds w for A < 0 too)
     cispo:  l = -stopgrad(min(w, epsilon_high)) * A * lp            (MiniMax-M1: epsilon_high is eps_max)
     sapo:   l = -sigmoid(tau * (w - 1)) * 4 / tau * A,  tau = sapo_temperature_pos if A > 0 else _neg
+    l     = l * [A_i >= 0  or  KL_i <= off_policy_mask_threshold]  only when the threshold is set (DeepSeek-V3.2),
+            KL_i = sum_t m (old - stopgrad(lp)) / max(1, |o_i|)   0 on-policy (old = lp): nothing is dropped
     l     = l * [H >= q-quantile of H over this call's tokens]    only when top_entropy_quantile q < 1
     kl    = exp(ref - lp) - (ref - lp) - 1   (k3, >= 0);  kl * w when use_bias_correction_kl
     l     = l + beta * kl
@@ -26,6 +29,12 @@ B = ``num_sequences`` and the micro-batch's tokens ``micro_batch_tokens`` defaul
     dapo, cispo:  sum_{i,t} m l / max(1, num_tokens)           num_tokens: the whole step's (all ranks)
     luspo:        sum_i( sum_t m l ) / B / K                   sums, not means: length-weighted
 
+The entropy bonus (``entropy_coef`` c, when not 0) is then subtracted whatever the loss type, the mean entropy
+of the tokens the policy term acts on (m' = m, times the high-entropy mask when q < 1), with gradient::
+
+    loss  = loss - c * sum_{i,t} m' H / max(1, sum m') / K     summed over a step: c times the mean over its
+                                                               micro-batches (and ranks) of their mean entropy
+
 Masked positions never reach the loss (nor ``exp``: garbage there cannot overflow into inf * 0). Rows whose
 gradient is exactly 0 may be left out of the call (`zero_advantage_has_no_gradient`) when B and the
 micro-batch's tokens are passed as counted before: the loss and its gradient stay those of all rows.
@@ -39,10 +48,13 @@ from torch import Tensor
 from . import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES
 
 CLIPPED = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")  # the loss types with PPO's clipped objective
+# Prefixes of the metrics that are this call's share of the step's value, like the loss (the step's calls sum to
+# it); every other metric is a mean over this call's completion tokens.
+STEP_SHARES = ("loss/", "off_policy/")
 
 
-def _check_inputs(logprobs, old_logprobs, ref_logprobs, advantages, completion_mask, entropies,
-                  loss_type, importance_sampling_level, max_completion_length, top_entropy_quantile) -> None:
+def _check_inputs(logprobs, old_logprobs, ref_logprobs, advantages, completion_mask, entropies, loss_type,
+                  importance_sampling_level, max_completion_length, top_entropy_quantile, entropy_coef) -> None:
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"unknown loss_type {loss_type!r}; valid: {', '.join(LOSS_TYPES)}")
     if importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
@@ -62,16 +74,19 @@ def _check_inputs(logprobs, old_logprobs, ref_logprobs, advantages, completion_m
         raise ValueError('loss_type "dr_grpo" needs max_completion_length (a positive int)')
     if top_entropy_quantile < 1.0 and entropies is None:
         raise ValueError("top_entropy_quantile < 1 needs the per-token entropies")
+    if entropy_coef != 0 and entropies is None:
+        raise ValueError("entropy_coef != 0 needs the per-token entropies (with grad, for the bonus to train)")
 
 
-def zero_advantage_has_no_gradient(beta: float, top_entropy_quantile: float) -> bool:
+def zero_advantage_has_no_gradient(beta: float, top_entropy_quantile: float, entropy_coef: float = 0.0) -> bool:
     """Whether a completion whose advantage is exactly 0 adds exactly 0 to the gradient (and to the loss), so
     that it needs no forward or backward. Every loss type's policy term is A times a finite factor: clipped
     ``-min(min(w, delta) A, clip(w) A)``, cispo ``-sg(min(w, eps)) A lp``, sapo ``-sigmoid(tau (w - 1)) 4 / tau A``,
     at token or sequence level (GSPO's w is the row's own), so A = 0 zeroes its value and gradient. Not so with a
     KL term (beta != 0), which pulls every row towards the reference, nor with the high-entropy mask
-    (top_entropy_quantile < 1): its quantile is over every row's tokens, and leaving some out moves it."""
-    return beta == 0 and top_entropy_quantile >= 1.0
+    (top_entropy_quantile < 1): its quantile is over every row's tokens, and leaving some out moves it, nor
+    with the entropy bonus (entropy_coef != 0), which every row's tokens feed."""
+    return beta == 0 and top_entropy_quantile >= 1.0 and entropy_coef == 0
 
 
 def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
@@ -90,6 +105,17 @@ def high_entropy_mask(entropies: Tensor, completion_mask: Tensor, quantile: floa
         return torch.zeros_like(on)
     threshold = torch.quantile(values, 1.0 - quantile)
     return (entropies >= threshold) & on  # [B, T]
+
+
+def off_policy_mask(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, completion_mask: Tensor,
+                    threshold: float) -> Tensor:
+    """``[B]`` bool, True for the sequences whose policy terms stay: DeepSeek-V3.2's off-policy sequence mask
+    drops a sequence with a negative advantage whose mean per-token KL(old || current) estimate, old - lp over
+    its completion tokens (lp without grad), exceeds ``threshold``: pushing down a sample the policy has already
+    drifted away from destabilizes training. Positive advantages always stay."""
+    on = completion_mask.bool()  # [B, T]
+    kl = torch.where(on, old_logprobs - logprobs.detach(), 0.0).sum(dim=1) / on.sum(dim=1).clamp(min=1)  # [B]
+    return (advantages >= 0) | (kl <= threshold)  # [B]
 
 
 def aggregate(per_token: Tensor, completion_mask: Tensor, loss_type: str = "dapo",
@@ -131,6 +157,8 @@ def policy_loss(
     importance_sampling_level: str = "token",
     entropies: Tensor | None = None,
     top_entropy_quantile: float = 1.0,
+    entropy_coef: float = 0.0,
+    off_policy_mask_threshold: float | None = None,
     sapo_temperature_pos: float = 1.0,
     sapo_temperature_neg: float = 1.05,
     max_completion_length: int | None = None,
@@ -156,9 +184,12 @@ def policy_loss(
         beta: KL coefficient.
         use_bias_correction_kl: multiply the k3 KL by w (DeepSeek-V3.2's unbiased KL gradient).
         importance_sampling_level: ``"token"`` or ``"sequence"`` (GSPO).
-        entropies: ``[B, T]`` per-token entropies (no grad): the ``entropy`` metric, and
-            the high-entropy mask when ``top_entropy_quantile < 1``.
+        entropies: ``[B, T]`` per-token entropies: the ``entropy`` metric, the high-entropy mask when
+            ``top_entropy_quantile < 1``, and the bonus when ``entropy_coef != 0`` (trained through their grad).
         top_entropy_quantile: keep only the policy term of the top this share of tokens by entropy.
+        entropy_coef: weight of the entropy bonus (module docstring; 0: none).
+        off_policy_mask_threshold: drop the policy terms of negative-advantage sequences whose KL(old ||
+            current) exceeds it (``off_policy_mask``), or None.
         sapo_temperature_pos, sapo_temperature_neg: SAPO's gate temperatures.
         max_completion_length: the L of ``"dr_grpo"`` (required there).
         num_tokens: for ``"dapo"`` / ``"cispo"``, the step's token count (default: this call's).
@@ -172,11 +203,13 @@ def policy_loss(
         (w), ``clip_ratio/low_mean`` (A < 0 and w < 1 - epsilon_low), ``clip_ratio/high_mean``
         (A > 0 and w > 1 + epsilon_high), ``clip_ratio/region_mean`` (either) for the clipped
         loss types, ``cispo_clip_ratio`` (A > 0 and w > epsilon_high) for cispo, ``kl`` when the
-        KL term is used, ``entropy`` when entropies are given. Masked means over this call's
-        completion tokens.
+        KL term is used, ``entropy`` when entropies are given: masked means over this call's completion
+        tokens. Shares of the step like the loss (``STEP_SHARES``): ``loss/entropy`` (the bonus term,
+        -c * mean H / K) when ``entropy_coef != 0``, ``off_policy/masked_ratio`` (the sequences dropped,
+        over B, / K) when ``off_policy_mask_threshold`` is set.
     """
-    _check_inputs(logprobs, old_logprobs, ref_logprobs, advantages, completion_mask, entropies,
-                  loss_type, importance_sampling_level, max_completion_length, top_entropy_quantile)
+    _check_inputs(logprobs, old_logprobs, ref_logprobs, advantages, completion_mask, entropies, loss_type,
+                  importance_sampling_level, max_completion_length, top_entropy_quantile, entropy_coef)
     on = completion_mask.bool()  # [B, T]
     if old_logprobs is None:
         old_logprobs = logprobs.detach()
@@ -197,8 +230,13 @@ def policy_loss(
     else:  # sapo
         tau = torch.full_like(adv, sapo_temperature_neg).masked_fill(adv > 0, sapo_temperature_pos)  # [B, 1]
         policy = -torch.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau * adv  # [B, T]
+    if off_policy_mask_threshold is not None:
+        kept = off_policy_mask(logprobs, old_logprobs, advantages, on, off_policy_mask_threshold)  # [B]
+        policy = policy * kept[:, None].to(policy.dtype)  # [B, T]
+    acts_on = on  # [B, T]: the tokens the policy term (and the entropy bonus) acts on
     if top_entropy_quantile < 1.0:
-        policy = policy * high_entropy_mask(entropies, on, top_entropy_quantile).to(policy.dtype)  # [B, T]
+        acts_on = high_entropy_mask(entropies, on, top_entropy_quantile)  # [B, T]
+        policy = policy * acts_on.to(policy.dtype)  # [B, T]
     agg = {"loss_type": loss_type, "max_completion_length": max_completion_length, "num_tokens": num_tokens,
            "num_micro_batches": num_micro_batches, "num_sequences": num_sequences,
            "micro_batch_tokens": micro_batch_tokens}
@@ -211,6 +249,9 @@ def policy_loss(
             kl = kl * ratio  # [B, T]
         per_token = policy + beta * kl  # [B, T]
     loss = aggregate(per_token, completion_mask, **agg)
+    if entropy_coef != 0:
+        bonus = entropy_coef * masked_mean(entropies.to(logprobs.dtype), acts_on) / num_micro_batches
+        loss = loss - bonus
 
     with torch.no_grad():
         metrics = {"loss/policy": aggregate(policy, completion_mask, **agg).item(),
@@ -228,6 +269,11 @@ def policy_loss(
             metrics["kl"] = masked_mean(kl, on).item()
         if entropies is not None:
             metrics["entropy"] = masked_mean(entropies.to(ratio.dtype), on).item()
+        if entropy_coef != 0:
+            metrics["loss/entropy"] = -bonus.item()
+        if off_policy_mask_threshold is not None:
+            rows = num_sequences if num_sequences is not None else kept.numel()  # counted before any cut
+            metrics["off_policy/masked_ratio"] = (~kept).sum().item() / max(1, rows) / num_micro_batches
     return loss, metrics
 
 
@@ -243,4 +289,4 @@ def add_metrics(totals: dict[str, float], metrics: dict[str, float], share: floa
     means over the call's completion tokens, weighted by `share`, its part of the step's tokens, so that the
     sums over micro-batches and ranks are the step's means."""
     for k, v in metrics.items():
-        totals[k] = totals.get(k, 0.0) + (v if k.startswith("loss/") else v * share)
+        totals[k] = totals.get(k, 0.0) + (v if k.startswith(STEP_SHARES) else v * share)

@@ -167,7 +167,7 @@ def _layer_activations(a: Architecture, s, d: _Dtypes) -> float:
     norms = 2 * 4 * H
     shapes = {n: sh for n, sh in a.linear_shapes().items() if targets is None or n in targets}
     lora = c * s.lora_r * len(shapes)  # A's output, kept by B
-    if s.lora_dropout > 0:
+    if s.lora_dropout > 0 and not s.disable_dropout:  # p = 0 dropout returns its input: nothing kept
         lora += sum((c + d.dropout_mask) * i for i, _ in shapes.values())  # each adapter's dropout output and mask
     else:  # A keeps its input, shared by the adapters reading the same tensor
         lora += c * sum(dict((sh[0] if n not in ("o_proj", "down_proj") else n, sh[0])

@@ -23,7 +23,7 @@ def memory_savings(c: Config) -> list[tuple[dict, str]]:
         changes.append(({"optim": "adamw_8bit"}, "optimizer state 4x smaller"))
     if not c.use_lora and not c.bf16_weights and not c.fsdp:
         changes.append(({"bf16_weights": True}, "bf16 weights and gradients, updated with stochastic rounding"))
-    if c.use_lora and c.lora_dropout > 0:
+    if c.use_lora and c.lora_dropout > 0 and not c.disable_dropout:
         changes.append(({"lora_dropout": 0.0}, "each adapter's dropout keeps a copy of its input for backward"))
     if not c.gradient_checkpointing:
         changes.append(({"gradient_checkpointing": True}, "recompute activations in backward"))

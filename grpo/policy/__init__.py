@@ -4,6 +4,8 @@ log-probs), data parallelism across ranks, and the optimizer.
 The choice lists live here, free of torch, so that checking a Config (grpo.config_checks) stays fast."""
 
 OPTIMIZERS = ("adamw_8bit", "adamw")  # optim.build_optimizer
+# transformers' names (TRL configs use them) for the same optimizers; Config stores ours in their place.
+OPTIMIZER_ALIASES = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw", "adamw_bnb_8bit": "adamw_8bit"}
 SCHEDULES = ("cosine", "linear", "constant")  # optim.build_scheduler
 
 

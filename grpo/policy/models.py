@@ -92,8 +92,8 @@ def keep_4bit_layout(model) -> None:
 
 
 def prepare_for_training(model, config, world_size: int = 1):
-    """bf16 weights when asked for, gradient checkpointing, then LoRA adapters when asked for. Returns the
-    model to train."""
+    """bf16 weights when asked for, gradient checkpointing, LoRA adapters when asked for, then no dropout when
+    asked for (after LoRA: its lora_dropout too). Returns the model to train."""
     keep_4bit_layout(model)  # a 4-bit model passed in, too
     if config.bf16_weights:  # a model built or passed in float32, as load_model would have loaded it
         model = model.to(torch.bfloat16)
@@ -117,8 +117,19 @@ def prepare_for_training(model, config, world_size: int = 1):
         with warnings.catch_warnings():  # peft 0.21 reads transformers 5's deprecated alias: not the user's to fix
             warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
             model = get_peft_model(model, lora)
+    if config.disable_dropout:
+        disable_dropout(model)
     model.train()
     return model
+
+
+def disable_dropout(model) -> None:
+    """p = 0 in every torch.nn.Dropout of `model`, as TRL's disable_dropout does: train-mode forwards become
+    deterministic. A dropout rate an attention kernel takes as a number (Qwen2's attention_dropout, 0 in released
+    checkpoints) is no module, and is left as it is, as in TRL."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
 
 
 def sparse_tied_embedding_gradient(model) -> None:

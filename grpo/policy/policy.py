@@ -53,7 +53,7 @@ class Policy:
 
     def logprobs(self, rollout: Rollout, with_entropy: bool = False):
         """Per-token log-probs [N, C] of the rollout's completions under the policy (with grad when enabled);
-        with `with_entropy`, `(logprobs, entropies)`, the entropies [N, C] without grad."""
+        with `with_entropy`, `(logprobs, entropies)`, the entropies [N, C] with grad too (an entropy bonus trains)."""
         with self.precision.autocast():
             return self.parallel(lambda model: self._logprobs(model, rollout, with_entropy))
 

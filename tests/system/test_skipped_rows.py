@@ -99,3 +99,22 @@ def test_a_step_where_every_advantage_is_zero_runs_no_forward(tmp_path, tokenize
     (line,) = trainer.train()
     assert line["skipped/zero_gradient"] == 1.0 and line["loss"] == 0.0 and line["grad_norm"] == 0.0
     assert all(torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))  # AdamW's first step on 0
+
+
+def test_the_entropy_bonus_trains_zero_advantage_rows(tmp_path, tokenizer):
+    # entropy_coef != 0: every row's tokens feed the bonus, so none is skipped even when every advantage is 0,
+    # and the weights move on the bonus alone; with the off-policy mask on, its metric is logged too.
+    trainer = make_trainer(tmp_path, tokenizer, "bonus", reward=lambda completions, **_: [1.0] * len(completions),
+                           max_steps=1, entropy_coef=0.01, off_policy_mask_threshold=0.1)
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    (line,) = trainer.train()
+    assert line["skipped/zero_gradient"] == 0.0 and line["grad_norm"] > 0 and line["loss/entropy"] < 0
+    assert line["off_policy/masked_ratio"] == 0.0  # on-policy: nothing to mask
+    assert any(not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
+
+
+def test_a_step_with_no_row_trained_logs_the_off_policy_metric_as_zero(tmp_path, tokenizer):
+    trainer = make_trainer(tmp_path, tokenizer, "flat_opsm", reward=lambda completions, **_: [1.0] * len(completions),
+                           max_steps=1, off_policy_mask_threshold=0.1)
+    (line,) = trainer.train()
+    assert line["skipped/zero_gradient"] == 1.0 and line["off_policy/masked_ratio"] == 0.0

@@ -128,6 +128,27 @@ def test_num_iterations_reuses_one_generation_batch(tmp_path, tokenizer):
     assert history[1]["ratio/mean"] != pytest.approx(1.0, abs=1e-9), "second pass sees an updated policy"
 
 
+def test_entropy_bonus_off_policy_mask_and_no_dropout(tmp_path, tokenizer):
+    config = make_config(tmp_path, max_steps=2, num_iterations=2, beta=0.0, entropy_coef=0.01,
+                         off_policy_mask_threshold=0.1, disable_dropout=True, use_lora=True, lora_r=4, lora_alpha=8,
+                         lora_dropout=0.1, optim="adamw_torch_fused")
+    trainer = Trainer(config, model=tiny_model(tokenizer), tokenizer=tokenizer, reward_funcs=[digit_share],
+                      train_dataset=digit_prompts())
+    lora_dropouts = [m for n, m in trainer.model.named_modules() if "lora_dropout" in n and isinstance(m, torch.nn.Dropout)]
+    assert lora_dropouts and all(m.p == 0 for m in trainer.model.modules() if isinstance(m, torch.nn.Dropout))
+    assert trainer.config.optim == "adamw" and isinstance(trainer.optimizer, torch.optim.AdamW)
+    first, second = trainer.train()
+    for line in (first, second):
+        assert all(math.isfinite(v) for v in line.values() if isinstance(v, float))
+        # beta 0: the loss is the policy term plus the bonus, -0.01 x the micro-batches' mean entropy
+        assert line["loss"] == pytest.approx(line["loss/policy"] + line["loss/entropy"], abs=1e-6)
+        assert -line["loss/entropy"] / 0.01 == pytest.approx(line["entropy"], rel=0.25)
+        assert 0 <= line["off_policy/masked_ratio"] <= 1
+    # The first pass is on-policy (no dropout: the old log-probs are the loss's own): nothing to drop
+    assert first["ratio/mean"] == pytest.approx(1.0, abs=1e-6) and first["off_policy/masked_ratio"] == 0.0
+    assert second["ratio/mean"] != pytest.approx(1.0, abs=1e-9), "the second pass sees an updated policy"
+
+
 def test_trl_loss_settings_and_unscored_completions(tmp_path, tokenizer):
     # A TRL GRPOConfig's settings, verbatim; a reward that gives up (None) on every completion of odd length,
     # with no other reward function: those completions must get advantage 0.

@@ -18,7 +18,7 @@ TRL_SETTINGS = dict(  # noqa: C408 -- keywords, as GRPOConfig(...) is written
     optim="adamw_8bit", per_device_train_batch_size=8, gradient_accumulation_steps=2, num_generations=4,
     max_completion_length=8, temperature=0.9, loss_type="dr_grpo", scale_rewards=False, beta=0.04,
     epsilon_high=0.28, mask_truncated_completions=True, max_steps=2, logging_steps=1, seed=42, bf16=False,
-    gradient_checkpointing=True, report_to="none", use_vllm=False, remove_unused_columns=False,
+    gradient_checkpointing=True, disable_dropout=True, report_to="none", use_vllm=False, remove_unused_columns=False,
     logging_strategy="steps",
 )
 # TRL settings this trainer lacks (grpo/trl_settings.py): Config refuses them, so a port drops them.

@@ -95,12 +95,25 @@ def test_trl_defaults():
     assert config.use_bias_correction_kl is True
     assert (config.epsilon, config.epsilon_high, config.delta, config.top_entropy_quantile) == (0.2, None, None, 1.0)
     assert (config.mask_truncated_completions, config.scale_rewards, config.num_iterations) == (False, "group", 1)
+    assert (config.entropy_coef, config.off_policy_mask_threshold, config.disable_dropout) == (0.0, None, False)
+
+
+def test_entropy_coef_and_off_policy_mask_reach_the_loss():
+    settings = Config(entropy_coef=0.01, off_policy_mask_threshold=0.5).loss_settings()
+    assert (settings["entropy_coef"], settings["off_policy_mask_threshold"]) == (0.01, 0.5)
+    assert Config(entropy_coef=-1).entropy_coef == -1.0  # an entropy penalty is allowed, as in TRL
+    with pytest.raises(ConfigError, match="entropy_coef must be finite"):
+        Config(entropy_coef=float("inf"))
+    with pytest.raises(ConfigError, match="off_policy_mask_threshold must be >= 0 and finite"):
+        Config(off_policy_mask_threshold=-0.1)
 
 
 @pytest.mark.parametrize("key, message", [
     ("use_vllm", "TRL's `use_vllm` is not supported here: sampling runs on the policy itself"),
     ("vllm_gpu_memory_utilization", "TRL's `vllm_gpu_memory_utilization` is not supported here: sampling runs"),
-    ("entropy_coef", "TRL's `entropy_coef` is not supported here: not implemented yet"),
+    ("use_adaptive_entropy", "TRL's `use_adaptive_entropy` is not supported here: adaptive entropy control is "
+                             "not implemented; entropy_coef is static here"),
+    ("entropy_target", "TRL's `entropy_target` is not supported here: adaptive entropy control is not"),
     ("warmup_steps", "TRL's `warmup_steps` is not supported here: set warmup_ratio"),
     ("dataloader_num_workers", "TRL's `dataloader_num_workers` is not supported here: this trainer does not"),
     ("loss_aggregation", "'loss_aggregation' is gone: use TRL's loss_type: 'token' is 'dapo'"),

@@ -116,7 +116,7 @@ TRANSFORMS = [
 @pytest.mark.parametrize("scale, cap, tau, with_bias", TRANSFORMS)
 @pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-10), (torch.float32, 1e-5)])
 def test_head_transforms_match_reference_chunked_and_not(scale, cap, tau, with_bias, dtype, tol, monkeypatch):
-    monkeypatch.setattr(logprobs_module, "_SOFTCAP_BLOCK", 8)  # a soft cap's backward in 5 column blocks
+    monkeypatch.setattr(logprobs_module, "_GRAD_BLOCK", 8)  # a soft cap's backward in 5 column blocks
     B, T, V, H = 2, 7, 37, 16
     hidden, weight, bias, targets = make_inputs(B, T, V, H, dtype, seed=23, bias=with_bias)
     with torch.no_grad():
@@ -180,7 +180,55 @@ def test_entropy_matches_reference(dtype, tol, chunk, tau, with_bias):
     assert rel_err(ent, expected_ent) < tol
     assert rel_err(logp, expected_logp) < tol
     assert torch.equal(logp, plain)
-    assert not ent.requires_grad and logp.requires_grad
+    assert ent.requires_grad and logp.requires_grad
+
+
+def test_entropy_gradient_hand_computed():
+    # logits z = [h, 0] with h = ln 3: p = [3/4, 1/4], H = 0.5623351 (test_hand_computed)
+    # dH/dz_j = -p_j (log p_j + H): dH/dz_0 = -0.75 (-0.2876821 + 0.5623351) = -0.2059898, dH/dz_1 = +0.2059898
+    # W = [[1], [0]]: dH/dh = dH/dz_0 = -0.2059898, dH/dW = [dH/dz_0 * h, dH/dz_1 * h] = [-0.2263029, 0.2263029]
+    hidden = torch.full((1, 1, 1), math.log(3.0), dtype=torch.float64, requires_grad=True)
+    weight = torch.tensor([[1.0], [0.0]], dtype=torch.float64, requires_grad=True)
+    _, ent = token_logprobs(hidden, weight, torch.tensor([[0]]), return_entropy=True)
+    ent.sum().backward()  # the log-probs are left out of the loss: only the entropy's gradient
+    assert hidden.grad.item() == pytest.approx(-0.2059898, abs=1e-7)
+    assert weight.grad.flatten().tolist() == pytest.approx([-0.2263029, 0.2263029], abs=1e-7)
+
+
+@pytest.mark.parametrize("scale, cap, tau, with_bias", [(1.0, None, 1.0, False), (1.0, None, 0.7, True),
+                                                        *TRANSFORMS[1:]])
+@pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-10), (torch.float32, 1e-5)])
+def test_entropy_bonus_gradient_matches_reference(scale, cap, tau, with_bias, dtype, tol, monkeypatch):
+    # L = sum(a * logp + b * H), an entropy bonus's shape: both gradients, chunked rows and column blocks
+    monkeypatch.setattr(logprobs_module, "_GRAD_BLOCK", 8)  # 5 column blocks of V = 37
+    B, T, V, H = 2, 7, 37, 16
+    hidden, weight, bias, targets = make_inputs(B, T, V, H, dtype, seed=29, bias=with_bias)
+    gen = torch.Generator().manual_seed(3)
+    a, b = torch.randn(B, T, dtype=torch.float64, generator=gen), torch.randn(B, T, dtype=torch.float64, generator=gen)
+    tensors = (hidden, weight, bias)
+    expected = lambda: reference(hidden, weight, targets, tau, bias, scale, cap)  # noqa: E731 -- a fresh graph each
+    want = grads(sum((c * x).sum() for c, x in zip((a, b), expected())), None, tensors)
+    want_ent_only = grads(expected()[1], b, tensors)
+    assert rel_err(want[0], grads(expected()[0], a, tensors)[0]) > 0.01, "the entropy term must matter here"
+    logp, ent = token_logprobs(hidden, weight, targets, temperature=tau, bias=bias, chunk_size=3, logit_scale=scale,
+                               softcap=cap, return_entropy=True)
+    got = grads((a.to(dtype) * logp + b.to(dtype) * ent).sum(), None, tensors)
+    for g, w in zip(got, want):
+        assert rel_err(g, w) < tol
+    _, ent = token_logprobs(hidden, weight, targets, temperature=tau, bias=bias, chunk_size=3, logit_scale=scale,
+                            softcap=cap, return_entropy=True)
+    for g, w in zip(grads(ent, b.to(dtype), tensors), want_ent_only):
+        assert rel_err(g, w) < tol
+
+
+def test_gradcheck_float64_entropy_with_softcap():
+    hidden, weight, bias, targets = make_inputs(2, 3, 5, 3, torch.float64, seed=31, bias=True)
+
+    def f(h, w, b):
+        return token_logprobs(h, w, targets, temperature=0.7, bias=b, chunk_size=4, logit_scale=2.5, softcap=1.2,
+                              return_entropy=True)
+
+    assert torch.autograd.gradcheck(f, ((hidden * 2).detach().requires_grad_(), weight, bias))
 
 
 def test_frozen_weight_gets_no_grad_and_hidden_grad_is_right():

@@ -17,7 +17,8 @@ def reference_quantile(values, q):
 
 def reference_loss(logp, old, ref, adv, mask, *, loss_type="dapo", eps_low=0.2, eps_high=0.2, delta=None,
                    beta=0.0, bias_kl=True, level="token", entropies=None, quantile=1.0, tau_pos=1.0,
-                   tau_neg=1.05, max_len=None, num_tokens=None, num_micro_batches=1, policy_only=False):
+                   tau_neg=1.05, max_len=None, num_tokens=None, num_micro_batches=1, policy_only=False,
+                   entropy_coef=0.0, off_policy=None):
     """The module docstring's formulas as plain float64 loops over python floats."""
     B, T = logp.shape
     on = [[bool(mask[i, t]) for t in range(T)] for i in range(B)]
@@ -31,6 +32,7 @@ def reference_loss(logp, old, ref, adv, mask, *, loss_type="dapo", eps_low=0.2, 
         a = float(adv[i])
         toks = [t for t in range(T) if on[i][t]]
         seq_log_w = sum(float(logp[i, t]) - float(old[i, t]) for t in toks) / max(1, len(toks))
+        dropped = off_policy is not None and a < 0 and -seq_log_w > off_policy  # KL(old || current) = -mean log w
         total = 0.0
         for t in toks:
             lp = float(logp[i, t])
@@ -43,7 +45,7 @@ def reference_loss(logp, old, ref, adv, mask, *, loss_type="dapo", eps_low=0.2, 
             else:
                 clipped = min(max(w, 1 - eps_low), 1 + eps_high)
                 value = -min((w if delta is None else min(w, delta)) * a, clipped * a)
-            if keep is not None and not keep[i][t]:
+            if (keep is not None and not keep[i][t]) or dropped:
                 value = 0.0
             if beta and ref is not None and not policy_only:
                 d = float(ref[i, t]) - lp
@@ -53,14 +55,19 @@ def reference_loss(logp, old, ref, adv, mask, *, loss_type="dapo", eps_low=0.2, 
         counts.append(len(toks))
     K = num_micro_batches
     if loss_type in ("grpo", "sapo"):
-        return sum(s / max(1, c) for s, c in zip(sums, counts)) / B / K
-    if loss_type == "bnpo":
-        return sum(sums) / max(1, sum(counts)) / K
-    if loss_type == "dr_grpo":
-        return sum(sums) / (B * max_len) / K
-    if loss_type in ("dapo", "cispo"):
-        return sum(sums) / max(1, sum(counts) if num_tokens is None else num_tokens)
-    return sum(sums) / B / K  # luspo
+        loss = sum(s / max(1, c) for s, c in zip(sums, counts)) / B / K
+    elif loss_type == "bnpo":
+        loss = sum(sums) / max(1, sum(counts)) / K
+    elif loss_type == "dr_grpo":
+        loss = sum(sums) / (B * max_len) / K
+    elif loss_type in ("dapo", "cispo"):
+        loss = sum(sums) / max(1, sum(counts) if num_tokens is None else num_tokens)
+    else:  # luspo
+        loss = sum(sums) / B / K
+    if entropy_coef and not policy_only:  # the mean entropy of the tokens the policy term acts on, / K
+        acts = [float(entropies[i, t]) for i in range(B) for t in range(T) if (keep or on)[i][t]]
+        loss -= entropy_coef * sum(acts) / max(1, len(acts)) / K
+    return loss
 
 
 def random_inputs(B, T, dtype, seed, empty_row=False):
@@ -188,10 +195,14 @@ CASES = [  # (loss_type, extra settings) covering every option at least once
     ("grpo", dict(level="sequence")), ("dapo", dict(level="sequence", bias_kl=False)),
     ("dapo", dict(delta=1.3)), ("grpo", dict(bias_kl=False)), ("dapo", dict(quantile=0.3)),
     ("dr_grpo", dict(num_micro_batches=3)), ("dapo", dict(num_tokens=57.0)),
+    ("dapo", dict(entropy_coef=0.05)), ("grpo", dict(entropy_coef=-0.02, quantile=0.3, num_micro_batches=3)),
+    # these inputs' sequences have mean KL(old || current) near 0: thresholds <= 0 drop some at each size
+    ("bnpo", dict(off_policy=-0.02)), ("cispo", dict(eps_high=1.3, off_policy=0.0, entropy_coef=0.1)),
+    ("sapo", dict(level="sequence", off_policy=-0.05, entropy_coef=0.01)),
 ]
 RENAMED = {"eps_high": "epsilon_high", "level": "importance_sampling_level", "bias_kl": "use_bias_correction_kl",
            "quantile": "top_entropy_quantile", "tau_pos": "sapo_temperature_pos",
-           "tau_neg": "sapo_temperature_neg"}
+           "tau_neg": "sapo_temperature_neg", "off_policy": "off_policy_mask_threshold"}
 
 
 @pytest.mark.parametrize("loss_type, extra", CASES)

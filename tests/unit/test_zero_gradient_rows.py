@@ -65,6 +65,7 @@ def test_the_kl_term_and_the_entropy_mask_make_zero_advantage_rows_count(loss_ty
     _, grad, _ = loss_and_grad(logp, old, ref, adv, mask, entropies, loss_type=loss_type, beta=0.04)
     assert (grad[[1, 3, 4]].abs() > 0).any()
     assert not zero_advantage_has_no_gradient(beta=0.0, top_entropy_quantile=0.5)
+    assert not zero_advantage_has_no_gradient(beta=0.0, top_entropy_quantile=1.0, entropy_coef=0.01)
     settings = {"loss_type": loss_type, "beta": 0.0, "top_entropy_quantile": 0.5}
     _, grad, _ = loss_and_grad(logp, old, ref, adv, mask, entropies, **settings)
     cut = [t[kept] for t in (logp, old, ref, adv, mask, entropies)]
