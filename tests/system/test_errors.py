@@ -58,7 +58,7 @@ def assert_short_error(code, err, expected_code, *fragments):
     (GOOD_BODY, "", ["--num_generations=1"], ["--num_generations=1: num_generations must be >= 2"]),
     (GOOD_BODY, "", ["--max_completion_length=0"], ["max_completion_length must be >= 1, got 0"]),
     (GOOD_BODY, "", ["--per_device_train_batch_size=0"], ["per_device_train_batch_size must be >= 1"]),
-    (GOOD_BODY, "", ["--optim=adam"], ["optim must be one of adamw_8bit, adamw, got 'adam'"]),
+    (GOOD_BODY, "", ["--optim=adam"], ["optim must be one of adamw_8bit, adamw (or transformers' adamw_torch", "got 'adam'"]),
     (GOOD_BODY, "", ["--load_in_4bit=true", "--use_lora=false"], ["load_in_4bit=True needs use_lora=True"]),
 ], ids=["no-dataset", "dataset-type", "reward-type", "config-in-recipe", "config-type", "unknown-key",
         "override-type", "one-generation", "no-completion", "no-batch", "unknown-optim", "4bit-without-lora"])
