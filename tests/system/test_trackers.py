@@ -5,6 +5,7 @@ import json
 import os
 import struct
 import tempfile
+import time
 
 import pytest
 from tiny_setup import digit_prompts, digit_share, tiny_model, tiny_tokenizer
@@ -151,10 +152,19 @@ def wandb_history(run_dir) -> dict[str, list[tuple[int, float]]]:
     """The metrics an offline W&B run holds (what `wandb sync` would upload), from its run-ID.wandb file."""
     from wandb.proto import wandb_internal_pb2
     (path,) = run_dir.glob("run-*.wandb")
+    # run.finish() can return before W&B's service process has written the last records: wait for its exit record.
+    deadline = time.monotonic() + 60
+    while True:
+        records = []
+        for data in wandb_records(path):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(data)
+            records.append(record)
+        if any(r.WhichOneof("record_type") == "exit" for r in records) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
     points: dict[str, list] = {}
-    for data in wandb_records(path):
-        record = wandb_internal_pb2.Record()
-        record.ParseFromString(data)
+    for record in records:
         if record.WhichOneof("record_type") == "history":
             items = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
             for key, value in items.items():
