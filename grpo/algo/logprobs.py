@@ -23,6 +23,8 @@ from . import LOGPROB_CHUNK_SIZE
 _WEIGHT_GRAD_BLOCK = 16384
 # Vocabulary columns per block of a soft cap's or the entropy's backward: bounds their [c, block] temporaries.
 _GRAD_BLOCK = 4096
+# Elements per row block of the entropy's forward (16 MB in float32): bounds its exponentials' temporary.
+_ENTROPY_BLOCK = 1 << 22
 
 
 def transform_logits_(logits: Tensor, scale: float = 1.0, softcap: float | None = None) -> Tensor:
@@ -48,12 +50,11 @@ class _Workspace:
     multi-hundred-MB allocation is a new mmap whose page faults cost more than the matmul.
     """
 
-    def __init__(self, rows: int, weight: Tensor, with_entropy: bool = False):
+    def __init__(self, rows: int, weight: Tensor):
         vocab, dtype = weight.shape[0], _softmax_dtype(weight.dtype)
         self.logits = weight.new_empty(rows, vocab, dtype=dtype)  # [c, V]
         # Low-precision matmul output, upcast into self.logits (none when already float32).
         self.raw = weight.new_empty(rows, vocab) if weight.dtype != dtype else None  # [c, V]
-        self.exps = weight.new_empty(rows, vocab, dtype=dtype) if with_entropy else None  # [c, V]
 
     def chunk_logits(self, h: Tensor, weight: Tensor, bias: Tensor | None, scale: float, softcap: float | None,
                      temperature: float) -> Tensor:
@@ -81,25 +82,31 @@ class _Workspace:
 
 
 def _forward_chunk(
-    logits: Tensor, targets: Tensor, exps: Tensor | None
+    logits: Tensor, targets: Tensor, want_entropy: bool, leave_probs: bool = False
 ) -> tuple[Tensor, Tensor, Tensor | None]:
-    """Return (logprob of target, logsumexp, entropy or None) of a chunk; destroys ``logits``.
-
-    Entropy is computed only when an ``exps`` buffer of the same shape is given.
-    """
+    """Return (logprob of target, logsumexp, entropy or None) of a chunk; destroys ``logits``, or with
+    ``leave_probs`` leaves the softmax probabilities in it."""
     target_logits = logits.gather(1, targets[:, None]).squeeze(1)  # [c]
     row_max = logits.amax(dim=1, keepdim=True)  # [c, 1]
     logits -= row_max  # [c, V], shifted so exp cannot overflow
-    if exps is not None:
-        # Needs the shifted logits and their exps together, hence the second buffer.
-        torch.exp(logits, out=exps)  # [c, V]
-        sum_exp = exps.sum(dim=1)  # [c]
-        # H = log Z - sum(e * z) / Z with z the shifted logits and Z = sum(e).
-        weighted = exps.mul_(logits).sum(dim=1)  # [c]
+    if want_entropy:
+        # H = log Z - sum(e * z) / Z with z the shifted logits, e = exp(z) and Z = sum(e). It needs z and e
+        # together: by blocks of rows, so e is a small temporary instead of a second [c, V] buffer.
+        sum_exp, weighted = logits.new_empty(logits.shape[0]), logits.new_empty(logits.shape[0])  # [c], [c]
+        rows = max(1, _ENTROPY_BLOCK // logits.shape[1])
+        for r in range(0, logits.shape[0], rows):
+            z = logits[r:r + rows]  # [r, V]
+            e = z.exp()  # [r, V]
+            sum_exp[r:r + rows] = e.sum(dim=1)
+            weighted[r:r + rows] = e.mul_(z).sum(dim=1)
         entropy = sum_exp.log() - weighted / sum_exp  # [c]
+        if leave_probs:
+            logits.sub_(sum_exp.log()[:, None]).exp_()  # [c, V]
     else:
         sum_exp = logits.exp_().sum(dim=1)  # [c]
         entropy = None
+        if leave_probs:
+            logits /= sum_exp[:, None]  # [c, V]
     lse = row_max.squeeze(1) + sum_exp.log()  # [c]
     return target_logits - lse, lse, entropy
 
@@ -142,7 +149,8 @@ def _accumulate_weight_grad(acc: Tensor, grad_logits: Tensor, h: Tensor) -> None
 
 
 class _TokenLogprobs(torch.autograd.Function):
-    """Chunked log-softmax-gather whose backward recomputes logits chunk by chunk."""
+    """Chunked log-softmax-gather whose backward recomputes logits chunk by chunk; or, when only the hidden
+    states need a gradient (a frozen head: LoRA), whose forward keeps d logp / d hidden, so backward only scales it."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, scale, softcap, temperature, chunk_size, want_entropy):
@@ -150,21 +158,30 @@ class _TokenLogprobs(torch.autograd.Function):
         logprobs = hidden.new_empty(n, dtype=dtype)  # [N]
         lse = hidden.new_empty(n, dtype=dtype)  # [N]
         entropy = hidden.new_empty(n if want_entropy else 0, dtype=dtype)  # [N] or [0]
-        work = _Workspace(min(chunk_size, n), weight, with_entropy=want_entropy)
+        # d logp[t] / d hidden = (onehot(t) - p) @ W * f'/tau does not depend on the loss: with a frozen head,
+        # taking it now from the probabilities at hand spares backward the chunk's logits, recomputed (the
+        # entropy's gradient, when the loss has one, still recomputes them). Not under a soft cap: f' varies.
+        frozen_head = ctx.needs_input_grad[0] and not any(ctx.needs_input_grad[1:3]) and softcap is None
+        jacobian = hidden.new_empty(hidden.shape, dtype=dtype) if frozen_head else None  # [N, H]
+        work = _Workspace(min(chunk_size, n), weight)
         # Autocast would change the matmul dtype between forward and the recomputation in
         # backward, making the saved logsumexp inconsistent with the recomputed logits.
         with torch.autocast(hidden.device.type, enabled=False):
             for s in range(0, n, chunk_size):
                 e = min(s + chunk_size, n)
                 logits = work.chunk_logits(hidden[s:e], weight, bias, scale, softcap, temperature)  # [c, V]
-                exps = work.exps[: e - s] if want_entropy else None  # [c, V]
-                lp, chunk_lse, ent = _forward_chunk(logits, targets[s:e], exps)
+                lp, chunk_lse, ent = _forward_chunk(logits, targets[s:e], want_entropy, leave_probs=frozen_head)
+                if frozen_head:
+                    grad_z = logits.neg_().scatter_add_(1, targets[s:e, None], torch.ones_like(lp[:, None]))  # [c, V]
+                    jacobian[s:e] = work.low_precision(grad_z, weight.dtype) @ weight  # [c, H]
                 logprobs[s:e] = lp
                 lse[s:e] = chunk_lse
                 if want_entropy:
                     entropy[s:e] = ent
         del work
-        ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy)
+        if frozen_head:
+            jacobian *= scale / temperature  # [N, H]
+        ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy, jacobian)
         ctx.scale, ctx.softcap, ctx.temperature = scale, softcap, temperature
         ctx.chunk_size = chunk_size
         ctx.set_materialize_grads(False)  # an output left out of the loss gets None: no entropy term to add
@@ -175,8 +192,11 @@ class _TokenLogprobs(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_logprobs, grad_entropy):
-        hidden, weight, bias, targets, lse, entropy = ctx.saved_tensors
+        hidden, weight, bias, targets, lse, entropy, jacobian = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        if jacobian is not None and grad_entropy is None and grad_logprobs is not None:
+            grad_hidden = (grad_logprobs[:, None] * jacobian).to(hidden.dtype)  # [N, H]
+            return grad_hidden, None, None, None, None, None, None, None, None
         scale, cap, tau, n = ctx.scale, ctx.softcap, ctx.temperature, hidden.shape[0]
         grad_hidden = torch.empty_like(hidden) if need_h else None  # [N, H]
         # Float32 accumulators only for what is trained: a frozen head costs no [V, H] buffer.
@@ -268,8 +288,8 @@ def token_logprobs(
         temperature: the sampling temperature the completions were drawn with.
         bias: optional ``[V]`` LM-head bias.
         chunk_size: token rows (of ``N = B * T``) whose logits are materialized at once;
-            peak extra memory is about ``chunk_size * V * 4`` bytes (twice that with entropy,
-            1.5 times for a bf16 head), plus the weight gradient when it is trained.
+            peak extra memory is about ``chunk_size * V * 4`` bytes (1.5 times for a bf16 head), plus the
+            weight gradient when it is trained.
         return_entropy: also return the per-token entropy of the tempered distribution (differentiable: an
             entropy bonus in the loss trains it, its gradient recomputed chunk by chunk like the log-probs').
         logit_scale, softcap: the model family's transform of the head's output, applied before the
@@ -279,7 +299,9 @@ def token_logprobs(
     if the weight is float64, which only tests use). Backward
     recomputes each chunk's logits from ``hidden`` and ``weight`` and the saved float32
     logsumexp, so no logits outlive their chunk. Gradients go to ``hidden``, and to
-    ``weight`` / ``bias`` only when they require grad.
+    ``weight`` / ``bias`` only when they require grad. When only ``hidden`` does (a frozen head,
+    no soft cap), forward also keeps ``d logp / d hidden`` ``[N, H]`` (float32) and backward
+    multiplies it by the incoming gradient: one head matmul per chunk instead of two.
 
     Returns:
         float32 ``[B, T]`` log-probs, or ``(logprobs, entropy)`` with entropy float32 ``[B, T]``.

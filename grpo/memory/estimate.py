@@ -233,9 +233,10 @@ def estimate(a: Architecture, s, device: str = "cuda") -> Estimate:
     rows = min(s.logprob_chunk_size, N * C)
     # float32 logits, a bf16 head's matmul output
     parts["log-prob chunk"] = rows * V * 4 + (rows * V * 2 if d.base == 2 else 0)
-    parts["entropy buffer"] = rows * V * 4  # the training forward's exponentials (entropy metric); not in backward
     parts["log-prob chunk"] += N * C * H * d.residual  # the gradient of the hidden states
     head_trained = not s.use_lora
+    # A frozen head's d logp / d hidden, kept from the forward for the backward (float32, [N*C, H]).
+    parts["log-prob jacobian"] = 0.0 if head_trained else N * C * H * 4
     grad_bytes = d.base if head_trained else 4  # trained weights' gradients in their dtype; adapters float32
     # The log-prob backward accumulates the head's gradient in float32, cast at its end to a bf16 head's dtype.
     parts["LM-head gradient"] = grad_bytes * V * H if head_trained else 0.0
@@ -269,10 +270,10 @@ def estimate(a: Architecture, s, device: str = "cuda") -> Estimate:
                          else ("LM-head gradient",))
     moments = {
         "generation": kept + ("KV cache", "sampling buffers"),
-        "forward end": kept + ("activations", "autocast weight copies", "log-prob chunk", "entropy buffer",
+        "forward end": kept + ("activations", "autocast weight copies", "log-prob chunk", "log-prob jacobian",
                                "earlier micro-batches' gradients"),
-        "backward start": kept + ("activations", "log-prob chunk", "earlier micro-batches' gradients")
-                          + head_accumulating + copies,
+        "backward start": kept + ("activations", "log-prob chunk", "log-prob jacobian",
+                                  "earlier micro-batches' gradients") + head_accumulating + copies,
         "log-prob backward end": kept + ("activations", "LM-head float32 accumulator", "LM-head gradient",
                                          "earlier micro-batches' gradients"),
         "layer recompute": kept + ("activations", "recomputed layer", "LM-head gradient",

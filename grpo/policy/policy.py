@@ -8,6 +8,7 @@ import contextlib
 import torch
 
 from ..rollout.progress import TokenProgress
+from ..run.allocator import return_freed_memory
 from ..rollout.sampling import PromptEncoder, Rollout, sample
 from . import reference_kind
 from .models import check_logprobs_match_forward, completion_logprobs, device_of, make_reference, reference_context
@@ -27,6 +28,8 @@ class Policy:
         # Before the optimizer exists: FSDP replaces the parameters by their shards.
         self.parallel = ParallelPolicy(model, dist, fsdp=config.fsdp, bf16=precision.bf16)
         self.device = device_of(model)
+        if self.device.type == "cpu":  # freed activations and logits go back to the OS (run/allocator)
+            return_freed_memory()
         self.encode = PromptEncoder(tokenizer, config.max_prompt_length, config.chat_template_kwargs)
         self.reference_forwards = 0
         self.on_token = None  # the open progress bar's counter, if any

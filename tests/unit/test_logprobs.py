@@ -244,12 +244,52 @@ def test_frozen_weight_gets_no_grad_and_hidden_grad_is_right():
     assert rel_err(hidden.grad, want) < 1e-10
 
 
-def test_frozen_weight_backward_allocates_no_weight_sized_buffer(monkeypatch):
-    # A frozen LM head under LoRA must not cost a [V, H] gradient buffer in backward.
+@pytest.mark.parametrize("scale, tau, with_bias, with_entropy", [(1.0, 1.0, False, False), (2.5, 0.7, True, False),
+                                                                (1.0, 0.9, True, True)])
+def test_frozen_head_backward_recomputes_no_logits(scale, tau, with_bias, with_entropy, monkeypatch):
+    # A frozen head (LoRA): forward keeps d logp / d hidden, so backward computes no chunk's logits again, and
+    # the gradient is the float64 reference's; an entropy in the output that the loss leaves alone changes nothing.
+    hidden, weight, bias, targets = make_inputs(2, 7, 29, 8, torch.float64, seed=41, bias=with_bias)
+    weight.requires_grad_(False)
+    if bias is not None:
+        bias.requires_grad_(False)
+    out = token_logprobs(hidden, weight, targets, temperature=tau, bias=bias, chunk_size=3, logit_scale=scale,
+                         return_entropy=with_entropy)
+    logp = out[0] if with_entropy else out
+    calls = []
+    real = logprobs_module._Workspace.chunk_logits
+    monkeypatch.setattr(logprobs_module._Workspace, "chunk_logits", lambda *a, **k: calls.append(1) or real(*a, **k))
+    grad_out = torch.randn(2, 7, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    (got,) = torch.autograd.grad(logp, hidden, grad_out)
+    assert calls == []
+    (want,) = torch.autograd.grad(reference(hidden, weight, targets, tau, bias, scale)[0], hidden, grad_out)
+    assert rel_err(got, want) < 1e-12
+
+
+def test_frozen_head_gradcheck_and_entropy_bonus_falls_back_to_recomputing(monkeypatch):
+    hidden, weight, bias, targets = make_inputs(2, 3, 5, 3, torch.float64, seed=43, bias=True)
+    weight.requires_grad_(False)
+    bias.requires_grad_(False)
+    assert torch.autograd.gradcheck(lambda h: token_logprobs(h, weight, targets, temperature=0.7, bias=bias,
+                                                             chunk_size=4, logit_scale=1.5), (hidden,))
+    # With the entropy in the loss the kept d logp / d hidden is not enough: backward recomputes, and is right.
+    a, b = torch.randn(2, 3, dtype=torch.float64), torch.randn(2, 3, dtype=torch.float64)
+    logp, ent = token_logprobs(hidden, weight, targets, temperature=0.7, bias=bias, chunk_size=4, return_entropy=True)
+    calls = []
+    real = logprobs_module._Workspace.chunk_logits
+    monkeypatch.setattr(logprobs_module._Workspace, "chunk_logits", lambda *a_, **k: calls.append(1) or real(*a_, **k))
+    (got,) = torch.autograd.grad((a * logp + b * ent).sum(), hidden)
+    assert calls, "the entropy's gradient needs the logits again"
+    ref_logp, ref_ent = reference(hidden, weight, targets, 0.7, bias)
+    (want,) = torch.autograd.grad((a * ref_logp + b * ref_ent).sum(), hidden)
+    assert rel_err(got, want) < 1e-10
+
+
+def test_frozen_weight_allocates_no_weight_sized_buffer(monkeypatch):
+    # A frozen LM head under LoRA must not cost a [V, H] gradient buffer, in forward or backward.
     V, H = 4099, 8
     hidden, weight, _, targets = make_inputs(1, 4, V, H, torch.float32, seed=2)
     weight.requires_grad_(False)
-    logp = token_logprobs(hidden, weight, targets, chunk_size=2)
     sizes = []
     real_zeros, real_empty = torch.Tensor.new_zeros, torch.Tensor.new_empty
 
@@ -262,9 +302,10 @@ def test_frozen_weight_backward_allocates_no_weight_sized_buffer(monkeypatch):
 
     monkeypatch.setattr(torch.Tensor, "new_zeros", spy(real_zeros))
     monkeypatch.setattr(torch.Tensor, "new_empty", spy(real_empty))
-    logp.sum().backward()
+    token_logprobs(hidden, weight, targets, chunk_size=2).sum().backward()
     assert sizes, "the spy saw no allocation; the test would prove nothing"
     assert max(sizes) < V * H
+    assert hidden.grad is not None and weight.grad is None
 
 
 def test_saves_no_logits_for_backward():
