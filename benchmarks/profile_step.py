@@ -161,20 +161,13 @@ def print_table(result: dict) -> None:
 
 
 def main() -> None:
+    from vs_trl import add_workload_arguments
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--mode", default="lora", choices=["full", "lora"])
-    p.add_argument("--optim", default="adamw", choices=["adamw", "adamw_8bit"])
     p.add_argument("--bf16-weights", action="store_true", help="full fine-tuning with bf16 weights")
-    p.add_argument("--gradient-checkpointing", action="store_true")
-    p.add_argument("--hidden-size", type=int, default=512)
-    p.add_argument("--num-layers", type=int, default=4)
-    p.add_argument("--vocab-size", type=int, default=151936)
-    p.add_argument("--num-generations", type=int, default=8)
-    p.add_argument("--completion-length", type=int, default=256)
-    p.add_argument("--beta", type=float, default=0.04)
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--threads", type=int, default=1)
+    add_workload_arguments(p, steps=3)
     args = p.parse_args()
     if args.child:
         print(json.dumps(child(json.loads(args.child))))

@@ -225,13 +225,8 @@ def print_table(rows: list[dict]) -> None:
                   f"gen tok/s {ratio(ours['tokens_per_s'], peer['tokens_per_s'])}{targets}")
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--child", choices=["ours", "trl"], help=argparse.SUPPRESS)
-    p.add_argument("--spec", help=argparse.SUPPRESS)
-    p.add_argument("--modes", nargs="+", default=["full", "lora"], choices=["full", "lora", "full_bf16"],
-                   help="full_bf16: full fine-tuning with --bf16_weights (ours only, against our float32 full run)")
-    p.add_argument("--sides", nargs="+", default=["ours", "trl"], choices=["ours", "trl"])
+def add_workload_arguments(p: argparse.ArgumentParser, steps: int) -> None:
+    """The model and the GRPO work measured (shared with profile_step.py)."""
     p.add_argument("--optim", default="adamw", choices=["adamw", "adamw_8bit"])
     p.add_argument("--gradient-checkpointing", action="store_true")
     p.add_argument("--hidden-size", type=int, default=512)
@@ -239,10 +234,20 @@ def main() -> None:
     p.add_argument("--vocab-size", type=int, default=151936)
     p.add_argument("--num-generations", type=int, default=8)
     p.add_argument("--completion-length", type=int, default=256)
-    p.add_argument("--prompts-per-step", type=int, default=1)
     p.add_argument("--beta", type=float, default=0.04)
-    p.add_argument("--steps", type=int, default=4, help="optimizer steps; the first is not timed")
+    p.add_argument("--steps", type=int, default=steps, help="optimizer steps; the first is not timed")
     p.add_argument("--threads", type=int, default=1)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--child", choices=["ours", "trl"], help=argparse.SUPPRESS)
+    p.add_argument("--spec", help=argparse.SUPPRESS)
+    p.add_argument("--modes", nargs="+", default=["full", "lora"], choices=["full", "lora", "full_bf16"],
+                   help="full_bf16: full fine-tuning with --bf16_weights (ours only, against our float32 full run)")
+    p.add_argument("--sides", nargs="+", default=["ours", "trl"], choices=["ours", "trl"])
+    add_workload_arguments(p, steps=4)
+    p.add_argument("--prompts-per-step", type=int, default=1)
     p.add_argument("--timeout", type=int, default=1800, help="seconds per side")
     args = p.parse_args()
     if args.child:
