@@ -25,12 +25,9 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
+from vs_trl import add_workload_arguments, rss_bytes  # noqa: E402 -- benchmarks/ is on the path only from the line above
+
 PHASES = ("sampling", "rewards", "old_logprobs", "ref_logprobs", "forward", "backward", "optimizer")
-
-
-def rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def reset_peak() -> None:
@@ -105,33 +102,23 @@ def instrument(rec: Recorder) -> None:
 
 
 def child(spec: dict) -> dict:
+    import tempfile
+
     import torch
-    from datasets import Dataset
 
     torch.set_num_threads(spec["threads"])
     import bitsandbytes  # noqa: F401
     import peft  # noqa: F401
 
-    from grpo import Config, Trainer
-    from vs_trl import distinct_words, prompts
+    import grpo.trainer  # noqa: F401
+    from vs_trl import run_ours
 
     baseline = rss_bytes()
     rec = Recorder()
     instrument(rec)
-    import tempfile
-
     with tempfile.TemporaryDirectory() as output_dir:
-        config = Config(
-            model=spec["model_dir"], output_dir=output_dir, max_steps=spec["steps"], bf16=False,
-            per_device_train_batch_size=spec["num_generations"], gradient_accumulation_steps=1,
-            num_generations=spec["num_generations"], max_completion_length=spec["completion_length"],
-            stop_at_eos=False, temperature=1.0, beta=spec["beta"], learning_rate=1e-6, adam_beta2=0.99,
-            weight_decay=0.0, max_grad_norm=1.0, optim=spec["optim"], bf16_weights=spec["bf16_weights"],
-            gradient_checkpointing=spec["gradient_checkpointing"], use_lora=spec["lora"], lora_r=16, lora_alpha=32,
-            lora_dropout=0.05, save_steps=10**9, seed=0, logging_steps=1)
-        data = Dataset.from_list([{"prompt": p} for p in prompts(spec["steps"])])
         rec.step_start = (time.perf_counter(), time.process_time())
-        Trainer(config, reward_funcs=[distinct_words], train_dataset=data).train()
+        run_ours(spec, output_dir)  # vs_trl.py's run of this trainer, unchanged
     return {"baseline_gb": baseline / 1e9, "steps": rec.steps[:-1]}
 
 
@@ -161,8 +148,6 @@ def print_table(result: dict) -> None:
 
 
 def main() -> None:
-    from vs_trl import add_workload_arguments
-
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--mode", default="lora", choices=["full", "lora"])
@@ -179,7 +164,7 @@ def main() -> None:
     spec = dict(model_dir=str(model_dir), steps=args.steps, num_generations=args.num_generations,
                 completion_length=args.completion_length, beta=args.beta, optim=args.optim,
                 bf16_weights=args.bf16_weights, gradient_checkpointing=args.gradient_checkpointing,
-                threads=args.threads, lora=args.mode == "lora")
+                threads=args.threads, lora=args.mode == "lora", cuda=False, prompts_per_step=1, num_prompts=args.steps)
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), TQDM_DISABLE="1", HF_HUB_OFFLINE="1")
     proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True, text=True,
                           env=env)
