@@ -88,6 +88,14 @@ def penalize_repetitions(logits: torch.Tensor, seen: torch.Tensor, penalty: floa
     return torch.where(seen, penalized, logits)  # [N, V]
 
 
+def _repeat_prompts(cache, repeats: int, *tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+    """After the prefill of B prompts: each row of the KV cache and of `tensors` (None passes through) `repeats`
+    times in a row, B -> N rows."""
+    index = torch.arange(len(tensors[0]), device=tensors[0].device).repeat_interleave(repeats)  # [N]
+    cache.reorder_cache(index)
+    return tuple(None if t is None else t[index] for t in tensors)
+
+
 def sample_from_logits(logits: torch.Tensor, generator: torch.Generator | None = None,
                        u: torch.Tensor | None = None) -> torch.Tensor:
     """One token id per row [N], drawn from softmax(logits) by inverse CDF (float64 cumulative sums, so that
@@ -104,9 +112,11 @@ def sample_from_logits(logits: torch.Tensor, generator: torch.Generator | None =
 def generate(hf_model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, max_new_tokens: int,
              temperature: float, top_p: float, top_k: int, eos_ids: list[int], pad_id: int,
              min_p: float | None = None, repetition_penalty: float = 1.0, stop_at_eos: bool = True,
-             greedy: bool = False, on_token=None) -> torch.Tensor:
-    """Completion ids [N, C] sampled after left-padded prompts [N, P] by a transformers causal LM (adapters, if
-    any, injected in place). With `stop_at_eos`, rows that sampled EOS continue with `pad_id` and the loop ends
+             greedy: bool = False, repeats: int = 1, on_token=None) -> torch.Tensor:
+    """Completion ids [N, C] sampled after left-padded prompts [B, P], each prompt `repeats` times in a row
+    (N = B * repeats), by a transformers causal LM (adapters, if any, injected in place). A prompt's copies share
+    one prefill: the prompt is read once and its KV cache repeated (a group's 8 copies of a 150-token prompt
+    cost as much to read as its 8 completions of 64 tokens). With `stop_at_eos`, rows that sampled EOS continue with `pad_id` and the loop ends
     when all have; without it, EOS is never sampled and every row gets `max_new_tokens` tokens. `greedy` takes
     the most likely token instead of sampling (evaluation): the filters are skipped, a repetition penalty still
     applies (as in transformers). `on_token(n)`, if given, is called after every decoding step with the number of
@@ -115,17 +125,23 @@ def generate(hf_model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, m
     body, logits_of = hf_model.base_model, head_logits(hf_model)
     cache = DynamicCache(config=hf_model.config)
     eos = torch.tensor(eos_ids, device=prompt_ids.device)
-    ids, mask = prompt_ids, prompt_mask  # [n, P]
-    position_ids = positions(mask)  # [n, P]
-    # The rows still in the batch, all N at first; transformers marks models with state outside the cache.
-    batch = DecodingRows(ids.shape[0], ids.device, compacts=not getattr(hf_model, "_is_stateful", False))
+    # A model with recurrent state of its own (transformers marks it) can neither drop rows nor repeat them.
+    stateful = getattr(hf_model, "_is_stateful", False)
+    if stateful and repeats > 1:
+        prompt_ids, prompt_mask, repeats = prompt_ids.repeat_interleave(repeats, 0), prompt_mask.repeat_interleave(
+            repeats, 0), 1  # [N, P]
+    ids, mask = prompt_ids, prompt_mask  # [B, P]
+    position_ids = positions(mask)  # [B, P]
+    batch = DecodingRows(ids.shape[0] * repeats, ids.device, compacts=not stateful)  # the rows still decoding
     # Tokens seen so far, kept only when penalized: the default path does no extra work per step.
     seen = None if repetition_penalty == 1.0 else seen_tokens(
-        prompt_ids, prompt_mask, hf_model.get_output_embeddings().weight.shape[0])  # [n, V]
+        prompt_ids, prompt_mask, hf_model.get_output_embeddings().weight.shape[0])  # [B, V]
     tokens = []
-    for _ in range(max_new_tokens):
+    for step in range(max_new_tokens):
         hidden = body(input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=True,
                       **{_cache_argument(body): cache}).last_hidden_state[:, -1]  # [n, H]
+        if step == 0 and repeats > 1:
+            hidden, mask, position_ids, seen = _repeat_prompts(cache, repeats, hidden, mask, position_ids, seen)
         logits = logits_of(hidden)  # [n, V]
         if seen is not None:
             logits = penalize_repetitions(logits, seen, repetition_penalty)  # [n, V]

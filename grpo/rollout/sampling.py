@@ -115,8 +115,7 @@ def sample(model, tokenizer, encode: PromptEncoder, prompts: list, *, num_genera
     `on_token(n)` is called after each decoding step with the tokens it generated (progress bars)."""
     prompt_ids, prompt_mask = encode(prompts)  # [B, P]
     device = next(model.parameters()).device
-    prompt_ids = prompt_ids.repeat_interleave(num_generations, dim=0).to(device)  # [N, P]
-    prompt_mask = prompt_mask.repeat_interleave(num_generations, dim=0).to(device)  # [N, P]
+    prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)  # [B, P]
     eos_ids = eos_token_ids(tokenizer, model)
     was_training = model.training
     model.eval()  # KV cache on, dropout off (gradient checkpointing would disable the cache)
@@ -128,9 +127,11 @@ def sample(model, tokenizer, encode: PromptEncoder, prompts: list, *, num_genera
                                   temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                                   repetition_penalty=repetition_penalty, eos_ids=eos_ids,
                                   pad_id=tokenizer.pad_token_id, stop_at_eos=stop_at_eos,
-                                  greedy=greedy, on_token=on_token)  # [N, C]
+                                  greedy=greedy, repeats=num_generations, on_token=on_token)  # [N, C]
     finally:
         model.train(was_training)
+    prompt_ids = prompt_ids.repeat_interleave(num_generations, dim=0)  # [N, P]
+    prompt_mask = prompt_mask.repeat_interleave(num_generations, dim=0)  # [N, P]
     completion_mask, truncated = completion_mask_after_eos(completion_ids, eos_ids)
     completion_ids = completion_ids.masked_fill(completion_mask == 0, tokenizer.pad_token_id)
     texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)

@@ -219,3 +219,24 @@ def test_sampling_with_compaction_draws_what_the_uncompacted_loop_draws(monkeypa
     assert torch.equal(decode(model, tokenizer, list(range(4, 60))), out)
     torch.manual_seed(2)
     assert not torch.equal(decode(model, tokenizer, list(range(4, 60))), out)
+
+
+@pytest.mark.parametrize("penalty", [1.0, 1.5])  # the tokens seen are repeated with the rows
+def test_a_shared_prefill_samples_what_repeated_prompts_sample(penalty):
+    # 3 prompts x 4 copies: one prefill of 3 rows, its cache repeated to 12, then 12 rows decode; the same seed
+    # must draw the same tokens as 12 pre-repeated prompts prefilled one by one.
+    tokenizer = tiny_tokenizer()
+    model = lively_model(tokenizer)
+    ids, mask = left_pad([tokenizer(p)["input_ids"] for p in PROMPTS[:3]], tokenizer.pad_token_id)  # [3, P]
+    settings = dict(max_new_tokens=10, temperature=1.0, top_p=1.0, top_k=0, eos_ids=[10**6],
+                    pad_id=tokenizer.pad_token_id, repetition_penalty=penalty)
+    sizes = []
+    model.base_model.register_forward_pre_hook(lambda _, args, kw: sizes.append(kw["input_ids"].shape),
+                                               with_kwargs=True)
+    torch.manual_seed(0)
+    shared = generate(model, ids, mask, repeats=4, **settings)  # [12, 10]
+    assert sizes[0] == ids.shape and sizes[1] == (12, 1), sizes[:2]  # the prompts are read once
+    torch.manual_seed(0)
+    repeated = generate(model, ids.repeat_interleave(4, 0), mask.repeat_interleave(4, 0), **settings)
+    assert shared.shape == (12, 10) and torch.equal(shared, repeated)
+    assert len({tuple(r) for r in shared.tolist()}) > 3  # the copies drew different completions

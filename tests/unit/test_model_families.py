@@ -104,6 +104,18 @@ def test_rows_leaving_the_decoding_batch_change_no_greedy_token(model_type, monk
     assert torch.equal(compacted, decode(eos))
 
 
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+def test_a_shared_prefill_changes_no_greedy_token(model_type):
+    # 4 prompts read once and their cache (every layer kind) repeated twice = the 8 repeated prompts read row by row.
+    model = tiny_family(model_type)
+    ids = torch.randint(1, V, (4, 6), generator=torch.Generator().manual_seed(0))  # [B, P]
+    mask = torch.ones_like(ids)
+    mask[1, :2] = mask[3, :4] = 0  # left padding
+    settings = dict(max_new_tokens=8, temperature=1.0, top_p=1.0, top_k=0, eos_ids=[V], pad_id=0, greedy=True)
+    shared = generate(model, ids, mask, repeats=2, **settings)  # [8, C]
+    assert torch.equal(shared, generate(model, ids.repeat_interleave(2, 0), mask.repeat_interleave(2, 0), **settings))
+
+
 def test_transforms_read_from_configs():
     def read(model_type, **settings):
         return head_transform(AutoConfig.for_model(model_type, **settings))
