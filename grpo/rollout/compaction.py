@@ -39,7 +39,13 @@ class DecodingRows:
         if done == 0 or done < MIN_SHARE * len(self.rows):
             return tensors
         keep = (~self.finished).nonzero().squeeze(1)  # [n']
-        # Keeps rows `keep` of every layer (batch_select_indices would miss linear-attention layers' states).
-        cache.reorder_cache(keep)
         self.rows, self.finished = self.rows[keep], self.finished[keep]
-        return tuple(None if t is None else t[keep] for t in tensors)
+        return select_rows(cache, keep, *tensors)
+
+
+def select_rows(cache, index: torch.Tensor, *tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+    """Rows `index` [n'] of every KV-cache layer and of `tensors` (None passes through): fewer rows when finished
+    ones leave, repeated rows when a prefilled prompt is copied. reorder_cache, not batch_select_indices, which
+    would miss linear-attention layers' states."""
+    cache.reorder_cache(index)
+    return tuple(None if t is None else t[index] for t in tensors)

@@ -17,7 +17,7 @@ from transformers import DynamicCache
 
 from ..algo.logprobs import transform_logits_
 from ..policy.head import head_transform
-from .compaction import DecodingRows
+from .compaction import DecodingRows, select_rows
 
 
 def _cache_argument(body) -> str:
@@ -88,14 +88,6 @@ def penalize_repetitions(logits: torch.Tensor, seen: torch.Tensor, penalty: floa
     return torch.where(seen, penalized, logits)  # [N, V]
 
 
-def _repeat_prompts(cache, repeats: int, *tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-    """After the prefill of B prompts: each row of the KV cache and of `tensors` (None passes through) `repeats`
-    times in a row, B -> N rows."""
-    index = torch.arange(len(tensors[0]), device=tensors[0].device).repeat_interleave(repeats)  # [N]
-    cache.reorder_cache(index)
-    return tuple(None if t is None else t[index] for t in tensors)
-
-
 def sample_from_logits(logits: torch.Tensor, generator: torch.Generator | None = None,
                        u: torch.Tensor | None = None) -> torch.Tensor:
     """One token id per row [N], drawn from softmax(logits) by inverse CDF (float64 cumulative sums, so that
@@ -140,8 +132,9 @@ def generate(hf_model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, m
     for step in range(max_new_tokens):
         hidden = body(input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=True,
                       **{_cache_argument(body): cache}).last_hidden_state[:, -1]  # [n, H]
-        if step == 0 and repeats > 1:
-            hidden, mask, position_ids, seen = _repeat_prompts(cache, repeats, hidden, mask, position_ids, seen)
+        if step == 0 and repeats > 1:  # the B prefilled prompts become their N copies
+            copies = torch.arange(len(hidden), device=hidden.device).repeat_interleave(repeats)  # [N]
+            hidden, mask, position_ids, seen = select_rows(cache, copies, hidden, mask, position_ids, seen)
         logits = logits_of(hidden)  # [n, V]
         if seen is not None:
             logits = penalize_repetitions(logits, seen, repetition_penalty)  # [n, V]
