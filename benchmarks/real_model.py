@@ -164,7 +164,7 @@ def print_table(result: dict) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=40, help="max_steps of each run (the recipe's)")
     parser.add_argument("--eval-limit", type=int, default=200)
     parser.add_argument("--max-train-minutes", type=float, default=45.0,
                         help="stop a run's training after this many minutes and evaluate its checkpoint")
