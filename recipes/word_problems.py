@@ -42,7 +42,8 @@ config = Config(
     lora_alpha=32,
     optim="adamw_8bit",
     # checkpointing recomputes every layer's forward in backward (a third more compute); on a CPU with RAM to spare
-    # time is what is short: peak 6.3 GB without it, 1.9 GB with it (measured, 2 x 8 completions of <= 128 tokens)
+    # time is what is short: peak 6.3 GB without it, 1.9 GB with it (measured: 2 x 8 completions of <= 128 tokens,
+    # one micro-batch of 16 with it, two of 8 without)
     gradient_checkpointing=False,
     logging_steps=1,
     save_steps=1000,
