@@ -192,7 +192,7 @@ def step(tiny: bool = False, root: str = "") -> dict:
     """One real GRPO step of the gsm8k_lora recipe (Llama-3.2-1B, LoRA, 8-bit AdamW, checkpointing, G=4,
     256 + 786 tokens, 4 micro-batches), EOS off, timed stage by stage."""
     from grpo.memory.estimate import GB, estimate
-    from grpo.recipe import load_recipe
+    from grpo.settings.recipe import load_recipe
 
     arch = architecture(LLAMA_1B, tiny)
     recipe = load_recipe(str(ROOT / "recipes" / "gsm8k_lora.py"))

@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 sys.path.insert(0, str(ROOT))
 
-from grpo.config import Config  # noqa: E402
+from grpo.settings import Config  # noqa: E402
 from grpo.memory.estimate import GB, Architecture  # noqa: E402
 from grpo.memory.fit import needed_gb, predicted_gb  # noqa: E402
 from grpo.memory.known_models import ARTICLE_CONFIG, ARTICLE_GB, KNOWN, TABLE_COLUMNS, TABLE_MODELS  # noqa: E402

@@ -2,7 +2,7 @@
 
 `Config` and `Trainer` run it; `group_advantages`, `token_logprobs` and `policy_loss` are its math, pure
 tensor functions to unit-test or reuse (grpo/algo/)."""
-from .config import Config
+from .settings import Config
 
 __all__ = ["Config", "Trainer", "group_advantages", "token_logprobs", "policy_loss"]
 __version__ = "0.1.0"

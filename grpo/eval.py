@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
         return 0 if argv else 2
-    from .recipe import load_with_overrides, resolve_dataset
+    from .settings.recipe import load_with_overrides, resolve_dataset
     from .rollout.evaluate import check_eval_funcs, evaluate
     from .rollout.reward_models import reward_callables, to_device
 

@@ -8,7 +8,7 @@ import argparse
 import dataclasses
 import sys
 
-from .config import Config
+from .settings import Config
 from .memory.fit import (
     CUDA_CONTEXT_GB,
     FRAGMENTATION,
@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_usage()
         return 2
     from .errors import ConfigError
-    from .recipe import load_with_overrides
+    from .settings.recipe import load_with_overrides
 
     try:
         recipe, config = load_with_overrides(args.recipe, overrides)

@@ -22,8 +22,8 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE)
         return 0 if argv else 2
     try:
-        from .overrides import format_help
-        from .recipe import load_with_overrides
+        from .settings.cli import format_help
+        from .settings.recipe import load_with_overrides
 
         recipe_path, overrides = argv[0], argv[1:]
         recipe, config = load_with_overrides(recipe_path, [a for a in overrides if a not in ("-h", "--help")])
@@ -45,7 +45,7 @@ def run(recipe, config, argv: list[str]) -> int:
     import torch
 
     from .policy.distributed import shutdown
-    from .recipe import resolve_dataset
+    from .settings.recipe import resolve_dataset
     from .run.interrupts import TrainingInterrupted
     from .trainer import Trainer
 

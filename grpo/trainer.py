@@ -13,7 +13,7 @@ from tqdm.auto import tqdm
 
 from .algo.advantages import group_advantages, zero_std_fraction
 from .algo.loss import add_metrics, no_token_metrics, policy_loss, zero_advantage_has_no_gradient
-from .config import Config
+from .settings import Config
 from .errors import nonfinite_stop
 from .policy.distributed import setup as setup_distributed
 from .policy.models import check_load_options, device_of, load_model, load_tokenizer, prepare_for_training

@@ -21,7 +21,7 @@ from tiny_setup import digit_prompts, digit_share, odd_digit_share, tiny_model, 
 
 import grpo.policy.policy
 from grpo import Config, Trainer
-from grpo.overrides import apply_overrides
+from grpo.settings.cli import apply_overrides
 from grpo.policy.distributed import setup
 from grpo.rollout.sampling import Rollout, completion_mask_after_eos, eos_token_ids
 from grpo.tasks.tiny import model_for

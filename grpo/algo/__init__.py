@@ -1,7 +1,7 @@
 """GRPO's math as pure tensor functions: group-normalized advantages, chunked per-token log-probs from
 hidden states, the clipped policy loss with its KL penalty. Nothing here knows a model, a Config or a file.
 
-The choice lists live here, free of torch, so that checking a Config (grpo.config_checks) stays fast."""
+The choice lists live here, free of torch, so that checking a Config (grpo/settings) stays fast."""
 
 SCALES = ("group", "batch", "none")  # advantages.group_advantages(scale=...)
 # loss.policy_loss(loss_type=...): TRL 1.16's values but "vespo"

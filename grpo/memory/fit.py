@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..config import Config
-from ..overrides import format_value
+from ..settings import Config
+from ..settings.cli import format_value
 from .estimate import GB, Architecture, Estimate, estimate
 from .known_models import architecture_of
 

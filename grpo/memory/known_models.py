@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from ..config import Config
+from ..settings import Config
 from .estimate import Architecture
 
 # Facts from each model's config.json (hidden, layers, heads, KV heads, intermediate, vocab, tied, head_dim, bias).

@@ -1,13 +1,5 @@
 """The model being trained: loading it (LoRA, 4-bit), its named forwards (sampling, log-probs, reference
-log-probs), data parallelism across ranks, and the optimizer.
-
-The choice lists live here, free of torch, so that checking a Config (grpo.config_checks) stays fast."""
-
-OPTIMIZERS = ("adamw_8bit", "adamw")  # optim.build_optimizer
-# transformers' names (TRL configs use them) for the same optimizers; Config stores ours in their place.
-OPTIMIZER_ALIASES = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw", "adamw_bnb_8bit": "adamw_8bit"}
-SCHEDULES = ("cosine", "linear", "constant")  # optim.build_scheduler
-
+log-probs), data parallelism across ranks, and the optimizer."""
 
 def reference_kind(use_lora: bool, beta: float) -> str:
     """Where the KL penalty's reference policy comes from: "none" (beta == 0: no reference forward at all),

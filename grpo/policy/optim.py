@@ -7,7 +7,7 @@ import torch
 
 from ..errors import ConfigError
 from ..memory.estimate import BNB_CPU_SLICE as CPU_SLICE
-from . import OPTIMIZERS, SCHEDULES
+from ..settings.choices import OPTIMIZERS, SCHEDULES
 from .rounding import StochasticRoundingAdamW, stochastic_round_to_bf16
 
 

@@ -17,20 +17,10 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from ..errors import ConfigError
+from ..settings.choices import tracker_names
 
 STATE = "trackers.json"
 PROJECT = "grpo"  # the W&B / Trackio project (WANDB_PROJECT overrides it for W&B)
-
-
-def tracker_names(report_to) -> list[str] | None:
-    """The trackers `report_to` names ("none", a name, comma-separated names or a list); None if malformed."""
-    names = report_to.split(",") if isinstance(report_to, str) else report_to
-    if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
-        return None
-    names = [n.strip() for n in names if n.strip()]
-    if names == ["none"] or not names:
-        return []
-    return names if all(n in TRACKERS for n in names) and len(set(names)) == len(names) else None
 
 
 class TensorBoard:
@@ -129,7 +119,7 @@ class WandB:
         self.run.finish(exit_code=1 if failed else 0)
 
 
-TRACKERS = {"tensorboard": TensorBoard, "trackio": Trackio, "wandb": WandB}
+TRACKER_CLASSES = {"tensorboard": TensorBoard, "trackio": Trackio, "wandb": WandB}
 
 
 class Trackers:
@@ -139,8 +129,8 @@ class Trackers:
     def __init__(self, config, is_main: bool):
         self.names, self.config, self.is_main = tracker_names(config.report_to), config, is_main
         for name in self.names:
-            if importlib.util.find_spec(TRACKERS[name].package) is None:
-                raise ConfigError(f"report_to={name} needs `pip install {TRACKERS[name].package}` (or grpo[{name}])")
+            if importlib.util.find_spec(TRACKER_CLASSES[name].package) is None:
+                raise ConfigError(f"report_to={name} needs `pip install {TRACKER_CLASSES[name].package}` (or grpo[{name}])")
         self.trackers: list = []
 
     def start(self, config_dict: dict, step: int) -> None:
@@ -152,7 +142,7 @@ class Trackers:
         resume_step = step if self.config.resume_from_checkpoint and path.exists() else None
         run = json.loads(path.read_text()) if resume_step is not None else {}
         run.setdefault("name", f"{output_dir.resolve().name}-{time.strftime('%Y%m%d-%H%M%S')}")
-        self.trackers = [TRACKERS[name](output_dir, run) for name in self.names]
+        self.trackers = [TRACKER_CLASSES[name](output_dir, run) for name in self.names]
         for tracker in self.trackers:
             tracker.start(config_dict, resume_step)
         path.write_text(json.dumps(run, indent=2) + "\n")

@@ -14,7 +14,7 @@ import torch
 
 import grpo.trainer
 from grpo import Trainer
-from grpo.recipe import load_recipe, resolve_dataset
+from grpo.settings.recipe import load_recipe, resolve_dataset
 
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "arithmetic_tiny.py"
 SABOTAGES = {

@@ -10,7 +10,7 @@ from tiny_setup import digit_prompts, digit_share, tiny_tokenizer
 
 from grpo import Config, Trainer
 from grpo.memory.estimate import Architecture, estimate
-from grpo.overrides import apply_overrides
+from grpo.settings.cli import apply_overrides
 from grpo.policy.precision import Precision
 from grpo.tasks.tiny import model_for
 

@@ -2,7 +2,7 @@
 import datasets
 from datasets import Dataset
 
-from grpo.recipe import load_recipe
+from grpo.settings.recipe import load_recipe
 from grpo.tasks.gsm8k import SYSTEM_PROMPT
 
 # The "GRPO on a 16 GB GPU" write-up's settings, which gsm8k_lora.py must port field for field; its TRL (~0.14)

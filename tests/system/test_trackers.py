@@ -12,7 +12,7 @@ from tiny_setup import digit_prompts, digit_share, tiny_model, tiny_tokenizer
 
 from grpo import Config, Trainer
 from grpo.errors import ConfigError
-from grpo.overrides import apply_overrides
+from grpo.settings.cli import apply_overrides
 from grpo.run import trackers
 
 # Trackio reads TRACKIO_DIR once, when imported: point it at a scratch store before any test imports it.

@@ -9,7 +9,7 @@ from tiny_setup import digit_prompts, digit_share, tiny_model, tiny_tokenizer
 
 from grpo import Config, Trainer
 from grpo.errors import ConfigError
-from grpo.trl_settings import TRL_ONLY
+from grpo.settings.trl_names import TRL_ONLY
 
 # As a TRL 1.16 user writes it: a Dr. GRPO run with DAPO's clip-higher and overlong masking. TRL 1.16 has no
 # max_prompt_length (ours keeps its default). output_dir is replaced by a scratch folder in the tests.

@@ -6,10 +6,10 @@ import textwrap
 
 import pytest
 
-from grpo.config import Config
+from grpo.settings import Config
 from grpo.errors import ConfigError
-from grpo.overrides import apply_overrides, config_to_dict, field_docs, format_help
-from grpo.recipe import Recipe, load_recipe, resolve_dataset
+from grpo.settings.cli import apply_overrides, config_to_dict, field_docs, format_help
+from grpo.settings.recipe import Recipe, load_recipe, resolve_dataset
 
 # --- overrides -----------------------------------------------------------------------------------
 
@@ -147,7 +147,7 @@ def test_scale_rewards_takes_trls_bools():
 
 def test_trl_settings_list_matches_trl():
     trl = pytest.importorskip("trl")
-    from grpo.trl_settings import RENAMED, TRL_ONLY, TRL_REASONS
+    from grpo.settings.trl_names import RENAMED, TRL_ONLY, TRL_REASONS
 
     ours = {f.name for f in dataclasses.fields(Config)}
     theirs = {f.name for f in dataclasses.fields(trl.GRPOConfig)}
@@ -294,7 +294,7 @@ def write(path, source):
 
 GOOD_RECIPE = """
     from datasets import Dataset
-    from grpo.config import Config
+    from grpo.settings import Config
     from helper import double  # a sibling file
 
     config = Config(learning_rate=2e-6, num_generations=4)
@@ -325,7 +325,7 @@ def test_load_recipe(tmp_path):
 
 def test_load_recipe_minimal(tmp_path):
     path = write(tmp_path / "r.py", """
-        from grpo.config import Config
+        from grpo.settings import Config
         config = Config()
         reward_funcs = lambda completions, **kw: [0.0] * len(completions)  # a single function
         train_dataset = lambda: None
@@ -340,7 +340,7 @@ def test_load_recipe_minimal(tmp_path):
 def test_two_recipes_do_not_clash(tmp_path):
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
-    body = "from grpo.config import Config\nconfig = Config(seed={})\nreward_funcs = [len]\ntrain_dataset = dict\n"
+    body = "from grpo.settings import Config\nconfig = Config(seed={})\nreward_funcs = [len]\ntrain_dataset = dict\n"
     a = load_recipe(write(tmp_path / "a" / "recipe.py", body.format(1)))
     b = load_recipe(write(tmp_path / "b" / "recipe.py", body.format(2)))
     assert (a.config.seed, b.config.seed) == (1, 2)
@@ -355,19 +355,19 @@ def test_recipe_not_found(tmp_path):
 
 @pytest.mark.parametrize("source, message", [
     ("x = 1\n", "does not define config, reward_funcs, train_dataset: a recipe must define `config`"),
-    ("from grpo.config import Config\nconfig = Config()\ntrain_dataset = dict\n",
+    ("from grpo.settings import Config\nconfig = Config()\ntrain_dataset = dict\n",
      "does not define reward_funcs: a recipe must define"),
     ("config = {'learning_rate': 1e-6}\nreward_funcs = [len]\ntrain_dataset = dict\n",
      "defines `config` as dict {'learning_rate': 1e-06}, not a grpo.Config"),
     ("config = 5\n", "does not define reward_funcs, train_dataset and defines `config` as int 5, not a grpo.Config "
                      "\\(write config = Config\\(...\\)\\)"),
-    ("from grpo.config import Config\nconfig = Config()\nreward_funcs = []\ntrain_dataset = dict\n",
+    ("from grpo.settings import Config\nconfig = Config()\nreward_funcs = []\ntrain_dataset = dict\n",
      "`reward_funcs` must be a non-empty list of functions"),
-    ("from grpo.config import Config\nconfig = Config()\nreward_funcs = [len, 'oops']\ntrain_dataset = dict\n",
+    ("from grpo.settings import Config\nconfig = Config()\nreward_funcs = [len, 'oops']\ntrain_dataset = dict\n",
      "reward_funcs\\[1\\] is not callable: 'oops'"),
-    ("from grpo.config import Config\nconfig = Config()\nreward_funcs = [len]\ntrain_dataset = [{'prompt': 'a'}]\n",
+    ("from grpo.settings import Config\nconfig = Config()\nreward_funcs = [len]\ntrain_dataset = [{'prompt': 'a'}]\n",
      "`train_dataset` must be a datasets.Dataset or a function returning one, got list"),
-    ("from grpo.config import Config\nconfig = Config()\nreward_funcs = [len]\ntrain_dataset = dict\n"
+    ("from grpo.settings import Config\nconfig = Config()\nreward_funcs = [len]\ntrain_dataset = dict\n"
      "eval_dataset = 'data.json'\n",
      "`eval_dataset` must be a datasets.Dataset or a function returning one, got str"),
     ("config = (\n", "r.py:1: syntax error"),
@@ -432,12 +432,16 @@ def test_choice_lists_are_shared_and_checking_a_config_needs_no_torch():
     import subprocess
     import sys
 
-    from grpo import algo, config_checks, policy
+    from grpo import algo
+    from grpo.policy import optim
+    from grpo.run import trackers
+    from grpo.settings import checks, choices
 
-    # One list each, defined beside the code that uses it and imported by the checks.
-    assert config_checks.OPTIMIZERS is policy.OPTIMIZERS and config_checks.SCHEDULES is policy.SCHEDULES
-    assert config_checks.SCALES is algo.SCALES and config_checks.LOSS_TYPES is algo.LOSS_TYPES
-    assert set(config_checks.RULES) <= {f.name for f in dataclasses.fields(Config)}
-    code = "import sys, grpo.config; grpo.config.Config(optim='adamw'); print('torch' in sys.modules)"
+    # One list each, in settings (or algo for the math's), read by the checks and by the code that implements it.
+    assert checks.OPTIMIZERS is choices.OPTIMIZERS is optim.OPTIMIZERS and checks.SCHEDULES is optim.SCHEDULES
+    assert tuple(trackers.TRACKER_CLASSES) == choices.TRACKERS
+    assert checks.SCALES is algo.SCALES and checks.LOSS_TYPES is algo.LOSS_TYPES
+    assert set(checks.RULES) <= {f.name for f in dataclasses.fields(Config)}
+    code = "import sys, grpo.settings; grpo.settings.Config(optim='adamw'); print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "False", out.stderr

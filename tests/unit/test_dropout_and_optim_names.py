@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 import torch
 
-from grpo.config import Config
+from grpo.settings import Config
 from grpo.errors import ConfigError
 from grpo.memory.estimate import Architecture, estimate
 from grpo.memory.fit import memory_savings

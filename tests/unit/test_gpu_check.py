@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import gpu_check  # noqa: E402
 
-from grpo.config import Config  # noqa: E402
+from grpo.settings import Config  # noqa: E402
 from grpo.train import out_of_memory_report  # noqa: E402
 
 STEP = {  # the shape of a `step` result; figures made up around the planner's 1B LoRA prediction

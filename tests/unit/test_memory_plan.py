@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from grpo.config import Config
+from grpo.settings import Config
 from grpo.memory.estimate import Architecture, estimate
 from grpo.memory.fit import cheapest_fit, needed_gb, plan_summary
 from grpo.memory.known_models import KNOWN

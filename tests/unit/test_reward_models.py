@@ -8,7 +8,7 @@ from tiny_setup import tiny_reward_model, tiny_tokenizer
 from transformers import PretrainedConfig
 
 from grpo.errors import ConfigError
-from grpo.recipe import load_recipe
+from grpo.settings.recipe import load_recipe
 from grpo.rollout.reward_models import RewardModel, reward_callables
 from grpo.rollout.rewards import RewardError, compute_rewards
 
@@ -183,12 +183,12 @@ def test_logits_of_the_wrong_shape_are_a_reward_error(tokenizer):
 
 def test_recipes_accept_model_paths_and_reward_processing_classes(tmp_path):
     recipe = tmp_path / "r.py"
-    recipe.write_text("from grpo.config import Config\nconfig = Config()\ntrain_dataset = dict\n"
+    recipe.write_text("from grpo.settings import Config\nconfig = Config()\ntrain_dataset = dict\n"
                       "reward_funcs = [len, 'org/some-rm', 'runs/rm']\nreward_processing_classes = [None, 't', None]\n")
     loaded = load_recipe(str(recipe))
     assert loaded.reward_funcs == [len, "org/some-rm", "runs/rm"]
     assert loaded.reward_processing_classes == [None, "t", None]
-    recipe.write_text("from grpo.config import Config\nconfig = Config()\ntrain_dataset = dict\n"
+    recipe.write_text("from grpo.settings import Config\nconfig = Config()\ntrain_dataset = dict\n"
                       "reward_funcs = [len, 'digit_share']\n")  # a function's name: a slip, not a model
     with pytest.raises(ConfigError, match=r"reward_funcs\[1\] is not callable: 'digit_share' \(a function goes in"):
         load_recipe(str(recipe))

@@ -11,11 +11,10 @@ import math
 import types
 import typing
 
-from .algo import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, SCALES
-from .errors import ConfigError
-from .policy import OPTIMIZER_ALIASES, OPTIMIZERS, SCHEDULES
-from .run.trackers import TRACKERS, tracker_names
-from .trl_settings import RENAMED, TRL_ONLY, TRL_REASONS
+from ..algo import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, SCALES
+from ..errors import ConfigError
+from .choices import OPTIMIZER_ALIASES, OPTIMIZERS, SCHEDULES, TRACKERS, tracker_names
+from .trl_names import RENAMED, TRL_ONLY, TRL_REASONS
 
 # field: (holds, requirement as read after "must be"); None values of optional fields are not checked.
 RULES: dict[str, tuple[typing.Callable, str]] = {

@@ -5,9 +5,9 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from .algo import LOGPROB_CHUNK_SIZE
-from .config_checks import check_config, check_key
-from .policy import OPTIMIZER_ALIASES
+from ..algo import LOGPROB_CHUNK_SIZE
+from .checks import check_config, check_key
+from .choices import OPTIMIZER_ALIASES
 
 
 @dataclass

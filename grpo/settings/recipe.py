@@ -11,8 +11,8 @@ import types
 from dataclasses import dataclass
 
 from .config import Config
-from .errors import ConfigError
-from .overrides import apply_overrides
+from ..errors import ConfigError
+from .cli import apply_overrides
 
 
 @dataclass
@@ -38,7 +38,7 @@ class Recipe:
 
 
 RECIPE_CONTRACT = (
-    "a recipe must define `config` (a grpo.config.Config), `reward_funcs` (a list of reward "
+    "a recipe must define `config` (a grpo.Config), `reward_funcs` (a list of reward "
     "functions, reward models or reward model paths) and `train_dataset` (a datasets.Dataset or a function "
     "returning one); `eval_dataset`, `build_model(config) -> (model, tokenizer)`, `rollout_func` and "
     "`reward_processing_classes` are optional"

@@ -12,8 +12,8 @@ import types
 import typing
 
 from .config import Config
-from .config_checks import check_key
-from .errors import ConfigError
+from .checks import check_key
+from ..errors import ConfigError
 
 
 def apply_overrides(config: Config, args: list[str]) -> Config:

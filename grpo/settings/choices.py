@@ -1,0 +1,21 @@
+"""What a setting may say, where the runtime implements the choices: optimizers (policy/optim.py), schedules
+(policy/optim.py) and trackers (run/trackers.py). The math's own choice lists (loss types, reward scales,
+importance-sampling levels) stay in grpo/algo, which settings reads; nothing here imports torch."""
+from __future__ import annotations
+
+OPTIMIZERS = ("adamw_8bit", "adamw")  # policy/optim.build_optimizer
+# transformers' names (TRL configs use them) for the same optimizers; Config stores ours in their place.
+OPTIMIZER_ALIASES = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw", "adamw_bnb_8bit": "adamw_8bit"}
+SCHEDULES = ("cosine", "linear", "constant")  # policy/optim.build_scheduler
+TRACKERS = ("tensorboard", "trackio", "wandb")  # run/trackers.Trackers
+
+
+def tracker_names(report_to) -> list[str] | None:
+    """The trackers `report_to` names ("none", a name, comma-separated names or a list); None if malformed."""
+    names = report_to.split(",") if isinstance(report_to, str) else report_to
+    if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
+        return None
+    names = [n.strip() for n in names if n.strip()]
+    if names == ["none"] or not names:
+        return []
+    return names if all(n in TRACKERS for n in names) and len(set(names)) == len(names) else None
