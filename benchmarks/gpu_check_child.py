@@ -149,10 +149,10 @@ def memory(size: str, *columns: str, tiny: bool = False, root: str = "") -> dict
     at the last optimizer step's end, as benchmarks/gpu_memory.py measures it."""
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
-    import grpo.policy.policy
+    import grpo.rollout.sampling
     from grpo.memory.fit import needed_gb, predicted_gb
 
-    grpo.policy.policy.sample = full_length_sample
+    grpo.rollout.sampling.sample_completions = full_length_sample
     name, rows = TABLE_MODELS[size], []
     arch = architecture(name, tiny)
     for column in columns:
@@ -217,7 +217,7 @@ def step(tiny: bool = False, root: str = "") -> dict:
         return run
 
     policy = trainer.policy
-    policy.sample = timed("generate", policy.sample, after=lambda: generation_peak.append(peak_gb()))
+    trainer.sampler = timed("generate", trainer.sampler, after=lambda: generation_peak.append(peak_gb()))
     policy.reference_logprobs = timed("reference log-probs", policy.reference_logprobs)
     policy.logprobs = timed("log-probs", policy.logprobs)
     policy.parallel.backward = timed("backward", policy.parallel.backward)

@@ -80,10 +80,11 @@ def instrument(rec: Recorder) -> None:
     """Wrap the functions the Trainer calls for each phase (looked up at call time, so patching works)."""
     import grpo.trainer as trainer
     from grpo.policy.parallel import ParallelPolicy
-    from grpo.policy.policy import Policy
+    from grpo.policy.forwards import Policy
+    from grpo.rollout.sampling import Sampler
 
-    sample, logprobs, reference = Policy.sample, Policy.logprobs, Policy.reference_logprobs
-    Policy.sample = rec.wrap("sampling", sample)
+    sample, logprobs, reference = Sampler.__call__, Policy.logprobs, Policy.reference_logprobs
+    Sampler.__call__ = rec.wrap("sampling", sample)
     Policy.reference_logprobs = rec.wrap("ref_logprobs", reference)
 
     def logprobs_by_caller(self, rollout, with_entropy=False):  # generate(): old log-probs; accumulate(): forward

@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if argv else 2
     from .settings.recipe import load_with_overrides, resolve_dataset
     from .rollout.evaluate import check_eval_funcs, evaluate
-    from .rollout.reward_models import reward_callables, to_device
+    from .rollout.reward_models import place_reward_models, reward_callables
 
     try:
         own, overrides = split_options(argv[1:])
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
 
     model = model if model is not None else load_model(config)
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model)
-    to_device(reward_funcs, device_of(model))
+    place_reward_models(reward_funcs, device_of(model))
     metrics, samples = evaluate(model, tokenizer, dataset, reward_funcs, accuracy_func=config.eval_accuracy_func,
                                 format_func=config.eval_format_func, max_prompt_length=config.max_prompt_length,
                                 max_completion_length=config.max_completion_length, batch_size=config.eval_batch_size,

@@ -44,7 +44,7 @@ def run(recipe, config, argv: list[str]) -> int:
     and how to resume."""
     import torch
 
-    from .policy.distributed import shutdown
+    from .run.distributed import shutdown
     from .settings.recipe import resolve_dataset
     from .run.interrupts import TrainingInterrupted
     from .trainer import Trainer

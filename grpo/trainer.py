@@ -15,22 +15,26 @@ from .algo.advantages import group_advantages, zero_std_fraction
 from .algo.loss import add_metrics, no_token_metrics, policy_loss, zero_advantage_has_no_gradient
 from .settings import Config
 from .errors import nonfinite_stop
-from .policy.distributed import setup as setup_distributed
+from .policy.forwards import Policy
 from .policy.models import check_load_options, device_of, load_model, load_tokenizer, prepare_for_training
 from .policy.optim import build_optimizer, build_scheduler, optimizer_step, set_hyperparameters
 from .policy.parallel import check_settings as check_parallel_settings
-from .policy.policy import Policy
 from .policy.precision import Precision
-from .rollout.batches import Batch, Generation, Scored, generation_from_dict, length_metrics, loss_batches, sample_batch
+from .rollout.batches import Batch, Generation, Scored, generation_from_dict, length_metrics, loss_batches, regroup
 from .rollout.custom import CustomRollouts
 from .rollout.evaluate import check_eval_setup, evaluate
-from .rollout.prompts import PromptStream, check_dataset, per_completion, steps_per_generation, total_steps
-from .rollout.reward_models import reward_callables, to_device
+from .rollout.progress import TokenProgress
+from .rollout.prompts import PromptStream, check_dataset, per_completion
+from .rollout.reward_models import place_reward_models, reward_callables
 from .rollout.rewards import NoSignalWatch, RewardContext, compute_rewards, reward_func_names, reward_metrics
+from .rollout.sampling import Rollout, Sampler
 from .run import checkpoint, elastic
+from .run.allocator import return_freed_memory
+from .run.distributed import setup as setup_distributed
 from .run.interrupts import StepAbandoned, StopSignals, TrainingInterrupted
 from .run.logs import log_completions, log_eval, log_metrics, peak_memory_gb
 from .run.trackers import Trackers
+from .settings.schedule import Schedule
 
 
 class Trainer:
@@ -55,19 +59,18 @@ class Trainer:
                                         config.bf16_weights)
         self.model = prepare_for_training(model if model is not None else load_model(config, self.precision), config,
                                           self.dist.world_size)
-        self.policy = Policy(self.model, self.tokenizer, config, self.dist, self.precision)
-        to_device(self.reward_funcs, self.policy.device)  # reward models next to the policy
-        self.sample = self.policy.sample if rollout_func is None else CustomRollouts(rollout_func, self)
+        self.policy = Policy(self.model, config, self.dist.world_size, self.precision)
+        if self.policy.device.type == "cpu":  # freed activations and logits go back to the OS (run/allocator)
+            return_freed_memory()
+        place_reward_models(self.reward_funcs, self.policy.device)  # reward models next to the policy
+        self.sampler = Sampler(self.policy, self.tokenizer, config) if rollout_func is None else \
+            CustomRollouts(rollout_func, self)
         self.prompts = PromptStream(train_dataset, config.seed)
-        # Micro-batches per generation batch (each rank), the optimizer steps it feeds (num_iterations each), prompts.
-        self.steps_per_generation = steps_per_generation(
-            config.per_device_train_batch_size, config.gradient_accumulation_steps, config.steps_per_generation,
-            config.generation_batch_size, config.num_generations, self.dist.world_size)
-        self.generation_every = self.steps_per_generation // config.gradient_accumulation_steps * config.num_iterations
-        self.prompts_per_generation = self.steps_per_generation * config.per_device_train_batch_size \
-            * self.dist.world_size // config.num_generations
-        self.total_steps = total_steps(len(train_dataset), self.prompts_per_generation, config.num_train_epochs,
-                                       config.max_steps, self.generation_every)
+        self.schedule = Schedule.resolve(config, self.dist.world_size)
+        self.total_steps = self.schedule.total_steps(len(train_dataset), config.num_train_epochs, config.max_steps)
+        self.loss_settings = config.loss_settings()
+        self.skip_zero_advantage = zero_advantage_has_no_gradient(config.beta, config.top_entropy_quantile,
+                                                                  config.entropy_coef)
         self.optimizer = build_optimizer(self.model.parameters(), config.optim, config.learning_rate,
                                          (config.adam_beta1, config.adam_beta2), config.weight_decay)
         self.scheduler = build_scheduler(self.optimizer, self.total_steps, config.warmup_ratio,
@@ -120,13 +123,11 @@ class Trainer:
 
     def run_step(self, signals: StopSignals) -> dict:
         """One optimizer step on the next gradient_accumulation_steps micro-batches of the generation batch,
-        sampling a new one every `generation_every` steps (TRL's steps_per_generation x num_iterations)."""
+        sampling a new one when the schedule says (settings/schedule.py)."""
         with self._undone_on_failure(signals):
-            if self.step % self.generation_every == 0 or self.generation is None:  # None: resumed elastically
+            if self.schedule.starts_generation(self.step) or self.generation is None:  # None: resumed elastically
                 self.generation = self.generate()
-            k = self.config.gradient_accumulation_steps
-            first = self.step % (self.steps_per_generation // k) * k
-            totals = self.accumulate(self.generation.batches[first:first + k])
+            totals = self.accumulate(self.generation.batches[self.schedule.micro_batches_of(self.step)])
         metrics = {**self.generation.metrics, **self.apply_update(totals)}
         self.step += 1
         return metrics
@@ -134,39 +135,65 @@ class Trainer:
     @torch.no_grad()
     def generate(self) -> Generation:
         """Sample a generation batch, score it, and cut it into micro-batches with what the loss needs."""
-        cfg, G, dist = self.config, self.config.num_generations, self.dist
         t0 = time.perf_counter()
         # Every rank draws the same global prompts and keeps its own share of whole prompts.
-        rows = dist.shard(self.prompts.next(self.prompts_per_generation))                   # rollout/prompts
-        with self.policy.progress(f"sampling step {self.step + 1}", enabled=dist.is_main):
-            rollouts, fields = sample_batch(self.sample, rows["prompt"], cfg.per_device_train_batch_size, G,
-                                            self.tokenizer.pad_token_id)                            # rollout/batches
-        generate_s = dist.reduce({"s": time.perf_counter() - t0}, "max")["s"]  # the slowest rank's
-        self.policy.check_head_once(rollouts[0])  # first step: our log-probs vs the model's own   policy
-        columns = {**per_completion(rows, G), **fields}  # a rollout_func's fields win over columns, as in TRL
+        rows = self.dist.shard(self.prompts.next(self.schedule.prompts_per_generation))  # rollout/prompts
+        rollouts, fields = self.sample(rows["prompt"])                                    # rollout/sampling
+        generate_s = self.dist.reduce({"s": time.perf_counter() - t0}, "max")["s"]  # the slowest rank's
+        self.policy.check_head_once(rollouts[0], agree=self.largest)  # first step: vs the model's own forward
+        scored, context = self.score(rows, rollouts, fields)                              # rollout/rewards
+        scored.advantages = group_advantages(scored.rewards, self.config.num_generations,  # algo/advantages
+                                             scale=self.config.scale_rewards, scored=scored.applied)
+        batches = self.micro_batches(rollouts, self.dist.local(scored.advantages))        # rollout/batches
+        metrics = self.generation_metrics(rollouts, scored, context, generate_s)
+        return Generation(batches, metrics, scored)
+
+    def sample(self, prompts: list) -> tuple[list[Rollout], dict[str, list]]:
+        """This rank's completions of `prompts` in micro-batches, and a rollout_func's extra reward columns."""
+        with TokenProgress(f"sampling step {self.step + 1}", enabled=self.dist.is_main) as on_token:
+            rollouts, fields = self.sampler(prompts, on_token)
+        return regroup(rollouts, self.schedule.micro_batch, self.tokenizer.pad_token_id), fields
+
+    def score(self, rows: dict, rollouts: list[Rollout], fields: dict) -> tuple[Scored, RewardContext]:
+        """Every reward function on this rank's completions; the rewards [W*N] and per function [W*N, F] of all
+        ranks (rank-major), advantages still to come."""
+        columns = {**per_completion(rows, self.config.num_generations), **fields}  # a rollout_func's fields win
         prompts, completions = columns.pop("prompt"), [c for ro in rollouts for c in ro.completions]
         context = RewardContext(self.step, self.total_steps)  # TRL's trainer_state, log_metric, log_extra
-        rewards, per_func, _ = compute_rewards(self.reward_funcs, prompts, completions, columns, cfg.reward_weights,
-                                               completion_ids=[i for ro in rollouts for i in ro.completion_id_lists],
-                                               context=context)                          # rollout/rewards
-        rewards, per_func = dist.gather(rewards), dist.gather(per_func)  # [W*N], [W*N, F]: all ranks, rank-major
-        scored = ~per_func.isnan().all(dim=1)  # [W*N]: False where every reward function returned None
-        advantages = group_advantages(rewards, G, scale=cfg.scale_rewards, scored=scored)  # [W*N]  algo/advantages
-        skip_zero = zero_advantage_has_no_gradient(cfg.beta, cfg.top_entropy_quantile, cfg.entropy_coef)  # algo/loss
-        batches = loss_batches(rollouts, dist.local(advantages), cfg.mask_truncated_completions, self.policy.device,
-                               skip_zero, dist.world_size > 1)                                 # rollout/batches
-        for b in (b for b in batches if not b.empty):  # log-probs fixed during the step, when the loss uses them
-            if self.generation_every > 1:  # later steps are off-policy
-                b.old_logprobs = self.policy.logprobs(b.rollout)                             # policy
+        rewards, per_func = compute_rewards(self.reward_funcs, prompts, completions, columns,
+                                            self.config.reward_weights, context=context,
+                                            completion_ids=[i for ro in rollouts for i in ro.completion_id_lists])
+        return Scored(prompts, completions, self.dist.gather(rewards), self.dist.gather(per_func),
+                      extras=context.extras), context
+
+    def micro_batches(self, rollouts: list[Rollout], advantages: torch.Tensor) -> list[Batch]:
+        """The micro-batches the loss takes, cut to the rows with a gradient (rollout/batches.trained_rows), with
+        the log-probs fixed for the whole generation batch: the old policy's when later steps are off-policy, the
+        reference's when there is one."""
+        batches = loss_batches(rollouts, advantages, self.config.mask_truncated_completions, self.policy.device,
+                               self.skip_zero_advantage, keep_one=self.dist.world_size > 1)
+        for b in (b for b in batches if not b.empty):
+            if self.schedule.optimizer_steps_per_generation > 1:
+                b.old_logprobs = self.policy.logprobs(b.rollout)                          # policy/forwards
             if self.policy.has_reference:
-                b.ref_logprobs = self.policy.reference_logprobs(b.rollout)                   # policy
-        lengths = dist.gather(torch.cat([ro.completion_mask.sum(1) for ro in rollouts]).float())  # [W*N]
-        truncated = dist.gather(torch.cat([ro.truncated for ro in rollouts]).float())  # [W*N]
-        metrics = {**reward_metrics(rewards, per_func, self.reward_names), **length_metrics(lengths, truncated),
-                   "frac_reward_zero_std": zero_std_fraction(rewards, G, scored), **context.metrics_over(dist),
-                   "perf/generate_s": generate_s, "perf/tokens_per_s": lengths.sum().item() / generate_s}
-        self.no_signal.update(metrics["frac_reward_zero_std"], show=dist.is_main)  # says once what usually fixes it
-        return Generation(batches, metrics, Scored(prompts, completions, rewards, per_func, advantages, context.extras))
+                b.ref_logprobs = self.policy.reference_logprobs(b.rollout)                # policy/forwards
+        return batches
+
+    def generation_metrics(self, rollouts: list[Rollout], scored: Scored, context: RewardContext,
+                           generate_s: float) -> dict:
+        """The generation batch's metrics over all ranks: rewards, lengths, groups without signal, timing."""
+        lengths = self.dist.gather(torch.cat([ro.completion_mask.sum(1) for ro in rollouts]).float())  # [W*N]
+        truncated = self.dist.gather(torch.cat([ro.truncated for ro in rollouts]).float())  # [W*N]
+        zero_std = zero_std_fraction(scored.rewards, self.config.num_generations, scored.applied)
+        self.no_signal.update(zero_std, show=self.dist.is_main)  # says once what usually fixes it
+        return {**reward_metrics(scored.rewards, scored.per_func, self.reward_names),
+                **length_metrics(lengths, truncated), "frac_reward_zero_std": zero_std,
+                **context.metrics_over(self.dist), "perf/generate_s": generate_s,
+                "perf/tokens_per_s": lengths.sum().item() / generate_s}
+
+    def largest(self, value: float) -> float:
+        """The largest of every rank's `value`."""
+        return self.dist.reduce({"value": value}, "max")["value"]
 
     def accumulate(self, batches: list[Batch]) -> dict:
         """Back-propagate the loss of every micro-batch, each normalized as `loss_type` says with the step's
@@ -181,13 +208,13 @@ class Trainer:
                 old_logprobs = b.old_logprobs if b.old_logprobs is not None else logprobs.detach()
                 loss, m = policy_loss(                                                         # algo/loss
                     logprobs, old_logprobs, b.ref_logprobs, b.advantages, b.rollout.completion_mask,
-                    entropies=entropies, **self.config.loss_settings(), num_tokens=counts["divisor"],
+                    entropies=entropies, **self.loss_settings, num_tokens=counts["divisor"],
                     num_sequences=b.rows, micro_batch_tokens=b.tokens, num_micro_batches=counts["micro_batches"])
                 self.policy.parallel.backward(loss)
             add_metrics(totals, m, share=b.trained_tokens / max(1, counts["trained"]))  # over rows trained  algo/loss
             totals["loss"] += loss.item()
         # Per-token metrics (entropy, ratio, clip ratios) are the rows trained's; 0 where no row was trained.
-        totals = {**no_token_metrics(**self.config.loss_settings()), **self.dist.reduce(totals)}  # algo/loss
+        totals = {**no_token_metrics(**self.loss_settings), **self.dist.reduce(totals)}  # algo/loss
         return {**totals, "skipped/zero_gradient": counts["skipped"] / counts["rows"]}
 
     def apply_update(self, totals: dict) -> dict:
@@ -232,13 +259,13 @@ class Trainer:
                               accuracy_func=cfg.eval_accuracy_func, format_func=cfg.eval_format_func,
                               max_prompt_length=cfg.max_prompt_length, max_completion_length=cfg.max_completion_length,
                               batch_size=cfg.eval_batch_size, limit=cfg.eval_limit, progress=self.dist.is_main,
-                              generate=self.policy.parallel.generate, chat_template_kwargs=cfg.chat_template_kwargs)
+                              unsharded=self.policy.parallel.unsharded, chat_template_kwargs=cfg.chat_template_kwargs)
         return log_eval(self.output_dir, self.step, metrics, self.dist.is_main, self.trackers)
 
     def log(self, metrics: dict) -> dict:
         """Every rank calls it (it gathers); rank 0 writes. Timings and memory are the slowest / largest rank's."""
         line = log_metrics(self.output_dir, self.step, metrics, self.dist, self.trackers)
-        if (self.step - 1) % self.generation_every == 0:  # once per generation batch, not per pass
+        if self.schedule.starts_generation(self.step - 1):  # once per generation batch, not per pass
             log_completions(self.output_dir, self.step, self.generation.scored, self.reward_names, self.dist, self.trackers)
         return line
 
@@ -247,7 +274,7 @@ class Trainer:
         """Everything besides the weights that resuming needs: optimizer, schedule, data position, step and
         skipped-step counters, each rank's RNG states and a generation batch later steps still use. Under
         torchrun every rank calls it (gathering is collective); rank 0 gets the whole."""
-        mid_batch = self.step % self.generation_every != 0
+        mid_batch = not self.schedule.starts_generation(self.step)
         own = {"rng": checkpoint.rng_state(), "generation": asdict(self.generation) if mid_batch else None}
         return {"step": self.step, "optimizer": self.policy.parallel.optimizer_state(self.optimizer),
                 "scheduler": self.scheduler.state_dict(), "prompts": self.prompts.state_dict(),

@@ -19,10 +19,10 @@ import torch
 from datasets import Dataset
 from tiny_setup import digit_prompts, digit_share, odd_digit_share, tiny_model, tiny_tokenizer
 
-import grpo.policy.policy
+import grpo.rollout.sampling
 from grpo import Config, Trainer
 from grpo.settings.cli import apply_overrides
-from grpo.policy.distributed import setup
+from grpo.run.distributed import setup
 from grpo.rollout.sampling import Rollout, completion_mask_after_eos, eos_token_ids
 from grpo.tasks.tiny import model_for
 
@@ -76,7 +76,7 @@ class Crash(BaseException):
 
 
 def fixed_sample(model, tokenizer, encode, prompts, *, num_generations, max_completion_length, **_):
-    """Stands in for grpo.rollout.sampling.sample: random tokens and lengths seeded by each prompt's text."""
+    """Stands in for grpo.rollout.sampling.sample_completions: random tokens and lengths seeded by each prompt's text."""
     prompt_ids, prompt_mask = encode(prompts)  # [B, P]
     eos = eos_token_ids(tokenizer, model)[0]
     completion_ids = torch.full((len(prompts) * num_generations, max_completion_length), eos)  # [N, C]
@@ -175,11 +175,11 @@ def resume_elsewhere(out_dir: str, name: str) -> None:
 
 
 def main(out_dir: str, names: list[str]) -> None:
-    from grpo.policy.distributed import shutdown
+    from grpo.run.distributed import shutdown
 
-    real_sample = grpo.policy.policy.sample
+    real_sample = grpo.rollout.sampling.sample_completions
     for name in names:
-        grpo.policy.policy.sample = fixed_sample if name.startswith("fixed") else real_sample
+        grpo.rollout.sampling.sample_completions = fixed_sample if name.startswith("fixed") else real_sample
         run = crash_and_resume if name.startswith("resumed") else resume_elsewhere if name in ELASTIC_RESUMES else train
         run(out_dir, name)
     shutdown()

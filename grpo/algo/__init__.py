@@ -8,3 +8,6 @@ SCALES = ("group", "batch", "none")  # advantages.group_advantages(scale=...)
 LOSS_TYPES = ("dapo", "grpo", "bnpo", "dr_grpo", "cispo", "sapo", "luspo")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")  # loss.policy_loss(importance_sampling_level=...)
 LOGPROB_CHUNK_SIZE = 512  # logprobs.token_logprobs(chunk_size=...)'s default, and Config.logprob_chunk_size's
+# logprobs: rows of the [V, H] weight gradient made per matmul when the LM head is not float32 (bounds the
+# low-precision temporary added into the float32 accumulator); the memory planner counts it
+HEAD_GRAD_BLOCK = 16384

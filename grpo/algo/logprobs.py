@@ -16,11 +16,8 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from . import LOGPROB_CHUNK_SIZE
+from . import HEAD_GRAD_BLOCK, LOGPROB_CHUNK_SIZE
 
-# Rows of the [V, H] weight gradient produced per matmul when the LM head is not float32:
-# bounds the low-precision temporary that is added into the float32 accumulator.
-_WEIGHT_GRAD_BLOCK = 16384
 # Vocabulary columns per block of a soft cap's or the entropy's backward: bounds their [c, block] temporaries.
 _GRAD_BLOCK = 4096
 # Elements per row block of the entropy's forward (16 MB in float32): bounds its exponentials' temporary.
@@ -143,8 +140,8 @@ def _accumulate_weight_grad(acc: Tensor, grad_logits: Tensor, h: Tensor) -> None
         return
     # Low-precision matmul for speed; summing into float32 across chunks keeps precision.
     # Blocking over V keeps the low-precision partial product small instead of [V, H].
-    for v0 in range(0, acc.shape[0], _WEIGHT_GRAD_BLOCK):
-        v1 = v0 + _WEIGHT_GRAD_BLOCK
+    for v0 in range(0, acc.shape[0], HEAD_GRAD_BLOCK):
+        v1 = v0 + HEAD_GRAD_BLOCK
         acc[v0:v1] += grad_logits[:, v0:v1].T @ h  # [v, H]
 
 

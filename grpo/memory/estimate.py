@@ -23,15 +23,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..policy import reference_kind, uses_bf16
+from ..algo import HEAD_GRAD_BLOCK
+from ..policy import reference_kind
+from ..policy.optim import BNB_CPU_SLICE
+from ..policy.precision import Precision
+from ..settings.schedule import Schedule
 
 GB = 1e9
-LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 BNB_8BIT_MIN_SIZE = 4096  # bitsandbytes keeps 32-bit states for smaller tensors
 BNB_BLOCK = 256  # 8-bit optimizer states: one float32 absmax per block
 NF4_BLOCK = 64  # 4-bit weights: one float32 absmax per block
-BNB_CPU_SLICE = 1 << 22  # elements per 8-bit optimizer update on CPU (policy/optim.py), a multiple of BNB_BLOCK
-HEAD_GRAD_BLOCK = 16384  # rows of a low-precision LM head's gradient made per matmul (algo/logprobs.py)
 
 
 @dataclass(frozen=True)
@@ -133,20 +134,20 @@ class _Dtypes:
     base: int  # bytes per frozen or trained base weight element
     compute: int  # activations inside the layers (bf16 under autocast)
     residual: int  # the residual stream between layers
-    autocast: bool
-    dropout_mask: int  # CUDA keeps a bool mask; CPU dropout keeps a float noise tensor
+    autocast: bool  # float32 weights under bf16 autocast: each linear keeps a bf16 copy of its weight
+    reference: int  # bytes per element of full fine-tuning's frozen reference copy
+    dropout_mask: int
 
 
 def _dtypes(s, device: str) -> _Dtypes:
-    """The trainer's dtype plan (policy/precision.py; `bf16=None` means bf16 on CUDA only)."""
-    mask = 1 if device == "cuda" else 4
-    if s.bf16_weights and not s.use_lora:  # bf16 weights: no autocast copies, everything flows in bf16
-        return _Dtypes(base=2, compute=2, residual=2, autocast=False, dropout_mask=1 if device == "cuda" else 2)
-    if not uses_bf16(s.bf16, device):
-        return _Dtypes(base=4, compute=4, residual=4, autocast=False, dropout_mask=mask)
-    if s.use_lora:  # bf16 base (4-bit linears compute in bf16 too): everything flows in bf16
-        return _Dtypes(base=2, compute=2, residual=2, autocast=True, dropout_mask=mask)
-    return _Dtypes(base=4, compute=2, residual=4, autocast=True, dropout_mask=mask)  # float32 weights
+    """Bytes per element under the trainer's dtype plan (policy/precision.Precision.plan, the one plan)."""
+    plan = Precision.plan(s.bf16, s.use_lora, device, s.bf16_weights)
+    base = plan.base_dtype.itemsize
+    bf16_trained = base == 2 and not s.use_lora  # bf16 weights: no autocast copies, everything flows in bf16
+    # CUDA dropout keeps a bool mask; CPU dropout keeps a noise tensor, float32 unless the weights are bf16.
+    mask = 1 if device == "cuda" else 2 if bf16_trained else 4
+    return _Dtypes(base=base, compute=2 if plan.bf16 or base == 2 else 4, residual=base,
+                   autocast=plan.bf16 and base == 4, reference=plan.reference_dtype.itemsize, dropout_mask=mask)
 
 
 def _layer_activations(a: Architecture, s, d: _Dtypes) -> float:
@@ -191,9 +192,10 @@ def estimate(a: Architecture, s, device: str = "cuda") -> Estimate:
     prompts counted at max_prompt_length (the worst case); see the module docstring."""
     d = _dtypes(s, device)
     V, H, L = a.vocab_size, a.hidden_size, a.num_layers
-    N = s.per_device_train_batch_size  # sequences per micro-batch (TRL 1.16: completions)
+    schedule = Schedule.resolve(s)  # one rank's share: ranks are not known here
+    N = schedule.micro_batch  # sequences per micro-batch (TRL 1.16: completions)
     # Sampling runs a micro-batch's whole prompts at a time, at least one prompt's group.
-    N_sample = max(1, N // s.num_generations) * s.num_generations
+    N_sample = schedule.prompts_per_micro_batch * s.num_generations
     P, C = s.max_prompt_length, s.max_completion_length
     T = P + C
     quantized = s.use_lora and s.load_in_4bit
@@ -208,10 +210,8 @@ def estimate(a: Architecture, s, device: str = "cuda") -> Estimate:
         parts["weights"] += 4 * n_trainable  # float32 adapters
     parts["optimizer states"] = _optimizer_bytes(trainable, s.optim)
     copy = reference_kind(s.use_lora, s.beta) == "copy"
-    parts["reference model"] = a.num_params() * (2 if d.autocast or d.base == 2 else 4) if copy else 0.0  # bf16 copy
-    rollout_rows = N * (s.steps_per_generation or s.gradient_accumulation_steps)  # a generation batch's rows
-    if s.generation_batch_size:  # one rank's share is modelled as the whole (ranks are not known here)
-        rollout_rows = s.generation_batch_size
+    parts["reference model"] = a.num_params() * d.reference if copy else 0.0
+    rollout_rows = schedule.completions_per_generation  # a generation batch's rows
     parts["rollouts"] = rollout_rows * (T * 8 * 2 + C * 4 * (2 if s.beta > 0 else 1))  # ids, masks, log-probs
 
     # --- generation: KV cache in the weights' dtype (no autocast), logits of one step, a layer's prefill ---

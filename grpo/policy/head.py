@@ -26,6 +26,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+import torch
+
+from ..algo.logprobs import transform_logits_
 from ..errors import ConfigError
 
 
@@ -99,3 +102,26 @@ def head_transform(config) -> HeadTransform:
             raise ConfigError(f"{where}.{name} = {value!r}: a transform of the logits that grpo does not implement "
                               f"(see grpo/policy/head.py), so its log-probs would be wrong")
     return HeadTransform(scale, softcap)
+
+
+def positions(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Position ids [N, T] that count real tokens only: left padding shifts where each sequence starts, and
+    sampling and the loss must agree on every token's position."""
+    return (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+
+
+def next_token_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, logit_scale: float = 1.0,
+                      softcap: float | None = None) -> torch.Tensor:
+    """float32 logits [N, V] of the last hidden states [N, H] under an LM head [V, H], transformed as the
+    log-probs do (`algo.logprobs.transform_logits_`)."""
+    logits = torch.mm(weight, hidden.to(weight.dtype).T).T.contiguous().float()  # [N, V]; W @ h.T: faster
+    if bias is not None:
+        logits += bias  # [N, V]
+    return transform_logits_(logits, logit_scale, softcap)  # [N, V]
+
+
+def head_logits(hf_model):
+    """`hidden [N, H] -> logits [N, V]` as `hf_model`'s forward makes them from its last hidden states: its LM
+    head and its family's scale or soft cap (read from its config once, policy/head), in float32."""
+    head, transform = hf_model.get_output_embeddings(), head_transform(hf_model.config)
+    return lambda hidden: next_token_logits(hidden, head.weight, head.bias, transform.scale, transform.softcap)

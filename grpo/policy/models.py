@@ -11,10 +11,9 @@ import torch
 
 from ..algo.logprobs import token_logprobs
 from ..errors import ConfigError
-from ..rollout.decoding import head_logits, positions
 from . import reference_kind
 from .gguf import resolve_model_path
-from .head import head_transform
+from .head import head_logits, head_transform, positions
 from .precision import Precision
 from .sources import loading
 

@@ -6,9 +6,12 @@ import math
 import torch
 
 from ..errors import ConfigError
-from ..memory.estimate import BNB_CPU_SLICE as CPU_SLICE
 from ..settings.choices import OPTIMIZERS, SCHEDULES
 from .rounding import StochasticRoundingAdamW, stochastic_round_to_bf16
+
+# Elements per 8-bit optimizer update on CPU (a multiple of bitsandbytes' 256-element block): bounds its
+# float32 temporaries; the memory planner counts them
+BNB_CPU_SLICE = 1 << 22
 
 
 def build_optimizer(params, name: str, lr: float, betas: tuple[float, float], weight_decay: float):
@@ -20,7 +23,7 @@ def build_optimizer(params, name: str, lr: float, betas: tuple[float, float], we
     if name == "adamw_8bit":
         return _sliced_adamw_8bit()(params, lr=lr, betas=betas, weight_decay=weight_decay)
     if name == "adamw" and any(p.dtype == torch.bfloat16 for p in params):
-        return StochasticRoundingAdamW(params, lr=lr, betas=betas, weight_decay=weight_decay, slice_size=CPU_SLICE)
+        return StochasticRoundingAdamW(params, lr=lr, betas=betas, weight_decay=weight_decay, slice_size=BNB_CPU_SLICE)
     if name == "adamw":
         # The fused kernel updates each tensor in one pass: the default implementations allocate float32
         # temporaries as large as the largest tensor (CPU) or as all the states together (CUDA, foreach).
@@ -47,7 +50,7 @@ def _sliced_adamw_8bit():
         def update_step(self, group, p, gindex, pindex):
             state = self.state[p]
             eight_bit, bf16 = state["state1"].dtype == torch.uint8, p.dtype == torch.bfloat16
-            if not bf16 and (p.device.type != "cpu" or not eight_bit or p.numel() <= CPU_SLICE):
+            if not bf16 and (p.device.type != "cpu" or not eight_bit or p.numel() <= BNB_CPU_SLICE):
                 return super().update_step(group, p, gindex, pindex)
             config = self.get_config(gindex, pindex, group)
             if config["max_unorm"] > 0:  # a whole-tensor norm: slices cannot apply it
@@ -56,8 +59,8 @@ def _sliced_adamw_8bit():
             p.data = p.data.contiguous()
             betas = config["betas"]
             flat = [t.view(-1) for t in (p.grad.contiguous(), p.data, state["state1"], state["state2"])]
-            for start in range(0, p.numel(), CPU_SLICE):
-                end = min(start + CPU_SLICE, p.numel())
+            for start in range(0, p.numel(), BNB_CPU_SLICE):
+                end = min(start + BNB_CPU_SLICE, p.numel())
                 grad, weight, state1, state2 = (t[start:end] for t in flat)
                 weight32, grad = weight.float(), grad.float()  # copies when bf16, the tensors themselves if not
                 if eight_bit:

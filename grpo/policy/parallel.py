@@ -14,9 +14,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import ConfigError
-from ..run.checkpoint import check_shapes, load_weights, read_weights
-from .distributed import Distributed
 from .models import device_of, unwrap
+from .weights import check_shapes, load_weights, read_weights
 
 
 class _Root(nn.Module):
@@ -37,10 +36,10 @@ class ParallelPolicy:
     """Forward, backward and saving of `model` as its wrapping needs them. One process: no wrapper, every
     call goes straight to the model."""
 
-    def __init__(self, model, dist_info: Distributed, fsdp: bool = False, bf16: bool = False):
+    def __init__(self, model, world_size: int, fsdp: bool = False, bf16: bool = False):
         self.model = model
-        self.world_size = dist_info.world_size
-        self.kind = "single" if dist_info.world_size == 1 else "fsdp" if fsdp else "ddp"
+        self.world_size = world_size
+        self.kind = "single" if world_size == 1 else "fsdp" if fsdp else "ddp"
         self.layers: list[nn.Module] = []
         self.root = None
         if self.kind == "ddp":
@@ -52,8 +51,8 @@ class ParallelPolicy:
         """`fn(model)`, inside the wrapper's forward."""
         return fn(self.model) if self.root is None else self.root(fn)
 
-    def generate(self, fn):
-        """`fn(model)` for sampling. Under FSDP every layer is gathered once for the whole call instead of once
+    def unsharded(self, fn):
+        """`fn(model)` with the whole weights at hand, for sampling. Under FSDP every layer is gathered once for the whole call instead of once
         per generated token, at the cost of holding the full weights meanwhile. (Ranks that finish early
         keep stepping until all are done: transformers' generate sees FSDP and sets `synced_gpus`.)"""
         if self.kind != "fsdp":

@@ -7,7 +7,6 @@ from dataclasses import dataclass
 
 import torch
 
-from .custom import CustomRollouts
 from .sampling import Rollout
 
 
@@ -55,8 +54,13 @@ class Scored:
     completions: list  # this rank's
     rewards: torch.Tensor  # [W*N] weighted sum over the reward functions
     per_func: torch.Tensor  # [W*N, F] each function's reward, NaN where it returned None
-    advantages: torch.Tensor  # [W*N]
+    advantages: torch.Tensor | None = None  # [W*N], once computed from the rewards
     extras: dict = dataclasses.field(default_factory=dict)  # this rank's reward functions' log_extra columns
+
+    @property
+    def applied(self) -> torch.Tensor:
+        """[W*N] False where every reward function returned None: such a completion has no score."""
+        return ~self.per_func.isnan().all(dim=1)
 
 
 @dataclass
@@ -79,11 +83,10 @@ class Generation:
 
 
 def generation_from_dict(saved: dict, device: torch.device) -> Generation:
-    """The inverse of `dataclasses.asdict(generation)`, with its tensors moved (back) to `device`. (Checkpoints
-    from before rows were skipped have no `rows` and `tokens`: their rollouts hold every row.)"""
+    """The inverse of `dataclasses.asdict(generation)`, with its tensors moved (back) to `device`."""
     batches = [Batch(Rollout(**{k: to_device(v, device) for k, v in b["rollout"].items()}),
                      *(to_device(b[k], device) for k in ("advantages", "old_logprobs", "ref_logprobs")),
-                     b.get("rows"), b.get("tokens"))
+                     b["rows"], b["tokens"])
                for b in saved["batches"]]
     return Generation(batches, saved["metrics"], Scored(**saved["scored"]))
 
@@ -118,10 +121,10 @@ def trained_rows(batch: Batch, skip_zero_advantage: bool, keep_one: bool) -> Bat
     if keep.numel() == 0 and keep_one:
         keep = keep.new_zeros(1)  # [1]
         rollout = dataclasses.replace(rollout, completion_mask=torch.zeros_like(rollout.completion_mask))  # [N, C]
-    return Batch(select_rows(rollout, keep), batch.advantages[keep], rows=batch.rows, tokens=batch.tokens)
+    return Batch(rollout_rows(rollout, keep), batch.advantages[keep], rows=batch.rows, tokens=batch.tokens)
 
 
-def select_rows(rollout: Rollout, rows: torch.Tensor) -> Rollout:
+def rollout_rows(rollout: Rollout, rows: torch.Tensor) -> Rollout:
     """Rows `rows` [n] (indices, in order) of `rollout`, with only the padding they need: prompts stay
     left-padded and completions right-padded, but columns no kept row uses are dropped, so that their compute
     does not depend on the rows left out."""
@@ -134,23 +137,9 @@ def select_rows(rollout: Rollout, rows: torch.Tensor) -> Rollout:
                    completion_mask[:, :c], [rollout.completions[i] for i in rows.tolist()], rollout.truncated[rows])
 
 
-def sample_batch(sample, prompts: list, per_device: int, num_generations: int,
-                 pad_id: int) -> tuple[list[Rollout], dict[str, list]]:
-    """A generation batch's micro-batches of `per_device` rows, and the reward columns a rollout_func returned
-    besides its tokens (none for our decoder). Our decoder (`sample(prompts) -> Rollout`) is called on a
-    micro-batch's worth of whole prompts at a time (at least one), so its KV cache is a micro-batch's; a
-    rollout_func (`CustomRollouts`) once for the whole generation batch, as TRL calls it. Either way the rows
-    are then cut into micro-batches."""
-    if isinstance(sample, CustomRollouts):
-        rollout, fields = sample(prompts)
-        return regroup([rollout], per_device, pad_id), fields
-    k = max(1, per_device // num_generations)
-    return regroup([sample(prompts[i:i + k]) for i in range(0, len(prompts), k)], per_device, pad_id), {}
-
-
 def regroup(rollouts: list[Rollout], size: int, pad_id: int) -> list[Rollout]:
-    """The rows of `rollouts` (sampled in chunks of whole prompts) in order, cut into micro-batches of `size`
-    rows: a prompt's group may span two micro-batches. Each micro-batch keeps only the padding its own rows
+    """The rows of `rollouts` (a sampler's, in chunks of whole prompts) in order, cut into micro-batches of
+    `size` rows: a prompt's group may span two micro-batches. Each micro-batch keeps only the padding its own rows
     need (prompts stay left-padded, completions right-padded), so its compute does not depend on the chunks."""
     if all(len(r.completions) == size for r in rollouts):
         return rollouts  # sampled as they are trained: nothing to move
@@ -165,7 +154,7 @@ def regroup(rollouts: list[Rollout], size: int, pad_id: int) -> list[Rollout]:
                     cat("completion_ids", C, False, pad_id), cat("completion_mask", C, False, 0),  # [M, C] each
                     [c for r in rollouts for c in r.completions], torch.cat([r.truncated for r in rollouts]))
     M = len(whole.completions)
-    return [select_rows(whole, torch.arange(start, min(start + size, M))) for start in range(0, M, size)]
+    return [rollout_rows(whole, torch.arange(start, min(start + size, M))) for start in range(0, M, size)]
 
 
 def loss_rollout(rollout: Rollout, mask_truncated: bool) -> Rollout:

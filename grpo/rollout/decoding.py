@@ -15,37 +15,13 @@ import inspect
 import torch
 from transformers import DynamicCache
 
-from ..algo.logprobs import transform_logits_
-from ..policy.head import head_transform
+from ..policy.head import head_logits, positions
 from .compaction import DecodingRows, select_rows
 
 
 def _cache_argument(body) -> str:
     """transformers 5.x renamed the forward's `past_key_values` to `cache`."""
     return "cache" if "cache" in inspect.signature(body.forward).parameters else "past_key_values"
-
-
-def positions(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Position ids [N, T] that count real tokens only: left padding shifts where each sequence starts, and
-    sampling and the loss must agree on every token's position."""
-    return (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
-
-
-def next_token_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, logit_scale: float = 1.0,
-                      softcap: float | None = None) -> torch.Tensor:
-    """float32 logits [N, V] of the last hidden states [N, H] under an LM head [V, H], transformed as the
-    log-probs do (`algo.logprobs.transform_logits_`)."""
-    logits = torch.mm(weight, hidden.to(weight.dtype).T).T.contiguous().float()  # [N, V]; W @ h.T: faster
-    if bias is not None:
-        logits += bias  # [N, V]
-    return transform_logits_(logits, logit_scale, softcap)  # [N, V]
-
-
-def head_logits(hf_model):
-    """`hidden [N, H] -> logits [N, V]` as `hf_model`'s forward makes them from its last hidden states: its LM
-    head and its family's scale or soft cap (read from its config once, policy/head), in float32."""
-    head, transform = hf_model.get_output_embeddings(), head_transform(hf_model.config)
-    return lambda hidden: next_token_logits(hidden, head.weight, head.bias, transform.scale, transform.softcap)
 
 
 def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
@@ -101,7 +77,7 @@ def sample_from_logits(logits: torch.Tensor, generator: torch.Generator | None =
 
 
 @torch.no_grad()
-def generate(hf_model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, max_new_tokens: int,
+def decode(hf_model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, max_new_tokens: int,
              temperature: float, top_p: float, top_k: int, eos_ids: list[int], pad_id: int,
              min_p: float | None = None, repetition_penalty: float = 1.0, stop_at_eos: bool = True,
              greedy: bool = False, repeats: int = 1, on_token=None) -> torch.Tensor:

@@ -12,8 +12,8 @@ import torch
 
 from ..errors import ConfigError
 from .progress import TokenProgress
-from .rewards import compute_rewards, reward_func_names
-from .sampling import PromptEncoder, sample
+from .rewards import compute_rewards, reward_func_names, reward_metrics
+from .sampling import PromptEncoder, sample_completions
 
 
 def check_eval_setup(config, eval_dataset, reward_funcs) -> None:
@@ -42,15 +42,15 @@ def full_marks_rate(values: torch.Tensor) -> float:
 @torch.no_grad()
 def evaluate(model, tokenizer, dataset, reward_funcs, *, accuracy_func: str, format_func: str | None = None,
              max_prompt_length: int, max_completion_length: int, batch_size: int = 64,
-             limit: int | None = None, progress: bool = True, generate=None,
+             limit: int | None = None, progress: bool = True, unsharded=None,
              chat_template_kwargs: dict | None = None) -> tuple[dict[str, float], list[dict]]:
     """Greedy-decode one completion per prompt of `dataset` (its first `limit` rows), chat prompts rendered with
     `chat_template_kwargs` as in training, and score it.
 
-    `generate(fn)` runs `fn(model)` for each batch (default: directly); the Trainer passes its parallel
+    `unsharded(fn)` runs `fn(model)` for each batch (default: directly); the Trainer passes its parallel
     wrapper, so that FSDP ranks generate together. Returns `(metrics, samples)`: `eval/*` metrics and one
     dict per row (prompt, completion, each reward)."""
-    generate = generate or (lambda fn: fn(model))
+    unsharded = unsharded or (lambda fn: fn(model))
     check_eval_funcs(reward_funcs, accuracy_func, format_func)
     names = reward_func_names(reward_funcs)
     if limit is not None:
@@ -62,22 +62,22 @@ def evaluate(model, tokenizer, dataset, reward_funcs, *, accuracy_func: str, for
         for start in range(0, len(dataset), batch_size):
             bar.prompts_done(start, len(dataset))
             prompts = dataset[start:start + batch_size]["prompt"]
-            rollout = generate(lambda m: sample(m, tokenizer, encode, prompts, num_generations=1, greedy=True,
-                                                max_completion_length=max_completion_length, temperature=1.0,
-                                                top_p=1.0, top_k=0, on_token=bar))
+            rollout = unsharded(lambda m: sample_completions(
+                m, tokenizer, encode, prompts, num_generations=1, greedy=True, on_token=bar,
+                max_completion_length=max_completion_length, temperature=1.0, top_p=1.0, top_k=0))
             completions += rollout.completions
             completion_ids += rollout.completion_id_lists
             lengths.append(rollout.completion_mask.sum(dim=1).float())  # [b]
     columns = {k: dataset[k] for k in dataset.column_names if k != "prompt"}
     prompts = dataset["prompt"]
-    _, per_func, reward_metrics = compute_rewards(reward_funcs, prompts, completions, columns,
-                                                  completion_ids=completion_ids)  # per_func [N, F]
+    rewards, per_func = compute_rewards(reward_funcs, prompts, completions, columns,
+                                        completion_ids=completion_ids)  # [N], [N, F]
+    means = reward_metrics(rewards, per_func, names)
     metrics = {"eval/accuracy": full_marks_rate(per_func[:, names.index(accuracy_func)])}
     if format_func is not None:
         metrics["eval/format"] = full_marks_rate(per_func[:, names.index(format_func)])
     metrics["eval/length_mean"] = torch.cat(lengths).mean().item()
-    metrics.update({f"eval/reward/{n}": reward_metrics[f"reward/{n}"]
-                    for n in names if f"reward/{n}" in reward_metrics})
+    metrics.update({f"eval/reward/{n}": means[f"reward/{n}"] for n in names if f"reward/{n}" in means})
     metrics["eval/num_examples"] = float(len(dataset))
     metrics["eval/seconds"] = time.perf_counter() - t0
     # The dataset's other columns (the expected answer, say) sit next to each completion.

@@ -1,11 +1,10 @@
 """The prompt stream: a reshuffled pass over the dataset per epoch, resumable from (epoch, position)."""
 from __future__ import annotations
 
-import math
 
 import torch
 
-from ..errors import ConfigError, DatasetError
+from ..errors import DatasetError
 
 
 def check_dataset(dataset, name: str = "train_dataset") -> None:
@@ -83,37 +82,3 @@ def per_completion(columns: dict[str, list], num_generations: int) -> dict[str, 
     """Each prompt's row repeated for its `num_generations` completions: completion i belongs to prompt
     i // num_generations, everywhere in the trainer (sampling repeats the prompt ids the same way)."""
     return {k: [v for v in values for _ in range(num_generations)] for k, values in columns.items()}
-
-
-def total_steps(num_prompts: int, prompts_per_generation: int, num_train_epochs: float, max_steps: int,
-                steps_per_generation_batch: int) -> int:
-    """Optimizer steps of a run: `max_steps` when set, else enough generation batches for the epochs, each
-    used by `steps_per_generation_batch` optimizer steps."""
-    if max_steps > 0:
-        return max_steps
-    return max(1, math.ceil(num_train_epochs * num_prompts / prompts_per_generation)) * steps_per_generation_batch
-
-
-def steps_per_generation(per_device: int, accumulation: int, steps: int | None, generation_batch_size: int | None,
-                         num_generations: int, world_size: int) -> int:
-    """Micro-batches per generation batch on each rank, resolved as TRL 1.16's GRPOConfig does: from
-    `steps` (TRL's steps_per_generation), else from `generation_batch_size` (completions over all ranks),
-    else `accumulation`. Stricter than TRL in two ways, each a ConfigError: a generation batch feeds whole
-    optimizer steps (a multiple of `accumulation`), and each rank's share holds whole prompt groups (our
-    ranks sample their own prompts; TRL may split a group over ranks)."""
-    if steps is not None and generation_batch_size is not None:
-        raise ConfigError("set steps_per_generation or generation_batch_size, not both (as in TRL)")
-    if generation_batch_size is not None:
-        if generation_batch_size % (per_device * world_size):
-            raise ConfigError(f"generation_batch_size={generation_batch_size} must be a multiple of "
-                              f"per_device_train_batch_size x ranks = {per_device * world_size}")
-        steps = generation_batch_size // (per_device * world_size)
-    steps = accumulation if steps is None else steps
-    if steps % accumulation:
-        raise ConfigError(f"steps_per_generation={steps} must be a multiple of gradient_accumulation_steps="
-                          f"{accumulation} here: a generation batch feeds whole optimizer steps")
-    if (per_device * steps) % num_generations:
-        raise ConfigError(f"a generation batch of {per_device * steps} completions per rank (per_device_train_"
-                          f"batch_size x steps_per_generation) must hold whole groups of num_generations="
-                          f"{num_generations}")
-    return steps

@@ -52,7 +52,7 @@ class RewardModel:
 
 def reward_callables(reward_funcs, reward_processing_classes=None, chat_template_kwargs: dict | None = None) -> list:
     """`reward_funcs` (one or a list of functions, reward models and model paths) with every model wrapped as a
-    `RewardModel` (on the CPU when loaded here: see `to_device`); `reward_processing_classes` as in TRL, and
+    `RewardModel` (on the CPU when loaded here: see `place_reward_models`); `reward_processing_classes` as in TRL, and
     `chat_template_kwargs` for the reward tokenizers' chat templates."""
     funcs = [reward_funcs] if isinstance(reward_funcs, str) or callable(reward_funcs) else list(reward_funcs or ())
     if not funcs:
@@ -68,7 +68,7 @@ def reward_callables(reward_funcs, reward_processing_classes=None, chat_template
     return [_wrap(f, tokenizer, i, chat_template_kwargs) for i, (f, tokenizer) in enumerate(zip(funcs, classes))]
 
 
-def to_device(reward_funcs: list, device) -> None:
+def place_reward_models(reward_funcs: list, device) -> None:
     """Put every reward model on `device` (the policy's), where its inputs will go."""
     for f in reward_funcs:
         if isinstance(f, RewardModel):

@@ -82,7 +82,7 @@ class RewardContext:
         return {"trainer_state": self.trainer_state, "log_metric": self.log_metric, "log_extra": self.log_extra}
 
     def metrics_over(self, dist) -> dict[str, float]:
-        """Each logged metric's mean over its values on every rank (`dist`: policy.distributed's, or None)."""
+        """Each logged metric's mean over its values on every rank (`dist`: run/distributed's, or None)."""
         names = sorted(set(dist.gather_objects(list(self.metrics)) if dist else self.metrics))
         totals = {f"{k} {n}": f(self.metrics.get(n, [])) for n in names for k, f in (("sum", sum), ("count", len))}
         totals = dist.reduce(totals) if dist else totals
@@ -91,16 +91,13 @@ class RewardContext:
 
 def compute_rewards(reward_funcs, prompts, completions, columns: dict[str, list],
                     weights: list[float] | None = None, *, completion_ids: list[list[int]] | None = None,
-                    context: RewardContext | None = None) -> tuple[Tensor, Tensor, dict]:
+                    context: RewardContext | None = None) -> tuple[Tensor, Tensor]:
     """Call every reward function on the batch and combine their rewards.
 
     `columns` holds the dataset's other columns (not the prompt), one entry per completion; `completion_ids`
     the completions' token ids (empty lists when not given); `context` receives what the functions log.
     Returns `rewards` [N] (weighted sum over functions, Nones left out; 0.0 where no function
-    applies), `per_func` [N, F] (raw values, NaN for None) and metrics: `reward/<name>` and
-    `reward/<name>_std` over the completions a function applied to (absent if it applied to none),
-    and `reward/mean`, `reward/std` of the combined reward over the completions some function scored.
-    Stds are population stds (ddof 0).
+    applies) and `per_func` [N, F] (raw values, NaN for None); `reward_metrics` summarizes them.
     """
     n, names = len(completions), reward_func_names(reward_funcs)
     if len(prompts) != n or any(len(v) != n for v in columns.values()):
@@ -125,12 +122,14 @@ def compute_rewards(reward_funcs, prompts, completions, columns: dict[str, list]
         per_func[:, j] = torch.tensor(_to_floats(values[j], name, n), dtype=torch.float32)
     # NaN * weight stays NaN and nansum skips it: a None never counts, not even as 0.
     rewards = torch.nansum(per_func * torch.tensor(weights, dtype=torch.float32), dim=1)
-    return rewards, per_func, reward_metrics(rewards, per_func, names)
+    return rewards, per_func
 
 
 def reward_metrics(rewards: Tensor, per_func: Tensor, names: list[str]) -> dict[str, float]:
-    """The metrics `compute_rewards` returns, from its `rewards` [N] and `per_func` [N, F] (under torchrun,
-    from every rank's rows gathered: stds do not average across ranks)."""
+    """`reward/<name>` and `reward/<name>_std` over the completions a function applied to (absent if it applied
+    to none), and `reward/mean`, `reward/std` of the combined reward over the completions some function scored,
+    from `compute_rewards`' `rewards` [N] and `per_func` [N, F] (under torchrun, every rank's rows gathered:
+    stds do not average across ranks). Stds are population stds (ddof 0)."""
     metrics = {}
     for j, name in enumerate(names):
         applied = per_func[:, j][~per_func[:, j].isnan()]

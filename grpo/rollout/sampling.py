@@ -1,4 +1,6 @@
-"""Prompts in, `num_generations` sampled completions each out, with the masks the loss needs."""
+"""Prompts in, `num_generations` sampled completions each out, with the masks the loss needs: `Sampler`, the
+trainer's sampler over our KV-cached decoder (rollout/decoding.py); a TRL `rollout_func` stands behind the same
+interface (rollout/custom.py)."""
 from __future__ import annotations
 
 import warnings
@@ -7,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from ..policy.models import unwrap
-from .decoding import generate
+from .decoding import decode
 
 
 @dataclass
@@ -103,7 +105,7 @@ def eos_token_ids(tokenizer, model) -> list[int]:
 
 
 @torch.no_grad()
-def sample(model, tokenizer, encode: PromptEncoder, prompts: list, *, num_generations: int,
+def sample_completions(model, tokenizer, encode: PromptEncoder, prompts: list, *, num_generations: int,
            max_completion_length: int, temperature: float, top_p: float, top_k: int, min_p: float | None = None,
            repetition_penalty: float = 1.0, stop_at_eos: bool = True, greedy: bool = False,
            on_token=None) -> Rollout:
@@ -123,11 +125,11 @@ def sample(model, tokenizer, encode: PromptEncoder, prompts: list, *, num_genera
         # Our own loop, not model.generate: a checkpoint's generation-config defaults (a repetition_penalty, say)
         # never apply, only the knobs the run sets, as in TRL; and it is faster (see decoding.py). Knobs beyond
         # temperature make sampling off-policy (as in TRL): the loss scores the policy's own distribution.
-        completion_ids = generate(unwrap(model), prompt_ids, prompt_mask, max_new_tokens=max_completion_length,
-                                  temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-                                  repetition_penalty=repetition_penalty, eos_ids=eos_ids,
-                                  pad_id=tokenizer.pad_token_id, stop_at_eos=stop_at_eos,
-                                  greedy=greedy, repeats=num_generations, on_token=on_token)  # [N, C]
+        completion_ids = decode(unwrap(model), prompt_ids, prompt_mask, max_new_tokens=max_completion_length,
+                                temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                                repetition_penalty=repetition_penalty, eos_ids=eos_ids,
+                                pad_id=tokenizer.pad_token_id, stop_at_eos=stop_at_eos,
+                                greedy=greedy, repeats=num_generations, on_token=on_token)  # [N, C]
     finally:
         model.train(was_training)
     prompt_ids = prompt_ids.repeat_interleave(num_generations, dim=0)  # [N, P]
@@ -140,3 +142,23 @@ def sample(model, tokenizer, encode: PromptEncoder, prompts: list, *, num_genera
     else:
         completions = texts
     return Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, completions, truncated)
+
+
+class Sampler:
+    """The trainer's sampler with our decoder: `sampler(prompts, on_token) -> (rollouts, fields)`, a generation
+    batch's prompts in, rollouts of `num_generations` completions each out, and no extra reward columns (a
+    rollout_func's sampler returns some). Prompts are decoded a micro-batch's worth of whole prompts at a time
+    (at least one), so the KV cache stays a micro-batch's; `on_token(n)` counts the tokens as they come."""
+
+    def __init__(self, policy, tokenizer, config):
+        self.policy, self.tokenizer, self.config = policy, tokenizer, config
+        self.encode = PromptEncoder(tokenizer, config.max_prompt_length, config.chat_template_kwargs)
+        self.prompts_per_call = max(1, config.per_device_train_batch_size // config.num_generations)
+
+    @torch.no_grad()
+    def __call__(self, prompts: list, on_token=None) -> tuple[list[Rollout], dict[str, list]]:
+        c, k = self.config, self.prompts_per_call
+        return [self.policy.parallel.unsharded(lambda model: sample_completions(
+            model, self.tokenizer, self.encode, prompts[i:i + k], num_generations=c.num_generations,
+            max_completion_length=c.max_completion_length, **c.sampling_settings(), stop_at_eos=c.stop_at_eos,
+            on_token=on_token)) for i in range(0, len(prompts), k)], {}

@@ -7,14 +7,13 @@ gradient_accumulation_steps) is drawn and sampled again."""
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import numpy as np
 import torch
 
 from ..errors import ConfigError
-
-# Config fields whose product with the rank count is the completions one optimizer step takes.
-BATCH_FIELDS = ("per_device_train_batch_size", "gradient_accumulation_steps")
+from ..settings.schedule import Schedule
 
 
 def saved_ranks(state: dict) -> int:
@@ -46,11 +45,6 @@ def seed_rank(seed: int, rank: int, step: int) -> None:
     torch.manual_seed(value)  # and every CUDA device's generator
 
 
-def global_batch(config: dict, ranks: int) -> int:
-    """Completions per optimizer step."""
-    return config[BATCH_FIELDS[0]] * config[BATCH_FIELDS[1]] * ranks
-
-
 def rank_change_notes(saved_config: dict, state: dict, config: dict, world_size: int) -> list[str]:
     """What changes when a checkpoint resumes on another number of ranks (none on as many); a global batch
     that changes with the rank count is allowed, as other changed settings are, and said."""
@@ -69,9 +63,10 @@ def rank_change_notes(saved_config: dict, state: dict, config: dict, world_size:
     if unfinished:
         notes.append(f"the generation batch that step {state['step'] + 1} would reuse was sampled by {before} "
                      f"rank(s): its {unfinished} prompts are drawn again and sampled on {world_size}")
-    old, new = global_batch(saved_config, before), global_batch(config, world_size)
+    old = Schedule.resolve(SimpleNamespace(**saved_config), before).global_batch
+    new = Schedule.resolve(SimpleNamespace(**config), world_size).global_batch
     if old != new:
-        per_rank = config[BATCH_FIELDS[0]] * world_size
+        per_rank = config["per_device_train_batch_size"] * world_size
         fix = (f"--gradient_accumulation_steps={old // per_rank} keeps it" if old % per_rank == 0 else
                f"per_device_train_batch_size x gradient_accumulation_steps = {old // world_size} keeps it"
                if old % world_size == 0 else f"no batch setting on {world_size} rank(s) keeps it")

@@ -16,9 +16,9 @@ import torch
 from safetensors.torch import load_file
 from tiny_setup import tiny_model, tiny_tokenizer
 
-import grpo.policy.policy
+import grpo.rollout.sampling
 from grpo.errors import ConfigError
-from grpo.policy.distributed import Distributed
+from grpo.run.distributed import Distributed
 from grpo.policy.parallel import ParallelPolicy, check_settings
 
 TESTS = Path(__file__).resolve().parents[1]
@@ -75,7 +75,7 @@ def runs(tmp_path_factory):
 
     def meanwhile():
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(grpo.policy.policy, "sample", distributed_worker.fixed_sample)
+            patch.setattr(grpo.rollout.sampling, "sample_completions", distributed_worker.fixed_sample)
             for name in ["fixed_single", "fixed_single_lora"]:
                 distributed_worker.train(str(out), name)
 
@@ -91,7 +91,7 @@ def skipping(tmp_path_factory):
 
     def meanwhile():
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(grpo.policy.policy, "sample", distributed_worker.fixed_sample)
+            patch.setattr(grpo.rollout.sampling, "sample_completions", distributed_worker.fixed_sample)
             distributed_worker.train(str(out), "fixed_single_skip")
 
     torchrun(out, ["fixed_ddp_skip", "fixed_fsdp_skip"], meanwhile)

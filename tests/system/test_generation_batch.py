@@ -1,14 +1,16 @@
 """A generation batch is sampled whole, scored and given advantages whole, then trained in micro-batches of
 per_device_train_batch_size completions (TRL 1.16's meaning): how it is cut must not change the update."""
+from types import SimpleNamespace
+
 import pytest
 import torch
 from distributed_worker import fixed_sample
 from tiny_setup import digit_prompts, digit_share, text_length, tiny_model, tiny_tokenizer
 
-import grpo.policy.policy
+import grpo.rollout.sampling
 from grpo import Config, Trainer
 from grpo.errors import ConfigError
-from grpo.rollout.prompts import steps_per_generation
+from grpo.settings.schedule import Schedule
 
 
 @pytest.fixture(scope="module")
@@ -28,11 +30,11 @@ def train(tmp_path, name, tokenizer, reward=digit_share, **batch) -> Trainer:
 
 def test_a_group_spanning_two_micro_batches_trains_as_one_micro_batch(tmp_path, tokenizer, monkeypatch):
     # Completions depend on the prompt text alone, so the two runs see the same ones however they sample.
-    monkeypatch.setattr(grpo.policy.policy, "sample", fixed_sample)
+    monkeypatch.setattr(grpo.rollout.sampling, "sample_completions", fixed_sample)
     whole = train(tmp_path, "whole", tokenizer, per_device_train_batch_size=12)  # 3 prompts x 4, one micro-batch
     # 6 completions per micro-batch: the 2nd prompt's group is split 2 + 2 over the two micro-batches.
     split = train(tmp_path, "split", tokenizer, per_device_train_batch_size=6, gradient_accumulation_steps=2)
-    assert split.steps_per_generation == 2 and [len(b.rollout.completions) for b in split.generation.batches] == [6, 6]
+    assert split.schedule.micro_batches_per_generation == 2 and [len(b.rollout.completions) for b in split.generation.batches] == [6, 6]
     assert whole.prompts.state_dict() == split.prompts.state_dict() == {"epoch": 0, "position": 6}
     worst = max((a - b).abs().max().item() for a, b in zip(whole.model.parameters(), split.model.parameters()))
     moved = max((a - b).abs().max().item() for a, b in zip(whole.model.parameters(),
@@ -43,7 +45,7 @@ def test_a_group_spanning_two_micro_batches_trains_as_one_micro_batch(tmp_path, 
 def test_steps_per_generation_feeds_several_optimizer_steps(tmp_path, tokenizer, monkeypatch):
     # TRL's steps_per_generation = 2 x gradient_accumulation_steps: one generation batch, two optimizer steps.
     # Random completions rewarded by length, so that no group has equal rewards and nothing to train.
-    monkeypatch.setattr(grpo.policy.policy, "sample", fixed_sample)
+    monkeypatch.setattr(grpo.rollout.sampling, "sample_completions", fixed_sample)
     trainer = train(tmp_path, "spg", tokenizer, per_device_train_batch_size=4, steps_per_generation=2, beta=0.0,
                     reward=text_length)
     assert trainer.prompts.state_dict()["position"] == 2, "one generation batch of 2 prompts for both steps"
@@ -57,12 +59,21 @@ def test_steps_per_generation_feeds_several_optimizer_steps(tmp_path, tokenizer,
     (dict(per_device=3), 1, "a generation batch of 6 completions per rank"),
 ])
 def test_generation_batch_settings_resolve_as_in_trl_or_say_why_not(settings, world_size, message):
-    args = dict(per_device=4, accumulation=2, steps=None, generation_batch_size=None, num_generations=4)
+    names = dict(per_device="per_device_train_batch_size", accumulation="gradient_accumulation_steps",
+                 steps="steps_per_generation")
+    args = dict(per_device=4, accumulation=2, steps=None, generation_batch_size=None, num_generations=4,
+                num_iterations=1)
+
+    def resolve(world_size, **changes):
+        fields = {names.get(k, k): v for k, v in {**args, **changes}.items()}
+        return Schedule.resolve(SimpleNamespace(**fields), world_size)
+
     with pytest.raises(ConfigError, match=message):
-        steps_per_generation(**{**args, **settings}, world_size=world_size)
+        resolve(world_size, **settings)
     # TRL's relations: generation_batch_size = per_device x ranks x steps_per_generation.
-    assert steps_per_generation(**{**args, "generation_batch_size": 32}, world_size=2) == 4
-    assert steps_per_generation(**args, world_size=2) == 2
+    assert resolve(2, generation_batch_size=32).micro_batches_per_generation == 4
+    assert resolve(2).micro_batches_per_generation == 2
+    assert resolve(2).prompts_per_generation == 2 * 4 * 2 // 4 and resolve(2).global_batch == 4 * 2 * 2
 
 
 def test_regrouped_micro_batches_keep_only_their_own_padding(tokenizer):

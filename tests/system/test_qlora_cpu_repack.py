@@ -144,7 +144,7 @@ def test_sample_train_sample_save_reload_compute_as_without_the_repack(repack_ar
     before, grads_before = logprobs_and_grads(trainer, rollout)
     assert len(grads_before) == 2 * 7 * 2, "every LoRA A and B matrix gets a gradient"
 
-    trainer.policy.sample(digit_prompts(2)["prompt"])  # eval mode, no grad: where bitsandbytes repacks
+    trainer.sampler(digit_prompts(2)["prompt"])  # eval mode, no grad: where bitsandbytes repacks
     after, grads_after = logprobs_and_grads(trainer, rollout)
     assert torch.equal(after, before)
     for name, grad in grads_before.items():  # the packed kernel has no backward: earlier layers would differ
@@ -159,6 +159,6 @@ def test_sample_train_sample_save_reload_compute_as_without_the_repack(repack_ar
     reloaded = qlora_trainer(tmp_path / "run", model_dir, max_steps=2)
     reloaded.resume("latest")
     assert reloaded.step == 2
-    reloaded.policy.sample(digit_prompts(2)["prompt"])
+    reloaded.sampler(digit_prompts(2)["prompt"])
     assert torch.equal(reloaded.policy.logprobs(rollout).detach(), trained)
     assert base_4bit(reloaded.model).keys() == base.keys()

@@ -7,7 +7,7 @@ import torch
 from distributed_worker import fixed_sample
 from tiny_setup import digit_prompts, odd_digit_share, tiny_model, tiny_tokenizer
 
-import grpo.policy.policy
+import grpo.rollout.sampling
 import grpo.trainer
 from grpo import Config, Trainer
 from grpo.algo import LOSS_TYPES
@@ -21,7 +21,7 @@ def tokenizer():
 @pytest.fixture(autouse=True)
 def fixed_completions(monkeypatch):
     """Completions that depend on the prompt text alone: runs with and without skipping see the same ones."""
-    monkeypatch.setattr(grpo.policy.policy, "sample", fixed_sample)
+    monkeypatch.setattr(grpo.rollout.sampling, "sample_completions", fixed_sample)
 
 
 def make_trainer(tmp_path, tokenizer, name, reward=odd_digit_share, **overrides) -> Trainer:

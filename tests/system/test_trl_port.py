@@ -66,8 +66,8 @@ def test_a_ported_config_trains_with_trls_reward_helpers(tmp_path):
                       reward_funcs=rewards, train_dataset=digit_prompts(8))
     args = trl.GRPOConfig(**TRL_SETTINGS, use_cpu=True)
     # The generation batch TRL resolves: steps_per_generation micro-batches, generation_batch_size completions.
-    assert trainer.steps_per_generation == args.steps_per_generation == 2
-    assert trainer.prompts_per_generation * args.num_generations == args.generation_batch_size == 16
+    assert trainer.schedule.micro_batches_per_generation == args.steps_per_generation == 2
+    assert trainer.schedule.prompts_per_generation * args.num_generations == args.generation_batch_size == 16
     before = [p.detach().clone() for p in model.parameters()]
     history = trainer.train()
     assert trainer.step == 2 and [line["step"] for line in history] == [1, 2]

@@ -159,12 +159,11 @@ def test_trl_settings_list_matches_trl():
     assert differ == {"output_dir", "num_train_epochs", "optim", "logging_steps", "eval_steps", "fsdp", "bf16",
                       "report_to", "steps_per_generation", "generation_batch_size"}
     # TRL resolves those two in __post_init__ (it knows the rank count); the Trainer resolves our Nones alike.
-    from grpo.rollout.prompts import steps_per_generation
+    from grpo.settings.schedule import Schedule
 
-    steps = steps_per_generation(config.per_device_train_batch_size, config.gradient_accumulation_steps, None, None,
-                                 config.num_generations, world_size=1)
-    assert (steps, steps * config.per_device_train_batch_size) == (args.steps_per_generation,
-                                                                   args.generation_batch_size)
+    schedule = Schedule.resolve(config, world_size=1)
+    assert (schedule.micro_batches_per_generation, schedule.completions_per_generation) == (
+        args.steps_per_generation, args.generation_batch_size)
 
 
 @pytest.mark.parametrize("arg, message", [

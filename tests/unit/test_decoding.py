@@ -8,7 +8,7 @@ import torch
 from tiny_setup import tiny_model, tiny_tokenizer
 
 from grpo.rollout.compaction import DecodingRows
-from grpo.rollout.decoding import filter_logits, generate, penalize_repetitions, sample_from_logits, seen_tokens
+from grpo.rollout.decoding import decode, filter_logits, penalize_repetitions, sample_from_logits, seen_tokens
 from grpo.rollout.sampling import left_pad
 
 
@@ -38,7 +38,7 @@ def test_cached_decoding_of_padded_prompts_matches_uncached_greedy():
     model = tiny_model(tokenizer).eval()
     rows = [tokenizer("Write 3 digits:")["input_ids"], tokenizer("Write 12345 digits: 0")["input_ids"]]
     ids, mask = left_pad(rows, tokenizer.pad_token_id)
-    out = generate(model, ids, mask, max_new_tokens=6, temperature=1.0, top_p=1.0, top_k=1, eos_ids=[10**6],
+    out = decode(model, ids, mask, max_new_tokens=6, temperature=1.0, top_p=1.0, top_k=1, eos_ids=[10**6],
                    pad_id=tokenizer.pad_token_id)
     for row, completion in zip(rows, out.tolist()):
         seq = list(row)
@@ -55,10 +55,10 @@ def test_rows_stop_at_eos_and_are_padded_after_it():
     with torch.no_grad():
         first = int(model(ids[:1]).logits[0, -1].argmax())
     # Greedy decoding whose first token is declared EOS: every row ends at once, and the loop with it.
-    out = generate(model, ids, mask, max_new_tokens=5, temperature=1.0, top_p=1.0, top_k=1, eos_ids=[first],
+    out = decode(model, ids, mask, max_new_tokens=5, temperature=1.0, top_p=1.0, top_k=1, eos_ids=[first],
                    pad_id=tokenizer.pad_token_id)
     assert out.tolist() == [[first]] * 4
-    full = generate(model, ids, mask, max_new_tokens=5, temperature=1.0, top_p=1.0, top_k=0, eos_ids=[first],
+    full = decode(model, ids, mask, max_new_tokens=5, temperature=1.0, top_p=1.0, top_k=0, eos_ids=[first],
                     pad_id=tokenizer.pad_token_id, stop_at_eos=False)
     assert full.shape == (4, 5) and not (full == first).any()
     assert math.isfinite(float(full.float().mean()))
@@ -114,8 +114,8 @@ def test_greedy_with_a_repetition_penalty_matches_model_generate():
     ids, mask = decode_inputs(tokenizer)
     kwargs = {"max_new_tokens": 10, "temperature": 1.0, "top_p": 1.0, "top_k": 0, "eos_ids": [10**6],
               "pad_id": tokenizer.pad_token_id, "greedy": True}
-    plain = generate(model, ids, mask, **kwargs)
-    ours = generate(model, ids, mask, repetition_penalty=3.0, **kwargs)
+    plain = decode(model, ids, mask, **kwargs)
+    ours = decode(model, ids, mask, repetition_penalty=3.0, **kwargs)
     assert not torch.equal(ours, plain), "the penalty should change this greedy decode"
     theirs = model.generate(ids, attention_mask=mask, do_sample=False, repetition_penalty=3.0, max_new_tokens=10,
                             min_new_tokens=10, pad_token_id=tokenizer.pad_token_id)[:, ids.shape[1]:]
@@ -137,7 +137,7 @@ def test_sampling_draws_from_the_distribution_model_generate_would(monkeypatch):
     # A random tiny model's logits are close together: a low temperature and a high min_p make min_p bite.
     settings = {"temperature": 0.5, "top_k": 0, "top_p": 1.0, "min_p": 0.6, "repetition_penalty": 1.5}
     torch.manual_seed(0)
-    out = generate(model, ids, mask, max_new_tokens=6, eos_ids=[10**6], pad_id=tokenizer.pad_token_id, **settings)
+    out = decode(model, ids, mask, max_new_tokens=6, eos_ids=[10**6], pad_id=tokenizer.pad_token_id, **settings)
     for t, ours in enumerate(recorded):
         prefix = torch.cat([ids, out[:, :t]], dim=1)  # [N, P+t]
         prefix_mask = torch.cat([mask, torch.ones_like(out[:, :t])], dim=1)  # [N, P+t]
@@ -164,14 +164,14 @@ def lively_model(tokenizer):
     return model
 
 
-def decode(model, tokenizer, eos_ids, batch_sizes=None, **kwargs):
+def decode_prompts(model, tokenizer, eos_ids, batch_sizes=None, **kwargs):
     ids, mask = left_pad([tokenizer(p)["input_ids"] for p in PROMPTS], tokenizer.pad_token_id)
     hook = model.base_model.register_forward_pre_hook(
         lambda _, args, kw: batch_sizes.append(kw["input_ids"].shape[0]) if batch_sizes is not None else None,
         with_kwargs=True)
     try:
-        return generate(model, ids, mask, max_new_tokens=12, temperature=1.0, top_p=1.0, top_k=0, eos_ids=eos_ids,
-                        pad_id=tokenizer.pad_token_id, **kwargs)
+        return decode(model, ids, mask, max_new_tokens=12, temperature=1.0, top_p=1.0, top_k=0, eos_ids=eos_ids,
+                      pad_id=tokenizer.pad_token_id, **kwargs)
     finally:
         hook.remove()
 
@@ -189,15 +189,15 @@ def test_finished_rows_leave_the_batch_and_greedy_decoding_is_unchanged(monkeypa
     tokenizer = tiny_tokenizer()
     model = lively_model(tokenizer)
     kwargs = {"greedy": True, "repetition_penalty": penalty}
-    free = decode(model, tokenizer, [10**6], **kwargs)  # [8, 12]: no EOS, every row runs to the end
+    free = decode_prompts(model, tokenizer, [10**6], **kwargs)  # [8, 12]: no EOS, every row runs to the end
     eos = max(free.unique().tolist(), key=lambda t: len(set(finish_steps(free, t))))  # rows end one after another
     assert len(set(finish_steps(free, eos))) >= 4, finish_steps(free, eos)
     sizes = []
-    out = decode(model, tokenizer, [eos], sizes, **kwargs)
+    out = decode_prompts(model, tokenizer, [eos], sizes, **kwargs)
     assert sizes[0] == 8 and sizes == sorted(sizes, reverse=True) and len(set(sizes)) >= 3, sizes  # compacted twice
     uncompacted(monkeypatch)
     full_sizes = []
-    reference = decode(model, tokenizer, [eos], full_sizes, **kwargs)
+    reference = decode_prompts(model, tokenizer, [eos], full_sizes, **kwargs)
     assert set(full_sizes) == {8} and len(full_sizes) == len(sizes)
     assert torch.equal(out, reference)
     for row, step in zip(out.tolist(), finish_steps(out, eos)):  # padded after EOS, and as the free run up to it
@@ -212,13 +212,13 @@ def test_sampling_with_compaction_draws_what_the_uncompacted_loop_draws(monkeypa
     model = lively_model(tokenizer)
     torch.manual_seed(1)
     sizes = []
-    out = decode(model, tokenizer, list(range(4, 60)), sizes)  # a fifth of the vocabulary ends a completion
+    out = decode_prompts(model, tokenizer, list(range(4, 60)), sizes)  # a fifth of the vocabulary ends a completion
     assert sizes[-1] < 8 and (out == tokenizer.pad_token_id).any()
     uncompacted(monkeypatch)
     torch.manual_seed(1)
-    assert torch.equal(decode(model, tokenizer, list(range(4, 60))), out)
+    assert torch.equal(decode_prompts(model, tokenizer, list(range(4, 60))), out)
     torch.manual_seed(2)
-    assert not torch.equal(decode(model, tokenizer, list(range(4, 60))), out)
+    assert not torch.equal(decode_prompts(model, tokenizer, list(range(4, 60))), out)
 
 
 @pytest.mark.parametrize("penalty", [1.0, 1.5])  # the tokens seen are repeated with the rows
@@ -234,9 +234,9 @@ def test_a_shared_prefill_samples_what_repeated_prompts_sample(penalty):
     model.base_model.register_forward_pre_hook(lambda _, args, kw: sizes.append(kw["input_ids"].shape),
                                                with_kwargs=True)
     torch.manual_seed(0)
-    shared = generate(model, ids, mask, repeats=4, **settings)  # [12, 10]
+    shared = decode(model, ids, mask, repeats=4, **settings)  # [12, 10]
     assert sizes[0] == ids.shape and sizes[1] == (12, 1), sizes[:2]  # the prompts are read once
     torch.manual_seed(0)
-    repeated = generate(model, ids.repeat_interleave(4, 0), mask.repeat_interleave(4, 0), **settings)
+    repeated = decode(model, ids.repeat_interleave(4, 0), mask.repeat_interleave(4, 0), **settings)
     assert shared.shape == (12, 10) and torch.equal(shared, repeated)
     assert len({tuple(r) for r in shared.tolist()}) > 3  # the copies drew different completions

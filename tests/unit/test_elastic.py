@@ -11,7 +11,9 @@ from grpo.errors import ConfigError
 from grpo.rollout.prompts import PromptStream
 from grpo.run import elastic
 
-CONFIG = {"per_device_train_batch_size": 8, "gradient_accumulation_steps": 4, "num_generations": 4, "fsdp": False}
+# The batch settings of a saved config (grpo_config.json holds every field).
+CONFIG = {"per_device_train_batch_size": 8, "gradient_accumulation_steps": 4, "num_generations": 4, "fsdp": False,
+          "steps_per_generation": None, "generation_batch_size": None, "num_iterations": 1}
 
 
 def state(ranks: int, prompts_per_rank_in_generation: int = 0) -> dict:

@@ -12,7 +12,8 @@ from grpo.errors import ConfigError
 from grpo.policy.head import HeadTransform, head_transform
 from grpo.policy.models import check_logprobs_match_forward, completion_logprobs
 from grpo.rollout.compaction import DecodingRows
-from grpo.rollout.decoding import generate, head_logits, positions
+from grpo.policy.head import head_logits, positions
+from grpo.rollout.decoding import decode
 
 V = 96
 SMALL = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
@@ -87,21 +88,21 @@ def test_rows_leaving_the_decoding_batch_change_no_greedy_token(model_type, monk
     model.base_model.register_forward_pre_hook(lambda _, args, kw: sizes.append(kw["input_ids"].shape[0]),
                                                with_kwargs=True)
 
-    def decode(eos: int) -> torch.Tensor:
-        return generate(model, ids, mask, max_new_tokens=12, temperature=1.0, top_p=1.0, top_k=0, eos_ids=[eos],
-                        pad_id=0, greedy=True)  # [N, C]
+    def greedy(eos: int) -> torch.Tensor:
+        return decode(model, ids, mask, max_new_tokens=12, temperature=1.0, top_p=1.0, top_k=0, eos_ids=[eos],
+                      pad_id=0, greedy=True)  # [N, C]
 
     def ends(t: int) -> list:
         return [int((row == t).nonzero()[0]) if (row == t).any() else None for row in free]
 
-    free = decode(V)  # an EOS never drawn
+    free = greedy(V)  # an EOS never drawn
     eos = max(free.unique().tolist(), key=lambda t: len(set(ends(t))))  # rows finish one after another
     assert len(set(ends(eos))) >= 3
     sizes.clear()
-    compacted = decode(eos)
+    compacted = greedy(eos)
     assert (min(sizes) == 8) == (model_type == "recurrent_gemma"), sizes
     monkeypatch.setattr(DecodingRows, "compact", lambda self, cache, *tensors: tensors)
-    assert torch.equal(compacted, decode(eos))
+    assert torch.equal(compacted, greedy(eos))
 
 
 @pytest.mark.parametrize("model_type", sorted(FAMILIES))
@@ -112,8 +113,8 @@ def test_a_shared_prefill_changes_no_greedy_token(model_type):
     mask = torch.ones_like(ids)
     mask[1, :2] = mask[3, :4] = 0  # left padding
     settings = dict(max_new_tokens=8, temperature=1.0, top_p=1.0, top_k=0, eos_ids=[V], pad_id=0, greedy=True)
-    shared = generate(model, ids, mask, repeats=2, **settings)  # [8, C]
-    assert torch.equal(shared, generate(model, ids.repeat_interleave(2, 0), mask.repeat_interleave(2, 0), **settings))
+    shared = decode(model, ids, mask, repeats=2, **settings)  # [8, C]
+    assert torch.equal(shared, decode(model, ids.repeat_interleave(2, 0), mask.repeat_interleave(2, 0), **settings))
 
 
 def test_transforms_read_from_configs():

@@ -2,7 +2,7 @@
 dataset's reference columns."""
 import torch
 
-from grpo.rollout.decoding import generate
+from grpo.rollout.decoding import decode
 from grpo.rollout.evaluate import evaluate
 from grpo.rollout.sampling import left_pad
 from tiny_setup import digit_prompts, tiny_model, tiny_tokenizer
@@ -20,7 +20,7 @@ def test_on_token_counts_every_generated_token_until_eos():
     with torch.no_grad():
         first = int(model(ids[:1], attention_mask=mask[:1]).logits[0, -1].argmax())
     counts = []
-    out = generate(model, ids, mask, max_new_tokens=6, temperature=1.0, top_p=1.0, top_k=1, eos_ids=[first],
+    out = decode(model, ids, mask, max_new_tokens=6, temperature=1.0, top_p=1.0, top_k=1, eos_ids=[first],
                    pad_id=tokenizer.pad_token_id, on_token=counts.append)
     assert counts[0] == 2 and counts == sorted(counts, reverse=True)
     # Tokens up to and including each row's EOS are counted; padding after it is not.
@@ -34,6 +34,6 @@ def test_eval_rows_carry_the_reference_columns():
     seen = []
     _, samples = evaluate(tiny_model(tokenizer), tokenizer, digit_prompts(4), [half], accuracy_func="half",
                           max_prompt_length=16, max_completion_length=3, batch_size=2, progress=True,
-                          generate=lambda fn: seen.append(1) or fn(tiny_model(tokenizer)))
+                          unsharded=lambda fn: seen.append(1) or fn(tiny_model(tokenizer)))
     assert [s["num_digits"] for s in samples] == [1, 2, 3, 4] and len(seen) == 2
     assert {"prompt", "completion", "reward/half", "num_digits"} <= samples[0].keys()

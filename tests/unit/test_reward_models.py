@@ -10,7 +10,7 @@ from transformers import PretrainedConfig
 from grpo.errors import ConfigError
 from grpo.settings.recipe import load_recipe
 from grpo.rollout.reward_models import RewardModel, reward_callables
-from grpo.rollout.rewards import RewardError, compute_rewards
+from grpo.rollout.rewards import RewardError, compute_rewards, reward_func_names, reward_metrics
 
 PROMPTS = ["Write 3 digits:", "Write 9 digits:", "hi", "Write 1 digits:"]
 COMPLETIONS = [" 012", " 012345678 and some more text to make it long", "!", ""]
@@ -90,8 +90,9 @@ def test_no_special_tokens_are_added(tokenizer):
 
 def test_the_metric_name_is_the_last_part_of_name_or_path(tokenizer):
     model = tiny_reward_model(tokenizer, name="Skywork/Skywork-Reward-V2-Qwen3-0.6B")
-    rewards, per_func, metrics = compute_rewards(reward_callables([model, model], [tokenizer, tokenizer]),
-                                                 PROMPTS, COMPLETIONS, {})
+    funcs = reward_callables([model, model], [tokenizer, tokenizer])
+    rewards, per_func = compute_rewards(funcs, PROMPTS, COMPLETIONS, {})
+    metrics = reward_metrics(rewards, per_func, reward_func_names(funcs))
     assert {"reward/Skywork-Reward-V2-Qwen3-0.6B", "reward/Skywork-Reward-V2-Qwen3-0.6B_2"} <= set(metrics)
     torch.testing.assert_close(rewards, per_func.sum(dim=1))
     assert metrics["reward/Skywork-Reward-V2-Qwen3-0.6B"] == pytest.approx(per_func[:, 0].mean().item())

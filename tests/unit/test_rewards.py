@@ -11,6 +11,7 @@ from grpo.rollout.rewards import (
     compute_rewards,
     reward_func_name,
     reward_func_names,
+    reward_metrics,
 )
 from grpo.tasks.gsm8k import (
     SYSTEM_PROMPT,
@@ -152,8 +153,8 @@ def test_compute_rewards_weights_and_nones():
         return [10.0, 20.0, None, None]
 
     prompts, completions = ["p"] * 4, ["c"] * 4
-    rewards, per_func, metrics = compute_rewards([first, second], prompts, completions, {},
-                                                 weights=[1.0, 0.5])
+    rewards, per_func = compute_rewards([first, second], prompts, completions, {}, weights=[1.0, 0.5])
+    metrics = reward_metrics(rewards, per_func, ["first", "second"])
     # Hand-computed: row 0 = 1 + 0.5*10, row 1 = 0.5*20, row 2 = 3, row 3: nothing applies -> 0.
     assert rewards.dtype == per_func.dtype == torch.float32
     assert rewards.tolist() == [6.0, 10.0, 3.0, 0.0]
@@ -173,14 +174,16 @@ def test_compute_rewards_default_weights_and_number_types():
     def mixed(completions, **kwargs):
         return [np.float32(0.5), torch.tensor(2.0), True, 3]
 
-    rewards, per_func, metrics = compute_rewards([mixed, always(1.0)], ["p"] * 4, ["c"] * 4, {})
+    rewards, per_func = compute_rewards([mixed, always(1.0)], ["p"] * 4, ["c"] * 4, {})
+    metrics = reward_metrics(rewards, per_func, reward_func_names([mixed, always(1.0)]))
     assert rewards.tolist() == [1.5, 3.0, 2.0, 4.0]
     assert set(metrics) == {"reward/mixed", "reward/mixed_std", "reward/always_1.0",
                             "reward/always_1.0_std", "reward/mean", "reward/std"}
 
 
 def test_function_that_never_applies_has_no_metric():
-    rewards, per_func, metrics = compute_rewards([always(None)], ["p"] * 2, ["c"] * 2, {})
+    rewards, per_func = compute_rewards([always(None)], ["p"] * 2, ["c"] * 2, {})
+    metrics = reward_metrics(rewards, per_func, ["always_None"])
     assert rewards.tolist() == [0.0, 0.0]
     assert "reward/always_None" not in metrics
 
@@ -196,7 +199,8 @@ def test_trl_style_function_with_chat_completions_and_answer_column():
                    [{"role": "assistant", "content": wrap("41")}]]
     columns = {"answer": ["42", "42"], "question": ["6*7?", "6*7?"]}
     funcs = [correctness_reward_func, xml_format_reward, answer_accuracy_reward]
-    rewards, per_func, metrics = compute_rewards(funcs, prompts, completions, columns)
+    rewards, per_func = compute_rewards(funcs, prompts, completions, columns)
+    metrics = reward_metrics(rewards, per_func, reward_func_names(funcs))
     assert per_func.tolist() == [[2.0, 1.0, 1.0], [0.0, 1.0, 0.0]]
     assert rewards.tolist() == [4.0, 1.0]
     assert metrics["reward/correctness_reward_func"] == 1.0
@@ -218,7 +222,8 @@ def test_reward_func_names():
 
 
 def test_duplicate_functions_get_separate_metrics():
-    _, _, metrics = compute_rewards([always(1.0), always(1.0)], ["p"], ["c"], {}, weights=[1, 2])
+    funcs = [always(1.0), always(1.0)]
+    metrics = reward_metrics(*compute_rewards(funcs, ["p"], ["c"], {}, weights=[1, 2]), reward_func_names(funcs))
     assert "reward/always_1.0" in metrics and "reward/always_1.0_2" in metrics
 
 
@@ -300,7 +305,7 @@ def test_trl_soft_overlong_punishment_runs_unchanged():
     trl_rewards = pytest.importorskip("trl.rewards", reason="trl (a test peer) is not installed")
     punish = trl_rewards.get_soft_overlong_punishment(max_completion_len=10, soft_punish_cache=4)
     ids = [[1] * 5, [1] * 8, [1] * 10]  # within, 2 into the cache (-0.5), at the limit (-1)
-    _, per_func, _ = compute_rewards([punish], ["p"] * 3, ["c"] * 3, {}, completion_ids=ids)
+    _, per_func = compute_rewards([punish], ["p"] * 3, ["c"] * 3, {}, completion_ids=ids)
     assert per_func[:, 0].tolist() == pytest.approx([0.0, -0.5, -1.0])
 
 
@@ -324,7 +329,7 @@ def test_a_function_without_kwargs_gets_only_what_it_names():
     def plain(completions, answer):  # no **kwargs: TRL would pass it everything and fail
         return [float(c == a) for c, a in zip(completions, answer)]
 
-    _, per_func, _ = compute_rewards([plain], ["p"] * 2, ["1", "3"], {"answer": ["1", "2"], "other": [0, 0]})
+    _, per_func = compute_rewards([plain], ["p"] * 2, ["1", "3"], {"answer": ["1", "2"], "other": [0, 0]})
     assert per_func[:, 0].tolist() == [1.0, 0.0]
 
 
@@ -340,7 +345,7 @@ def test_async_rewards_run_concurrently():
         return reward
 
     t0 = time.perf_counter()
-    rewards, per_func, _ = compute_rewards([slow(1.0), always(10.0), slow(2.0)], ["p"] * 2, ["c"] * 2, {})
+    rewards, per_func = compute_rewards([slow(1.0), always(10.0), slow(2.0)], ["p"] * 2, ["c"] * 2, {})
     assert per_func.tolist() == [[1.0, 10.0, 2.0]] * 2 and rewards.tolist() == [13.0, 13.0]
     assert time.perf_counter() - t0 < 0.55, "the two 0.3 s functions were awaited one after the other"
 

@@ -7,7 +7,7 @@ from grpo.rollout.sampling import (
     PromptEncoder,
     completion_mask_after_eos,
     left_pad,
-    sample,
+    sample_completions,
 )
 
 EOS = 9
@@ -51,7 +51,7 @@ def test_sample_shapes_masks_and_chat_completions():
     model = tiny_model(tokenizer)
     torch.manual_seed(0)
     prompts = [[{"role": "user", "content": "Write 3 digits:"}], [{"role": "user", "content": "Write 1 digits:"}]]
-    ro = sample(model, tokenizer, PromptEncoder(tokenizer, 64), prompts, num_generations=3,
+    ro = sample_completions(model, tokenizer, PromptEncoder(tokenizer, 64), prompts, num_generations=3,
                 max_completion_length=6, temperature=1.0, top_p=1.0, top_k=0)
     assert ro.prompt_ids.shape[0] == 6 and ro.completion_ids.shape == (6, ro.completion_mask.shape[1])
     assert torch.equal(ro.prompt_ids[0], ro.prompt_ids[2]) and not torch.equal(ro.prompt_ids[0], ro.prompt_ids[3])
@@ -62,6 +62,6 @@ def test_sample_shapes_masks_and_chat_completions():
 def test_full_length_when_eos_is_disabled():
     tokenizer = tiny_tokenizer()
     model = tiny_model(tokenizer)
-    ro = sample(model, tokenizer, PromptEncoder(tokenizer, 64), ["Write 3 digits:"], num_generations=4,
+    ro = sample_completions(model, tokenizer, PromptEncoder(tokenizer, 64), ["Write 3 digits:"], num_generations=4,
                 max_completion_length=5, temperature=1.0, top_p=1.0, top_k=0, stop_at_eos=False)
     assert ro.completion_mask.sum().item() == 4 * 5 and ro.truncated.all()

@@ -1,0 +1,57 @@
+"""The policy as a GRPO step uses it: named forwards (`logprobs`, `reference_logprobs`) that own the routing
+through the DDP / FSDP wrapper, the run's autocast (policy/precision.py) and the switch to the reference
+policy. Sampling with it is rollout/sampling.py's."""
+from __future__ import annotations
+
+import torch
+
+from . import reference_kind
+from .models import check_logprobs_match_forward, completion_logprobs, device_of, make_reference, reference_context
+from .parallel import ParallelPolicy
+from .precision import Precision
+
+
+class Policy:
+    """`model` (prepared for training) with its reference, wrapped for `world_size` ranks; `config` gives the
+    log-prob settings. Trains on `model`; `parallel` saves and loads it."""
+
+    def __init__(self, model, config, world_size: int, precision: Precision):
+        self.model, self.config, self.precision = model, config, precision
+        self.has_reference = reference_kind(config.use_lora, config.beta) != "none"
+        self.reference = make_reference(model, config.use_lora, config.beta, precision.reference_dtype)
+        # Before the optimizer exists: FSDP replaces the parameters by their shards.
+        self.parallel = ParallelPolicy(model, world_size, fsdp=config.fsdp, bf16=precision.bf16)
+        self.device = device_of(model)
+        self.head_checked = False
+
+    def logprobs(self, rollout, with_entropy: bool = False):
+        """Per-token log-probs [N, C] of the rollout's completions under the policy (with grad when enabled);
+        with `with_entropy`, `(logprobs, entropies)`, the entropies [N, C] with grad too (an entropy bonus trains)."""
+        with self.precision.autocast():
+            return self.parallel(lambda model: self._logprobs(model, rollout, with_entropy))
+
+    @torch.no_grad()
+    def reference_logprobs(self, rollout) -> torch.Tensor:
+        """Per-token log-probs [N, C] under the reference: the frozen copy, or the policy with its adapter off."""
+        def forward(policy_model):
+            model, context = reference_context(policy_model, self.reference)
+            with context, self.precision.autocast():
+                return self._logprobs(model, rollout)
+
+        return self.parallel(forward)
+
+    def check_head_once(self, rollout, agree) -> None:
+        """On the first call only: log-probs and sampling logits of two of the rollout's rows against the model's
+        own forward (models.check_logprobs_match_forward); a family whose logits we get wrong stops the run.
+        `agree(x)` is the largest x over the ranks, so that they stop together."""
+        if not self.head_checked:
+            c = self.config
+            self.parallel(lambda model: check_logprobs_match_forward(
+                model, rollout.input_ids, rollout.attention_mask, rollout.prompt_ids.shape[1],
+                temperature=c.temperature, chunk_size=c.logprob_chunk_size, agree=agree))
+            self.head_checked = True
+
+    def _logprobs(self, model, rollout, with_entropy: bool = False):
+        return completion_logprobs(model, rollout.input_ids, rollout.attention_mask, rollout.prompt_ids.shape[1],
+                                   temperature=self.config.temperature, chunk_size=self.config.logprob_chunk_size,
+                                   return_entropy=with_entropy)
