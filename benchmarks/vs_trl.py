@@ -197,7 +197,7 @@ def ratio(a, b) -> str:
     return f"{a / b:.2f}" if a is not None and b else "-"
 
 
-TARGETS = {"full": (0.40, 0.35), "lora": (0.30, 0.35)}  # issue 16: peak and CPU seconds per step, ours / TRL
+TARGETS = {"full": (0.40, 0.35), "lora": (0.30, 0.35)}  # the aims: peak and CPU seconds per step, ours / TRL
 
 
 def print_table(rows: list[dict]) -> None:

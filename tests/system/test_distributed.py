@@ -40,9 +40,9 @@ def test_single_process_is_a_no_op():
     assert single.gather(t) is t and single.local(t) is t
     assert single.gather_objects(["x"]) == ["x"] and single.reduce({"loss": 2.0}) == {"loss": 2.0}
     model = torch.nn.Linear(2, 1)
-    policy = ParallelPolicy(model, single, fsdp=True)
+    policy = ParallelPolicy(model, single.world_size, fsdp=True)
     assert policy.kind == "single" and policy.root is None
-    assert policy(lambda m: m) is model and policy.generate(lambda m: m) is model
+    assert policy(lambda m: m) is model and policy.unsharded(lambda m: m) is model
     assert policy.full_state_dict() is None
 
 

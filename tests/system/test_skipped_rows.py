@@ -39,9 +39,10 @@ def step_gradients(trainer: Trainer) -> tuple[dict, dict]:
     return {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}, totals
 
 
-def no_skipping(monkeypatch):
-    """Every row with a completion token trained, as before zero-advantage rows were skipped."""
-    monkeypatch.setattr(grpo.trainer, "zero_advantage_has_no_gradient", lambda *_: False)
+def no_skipping(trainer: Trainer) -> Trainer:
+    """`trainer` training every row with a completion token, zero-advantage rows included."""
+    trainer.skip_zero_advantage = False
+    return trainer
 
 
 def count_forwards(trainer: Trainer) -> list:
@@ -58,8 +59,7 @@ def test_skipping_zero_advantage_rows_leaves_the_gradient_unchanged(tmp_path, to
     skipped = make_trainer(tmp_path, tokenizer, "skipped", **settings)
     forwards = count_forwards(skipped)
     grads, totals = step_gradients(skipped)
-    no_skipping(monkeypatch)
-    full_grads, full_totals = step_gradients(make_trainer(tmp_path, tokenizer, "full", **settings))
+    full_grads, full_totals = step_gradients(no_skipping(make_trainer(tmp_path, tokenizer, "full", **settings)))
 
     advantages = skipped.generation.scored.advantages  # [N]
     assert 0 < (advantages == 0).sum() < len(advantages), "some groups must have equal rewards, not all"
@@ -81,8 +81,7 @@ def test_off_policy_steps_skip_the_old_logprobs_too_and_train_alike(tmp_path, to
     batches = skipped.generation.batches
     assert any(b.empty for b in batches) and any(0 < len(b.advantages) < b.rows for b in batches)
     assert all(b.old_logprobs.shape[0] == len(b.advantages) for b in batches if not b.empty)
-    no_skipping(monkeypatch)
-    full = make_trainer(tmp_path, tokenizer, "full", num_iterations=2, loss_type="grpo")
+    full = no_skipping(make_trainer(tmp_path, tokenizer, "full", num_iterations=2, loss_type="grpo"))
     full.train()
     worst = max((a - b).abs().max().item() for a, b in zip(skipped.model.parameters(), full.model.parameters()))
     assert worst < 1e-6, worst
