@@ -76,10 +76,10 @@ def cheapest_fit(arch: Architecture, config: Config, budget_gb: float) -> tuple[
 
 
 def _apply(config: Config, changes: list[dict]) -> Config:
-    applied = dataclasses.replace(config, **{k: v for c in changes for k, v in c.items()})
-    if applied.use_lora and applied.bf16_weights:  # bf16_weights is for full fine-tuning: LoRA replaces it
-        applied = dataclasses.replace(applied, bf16_weights=False)
-    return applied
+    settings = {k: v for c in changes for k, v in c.items()}
+    if settings.get("use_lora", config.use_lora) and settings.get("bf16_weights", config.bf16_weights):
+        settings["bf16_weights"] = False  # bf16_weights is for full fine-tuning: LoRA replaces it
+    return dataclasses.replace(config, **settings)
 
 
 def _changed(config: Config, changes: list[dict]) -> dict:

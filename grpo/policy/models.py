@@ -34,13 +34,8 @@ def load_tokenizer(name_or_path: str):
 
 
 def check_load_options(config, model_given: bool) -> None:
-    """Settings about how `config.model` is loaded that cannot work as asked: fail before any loading."""
-    if config.load_in_4bit and not config.use_lora:
-        raise ConfigError("load_in_4bit=True needs use_lora=True: 4-bit weights are frozen, QLoRA trains LoRA "
-                         "adapters on top of them")
-    if config.bf16_weights and (config.use_lora or config.fsdp):
-        raise ConfigError("bf16_weights=True is for full fine-tuning without FSDP: set use_lora=false and "
-                          "fsdp=false (LoRA keeps a bf16 base on CUDA already; FSDP keeps float32 shards)")
+    """Fail before any loading when `config` asks for a way of loading that a model passed in cannot have
+    (the settings' own combinations are checked when the Config is made: settings/checks.py)."""
     if config.load_in_4bit and model_given:
         raise ConfigError("load_in_4bit applies when the trainer loads config.model itself; a model passed in is "
                          "used as built (load it with a transformers BitsAndBytesConfig, or pass config.model)")

@@ -3,17 +3,15 @@ so that a typo costs seconds, not a model load: each key (a TRL setting we lack 
 against its annotation, then ranges and choices, each failure one sentence naming the setting."""
 from __future__ import annotations
 
-import dataclasses
 import difflib
-import functools
 import json
 import math
-import types
 import typing
 
 from ..algo import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, SCALES
 from ..errors import ConfigError
 from .choices import OPTIMIZER_ALIASES, OPTIMIZERS, SCHEDULES, TRACKERS, tracker_names
+from .fieldtypes import FieldType, field_types
 from .trl_names import RENAMED, TRL_ONLY, TRL_REASONS
 
 # field: (holds, requirement as read after "must be"); None values of optional fields are not checked.
@@ -93,17 +91,40 @@ def check_key(key: str, names: list[str]) -> None:
 
 
 def check_config(config) -> None:
-    """Raise ConfigError on the first field of the wrong type or out of range. Ints given for float
-    fields become floats, so the saved config reads the same however it was written."""
-    hints = _type_hints(type(config))
-    for f in dataclasses.fields(config):
-        setattr(config, f.name, _checked_value(f.name, f.name, getattr(config, f.name), hints[f.name]))
-    if config.generation_kwargs:
-        config.generation_kwargs = {key: _generation_kwarg(key, value, hints)
-                                    for key, value in config.generation_kwargs.items()}
+    """Raise ConfigError on the first field of the wrong type or out of range (each stored as
+    `checked_field` returns it), then on settings that cannot work together (`check_combinations`)."""
+    for name in field_types(type(config)):
+        setattr(config, name, checked_field(type(config), name, getattr(config, name)))
+    check_combinations(config)
 
 
-def _checked_value(name: str, field: str, value, tp):
+def checked_field(cls, name: str, value):
+    """`value` as field `name` of the Config class `cls` stores it, or ConfigError: TRL's spellings become
+    ours, an int given for a float field becomes a float (so the saved config reads the same however it was
+    written), then the field's rule; generation_kwargs entries are checked as the fields they override."""
+    if name == "scale_rewards" and isinstance(value, bool):  # TRL 1.16 takes a bool, stored as its string
+        value = "group" if value else "none"
+    if name == "optim" and isinstance(value, str):  # transformers' names: the rest of grpo sees only ours
+        value = OPTIMIZER_ALIASES.get(value, value)
+    types = field_types(cls)
+    value = _checked_value(name, name, value, types[name])
+    if name == "generation_kwargs" and value:
+        value = {key: _generation_kwarg(key, entry, types) for key, entry in value.items()}
+    return value
+
+
+def check_combinations(config) -> None:
+    """ConfigError on settings that are each valid but cannot work together. Those that depend on the run
+    (a model passed in, the number of ranks, the datasets) are checked where the run knows them."""
+    if config.load_in_4bit and not config.use_lora:
+        raise ConfigError("load_in_4bit=True needs use_lora=True: 4-bit weights are frozen, QLoRA trains "
+                          "LoRA adapters on top of them")
+    if config.bf16_weights and (config.use_lora or config.fsdp):
+        raise ConfigError("bf16_weights=True is for full fine-tuning without FSDP: set use_lora=false and "
+                          "fsdp=false (LoRA keeps a bf16 base on CUDA already; FSDP keeps float32 shards)")
+
+
+def _checked_value(name: str, field: str, value, tp: FieldType):
     """`value` type-checked against `tp`, then against `field`'s rule; `name` is what an error calls it."""
     value = _checked_type(name, value, tp)
     if field in RULES and value is not None:
@@ -115,7 +136,7 @@ def _checked_value(name: str, field: str, value, tp):
 
 # The generation_kwargs our decoder implements: each overrides the Config field of its name (Config.sampling_settings).
 GENERATION_KWARGS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-def _generation_kwarg(key: str, value, hints: dict):
+def _generation_kwarg(key: str, value, types: dict[str, FieldType]):
     """One generation_kwargs entry, checked as the field it overrides; do_sample=true (TRL's own) is allowed and
     ignored. Any other key is refused: decoding here is our own loop, not transformers' GenerationConfig."""
     name = f"generation_kwargs[{key!r}]"
@@ -127,33 +148,24 @@ def _generation_kwarg(key: str, value, hints: dict):
         hint = " (set max_completion_length instead)" if key == "max_new_tokens" else ""
         raise ConfigError(f"{name} is not supported{hint}: sampling here is its own loop, not model.generate, "
                           f"and takes {', '.join(GENERATION_KWARGS)} (and do_sample=true)")
-    return _checked_value(name, key, value, hints[key])
+    return _checked_value(name, key, value, types[key])
 
 
-@functools.lru_cache(maxsize=None)
-def _type_hints(cls) -> dict:
-    return typing.get_type_hints(cls)
-
-
-def _checked_type(name: str, value, tp):
-    """`value` if it fits `tp` (int, float, bool, str, list[X], dict, X | None), an int widened to float
-    where a float is wanted, JSON text parsed where a dict is; ConfigError otherwise. Other annotations are not
-    checked."""
-    if typing.get_origin(tp) in (typing.Union, types.UnionType):
-        if value is None and type(None) in typing.get_args(tp):
-            return None
-        options = [t for t in typing.get_args(tp) if t is not type(None)]
-        if len(options) != 1:
-            return value
-        tp = options[0]
-    if tp is dict:
+def _checked_type(name: str, value, tp: FieldType):
+    """`value` if it fits `tp` (int, float, bool, str, a list of one, dict, each maybe None), an int widened
+    to float where a float is wanted, JSON text parsed where a dict is; ConfigError otherwise. The "text" and
+    "other" forms are not checked here (a "text" field's rule reads it)."""
+    if value is None and tp.optional:
+        return None
+    if tp.form == "dict":
         return _json_object(name, value)
-    if typing.get_origin(tp) is list and typing.get_args(tp)[0] in _NAMES:
-        (item,) = typing.get_args(tp)
+    if tp.form == "list":
         if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{name} must be a list of {_NAMES[item][1]}, got {value!r:.100}")
-        return [_scalar(f"{name}[{i}]", v, item) for i, v in enumerate(value)]
-    return _scalar(name, value, tp)
+            raise ConfigError(f"{name} must be a list of {_NAMES[tp.item][1]}, got {value!r:.100}")
+        return [_scalar(f"{name}[{i}]", v, tp.item) for i, v in enumerate(value)]
+    if tp.form == "scalar":
+        return _scalar(name, value, tp.item)
+    return value
 
 
 def _json_object(name: str, value) -> dict:
@@ -176,9 +188,7 @@ def _json_object(name: str, value) -> dict:
 _NAMES = {int: ("an int", "ints"), float: ("a float", "floats"), bool: ("a bool", "bools"), str: ("a string", "strings")}
 
 
-def _scalar(name: str, value, tp):
-    if tp not in _NAMES:
-        return value
+def _scalar(name: str, value, tp: type):
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     # bool is an int to Python, but `max_steps=True` is a mistake, not 1.

@@ -8,34 +8,34 @@ import inspect
 import json
 import re
 import textwrap
-import types
-import typing
 
-from .config import Config
-from .checks import check_key
 from ..errors import ConfigError
+from .checks import check_key, checked_field
+from .config import Config
+from .fieldtypes import FieldType, field_types
 
 
 def apply_overrides(config: Config, args: list[str]) -> Config:
-    """Apply `--key=value` command-line overrides (a bare `--flag` sets a bool field to True).
-    Each one is applied in turn, so later ones win."""
-    hints = typing.get_type_hints(Config)
+    """Apply `--key=value` command-line overrides (a bare `--flag` sets a bool field to True); later ones win.
+    Each value is checked on its own as it is read, so an error names its override; the settings that must
+    agree are checked once all are applied, so their order does not matter."""
+    types, changes = field_types(Config), {}
     for arg in args:
         if not arg.startswith("--") or len(arg) == 2:
             raise ConfigError(f"expected --key=value, got {arg!r}")
         key, has_value, text = arg[2:].partition("=")
         key = key.replace("-", "_")
-        check_key(key, list(Config.__dataclass_fields__))
+        check_key(key, list(types))
         if not has_value:
-            if hints[key] not in (bool, bool | None):
+            if (types[key].form, types[key].item) != ("scalar", bool):
                 raise ConfigError(f"--{key} needs a value: --{key}=VALUE")
             text = "true"
-        value = parse_value(key, text, hints[key])
+        value = parse_value(key, text, types[key])
         try:
-            config = dataclasses.replace(config, **{key: value})
-        except (TypeError, ValueError) as e:  # raised by Config.__post_init__ checks
+            changes[key] = checked_field(Config, key, value)
+        except ConfigError as e:
             raise ConfigError(f"--{key}={text}: {e}") from None
-    return config
+    return dataclasses.replace(config, **changes) if changes else config
 
 
 _SCALARS = {int: ("an integer", "integers"), float: ("a float", "floats"),
@@ -43,30 +43,24 @@ _SCALARS = {int: ("an integer", "integers"), float: ("a float", "floats"),
 _BOOLS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
 
 
-def parse_value(key: str, text: str, tp):
-    """Parse the text of `--key=text` into a value of type `tp` (a field's annotation)."""
-    union = typing.get_origin(tp) in (typing.Union, types.UnionType)
-    optional = union and type(None) in typing.get_args(tp)
-    if optional:
-        if text.strip().lower() == "none":
-            return None
-        (tp,) = [t for t in typing.get_args(tp) if t is not type(None)]
-    if typing.get_origin(tp) in (typing.Union, types.UnionType) and str in typing.get_args(tp):
+def parse_value(key: str, text: str, tp: FieldType):
+    """Parse the text of `--key=text` into a value of the field type `tp` (fieldtypes.py)."""
+    if tp.optional and text.strip().lower() == "none":
+        return None
+    if tp.form == "text":
         return text  # `str | list[str]` (report_to): the field's own check reads the text
-    if tp is dict:
-        return _parse_json_object(key, text, optional)
-    is_list = typing.get_origin(tp) is list
-    item = typing.get_args(tp)[0] if is_list else tp
-    if item not in _SCALARS:
-        raise ConfigError(f"--{key}: a setting of type {tp} cannot be set from the command line")
+    if tp.form == "dict":
+        return _parse_json_object(key, text, tp.optional)
+    if tp.form == "other":
+        raise ConfigError(f"--{key}: a setting of this type cannot be set from the command line")
     try:
-        if is_list:
-            return [_parse_scalar(part, item) for part in text.split(",")] if text.strip() else []
-        return _parse_scalar(text, item)
+        if tp.form == "list":
+            return [_parse_scalar(part, tp.item) for part in text.split(",")] if text.strip() else []
+        return _parse_scalar(text, tp.item)
     except ValueError:
-        single, plural = _SCALARS[item]
-        expected = f"a comma-separated list of {plural}" if is_list else single
-        expected += " or none" if optional else ""
+        single, plural = _SCALARS[tp.item]
+        expected = f"a comma-separated list of {plural}" if tp.form == "list" else single
+        expected += " or none" if tp.optional else ""
         raise ConfigError(f"--{key}: expected {expected}, got {text!r}") from None
 
 
@@ -90,11 +84,6 @@ def _parse_scalar(text: str, tp):
             raise ValueError(text)
         return _BOOLS[text.lower()]
     return tp(text)  # int("1.5") and float("abc") raise ValueError
-
-
-def field_docs() -> dict[str, str]:
-    """Each Config field's docstring: the string literal right after the field in the class body."""
-    return {name: doc for name, _, doc in _describe_fields()}
 
 
 def _describe_fields() -> list[tuple[str, str, str]]:
@@ -140,7 +129,3 @@ def format_help(config: Config) -> str:
         lines.append(textwrap.fill(doc, width=100, initial_indent=" " * 6, subsequent_indent=" " * 6))
     return "\n".join(lines)
 
-
-def config_to_dict(config: Config) -> dict:
-    """The config as plain JSON-serialisable data (for saving next to a run)."""
-    return dataclasses.asdict(config)

@@ -2,12 +2,11 @@
 so settings written for TRL carry over unchanged."""
 from __future__ import annotations
 
-import functools
+import dataclasses
 from dataclasses import dataclass
 
 from ..algo import LOGPROB_CHUNK_SIZE
 from .checks import check_config, check_key
-from .choices import OPTIMIZER_ALIASES
 
 
 @dataclass
@@ -196,12 +195,17 @@ class Config:
     eval_format_func: str | None = "xml_format_reward"
     """Reward function (by name) whose full marks count an eval completion as well-formatted (None: skip)."""
 
+    def __new__(cls, *args, **settings):
+        # Every construction (dataclasses.replace too) passes its keywords to __new__ before the generated
+        # __init__, which would answer an unknown one with a TypeError: here a TRL setting we lack says so
+        # and a typo gets the closest field's name, as one ConfigError.
+        names = [f.name for f in dataclasses.fields(cls)]
+        for key in settings:
+            check_key(key, names)
+        return super().__new__(cls)
+
     def __post_init__(self):
-        if isinstance(self.scale_rewards, bool):  # TRL 1.16 takes a bool too, and stores its string the same way
-            self.scale_rewards = "group" if self.scale_rewards else "none"
-        if isinstance(self.optim, str):  # transformers' names, resolved once: the rest of grpo sees only ours
-            self.optim = OPTIMIZER_ALIASES.get(self.optim, self.optim)
-        check_config(self)
+        check_config(self)  # each field, then the settings that cannot work together (checks.py)
 
     def sampling_settings(self) -> dict:
         """The sampling keyword arguments of `grpo.rollout.sampling.sample`: the sampling fields, each overridden by
@@ -225,18 +229,3 @@ class Config:
                     sapo_temperature_pos=self.sapo_temperature_pos, sapo_temperature_neg=self.sapo_temperature_neg,
                     max_completion_length=self.max_completion_length)
 
-
-def _checked_init(init):
-    """Config's generated __init__, preceded by `check_key` on every keyword: `Config(use_vllm=True)` (a TRL
-    config ported verbatim) says that TRL setting is not supported here, `Config(learning_rat=1)` suggests
-    the right name, instead of Python's "unexpected keyword argument"."""
-    @functools.wraps(init)
-    def __init__(self, *args, **kwargs):
-        for key in kwargs:
-            check_key(key, list(Config.__dataclass_fields__))
-        init(self, *args, **kwargs)
-
-    return __init__
-
-
-Config.__init__ = _checked_init(Config.__init__)

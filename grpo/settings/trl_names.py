@@ -38,7 +38,7 @@ TRL_ONLY = frozenset("""
 
 _GENERATION = "sampling runs on the policy itself (KV-cached decoding in grpo.rollout)"
 _LOGGING = "metrics.jsonl and completions.jsonl in output_dir are the logs (python -m grpo.plot draws them)"
-_LATER = "not implemented yet (TRL parity, issue 13)"
+_LATER = "not implemented yet"
 _ADAPTIVE_ENTROPY = "adaptive entropy control is not implemented; entropy_coef is static here"
 
 # Why, or what to use instead, for the settings a TRL user is most likely to bring; others get a generic line.

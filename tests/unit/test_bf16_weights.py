@@ -5,9 +5,6 @@ import math
 import pytest
 import torch
 
-from grpo import Config
-from grpo.errors import ConfigError
-from grpo.policy.models import check_load_options
 from grpo.policy.optim import build_optimizer
 from grpo.policy.rounding import StochasticRoundingAdamW, stochastic_round_to_bf16
 
@@ -131,9 +128,3 @@ def test_bf16_optimizer_state_stays_float32_through_a_checkpoint():
         assert torch.equal(restored.state[param][key], optimizer.state[param][key])
         assert restored.state[param][key].data_ptr() != optimizer.state[param][key].data_ptr()  # a copy, as torch's
 
-
-@pytest.mark.parametrize("other", [{"use_lora": True}, {"fsdp": True}])
-def test_bf16_weights_needs_full_finetuning_without_fsdp(other):
-    check_load_options(Config(bf16_weights=False, **other), model_given=False)
-    with pytest.raises(ConfigError, match="bf16_weights"):
-        check_load_options(Config(bf16_weights=True, **other), model_given=False)

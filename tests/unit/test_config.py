@@ -8,7 +8,7 @@ import pytest
 
 from grpo.settings import Config
 from grpo.errors import ConfigError
-from grpo.settings.cli import apply_overrides, config_to_dict, field_docs, format_help
+from grpo.settings.cli import apply_overrides, format_help, format_value
 from grpo.settings.recipe import Recipe, load_recipe, resolve_dataset
 
 # --- overrides -----------------------------------------------------------------------------------
@@ -253,19 +253,32 @@ def test_dict_settings_from_the_command_line():
 # --- help and serialisation ----------------------------------------------------------------------
 
 
+def help_entries(text: str) -> dict[str, tuple[str, str]]:
+    """--help's settings: {name: (value as shown, the description under it)}, in the order shown."""
+    entries, name = {}, None
+    for line in text.splitlines():
+        if line.startswith("  --"):
+            name, _, value = line.strip()[2:].partition("=")
+            entries[name] = (value, "")
+        elif line.startswith("      ") and name is not None:
+            value, doc = entries[name]
+            entries[name] = (value, f"{doc} {line.strip()}".strip())
+    return entries
+
+
 def test_every_field_has_a_docstring_and_appears_in_help():
-    docs = field_docs()
-    names = [f.name for f in dataclasses.fields(Config)]
-    assert list(docs) == names  # declaration order
-    undocumented = [name for name in names if not docs[name].strip()]
-    assert not undocumented, f"Config fields without a docstring: {undocumented}"
     text = format_help(Config(reward_weights=[1.0, 0.5]))
-    for name in names:
-        assert f"--{name}=" in text
-        assert docs[name].split()[0] in text
-    assert "--reward_weights=1.0,0.5" in text
-    assert "--save_total_limit=none" in text
-    assert text.index("--model=") < text.index("--learning_rate=") < text.index("--save_steps=")
+    entries = help_entries(text)
+    assert list(entries) == [f.name for f in dataclasses.fields(Config)]  # declaration order
+    undocumented = [name for name, (_, doc) in entries.items() if not doc]
+    assert not undocumented, f"Config fields without a docstring: {undocumented}"
+    assert entries["seed"] == ("42", "Seed for data order, sampling and initialisation.")
+    assert entries["reward_weights"][0] == "1.0,0.5" and entries["save_total_limit"][0] == "none"
+    assert entries["use_lora"][1].startswith("Train LoRA adapters instead of all weights;")
+    # Under their `# --- group ---` headings.
+    order = ["\nmodel:\n", "--model=", "\noptimisation:\n", "--learning_rate=",
+             "\nlogging and checkpoints:\n", "--save_steps="]
+    assert [text.index(part) for part in order] == sorted(text.index(part) for part in order)
 
 
 def test_help_values_round_trip_through_overrides():
@@ -276,11 +289,14 @@ def test_help_values_round_trip_through_overrides():
     assert apply_overrides(Config(), args) == config
 
 
-def test_config_to_dict_is_json():
-    data = config_to_dict(Config(reward_weights=[1.0, 2.0]))
-    assert json.loads(json.dumps(data)) == data
-    assert data["reward_weights"] == [1.0, 2.0]
+def test_a_config_saved_as_json_reads_back_the_same():
+    config = Config(reward_weights=[1, 2.0], generation_kwargs='{"top_k": 5}', report_to=["tensorboard"],
+                    optim="adamw_torch", scale_rewards=False)
+    data = json.loads(json.dumps(dataclasses.asdict(config)))  # as runs save it (grpo_config.json, trackers)
     assert set(data) == {f.name for f in dataclasses.fields(Config)}
+    assert (data["reward_weights"], data["generation_kwargs"]) == ([1.0, 2.0], {"top_k": 5})
+    assert (data["optim"], data["scale_rewards"]) == ("adamw", "none")  # stored as ours
+    assert Config(**data) == config
 
 
 # --- recipes -------------------------------------------------------------------------------------
@@ -444,3 +460,49 @@ def test_choice_lists_are_shared_and_checking_a_config_needs_no_torch():
     code = "import sys, grpo.settings; grpo.settings.Config(optim='adamw'); print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "False", out.stderr
+
+
+# --- settings that must agree, checked wherever a Config is made: train, eval and plan refuse alike ---------
+
+QLORA_WITHOUT_LORA = ("load_in_4bit=True needs use_lora=True: 4-bit weights are frozen, QLoRA trains LoRA "
+                      "adapters on top of them")
+BF16_WEIGHTS_NOT_FULL = ("bf16_weights=True is for full fine-tuning without FSDP: set use_lora=false and "
+                         "fsdp=false (LoRA keeps a bf16 base on CUDA already; FSDP keeps float32 shards)")
+
+
+@pytest.mark.parametrize("settings, message", [
+    (dict(load_in_4bit=True), QLORA_WITHOUT_LORA),
+    (dict(bf16_weights=True, use_lora=True), BF16_WEIGHTS_NOT_FULL),
+    (dict(bf16_weights=True, fsdp=True), BF16_WEIGHTS_NOT_FULL),
+], ids=["4bit-without-lora", "bf16-weights-with-lora", "bf16-weights-with-fsdp"])
+def test_settings_that_cannot_work_together_are_refused_wherever_a_config_is_made(tmp_path, settings,
+                                                                                   message):
+    args = [f"--{k}={format_value(v)}" for k, v in settings.items()]
+    made = {
+        "Python": lambda: Config(**settings),
+        "replace": lambda: dataclasses.replace(Config(), **settings),
+        "overrides": lambda: apply_overrides(Config(), args),
+        "recipe": lambda: load_recipe(write(tmp_path / "r.py", f"""
+            from grpo.settings import Config
+            config = Config(**{settings!r})
+            reward_funcs = [len]
+            train_dataset = dict
+        """)),
+    }
+    for where, make in made.items():
+        with pytest.raises(ConfigError) as info:
+            make()
+        expected = f"{tmp_path / 'r.py'}:3: {message}" if where == "recipe" else message
+        assert str(info.value) == expected, where
+
+
+def test_overrides_that_must_agree_are_checked_together_in_any_order():
+    for args in (["--load_in_4bit=true", "--use_lora"], ["--use_lora", "--load_in_4bit=true"]):
+        config = apply_overrides(Config(), args)
+        assert config.load_in_4bit and config.use_lora
+    qlora = Config(use_lora=True, load_in_4bit=True)
+    assert not apply_overrides(qlora, ["--use_lora=false", "--load_in_4bit=false"]).use_lora
+    assert Config(bf16_weights=True).bf16_weights and Config(use_lora=True, fsdp=True).fsdp  # each alone
+    with pytest.raises(ConfigError) as info:  # a value's own error still names its override
+        apply_overrides(Config(), ["--use_lora", "--load_in_4bit=true", "--lora_r=0"])
+    assert str(info.value) == "--lora_r=0: lora_r must be >= 1, got 0"

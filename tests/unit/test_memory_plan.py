@@ -194,6 +194,11 @@ def test_cli_on_a_recipe_and_the_table(capsys):
     assert main(["--table"]) == 0 and "14B" in capsys.readouterr().out
 
 
+def test_the_planner_refuses_the_settings_train_refuses(capsys):
+    assert main([str(ROOT / "recipes" / "tiny.py"), "--device", "cpu", "--load_in_4bit=true"]) == 2
+    assert capsys.readouterr().err.startswith("error: load_in_4bit=True needs use_lora=True")
+
+
 # --- predicted vs measured, on CPU ---------------------------------------------------------------------------
 # Each run is a subprocess that trains 2 steps (the second has optimizer states). Measured = peak RSS at the end
 # of the last optimizer step (before the final checkpoint) minus the RSS after imports, tokenizer and dataset,
