@@ -195,6 +195,12 @@ class Config:
     """Reward function (by name) whose full marks (>= 1.0) count an eval completion as correct."""
     eval_format_func: str | None = "xml_format_reward"
     """Reward function (by name) whose full marks count an eval completion as well-formatted (None: skip)."""
+    eval_free_accuracy_func: str | None = "grpo.tasks.gsm8k.last_number_accuracy"
+    """Function whose full marks count an eval completion correct whatever its format (`eval/free_accuracy`):
+    a reward function (by name) or an importable `module.function` with their contract. The default compares
+    the completion's last number with the `answer` column (None: skip)."""
+    eval_breakdown_column: str | None = None
+    """Eval dataset column whose values each get their own eval metrics, `eval/<column>=<value>/*` (None)."""
 
     def __post_init__(self):
         if isinstance(self.scale_rewards, bool):  # TRL 1.16 takes a bool too, and stores its string the same way
