@@ -1,5 +1,6 @@
 """`python -m grpo.eval RECIPE [--checkpoint DIR] [--limit N] [--output FILE] [--key=value ...]`: greedy
-pass@1 of a model on the recipe's `eval_dataset`; prints accuracy, format rate and mean length, writes JSON.
+pass@1 of a model on the recipe's `eval_dataset`; prints accuracy, format-free accuracy, format rate and mean
+length (and them by `eval_breakdown_column`'s values), writes JSON.
 
 Without --checkpoint it evaluates the model the recipe starts from (for a recipe with a warm start, the model
 right after it). The JSON (default: DIR/eval.json, or OUTPUT_DIR/eval.json) holds the metrics and every
@@ -61,9 +62,9 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
         return 0 if argv else 2
-    from .settings.recipe import load_with_overrides, resolve_dataset
-    from .rollout.evaluate import check_eval_funcs, evaluate
+    from .rollout.evaluate import check_eval_inputs, eval_options, evaluate, summary_lines
     from .rollout.reward_models import place_reward_models, reward_callables
+    from .settings.recipe import load_with_overrides, resolve_dataset
 
     try:
         own, overrides = split_options(argv[1:])
@@ -73,10 +74,10 @@ def main(argv: list[str] | None = None) -> int:
         recipe, config = load_with_overrides(argv[0], overrides)
         reward_funcs = reward_callables(recipe.reward_funcs, recipe.reward_processing_classes,
                                         config.chat_template_kwargs)  # reward models become functions
-        check_eval_funcs(reward_funcs, config.eval_accuracy_func, config.eval_format_func)
         dataset = resolve_dataset(recipe.eval_dataset, "eval_dataset")
         if dataset is None:
             raise ConfigError(f"recipe {argv[0]} defines no eval_dataset")
+        check_eval_inputs(config, dataset, reward_funcs)
         checkpoint = Path(own["checkpoint"]) if "checkpoint" in own else None
         output = Path(own.get("output") or (checkpoint or Path(config.output_dir)) / "eval.json")
         if checkpoint is not None:
@@ -92,15 +93,10 @@ def main(argv: list[str] | None = None) -> int:
     model = model if model is not None else load_model(config)
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model)
     place_reward_models(reward_funcs, device_of(model))
-    metrics, samples = evaluate(model, tokenizer, dataset, reward_funcs, accuracy_func=config.eval_accuracy_func,
-                                format_func=config.eval_format_func, max_prompt_length=config.max_prompt_length,
-                                max_completion_length=config.max_completion_length, batch_size=config.eval_batch_size,
-                                limit=limit if limit is not None else config.eval_limit,
-                                chat_template_kwargs=config.chat_template_kwargs)
-    n = int(metrics["eval/num_examples"])
-    print(f"greedy pass@1 on {n} prompts: accuracy {metrics['eval/accuracy']:.3f}"
-          + (f", format {metrics['eval/format']:.3f}" if "eval/format" in metrics else "")
-          + f", mean length {metrics['eval/length_mean']:.1f} tokens")
+    options = eval_options(config) | ({"limit": limit} if limit is not None else {})
+    metrics, samples = evaluate(model, tokenizer, dataset, reward_funcs, **options)
+    first, *groups = summary_lines(metrics)
+    print("\n".join([f"greedy pass@1 on {int(metrics['eval/num_examples'])} prompts: {first}", *groups]))
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps({"recipe": argv[0], "checkpoint": str(checkpoint) if checkpoint else None,
                                   "decoding": "greedy", "metrics": metrics, "samples": samples}, indent=1))

@@ -1,7 +1,8 @@
 """`python -m grpo.plot OUTPUT_DIR`: PNG curves from OUTPUT_DIR/metrics.jsonl, written next to it.
 
 reward.png (the mean and each reward function), kl.png (unless beta = 0), completion_length.png, eval.png
-(held-out accuracy and format rate, when the run evaluated) and curves.png with all of them. Noisy per-step
+(held-out accuracy, format-free accuracy and format rate, when the run evaluated), eval_breakdown.png (the
+accuracies by the values of `eval_breakdown_column`, when set) and curves.png with all of them. Noisy per-step
 curves are drawn faint with a moving average on top. Needs matplotlib: `pip install -e ".[plot]"`."""
 from __future__ import annotations
 
@@ -38,14 +39,26 @@ def reward_keys(lines: list[dict]) -> list[str]:
     return ["reward/mean"] + sorted(keys - {"reward/mean", "reward/std"})
 
 
+def breakdown_keys(lines: list[dict]) -> list[str]:
+    """The `eval/<column>=<value>/accuracy` and `.../free_accuracy` keys, in the order the run logged them."""
+    ends = ("/accuracy", "/free_accuracy")
+    keys = dict.fromkeys(k for line in lines for k in line
+                         if k.startswith("eval/") and "=" in k and k.endswith(ends))
+    return list(keys)
+
+
 def panels(lines: list[dict]) -> list[tuple[str, str, str, list[str], bool]]:
     """(file name, title, y label, keys, smoothed) of each panel this run has data for; each becomes one
     PNG and one panel of curves.png."""
+    by = breakdown_keys(lines)
     found = [
         ("reward.png", "reward (training samples)", "reward", reward_keys(lines), True),
         ("kl.png", "KL to the reference", "k3 KL", ["kl"], True),
         ("completion_length.png", "completion length", "tokens", ["completions/mean_length", "eval/length_mean"], True),
-        ("eval.png", "held-out greedy pass@1", "share of prompts", ["eval/accuracy", "eval/format"], False),
+        ("eval.png", "held-out greedy pass@1", "share of prompts",
+         ["eval/accuracy", "eval/free_accuracy", "eval/format"], False),
+        ("eval_breakdown.png", f"held-out greedy pass@1 by {by[0][5:].partition('=')[0] if by else ''}",
+         "share of prompts", by, False),
     ]
     out = []
     for name, title, ylabel, keys, smoothed in found:

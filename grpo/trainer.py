@@ -22,7 +22,7 @@ from .policy.parallel import check_settings as check_parallel_settings
 from .policy.precision import Precision
 from .rollout.batches import Batch, Generation, Scored, generation_from_dict, length_metrics, loss_batches, regroup
 from .rollout.custom import CustomRollouts
-from .rollout.evaluate import check_eval_setup, evaluate
+from .rollout.evaluate import check_eval_setup, eval_options, evaluate
 from .rollout.progress import TokenProgress
 from .rollout.prompts import PromptStream, check_dataset, per_completion
 from .rollout.reward_models import place_reward_models, reward_callables
@@ -256,10 +256,8 @@ class Trainer:
         torchrun every rank evaluates the whole set (FSDP ranks must generate together) and rank 0 writes."""
         cfg = self.config
         metrics, _ = evaluate(self.model, self.tokenizer, self.eval_dataset, self.reward_funcs,
-                              accuracy_func=cfg.eval_accuracy_func, format_func=cfg.eval_format_func,
-                              max_prompt_length=cfg.max_prompt_length, max_completion_length=cfg.max_completion_length,
-                              batch_size=cfg.eval_batch_size, limit=cfg.eval_limit, progress=self.dist.is_main,
-                              unsharded=self.policy.parallel.unsharded, chat_template_kwargs=cfg.chat_template_kwargs)
+                              **eval_options(cfg), progress=self.dist.is_main,
+                              unsharded=self.policy.parallel.unsharded)
         return log_eval(self.output_dir, self.step, metrics, self.dist.is_main, self.trackers)
 
     def log(self, metrics: dict) -> dict:

@@ -9,7 +9,8 @@ problems (generated in code, one or two operations) in the write-up's `<reasonin
 float32 folder under ~/.cache/grpo/gguf (grpo/policy/gguf.py). Prompts are the GSM8K system prompt, one worked
 user/assistant example turn (without it the model almost never writes the tags, every group's rewards are
 equal and nothing is learned) and the question. Each step samples 8 completions for each of 2 prompts. The
-trainer evaluates greedy pass@1 on held-out problems at step 0 and at the end.
+trainer evaluates greedy pass@1 on held-out problems at step 0 and at the end: strictly (the accuracy reward),
+format-free (the last number of the completion) and both by the problems' number of operations.
 """
 from datasets import Dataset
 
@@ -52,6 +53,8 @@ config = Config(
     eval_on_start=True,
     eval_limit=200,
     eval_batch_size=50,
+    eval_free_accuracy_func="grpo.tasks.gsm8k.last_number_accuracy",  # format-free: the last number
+    eval_breakdown_column="operations",  # eval metrics for one- and two-operation problems apart
     seed=0,
 )
 

@@ -36,7 +36,8 @@ BASE = dict(max_steps=2, per_device_train_batch_size=4, gradient_accumulation_st
             # reverted), most likely float rounding that AdamW magnifies where a gradient nearly cancels (not yet
             # verified); these keep the 1e-6 bar and benchmarks/data_parallel.py's figure comparable.
             gradient_checkpointing=False, adam_beta2=0.99, use_bias_correction_kl=False)
-EVAL = dict(eval_steps=1, eval_limit=3, eval_accuracy_func="digit_share", eval_format_func=None)
+EVAL = dict(eval_steps=1, eval_limit=3, eval_accuracy_func="digit_share", eval_format_func=None,
+            eval_free_accuracy_func=None)
 RUNS = {
     "fixed_single": dict(per_device_train_batch_size=8),
     "fixed_ddp": {},

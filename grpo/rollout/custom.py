@@ -11,14 +11,14 @@ from __future__ import annotations
 import torch
 
 from ..errors import UserError
+from .rewards import REWARD_ARGUMENTS
 from .sampling import Rollout, completion_mask_after_eos, eos_token_ids, is_chat, left_pad
 
 REQUIRED = ("prompt_ids", "completion_ids")
 USED = (*REQUIRED, "logprobs")  # TRL's own keys; every other one is a field for the reward functions
 # The reward functions' own arguments (rollout/rewards.py) and the dataset's prompt: a field of that name would
 # collide with them (TRL: a TypeError, or the field silently dropped), so it is refused.
-RESERVED = ("prompts", "completions", "completion_ids", "trainer_state", "log_metric", "log_extra", "prompt",
-            "completion")
+RESERVED = (*REWARD_ARGUMENTS, "prompt", "completion")
 # Fields TRL gives a meaning beyond the rewards; forwarding them would silently drop that meaning.
 UNSUPPORTED = {"env_mask": "TRL masks the tokens it marks 0 out of the loss (environment feedback); "
                            "not implemented here"}

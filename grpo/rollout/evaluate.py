@@ -1,36 +1,103 @@
 """Greedy pass@1 on a held-out dataset, scored by the run's own reward functions.
 
-`eval/accuracy` is the share of completions that get full marks (>= 1.0) from the reward function named
-as the accuracy one, `eval/format` the same for the format one; `eval/reward/<name>` is every reward
-function's mean and `eval/length_mean` the mean completion length in tokens. Used by the Trainer (every
-`eval_steps`) and by `python -m grpo.eval`."""
+`eval/accuracy` is the share of completions that get full marks (>= 1.0) from the function named as the
+accuracy one, `eval/free_accuracy` and `eval/format` the same for the format-free accuracy and the format
+ones; `eval/reward/<name>` is every reward function's mean and `eval/length_mean` the mean completion length
+in tokens. With a breakdown column, `eval/<column>=<value>/<metric>` repeats the accuracies, format, mean
+length and `num_examples` over the rows holding each value. Used by the Trainer (every `eval_steps`) and by
+`python -m grpo.eval`."""
 from __future__ import annotations
 
+import importlib
 import time
 
 import torch
 
 from ..errors import ConfigError
 from .progress import TokenProgress
-from .rewards import compute_rewards, reward_func_names, reward_metrics
+from .rewards import compute_rewards, required_columns, reward_func_names, reward_metrics
 from .sampling import PromptEncoder, sample_completions
+
+MAX_BREAKDOWN_VALUES = 50  # metrics for each value: a column of ids would flood metrics.jsonl
+
+
+def eval_options(config) -> dict:
+    """The keyword arguments of `evaluate` that the Config sets."""
+    return dict(accuracy_func=config.eval_accuracy_func, free_accuracy_func=config.eval_free_accuracy_func,
+                format_func=config.eval_format_func, breakdown_column=config.eval_breakdown_column,
+                max_prompt_length=config.max_prompt_length,
+                max_completion_length=config.max_completion_length, batch_size=config.eval_batch_size,
+                limit=config.eval_limit, chat_template_kwargs=config.chat_template_kwargs)
 
 
 def check_eval_setup(config, eval_dataset, reward_funcs) -> None:
-    """Evaluating during training needs an eval dataset and the config's accuracy / format reward functions."""
+    """Evaluating during training needs an eval dataset that `check_eval_inputs` accepts."""
     if config.eval_steps > 0 or config.eval_on_start:
         if eval_dataset is None:
             raise ConfigError("eval_steps / eval_on_start need an eval_dataset")
-        check_eval_funcs(reward_funcs, config.eval_accuracy_func, config.eval_format_func)
+        check_eval_inputs(config, eval_dataset, reward_funcs)
 
 
-def check_eval_funcs(reward_funcs, accuracy_func: str, format_func: str | None) -> None:
-    """Fail early, naming the choices, when the accuracy or format function is not a reward function."""
+def check_eval_inputs(config, dataset, reward_funcs) -> None:
+    """Before any model is loaded: the config's eval functions exist and find the columns they need in
+    `dataset`, and its breakdown column is one to break metrics down by."""
+    eval_funcs(reward_funcs, config.eval_accuracy_func, config.eval_free_accuracy_func,
+               config.eval_format_func, dataset.column_names)
+    check_breakdown_column(dataset, config.eval_breakdown_column)
+
+
+def eval_funcs(reward_funcs, accuracy_func: str, free_accuracy_func: str | None, format_func: str | None,
+               columns: list[str] | None = None) -> dict[str, tuple[str, object]]:
+    """{metric: (name, function)} of the functions that score an evaluation. A name is a reward function's;
+    the format-free accuracy may also be an importable `module.function`. Fails early, naming the choices,
+    when one cannot be found or needs a column that `columns` (the eval dataset's, when given) lacks."""
     reward_names = reward_func_names(reward_funcs)
-    for setting, name in (("eval_accuracy_func", accuracy_func), ("eval_format_func", format_func)):
-        if name is not None and name not in reward_names:
-            raise ConfigError(f"{setting}={name!r} is not one of the reward functions: {', '.join(reward_names)} "
-                             f"(set --{setting}=NAME)")
+    found = {}
+    for metric, name in (("accuracy", accuracy_func), ("free_accuracy", free_accuracy_func),
+                         ("format", format_func)):
+        setting = f"eval_{metric}_func"
+        if name is None:
+            continue
+        if metric == "free_accuracy" and "." in name:
+            found[metric] = (name, _import(setting, name))
+        elif name in reward_names:
+            found[metric] = (name, reward_funcs[reward_names.index(name)])
+        else:
+            also = " or an importable module.function" if metric == "free_accuracy" else ""
+            raise ConfigError(f"{setting}={name!r} is not one of the reward functions: "
+                              f"{', '.join(reward_names)}{also} (set --{setting}=NAME)")
+        missing = sorted(required_columns(found[metric][1]) - set(columns)) if columns is not None else []
+        if missing:
+            raise ConfigError(f"{setting}={name!r} needs the eval dataset column(s) {', '.join(missing)}, "
+                              f"which it lacks (it has {', '.join(columns)}; set --{setting}=NAME, or none)")
+    return found
+
+
+def _import(setting: str, path: str):
+    module, _, attr = path.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(f"{setting}={path!r} cannot be imported: {e}") from None
+
+
+def check_breakdown_column(dataset, column: str | None) -> list | None:
+    """The column's values, one per row (None without a column), when metrics can be broken down by it."""
+    if column is None:
+        return None
+    if column not in dataset.column_names or column == "prompt":
+        raise ConfigError(f"eval_breakdown_column={column!r} is not a column of the eval dataset: "
+                          f"{', '.join(c for c in dataset.column_names if c != 'prompt')}")
+    values = dataset[column]
+    try:
+        distinct = len(set(values))
+    except TypeError:
+        raise ConfigError(f"eval_breakdown_column={column!r} holds lists or dicts, not plain values") \
+            from None
+    if distinct > MAX_BREAKDOWN_VALUES:
+        raise ConfigError(f"eval_breakdown_column={column!r} has {distinct} distinct values (at most "
+                          f"{MAX_BREAKDOWN_VALUES}: each one makes its own metrics)")
+    return values
 
 
 def full_marks_rate(values: torch.Tensor) -> float:
@@ -39,22 +106,61 @@ def full_marks_rate(values: torch.Tensor) -> float:
     return (applied >= 1.0).float().mean().item() if applied.numel() else float("nan")
 
 
+def summarize(scores: dict[str, torch.Tensor], lengths: torch.Tensor,
+              prefix: str = "eval/") -> dict[str, float]:
+    """`<prefix><metric>`: each score's full-marks rate (`scores`: metric -> [N] values), then the mean
+    length (`lengths` [N]) and the number of rows."""
+    out = {f"{prefix}{metric}": full_marks_rate(values) for metric, values in scores.items()}
+    out[f"{prefix}length_mean"] = lengths.float().mean().item()
+    out[f"{prefix}num_examples"] = float(lengths.numel())
+    return out
+
+
+def breakdown(scores: dict[str, torch.Tensor], lengths: torch.Tensor, column: str,
+              values: list) -> dict[str, float]:
+    """`summarize` over the rows of each distinct value of a dataset column (`values`, one per row), under
+    `eval/<column>=<value>/`, values in sorted order."""
+    out = {}
+    for value in sorted(set(values), key=lambda v: (v is None, v)):
+        rows = torch.tensor([v == value for v in values])  # [N]
+        prefix = f"eval/{column}={value}/"
+        out.update(summarize({m: s[rows] for m, s in scores.items()}, lengths[rows], prefix))
+    return out
+
+
+def summary_lines(metrics: dict[str, float]) -> list[str]:
+    """An evaluation's metrics as text: the whole set's line, then one line per breakdown value."""
+    prefixes = ["eval/"] + [k.removesuffix("num_examples") for k in metrics
+                            if k.endswith("/num_examples") and k != "eval/num_examples"]
+    lines = []
+    for prefix in prefixes:
+        parts = [f"{label} {metrics[prefix + key]:.3f}" for key, label in
+                 (("accuracy", "accuracy"), ("free_accuracy", "format-free accuracy"), ("format", "format"))
+                 if prefix + key in metrics]
+        parts.append(f"mean length {metrics[prefix + 'length_mean']:.1f} tokens")
+        n = int(metrics[prefix + "num_examples"])
+        lines.append(("" if prefix == "eval/" else f"  {prefix[5:-1]} ({n} prompts): ") + ", ".join(parts))
+    return lines
+
+
 @torch.no_grad()
-def evaluate(model, tokenizer, dataset, reward_funcs, *, accuracy_func: str, format_func: str | None = None,
-             max_prompt_length: int, max_completion_length: int, batch_size: int = 64,
-             limit: int | None = None, progress: bool = True, unsharded=None,
+def evaluate(model, tokenizer, dataset, reward_funcs, *, accuracy_func: str,
+             free_accuracy_func: str | None = None, format_func: str | None = None,
+             breakdown_column: str | None = None, max_prompt_length: int, max_completion_length: int,
+             batch_size: int = 64, limit: int | None = None, progress: bool = True, unsharded=None,
              chat_template_kwargs: dict | None = None) -> tuple[dict[str, float], list[dict]]:
-    """Greedy-decode one completion per prompt of `dataset` (its first `limit` rows), chat prompts rendered with
-    `chat_template_kwargs` as in training, and score it.
+    """Greedy-decode one completion per prompt of `dataset` (its first `limit` rows), chat prompts rendered
+    with `chat_template_kwargs` as in training, and score it.
 
     `unsharded(fn)` runs `fn(model)` for each batch (default: directly); the Trainer passes its parallel
     wrapper, so that FSDP ranks generate together. Returns `(metrics, samples)`: `eval/*` metrics and one
-    dict per row (prompt, completion, each reward)."""
+    dict per row (prompt, completion, each reward, and `free_accuracy` when no reward function gives it)."""
     unsharded = unsharded or (lambda fn: fn(model))
-    check_eval_funcs(reward_funcs, accuracy_func, format_func)
     names = reward_func_names(reward_funcs)
     if limit is not None:
         dataset = dataset.select(range(min(limit, len(dataset))))
+    funcs = eval_funcs(reward_funcs, accuracy_func, free_accuracy_func, format_func, dataset.column_names)
+    groups = check_breakdown_column(dataset, breakdown_column)
     encode = PromptEncoder(tokenizer, max_prompt_length, chat_template_kwargs)
     completions, completion_ids, lengths = [], [], []
     t0 = time.perf_counter()
@@ -73,15 +179,23 @@ def evaluate(model, tokenizer, dataset, reward_funcs, *, accuracy_func: str, for
     rewards, per_func = compute_rewards(reward_funcs, prompts, completions, columns,
                                         completion_ids=completion_ids)  # [N], [N, F]
     means = reward_metrics(rewards, per_func, names)
-    metrics = {"eval/accuracy": full_marks_rate(per_func[:, names.index(accuracy_func)])}
-    if format_func is not None:
-        metrics["eval/format"] = full_marks_rate(per_func[:, names.index(format_func)])
-    metrics["eval/length_mean"] = torch.cat(lengths).mean().item()
+    # A function that is not a reward function (an imported format-free accuracy) scores apart.
+    extra = [m for m, (name, _) in funcs.items() if name not in names]
+    extra_values = torch.empty(len(completions), 0)  # [N, E]
+    if extra:
+        _, extra_values = compute_rewards([funcs[m][1] for m in extra], prompts, completions, columns,
+                                          completion_ids=completion_ids)  # [N, E]
+    scores = {m: extra_values[:, extra.index(m)] if m in extra else per_func[:, names.index(name)]
+              for m, (name, _) in funcs.items()}  # metric: [N]
+    lengths = torch.cat(lengths)  # [N]
+    metrics = summarize(scores, lengths)
     metrics.update({f"eval/reward/{n}": means[f"reward/{n}"] for n in names if f"reward/{n}" in means})
-    metrics["eval/num_examples"] = float(len(dataset))
+    if groups is not None:
+        metrics.update(breakdown(scores, lengths, breakdown_column, groups))
     metrics["eval/seconds"] = time.perf_counter() - t0
     # The dataset's other columns (the expected answer, say) sit next to each completion.
     samples = [{"prompt": p, "completion": c, **{k: v[i] for k, v in columns.items()},
-                **{f"reward/{n}": (None if v != v else v) for n, v in zip(names, per_func[i].tolist())}}
+                **{f"reward/{n}": (None if v != v else v) for n, v in zip(names, per_func[i].tolist())},
+                **{m: (None if v != v else v) for m, v in zip(extra, extra_values[i].tolist())}}
                for i, (p, c) in enumerate(zip(prompts, completions))]
     return metrics, samples

@@ -30,6 +30,10 @@ from tqdm.auto import tqdm
 from ..errors import UserError
 
 
+# What every reward function may take besides the dataset's columns.
+REWARD_ARGUMENTS = ("prompts", "completions", "completion_ids", "trainer_state", "log_metric", "log_extra")
+
+
 class RewardError(UserError):
     """A reward function raised, or returned the wrong number or kind of values."""
 
@@ -161,6 +165,17 @@ def _accepted(f, kwargs: dict) -> dict:
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         return kwargs
     return {k: v for k, v in kwargs.items() if k in params}
+
+
+def required_columns(f) -> set[str]:
+    """The dataset columns `f` cannot do without: its parameters without a default, besides REWARD_ARGUMENTS
+    (none known when it has no signature to read)."""
+    try:
+        params = inspect.signature(f).parameters
+    except (TypeError, ValueError):
+        return set()
+    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return {n for n, p in params.items() if p.kind in named and p.default is p.empty} - set(REWARD_ARGUMENTS)
 
 
 def _await_all(coroutines: list) -> list:

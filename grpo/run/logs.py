@@ -13,6 +13,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from ..rollout.evaluate import summary_lines
+
 METRICS = "metrics.jsonl"
 COMPLETIONS = "completions.jsonl"
 
@@ -48,9 +50,8 @@ def log_eval(output_dir: Path, step: int, metrics: dict, is_main: bool, trackers
     """Print an evaluation's summary and write its metrics.jsonl line (`eval/*` keys)."""
     line = {"step": step, **metrics}
     if is_main:
-        tqdm.write(f"eval at step {step}: accuracy {metrics['eval/accuracy']:.3f}"
-                   + (f", format {metrics['eval/format']:.3f}" if "eval/format" in metrics else "")
-                   + f", mean length {metrics['eval/length_mean']:.1f} tokens")
+        first, *groups = summary_lines(metrics)
+        tqdm.write("\n".join([f"eval at step {step}: {first}", *groups]))
         _append_line(output_dir / METRICS, line)
         trackers.log(step, line)
     return line

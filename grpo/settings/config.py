@@ -194,6 +194,12 @@ class Config:
     """Reward function (by name) whose full marks (>= 1.0) count an eval completion as correct."""
     eval_format_func: str | None = "xml_format_reward"
     """Reward function (by name) whose full marks count an eval completion as well-formatted (None: skip)."""
+    eval_free_accuracy_func: str | None = None
+    """Function whose full marks count an eval completion correct whatever its format (`eval/free_accuracy`):
+    a reward function (by name) or an importable `module.function` with their contract, e.g. GSM8K's
+    "grpo.tasks.gsm8k.last_number_accuracy" (the completion's last number against `answer`); None: skip."""
+    eval_breakdown_column: str | None = None
+    """Eval dataset column whose values each get their own eval metrics, `eval/<column>=<value>/*` (None)."""
 
     def __new__(cls, *args, **settings):
         # Every construction (dataclasses.replace too) passes its keywords to __new__ before the generated

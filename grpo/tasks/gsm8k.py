@@ -91,13 +91,25 @@ def answer_accuracy_reward(completions, answer, **kwargs) -> list[float]:
     GSM8K answer or the full GSM8K solution, whose last number is the one after `####`."""
     rewards = []
     for completion, reference in zip(completions, answer, strict=True):
-        expected = parse_number(str(reference))
-        if expected is None:
-            raise ValueError(f"reference answer {reference!r} is not a number")
         content = extract_xml_answer(completion_text(completion))
-        got = parse_number(content) if content is not None else None
-        rewards.append(1.0 if got is not None and abs(got - expected) < 1e-6 else 0.0)
+        rewards.append(_score(parse_number(content) if content is not None else None, reference))
     return rewards
+
+
+def last_number_accuracy(completions, answer, **kwargs) -> list[float]:
+    """Format-free accuracy: 1.0 when the last number anywhere in a completion, tags or no tags, equals
+    the reference numerically, else 0.0 (also without any number). Tolerant as parse_number is ("$1,200",
+    "12.0", "-5", "14 apples."). It tells arithmetic learned apart from a format learned."""
+    return [_score(parse_number(completion_text(c)), reference)
+            for c, reference in zip(completions, answer, strict=True)]
+
+
+def _score(got: float | None, reference) -> float:
+    """1.0 when `got` equals the reference's number (|diff| < 1e-6); a reference without one raises."""
+    expected = parse_number(str(reference))
+    if expected is None:
+        raise ValueError(f"reference answer {reference!r} is not a number")
+    return 1.0 if got is not None and abs(got - expected) < 1e-6 else 0.0
 
 
 def chat_prompt(question: str) -> list[dict]:

@@ -10,7 +10,7 @@ from grpo import Config, Trainer
 from grpo.eval import main as eval_main
 from grpo.plot import main as plot_main
 from grpo.plot import moving_average, plot
-from grpo.rollout.evaluate import check_eval_funcs, evaluate, full_marks_rate
+from grpo.rollout.evaluate import eval_funcs, evaluate, full_marks_rate
 
 
 def always_one(completions, **kwargs):
@@ -38,7 +38,7 @@ def test_full_marks_rate_by_hand():
 
 def test_unknown_eval_func_names_the_reward_functions():
     with pytest.raises(ValueError, match="eval_format_func='xml_format_reward'.*always_one, half"):
-        check_eval_funcs([always_one, half], "always_one", "xml_format_reward")
+        eval_funcs([always_one, half], "always_one", None, "xml_format_reward")
 
 
 def test_evaluate_is_greedy_and_scores_every_prompt(tokenizer):
@@ -61,7 +61,7 @@ def test_trainer_evaluates_at_start_every_eval_steps_and_at_the_end(tmp_path, to
     config = Config(output_dir=str(tmp_path / "run"), max_steps=3, per_device_train_batch_size=4,
                     num_generations=2, max_prompt_length=16, max_completion_length=6, learning_rate=1e-3,
                     optim="adamw", eval_steps=2, eval_on_start=True, eval_limit=4,
-                    eval_accuracy_func="always_one", eval_format_func=None)
+                    eval_accuracy_func="always_one", eval_format_func=None, eval_free_accuracy_func=None)
     trainer = Trainer(config, model=tiny_model(tokenizer), tokenizer=tokenizer, reward_funcs=[always_one],
                       train_dataset=digit_prompts(), eval_dataset=digit_prompts())
     trainer.train()
@@ -84,7 +84,7 @@ from grpo.tasks.tiny import model_for
 from tiny_setup import CORPUS, digit_prompts, tiny_tokenizer
 
 config = Config(output_dir={out!r}, max_prompt_length=16, max_completion_length=6,
-                 eval_accuracy_func="has_digit", eval_format_func=None)
+                 eval_accuracy_func="has_digit", eval_format_func=None, eval_free_accuracy_func=None)
 
 def has_digit(completions, **kwargs):
     return [float(any(ch.isdigit() for ch in c)) for c in completions]

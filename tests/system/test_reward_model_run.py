@@ -21,7 +21,8 @@ def tokenizer():
 def config(tmp_path, **overrides) -> Config:
     return Config(output_dir=str(tmp_path / "run"), max_steps=2, per_device_train_batch_size=8, num_generations=4,
                   max_prompt_length=16, max_completion_length=6, learning_rate=1e-2, optim="adamw", seed=0,
-                  eval_accuracy_func="digit_share", eval_format_func=None, **overrides)
+                  eval_accuracy_func="digit_share", eval_format_func=None, eval_free_accuracy_func=None,
+                  **overrides)
 
 
 def read(path) -> list[dict]:
@@ -64,7 +65,7 @@ from tiny_setup import digit_prompts, digit_share, tiny_model, tiny_tokenizer
 
 config = Config(output_dir={out!r}, max_steps=1, per_device_train_batch_size=4, num_generations=2,
                 max_prompt_length=16, max_completion_length=4, optim="adamw", gradient_checkpointing=False,
-                eval_accuracy_func="digit_share", eval_format_func=None)
+                eval_accuracy_func="digit_share", eval_format_func=None, eval_free_accuracy_func=None)
 reward_funcs = [digit_share, {model!r}]  # a reward model's folder: loaded with its own tokenizer
 train_dataset = digit_prompts
 eval_dataset = digit_prompts

@@ -62,7 +62,8 @@ def test_a_run_samples_with_min_p_repetition_penalty_and_generation_kwargs(tmp_p
                     num_generations=2, max_prompt_length=64, max_completion_length=6, learning_rate=1e-3,
                     optim="adamw", seed=0, temperature=0.9, min_p=0.05, repetition_penalty=1.3,
                     generation_kwargs={"top_k": 20, "temperature": 0.8}, chat_template_kwargs={"greeting": "hi"},
-                    eval_on_start=True, eval_limit=2, eval_accuracy_func="content_length", eval_format_func=None)
+                    eval_on_start=True, eval_limit=2, eval_accuracy_func="content_length",
+                    eval_format_func=None, eval_free_accuracy_func=None)
     trainer = Trainer(config, model=tiny_model(tokenizer), tokenizer=tokenizer, reward_funcs=[content_length],
                       train_dataset=chat_prompts(8), eval_dataset=chat_prompts(4))
     trainer.train()
