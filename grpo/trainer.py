@@ -5,13 +5,13 @@ from __future__ import annotations
 import contextlib
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
-from .algo.advantages import group_advantages, zero_std_fraction
+from .algo.advantages import group_advantages, has_signal, zero_std_fraction
 from .algo.loss import add_metrics, no_token_metrics, policy_loss, zero_advantage_has_no_gradient
 from .settings import Config
 from .errors import nonfinite_stop
@@ -20,7 +20,8 @@ from .policy.models import check_load_options, device_of, load_model, load_token
 from .policy.optim import build_optimizer, build_scheduler, optimizer_step, set_hyperparameters
 from .policy.parallel import check_settings as check_parallel_settings
 from .policy.precision import Precision
-from .rollout.batches import Batch, Generation, Scored, generation_from_dict, length_metrics, loss_batches, regroup
+from .rollout.batches import (Batch, Generation, Scored, concat, generation_from_dict, length_metrics, loss_batches,
+                              regroup, rollout_rows)
 from .rollout.custom import CustomRollouts
 from .rollout.evaluate import check_eval_setup, eval_options, evaluate
 from .rollout.progress import TokenProgress
@@ -135,36 +136,72 @@ class Trainer:
     @torch.no_grad()
     def generate(self) -> Generation:
         """Sample a generation batch, score it, and cut it into micro-batches with what the loss needs."""
-        t0 = time.perf_counter()
-        # Every rank draws the same global prompts and keeps its own share of whole prompts.
-        rows = self.dist.shard(self.prompts.next(self.schedule.prompts_per_generation))  # rollout/prompts
-        rollouts, fields = self.sample(rows["prompt"])                                    # rollout/sampling
-        generate_s = self.dist.reduce({"s": time.perf_counter() - t0}, "max")["s"]  # the slowest rank's
+        context = RewardContext(self.step, self.total_steps)  # TRL's trainer_state, log_metric, log_extra
+        rollouts, scored, seconds = self.sample(self.schedule.prompts_per_generation, context)
         self.policy.check_head_once(rollouts[0], agree=self.largest)  # first step: vs the model's own forward
-        scored, context = self.score(rows, rollouts, fields)                              # rollout/rewards
+        refill = {}
+        if self.config.dynamic_sampling:  # DAPO: only groups with signal, while rounds are left
+            rollouts, scored, refill, more_seconds = self.fill_with_signal(rollouts, scored, context)
+            seconds += more_seconds
+        generate_s = self.dist.reduce({"s": seconds}, "max")["s"]  # the slowest rank's
+        # Every rank's rewards [W*N] and per function [W*N, F], rank-major: advantages may span ranks (scale).
+        scored = replace(scored, rewards=self.dist.gather(scored.rewards), per_func=self.dist.gather(scored.per_func))
         scored.advantages = group_advantages(scored.rewards, self.config.num_generations,  # algo/advantages
                                              scale=self.config.scale_rewards, scored=scored.applied)
+        rollouts = regroup(rollouts, self.schedule.micro_batch, self.tokenizer.pad_token_id)  # rollout/batches
         batches = self.micro_batches(rollouts, self.dist.local(scored.advantages))        # rollout/batches
-        metrics = self.generation_metrics(rollouts, scored, context, generate_s)
+        metrics = {**self.generation_metrics(rollouts, scored, context, generate_s), **refill}
         return Generation(batches, metrics, scored)
 
-    def sample(self, prompts: list) -> tuple[list[Rollout], dict[str, list]]:
-        """This rank's completions of `prompts` in micro-batches, and a rollout_func's extra reward columns."""
+    def sample(self, num_prompts: int, context: RewardContext) -> tuple[list[Rollout], Scored, float]:
+        """`num_prompts` new prompts over all ranks, this rank's share sampled and scored: its rollouts (the
+        sampler's, in chunks of whole prompts), their scores (this rank's rows: rewards [N], per_func [N, F]),
+        and the seconds sampling took."""
+        t0 = time.perf_counter()
+        # Every rank draws the same global prompts and keeps its own share of whole prompts.
+        rows = self.dist.shard(self.prompts.next(num_prompts))                            # rollout/prompts
         with TokenProgress(f"sampling step {self.step + 1}", enabled=self.dist.is_main) as on_token:
-            rollouts, fields = self.sampler(prompts, on_token)
-        return regroup(rollouts, self.schedule.micro_batch, self.tokenizer.pad_token_id), fields
-
-    def score(self, rows: dict, rollouts: list[Rollout], fields: dict) -> tuple[Scored, RewardContext]:
-        """Every reward function on this rank's completions; the rewards [W*N] and per function [W*N, F] of all
-        ranks (rank-major), advantages still to come."""
+            rollouts, fields = self.sampler(rows["prompt"], on_token)                    # rollout/sampling
+        seconds = time.perf_counter() - t0
         columns = {**per_completion(rows, self.config.num_generations), **fields}  # a rollout_func's fields win
         prompts, completions = columns.pop("prompt"), [c for ro in rollouts for c in ro.completions]
-        context = RewardContext(self.step, self.total_steps)  # TRL's trainer_state, log_metric, log_extra
-        rewards, per_func = compute_rewards(self.reward_funcs, prompts, completions, columns,
+        rewards, per_func = compute_rewards(self.reward_funcs, prompts, completions, columns,  # rollout/rewards
                                             self.config.reward_weights, context=context,
                                             completion_ids=[i for ro in rollouts for i in ro.completion_id_lists])
-        return Scored(prompts, completions, self.dist.gather(rewards), self.dist.gather(per_func),
-                      extras=context.extras), context
+        return rollouts, Scored(prompts, completions, rewards, per_func, extras=context.extras), seconds
+
+    def fill_with_signal(self, rollouts: list[Rollout], scored: Scored,
+                         context: RewardContext) -> tuple[list[Rollout], Scored, dict, float]:
+        """DAPO's dynamic sampling on this rank's share: keep its groups with signal (algo/advantages.has_signal),
+        sampling more prompts, as many per rank as the rank shortest of groups lacks, while one lacks any and
+        rounds are left; a rank still short tops up with groups it dropped (they train nothing). Every rank runs
+        as many rounds of as many prompts, so the collectives (and FSDP's sampling) stay in step."""
+        G, cfg = self.config.num_generations, self.config
+        need = len(scored.completions) // G  # this rank's groups in a generation batch
+        parts, seconds, rounds = [(rollouts, scored)], 0.0, 0
+        signal = has_signal(scored.rewards, G, scored.applied)  # [n] per group sampled so far
+        while rounds < cfg.dynamic_sampling_max_rounds:
+            missing = int(self.largest(float(max(0, need - int(signal.sum())))))
+            if missing == 0:
+                break
+            more, more_scored, more_seconds = self.sample(missing * self.dist.world_size, context)
+            parts.append((more, more_scored))
+            signal = torch.cat([signal, has_signal(more_scored.rewards, G, more_scored.applied)])  # [n]
+            seconds, rounds = seconds + more_seconds, rounds + 1
+        # Groups with signal first, then dropped ones to fill the batch, each kept in the order it was sampled.
+        keep = torch.cat([signal.nonzero(), (~signal).nonzero()]).flatten()[:need].sort().values  # [need]
+        rows = (keep[:, None] * G + torch.arange(G)).flatten()  # [need * G]
+        index = rows.tolist()
+        prompts = [p for _, s in parts for p in s.prompts]
+        completions = [c for _, s in parts for c in s.completions]
+        kept = Scored([prompts[i] for i in index], [completions[i] for i in index],
+                      torch.cat([s.rewards for _, s in parts])[rows], torch.cat([s.per_func for _, s in parts])[rows],
+                      extras={k: [v[i] for i in index if i < len(v)] for k, v in context.extras.items()})
+        whole = concat([r for rs, _ in parts for r in rs], self.tokenizer.pad_token_id)
+        counts = self.dist.reduce({"dropped": float(len(signal) - need), "filler": float(need - signal[keep].sum())})
+        metrics = {"dynamic_sampling/rounds": float(rounds), "dynamic_sampling/dropped_groups": counts["dropped"],
+                   "dynamic_sampling/filler_groups": counts["filler"]}
+        return [rollout_rows(whole, rows)], kept, metrics, seconds
 
     def micro_batches(self, rollouts: list[Rollout], advantages: torch.Tensor) -> list[Batch]:
         """The micro-batches the loss takes, cut to the rows with a gradient (rollout/batches.trained_rows), with

@@ -101,12 +101,17 @@ def _no_signal(grouped: Tensor, valid: Tensor) -> Tensor:
     return (high <= low) | (valid.sum(dim=1, keepdim=True) < 2)  # [N/G, 1]
 
 
-def zero_std_fraction(rewards: Tensor, group_size: int, scored: Tensor | None = None) -> float:
-    """Fraction of groups whose scored rewards all agree (TRL's ``frac_reward_zero_std``): groups
-    that carry no learning signal. A group with fewer than two scored completions counts too."""
+def has_signal(rewards: Tensor, group_size: int, scored: Tensor | None = None) -> Tensor:
+    """``[N/G]`` bool: True for groups whose scored rewards differ (at least two scored, not all equal), the
+    groups whose advantages are not all exactly 0. DAPO's dynamic sampling keeps only these."""
     _check_rewards(rewards, group_size, "group", scored)
     rewards = rewards if rewards.is_floating_point() else rewards.float()
     if scored is None:
         scored = torch.ones_like(rewards, dtype=torch.bool)  # [N]
-    flat = _no_signal(rewards.view(-1, group_size), scored.view(-1, group_size))  # [N/G, 1]
-    return flat.float().mean().item()
+    return ~_no_signal(rewards.view(-1, group_size), scored.view(-1, group_size)).squeeze(1)  # [N/G]
+
+
+def zero_std_fraction(rewards: Tensor, group_size: int, scored: Tensor | None = None) -> float:
+    """Fraction of groups whose scored rewards all agree (TRL's ``frac_reward_zero_std``): groups
+    that carry no learning signal. A group with fewer than two scored completions counts too."""
+    return (~has_signal(rewards, group_size, scored)).float().mean().item()

@@ -143,6 +143,14 @@ def regroup(rollouts: list[Rollout], size: int, pad_id: int) -> list[Rollout]:
     need (prompts stay left-padded, completions right-padded), so its compute does not depend on the chunks."""
     if all(len(r.completions) == size for r in rollouts):
         return rollouts  # sampled as they are trained: nothing to move
+    whole = concat(rollouts, pad_id)
+    M = len(whole.completions)
+    return [rollout_rows(whole, torch.arange(start, min(start + size, M))) for start in range(0, M, size)]
+
+
+def concat(rollouts: list[Rollout], pad_id: int) -> Rollout:
+    """The rows of `rollouts` in order as one rollout, prompts left-padded and completions right-padded to the
+    widest."""
     P = max(r.prompt_ids.shape[1] for r in rollouts)
     C = max(r.completion_ids.shape[1] for r in rollouts)
 
@@ -150,11 +158,9 @@ def regroup(rollouts: list[Rollout], size: int, pad_id: int) -> list[Rollout]:
         parts = [getattr(r, name) for r in rollouts]
         return torch.cat([torch.nn.functional.pad(t, (width - t.shape[1], 0) if left else (0, width - t.shape[1]),
                                                   value=value) for t in parts])  # [sum N, width]
-    whole = Rollout(cat("prompt_ids", P, True, pad_id), cat("prompt_mask", P, True, 0),  # [M, P] each
-                    cat("completion_ids", C, False, pad_id), cat("completion_mask", C, False, 0),  # [M, C] each
-                    [c for r in rollouts for c in r.completions], torch.cat([r.truncated for r in rollouts]))
-    M = len(whole.completions)
-    return [rollout_rows(whole, torch.arange(start, min(start + size, M))) for start in range(0, M, size)]
+    return Rollout(cat("prompt_ids", P, True, pad_id), cat("prompt_mask", P, True, 0),  # [M, P] each
+                   cat("completion_ids", C, False, pad_id), cat("completion_mask", C, False, 0),  # [M, C] each
+                   [c for r in rollouts for c in r.completions], torch.cat([r.truncated for r in rollouts]))
 
 
 def loss_rollout(rollout: Rollout, mask_truncated: bool) -> Rollout:

@@ -106,6 +106,13 @@ class Config:
     loss stays bounded (None: off; TRL advises delta > 1 + epsilon)."""
     num_iterations: int = 1
     """Optimizer passes over each generation batch (mu in the GRPO paper)."""
+    dynamic_sampling: bool = False  # not TRL's (it has none); verl calls it algorithm.filter_groups
+    """DAPO's dynamic sampling: a generation batch drops the groups whose rewards are all equal (no learning
+    signal) and samples more prompts until it is full of groups with signal, for at most
+    dynamic_sampling_max_rounds extra rounds; a batch still short is topped up with dropped groups (they train
+    nothing). `dynamic_sampling/*` metrics say how many rounds it took and how many groups were dropped."""
+    dynamic_sampling_max_rounds: int = 3
+    """Extra sampling rounds one generation batch may take under dynamic_sampling (verl: max_num_gen_batches)."""
     scale_rewards: str = "group"
     """Advantage scaling: "group" std, "batch" std, or "none" (Dr. GRPO); TRL's True / False are "group" / "none"."""
     loss_type: str = "dapo"

@@ -152,3 +152,14 @@ def test_zero_std_fraction_hand_computed():
     assert zero_std_fraction(rewards, 2, scored) == 0.75
     assert zero_std_fraction(rewards, 2) == 0.5  # [2, 0] has signal once its 0 counts
     assert zero_std_fraction(torch.tensor([1, 1, 1, 0]), 4) == 0.0
+
+
+def test_has_signal_marks_the_groups_dynamic_sampling_keeps():
+    from grpo.algo.advantages import has_signal
+
+    rewards = torch.tensor([1.0, 1.0, 1.0, 0.0, 1.0, 0.0, 2.0, 3.0, 5.0, 4.0, 4.0, 5.0])  # 4 groups of 3
+    scored = torch.tensor([True] * 6 + [True, False, False] + [True, True, False])
+    # equal; differ; one scored completion only (no std); the two scored are equal (4, 4) though 5 is not scored
+    assert has_signal(rewards, 3).tolist() == [False, True, True, True]
+    assert has_signal(rewards, 3, scored).tolist() == [False, True, False, False]
+    assert zero_std_fraction(rewards, 3, scored) == 0.75  # the groups without signal, as TRL counts them
