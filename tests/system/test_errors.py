@@ -132,24 +132,23 @@ def test_a_reward_failing_later_keeps_the_steps_before_it(tmp_path, capsys):
 # --- non-finite loss: skipped, logged, stopped after max_nonfinite_steps in a row ---
 
 def nan_loss_from_step(monkeypatch, first_bad_step: int, last_bad_step: int = 10**9):
-    real = grpo.trainer.policy_loss
-    trainers = []
-    monkeypatch.setattr(grpo.trainer.Trainer, "train", record(grpo.trainer.Trainer.train, trainers))
+    """Every Trainer the CLI builds gets NaN log-probs in the training forwards of steps first..last."""
+    real_train, trainers = grpo.trainer.Trainer.train, []
 
-    def policy_loss(*args, **kwargs):
-        loss, metrics = real(*args, **kwargs)
-        step = trainers[-1].step + 1
-        return (loss * math.nan if first_bad_step <= step <= last_bad_step else loss), metrics
+    def train(self):
+        trainers.append(self)
+        logprobs = self.policy.logprobs
 
-    monkeypatch.setattr(grpo.trainer, "policy_loss", policy_loss)
+        def poisoned(rollout, with_entropy=False):
+            out = logprobs(rollout, with_entropy=with_entropy)
+            bad = with_entropy and first_bad_step <= self.step + 1 <= last_bad_step
+            return (out[0] * math.nan, out[1]) if bad else out
+
+        self.policy.logprobs = poisoned
+        return real_train(self)
+
+    monkeypatch.setattr(grpo.trainer.Trainer, "train", train)
     return trainers
-
-
-def record(method, into: list):
-    def wrapped(self):
-        into.append(self)
-        return method(self)
-    return wrapped
 
 
 def test_nonfinite_loss_stops_after_n_in_a_row_keeping_the_last_good_checkpoint(tmp_path, capsys, monkeypatch):

@@ -2,8 +2,8 @@
 
 The held-out greedy accuracy after GRPO must beat the accuracy right after the warm start by a wide margin.
 It must fail when the algorithm is broken; check that by hand with
-    GRPO_SABOTAGE=flip_sign pytest tests/test_learning.py         # policy gradient pointing the wrong way
-    GRPO_SABOTAGE=zero_advantages pytest tests/test_learning.py   # no learning signal
+    GRPO_SABOTAGE=flip_sign pytest tests/system/test_learning.py         # policy gradient pointing the wrong way
+    GRPO_SABOTAGE=zero_advantages pytest tests/system/test_learning.py   # no learning signal
 """
 import dataclasses
 import os
@@ -30,8 +30,9 @@ def sabotage(monkeypatch):
     if name:
         if name not in SABOTAGES:
             raise ValueError(f"GRPO_SABOTAGE={name!r}; valid: {', '.join(SABOTAGES)}")
-        original = grpo.trainer.group_advantages
-        monkeypatch.setattr(grpo.trainer, "group_advantages", lambda *a, **k: SABOTAGES[name](original(*a, **k)))
+        original = grpo.trainer.Trainer.micro_batches  # where the advantages meet the loss
+        monkeypatch.setattr(grpo.trainer.Trainer, "micro_batches",
+                            lambda self, rollouts, advantages: original(self, rollouts, SABOTAGES[name](advantages)))
     return name
 
 
