@@ -39,9 +39,13 @@ def load_checkpoint(path: Path, recipe, config):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from .policy.models import load_model, load_tokenizer
+    from .run.checkpoint import damage, unloadable
 
     if not (path / "config.json").exists() and not (path / "adapter_config.json").exists():
         raise ConfigError(f"{path} is not a checkpoint folder (no config.json or adapter_config.json)")
+    problem = damage(path, weights_only=True)
+    if problem is not None:
+        raise unloadable("--checkpoint", path, problem, weights_only=True)
     if (path / "adapter_config.json").exists():
         from peft import PeftModel
 

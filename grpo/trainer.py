@@ -348,9 +348,12 @@ class Trainer:
         return self.last_checkpoint
 
     def resume(self, spec: str) -> None:
-        """Continue from `spec`, a checkpoint folder or "latest" (the newest complete one in output_dir; none
-        yet means step 0). Lines of the logs written after its step are dropped, so they never repeat."""
-        path = checkpoint.find_checkpoint(spec, str(self.output_dir))
+        """Continue from `spec`, a checkpoint folder or "latest" (the newest loadable one in output_dir, saying
+        which damaged ones it passed over; none yet means step 0). Lines of the logs written after its step are
+        dropped, so they never repeat."""
+        path, passed_over = checkpoint.find_checkpoint(spec, str(self.output_dir))
+        if passed_over and self.dist.is_main:
+            print("\n".join(passed_over), file=sys.stderr)
         if path is None:
             print(f"no checkpoint in {self.output_dir} yet: starting from step 0", file=sys.stderr)
         else:

@@ -2,8 +2,10 @@
 adapter alone under peft), and in `trainer_state.pt` the optimizer, the schedule, the RNG states, the data
 position and the step. Each is written into a temporary folder, fsynced, and renamed into place with a
 completion marker, so a crash mid-save never leaves a checkpoint that looks complete; half-written ones are
-neither loaded nor counted by `save_total_limit`. Resuming drops the lines of the run's .jsonl logs written
-after the checkpoint's step, so the metrics stream has no duplicated or missing lines."""
+neither loaded nor counted by `save_total_limit`. A checkpoint damaged after its save (a full disk, a node lost
+mid-write on a network filesystem) is recognised from its files' own headers and sizes before anything is
+loaded: `latest` passes over it to the newest loadable one. Resuming drops the lines of the run's .jsonl logs
+written after the checkpoint's step, so the metrics stream has no duplicated or missing lines."""
 from __future__ import annotations
 
 import json
@@ -12,6 +14,7 @@ import random
 import re
 import shutil
 import tempfile
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -99,19 +102,104 @@ def check_output_dir(output_dir: str) -> None:
                           ) from None
 
 
-def find_checkpoint(spec: str, output_dir: str) -> Path | None:
-    """The checkpoint folder `spec` names, or for "latest" the newest complete one in `output_dir`
-    (None if there is none yet). ConfigError if `spec` is not a complete checkpoint, or if `output_dir`
-    holds newer ones: continuing the older one there would mix two runs."""
+def find_checkpoint(spec: str, output_dir: str) -> tuple[Path | None, list[str]]:
+    """The checkpoint folder `spec` names, or for "latest" the newest loadable one in `output_dir` (None if
+    there is none yet), and a line for each newer one passed over as damaged. ConfigError if `spec` is not a
+    loadable checkpoint (naming the one that is), if every checkpoint of `output_dir` is damaged, or if
+    `output_dir` holds loadable newer ones: continuing the older one there would mix two runs."""
     found = complete_checkpoints(output_dir)
     if spec == "latest":
-        return _checked_folder(str(found[-1])) if found else None
+        damaged = []
+        for path in reversed(found):
+            problem = damage(path)
+            if problem is None:
+                return path, [f"{bad} cannot be loaded ({why}): resuming from {path}, the newest loadable "
+                              f"checkpoint" for bad, why in damaged]
+            damaged.append((path, problem))
+        if damaged:
+            problems = "; ".join(f"{p.name}: {why}" for p, why in damaged)
+            raise ConfigError(f"no checkpoint in {output_dir} can be loaded ({problems}): move them away to start "
+                              f"again from step 0")
+        return None, []
     path = _checked_folder(spec)
-    newer = [p.name for p in found if _step_of(p) > _step_of(path)]
+    newer = [p.name for p in found if _step_of(p) > _step_of(path) and damage(p) is None]
     if newer:
         raise ConfigError(f"{output_dir} holds checkpoints newer than {spec} ({', '.join(newer)}): continuing "
                           f"from it there would mix two runs; move them away or pick another --output_dir")
-    return path
+    return path, []
+
+
+def damage(checkpoint: Path, weights_only: bool = False) -> str | None:
+    """Why `checkpoint` cannot be loaded, or None when it looks whole: its completion marker, settings, trainer
+    state and weights present, and each file as long as its own header says (a safetensors file's JSON
+    header, the central directory at the end of torch.save's zip). The bytes themselves are not checksummed:
+    a file cut short, what a full disk or a lost node leaves, is what this recognises. `weights_only`: the
+    model folder alone (what grpo.eval loads)."""
+    needed = [] if weights_only else [COMPLETE, "grpo_config.json", STATE]
+    adapter = (checkpoint / "adapter_config.json").exists()
+    needed.append("adapter_model.safetensors" if adapter else "config.json")
+    index = checkpoint / "model.safetensors.index.json"  # a sharded model: every shard it lists
+    try:
+        needed += sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else []
+    except (ValueError, KeyError, AttributeError):
+        return f"{index.name} is damaged"
+    missing = [name for name in needed if not (checkpoint / name).is_file()]
+    weights = sorted(checkpoint.glob("*.safetensors"))
+    if not weights and not adapter:
+        missing.append("model.safetensors")
+    if missing:
+        return f"no {', '.join(missing)}"
+    for path in weights:
+        if (problem := _safetensors_damage(path)) is not None:
+            return f"{path.name} {problem}"
+    if not weights_only:
+        try:
+            json.loads((checkpoint / "grpo_config.json").read_text())
+        except ValueError:
+            return "grpo_config.json is not valid JSON"
+        try:
+            zipfile.ZipFile(checkpoint / STATE).close()
+        except (zipfile.BadZipFile, OSError):
+            return f"{STATE} is cut short or damaged ({_bytes(checkpoint / STATE)}, no zip directory at its end)"
+    return None
+
+
+def _safetensors_damage(path: Path) -> str | None:
+    """A safetensors file is an 8-byte header length, the JSON header, then the tensors' bytes, whose offsets
+    the header lists: its size must be exactly their sum."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        header_size = int.from_bytes(head, "little") if len(head) == 8 else size
+        if 8 + header_size > size:
+            return f"is cut short ({_bytes(path)}, not even its header)"
+        try:
+            header = json.loads(f.read(header_size))
+            end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+            return "has a damaged header"
+    expected = 8 + header_size + end
+    if size != expected:
+        return f"is {'cut short' if size < expected else 'too long'} ({size:,} bytes, its header says {expected:,})"
+    return None
+
+
+def _bytes(path: Path) -> str:
+    return f"{path.stat().st_size:,} bytes"
+
+
+def loadable_beside(path: Path, weights_only: bool = False) -> Path | None:
+    """The newest loadable checkpoint in the folder that holds `path` (another one)."""
+    return next((p for p in reversed(complete_checkpoints(str(path.parent)))
+                 if p.resolve() != path.resolve() and damage(p, weights_only) is None), None)
+
+
+def unloadable(setting: str, path: Path, problem: str, weights_only: bool = False) -> ConfigError:
+    """The error for an explicitly named damaged checkpoint: the file, and the checkpoint that would work."""
+    other = loadable_beside(path, weights_only)
+    fix = (f"the newest loadable checkpoint beside it is {other}: {setting}={other}" if other is not None
+           else "no checkpoint beside it can be loaded")
+    return ConfigError(f"{setting}={path} cannot be loaded: {problem}; {fix}")
 
 
 def _step_of(checkpoint: Path) -> int:
@@ -129,8 +217,9 @@ def _checked_folder(spec: str) -> Path:
     if not (path / COMPLETE).exists():
         raise ConfigError(f"resume_from_checkpoint={spec} is not a complete checkpoint (no {COMPLETE} marker: "
                           f"its save was interrupted); --resume_from_checkpoint=latest picks the newest complete one")
-    if not (path / STATE).exists():
-        raise ConfigError(f"resume_from_checkpoint={spec} holds weights but no {STATE} to resume from")
+    problem = damage(path)
+    if problem is not None:
+        raise unloadable("--resume_from_checkpoint", path, problem)
     return path
 
 

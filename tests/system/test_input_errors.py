@@ -1,7 +1,8 @@
 """Bad inputs a new user tries, each reported by `python -m grpo.train` as one `error:` line, with a non-zero
 exit, no traceback and nothing written: an output folder that cannot be created, a model that cannot be found
 (a local path, or a hub id without a network), `--model` on a recipe that builds its own, a checkpoint of
-another shape, an empty chat prompt, a `config` that is not a Config."""
+another shape, an empty chat prompt, a `config` that is not a Config, a damaged checkpoint."""
+import json
 import os
 import subprocess
 import sys
@@ -11,6 +12,8 @@ from pathlib import Path
 import pytest
 from test_errors import assert_short_error, run
 
+from grpo.eval import main as eval_main
+from grpo.run.checkpoint import damage
 from grpo.train import main
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -120,3 +123,31 @@ def test_a_config_that_is_not_a_config(tmp_path, capsys):
     code = main([str(recipe)])
     assert_short_error(code, capsys.readouterr().err, 2, f"error: recipe {recipe} does not define reward_funcs, "
                        "train_dataset and defines `config` as int 5, not a grpo.Config (write config = Config(...))")
+
+
+def test_a_damaged_newest_checkpoint(tmp_path, capsys):
+    # 3 steps, a checkpoint after each; then checkpoint-3's weights are cut short, as a full disk leaves them.
+    body = "reward_funcs = [digit_share]\ntrain_dataset = digit_prompts\neval_dataset = digit_prompts"
+    settings = "eval_accuracy_func='digit_share', eval_format_func=None"
+    assert run(tmp_path, capsys, body=body, config=settings)[0] == 0
+    out, recipe = tmp_path / "run", str(tmp_path / "recipe.py")
+    newest, older = out / "checkpoint-3", out / "checkpoint-2"
+    weights = (newest / "model.safetensors").read_bytes()
+    (newest / "model.safetensors").write_bytes(weights[:len(weights) // 2])
+    cut = f"model.safetensors is cut short ({len(weights) // 2:,} bytes, its header says {len(weights):,})"
+
+    # Named explicitly: one line naming the file and the checkpoint that would work, for training and eval alike.
+    for command, setting in [(main, "--resume_from_checkpoint"), (eval_main, "--checkpoint")]:
+        code = command([recipe, f"{setting}={newest}"])
+        err = capsys.readouterr().err
+        assert err == (f"error: {setting}={newest} cannot be loaded: {cut}; the newest loadable checkpoint beside "
+                       f"it is {older}: {setting}={older}\n")
+        assert code == 2
+
+    # `latest` passes over it, says so, and continues from checkpoint-2: step 3 again, saved anew.
+    code, err = run(tmp_path, capsys, "--resume_from_checkpoint=latest", body=body, config=settings)
+    assert code == 0, err
+    assert f"{newest} cannot be loaded ({cut}): resuming from {older}, the newest loadable checkpoint\n" in err
+    assert "Traceback" not in err
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3] and damage(newest) is None

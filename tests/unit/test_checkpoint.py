@@ -3,6 +3,7 @@ loadable and picked by `latest`; SIGTERM / SIGINT to `python -m grpo.train` save
 exit 143 / 130."""
 import json
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -13,12 +14,15 @@ from pathlib import Path
 
 import pytest
 
+from grpo.errors import ConfigError
 from grpo.run.checkpoint import (
     COMPLETE,
     STATE,
     complete_checkpoints,
+    damage,
     drop_log_lines_after,
     find_checkpoint,
+    save_checkpoint,
 )
 from grpo.train import main
 
@@ -63,7 +67,7 @@ def test_kill_9_mid_save_keeps_the_previous_checkpoint(tmp_path):
     half = out / ".checkpoint-4.tmp"
     assert (half / "model.safetensors").exists() and not (half / COMPLETE).exists()
     assert complete_checkpoints(out) == [out / "checkpoint-2"], "save_total_limit=1 counts complete ones only"
-    assert find_checkpoint("latest", str(out)) == out / "checkpoint-2"
+    assert find_checkpoint("latest", str(out)) == (out / "checkpoint-2", [])
 
     # The previous checkpoint loads: resuming from `latest` runs to the end and clears the leftover.
     recipe = tmp_path / "recipe.py"
@@ -132,14 +136,11 @@ def test_incomplete_folders_are_not_checkpoints(tmp_path):
             (tmp_path / name / STATE).write_bytes(b"")
             (tmp_path / name / COMPLETE).write_text("")
     assert complete_checkpoints(tmp_path) == [tmp_path / "checkpoint-2", tmp_path / "checkpoint-10"]
-    assert find_checkpoint("latest", str(tmp_path)) == tmp_path / "checkpoint-10"
-    assert find_checkpoint("latest", str(tmp_path / "empty")) is None
+    assert find_checkpoint("latest", str(tmp_path / "empty")) == (None, [])
 
 
 def test_saving_a_step_again_replaces_it_and_leaves_no_temporary_folders(tmp_path):
     from tiny_setup import tiny_model, tiny_tokenizer
-
-    from grpo.run.checkpoint import save_checkpoint
 
     model = tiny_model(tiny_tokenizer())
     (tmp_path / ".checkpoint-9.tmp").mkdir()  # left by an earlier crash
@@ -148,3 +149,74 @@ def test_saving_a_step_again_replaces_it_and_leaves_no_temporary_folders(tmp_pat
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-3"]
     assert sorted(p.name for p in path.iterdir()) == [COMPLETE, "config.json", "generation_config.json",
                                                       "grpo_config.json", "model.safetensors", STATE]
+
+
+@pytest.fixture(scope="module")
+def models():
+    """A full model and a LoRA one (peft saves its adapter alone)."""
+    from peft import LoraConfig, get_peft_model
+    from tiny_setup import tiny_model, tiny_tokenizer
+
+    tokenizer = tiny_tokenizer()
+    lora = get_peft_model(tiny_model(tokenizer), LoraConfig(r=2, target_modules="all-linear"))
+    return {"full": tiny_model(tokenizer), "lora": lora}
+
+
+def two_checkpoints(out: Path, model) -> tuple[Path, Path]:
+    """checkpoint-1 and checkpoint-2 as the trainer writes them (a small state stands in for the real one)."""
+    return tuple(save_checkpoint(str(out), step, model, None, {"seed": 0}, {"step": step, "x": list(range(500))})
+                 for step in (1, 2))
+
+
+def cut_in_half(path: Path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[:len(data) // 2])
+
+
+@pytest.mark.parametrize("kind, damaged, problem", [
+    ("full", "model.safetensors", r"model.safetensors is cut short \([\d,]+ bytes, its header says [\d,]+\)"),
+    ("lora", "adapter_model.safetensors", r"adapter_model.safetensors is cut short \(.*\)"),
+    ("full", STATE, rf"{STATE} is cut short or damaged \([\d,]+ bytes, no zip directory at its end\)"),
+    ("full", f"-{STATE}", f"no {STATE}"),  # deleted
+])
+def test_latest_passes_over_a_damaged_checkpoint_and_an_explicit_one_names_the_one_that_works(
+        tmp_path, models, kind, damaged, problem):
+    older, newest = two_checkpoints(tmp_path, models[kind])
+    assert damage(older) is None and damage(newest) is None
+    if damaged.startswith("-"):
+        (newest / damaged[1:]).unlink()
+    else:
+        cut_in_half(newest / damaged)
+
+    path, passed_over = find_checkpoint("latest", str(tmp_path))
+    assert path == older and len(passed_over) == 1
+    assert re.fullmatch(rf"{re.escape(str(newest))} cannot be loaded \({problem}\): resuming from "
+                        rf"{re.escape(str(older))}, the newest loadable checkpoint", passed_over[0])
+
+    with pytest.raises(ConfigError) as error:
+        find_checkpoint(str(newest), str(tmp_path))
+    message = str(error.value)
+    assert "\n" not in message and re.search(problem, message)
+    assert message.startswith(f"--resume_from_checkpoint={newest} cannot be loaded: ")
+    assert message.endswith(f"the newest loadable checkpoint beside it is {older}: "
+                            f"--resume_from_checkpoint={older}")
+    # What that line suggests works: the damaged newer checkpoint does not count as one that would be mixed in.
+    assert find_checkpoint(str(older), str(tmp_path)) == (older, [])
+
+
+def test_when_every_checkpoint_is_damaged_latest_refuses_to_start_over(tmp_path, models):
+    older, newest = two_checkpoints(tmp_path, models["full"])
+    cut_in_half(older / "model.safetensors")
+    (newest / "grpo_config.json").write_text("{")
+    with pytest.raises(ConfigError, match=r"no checkpoint in .* can be loaded \(checkpoint-2: grpo_config.json is "
+                                          r"not valid JSON; checkpoint-1: model.safetensors is cut short .*\): "
+                                          r"move them away to start again from step 0"):
+        find_checkpoint("latest", str(tmp_path))
+
+
+def test_a_sharded_checkpoint_needs_every_shard_its_index_lists(tmp_path, models):
+    _, newest = two_checkpoints(tmp_path, models["full"])
+    (newest / "model.safetensors").rename(newest / "model-00001-of-00002.safetensors")
+    shards = {"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}
+    (newest / "model.safetensors.index.json").write_text(json.dumps(shards))
+    assert damage(newest) == "no model-00002-of-00002.safetensors"
