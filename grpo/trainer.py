@@ -29,7 +29,7 @@ from .rollout.prompts import PromptStream, check_dataset, per_completion
 from .rollout.reward_models import place_reward_models, reward_callables
 from .rollout.rewards import NoSignalWatch, RewardContext, compute_rewards, reward_func_names, reward_metrics
 from .rollout.sampling import Rollout, Sampler
-from .run import checkpoint, elastic
+from .run import checkpoint, elastic, lock
 from .run.allocator import return_freed_memory
 from .run.distributed import setup as setup_distributed
 from .run.interrupts import StepAbandoned, StopSignals, TrainingInterrupted
@@ -51,6 +51,7 @@ class Trainer:
         check_eval_setup(config, eval_dataset, self.reward_funcs)
         check_load_options(config, model_given=model is not None)
         checkpoint.check_output_dir(config.output_dir)
+        lock.check_free(config.output_dir)  # before loading anything; taken for good when training starts
         self.dist = setup_distributed()  # world size 1 without torchrun
         self.trackers = Trackers(config, self.dist.is_main)  # report_to: a missing package fails here, early
         check_parallel_settings(self.dist.world_size, config.fsdp, config.optim, config.use_lora)
@@ -86,7 +87,12 @@ class Trainer:
     # --- the loop ---
     def train(self) -> list[dict]:
         """Run to `total_steps`, first resuming `config.resume_from_checkpoint` when set; returns the logged
-        metrics lines. On SIGINT/SIGTERM it saves a checkpoint and raises TrainingInterrupted."""
+        metrics lines. On SIGINT/SIGTERM it saves a checkpoint and raises TrainingInterrupted. Holds output_dir
+        for the whole run: another run already in it is a ConfigError."""
+        with lock.hold(self.output_dir, self.dist):                                          # run/lock
+            return self._train()
+
+    def _train(self) -> list[dict]:
         if self.step == 0 and self.config.resume_from_checkpoint:
             self.resume(self.config.resume_from_checkpoint)
         elif self.step == 0:  # a fresh run must not append to an earlier one's logs

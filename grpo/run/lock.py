@@ -1,0 +1,72 @@
+"""One run at a time in an output folder. A run holds an exclusive lock on `OUTPUT_DIR/.grpo.lock` from its
+first step to its end (fresh or resumed), so a second run started into the same folder, even at the same
+moment, refuses in one line instead of interleaving its logs and checkpoints with the first one's.
+
+The lock is the kernel's (`flock`), not the file's existence: it goes with the process however that ends, so a
+lock file left by a run that died is not in anyone's way, and nothing has to be cleaned up. The file only
+says who holds the lock, for the message. Under torchrun rank 0 holds it for every rank."""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+from ..errors import ConfigError
+
+LOCK = ".grpo.lock"
+
+
+def _in_use(output_dir: Path, holder: str) -> ConfigError:
+    return ConfigError(f"{output_dir} is in use by another run ({holder or 'its holder did not say who it is'}): "
+                       f"wait for it to end, or pick another --output_dir")
+
+
+def check_free(output_dir: str) -> None:
+    """ConfigError if a live run holds `output_dir` now (checked early, before a model is loaded; the lock
+    itself is taken when training starts)."""
+    path = Path(output_dir) / LOCK
+    if not path.is_file():
+        return
+    with open(path) as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise _in_use(Path(output_dir), f.read().strip()) from None
+
+
+@contextlib.contextmanager
+def hold(output_dir: Path, dist):
+    """Hold the lock on `output_dir` (made if missing) for the body; ConfigError, on every rank, when another
+    run holds it. Only rank 0 (of `dist`, run/distributed.py's) takes it; the others learn its outcome."""
+    lock, problem = None, None
+    if dist.is_main:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        lock = open(output_dir / LOCK, "a+")  # noqa: SIM115 -- held open for the whole run
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.seek(0)
+            problem = str(_in_use(output_dir, lock.read().strip()))
+            lock.close()
+            lock = None
+        except OSError as error:  # a filesystem without locks (ENOLCK): run, but say what is not guarded
+            print(f"warning: {output_dir} cannot be locked ({error.strerror}): nothing stops a second run from "
+                  f"writing into it at the same time", file=sys.stderr)
+    if dist.world_size > 1:
+        problem = dist.gather_objects([problem])[0]  # rank 0's outcome
+    if problem is not None:
+        raise ConfigError(problem)
+    try:
+        if lock is not None:
+            lock.seek(0)
+            lock.truncate()
+            lock.write(f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}")
+            lock.flush()
+        yield
+    finally:
+        if lock is not None:
+            lock.close()  # closing the file releases the lock
