@@ -17,7 +17,7 @@ from .settings import Config
 from .errors import nonfinite_stop
 from .policy.forwards import Policy
 from .policy.models import check_load_options, device_of, load_model, load_tokenizer, prepare_for_training
-from .policy.optim import build_optimizer, build_scheduler, optimizer_step, set_hyperparameters
+from .policy.optim import build_optimizer, build_scheduler, optimizer_step, rescheduled, set_hyperparameters
 from .policy.parallel import check_settings as check_parallel_settings
 from .policy.precision import Precision
 from .rollout.batches import (Batch, Generation, Scored, concat, generation_from_dict, length_metrics, loss_batches,
@@ -317,7 +317,8 @@ class Trainer:
         torchrun every rank calls it (gathering is collective); rank 0 gets the whole."""
         mid_batch = not self.schedule.starts_generation(self.step)
         own = {"rng": checkpoint.rng_state(), "generation": asdict(self.generation) if mid_batch else None}
-        return {"step": self.step, "optimizer": self.policy.parallel.optimizer_state(self.optimizer),
+        return {"step": self.step, "total_steps": self.total_steps,
+                "optimizer": self.policy.parallel.optimizer_state(self.optimizer),
                 "scheduler": self.scheduler.state_dict(), "prompts": self.prompts.state_dict(),
                 "nonfinite": (self.nonfinite_streak, self.nonfinite_total),
                 **(own if self.dist.world_size == 1 else {"ranks": self.dist.gather_to_main(own)})}
@@ -366,6 +367,10 @@ class Trainer:
             state, config = checkpoint.load_state(path), asdict(self.config)
             notes = [f"resuming with a changed setting: {c}" for c in checkpoint.changed_settings(path, config)]
             notes += elastic.rank_change_notes(checkpoint.saved_config(path), state, config, self.dist.world_size)
+            if state.get("total_steps", self.total_steps) != self.total_steps:  # e.g. a finished run extended
+                notes.append(rescheduled(state["total_steps"], self.total_steps, state["step"],
+                                         self.config.learning_rate, self.config.warmup_ratio,
+                                         self.config.lr_scheduler_type))                      # policy/optim
             if notes and self.dist.is_main:
                 print("\n".join(notes), file=sys.stderr)
             self.policy.parallel.load_weights(path)

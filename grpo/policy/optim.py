@@ -113,6 +113,15 @@ def build_scheduler(optimizer, total_steps: int, warmup_ratio: float, schedule: 
     )
 
 
+def rescheduled(saved_total: int, total_steps: int, step: int, lr: float, warmup_ratio: float, schedule: str) -> str:
+    """What a resume into another number of optimizer steps does to the learning rate: the schedule is the new
+    total's (warmup included), continued from the restored step, not the saved run's ended one."""
+    warmup_steps = math.ceil(warmup_ratio * total_steps)
+    now = lr * lr_multiplier(step, total_steps, warmup_steps, schedule)
+    return (f"resuming a run of {saved_total} steps as one of {total_steps}: the {schedule} learning-rate schedule "
+            f"is now that of {total_steps} steps, from step {step} on (lr {now:.3g} for step {step + 1})")
+
+
 def optimizer_step(params, optimizer, scheduler, max_grad_norm: float, loss: float) -> tuple[dict, bool]:
     """Clip the accumulated gradients of `params` (0: no clipping), step the optimizer unless the loss or the
     gradient norm is NaN/inf (so the weights stay finite), then advance the schedule and free the gradients.
@@ -121,7 +130,8 @@ def optimizer_step(params, optimizer, scheduler, max_grad_norm: float, loss: flo
         for p in params:  # step as on the zero gradient it stands for: momentum, weight decay, step count go on
             p.grad = torch.zeros_like(p)
     grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm > 0 else math.inf).item()
-    metrics = {"lr": scheduler.get_last_lr()[0], "grad_norm": grad_norm}
+    # The rate this update uses (the schedule's last one is the saved run's after a resume that changed it).
+    metrics = {"lr": optimizer.param_groups[0]["lr"], "grad_norm": grad_norm}
     applied = math.isfinite(loss) and math.isfinite(grad_norm)
     if applied:
         optimizer.step()
