@@ -13,9 +13,27 @@ CUDA_CONTEXT_GB = 0.5  # the CUDA context and kernels: outside the allocator, st
 FRAGMENTATION = 1.05  # the caching allocator reserves somewhat more than it hands out
 
 
-def memory_savings(c: Config) -> list[tuple[dict, str]]:
+def smaller_micro_batches(c: Config) -> list[dict]:
+    """Each smaller micro-batch, largest first, with the accumulation (and steps_per_generation, when set) that
+    keeps the step's completions: the sizes that divide the current one, down to one prompt's group of
+    num_generations (sampling takes whole groups, so a smaller one saves little), or down to half of a
+    micro-batch of two groups or less."""
+    n, floor = c.per_device_train_batch_size, min(c.num_generations, c.per_device_train_batch_size // 2)
+    changes = []
+    for size in (d for d in range(n - 1, max(floor, 1) - 1, -1) if n % d == 0):
+        factor = n // size
+        change = {"per_device_train_batch_size": size, "gradient_accumulation_steps": c.gradient_accumulation_steps
+                  * factor}
+        if c.steps_per_generation is not None:
+            change["steps_per_generation"] = c.steps_per_generation * factor
+        changes.append(change)
+    return changes
+
+
+def memory_savings(c: Config, every_micro_batch: bool = False) -> list[tuple[dict, str]]:
     """(settings change, what it does) for each change that lowers peak memory from `c`, cheapest first: free
-    ones, then slower steps, then a different kind of training, then less work per step."""
+    ones, then slower steps, then a different kind of training, then less work per step. Smaller micro-batches
+    come as the largest one (`every_micro_batch`: each of them, largest first, for the planner's search)."""
     changes = []
     if c.logprob_chunk_size > 128:
         changes.append(({"logprob_chunk_size": 128}, "smaller LM-head logits chunks"))
@@ -27,11 +45,8 @@ def memory_savings(c: Config) -> list[tuple[dict, str]]:
         changes.append(({"lora_dropout": 0.0}, "each adapter's dropout keeps a copy of its input for backward"))
     if not c.gradient_checkpointing:
         changes.append(({"gradient_checkpointing": True}, "recompute activations in backward"))
-    if c.per_device_train_batch_size > 1:
-        half = c.per_device_train_batch_size // 2
-        accumulation = c.gradient_accumulation_steps * c.per_device_train_batch_size // half
-        changes.append(({"per_device_train_batch_size": half, "gradient_accumulation_steps": accumulation},
-                        "same completions per step, if it divides evenly"))
+    micro_batches = smaller_micro_batches(c)
+    changes += [(change, "same completions per step") for change in micro_batches[:None if every_micro_batch else 1]]
     lora = {"use_lora": True, "bf16_weights": False} if c.bf16_weights else {"use_lora": True}
     if not c.use_lora:
         changes.append((lora, "train adapters: no full gradients, optimizer state or reference copy"))
@@ -58,8 +73,10 @@ def needed_gb(arch: Architecture, config: Config) -> float:
 
 
 def cheapest_fit(arch: Architecture, config: Config, budget_gb: float) -> tuple[dict, float] | None:
-    """The first single change that fits, else the shortest run of cumulative changes that does."""
-    changes = [change for change, _ in memory_savings(config)]
+    """The first single change that fits, else the shortest run of cumulative changes that does, with the
+    largest micro-batch that still fits beside the others. Every smaller micro-batch down to one group is a
+    change of its own (largest first; a later one replaces an earlier one's sizes)."""
+    changes = [change for change, _ in memory_savings(config, every_micro_batch=True)]
     for change in changes:
         if needed_gb(arch, _apply(config, [change])) <= budget_gb:
             return change, needed_gb(arch, _apply(config, [change]))
@@ -71,6 +88,13 @@ def cheapest_fit(arch: Architecture, config: Config, budget_gb: float) -> tuple[
             rest = [c for c in chosen if c is not change]
             if needed_gb(arch, _apply(config, rest)) <= budget_gb:
                 chosen = rest
+        sizes = smaller_micro_batches(config)
+        kept = [c for c in chosen if c in sizes]  # one at most: an overridden size is always dropped above
+        for larger in sizes[:sizes.index(kept[0])] if kept else []:  # largest first
+            replaced = [larger if c in sizes else c for c in chosen]
+            if needed_gb(arch, _apply(config, replaced)) <= budget_gb:
+                chosen = replaced
+                break
         return _changed(config, chosen), needed_gb(arch, _apply(config, chosen))
     return None
 
@@ -135,7 +159,7 @@ def verdict(arch: Architecture, config: Config, budget_gb: float | None) -> list
         return [f"{head}: fits in {budget_gb:.1f} GB"]
     fit = cheapest_fit(arch, config, budget_gb)
     if fit is None:
-        everything = _changed(config, [c for c, _ in memory_savings(config)])
+        everything = _changed(config, [c for c, _ in memory_savings(config, every_micro_batch=True)])
         return [f"{head}: does not fit in {budget_gb:.1f} GB, not even with all of: {flags(everything)}"]
     change, after = fit
     return [f"{head}: does not fit in {budget_gb:.1f} GB",

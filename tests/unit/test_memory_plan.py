@@ -12,7 +12,7 @@ import pytest
 
 from grpo.settings import Config
 from grpo.memory.estimate import Architecture, estimate
-from grpo.memory.fit import cheapest_fit, needed_gb, plan_summary
+from grpo.memory.fit import cheapest_fit, memory_savings, needed_gb, plan_summary, smaller_micro_batches
 from grpo.memory.known_models import KNOWN
 from grpo.plan import main, table
 
@@ -155,6 +155,43 @@ def test_the_planner_offers_bf16_weights_for_full_finetuning_never_with_lora():
         assert change.get("use_lora") and not change.get("bf16_weights"), change
     on = dataclasses.replace(config, bf16_weights=True)
     assert cheapest_fit(LLAMA_1B, on, 5)[0]["bf16_weights"] is False  # LoRA must turn the user's setting off
+
+
+def test_smaller_micro_batches_keep_the_steps_completions_down_to_one_group():
+    sizes = lambda **settings: [tuple(c.values()) for c in smaller_micro_batches(Config(**settings))]  # noqa: E731
+    # 64 completions x 4 micro-batches = 256 a step; the divisors of 64 down to one group of 4.
+    assert sizes(per_device_train_batch_size=64, gradient_accumulation_steps=4, num_generations=4) == [
+        (32, 8), (16, 16), (8, 32), (4, 64)]
+    # 12 x 1, a generation batch of 2 micro-batches (24 completions): 6 x 2 (4 of them), 4 x 3 (6 of them).
+    assert sizes(per_device_train_batch_size=12, num_generations=4, steps_per_generation=2) == [(6, 2, 4), (4, 3, 6)]
+    # A micro-batch of two groups or less halves at most: 6 -> 3 (6 = 4 + half a group), 4 -> 2, 2 -> 1.
+    assert sizes(per_device_train_batch_size=6, num_generations=4) == [(3, 2)]
+    assert sizes(per_device_train_batch_size=4, num_generations=4) == [(2, 2)]
+    assert sizes(per_device_train_batch_size=1, num_generations=4) == []
+    # The out-of-memory report names the largest only.
+    report = [c for c, _ in memory_savings(Config(per_device_train_batch_size=64, num_generations=4))]
+    assert [c for c in report if "per_device_train_batch_size" in c] == [
+        {"per_device_train_batch_size": 32, "gradient_accumulation_steps": 2}]
+
+
+def test_the_planner_searches_micro_batches_down_to_one_group(capsys):
+    # 64 completions of up to 4096 tokens a micro-batch on the write-up's 16 GB card: ~84 GB as it is.
+    args = [str(ROOT / "recipes" / "gsm8k_lora.py"), "--per_device_train_batch_size=64", "--max_completion_length=4096"]
+    assert main([*args, "--gpu-memory", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "does not fit in 16.0 GB\ncheapest change that fits: --per_device_train_batch_size=8 " \
+           "--gradient_accumulation_steps=32 (about 13.3 GB)" in out  # 64 x 4 = 8 x 32 completions a step
+    config = Config(model="meta-llama/Llama-3.2-1B-Instruct", use_lora=True, per_device_train_batch_size=64,
+                    gradient_accumulation_steps=4, num_generations=4, max_prompt_length=256,
+                    max_completion_length=4096, beta=0.04, bf16=True, lora_dropout=0.05)
+    at = lambda n, **more: needed_gb(LLAMA_1B, dataclasses.replace(  # noqa: E731
+        config, per_device_train_batch_size=n, gradient_accumulation_steps=256 // n, **more))
+    assert at(16) > 16 >= at(8), "the largest micro-batch that fits"
+    # 8 GB: only one group a micro-batch fits, and only without LoRA's dropout copies.
+    assert main([*args, "--gpu-memory", "8"]) == 0
+    assert ("cheapest change that fits: --lora_dropout=0.0 --per_device_train_batch_size=4 "
+            "--gradient_accumulation_steps=64 (about 7.4 GB)") in capsys.readouterr().out
+    assert at(4) > 8 >= at(4, lora_dropout=0.0) and at(8, lora_dropout=0.0) > 8
 
 
 def test_plan_summary_never_raises_when_the_config_cannot_be_read():
