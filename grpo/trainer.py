@@ -3,6 +3,7 @@ stage implemented in the module named beside it; this file only orchestrates."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import sys
 import time
 from dataclasses import asdict, replace
@@ -14,10 +15,11 @@ from tqdm.auto import tqdm
 from .algo.advantages import group_advantages, has_signal, zero_std_fraction
 from .algo.loss import add_metrics, no_token_metrics, policy_loss, zero_advantage_has_no_gradient
 from .settings import Config
-from .errors import nonfinite_stop
+from .errors import ConfigError, nonfinite_stop
 from .policy.forwards import Policy
 from .policy.models import check_load_options, device_of, load_model, load_tokenizer, prepare_for_training
-from .policy.optim import build_optimizer, build_scheduler, optimizer_step, rescheduled, set_hyperparameters
+from .policy.optim import (build_optimizer, build_scheduler, optimizer_step, rescheduled, set_hyperparameters,
+                           warmup_of)
 from .policy.parallel import check_settings as check_parallel_settings
 from .policy.precision import Precision
 from .rollout.batches import (Batch, Generation, Scored, concat, generation_from_dict, length_metrics, loss_batches,
@@ -27,7 +29,8 @@ from .rollout.evaluate import check_eval_setup, eval_options, evaluate
 from .rollout.progress import TokenProgress
 from .rollout.prompts import PromptStream, check_dataset, per_completion
 from .rollout.reward_models import place_reward_models, reward_callables
-from .rollout.rewards import NoSignalWatch, RewardContext, compute_rewards, reward_func_names, reward_metrics
+from .rollout.rewards import (NoSignalWatch, RewardContext, TrainerState, compute_rewards, reward_func_names,
+                              reward_metrics)
 from .rollout.sampling import Rollout, Sampler
 from .run import checkpoint, elastic, lock
 from .run.allocator import return_freed_memory
@@ -36,13 +39,19 @@ from .run.interrupts import StepAbandoned, StopSignals, TrainingInterrupted
 from .run.logs import log_completions, log_eval, log_metrics, peak_memory_gb
 from .run.trackers import Trackers
 from .settings.schedule import Schedule
+from .settings.trl_names import TRAINER_ONLY
 
 
 class Trainer:
-    """GRPO on `model` (or `config.model`), rewarded by `reward_funcs`, over `train_dataset` prompts."""
+    """GRPO on `model` (or `config.model`), rewarded by `reward_funcs`, over `train_dataset` prompts. TRL's
+    GRPOTrainer call works as well: `args=` is `config`, `processing_class=` is `tokenizer`, and `model` may be
+    a hub id or folder (then it is `config.model`); a model object comes with its tokenizer, or one is loaded
+    from the folder or hub id its config names, as TRL does."""
 
-    def __init__(self, config: Config, model=None, tokenizer=None, reward_funcs=(), train_dataset=None,
-                 eval_dataset=None, rollout_func=None, reward_processing_classes=None):
+    def __init__(self, config: Config | None = None, model=None, tokenizer=None, reward_funcs=(),
+                 train_dataset=None, eval_dataset=None, rollout_func=None, reward_processing_classes=None, *,
+                 args: Config | None = None, processing_class=None, **trl_only):
+        config, model, tokenizer = _trl_call(config, args, model, tokenizer, processing_class, trl_only)
         check_dataset(train_dataset)
         self.config = config
         self.reward_funcs = reward_callables(reward_funcs, reward_processing_classes, config.chat_template_kwargs)
@@ -56,7 +65,7 @@ class Trainer:
         self.trackers = Trackers(config, self.dist.is_main)  # report_to: a missing package fails here, early
         check_parallel_settings(self.dist.world_size, config.fsdp, config.optim, config.use_lora)
         torch.manual_seed(config.seed + self.dist.rank)  # ranks sample differently; wrapping syncs the weights
-        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model)
+        self.tokenizer = tokenizer if tokenizer is not None else _default_tokenizer(config, model)
         self.precision = Precision.plan(config.bf16, config.use_lora, device_of(model) if model is not None else None,
                                         config.bf16_weights)
         self.model = prepare_for_training(model if model is not None else load_model(config, self.precision), config,
@@ -75,7 +84,8 @@ class Trainer:
                                                                   config.entropy_coef)
         self.optimizer = build_optimizer(self.model.parameters(), config.optim, config.learning_rate,
                                          (config.adam_beta1, config.adam_beta2), config.weight_decay)
-        self.scheduler = build_scheduler(self.optimizer, self.total_steps, config.warmup_ratio,
+        self.warmup_steps = warmup_of(self.total_steps, config.warmup_ratio, config.warmup_steps)  # policy/optim
+        self.scheduler = build_scheduler(self.optimizer, self.total_steps, self.warmup_steps,
                                          config.lr_scheduler_type)
         self.step = 0
         self.output_dir = Path(config.output_dir)
@@ -83,6 +93,28 @@ class Trainer:
         self.nonfinite_streak = self.nonfinite_total = 0  # optimizer steps skipped for a NaN/inf loss or grad
         self.last_checkpoint, self.saved_step = None, None  # the newest checkpoint; its step (saving again: no-op)
         self.no_signal = NoSignalWatch(patience=3)  # steps in a row where every group's rewards were equal
+
+    # --- TRL's names for what a caller reads ---
+    @property
+    def args(self) -> Config:
+        return self.config
+
+    @property
+    def state(self) -> TrainerState:
+        """transformers' `trainer.state`: `global_step` (optimizer steps done) and `max_steps`."""
+        return TrainerState(self.step, self.total_steps)
+
+    def save_model(self, output_dir: str | None = None) -> None:
+        """transformers' Trainer.save_model: the model (under LoRA its adapter, in peft's format) and tokenizer
+        written into `output_dir` (default: config.output_dir) for from_pretrained; no optimizer state (a
+        checkpoint holds that). Under torchrun every rank calls it and rank 0 writes."""
+        weights = self.policy.parallel.full_state_dict()  # FSDP: gathered
+        if self.dist.is_main:
+            path = Path(output_dir if output_dir is not None else self.config.output_dir)
+            path.mkdir(parents=True, exist_ok=True)
+            self.model.save_pretrained(path, safe_serialization=True, state_dict=weights)
+            self.tokenizer.save_pretrained(path)
+        self.dist.barrier()
 
     # --- the loop ---
     def train(self) -> list[dict]:
@@ -369,7 +401,7 @@ class Trainer:
             notes += elastic.rank_change_notes(checkpoint.saved_config(path), state, config, self.dist.world_size)
             if state.get("total_steps", self.total_steps) != self.total_steps:  # e.g. a finished run extended
                 notes.append(rescheduled(state["total_steps"], self.total_steps, state["step"],
-                                         self.config.learning_rate, self.config.warmup_ratio,
+                                         self.config.learning_rate, self.warmup_steps,
                                          self.config.lr_scheduler_type))                      # policy/optim
             if notes and self.dist.is_main:
                 print("\n".join(notes), file=sys.stderr)
@@ -392,3 +424,43 @@ class Trainer:
         if path is not None:
             print(f"step {self.step + 1} failed; {path} holds the state after step {self.step}", file=sys.stderr)
 
+
+def _trl_call(config, args, model, tokenizer, processing_class, trl_only: dict):
+    """(config, model, tokenizer) from either call shape, ours or TRL's; ConfigError for what cannot work."""
+    refused = [f"Trainer's `{k}`: {TRAINER_ONLY[k]}" for k, v in trl_only.items()
+               if k in TRAINER_ONLY and v not in (None, (None, None), [])]
+    unknown = [k for k in trl_only if k not in TRAINER_ONLY]
+    if unknown:
+        raise TypeError(f"Trainer() got an unexpected keyword argument '{unknown[0]}'")
+    if refused:
+        raise ConfigError("; ".join(refused))
+    if config is not None and not isinstance(config, Config):  # e.g. TRL's positional (model, reward_funcs)
+        raise ConfigError(f"Trainer's first argument is a grpo Config (TRL's `args=`), got {type(config).__name__} "
+                          f"{config!r:.60}: pass the model as model=, the settings as args=Config(...)")
+    if args is not None and config is not None:
+        raise ConfigError("pass the Config once: as `config` or as TRL's `args=`, not both")
+    if processing_class is not None and tokenizer is not None:
+        raise ConfigError("pass the tokenizer once: as `tokenizer=` or as TRL's `processing_class=`, not both")
+    config = args if args is not None else config if config is not None else Config()
+    if not isinstance(config, Config):
+        raise ConfigError(f"args= must be a grpo Config, got {type(config).__name__}: build it with "
+                          f"grpo.Config(...) (TRL's GRPOConfig keywords work there)")
+    if isinstance(model, str):  # TRL: a hub id or folder to load
+        config, model = dataclasses.replace(config, model=model), None
+    return config, model, tokenizer if tokenizer is not None else processing_class
+
+
+def _default_tokenizer(config: Config, model):
+    """The tokenizer when none is given: `config.model`'s, or for a model object the one of the folder or hub id
+    its config names (TRL's choice). A model built in code names none, and the default model is not its."""
+    if model is None:
+        return load_tokenizer(config.model)
+    source = getattr(getattr(model, "config", None), "_name_or_path", "") or ""
+    if not source:
+        raise ConfigError("a model passed to Trainer needs its tokenizer: pass processing_class=tokenizer (TRL's "
+                          "name; tokenizer= works too); its config names no folder or hub id to load one from")
+    try:
+        return load_tokenizer(source)
+    except ConfigError as error:
+        raise ConfigError(f"a model passed to Trainer without its tokenizer: loading one from {source}, where its "
+                          f"config says it comes from, fails ({error}); pass processing_class=tokenizer") from None

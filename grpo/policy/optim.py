@@ -105,18 +105,22 @@ def set_hyperparameters(optimizer, scheduler, lr: float, betas: tuple[float, flo
         group.update(lr=lr * factor(scheduler.last_epoch), initial_lr=lr, betas=betas, weight_decay=weight_decay)
 
 
-def build_scheduler(optimizer, total_steps: int, warmup_ratio: float, schedule: str):
-    warmup_steps = math.ceil(warmup_ratio * total_steps)
+def warmup_of(total_steps: int, warmup_ratio: float, warmup_steps: float) -> int:
+    """Warmup optimizer steps: transformers 5's warmup_steps (whole steps, or below 1 a fraction of the total,
+    rounded up), else warmup_ratio's fraction."""
+    return int(warmup_steps) if warmup_steps >= 1 else math.ceil(total_steps * (warmup_steps or warmup_ratio))
+
+
+def build_scheduler(optimizer, total_steps: int, warmup_steps: int, schedule: str):
     lr_multiplier(0, total_steps, warmup_steps, schedule)  # fail fast on an unknown schedule
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_multiplier(step, total_steps, warmup_steps, schedule)
     )
 
 
-def rescheduled(saved_total: int, total_steps: int, step: int, lr: float, warmup_ratio: float, schedule: str) -> str:
+def rescheduled(saved_total: int, total_steps: int, step: int, lr: float, warmup_steps: int, schedule: str) -> str:
     """What a resume into another number of optimizer steps does to the learning rate: the schedule is the new
     total's (warmup included), continued from the restored step, not the saved run's ended one."""
-    warmup_steps = math.ceil(warmup_ratio * total_steps)
     now = lr * lr_multiplier(step, total_steps, warmup_steps, schedule)
     return (f"resuming a run of {saved_total} steps as one of {total_steps}: the {schedule} learning-rate schedule "
             f"is now that of {total_steps} steps, from step {step} on (lr {now:.3g} for step {step + 1})")

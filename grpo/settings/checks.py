@@ -6,13 +6,14 @@ from __future__ import annotations
 import difflib
 import json
 import math
+import sys
 import typing
 
 from ..algo import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, SCALES
 from ..errors import ConfigError
 from .choices import OPTIMIZER_ALIASES, OPTIMIZERS, SCHEDULES, TRACKERS, tracker_names
 from .fieldtypes import FieldType, field_types
-from .trl_names import RENAMED, TRL_ONLY, TRL_REASONS
+from .trl_names import NO_EFFECT, OFF_VALUES, RENAMED, TRL_ONLY, TRL_REASONS
 
 # field: (holds, requirement as read after "must be"); None values of optional fields are not checked.
 RULES: dict[str, tuple[typing.Callable, str]] = {
@@ -23,6 +24,7 @@ RULES: dict[str, tuple[typing.Callable, str]] = {
     "max_grad_norm": (lambda v: v >= 0, ">= 0 (0 disables clipping)"),
     "lr_scheduler_type": (lambda v: v in SCHEDULES, f"one of {', '.join(SCHEDULES)}"),
     "warmup_ratio": (lambda v: 0 <= v <= 1, "in [0, 1]"),
+    "warmup_steps": (lambda v: v >= 0 and (v < 1 or v == int(v)), ">= 0: whole steps, or a fraction < 1"),
     "optim": (lambda v: v in OPTIMIZERS, f"one of {', '.join(OPTIMIZERS)} (or transformers' "
                                          f"{', '.join(OPTIMIZER_ALIASES)})"),
     "max_nonfinite_steps": (lambda v: v >= 1, ">= 1"),
@@ -76,19 +78,49 @@ RULES: dict[str, tuple[typing.Callable, str]] = {
 }
 
 
-def check_key(key: str, names: list[str]) -> None:
-    """ConfigError unless `key` is one of `names` (Config's fields): TRL's settings we lack get their own
-    message (why, or what to use instead), anything else the closest field's name."""
-    if key in names:
-        return
-    if key in RENAMED:
-        raise ConfigError(f"'{key}' is gone: {RENAMED[key]}")
-    if key in TRL_ONLY:
-        reason = TRL_REASONS.get(key, "this trainer does not implement it")
-        raise ConfigError(f"TRL's `{key}` is not supported here: {reason}")
-    close = difflib.get_close_matches(key, names, n=1)
-    hint = f" (did you mean '{close[0]}'?)" if close else " (see --help for the settings)"
-    raise ConfigError(f"unknown setting '{key}'{hint}")
+def check_keys(settings: dict, names: list[str]) -> dict[str, str]:
+    """The keys of `settings` that are not `names` (Config's fields) but change nothing here, each with the
+    warning that says why (TRL's NO_EFFECT settings, and OFF_VALUES at a value that leaves a feature off; a
+    value may be given as command-line text). ConfigError naming every other key at once: TRL's settings we
+    lack get their own message (why, or what to use instead), anything else the closest field's name."""
+    accepted, problems = {}, []
+    for key, value in settings.items():
+        if key in names:
+            continue
+        if key in NO_EFFECT:
+            accepted[key] = f"TRL's `{key}` has no effect here: {NO_EFFECT[key]}"
+        elif key in OFF_VALUES and any(value == v or _as_text(value) == _as_text(v) for v in OFF_VALUES[key]):
+            reason = TRL_REASONS.get(key, "this trainer does not implement it")
+            accepted[key] = f"TRL's `{key}={_as_text(value)}` has no effect here: {reason}"
+        elif key in RENAMED:
+            problems.append(f"'{key}' is gone: {RENAMED[key]}")
+        elif key in TRL_ONLY:
+            reason = TRL_REASONS.get(key, "this trainer does not implement it")
+            problems.append(f"TRL's `{key}` is not supported here: {reason}")
+        else:
+            close = difflib.get_close_matches(key, names, n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else " (see --help for the settings)"
+            problems.append(f"unknown setting '{key}'{hint}")
+    if len(problems) > 1:
+        raise ConfigError(f"{len(problems)} settings are not accepted: {'; '.join(problems)}")
+    if problems:
+        raise ConfigError(problems[0])
+    return accepted
+
+
+def _as_text(value) -> str:
+    """A value as the command line writes it (`--use_vllm=false`), from a value or from such text."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            return value.strip().lower()
+    return "none" if value is None else json.dumps(value).lower()
+
+
+def warn_no_effect(warnings: dict[str, str]) -> None:
+    for line in warnings.values():
+        print(f"warning: {line}", file=sys.stderr)
 
 
 def check_config(config) -> None:
@@ -123,6 +155,9 @@ def check_combinations(config) -> None:
     if config.bf16_weights and (config.use_lora or config.fsdp):
         raise ConfigError("bf16_weights=True is for full fine-tuning without FSDP: set use_lora=false and "
                           "fsdp=false (LoRA keeps a bf16 base on CUDA already; FSDP keeps float32 shards)")
+    if config.warmup_ratio and config.warmup_steps:
+        raise ConfigError(f"set warmup_steps or warmup_ratio, not both (got {config.warmup_steps:g} and "
+                          f"{config.warmup_ratio:g})")
 
 
 def _checked_value(name: str, field: str, value, tp: FieldType):

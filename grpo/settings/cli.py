@@ -10,7 +10,7 @@ import re
 import textwrap
 
 from ..errors import ConfigError
-from .checks import check_key, checked_field
+from .checks import check_keys, checked_field, warn_no_effect
 from .config import Config
 from .fieldtypes import FieldType, field_types
 
@@ -23,9 +23,13 @@ def apply_overrides(config: Config, args: list[str]) -> Config:
     for arg in args:
         if not arg.startswith("--") or len(arg) == 2:
             raise ConfigError(f"expected --key=value, got {arg!r}")
-        key, has_value, text = arg[2:].partition("=")
-        key = key.replace("-", "_")
-        check_key(key, list(types))
+    keys = [arg[2:].partition("=")[0].replace("-", "_") for arg in args]
+    no_effect = check_keys({k: a.partition("=")[2] or "true" for k, a in zip(keys, args)}, list(types))
+    warn_no_effect(no_effect)  # TRL settings that change nothing here; every other unknown key is one error
+    for key, arg in zip(keys, args):
+        _, has_value, text = arg[2:].partition("=")
+        if key in no_effect:
+            continue
         if not has_value:
             if (types[key].form, types[key].item) != ("scalar", bool):
                 raise ConfigError(f"--{key} needs a value: --{key}=VALUE")

@@ -6,11 +6,23 @@ import dataclasses
 from dataclasses import dataclass
 
 from ..algo import LOGPROB_CHUNK_SIZE
-from .checks import check_config, check_key
+from .checks import check_config, check_keys, warn_no_effect
+
+
+class _CheckedKeywords(type):
+    """Every construction of a Config (dataclasses.replace too) passes its keywords through `__call__` before
+    the generated __init__, which would answer an unknown one with a TypeError: here a TRL setting we lack says
+    so and a typo gets the closest field's name, all in one ConfigError, and a TRL setting that changes nothing
+    here is dropped with a warning saying why."""
+
+    def __call__(cls, *args, **settings):
+        no_effect = check_keys(settings, [f.name for f in dataclasses.fields(cls)])
+        warn_no_effect(no_effect)
+        return super().__call__(*args, **{k: v for k, v in settings.items() if k not in no_effect})
 
 
 @dataclass
-class Config:
+class Config(metaclass=_CheckedKeywords):
     # --- model ---
     model: str = "Qwen/Qwen2.5-0.5B-Instruct"
     """Hub id or local path of the policy model (ignored when a model is passed to `Trainer`)."""
@@ -37,8 +49,11 @@ class Config:
     """Clip the global gradient norm to this value (0 disables clipping)."""
     lr_scheduler_type: str = "linear"
     """Learning-rate schedule after warmup: "cosine", "linear" or "constant"."""
-    warmup_ratio: float = 0.0  # TRL 1.16 (transformers 5): warmup_steps, a ratio when in [0, 1)
+    warmup_ratio: float = 0.0  # not TRL 1.16's (transformers 5 folded it into warmup_steps)
     """Fraction of the optimizer steps spent warming the learning rate up linearly from 0."""
+    warmup_steps: float = 0.0
+    """Optimizer steps warming the learning rate up linearly from 0 (transformers 5's setting): a whole number
+    of steps, or below 1 a fraction of them, as warmup_ratio. Set one of the two."""
     optim: str = "adamw_8bit"  # TRL: "adamw_torch_fused"; 8-bit here: a quarter of the state memory
     """Optimizer: "adamw_8bit" (bitsandbytes, 4x smaller state) or "adamw" (torch). transformers' names are taken
     and stored as ours: "adamw_torch" and "adamw_torch_fused" are "adamw", "adamw_bnb_8bit" is "adamw_8bit"."""
@@ -207,15 +222,6 @@ class Config:
     "grpo.tasks.gsm8k.last_number_accuracy" (the completion's last number against `answer`); None: skip."""
     eval_breakdown_column: str | None = None
     """Eval dataset column whose values each get their own eval metrics, `eval/<column>=<value>/*` (None)."""
-
-    def __new__(cls, *args, **settings):
-        # Every construction (dataclasses.replace too) passes its keywords to __new__ before the generated
-        # __init__, which would answer an unknown one with a TypeError: here a TRL setting we lack says so
-        # and a typo gets the closest field's name, as one ConfigError.
-        names = [f.name for f in dataclasses.fields(cls)]
-        for key in settings:
-            check_key(key, names)
-        return super().__new__(cls)
 
     def __post_init__(self):
         check_config(self)  # each field, then the settings that cannot work together (checks.py)

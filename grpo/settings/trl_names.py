@@ -1,7 +1,7 @@
 """TRL's `GRPOConfig` settings (TRL 1.16.0 with transformers 5.24, TrainingArguments included) that `Config`
-does not have, so that a TRL user's setting gets "not supported here" and why, not a spelling suggestion.
-Data only: the engine never imports trl (tests/unit/test_config.py checks this list against TRL when it
-is installed)."""
+does not have, so that a TRL user's setting gets "not supported here" and why, not a spelling suggestion, or,
+when it changes nothing here, is accepted with a warning saying why. Data only: the engine never imports trl
+(tests/unit/test_config.py checks these lists against TRL when it is installed)."""
 
 TRL_ONLY = frozenset("""
     accelerator_config activation_checkpointing activation_checkpointing_kwargs adam_epsilon
@@ -33,7 +33,7 @@ TRL_ONLY = frozenset("""
     vllm_importance_sampling_clip_max vllm_importance_sampling_clip_min vllm_importance_sampling_correction
     vllm_importance_sampling_mode vllm_max_model_length vllm_mode vllm_model_impl vllm_server_base_url
     vllm_server_host vllm_server_port vllm_server_timeout vllm_structured_outputs_regex
-    vllm_tensor_parallel_size warmup_steps
+    vllm_tensor_parallel_size
 """.split())
 
 _GENERATION = "sampling runs on the policy itself (KV-cached decoding in grpo.rollout)"
@@ -48,16 +48,13 @@ TRL_REASONS = {
     "ds3_gather_for_generation": "DeepSpeed is not used here; torchrun with --fsdp=true shards the model",
     "deepspeed": "DeepSpeed is not used here; torchrun with --fsdp=true shards the model",
     "fsdp_config": "--fsdp=true under torchrun is the one FSDP (FSDP2) setting",
-    "logging_strategy": "logging_steps sets when a metrics line is written", "run_name": _LOGGING,
-    "warmup_steps": "set warmup_ratio (the share of the optimizer steps: transformers 5's warmup_steps < 1)",
     "gradient_checkpointing_kwargs": "checkpointing is always non-reentrant here",
     "activation_checkpointing": "it is called gradient_checkpointing here (on by default, as in TRL)",
-    "save_strategy": "save_steps sets when checkpoints are written", "eval_strategy": "set eval_steps instead",
+    "eval_strategy": "set eval_steps instead",
     "per_device_eval_batch_size": "set eval_batch_size (prompts per batch of greedy decoding)",
-    "fp16": "bf16 (CUDA) or float32 only", "use_cpu": "the device is chosen automatically",
-    "push_to_hub": "checkpoints are written to output_dir only", "hub_model_id": "checkpoints stay local",
+    "fp16": "bf16 (CUDA) or float32 only",
+    "push_to_hub": "checkpoints are written to output_dir only",
     "model_init_kwargs": "load the model yourself and pass it to Trainer(model=...), or use build_model",
-    "remove_unused_columns": "every dataset column always reaches the reward functions",
     "shuffle_dataset": "prompts are always drawn in a seeded shuffled order (rollout/prompts.py)",
     "multi_objective_aggregation": "rewards are summed with reward_weights, then normalized (TRL's default)",
     "vespo_k_pos": "loss_type='vespo' is not implemented", "vespo_k_neg": "loss_type='vespo' is not implemented",
@@ -72,4 +69,44 @@ TRL_REASONS = {
 RENAMED = {
     "loss_aggregation": "use TRL's loss_type: 'token' is 'dapo', 'sequence' is 'grpo', 'constant' is 'dr_grpo'",
     "epsilon_low": "use TRL's epsilon (the lower clip bound; epsilon_high defaults to it)",
+}
+
+# TRL settings that change nothing here, whatever their value: accepted, with a warning saying why.
+_NO_DATALOADER = "prompts are drawn in the trainer's own process: there is no DataLoader"
+_NO_HUB = "nothing is pushed to the Hub (push_to_hub is not supported): checkpoints stay in output_dir"
+NO_EFFECT = {
+    "use_cpu": "the device is chosen automatically: the GPU when there is one (CUDA_VISIBLE_DEVICES= hides it)",
+    "save_strategy": "checkpoints are written every save_steps and at the end",
+    "logging_strategy": "logging_steps sets when a metrics line is written",
+    "logging_first_step": "logging_steps sets which steps are logged (every one by default)",
+    "disable_tqdm": "progress shows on stderr; written to a file, it is a plain line every few seconds",
+    "remove_unused_columns": "every dataset column reaches the reward functions",
+    "run_name": "trackers name the run after output_dir and its start time",
+    "log_level": _LOGGING, "log_level_replica": _LOGGING, "log_on_each_node": _LOGGING,
+    "skip_memory_metrics": "memory/peak_gb is logged every step",
+    "ddp_backend": "the backend is chosen automatically: NCCL between GPUs, gloo between CPU processes",
+    "do_train": "Trainer.train() trains; transformers leaves these to scripts too", "do_eval": "as do_train",
+    "do_predict": "as do_train",
+    **{k: _NO_DATALOADER for k in ("dataloader_num_workers", "dataloader_pin_memory", "dataloader_persistent_workers",
+                                   "dataloader_prefetch_factor", "dataloader_drop_last")},
+    **{k: _NO_HUB for k in ("hub_model_id", "hub_strategy", "hub_token", "hub_private_repo", "hub_always_push",
+                            "hub_revision")},
+}
+
+# TRL settings of features this trainer lacks, at the values that leave them off (TRL's defaults): accepted, with
+# the same warning; any other value is refused as above.
+OFF_VALUES = {
+    "use_vllm": (False,), "use_transformers_paged": (False,), "use_liger_kernel": (False,), "fp16": (False,),
+    "push_to_hub": (False,), "deepspeed": (None,), "fsdp_config": (None,), "torch_compile": (False,),
+    "sync_ref_model": (False,), "use_adaptive_entropy": (False,), "eval_strategy": ("no",), "tf32": (None,),
+    "shuffle_dataset": (True,), "model_init_kwargs": (None,), "full_determinism": (False,),
+    "gradient_checkpointing_kwargs": (None, {"use_reentrant": False}),
+}
+
+# Keyword arguments of TRL's GRPOTrainer that this Trainer does not take, and what to do instead (its `args`
+# and `processing_class` are taken, as `config` and `tokenizer`).
+TRAINER_ONLY = {
+    "peft_config": "set use_lora=True with lora_r, lora_alpha, lora_dropout and lora_target_modules in the Config",
+    "callbacks": "there are no callbacks here: metrics.jsonl and report_to receive every logged line",
+    "optimizers": "set optim, learning_rate, lr_scheduler_type and warmup_steps in the Config",
 }

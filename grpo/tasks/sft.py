@@ -7,7 +7,7 @@ import time
 import torch
 from tqdm.auto import tqdm
 
-from ..policy.optim import build_scheduler
+from ..policy.optim import build_scheduler, warmup_of
 
 
 def encode_examples(tokenizer, examples: list[tuple[str, str]]) -> list[tuple[list[int], list[int]]]:
@@ -44,7 +44,7 @@ def supervised_warm_start(model, tokenizer, examples: list[tuple[str, str]], *, 
     device = next(model.parameters()).device
     generator = torch.Generator().manual_seed(seed)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
-    scheduler = build_scheduler(optimizer, steps, warmup_ratio, "cosine")
+    scheduler = build_scheduler(optimizer, steps, warmup_of(steps, warmup_ratio, 0), "cosine")
     order, position, losses = torch.randperm(len(encoded), generator=generator).tolist(), 0, []
     model.train()
     t0 = time.perf_counter()

@@ -114,8 +114,7 @@ def test_entropy_coef_and_off_policy_mask_reach_the_loss():
     ("use_adaptive_entropy", "TRL's `use_adaptive_entropy` is not supported here: adaptive entropy control is "
                              "not implemented; entropy_coef is static here"),
     ("entropy_target", "TRL's `entropy_target` is not supported here: adaptive entropy control is not"),
-    ("warmup_steps", "TRL's `warmup_steps` is not supported here: set warmup_ratio"),
-    ("dataloader_num_workers", "TRL's `dataloader_num_workers` is not supported here: this trainer does not"),
+    ("neftune_noise_alpha", "TRL's `neftune_noise_alpha` is not supported here: this trainer does not"),
     ("loss_aggregation", "'loss_aggregation' is gone: use TRL's loss_type: 'token' is 'dapo'"),
     ("epsilon_low", "'epsilon_low' is gone: use TRL's epsilon"),
 ])
@@ -137,6 +136,62 @@ def test_a_trl_config_dict_ports_verbatim():
     assert clip_range(config) == (0.2, 0.28)
     with pytest.raises(ConfigError, match=r"unknown setting 'learning_rat' \(did you mean 'learning_rate'"):
         Config(learning_rat=1e-5)
+
+
+def test_every_setting_not_accepted_is_named_in_one_error():
+    message = ("3 settings are not accepted: unknown setting 'learning_rat' (did you mean 'learning_rate'?); TRL's "
+               "`use_vllm` is not supported here: sampling runs on the policy itself (KV-cached decoding in "
+               "grpo.rollout); TRL's `torch_compile` is not supported here: this trainer does not implement it")
+    with pytest.raises(ConfigError) as info:
+        Config(learning_rat=1e-5, use_vllm=True, torch_compile=True, seed=1)
+    assert str(info.value) == message
+    with pytest.raises(ConfigError) as info:
+        apply_overrides(Config(), ["--seed=1", "--learning_rat=1e-5", "--use_vllm=true", "--torch_compile"])
+    assert str(info.value) == message
+
+
+@pytest.mark.parametrize("settings, args, warnings", [
+    # Any value: nothing here depends on it.
+    ({"use_cpu": True, "save_strategy": "no"}, ["--use_cpu", "--save_strategy=no"],
+     ["TRL's `use_cpu` has no effect here: the device is chosen automatically: the GPU when there is one "
+      "(CUDA_VISIBLE_DEVICES= hides it)",
+      "TRL's `save_strategy` has no effect here: checkpoints are written every save_steps and at the end"]),
+    # A feature this trainer lacks, at the value that leaves it off, as Python or as command-line text.
+    ({"use_vllm": False, "gradient_checkpointing_kwargs": {"use_reentrant": False}},
+     ["--use_vllm=False", '--gradient_checkpointing_kwargs={"use_reentrant":false}'],
+     ["TRL's `use_vllm=false` has no effect here: sampling runs on the policy itself (KV-cached decoding in "
+      "grpo.rollout)",
+      "TRL's `gradient_checkpointing_kwargs={\"use_reentrant\": false}` has no effect here: checkpointing is "
+      "always non-reentrant here"]),
+])
+def test_trl_settings_that_change_nothing_are_accepted_with_a_warning_each(capsys, settings, args, warnings):
+    expected = [f"warning: {w}" for w in warnings]
+    assert Config(seed=3, **settings) == Config(seed=3)
+    assert capsys.readouterr().err.splitlines() == expected
+    assert apply_overrides(Config(), ["--seed=3", *args]) == Config(seed=3)
+    assert capsys.readouterr().err.splitlines() == expected
+
+
+def test_warmup_steps_is_transformers_5s():
+    from grpo.policy.optim import warmup_of
+
+    assert Config(warmup_steps=3).warmup_steps == 3.0 and apply_overrides(Config(), ["--warmup_steps=0.1"])
+    # (total steps, warmup_ratio, warmup_steps) -> warmup steps: whole steps, a fraction rounded up, or the ratio's.
+    assert [warmup_of(*case) for case in [(100, 0, 3), (100, 0, 0.05), (30, 0, 0.05), (30, 0.1, 0), (30, 0, 0)]] == [
+        3, 5, 2, 3, 0]  # 0.05 x 30 = 1.5 -> 2
+    with pytest.raises(ConfigError, match=r"set warmup_steps or warmup_ratio, not both \(got 2 and 0.1\)"):
+        Config(warmup_steps=2, warmup_ratio=0.1)
+    with pytest.raises(ConfigError, match="warmup_steps must be >= 0: a whole number of steps, or a fraction < 1"):
+        Config(warmup_steps=2.5)
+
+
+def test_trl_settings_accepted_at_off_values_are_trls_defaults():
+    trl = pytest.importorskip("trl")
+    from grpo.settings.trl_names import NO_EFFECT, OFF_VALUES, TRL_ONLY
+
+    assert set(NO_EFFECT) | set(OFF_VALUES) <= TRL_ONLY
+    args = trl.GRPOConfig(output_dir="unused", use_cpu=True)
+    assert {k: getattr(args, k) for k in OFF_VALUES if getattr(args, k) not in OFF_VALUES[k]} == {}
 
 
 def test_scale_rewards_takes_trls_bools():
