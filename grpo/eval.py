@@ -13,7 +13,16 @@ from pathlib import Path
 
 from .errors import ConfigError, UserError
 
-USAGE = "usage: python -m grpo.eval RECIPE [--checkpoint DIR] [--limit N] [--output FILE] [--key=value ...]"
+USAGE = ("usage: python -m grpo.eval RECIPE [--checkpoint DIR] [--limit N] [--output FILE] [--key=value ...] "
+         "[--help]")
+OPTIONS = """Greedy pass@1 of a model on RECIPE's eval_dataset: prints accuracy, format rate and mean length,
+and writes them with every prompt, completion and reward (and the dataset's other columns) to JSON.
+
+  --checkpoint DIR  a checkpoint-STEP folder, or a folder Trainer.save_model wrote (a LoRA adapter is loaded
+                    onto the recipe's base model); default: the model the recipe starts from
+  --limit N         the first N prompts only (default: the recipe's eval_limit, else every prompt)
+  --output FILE     where the JSON goes (default: DIR/eval.json, or OUTPUT_DIR/eval.json)
+  --key=value       any setting of the recipe; python -m grpo.eval RECIPE --help lists them"""
 OWN_OPTIONS = ("checkpoint", "limit", "output")
 
 
@@ -64,26 +73,42 @@ def load_checkpoint(path: Path, recipe, config):
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
-        print(USAGE)
+        print(f"{USAGE}\n\n{OPTIONS}" if argv else USAGE)
         return 0 if argv else 2
+    from .rollout.progress import quiet_library_bars
+
+    with quiet_library_bars():  # transformers' loading bars, in a log file
+        return evaluate_recipe(argv)
+
+
+def evaluate_recipe(argv: list[str]) -> int:
     from .rollout.evaluate import check_eval_inputs, eval_options, evaluate, summary_lines
     from .rollout.reward_models import place_reward_models, reward_callables
+    from .run.checkpoint import check_output_dir
+    from .settings.cli import BUILT_MODEL, format_help
     from .settings.recipe import load_with_overrides, resolve_dataset
 
     try:
-        own, overrides = split_options(argv[1:])
-        if "limit" in own and not own["limit"].isdigit():
+        own, overrides = split_options([a for a in argv[1:] if a not in ("-h", "--help")])
+        if "limit" in own and not (own["limit"].isdigit() and int(own["limit"]) >= 1):
             raise ConfigError(f"--limit must be a positive integer, got {own['limit']!r}")
         limit = int(own["limit"]) if "limit" in own else None
         recipe, config = load_with_overrides(argv[0], overrides)
+        if any(a in ("-h", "--help") for a in argv[1:]):
+            unused = BUILT_MODEL if recipe.build_model else None
+            print(f"{USAGE}\n\n{OPTIONS}\n\nsettings of {argv[0]}:\n{format_help(config, unused)}")
+            return 0
+        if recipe.eval_dataset is None:  # said before anything about the functions that would score it
+            raise ConfigError(f"recipe {argv[0]} defines no eval_dataset: grpo.eval evaluates on it")
+        checkpoint = Path(own["checkpoint"]) if "checkpoint" in own else None
+        output = Path(own.get("output") or (checkpoint or Path(config.output_dir)) / "eval.json")
+        if output.is_dir():
+            raise ConfigError(f"--output={output} is a folder: name a file in it, such as {output / 'eval.json'}")
+        check_output_dir(str(output.parent), "output")
         reward_funcs = reward_callables(recipe.reward_funcs, recipe.reward_processing_classes,
                                         config.chat_template_kwargs)  # reward models become functions
         dataset = resolve_dataset(recipe.eval_dataset, "eval_dataset")
-        if dataset is None:
-            raise ConfigError(f"recipe {argv[0]} defines no eval_dataset")
         check_eval_inputs(config, dataset, reward_funcs)
-        checkpoint = Path(own["checkpoint"]) if "checkpoint" in own else None
-        output = Path(own.get("output") or (checkpoint or Path(config.output_dir)) / "eval.json")
         if checkpoint is not None:
             model, tokenizer = load_checkpoint(checkpoint, recipe, config)
         else:

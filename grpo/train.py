@@ -22,15 +22,18 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE)
         return 0 if argv else 2
     try:
-        from .settings.cli import format_help
+        from .rollout.progress import quiet_library_bars
+        from .settings.cli import BUILT_MODEL, format_help
         from .settings.recipe import load_with_overrides
 
         recipe_path, overrides = argv[0], argv[1:]
         recipe, config = load_with_overrides(recipe_path, [a for a in overrides if a not in ("-h", "--help")])
         if any(a in ("-h", "--help") for a in overrides):
-            print(f"{USAGE}\n\nsettings of {recipe_path}:\n{format_help(config)}")
+            unused = BUILT_MODEL if recipe.build_model else None
+            print(f"{USAGE}\n\nsettings of {recipe_path}:\n{format_help(config, unused)}")
             return 0
-        return run(recipe, config, argv)
+        with quiet_library_bars():  # transformers' loading and saving bars, in a log file
+            return run(recipe, config, argv)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return e.exit_code

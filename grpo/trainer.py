@@ -26,11 +26,11 @@ from .rollout.batches import (Batch, Generation, Scored, concat, generation_from
                               regroup, rollout_rows)
 from .rollout.custom import CustomRollouts
 from .rollout.evaluate import check_eval_setup, eval_options, evaluate
-from .rollout.progress import TokenProgress
+from .rollout.progress import TokenProgress, progress_bar, quiet_library_bars
 from .rollout.prompts import PromptStream, check_dataset, per_completion
 from .rollout.reward_models import place_reward_models, reward_callables
-from .rollout.rewards import (NoSignalWatch, RewardContext, TrainerState, compute_rewards, reward_func_names,
-                              reward_metrics)
+from .rollout.rewards import (NoSignalWatch, RewardContext, TrainerState, check_reward_weights, compute_rewards,
+                              reward_func_names, reward_metrics)
 from .rollout.sampling import Rollout, Sampler
 from .run import checkpoint, elastic, lock
 from .run.allocator import return_freed_memory
@@ -56,6 +56,7 @@ class Trainer:
         self.config = config
         self.reward_funcs = reward_callables(reward_funcs, reward_processing_classes, config.chat_template_kwargs)
         self.reward_names = reward_func_names(self.reward_funcs)
+        check_reward_weights(config.reward_weights, self.reward_names)
         self.eval_dataset = eval_dataset
         check_eval_setup(config, eval_dataset, self.reward_funcs)
         check_load_options(config, model_given=model is not None)
@@ -112,7 +113,8 @@ class Trainer:
         if self.dist.is_main:
             path = Path(output_dir if output_dir is not None else self.config.output_dir)
             path.mkdir(parents=True, exist_ok=True)
-            self.model.save_pretrained(path, safe_serialization=True, state_dict=weights)
+            with quiet_library_bars():
+                self.model.save_pretrained(path, safe_serialization=True, state_dict=weights)
             self.tokenizer.save_pretrained(path)
         self.dist.barrier()
 
@@ -134,8 +136,7 @@ class Trainer:
         history = []
         if self.config.eval_on_start and self.step == 0:
             history.append(self.evaluate())
-        bar = tqdm(total=self.total_steps, initial=self.step, desc="grpo", dynamic_ncols=True,
-                   disable=not self.dist.is_main)
+        bar = progress_bar("grpo", total=self.total_steps, initial=self.step, unit="step", enabled=self.dist.is_main)
         with StopSignals() as signals, bar, self.trackers:
             while self.step < self.total_steps:
                 t0 = time.perf_counter()
@@ -143,7 +144,8 @@ class Trainer:
                 metrics["perf/step_s"] = time.perf_counter() - t0
                 metrics["memory/peak_gb"] = peak_memory_gb(self.policy.device)
                 bar.update(1)
-                bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", kl=f"{metrics['kl']:.4f}")
+                reward = f"{metrics['reward/mean']:.3f}" if "reward/mean" in metrics else "none scored"
+                bar.set_postfix(reward=reward, kl=f"{metrics['kl']:.4f}")
                 if self.step % self.config.logging_steps == 0 or self.step == self.total_steps:
                     history.append(self.log(metrics))
                 if self.nonfinite_streak >= self.config.max_nonfinite_steps:

@@ -10,7 +10,14 @@ answers more often, it answers directly when decoding greedily: held-out accurac
 Stage 2/2, GRPO: rewarded for correct answers in the format, the policy discovers that working it out pays.
 The trainer evaluates greedy pass@1 on held-out problems at GRPO step 0 and every `eval_steps`, so one
 run's metrics.jsonl shows GRPO's own gain, whatever `--seed` is given.
+
+The warm-started model is kept in OUTPUT_DIR/warm_start/ and loaded from there when the run is resumed or
+evaluated. ARITHMETIC_WARM_START_STEPS=100 shortens the warm start, for a quick look (with fewer than ~1000
+steps the worked strategy is not learned, and GRPO has nothing to find).
 """
+import os
+from pathlib import Path
+
 from datasets import Dataset
 
 from grpo import Config
@@ -19,7 +26,8 @@ from grpo.tasks.gsm8k import answer_accuracy_reward, xml_format_reward
 
 DIGITS = 4
 TRAIN, HELD_OUT = arithmetic.split(num_train=20_000, num_eval=512, digits=DIGITS)
-WARM_START = dict(steps=1000, lr=1e-2, batch_size=64, worked_share=0.4)
+WARM_START = dict(steps=int(os.environ.get("ARITHMETIC_WARM_START_STEPS", "1000")), lr=1e-2, batch_size=64,
+                  worked_share=0.4)
 MODEL = dict(hidden_size=64, num_layers=2, num_heads=4)
 TAGS = ["<reasoning>", "</reasoning>", "<answer>", "</answer>"]
 
@@ -69,23 +77,34 @@ def build_tokenizer():
 
 
 def build_model(config, warm_start_steps: int = WARM_START["steps"]):
-    """Stage 1/2: a random-weight tiny GPT-2, warm-started on demonstrations of the training problems."""
+    """Stage 1/2: a random-weight tiny GPT-2, warm-started on demonstrations of the training problems (once per
+    output_dir and settings: see grpo.tasks.sft.warm_start_once)."""
     import torch
 
-    from grpo.tasks.sft import supervised_warm_start
-    from grpo.tasks.tiny import model_for, tiny_gpt2
+    from grpo.tasks.sft import warm_start_once
 
     # Matrices this small gain ~25% from a second CPU thread on an idle machine, and run ~10x slower with
     # two threads when another process holds one of two cores (measured: 0.11 / 1.3 s per warm-start step
     # with two threads, 0.14 with one). One thread is the safe choice for the whole run.
     torch.set_num_threads(1)
+    settings = {**WARM_START, "steps": warm_start_steps, **MODEL, "seed": config.seed, "digits": DIGITS}
+    model, tokenizer = warm_start_once(Path(config.output_dir) / "warm_start", settings,
+                                       lambda: warm_start(config, warm_start_steps))
+    print(f"stage 2/2: GRPO, {config.max_steps} steps")
+    return model, tokenizer
+
+
+def warm_start(config, steps: int):
+    from grpo.tasks.sft import supervised_warm_start
+    from grpo.tasks.tiny import model_for, tiny_gpt2
+
     tokenizer = build_tokenizer()
     model = model_for(tokenizer, build=tiny_gpt2, seed=config.seed, **MODEL)
     examples = arithmetic.demonstrations(TRAIN, WARM_START["worked_share"], seed=config.seed)
-    print(f"stage 1/2: supervised warm start, {warm_start_steps} steps on {len(examples)} demonstrations "
+    print(f"stage 1/2: supervised warm start, {steps} steps on {len(examples)} demonstrations "
           f"({WARM_START['worked_share']:.0%} worked column by column, the rest answered directly)")
-    metrics = supervised_warm_start(model, tokenizer, examples, steps=warm_start_steps, lr=WARM_START["lr"],
+    metrics = supervised_warm_start(model, tokenizer, examples, steps=steps, lr=WARM_START["lr"],
                                     batch_size=WARM_START["batch_size"], seed=config.seed)
     print(f"warm start done in {metrics['warm_start/seconds']:.0f}s, loss {metrics['warm_start/loss_first']:.2f} "
-          f"-> {metrics['warm_start/loss_last']:.2f}\nstage 2/2: GRPO, {config.max_steps} steps")
+          f"-> {metrics['warm_start/loss_last']:.2f}")
     return model, tokenizer

@@ -92,6 +92,6 @@ class CustomRollouts:
         completion_ids = completion_ids.masked_fill(completion_mask == 0, pad)
         texts = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
         completions = [[{"role": "assistant", "content": t}] for t in texts] if is_chat(prompts[0]) else texts
-        to = self.device
+        to = self.device  # every tensor on the policy's device, as our own sampler returns them
         return Rollout(prompt_ids.to(to), prompt_mask.to(to), completion_ids.to(to), completion_mask.to(to),
-                       completions, truncated)
+                       completions, truncated.to(to))

@@ -1,9 +1,86 @@
-"""Progress a person can see during long sampling and evaluation: a tqdm counter of generated tokens (with
-tokens/s), advanced from the decoding loop after every new token, instead of a bar that sits at 0 until a
-whole step or evaluation batch is done."""
+"""Progress a person can see during long sampling and evaluation: a counter of generated tokens (with tokens/s),
+advanced from the decoding loop after every new token, instead of a bar that sits at 0 until a whole step or
+evaluation batch is done. On a terminal (or in a notebook) the bars are tqdm's; written to a file or a pipe,
+a bar's carriage-return redraws would fill it, so each is a plain line every few seconds instead."""
 from __future__ import annotations
 
+import contextlib
+import sys
+import time
+
 from tqdm.auto import tqdm
+
+LINE_EVERY_S = 10.0  # seconds between two lines of a bar written to a file
+
+
+def interactive() -> bool:
+    """Whether stderr is read by a person as it is drawn: a terminal, or a notebook (tqdm.auto's widget)."""
+    return sys.stderr.isatty() or "ipykernel" in sys.modules
+
+
+def progress_bar(desc: str, total: int | None = None, initial: int = 0, unit: str = "it", enabled: bool = True,
+                 leave: bool = True):
+    """A tqdm bar on a terminal, else a `LineProgress`; either takes `update`, `set_postfix(_str)`, `close`."""
+    if interactive() or not enabled:
+        return tqdm(desc=desc, total=total, initial=initial, unit=unit, leave=leave, dynamic_ncols=True,
+                    mininterval=1.0, disable=not enabled)
+    return LineProgress(desc, total, initial, unit)
+
+
+class LineProgress:
+    """A bar for a log file: `desc: n/total unit, rate, postfix` at most every `every` seconds, and once at the
+    end, each a line of its own."""
+
+    def __init__(self, desc: str, total: int | None = None, initial: int = 0, unit: str = "it",
+                 every: float = LINE_EVERY_S):
+        self.desc, self.total, self.unit, self.every = desc, total, unit, every
+        self.n = self.start_n = initial
+        self.start = self.last = time.monotonic()
+        self.postfix, self.written = "", initial
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+        if time.monotonic() - self.last >= self.every:
+            self._write()
+
+    def set_postfix(self, **values) -> None:
+        self.postfix = ", ".join(f"{k}={v}" for k, v in values.items())
+
+    def set_postfix_str(self, text: str, refresh: bool = True) -> None:  # noqa: ARG002 -- tqdm's signature
+        self.postfix = text
+
+    def close(self) -> None:
+        if self.n != self.written:
+            self._write()
+
+    def _write(self) -> None:
+        now = time.monotonic()
+        done = f"{self.n}/{self.total}" if self.total is not None else f"{self.n}"
+        rate = (self.n - self.start_n) / max(now - self.start, 1e-9)
+        parts = [f"{done} {self.unit}", f"{now - self.start:.0f}s", f"{rate:.3g} {self.unit}/s", self.postfix]
+        print(f"{self.desc}: {', '.join(p for p in parts if p)}", file=sys.stderr, flush=True)
+        self.last, self.written = now, self.n
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+@contextlib.contextmanager
+def quiet_library_bars():
+    """transformers' own bars (e.g. "Writing model shards" while saving) off where they would fill a log file."""
+    from transformers.utils import logging
+
+    if interactive() or not logging.is_progress_bar_enabled():
+        yield
+        return
+    logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        logging.enable_progress_bar()
 
 
 class TokenProgress:
@@ -11,7 +88,7 @@ class TokenProgress:
     Use as a context manager; disabled, it does nothing."""
 
     def __init__(self, desc: str, enabled: bool = True):
-        self.bar = tqdm(desc=desc, unit="tok", leave=False, dynamic_ncols=True, disable=not enabled, mininterval=1.0)
+        self.bar = progress_bar(desc, unit="tok", enabled=enabled, leave=False)
 
     def __call__(self, new_tokens: int) -> None:
         self.bar.update(int(new_tokens))

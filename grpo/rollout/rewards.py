@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from ..errors import UserError
+from ..errors import ConfigError, UserError
 
 
 # What every reward function may take besides the dataset's columns.
@@ -106,11 +106,9 @@ def compute_rewards(reward_funcs, prompts, completions, columns: dict[str, list]
     n, names = len(completions), reward_func_names(reward_funcs)
     if len(prompts) != n or any(len(v) != n for v in columns.values()):
         raise ValueError("prompts, completions and every column must have one entry per completion")
+    check_reward_weights(weights, names)
     if weights is None:
         weights = [1.0] * len(reward_funcs)
-    if len(weights) != len(reward_funcs):
-        raise RewardError(f"reward_weights has {len(weights)} values but there are "
-                          f"{len(reward_funcs)} reward functions ({', '.join(names)})")
 
     batch = {"prompts": prompts, "completions": completions,
              "completion_ids": completion_ids if completion_ids is not None else [[] for _ in range(n)], **columns}
@@ -129,22 +127,30 @@ def compute_rewards(reward_funcs, prompts, completions, columns: dict[str, list]
     return rewards, per_func
 
 
+def check_reward_weights(weights: list[float] | None, names: list[str]) -> None:
+    """A ConfigError (a settings mistake: exit 2) unless `weights` is None or has one weight per function."""
+    if weights is not None and len(weights) != len(names):
+        raise ConfigError(f"reward_weights has {len(weights)} values but there are {len(names)} reward functions "
+                          f"({', '.join(names)}): give one weight per function")
+
+
 def reward_metrics(rewards: Tensor, per_func: Tensor, names: list[str]) -> dict[str, float]:
     """`reward/<name>` and `reward/<name>_std` over the completions a function applied to (absent if it applied
-    to none), and `reward/mean`, `reward/std` of the combined reward over the completions some function scored,
-    from `compute_rewards`' `rewards` [N] and `per_func` [N, F] (under torchrun, every rank's rows gathered:
-    stds do not average across ranks). Stds are population stds (ddof 0)."""
+    to none), and `reward/mean`, `reward/std` of the combined reward over the completions some function scored
+    (absent when none was: a 0 there would read as a score), from `compute_rewards`' `rewards` [N] and
+    `per_func` [N, F] (under torchrun, every rank's rows gathered: stds do not average across ranks). Stds are
+    population stds (ddof 0)."""
     metrics = {}
     for j, name in enumerate(names):
         applied = per_func[:, j][~per_func[:, j].isnan()]
         if applied.numel():
             metrics[f"reward/{name}"] = applied.mean().item()
             metrics[f"reward/{name}_std"] = applied.std(correction=0).item()
-    # As in TRL, completions no function scored are left out (unless none was scored: then their zeros).
+    # As in TRL, completions no function scored are left out.
     scored = ~per_func.isnan().all(dim=1)  # [N]
-    combined = rewards[scored] if scored.any() else rewards  # [n]
-    metrics["reward/mean"] = combined.mean().item()
-    metrics["reward/std"] = combined.std(correction=0).item()
+    if scored.any():
+        metrics["reward/mean"] = rewards[scored].mean().item()
+        metrics["reward/std"] = rewards[scored].std(correction=0).item()
     return metrics
 
 

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from ..errors import ConfigError
+from ..rollout.progress import quiet_library_bars
 
 COMPLETE = "COMPLETE"
 STATE = "trainer_state.pt"
@@ -38,7 +39,8 @@ def save_checkpoint(output_dir: str, step: int, model, tokenizer, config_dict: d
     for stale in root.glob(".checkpoint-*.tmp"):  # left by a crash mid-save
         shutil.rmtree(stale, ignore_errors=True)
     tmp.mkdir(parents=True)
-    model.save_pretrained(tmp, safe_serialization=True, state_dict=model_state)
+    with quiet_library_bars():  # transformers' own, on a log file
+        model.save_pretrained(tmp, safe_serialization=True, state_dict=model_state)
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)
     (tmp / "grpo_config.json").write_text(json.dumps(config_dict, indent=2))
@@ -86,19 +88,20 @@ def check_no_earlier_run(output_dir: str) -> None:
                           f"--resume_from_checkpoint=latest, or pick another --output_dir")
 
 
-def check_output_dir(output_dir: str) -> None:
+def check_output_dir(output_dir: str, setting: str = "output_dir") -> None:
     """Fail before any loading if `output_dir` cannot be created or written: a folder is made and removed
-    again in its nearest existing parent (permissions alone say nothing for root, or on /proc)."""
+    again in its nearest existing parent (permissions alone say nothing for root, or on /proc). `setting`: the
+    option the message names (grpo.eval checks its --output's folder)."""
     path = Path(output_dir).absolute()
     parent = next(p for p in (path, *path.parents) if p.exists())
     if not parent.is_dir():
-        raise ConfigError(f"output_dir={output_dir} cannot be created: {parent} is a file, not a folder; "
-                          f"pick another --output_dir")
+        raise ConfigError(f"{setting}={output_dir} cannot be created: {parent} is a file, not a folder; "
+                          f"pick another --{setting}")
     try:
         os.rmdir(tempfile.mkdtemp(prefix=".grpo-write-test-", dir=parent))
     except OSError as error:
-        raise ConfigError(f"output_dir={output_dir} cannot be {'written' if parent == path else 'created'}: "
-                          f"making a folder in {parent} fails ({error.strerror}); pick a writable --output_dir"
+        raise ConfigError(f"{setting}={output_dir} cannot be {'written' if parent == path else 'created'}: "
+                          f"making a folder in {parent} fails ({error.strerror}); pick a writable --{setting}"
                           ) from None
 
 

@@ -122,14 +122,19 @@ def format_value(value) -> str:
     return str(value)
 
 
-def format_help(config: Config) -> str:
-    """Every setting with its current value and docstring, grouped as declared in Config."""
-    lines, group = ["settings (override with --key=value):"], None
+BUILT_MODEL = {"model": "not used: the recipe's build_model builds the model"}  # format_help's `unused`
+
+
+def format_help(config: Config, unused: dict[str, str] | None = None) -> str:
+    """Every setting with its current value and docstring, grouped as declared in Config; a setting in `unused`
+    (name: why) is shown with that reason instead of a value (`model` on a recipe that builds its own)."""
+    lines, group, unused = ["settings (override with --key=value):"], None, unused or {}
     for name, field_group, doc in _describe_fields():
         if field_group != group:
             group = field_group
             lines += ["", f"{group}:"]
-        lines.append(f"  --{name}={format_value(getattr(config, name))}")
+        lines.append(f"  --{name}: {unused[name]}" if name in unused else
+                     f"  --{name}={format_value(getattr(config, name))}")
         lines.append(textwrap.fill(doc, width=100, initial_indent=" " * 6, subsequent_indent=" " * 6))
     return "\n".join(lines)
 

@@ -2,12 +2,16 @@
 so that a model built from scratch earns some reward before GRPO begins. Loss on completion tokens only."""
 from __future__ import annotations
 
+import json
+import os
+import shutil
 import time
+from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
 from ..policy.optim import build_scheduler, warmup_of
+from ..rollout.progress import progress_bar, quiet_library_bars
 
 
 def encode_examples(tokenizer, examples: list[tuple[str, str]]) -> list[tuple[list[int], list[int]]]:
@@ -48,8 +52,8 @@ def supervised_warm_start(model, tokenizer, examples: list[tuple[str, str]], *, 
     order, position, losses = torch.randperm(len(encoded), generator=generator).tolist(), 0, []
     model.train()
     t0 = time.perf_counter()
-    bar = tqdm(range(steps), desc="warm start", dynamic_ncols=True)
-    for _ in bar:
+    bar = progress_bar("warm start", total=steps, unit="step")
+    for _ in range(steps):
         if position + batch_size > len(order):
             order, position = torch.randperm(len(encoded), generator=generator).tolist(), 0
         batch = [encoded[i] for i in order[position:position + batch_size]]
@@ -62,7 +66,33 @@ def supervised_warm_start(model, tokenizer, examples: list[tuple[str, str]], *, 
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())
         bar.set_postfix(loss=f"{losses[-1]:.3f}")
+        bar.update(1)
     bar.close()
     tail = losses[-max(1, steps // 10):]
     return {"warm_start/steps": steps, "warm_start/loss_first": losses[0],
             "warm_start/loss_last": sum(tail) / len(tail), "warm_start/seconds": time.perf_counter() - t0}
+
+
+def warm_start_once(folder: Path, settings: dict, warm_start) -> tuple:
+    """`warm_start()`'s (model, tokenizer), written into `folder` and loaded from there later while `settings`
+    (JSON data: whatever shapes the result) are the same: a run's warm start is done once, not again when the
+    run is resumed or evaluated. Written whole or not at all, so ranks warming up together do not mix."""
+    stamp = folder / "warm_start.json"
+    if stamp.is_file() and json.loads(stamp.read_text()) == settings:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        print(f"warm start: loaded from {folder} (done before, with the same settings)")
+        with quiet_library_bars():
+            return AutoModelForCausalLM.from_pretrained(folder), AutoTokenizer.from_pretrained(folder)
+    model, tokenizer = warm_start()
+    tmp = folder.with_name(f".{folder.name}.{os.getpid()}.tmp")
+    with quiet_library_bars():
+        model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    (tmp / stamp.name).write_text(json.dumps(settings))
+    shutil.rmtree(folder, ignore_errors=True)  # another settings' warm start
+    try:
+        os.rename(tmp, folder)
+    except OSError:  # another rank's, with the same settings, got there first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return model, tokenizer

@@ -1,6 +1,7 @@
 """Bad input and failed runs, as `python -m grpo.train` reports them: one short `error:` message, no
 traceback, a non-zero exit, and nothing half-written. `main()` runs in-process (a subprocess per case would
 cost seconds of imports each); test_cli.py checks the real command once."""
+import json
 import math
 import textwrap
 
@@ -9,6 +10,7 @@ import torch
 
 import grpo.memory.fit
 import grpo.trainer
+from grpo.eval import main as eval_main
 from grpo.train import main
 
 RECIPE = """
@@ -198,3 +200,57 @@ def test_out_of_memory_says_what_to_lower(tmp_path, capsys, monkeypatch, planner
                        f"the last checkpoint is {tmp_path / 'run' / 'checkpoint-1'}")
     assert "more detail" not in err
     assert ("memory plan for this configuration:\n  weights 1.0 GB\n  total 9.9 GB for G=2" in err) == (planner == "present")
+
+
+# --- small things a user runs into: one line, the right exit code, or what they expect ---
+
+def test_reward_weights_of_the_wrong_length_are_a_settings_error(tmp_path, capsys):
+    code, err = run(tmp_path, capsys, "--reward_weights=1,0.5")
+    assert_short_error(code, err, 2, "error: reward_weights has 2 values but there are 1 reward functions "
+                                     "(digit_share): give one weight per function")
+    assert len(err.splitlines()) == 1 and not (tmp_path / "run").exists()
+
+
+def test_a_step_where_no_completion_was_scored_logs_no_reward_mean(tmp_path, capsys):
+    body = ("def never(completions, **kwargs):\n    return [None] * len(completions)\n"
+            "reward_funcs = [never]\ntrain_dataset = digit_prompts")
+    code, err = run(tmp_path, capsys, "--max_steps=1", body=body)
+    assert code == 0, err
+    (line,) = [json.loads(text) for text in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert not {"reward/mean", "reward/std", "reward/never"} & line.keys() and line["frac_reward_zero_std"] == 1.0
+    assert "reward=none scored" in err
+
+
+def test_help_on_a_recipe_that_builds_its_model_says_model_is_not_used(tmp_path, capsys):
+    recipe = tmp_path / "recipe.py"
+    recipe.write_text(RECIPE.format(out=str(tmp_path / "run"), config="", body=GOOD_BODY))
+    assert main([str(recipe), "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "  --model: not used: the recipe's build_model builds the model\n" in out and "--model=" not in out
+
+
+EVAL_BODY = "reward_funcs = [digit_share]\ntrain_dataset = digit_prompts\neval_dataset = digit_prompts"
+
+
+@pytest.mark.parametrize("body, args, line", [
+    (EVAL_BODY, ["--limit", "0"], "error: --limit must be a positive integer, got '0'"),
+    (EVAL_BODY, ["--output={tmp}/recipe.py/eval.json"],
+     "error: output={tmp}/recipe.py cannot be created: {tmp}/recipe.py is a file, not a folder; pick another --output"),
+    (EVAL_BODY, ["--output={tmp}"], "error: --output={tmp} is a folder: name a file in it, such as {tmp}/eval.json"),
+    # No eval data, and reward functions without the default eval_accuracy_func: the missing data comes first.
+    (GOOD_BODY, [], "error: recipe {tmp}/recipe.py defines no eval_dataset: grpo.eval evaluates on it"),
+], ids=["limit-0", "output-under-a-file", "output-a-folder", "no-eval-data"])
+def test_eval_mistakes(tmp_path, capsys, body, args, line):
+    (tmp_path / "recipe.py").write_text(RECIPE.format(out=str(tmp_path / "run"), config="", body=body))
+    scoring = ["--eval_accuracy_func=digit_share", "--eval_format_func=none"] if body == EVAL_BODY else []
+    code = eval_main([str(tmp_path / "recipe.py"), *(a.format(tmp=tmp_path) for a in args), *scoring])
+    assert capsys.readouterr().err == line.format(tmp=tmp_path) + "\n" and code == 2
+
+
+def test_eval_help_describes_its_options(tmp_path, capsys):
+    assert eval_main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert all(f"  --{option} " in out for option in ("checkpoint DIR", "limit N", "output FILE", "key=value"))
+    (tmp_path / "recipe.py").write_text(RECIPE.format(out=str(tmp_path / "run"), config="", body=EVAL_BODY))
+    assert eval_main([str(tmp_path / "recipe.py"), "--help"]) == 0
+    assert "settings of" in capsys.readouterr().out

@@ -1,12 +1,15 @@
 """TRL 1.16's hooks through a real (tiny) run: what reward functions log lands in metrics.jsonl and
 completions.jsonl, and a `rollout_func` replaces our decoder."""
+import dataclasses
 import json
+from types import SimpleNamespace
 
 import pytest
+import torch
 from tiny_setup import digit_prompts, digit_share, tiny_model, tiny_tokenizer
 
 from grpo import Config, Trainer
-from grpo.rollout.custom import RolloutFuncError
+from grpo.rollout.custom import CustomRollouts, RolloutFuncError
 
 
 @pytest.fixture(scope="module")
@@ -143,3 +146,16 @@ def test_rollout_func_output_is_checked(tmp_path, tokenizer):
                       reward_funcs=[digit_share], train_dataset=digit_prompts(), rollout_func=wrong)
     with pytest.raises(RolloutFuncError, match="returned 8 prompt_ids and 1 completion_ids for 8 prompts"):
         trainer.train()
+
+
+def test_rollout_func_rows_are_on_the_policys_device(tokenizer):
+    # The meta device stands in for CUDA: a tensor left on the CPU (the truncation flags multiplied into the
+    # completion mask by mask_truncated_completions) shows as on another device.
+    meta = torch.device("meta")
+    trainer = SimpleNamespace(tokenizer=tokenizer, model=tiny_model(tokenizer), policy=SimpleNamespace(device=meta),
+                              config=SimpleNamespace(num_generations=2, max_completion_length=4))
+    rollout = CustomRollouts(lambda prompts, trainer: None, trainer).rollout(["a", "a"], [[5, 6], [7]], [[8], [9, 10]])
+    tensors = {f.name: getattr(rollout, f.name) for f in dataclasses.fields(rollout)
+               if isinstance(getattr(rollout, f.name), torch.Tensor)}
+    assert set(tensors) == {"prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "truncated"}
+    assert all(t.device == meta for t in tensors.values())

@@ -1,10 +1,14 @@
-"""The offline arithmetic task and the supervised warm start."""
+"""The offline arithmetic task and the supervised warm start (done once per run folder)."""
+import inspect
+from pathlib import Path
+
 import torch
 from tiny_setup import tiny_model, tiny_tokenizer
 
 from grpo.tasks import arithmetic
 from grpo.tasks.gsm8k import answer_accuracy_reward, xml_format_reward
-from grpo.tasks.sft import collate, encode_examples, supervised_warm_start
+from grpo.settings.recipe import load_recipe
+from grpo.tasks.sft import collate, encode_examples, supervised_warm_start, warm_start_once
 
 
 def test_worked_solution_by_hand():
@@ -55,3 +59,27 @@ def test_warm_start_fits_the_demonstrations_deterministically():
     assert metrics["warm_start/loss_last"] < 0.3 * metrics["warm_start/loss_first"]
     assert metrics["warm_start/loss_last"] == metrics2["warm_start/loss_last"]
     assert all(torch.equal(a, b) for a, b in zip(params, params2)), "the seed fixes the warm start"
+
+
+def test_a_warm_start_is_done_once_per_folder_and_settings(tmp_path, capsys):
+    calls = []
+
+    def warm_start():
+        calls.append(1)
+        tokenizer = tiny_tokenizer()
+        return tiny_model(tokenizer, seed=len(calls)), tokenizer
+
+    made, _ = warm_start_once(tmp_path / "warm_start", {"steps": 5}, warm_start)
+    loaded, tokenizer = warm_start_once(tmp_path / "warm_start", {"steps": 5}, warm_start)  # a resume
+    assert len(calls) == 1 and "loaded from" in capsys.readouterr().out
+    assert all(torch.equal(a, b) for a, b in zip(made.state_dict().values(), loaded.state_dict().values()))
+    assert tokenizer.get_vocab() == tiny_tokenizer().get_vocab()
+    warm_start_once(tmp_path / "warm_start", {"steps": 6}, warm_start)  # other settings: done again
+    assert len(calls) == 2 and sorted(p.name for p in tmp_path.iterdir()) == ["warm_start"]
+
+
+def test_the_arithmetic_recipes_warm_start_can_be_shortened(monkeypatch):
+    recipe = Path(__file__).resolve().parents[2] / "recipes" / "arithmetic_tiny.py"
+    monkeypatch.setenv("ARITHMETIC_WARM_START_STEPS", "100")
+    steps = inspect.signature(load_recipe(str(recipe)).build_model).parameters["warm_start_steps"].default
+    assert steps == 100

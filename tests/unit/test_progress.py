@@ -1,9 +1,12 @@
 """Progress during long steps: the decoding loop reports each step's new tokens; evaluation rows carry the
-dataset's reference columns."""
+dataset's reference columns; written to a file, a bar is a plain line every few seconds."""
+import re
+
 import torch
 
 from grpo.rollout.decoding import decode
 from grpo.rollout.evaluate import evaluate
+from grpo.rollout.progress import LINE_EVERY_S, LineProgress, TokenProgress, progress_bar
 from grpo.rollout.sampling import left_pad
 from tiny_setup import digit_prompts, tiny_model, tiny_tokenizer
 
@@ -37,3 +40,25 @@ def test_eval_rows_carry_the_reference_columns():
                           unsharded=lambda fn: seen.append(1) or fn(tiny_model(tokenizer)))
     assert [s["num_digits"] for s in samples] == [1, 2, 3, 4] and len(seen) == 2
     assert {"prompt", "completion", "reward/half", "num_digits"} <= samples[0].keys()
+
+
+def test_a_bar_written_to_a_file_is_a_plain_line_every_few_seconds(capsys):
+    # pytest's captured stderr is no terminal, as a log file is not.
+    bar = progress_bar("grpo", total=3, unit="step")
+    assert isinstance(bar, LineProgress) and bar.every == LINE_EVERY_S
+    bar.every = 0.0  # as if each update came seconds after the one before
+    for reward in ("0.1", "0.2"):
+        bar.set_postfix(reward=reward)
+        bar.update(1)
+    bar.every = 3600.0  # within seconds: no line until the end
+    bar.update(1)
+    bar.close()
+    lines = capsys.readouterr().err.split("\n")
+    assert "\r" not in "".join(lines) and lines[-1] == ""
+    assert [re.sub(r", \d+s, [\d.e+-]+ step/s", "", line) for line in lines[:-1]] == [
+        "grpo: 1/3 step, reward=0.1", "grpo: 2/3 step, reward=0.2", "grpo: 3/3 step, reward=0.2"]
+    with TokenProgress("sampling step 1") as progress:  # the token counter too: one line at its end
+        progress(5)
+        progress.prompts_done(1, 2)
+        progress(7)
+    assert re.fullmatch(r"sampling step 1: 12 tok, \d+s, [\d.e+-]+ tok/s, prompts 1/2\n", capsys.readouterr().err)

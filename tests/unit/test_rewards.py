@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 import torch
 
+from grpo.errors import ConfigError
 from grpo.rollout.rewards import (
     RewardContext,
     RewardError,
@@ -186,6 +187,7 @@ def test_function_that_never_applies_has_no_metric():
     metrics = reward_metrics(rewards, per_func, ["always_None"])
     assert rewards.tolist() == [0.0, 0.0]
     assert "reward/always_None" not in metrics
+    assert "reward/mean" not in metrics and "reward/std" not in metrics, "nothing was scored: no 0.0 to misread"
 
 
 def test_trl_style_function_with_chat_completions_and_answer_column():
@@ -230,7 +232,7 @@ def test_duplicate_functions_get_separate_metrics():
 # --- errors --------------------------------------------------------------------------------------
 
 def test_weights_length_mismatch():
-    with pytest.raises(RewardError, match="reward_weights has 3 values but there are 2"):
+    with pytest.raises(ConfigError, match="reward_weights has 3 values but there are 2"):
         compute_rewards([always(1.0), always(0.0)], ["p"], ["c"], {}, weights=[1, 1, 1])
 
 
