@@ -103,7 +103,8 @@ def evaluate_recipe(argv: list[str]) -> int:
         checkpoint = Path(own["checkpoint"]) if "checkpoint" in own else None
         output = Path(own.get("output") or (checkpoint or Path(config.output_dir)) / "eval.json")
         if output.is_dir():
-            raise ConfigError(f"--output={output} is a folder: name a file in it, such as {output / 'eval.json'}")
+            raise ConfigError(f"--output={output} is a folder: name a file in it, such as "
+                              f"{output / 'eval.json'}")
         check_output_dir(str(output.parent), "output")
         reward_funcs = reward_callables(recipe.reward_funcs, recipe.reward_processing_classes,
                                         config.chat_template_kwargs)  # reward models become functions

@@ -29,8 +29,8 @@ from .rollout.evaluate import check_eval_setup, eval_options, evaluate
 from .rollout.progress import TokenProgress, progress_bar, quiet_library_bars
 from .rollout.prompts import PromptStream, check_dataset, per_completion
 from .rollout.reward_models import place_reward_models, reward_callables
-from .rollout.rewards import (NoSignalWatch, RewardContext, TrainerState, check_reward_weights, compute_rewards,
-                              reward_func_names, reward_metrics)
+from .rollout.rewards import (NoSignalWatch, RewardContext, TrainerState, check_reward_weights,
+                              compute_rewards, reward_func_names, reward_metrics)
 from .rollout.sampling import Rollout, Sampler
 from .run import checkpoint, elastic, lock
 from .run.allocator import return_freed_memory
@@ -44,9 +44,9 @@ from .settings.trl_names import TRAINER_ONLY
 
 class Trainer:
     """GRPO on `model` (or `config.model`), rewarded by `reward_funcs`, over `train_dataset` prompts. TRL's
-    GRPOTrainer call works as well: `args=` is `config`, `processing_class=` is `tokenizer`, and `model` may be
-    a hub id or folder (then it is `config.model`); a model object comes with its tokenizer, or one is loaded
-    from the folder or hub id its config names, as TRL does."""
+    GRPOTrainer call works as well: `args=` is `config`, `processing_class=` is `tokenizer`, and `model` may
+    be a hub id or folder (then it is `config.model`); a model object comes with its tokenizer, or one is
+    loaded from the folder or hub id its config names, as TRL does."""
 
     def __init__(self, config: Config | None = None, model=None, tokenizer=None, reward_funcs=(),
                  train_dataset=None, eval_dataset=None, rollout_func=None, reward_processing_classes=None, *,
@@ -85,7 +85,7 @@ class Trainer:
                                                                   config.entropy_coef)
         self.optimizer = build_optimizer(self.model.parameters(), config.optim, config.learning_rate,
                                          (config.adam_beta1, config.adam_beta2), config.weight_decay)
-        self.warmup_steps = warmup_of(self.total_steps, config.warmup_ratio, config.warmup_steps)  # policy/optim
+        self.warmup_steps = warmup_of(self.total_steps, config.warmup_ratio, config.warmup_steps)
         self.scheduler = build_scheduler(self.optimizer, self.total_steps, self.warmup_steps,
                                          config.lr_scheduler_type)
         self.step = 0
@@ -106,9 +106,9 @@ class Trainer:
         return TrainerState(self.step, self.total_steps)
 
     def save_model(self, output_dir: str | None = None) -> None:
-        """transformers' Trainer.save_model: the model (under LoRA its adapter, in peft's format) and tokenizer
-        written into `output_dir` (default: config.output_dir) for from_pretrained; no optimizer state (a
-        checkpoint holds that). Under torchrun every rank calls it and rank 0 writes."""
+        """transformers' Trainer.save_model: the model (under LoRA its adapter, in peft's format) and
+        tokenizer written into `output_dir` (default: config.output_dir) for from_pretrained; no optimizer
+        state (a checkpoint holds that). Under torchrun every rank calls it and rank 0 writes."""
         weights = self.policy.parallel.full_state_dict()  # FSDP: gathered
         if self.dist.is_main:
             path = Path(output_dir if output_dir is not None else self.config.output_dir)
@@ -121,8 +121,8 @@ class Trainer:
     # --- the loop ---
     def train(self) -> list[dict]:
         """Run to `total_steps`, first resuming `config.resume_from_checkpoint` when set; returns the logged
-        metrics lines. On SIGINT/SIGTERM it saves a checkpoint and raises TrainingInterrupted. Holds output_dir
-        for the whole run: another run already in it is a ConfigError."""
+        metrics lines. On SIGINT/SIGTERM it saves a checkpoint and raises TrainingInterrupted. Holds
+        output_dir for the whole run: another run already in it is a ConfigError."""
         with lock.hold(self.output_dir, self.dist):                                          # run/lock
             return self._train()
 
@@ -136,7 +136,8 @@ class Trainer:
         history = []
         if self.config.eval_on_start and self.step == 0:
             history.append(self.evaluate())
-        bar = progress_bar("grpo", total=self.total_steps, initial=self.step, unit="step", enabled=self.dist.is_main)
+        bar = progress_bar("grpo", total=self.total_steps, initial=self.step, unit="step",
+                           enabled=self.dist.is_main)
         with StopSignals() as signals, bar, self.trackers:
             while self.step < self.total_steps:
                 t0 = time.perf_counter()
@@ -389,9 +390,9 @@ class Trainer:
         return self.last_checkpoint
 
     def resume(self, spec: str) -> None:
-        """Continue from `spec`, a checkpoint folder or "latest" (the newest loadable one in output_dir, saying
-        which damaged ones it passed over; none yet means step 0). Lines of the logs written after its step are
-        dropped, so they never repeat."""
+        """Continue from `spec`, a checkpoint folder or "latest" (the newest loadable one in output_dir,
+        saying which damaged ones it passed over; none yet means step 0). Lines of the logs written after its
+        step are dropped, so they never repeat."""
         path, passed_over = checkpoint.find_checkpoint(spec, str(self.output_dir))
         if passed_over and self.dist.is_main:
             print("\n".join(passed_over), file=sys.stderr)
@@ -437,12 +438,14 @@ def _trl_call(config, args, model, tokenizer, processing_class, trl_only: dict):
     if refused:
         raise ConfigError("; ".join(refused))
     if config is not None and not isinstance(config, Config):  # e.g. TRL's positional (model, reward_funcs)
-        raise ConfigError(f"Trainer's first argument is a grpo Config (TRL's `args=`), got {type(config).__name__} "
-                          f"{config!r:.60}: pass the model as model=, the settings as args=Config(...)")
+        raise ConfigError(f"Trainer's first argument is a grpo Config (TRL's `args=`), got "
+                          f"{type(config).__name__} {config!r:.60}: pass the model as model=, the settings "
+                          f"as args=Config(...)")
     if args is not None and config is not None:
         raise ConfigError("pass the Config once: as `config` or as TRL's `args=`, not both")
     if processing_class is not None and tokenizer is not None:
-        raise ConfigError("pass the tokenizer once: as `tokenizer=` or as TRL's `processing_class=`, not both")
+        raise ConfigError("pass the tokenizer once: as `tokenizer=` or as TRL's `processing_class=`, not "
+                          "both")
     config = args if args is not None else config if config is not None else Config()
     if not isinstance(config, Config):
         raise ConfigError(f"args= must be a grpo Config, got {type(config).__name__}: build it with "
@@ -453,16 +456,19 @@ def _trl_call(config, args, model, tokenizer, processing_class, trl_only: dict):
 
 
 def _default_tokenizer(config: Config, model):
-    """The tokenizer when none is given: `config.model`'s, or for a model object the one of the folder or hub id
-    its config names (TRL's choice). A model built in code names none, and the default model is not its."""
+    """The tokenizer when none is given: `config.model`'s, or for a model object the one of the folder or
+    hub id its config names (TRL's choice). A model built in code names none, and the default model is not
+    its."""
     if model is None:
         return load_tokenizer(config.model)
     source = getattr(getattr(model, "config", None), "_name_or_path", "") or ""
     if not source:
-        raise ConfigError("a model passed to Trainer needs its tokenizer: pass processing_class=tokenizer (TRL's "
-                          "name; tokenizer= works too); its config names no folder or hub id to load one from")
+        raise ConfigError("a model passed to Trainer needs its tokenizer: pass processing_class=tokenizer "
+                          "(TRL's name; tokenizer= works too); its config names no folder or hub id to load "
+                          "one from")
     try:
         return load_tokenizer(source)
     except ConfigError as error:
-        raise ConfigError(f"a model passed to Trainer without its tokenizer: loading one from {source}, where its "
-                          f"config says it comes from, fails ({error}); pass processing_class=tokenizer") from None
+        raise ConfigError(f"a model passed to Trainer without its tokenizer: loading one from {source}, "
+                          f"where its config says it comes from, fails ({error}); pass "
+                          f"processing_class=tokenizer") from None

@@ -77,8 +77,8 @@ def build_tokenizer():
 
 
 def build_model(config, warm_start_steps: int = WARM_START["steps"]):
-    """Stage 1/2: a random-weight tiny GPT-2, warm-started on demonstrations of the training problems (once per
-    output_dir and settings: see grpo.tasks.sft.warm_start_once)."""
+    """Stage 1/2: a random-weight tiny GPT-2, warm-started on demonstrations of the training problems
+    (once per output_dir and settings: see grpo.tasks.sft.warm_start_once)."""
     import torch
 
     from grpo.tasks.sft import warm_start_once

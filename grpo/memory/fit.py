@@ -14,16 +14,16 @@ FRAGMENTATION = 1.05  # the caching allocator reserves somewhat more than it han
 
 
 def smaller_micro_batches(c: Config) -> list[dict]:
-    """Each smaller micro-batch, largest first, with the accumulation (and steps_per_generation, when set) that
-    keeps the step's completions: the sizes that divide the current one, down to one prompt's group of
+    """Each smaller micro-batch, largest first, with the accumulation (and steps_per_generation, when set)
+    that keeps the step's completions: the sizes that divide the current one, down to one prompt's group of
     num_generations (sampling takes whole groups, so a smaller one saves little), or down to half of a
     micro-batch of two groups or less."""
     n, floor = c.per_device_train_batch_size, min(c.num_generations, c.per_device_train_batch_size // 2)
     changes = []
     for size in (d for d in range(n - 1, max(floor, 1) - 1, -1) if n % d == 0):
         factor = n // size
-        change = {"per_device_train_batch_size": size, "gradient_accumulation_steps": c.gradient_accumulation_steps
-                  * factor}
+        change = {"per_device_train_batch_size": size,
+                  "gradient_accumulation_steps": c.gradient_accumulation_steps * factor}
         if c.steps_per_generation is not None:
             change["steps_per_generation"] = c.steps_per_generation * factor
         changes.append(change)
@@ -46,7 +46,8 @@ def memory_savings(c: Config, every_micro_batch: bool = False) -> list[tuple[dic
     if not c.gradient_checkpointing:
         changes.append(({"gradient_checkpointing": True}, "recompute activations in backward"))
     micro_batches = smaller_micro_batches(c)
-    changes += [(change, "same completions per step") for change in micro_batches[:None if every_micro_batch else 1]]
+    shown = micro_batches if every_micro_batch else micro_batches[:1]
+    changes += [(change, "same completions per step") for change in shown]
     lora = {"use_lora": True, "bf16_weights": False} if c.bf16_weights else {"use_lora": True}
     if not c.use_lora:
         changes.append((lora, "train adapters: no full gradients, optimizer state or reference copy"))

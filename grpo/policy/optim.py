@@ -118,12 +118,14 @@ def build_scheduler(optimizer, total_steps: int, warmup_steps: int, schedule: st
     )
 
 
-def rescheduled(saved_total: int, total_steps: int, step: int, lr: float, warmup_steps: int, schedule: str) -> str:
+def rescheduled(saved_total: int, total_steps: int, step: int, lr: float, warmup_steps: int,
+                schedule: str) -> str:
     """What a resume into another number of optimizer steps does to the learning rate: the schedule is the new
     total's (warmup included), continued from the restored step, not the saved run's ended one."""
     now = lr * lr_multiplier(step, total_steps, warmup_steps, schedule)
-    return (f"resuming a run of {saved_total} steps as one of {total_steps}: the {schedule} learning-rate schedule "
-            f"is now that of {total_steps} steps, from step {step} on (lr {now:.3g} for step {step + 1})")
+    return (f"resuming a run of {saved_total} steps as one of {total_steps}: the {schedule} learning-rate "
+            f"schedule is now that of {total_steps} steps, from step {step} on "
+            f"(lr {now:.3g} for step {step + 1})")
 
 
 def optimizer_step(params, optimizer, scheduler, max_grad_norm: float, loss: float) -> tuple[dict, bool]:

@@ -1,7 +1,7 @@
-"""Progress a person can see during long sampling and evaluation: a counter of generated tokens (with tokens/s),
-advanced from the decoding loop after every new token, instead of a bar that sits at 0 until a whole step or
-evaluation batch is done. On a terminal (or in a notebook) the bars are tqdm's; written to a file or a pipe,
-a bar's carriage-return redraws would fill it, so each is a plain line every few seconds instead."""
+"""Progress a person can see during long sampling and evaluation: a counter of generated tokens (with
+tokens/s), advanced from the decoding loop after every new token, instead of a bar that sits at 0 until a
+whole step or evaluation batch is done. On a terminal (or in a notebook) the bars are tqdm's; written to a
+file or a pipe, a bar's carriage-return redraws would fill it, so each is a plain line every few seconds."""
 from __future__ import annotations
 
 import contextlib
@@ -18,9 +18,10 @@ def interactive() -> bool:
     return sys.stderr.isatty() or "ipykernel" in sys.modules
 
 
-def progress_bar(desc: str, total: int | None = None, initial: int = 0, unit: str = "it", enabled: bool = True,
-                 leave: bool = True):
-    """A tqdm bar on a terminal, else a `LineProgress`; either takes `update`, `set_postfix(_str)`, `close`."""
+def progress_bar(desc: str, total: int | None = None, initial: int = 0, unit: str = "it",
+                 enabled: bool = True, leave: bool = True):
+    """A tqdm bar on a terminal, else a `LineProgress`; either takes `update`, `set_postfix(_str)`,
+    `close`."""
     if interactive() or not enabled:
         return tqdm(desc=desc, total=total, initial=initial, unit=unit, leave=leave, dynamic_ncols=True,
                     mininterval=1.0, disable=not enabled)
@@ -28,8 +29,8 @@ def progress_bar(desc: str, total: int | None = None, initial: int = 0, unit: st
 
 
 class LineProgress:
-    """A bar for a log file: `desc: n/total unit, rate, postfix` at most every `every` seconds, and once at the
-    end, each a line of its own."""
+    """A bar for a log file: `desc: n/total unit, rate, postfix` at most every `every` seconds, and once at
+    the end, each a line of its own."""
 
     def __init__(self, desc: str, total: int | None = None, initial: int = 0, unit: str = "it",
                  every: float = LINE_EVERY_S):
@@ -70,7 +71,8 @@ class LineProgress:
 
 @contextlib.contextmanager
 def quiet_library_bars():
-    """transformers' own bars (e.g. "Writing model shards" while saving) off where they would fill a log file."""
+    """transformers' own bars (e.g. "Writing model shards" while saving) off where they would fill a log
+    file."""
     from transformers.utils import logging
 
     if interactive() or not logging.is_progress_bar_enabled():

@@ -130,8 +130,8 @@ def compute_rewards(reward_funcs, prompts, completions, columns: dict[str, list]
 def check_reward_weights(weights: list[float] | None, names: list[str]) -> None:
     """A ConfigError (a settings mistake: exit 2) unless `weights` is None or has one weight per function."""
     if weights is not None and len(weights) != len(names):
-        raise ConfigError(f"reward_weights has {len(weights)} values but there are {len(names)} reward functions "
-                          f"({', '.join(names)}): give one weight per function")
+        raise ConfigError(f"reward_weights has {len(weights)} values but there are {len(names)} reward "
+                          f"functions ({', '.join(names)}): give one weight per function")
 
 
 def reward_metrics(rewards: Tensor, per_func: Tensor, names: list[str]) -> dict[str, float]:

@@ -2,10 +2,10 @@
 adapter alone under peft), and in `trainer_state.pt` the optimizer, the schedule, the RNG states, the data
 position and the step. Each is written into a temporary folder, fsynced, and renamed into place with a
 completion marker, so a crash mid-save never leaves a checkpoint that looks complete; half-written ones are
-neither loaded nor counted by `save_total_limit`. A checkpoint damaged after its save (a full disk, a node lost
-mid-write on a network filesystem) is recognised from its files' own headers and sizes before anything is
-loaded: `latest` passes over it to the newest loadable one. Resuming drops the lines of the run's .jsonl logs
-written after the checkpoint's step, so the metrics stream has no duplicated or missing lines."""
+neither loaded nor counted by `save_total_limit`. A checkpoint damaged after its save (a full disk, a node
+lost mid-write on a network filesystem) is recognised from its files' own headers and sizes before anything
+is loaded: `latest` passes over it to the newest loadable one. Resuming drops the lines of the run's .jsonl
+logs written after the checkpoint's step, so the metrics stream has no duplicated or missing lines."""
 from __future__ import annotations
 
 import json
@@ -121,8 +121,8 @@ def find_checkpoint(spec: str, output_dir: str) -> tuple[Path | None, list[str]]
             damaged.append((path, problem))
         if damaged:
             problems = "; ".join(f"{p.name}: {why}" for p, why in damaged)
-            raise ConfigError(f"no checkpoint in {output_dir} can be loaded ({problems}): move them away to start "
-                              f"again from step 0")
+            raise ConfigError(f"no checkpoint in {output_dir} can be loaded ({problems}): move them away to "
+                              f"start again from step 0")
         return None, []
     path = _checked_folder(spec)
     newer = [p.name for p in found if _step_of(p) > _step_of(path) and damage(p) is None]
@@ -133,11 +133,11 @@ def find_checkpoint(spec: str, output_dir: str) -> tuple[Path | None, list[str]]
 
 
 def damage(checkpoint: Path, weights_only: bool = False) -> str | None:
-    """Why `checkpoint` cannot be loaded, or None when it looks whole: its completion marker, settings, trainer
-    state and weights present, and each file as long as its own header says (a safetensors file's JSON
-    header, the central directory at the end of torch.save's zip). The bytes themselves are not checksummed:
-    a file cut short, what a full disk or a lost node leaves, is what this recognises. `weights_only`: the
-    model folder alone (what grpo.eval loads)."""
+    """Why `checkpoint` cannot be loaded, or None when it looks whole: its completion marker, settings,
+    trainer state and weights present, and each file as long as its own header says (a safetensors file's
+    JSON header, the central directory at the end of torch.save's zip). The bytes themselves are not
+    checksummed: a file cut short, what a full disk or a lost node leaves, is what this recognises.
+    `weights_only`: the model folder alone (what grpo.eval loads)."""
     needed = [] if weights_only else [COMPLETE, "grpo_config.json", STATE]
     adapter = (checkpoint / "adapter_config.json").exists()
     needed.append("adapter_model.safetensors" if adapter else "config.json")
@@ -163,7 +163,8 @@ def damage(checkpoint: Path, weights_only: bool = False) -> str | None:
         try:
             zipfile.ZipFile(checkpoint / STATE).close()
         except (zipfile.BadZipFile, OSError):
-            return f"{STATE} is cut short or damaged ({_bytes(checkpoint / STATE)}, no zip directory at its end)"
+            size = _bytes(checkpoint / STATE)
+            return f"{STATE} is cut short or damaged ({size}, no zip directory at its end)"
     return None
 
 
@@ -183,7 +184,8 @@ def _safetensors_damage(path: Path) -> str | None:
             return "has a damaged header"
     expected = 8 + header_size + end
     if size != expected:
-        return f"is {'cut short' if size < expected else 'too long'} ({size:,} bytes, its header says {expected:,})"
+        how = "cut short" if size < expected else "too long"
+        return f"is {how} ({size:,} bytes, its header says {expected:,})"
     return None
 
 

@@ -21,8 +21,9 @@ LOCK = ".grpo.lock"
 
 
 def _in_use(output_dir: Path, holder: str) -> ConfigError:
-    return ConfigError(f"{output_dir} is in use by another run ({holder or 'its holder did not say who it is'}): "
-                       f"wait for it to end, or pick another --output_dir")
+    holder = holder or "its holder did not say who it is"
+    return ConfigError(f"{output_dir} is in use by another run ({holder}): wait for it to end, or pick "
+                       f"another --output_dir")
 
 
 def check_free(output_dir: str) -> None:
@@ -54,8 +55,8 @@ def hold(output_dir: Path, dist):
             lock.close()
             lock = None
         except OSError as error:  # a filesystem without locks (ENOLCK): run, but say what is not guarded
-            print(f"warning: {output_dir} cannot be locked ({error.strerror}): nothing stops a second run from "
-                  f"writing into it at the same time", file=sys.stderr)
+            print(f"warning: {output_dir} cannot be locked ({error.strerror}): nothing stops a second run "
+                  f"from writing into it at the same time", file=sys.stderr)
     if dist.world_size > 1:
         problem = dist.gather_objects([problem])[0]  # rank 0's outcome
     if problem is not None:
@@ -64,7 +65,8 @@ def hold(output_dir: Path, dist):
         if lock is not None:
             lock.seek(0)
             lock.truncate()
-            lock.write(f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}")
+            since = time.strftime("%Y-%m-%d %H:%M:%S")
+            lock.write(f"pid {os.getpid()} on {socket.gethostname()}, since {since}")
             lock.flush()
         yield
     finally:

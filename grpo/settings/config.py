@@ -10,10 +10,10 @@ from .checks import check_config, check_keys, warn_no_effect
 
 
 class _CheckedKeywords(type):
-    """Every construction of a Config (dataclasses.replace too) passes its keywords through `__call__` before
-    the generated __init__, which would answer an unknown one with a TypeError: here a TRL setting we lack says
-    so and a typo gets the closest field's name, all in one ConfigError, and a TRL setting that changes nothing
-    here is dropped with a warning saying why."""
+    """Every construction of a Config (dataclasses.replace too) passes its keywords through `__call__`
+    before the generated __init__, which would answer an unknown one with a TypeError: here a TRL setting we
+    lack says so and a typo gets the closest field's name, all in one ConfigError, and a TRL setting that
+    changes nothing here is dropped with a warning saying why."""
 
     def __call__(cls, *args, **settings):
         no_effect = check_keys(settings, [f.name for f in dataclasses.fields(cls)])

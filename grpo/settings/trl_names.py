@@ -75,7 +75,8 @@ RENAMED = {
 _NO_DATALOADER = "prompts are drawn in the trainer's own process: there is no DataLoader"
 _NO_HUB = "nothing is pushed to the Hub (push_to_hub is not supported): checkpoints stay in output_dir"
 NO_EFFECT = {
-    "use_cpu": "the device is chosen automatically: the GPU when there is one (CUDA_VISIBLE_DEVICES= hides it)",
+    "use_cpu": "the device is chosen automatically: the GPU when there is one (CUDA_VISIBLE_DEVICES= hides "
+               "it)",
     "save_strategy": "checkpoints are written every save_steps and at the end",
     "logging_strategy": "logging_steps sets when a metrics line is written",
     "logging_first_step": "logging_steps sets which steps are logged (every one by default)",
@@ -87,14 +88,15 @@ NO_EFFECT = {
     "ddp_backend": "the backend is chosen automatically: NCCL between GPUs, gloo between CPU processes",
     "do_train": "Trainer.train() trains; transformers leaves these to scripts too", "do_eval": "as do_train",
     "do_predict": "as do_train",
-    **{k: _NO_DATALOADER for k in ("dataloader_num_workers", "dataloader_pin_memory", "dataloader_persistent_workers",
-                                   "dataloader_prefetch_factor", "dataloader_drop_last")},
-    **{k: _NO_HUB for k in ("hub_model_id", "hub_strategy", "hub_token", "hub_private_repo", "hub_always_push",
-                            "hub_revision")},
+    **{k: _NO_DATALOADER for k in ("dataloader_num_workers", "dataloader_pin_memory",
+                                   "dataloader_persistent_workers", "dataloader_prefetch_factor",
+                                   "dataloader_drop_last")},
+    **{k: _NO_HUB for k in ("hub_model_id", "hub_strategy", "hub_token", "hub_private_repo",
+                            "hub_always_push", "hub_revision")},
 }
 
-# TRL settings of features this trainer lacks, at the values that leave them off (TRL's defaults): accepted, with
-# the same warning; any other value is refused as above.
+# TRL settings of features this trainer lacks, at the values that leave them off (TRL's defaults): accepted,
+# with the same warning; any other value is refused as above.
 OFF_VALUES = {
     "use_vllm": (False,), "use_transformers_paged": (False,), "use_liger_kernel": (False,), "fp16": (False,),
     "push_to_hub": (False,), "deepspeed": (None,), "fsdp_config": (None,), "torch_compile": (False,),
@@ -106,7 +108,8 @@ OFF_VALUES = {
 # Keyword arguments of TRL's GRPOTrainer that this Trainer does not take, and what to do instead (its `args`
 # and `processing_class` are taken, as `config` and `tokenizer`).
 TRAINER_ONLY = {
-    "peft_config": "set use_lora=True with lora_r, lora_alpha, lora_dropout and lora_target_modules in the Config",
+    "peft_config": "set use_lora=True with lora_r, lora_alpha, lora_dropout and lora_target_modules in the "
+                   "Config",
     "callbacks": "there are no callbacks here: metrics.jsonl and report_to receive every logged line",
     "optimizers": "set optim, learning_rate, lr_scheduler_type and warmup_steps in the Config",
 }

@@ -217,7 +217,8 @@ def test_a_step_where_no_completion_was_scored_logs_no_reward_mean(tmp_path, cap
     code, err = run(tmp_path, capsys, "--max_steps=1", body=body)
     assert code == 0, err
     (line,) = [json.loads(text) for text in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert not {"reward/mean", "reward/std", "reward/never"} & line.keys() and line["frac_reward_zero_std"] == 1.0
+    assert not {"reward/mean", "reward/std", "reward/never"} & line.keys()
+    assert line["frac_reward_zero_std"] == 1.0
     assert "reward=none scored" in err
 
 
@@ -235,8 +236,10 @@ EVAL_BODY = "reward_funcs = [digit_share]\ntrain_dataset = digit_prompts\neval_d
 @pytest.mark.parametrize("body, args, line", [
     (EVAL_BODY, ["--limit", "0"], "error: --limit must be a positive integer, got '0'"),
     (EVAL_BODY, ["--output={tmp}/recipe.py/eval.json"],
-     "error: output={tmp}/recipe.py cannot be created: {tmp}/recipe.py is a file, not a folder; pick another --output"),
-    (EVAL_BODY, ["--output={tmp}"], "error: --output={tmp} is a folder: name a file in it, such as {tmp}/eval.json"),
+     "error: output={tmp}/recipe.py cannot be created: {tmp}/recipe.py is a file, not a folder; pick another "
+     "--output"),
+    (EVAL_BODY, ["--output={tmp}"],
+     "error: --output={tmp} is a folder: name a file in it, such as {tmp}/eval.json"),
     # No eval data, and reward functions without the default eval_accuracy_func: the missing data comes first.
     (GOOD_BODY, [], "error: recipe {tmp}/recipe.py defines no eval_dataset: grpo.eval evaluates on it"),
 ], ids=["limit-0", "output-under-a-file", "output-a-folder", "no-eval-data"])
@@ -250,7 +253,8 @@ def test_eval_mistakes(tmp_path, capsys, body, args, line):
 def test_eval_help_describes_its_options(tmp_path, capsys):
     assert eval_main(["--help"]) == 0
     out = capsys.readouterr().out
-    assert all(f"  --{option} " in out for option in ("checkpoint DIR", "limit N", "output FILE", "key=value"))
+    options = ("checkpoint DIR", "limit N", "output FILE", "key=value")
+    assert all(f"  --{option} " in out for option in options)
     (tmp_path / "recipe.py").write_text(RECIPE.format(out=str(tmp_path / "run"), config="", body=EVAL_BODY))
     assert eval_main([str(tmp_path / "recipe.py"), "--help"]) == 0
     assert "settings of" in capsys.readouterr().out

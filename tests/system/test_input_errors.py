@@ -136,18 +136,19 @@ def test_a_damaged_newest_checkpoint(tmp_path, capsys):
     (newest / "model.safetensors").write_bytes(weights[:len(weights) // 2])
     cut = f"model.safetensors is cut short ({len(weights) // 2:,} bytes, its header says {len(weights):,})"
 
-    # Named explicitly: one line naming the file and the checkpoint that would work, for training and eval alike.
+    # Named explicitly: one line naming the file and the checkpoint that would work, in training and eval.
     for command, setting in [(main, "--resume_from_checkpoint"), (eval_main, "--checkpoint")]:
         code = command([recipe, f"{setting}={newest}"])
         err = capsys.readouterr().err
-        assert err == (f"error: {setting}={newest} cannot be loaded: {cut}; the newest loadable checkpoint beside "
-                       f"it is {older}: {setting}={older}\n")
+        assert err == (f"error: {setting}={newest} cannot be loaded: {cut}; the newest loadable checkpoint "
+                       f"beside it is {older}: {setting}={older}\n")
         assert code == 2
 
     # `latest` passes over it, says so, and continues from checkpoint-2: step 3 again, saved anew.
     code, err = run(tmp_path, capsys, "--resume_from_checkpoint=latest", body=body, config=settings)
     assert code == 0, err
-    assert f"{newest} cannot be loaded ({cut}): resuming from {older}, the newest loadable checkpoint\n" in err
+    said = f"{newest} cannot be loaded ({cut}): resuming from {older}, the newest loadable checkpoint\n"
+    assert said in err
     assert "Traceback" not in err
     steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3] and damage(newest) is None

@@ -173,7 +173,8 @@ def test_resume_refuses_other_state_shaping_settings(tmp_path, tokenizer):
 def test_a_finished_run_extended_continues_on_the_new_totals_schedule(tmp_path, tokenizer, capsys, schedule,
                                                                       extended):
     out = tmp_path / "run"
-    first = make_trainer(out, tokenizer, {}, optim="adamw", max_steps=3, warmup_ratio=0.0, lr_scheduler_type=schedule)
+    first = make_trainer(out, tokenizer, {}, optim="adamw", max_steps=3, warmup_ratio=0.0,
+                         lr_scheduler_type=schedule)
     # 3 steps: linear 1 - s/3 (1, 2/3, 1/3), cosine (1 + cos(pi s/3)) / 2 (1, 3/4, 1/4).
     ended = [1.0, 2 / 3, 1 / 3] if schedule == "linear" else [1.0, 0.75, 0.25]
     assert [line["lr"] for line in first.train()] == pytest.approx([1e-2 * m for m in ended])
@@ -188,5 +189,5 @@ def test_a_finished_run_extended_continues_on_the_new_totals_schedule(tmp_path, 
     assert [line["step"] for line in history] == [4, 5]
     assert [line["lr"] for line in history] == pytest.approx(extended) and lrs == pytest.approx(extended)
     assert any(not torch.equal(p, q) for p, q in zip(saved, resumed.model.parameters())), "step 4 trained"
-    assert (f"resuming a run of 3 steps as one of 5: the {schedule} learning-rate schedule is now that of 5 steps, "
-            f"from step 3 on (lr {extended[0]:.3g} for step 4)") in capsys.readouterr().err
+    assert (f"resuming a run of 3 steps as one of 5: the {schedule} learning-rate schedule is now that of 5 "
+            f"steps, from step 3 on (lr {extended[0]:.3g} for step 4)") in capsys.readouterr().err

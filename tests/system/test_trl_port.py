@@ -1,7 +1,7 @@
 """A TRL 1.16 user's script, ported by changing its import lines. The dict a TRL script passes to
-`GRPOConfig(...)` goes to `Config(**settings)` verbatim, every value in TRL's meaning (the TRL settings that change
-nothing here accepted with a warning each), and trains a tiny model through `Trainer` with TRL's own reward
-helpers; the example of docs/coming-from-trl.md runs as written, with TRL's call shape."""
+`GRPOConfig(...)` goes to `Config(**settings)` verbatim, every value in TRL's meaning (the TRL settings that
+change nothing here accepted with a warning each), and trains a tiny model through `Trainer` with TRL's own
+reward helpers; the example of docs/coming-from-trl.md runs as written, with TRL's call shape."""
 import json
 import math
 import re
@@ -42,7 +42,8 @@ def test_trl_settings_that_change_nothing_here_are_accepted_with_a_warning_each(
         "decoding in grpo.rollout)",
         "warning: TRL's `remove_unused_columns` has no effect here: every dataset column reaches the reward "
         "functions",
-        "warning: TRL's `logging_strategy` has no effect here: logging_steps sets when a metrics line is written"]
+        "warning: TRL's `logging_strategy` has no effect here: logging_steps sets when a metrics line is "
+        "written"]
     with pytest.raises(ConfigError, match="TRL's `use_vllm` is not supported here"):
         Config(**{**TRL_SETTINGS, "use_vllm": True})
 
@@ -105,14 +106,16 @@ def test_the_docs_trl_script_runs_as_written_with_a_tiny_model(tmp_path, monkeyp
     assert script.count('"Qwen/Qwen2.5-0.5B-Instruct"') == 1 and "\nfrom trl import" not in script
     monkeypatch.chdir(tmp_path)
     namespace = {}
-    exec(script.replace('"Qwen/Qwen2.5-0.5B-Instruct"', repr(str(tmp_path / "tiny-model"))), namespace)  # noqa: S102
+    tiny = repr(str(tmp_path / "tiny-model"))
+    exec(script.replace('"Qwen/Qwen2.5-0.5B-Instruct"', tiny), namespace)  # noqa: S102
 
     trainer, out = namespace["trainer"], tmp_path / "Qwen2.5-0.5B-GRPO"
     assert trainer.state.global_step == trainer.state.max_steps == 4 == trainer.args.max_steps
     captured = capsys.readouterr()
     assert "trained 4 steps" in captured.out
     assert [line for line in captured.err.splitlines() if line.startswith("warning:")] == [
-        "warning: TRL's `save_strategy` has no effect here: checkpoints are written every save_steps and at the end"]
+        "warning: TRL's `save_strategy` has no effect here: checkpoints are written every save_steps and at "
+        "the end"]
     # warmup_steps=2 of 4, then linear decay: lr 1e-5 x (0, 1/2, then 1 - (s - 2) / 2 at s = 2, 3).
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [line["lr"] for line in lines] == pytest.approx([0.0, 0.5e-5, 1e-5, 0.5e-5])
@@ -120,18 +123,19 @@ def test_the_docs_trl_script_runs_as_written_with_a_tiny_model(tmp_path, monkeyp
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     saved = AutoModelForCausalLM.from_pretrained(out)
-    assert all(torch.equal(p, q) for p, q in zip(saved.state_dict().values(), trainer.model.state_dict().values()))
+    pairs = zip(saved.state_dict().values(), trainer.model.state_dict().values())
+    assert all(torch.equal(p, q) for p, q in pairs)
     assert AutoTokenizer.from_pretrained(out).get_vocab() == trainer.tokenizer.get_vocab()
 
 
 def test_trls_call_shape_and_its_refusals(tmp_path):
     tokenizer = tiny_tokenizer()
-    args = Config(output_dir=str(tmp_path / "run"), max_steps=1, per_device_train_batch_size=4, num_generations=2,
-                  max_completion_length=4, optim="adamw")
-    trainer = Trainer(model=tiny_model(tokenizer), args=args, processing_class=tokenizer, reward_funcs=digit_share,
-                      train_dataset=digit_prompts())
+    args = Config(output_dir=str(tmp_path / "run"), max_steps=1, per_device_train_batch_size=4,
+                  num_generations=2, max_completion_length=4, optim="adamw")
+    trainer = Trainer(model=tiny_model(tokenizer), args=args, processing_class=tokenizer,
+                      reward_funcs=digit_share, train_dataset=digit_prompts())
     assert trainer.tokenizer is tokenizer and trainer.args is args and trainer.state.global_step == 0
-    # A model object without its tokenizer: the one of the folder its config names (TRL's choice), else a clear line.
+    # A model object without its tokenizer: the folder's its config names (TRL's choice), else a clear line.
     tiny_model(tokenizer).save_pretrained(tmp_path / "model")
     tokenizer.save_pretrained(tmp_path / "model")
     from transformers import AutoModelForCausalLM
@@ -141,14 +145,15 @@ def test_trls_call_shape_and_its_refusals(tmp_path):
     assert trainer.tokenizer.get_vocab() == tokenizer.get_vocab()
     with pytest.raises(ConfigError) as error:
         Trainer(args, model=tiny_model(tokenizer), reward_funcs=[digit_share], train_dataset=digit_prompts())
-    assert str(error.value) == ("a model passed to Trainer needs its tokenizer: pass processing_class=tokenizer "
-                                "(TRL's name; tokenizer= works too); its config names no folder or hub id to load "
-                                "one from")
+    assert str(error.value) == ("a model passed to Trainer needs its tokenizer: pass "
+                                "processing_class=tokenizer (TRL's name; tokenizer= works too); its config "
+                                "names no folder or hub id to load one from")
     for call, message in [
         (dict(peft_config=object()), "Trainer's `peft_config`: set use_lora=True with lora_r, lora_alpha, "
                                      "lora_dropout and lora_target_modules in the Config"),
-        (dict(config="Qwen/Qwen2.5-0.5B-Instruct"), "Trainer's first argument is a grpo Config (TRL's `args=`), got "
-                                                    "str 'Qwen/Qwen2.5-0.5B-Instruct': pass the model as model="),
+        (dict(config="Qwen/Qwen2.5-0.5B-Instruct"),
+         "Trainer's first argument is a grpo Config (TRL's `args=`), got str 'Qwen/Qwen2.5-0.5B-Instruct': "
+         "pass the model as model="),
         (dict(config=args, args=args), "pass the Config once: as `config` or as TRL's `args=`, not both"),
     ]:
         with pytest.raises(ConfigError, match=re.escape(message)):

@@ -41,8 +41,9 @@ def test_two_runs_started_together_into_one_folder(tmp_path):
     script, out, barrier = tmp_path / "run.py", tmp_path / "run", tmp_path / "barrier"
     script.write_text(textwrap.dedent(RUN.format(root=str(ROOT), tests=str(ROOT / "tests"))))
     barrier.mkdir()
-    runs = [subprocess.Popen([sys.executable, str(script), str(out), str(barrier), name], stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    runs = [subprocess.Popen([sys.executable, str(script), str(out), str(barrier), name],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env={**os.environ, "OMP_NUM_THREADS": "1"})
             for name in ("a", "b")]
     results = [run.communicate(timeout=600) for run in runs]
     assert [run.returncode for run in runs] == [0, 0], [err[-2000:] for _, err in results]

@@ -164,8 +164,8 @@ def models():
 
 def two_checkpoints(out: Path, model) -> tuple[Path, Path]:
     """checkpoint-1 and checkpoint-2 as the trainer writes them (a small state stands in for the real one)."""
-    return tuple(save_checkpoint(str(out), step, model, None, {"seed": 0}, {"step": step, "x": list(range(500))})
-                 for step in (1, 2))
+    return tuple(save_checkpoint(str(out), step, model, None, {"seed": 0},
+                                 {"step": step, "x": list(range(500))}) for step in (1, 2))
 
 
 def cut_in_half(path: Path) -> None:
@@ -200,7 +200,7 @@ def test_latest_passes_over_a_damaged_checkpoint_and_an_explicit_one_names_the_o
     assert message.startswith(f"--resume_from_checkpoint={newest} cannot be loaded: ")
     assert message.endswith(f"the newest loadable checkpoint beside it is {older}: "
                             f"--resume_from_checkpoint={older}")
-    # What that line suggests works: the damaged newer checkpoint does not count as one that would be mixed in.
+    # What that line suggests works: the damaged newer checkpoint is not one that would be mixed in.
     assert find_checkpoint(str(older), str(tmp_path)) == (older, [])
 
 
@@ -208,15 +208,17 @@ def test_when_every_checkpoint_is_damaged_latest_refuses_to_start_over(tmp_path,
     older, newest = two_checkpoints(tmp_path, models["full"])
     cut_in_half(older / "model.safetensors")
     (newest / "grpo_config.json").write_text("{")
-    with pytest.raises(ConfigError, match=r"no checkpoint in .* can be loaded \(checkpoint-2: grpo_config.json is "
-                                          r"not valid JSON; checkpoint-1: model.safetensors is cut short .*\): "
-                                          r"move them away to start again from step 0"):
+    message = (r"no checkpoint in .* can be loaded \(checkpoint-2: grpo_config.json is not valid JSON; "
+               r"checkpoint-1: model.safetensors is cut short .*\): move them away to start again from "
+               r"step 0")
+    with pytest.raises(ConfigError, match=message):
         find_checkpoint("latest", str(tmp_path))
 
 
 def test_a_sharded_checkpoint_needs_every_shard_its_index_lists(tmp_path, models):
     _, newest = two_checkpoints(tmp_path, models["full"])
     (newest / "model.safetensors").rename(newest / "model-00001-of-00002.safetensors")
-    shards = {"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}
+    shards = {"weight_map": {"a": "model-00001-of-00002.safetensors",
+                             "b": "model-00002-of-00002.safetensors"}}
     (newest / "model.safetensors.index.json").write_text(json.dumps(shards))
     assert damage(newest) == "no model-00002-of-00002.safetensors"

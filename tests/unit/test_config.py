@@ -139,9 +139,10 @@ def test_a_trl_config_dict_ports_verbatim():
 
 
 def test_every_setting_not_accepted_is_named_in_one_error():
-    message = ("3 settings are not accepted: unknown setting 'learning_rat' (did you mean 'learning_rate'?); TRL's "
-               "`use_vllm` is not supported here: sampling runs on the policy itself (KV-cached decoding in "
-               "grpo.rollout); TRL's `torch_compile` is not supported here: this trainer does not implement it")
+    message = ("3 settings are not accepted: unknown setting 'learning_rat' (did you mean "
+               "'learning_rate'?); TRL's `use_vllm` is not supported here: sampling runs on the policy "
+               "itself (KV-cached decoding in grpo.rollout); TRL's `torch_compile` is not supported here: "
+               "this trainer does not implement it")
     with pytest.raises(ConfigError) as info:
         Config(learning_rat=1e-5, use_vllm=True, torch_compile=True, seed=1)
     assert str(info.value) == message
@@ -176,12 +177,13 @@ def test_warmup_steps_is_transformers_5s():
     from grpo.policy.optim import warmup_of
 
     assert Config(warmup_steps=3).warmup_steps == 3.0 and apply_overrides(Config(), ["--warmup_steps=0.1"])
-    # (total steps, warmup_ratio, warmup_steps) -> warmup steps: whole steps, a fraction rounded up, or the ratio's.
-    assert [warmup_of(*case) for case in [(100, 0, 3), (100, 0, 0.05), (30, 0, 0.05), (30, 0.1, 0), (30, 0, 0)]] == [
-        3, 5, 2, 3, 0]  # 0.05 x 30 = 1.5 -> 2
+    # (total steps, warmup_ratio, warmup_steps) -> warmup steps: whole steps, a fraction rounded up, or the
+    # ratio's: 3; 0.05 x 100 = 5; 0.05 x 30 = 1.5 -> 2; 0.1 x 30 = 3; none.
+    cases = [(100, 0, 3), (100, 0, 0.05), (30, 0, 0.05), (30, 0.1, 0), (30, 0, 0)]
+    assert [warmup_of(*case) for case in cases] == [3, 5, 2, 3, 0]
     with pytest.raises(ConfigError, match=r"set warmup_steps or warmup_ratio, not both \(got 2 and 0.1\)"):
         Config(warmup_steps=2, warmup_ratio=0.1)
-    with pytest.raises(ConfigError, match="warmup_steps must be >= 0: a whole number of steps, or a fraction < 1"):
+    with pytest.raises(ConfigError, match="warmup_steps must be >= 0: whole steps, or a fraction < 1, got "):
         Config(warmup_steps=2.5)
 
 

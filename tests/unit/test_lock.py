@@ -14,8 +14,8 @@ from grpo.run.distributed import Distributed
 from grpo.run import lock
 
 ROOT = Path(__file__).resolve().parents[2]
-# Another process: take the lock on the folder, say so, then wait to be killed (or report its refusal). Without
-# torch (run/distributed.py imports it): one process's Distributed is that of world size 1, rank 0.
+# Another process: take the lock on the folder, say so, then wait to be killed (or report its refusal).
+# Without torch (run/distributed.py imports it): one process's Distributed is that of world size 1, rank 0.
 HOLDER = """
 import sys, time
 from pathlib import Path
@@ -32,8 +32,8 @@ except ConfigError as e:
 
 
 def other_process(folder: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(HOLDER), str(folder)], stdout=subprocess.PIPE,
-                            text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(HOLDER), str(folder)],
+                            stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
 
 
 def test_a_second_holder_is_refused_in_one_line_naming_the_first(tmp_path):

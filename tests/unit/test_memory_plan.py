@@ -158,12 +158,15 @@ def test_the_planner_offers_bf16_weights_for_full_finetuning_never_with_lora():
 
 
 def test_smaller_micro_batches_keep_the_steps_completions_down_to_one_group():
-    sizes = lambda **settings: [tuple(c.values()) for c in smaller_micro_batches(Config(**settings))]  # noqa: E731
+    def sizes(**settings):
+        return [tuple(c.values()) for c in smaller_micro_batches(Config(**settings))]
+
     # 64 completions x 4 micro-batches = 256 a step; the divisors of 64 down to one group of 4.
     assert sizes(per_device_train_batch_size=64, gradient_accumulation_steps=4, num_generations=4) == [
         (32, 8), (16, 16), (8, 32), (4, 64)]
     # 12 x 1, a generation batch of 2 micro-batches (24 completions): 6 x 2 (4 of them), 4 x 3 (6 of them).
-    assert sizes(per_device_train_batch_size=12, num_generations=4, steps_per_generation=2) == [(6, 2, 4), (4, 3, 6)]
+    assert sizes(per_device_train_batch_size=12, num_generations=4, steps_per_generation=2) == [
+        (6, 2, 4), (4, 3, 6)]
     # A micro-batch of two groups or less halves at most: 6 -> 3 (6 = 4 + half a group), 4 -> 2, 2 -> 1.
     assert sizes(per_device_train_batch_size=6, num_generations=4) == [(3, 2)]
     assert sizes(per_device_train_batch_size=4, num_generations=4) == [(2, 2)]
@@ -176,7 +179,8 @@ def test_smaller_micro_batches_keep_the_steps_completions_down_to_one_group():
 
 def test_the_planner_searches_micro_batches_down_to_one_group(capsys):
     # 64 completions of up to 4096 tokens a micro-batch on the write-up's 16 GB card: ~84 GB as it is.
-    args = [str(ROOT / "recipes" / "gsm8k_lora.py"), "--per_device_train_batch_size=64", "--max_completion_length=4096"]
+    args = [str(ROOT / "recipes" / "gsm8k_lora.py"), "--per_device_train_batch_size=64",
+            "--max_completion_length=4096"]
     assert main([*args, "--gpu-memory", "16"]) == 0
     out = capsys.readouterr().out
     assert "does not fit in 16.0 GB\ncheapest change that fits: --per_device_train_batch_size=8 " \

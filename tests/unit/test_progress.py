@@ -61,4 +61,5 @@ def test_a_bar_written_to_a_file_is_a_plain_line_every_few_seconds(capsys):
         progress(5)
         progress.prompts_done(1, 2)
         progress(7)
-    assert re.fullmatch(r"sampling step 1: 12 tok, \d+s, [\d.e+-]+ tok/s, prompts 1/2\n", capsys.readouterr().err)
+    line = capsys.readouterr().err
+    assert re.fullmatch(r"sampling step 1: 12 tok, \d+s, [\d.e+-]+ tok/s, prompts 1/2\n", line)

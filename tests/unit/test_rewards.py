@@ -187,7 +187,7 @@ def test_function_that_never_applies_has_no_metric():
     metrics = reward_metrics(rewards, per_func, ["always_None"])
     assert rewards.tolist() == [0.0, 0.0]
     assert "reward/always_None" not in metrics
-    assert "reward/mean" not in metrics and "reward/std" not in metrics, "nothing was scored: no 0.0 to misread"
+    assert "reward/mean" not in metrics and "reward/std" not in metrics, "none scored: no 0.0 to misread"
 
 
 def test_trl_style_function_with_chat_completions_and_answer_column():
