@@ -122,6 +122,9 @@ def rescheduled(saved_total: int, total_steps: int, step: int, lr: float, warmup
                 schedule: str) -> str:
     """What a resume into another number of optimizer steps does to the learning rate: the schedule is the new
     total's (warmup included), continued from the restored step, not the saved run's ended one."""
+    if step >= total_steps:
+        return f"resuming a run of {saved_total} steps as one of {total_steps}: step {step} is past its end, so " \
+               f"no step is trained"
     now = lr * lr_multiplier(step, total_steps, warmup_steps, schedule)
     return (f"resuming a run of {saved_total} steps as one of {total_steps}: the {schedule} learning-rate "
             f"schedule is now that of {total_steps} steps, from step {step} on "

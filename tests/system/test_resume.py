@@ -191,3 +191,12 @@ def test_a_finished_run_extended_continues_on_the_new_totals_schedule(tmp_path, 
     assert any(not torch.equal(p, q) for p, q in zip(saved, resumed.model.parameters())), "step 4 trained"
     assert (f"resuming a run of 3 steps as one of 5: the {schedule} learning-rate schedule is now that of 5 "
             f"steps, from step 3 on (lr {extended[0]:.3g} for step 4)") in capsys.readouterr().err
+
+
+def test_a_run_shortened_below_its_restored_step_says_nothing_is_trained():
+    from grpo.policy.optim import rescheduled
+
+    assert rescheduled(100, 1, 119, 1e-3, 0, "linear") == (
+        "resuming a run of 100 steps as one of 1: step 119 is past its end, so no step is trained")
+    # 5 steps of 10, linear without warmup: lr 1e-3 x (1 - 5/10) for step 6.
+    assert rescheduled(5, 10, 5, 1e-3, 0, "linear").endswith("from step 5 on (lr 0.0005 for step 6)")
