@@ -116,7 +116,7 @@ def test_4bit_layers_smaller_than_a_block_train_on_any_cpu(repack_armed, tmp_pat
 
 
 def fixed_rollout(trainer) -> Rollout:
-    prompt_ids, prompt_mask = trainer.policy.encode(digit_prompts(2)["prompt"])  # [2, P]
+    prompt_ids, prompt_mask = trainer.sampler.encode(digit_prompts(2)["prompt"])  # [2, P]
     completion_ids = torch.randint(4, len(trainer.tokenizer), (2, 6), generator=torch.Generator().manual_seed(0))
     return Rollout(prompt_ids, prompt_mask, completion_ids, torch.ones_like(completion_ids), ["", ""],
                    torch.ones(2, dtype=torch.bool))
