@@ -46,7 +46,8 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, default=2, help="ranks for torchrun")
     parser.add_argument("--device", default="cpu", help="cpu (gloo) or cuda (NCCL, one GPU per rank)")
     parser.add_argument("--model", default="", help="HIDDENxLAYERS of a random Qwen2 model (default: tiny)")
-    parser.add_argument("--bf16", action="store_true", help="the bf16 plan (autocast, FSDP mixed precision; on CPU too)")
+    parser.add_argument("--bf16", action="store_true",
+                        help="the bf16 plan (autocast, FSDP mixed precision; on CPU too)")
     parser.add_argument("--timeout", type=int, default=600)
     args = parser.parse_args()
 

@@ -241,7 +241,8 @@ def one_step(mode: str, tiny: bool = False, root: str = "") -> dict:
     arch = architecture(QWEN_05B, tiny)
     settings = dict(use_lora=True, load_in_4bit=True) if mode == "qlora" else dict(use_lora=False)
     config = Config(model=model_dir(arch, root), output_dir=tempfile.mkdtemp(dir=root), max_steps=1, num_generations=4,
-                    per_device_train_batch_size=4, max_prompt_length=16 if tiny else 256, max_completion_length=16 if tiny else 128,
+                    per_device_train_batch_size=4, max_prompt_length=16 if tiny else 256,
+                    max_completion_length=16 if tiny else 128,
                     stop_at_eos=False, learning_rate=1e-5, beta=0.04, optim="adamw_8bit", gradient_checkpointing=True,
                     save_steps=10**9, **settings)
     trainer = trainer_for(config)
@@ -261,7 +262,8 @@ def resume(mode: str, tiny: bool = False, root: str = "") -> dict:
     arch = architecture(QWEN_05B, tiny)
     settings = dict(use_lora=True, lora_dropout=0.05) if mode == "lora" else dict(use_lora=False)
     base = Config(model=model_dir(arch, root, num_layers=2), max_steps=2, save_steps=1, num_generations=4,
-                  per_device_train_batch_size=4, gradient_accumulation_steps=2, max_prompt_length=16 if tiny else 64, max_completion_length=32,
+                  per_device_train_batch_size=4, gradient_accumulation_steps=2,
+                  max_prompt_length=16 if tiny else 64, max_completion_length=32,
                   learning_rate=1e-4, beta=0.04, optim="adamw_8bit", gradient_checkpointing=True, seed=0, **settings)
     runs = {}
     for name in ("straight", "resumed"):

@@ -1,10 +1,11 @@
 """Measured against predicted peak GPU memory for the rows of `python -m grpo.plan --table`.
 
-Each (model, column) trains a random-weight model of that architecture (built from the facts in grpo/memory/known_models.py;
-nothing is downloaded) for a few optimizer steps at the write-up's settings, with full-length completions (EOS
-disabled: the worst case the planner assumes), in its own subprocess. Measured = `torch.cuda.max_memory_allocated`
-at the end of the last optimizer step (before the final checkpoint). Targets: within 15% of the prediction; at
-most half the write-up's TRL figure; 1B LoRA <= 8 GB; 3B LoRA and 8B QLoRA within a 16 GB card (context included).
+Each (model, column) trains a random-weight model of that architecture (built from the facts in
+grpo/memory/known_models.py; nothing is downloaded) for a few optimizer steps at the write-up's settings, with
+full-length completions (EOS disabled: the worst case the planner assumes), in its own subprocess.
+Measured = `torch.cuda.max_memory_allocated` at the end of the last optimizer step (before the final
+checkpoint). Targets: within 15% of the prediction; at most half the write-up's TRL figure; 1B LoRA <= 8 GB;
+3B LoRA and 8B QLoRA within a 16 GB card (context included).
 
     python benchmarks/gpu_memory.py                                  # every row the card can hold
     python benchmarks/gpu_memory.py --models 0.5B 1B --columns LoRA QLoRA --accumulation 1

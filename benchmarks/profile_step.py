@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
-from vs_trl import add_workload_arguments, rss_bytes  # noqa: E402 -- benchmarks/ is on the path only from the line above
+from vs_trl import add_workload_arguments, rss_bytes  # noqa: E402 -- on the path from the line above
 
 PHASES = ("sampling", "rewards", "old_logprobs", "ref_logprobs", "forward", "backward", "optimizer")
 
@@ -143,7 +143,8 @@ def print_table(result: dict) -> None:
             continue
         entry, peak = row.get("entry_gb"), row.get("peak_gb")
         mem = f"{entry:>9.3f} {peak:>8.3f} {peak - entry:>10.3f}" if entry is not None else f"{'':>9} {'':>8} {'':>10}"
-        print(f"{phase:<13} {row['wall_s']:>7.2f} {row['cpu_s']:>7.2f} {100 * row['cpu_s'] / total['cpu_s']:>5.0f}% {mem}")
+        share = 100 * row['cpu_s'] / total['cpu_s']
+        print(f"{phase:<13} {row['wall_s']:>7.2f} {row['cpu_s']:>7.2f} {share:>5.0f}% {mem}")
     peak = max(r["peak_gb"] for r in table.values() if "peak_gb" in r)
     print(f"{'step':<13} {total['wall_s']:>7.2f} {total['cpu_s']:>7.2f}   100% {'':>9} {peak:>8.3f}")
 
@@ -161,7 +162,8 @@ def main() -> None:
     from random_models import qwen2_config, save_model_dir
 
     arch = qwen2_config(args.vocab_size, args.hidden_size, args.num_layers)
-    model_dir = save_model_dir(RESULTS / f"vs_trl_model_v{args.vocab_size}_h{args.hidden_size}_l{args.num_layers}", arch)
+    name = f"vs_trl_model_v{args.vocab_size}_h{args.hidden_size}_l{args.num_layers}"
+    model_dir = save_model_dir(RESULTS / name, arch)
     spec = dict(model_dir=str(model_dir), steps=args.steps, num_generations=args.num_generations,
                 completion_length=args.completion_length, beta=args.beta, optim=args.optim,
                 bf16_weights=args.bf16_weights, gradient_checkpointing=args.gradient_checkpointing,
@@ -172,7 +174,8 @@ def main() -> None:
     if proc.returncode != 0:
         sys.exit(f"profiled run failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    label = f"{args.mode}{'-bf16' if args.bf16_weights else ''}_{args.optim}{'_gc' if args.gradient_checkpointing else ''}"
+    label = (f"{args.mode}{'-bf16' if args.bf16_weights else ''}_{args.optim}"
+             f"{'_gc' if args.gradient_checkpointing else ''}")
     result.update(label=label, spec=spec, median=summarize(result["steps"]), load_average=os.getloadavg(),
                   created=time.strftime("%Y-%m-%dT%H:%M:%S"))
     print_table(result)

@@ -84,7 +84,8 @@ def run_all(args) -> None:
             is_training = name.startswith("seed-") and not name.endswith("/after")
             if (is_training and not stopped and args.max_train_minutes
                     and time.time() - t0 > 60 * args.max_train_minutes):
-                print(f"{name}: {args.max_train_minutes} min reached, stopping it (SIGINT saves a checkpoint)", flush=True)
+                print(f"{name}: {args.max_train_minutes} min reached, stopping it (SIGINT saves a checkpoint)",
+                      flush=True)
                 proc.send_signal(signal.SIGINT)
                 item[4] = True
             if proc.poll() is not None:
@@ -152,12 +153,15 @@ def summarize(args, start: dict) -> dict:
 
 def print_table(result: dict) -> None:
     print("\nheld-out greedy pass@1 (before: evaluated once, seed-independent, scored on the same problems)")
-    print("seed | held-out | steps | accuracy before -> after (gain) | format before -> after | train min | s/step | peak GB")
+    print("seed | held-out | steps | accuracy before -> after (gain) | format before -> after | train min | s/step"
+          " | peak GB")
     for s in result["seeds"]:
-        print(f"{s['seed']:>4} | {s['held_out']:>8} | {s['steps']:>5} | {s['accuracy_before']:.3f} -> {s['accuracy_after']:.3f} "
+        print(f"{s['seed']:>4} | {s['held_out']:>8} | {s['steps']:>5} | "
+              f"{s['accuracy_before']:.3f} -> {s['accuracy_after']:.3f} "
               f"({s['gain_points']:+.1f} pts) | {s['format_before']:.3f} -> {s['format_after']:.3f} | "
               f"{s['train_minutes']:9.1f} | {s['s_per_step']:6.1f} | {s['peak_memory_gb']:.2f}")
-        print(f"     reward by {result['block_steps']}-step blocks: accuracy {s['reward_blocks']['answer_accuracy_reward']}"
+        print(f"     reward by {result['block_steps']}-step blocks: "
+              f"accuracy {s['reward_blocks']['answer_accuracy_reward']}"
               f", format {s['reward_blocks']['xml_format_reward']}")
 
 

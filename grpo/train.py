@@ -98,7 +98,8 @@ def out_of_memory_report(config, error: Exception, trainer) -> str:
     lines = [f"error: out of GPU memory {where}: {str(error).splitlines()[0]}", "settings that need less memory:"]
     lines += [f"  {fit.flags(change)} ({why})" for change, why in fit.memory_savings(config)]
     try:
-        lines += ["memory plan for this configuration:", *(f"  {line}" for line in fit.plan_summary(config).splitlines())]
+        plan = fit.plan_summary(config).splitlines()
+        lines += ["memory plan for this configuration:", *(f"  {line}" for line in plan)]
     except Exception:  # noqa: BLE001, S110 -- the planner must never hide the message above
         pass
     if trainer is not None and trainer.last_checkpoint is not None:

@@ -342,7 +342,8 @@ class Trainer:
         """Every rank calls it (it gathers); rank 0 writes. Timings and memory are the slowest / largest rank's."""
         line = log_metrics(self.output_dir, self.step, metrics, self.dist, self.trackers)
         if self.schedule.starts_generation(self.step - 1):  # once per generation batch, not per pass
-            log_completions(self.output_dir, self.step, self.generation.scored, self.reward_names, self.dist, self.trackers)
+            log_completions(self.output_dir, self.step, self.generation.scored, self.reward_names, self.dist,
+                            self.trackers)
         return line
 
     # --- checkpoints: what they hold (state_dict), and writing and finding them (run/checkpoint.py) ---

@@ -77,7 +77,8 @@ class Crash(BaseException):
 
 
 def fixed_sample(model, tokenizer, encode, prompts, *, num_generations, max_completion_length, **_):
-    """Stands in for grpo.rollout.sampling.sample_completions: random tokens and lengths seeded by each prompt's text."""
+    """Stands in for grpo.rollout.sampling.sample_completions: random tokens and lengths seeded by each prompt's
+    text."""
     prompt_ids, prompt_mask = encode(prompts)  # [B, P]
     eos = eos_token_ids(tokenizer, model)[0]
     completion_ids = torch.full((len(prompts) * num_generations, max_completion_length), eos)  # [N, C]

@@ -52,9 +52,10 @@ class ParallelPolicy:
         return fn(self.model) if self.root is None else self.root(fn)
 
     def unsharded(self, fn):
-        """`fn(model)` with the whole weights at hand, for sampling. Under FSDP every layer is gathered once for the whole call instead of once
-        per generated token, at the cost of holding the full weights meanwhile. (Ranks that finish early
-        keep stepping until all are done: transformers' generate sees FSDP and sets `synced_gpus`.)"""
+        """`fn(model)` with the whole weights at hand, for sampling. Under FSDP every layer is gathered once for
+        the whole call instead of once per generated token, at the cost of holding the full weights meanwhile.
+        (Ranks that finish early keep stepping until all are done: transformers' generate sees FSDP and sets
+        `synced_gpus`.)"""
         if self.kind != "fsdp":
             return fn(self.model)
         try:

@@ -130,7 +130,8 @@ class Trackers:
         self.names, self.config, self.is_main = tracker_names(config.report_to), config, is_main
         for name in self.names:
             if importlib.util.find_spec(TRACKER_CLASSES[name].package) is None:
-                raise ConfigError(f"report_to={name} needs `pip install {TRACKER_CLASSES[name].package}` (or grpo[{name}])")
+                package = TRACKER_CLASSES[name].package
+                raise ConfigError(f"report_to={name} needs `pip install {package}` (or grpo[{name}])")
         self.trackers: list = []
 
     def start(self, config_dict: dict, step: int) -> None:

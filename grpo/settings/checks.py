@@ -221,7 +221,8 @@ def _json_object(name: str, value) -> dict:
     return dict(value)
 
 
-_NAMES = {int: ("an int", "ints"), float: ("a float", "floats"), bool: ("a bool", "bools"), str: ("a string", "strings")}
+_NAMES = {int: ("an int", "ints"), float: ("a float", "floats"), bool: ("a bool", "bools"),
+          str: ("a string", "strings")}
 
 
 def _scalar(name: str, value, tp: type):

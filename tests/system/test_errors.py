@@ -60,7 +60,8 @@ def assert_short_error(code, err, expected_code, *fragments):
     (GOOD_BODY, "", ["--num_generations=1"], ["--num_generations=1: num_generations must be >= 2"]),
     (GOOD_BODY, "", ["--max_completion_length=0"], ["max_completion_length must be >= 1, got 0"]),
     (GOOD_BODY, "", ["--per_device_train_batch_size=0"], ["per_device_train_batch_size must be >= 1"]),
-    (GOOD_BODY, "", ["--optim=adam"], ["optim must be one of adamw_8bit, adamw (or transformers' adamw_torch", "got 'adam'"]),
+    (GOOD_BODY, "", ["--optim=adam"],
+     ["optim must be one of adamw_8bit, adamw (or transformers' adamw_torch", "got 'adam'"]),
     (GOOD_BODY, "", ["--load_in_4bit=true", "--use_lora=false"], ["load_in_4bit=True needs use_lora=True"]),
 ], ids=["no-dataset", "dataset-type", "reward-type", "config-in-recipe", "config-type", "unknown-key",
         "override-type", "one-generation", "no-completion", "no-batch", "unknown-optim", "4bit-without-lora"])
@@ -107,7 +108,8 @@ def test_dataset_errors(tmp_path, capsys, rows, fragment):
     ("[float('nan')] * len(completions)", ["reward function 'judge' returned NaN or inf at positions [0, 1, 2, 3]"]),
 ], ids=["raises", "count", "type", "nan"])
 def test_reward_function_errors(tmp_path, capsys, returns, fragments):
-    body = f"def judge(completions, **kwargs):\n    return {returns}\nreward_funcs = [judge]\ntrain_dataset = digit_prompts"
+    body = (f"def judge(completions, **kwargs):\n    return {returns}\n"
+            "reward_funcs = [judge]\ntrain_dataset = digit_prompts")
     code, err = run(tmp_path, capsys, body=body)
     assert_short_error(code, err, 1, *fragments)
     assert len(err) < 1000
@@ -194,12 +196,14 @@ def test_out_of_memory_says_what_to_lower(tmp_path, capsys, monkeypatch, planner
         summary = lambda config: 1 / 0  # noqa: E731
     monkeypatch.setattr(grpo.memory.fit, "plan_summary", summary)
     code, err = run(tmp_path, capsys)
-    assert_short_error(code, err, 1, "error: out of GPU memory in step 2: CUDA out of memory. Tried to allocate 20.00 GiB",
+    assert_short_error(code, err, 1,
+                       "error: out of GPU memory in step 2: CUDA out of memory. Tried to allocate 20.00 GiB",
                        "--gradient_checkpointing=true (recompute activations in backward)",
                        "--use_lora=true (train adapters",
                        f"the last checkpoint is {tmp_path / 'run' / 'checkpoint-1'}")
     assert "more detail" not in err
-    assert ("memory plan for this configuration:\n  weights 1.0 GB\n  total 9.9 GB for G=2" in err) == (planner == "present")
+    plan = "memory plan for this configuration:\n  weights 1.0 GB\n  total 9.9 GB for G=2"
+    assert (plan in err) == (planner == "present")
 
 
 # --- small things a user runs into: one line, the right exit code, or what they expect ---

@@ -34,7 +34,8 @@ def test_a_group_spanning_two_micro_batches_trains_as_one_micro_batch(tmp_path, 
     whole = train(tmp_path, "whole", tokenizer, per_device_train_batch_size=12)  # 3 prompts x 4, one micro-batch
     # 6 completions per micro-batch: the 2nd prompt's group is split 2 + 2 over the two micro-batches.
     split = train(tmp_path, "split", tokenizer, per_device_train_batch_size=6, gradient_accumulation_steps=2)
-    assert split.schedule.micro_batches_per_generation == 2 and [len(b.rollout.completions) for b in split.generation.batches] == [6, 6]
+    assert split.schedule.micro_batches_per_generation == 2
+    assert [len(b.rollout.completions) for b in split.generation.batches] == [6, 6]
     assert whole.prompts.state_dict() == split.prompts.state_dict() == {"epoch": 0, "position": 6}
     worst = max((a - b).abs().max().item() for a, b in zip(whole.model.parameters(), split.model.parameters()))
     moved = max((a - b).abs().max().item() for a, b in zip(whole.model.parameters(),

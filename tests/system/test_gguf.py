@@ -15,7 +15,7 @@ HIDDEN, LAYERS, HEADS, KV_HEADS, FFN = 16, 2, 4, 2, 32
 
 def byte_tokens() -> list[str]:
     """The 256 byte-level symbols of GPT-2's BPE (printable bytes as themselves, the rest shifted past 255)."""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     symbols, n = [], 0
     for b in range(256):
         if b in keep:

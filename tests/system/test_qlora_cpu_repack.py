@@ -94,7 +94,8 @@ def test_keep_4bit_layout_stops_the_repack_and_refuses_a_repacked_layer(repack_a
 def qlora_trainer(output_dir, model_dir, **overrides) -> Trainer:
     settings = dict(model=str(model_dir), output_dir=str(output_dir), use_lora=True, load_in_4bit=True, lora_r=4,
                     lora_alpha=8, lora_dropout=0.0,  # dropout would make gradients differ between two backwards
-                    max_steps=1, per_device_train_batch_size=8, gradient_accumulation_steps=1, num_generations=4, max_prompt_length=16, max_completion_length=8, learning_rate=1e-2,
+                    max_steps=1, per_device_train_batch_size=8, gradient_accumulation_steps=1, num_generations=4,
+                    max_prompt_length=16, max_completion_length=8, learning_rate=1e-2,
                     optim="adamw", beta=0.04, gradient_checkpointing=True, seed=0)
     return Trainer(Config(**{**settings, **overrides}), reward_funcs=[text_length], train_dataset=digit_prompts())
 

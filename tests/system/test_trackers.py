@@ -196,7 +196,8 @@ def test_report_to_takes_trl_forms_and_names_the_choices():
     config = apply_overrides(Config(), ["--report_to=tensorboard, trackio"])
     assert trackers.tracker_names(config.report_to) == ["tensorboard", "trackio"]
     for bad in ("tensorbord", ["wandb", "wandb"], "none,wandb", 3):
-        with pytest.raises(ConfigError, match='report_to must be "none" or one or more .* of tensorboard, trackio, wandb'):
+        message = 'report_to must be "none" or one or more .* of tensorboard, trackio, wandb'
+        with pytest.raises(ConfigError, match=message):
             Config(report_to=bad)
 
 

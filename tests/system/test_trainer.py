@@ -137,7 +137,8 @@ def test_entropy_bonus_off_policy_mask_and_no_dropout(tmp_path, tokenizer):
                          lora_dropout=0.1, optim="adamw_torch_fused")
     trainer = Trainer(config, model=tiny_model(tokenizer), tokenizer=tokenizer, reward_funcs=[digit_share],
                       train_dataset=digit_prompts())
-    lora_dropouts = [m for n, m in trainer.model.named_modules() if "lora_dropout" in n and isinstance(m, torch.nn.Dropout)]
+    lora_dropouts = [m for n, m in trainer.model.named_modules()
+                     if "lora_dropout" in n and isinstance(m, torch.nn.Dropout)]
     assert lora_dropouts and all(m.p == 0 for m in trainer.model.modules() if isinstance(m, torch.nn.Dropout))
     assert trainer.config.optim == "adamw" and isinstance(trainer.optimizer, torch.optim.AdamW)
     first, second = trainer.train()

@@ -62,8 +62,9 @@ def test_what_a_rank_change_says_about_the_global_batch():
                     "the generation batch that step 6 would reuse was sampled by 2 rank(s): its 16 prompts are drawn "
                     "again and sampled on 1"]
     halved = elastic.rank_change_notes(CONFIG, state(2), CONFIG, 1)
-    assert halved[-1] == ("warning: the global batch changes from 64 to 32 completions per step (per_device_train_batch_size"
-                          " x gradient_accumulation_steps x ranks); --gradient_accumulation_steps=8 keeps it")
+    assert halved[-1] == ("warning: the global batch changes from 64 to 32 completions per step "
+                          "(per_device_train_batch_size x gradient_accumulation_steps x ranks); "
+                          "--gradient_accumulation_steps=8 keeps it")
     odd = elastic.rank_change_notes(CONFIG, state(2), {**CONFIG, "per_device_train_batch_size": 12}, 4)
     assert odd[-1].endswith("per_device_train_batch_size x gradient_accumulation_steps = 16 keeps it")
 

@@ -1,9 +1,12 @@
 """The package's shape, as docs/architecture.md describes it: subpackages depend in one direction, no import
-circles, the math in algo/ imports nothing else from grpo, and the engine never imports tasks/ (or trl)."""
+circles, the math in algo/ imports nothing else from grpo, the engine never imports tasks/ (or trl), and lines
+keep the configured length."""
 import ast
+import tomllib
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[2] / "grpo"
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGE = ROOT / "grpo"
 
 
 def module_name(path: Path) -> str:
@@ -73,3 +76,12 @@ def test_subpackages_depend_in_one_direction():
     upward = [f"{m} -> {d}" for m, deps in graph.items() for d in deps if d.startswith("grpo")
               and package_of(d) != package_of(m) and RANKS[package_of(d)] >= RANKS[package_of(m)]]
     assert not upward, upward
+
+
+def test_lines_stay_within_the_configured_length():
+    """pyproject's ruff line-length holds for every Python file, so CI (which runs pytest, not ruff) keeps it."""
+    limit = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["ruff"]["line-length"]
+    long = [f"{path.relative_to(ROOT)}:{number} ({len(line)} characters)"
+            for folder in ("grpo", "tests", "benchmarks", "recipes") for path in sorted((ROOT / folder).rglob("*.py"))
+            for number, line in enumerate(path.read_text().splitlines(), 1) if len(line) > limit]
+    assert not long, f"lines longer than {limit}: " + ", ".join(long)

@@ -45,8 +45,8 @@ def test_hand_computed_parts_of_a_tiny_model():
     assert a.linear_params() == linear == 576
     assert a.num_params() == 576 + 100 * 8 + 2 * 8 + 8  # + embedding + 2 norms + final norm
     assert sum(a.trainable_tensors()) == a.num_params() and sum(QWEN_05B.trainable_tensors()) == QWEN_05B.num_params()
-    s = Config(optim="adamw", beta=0.04, per_device_train_batch_size=2, num_generations=2, max_prompt_length=3, max_completion_length=5,
-               logprob_chunk_size=4, gradient_checkpointing=False)
+    s = Config(optim="adamw", beta=0.04, per_device_train_batch_size=2, num_generations=2, max_prompt_length=3,
+               max_completion_length=5, logprob_chunk_size=4, gradient_checkpointing=False)
     cpu = estimate(a, s, "cpu").parts
     n = a.num_params()
     assert cpu["weights"] == cpu["reference model"] == cpu["gradients"] == 4 * n
@@ -292,7 +292,8 @@ def test_predicted_peak_within_25_percent_of_measured_on_cpu(tmp_path, settings)
     env = dict(os.environ, OMP_NUM_THREADS="1", MALLOC_MMAP_THRESHOLD_="65536",
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     out = subprocess.run([sys.executable, "-c", CHILD, json.dumps(ARCH), json.dumps(settings)], env=env,
-                         capture_output=True, text=True, timeout=1200)  # bf16 matmuls are slow on CPUs without AVX512-BF16
+                         # bf16 matmuls are slow on CPUs without AVX512-BF16
+                         capture_output=True, text=True, timeout=1200)
     assert out.returncode == 0, out.stderr[-3000:]
     measured = json.loads(out.stdout.strip().splitlines()[-1])
     arch = Architecture(**{k: v for k, v in ARCH.items()}, tie_word_embeddings=True)

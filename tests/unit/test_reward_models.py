@@ -161,7 +161,8 @@ class WrongShape(torch.nn.Module):
      "GPT2ForSequenceClassification with num_labels=2: a reward model must be a sequence-classification model"),
     (lambda tok: ([tiny_reward_model(tok)], [tok, None]),
      "reward_processing_classes has 2 entries but there are 1 reward functions"),
-    (lambda tok: ([tiny_reward_model(tok, name="")], None), r"reward_funcs\[0\] is a model without a config._name_or_path"),
+    (lambda tok: ([tiny_reward_model(tok, name="")], None),
+     r"reward_funcs\[0\] is a model without a config._name_or_path"),
     (lambda tok: ([len, 3], None), r"reward_funcs\[1\] is int 3: expected a function"),
     (lambda tok: (["/nonexistent/rm"], None), "reward model '/nonexistent/rm' cannot be loaded"),
 ])
