@@ -1,0 +1,9 @@
+"""Under pytest-xdist (`pytest -n auto`, the README's test command) every worker is a process with torch's own
+thread pool: left alone, each would use every core and the workers would slow each other several-fold."""
+import os
+
+import torch
+
+_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _workers > 1:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // _workers))
