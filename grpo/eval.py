@@ -123,7 +123,10 @@ def evaluate_recipe(argv: list[str]) -> int:
     model = model if model is not None else load_model(config)
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model)
     place_reward_models(reward_funcs, device_of(model))
-    options = eval_options(config) | ({"limit": limit} if limit is not None else {})
+    from .memory.fit import eval_batch_size
+
+    batch_size = eval_batch_size(config, model, device_of(model).type)
+    options = eval_options(config, batch_size) | ({"limit": limit} if limit is not None else {})
     metrics, samples = evaluate(model, tokenizer, dataset, reward_funcs, **options)
     first, *groups = summary_lines(metrics)
     print("\n".join([f"greedy pass@1 on {int(metrics['eval/num_examples'])} prompts: {first}", *groups]))

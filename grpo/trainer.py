@@ -16,6 +16,7 @@ from .algo.advantages import group_advantages, has_signal, zero_std_fraction
 from .algo.loss import add_metrics, no_token_metrics, policy_loss, zero_advantage_has_no_gradient
 from .settings import Config
 from .errors import ConfigError, nonfinite_stop
+from .memory.fit import eval_batch_size, sampling_prompts_per_decode
 from .policy.forwards import Policy
 from .policy.models import check_load_options, device_of, load_model, load_tokenizer, prepare_for_training
 from .policy.optim import (build_optimizer, build_scheduler, optimizer_step, rescheduled, set_hyperparameters,
@@ -75,8 +76,9 @@ class Trainer:
         if self.policy.device.type == "cpu":  # freed activations and logits go back to the OS (run/allocator)
             return_freed_memory()
         place_reward_models(self.reward_funcs, self.policy.device)  # reward models next to the policy
-        self.sampler = Sampler(self.policy, self.tokenizer, config) if rollout_func is None else \
-            CustomRollouts(rollout_func, self)
+        self.sampler = Sampler(self.policy, self.tokenizer, config,  # as many prompts per decode as fit (memory/)
+                               sampling_prompts_per_decode(config, self.model, self.policy.device.type)) \
+            if rollout_func is None else CustomRollouts(rollout_func, self)
         self.prompts = PromptStream(train_dataset, config.seed)
         self.schedule = Schedule.resolve(config, self.dist.world_size)
         self.total_steps = self.schedule.total_steps(len(train_dataset), config.num_train_epochs, config.max_steps)
@@ -333,8 +335,9 @@ class Trainer:
         """Greedy pass@1 on the eval dataset, logged as its own metrics.jsonl line (`eval/*` keys). Under
         torchrun every rank evaluates the whole set (FSDP ranks must generate together) and rank 0 writes."""
         cfg = self.config
+        batch_size = eval_batch_size(cfg, self.model, self.policy.device.type)  # memory/fit
         metrics, _ = evaluate(self.model, self.tokenizer, self.eval_dataset, self.reward_funcs,
-                              **eval_options(cfg), progress=self.dist.is_main,
+                              **eval_options(cfg, batch_size), progress=self.dist.is_main,
                               unsharded=self.policy.parallel.unsharded)
         return log_eval(self.output_dir, self.step, metrics, self.dist.is_main, self.trackers)
 

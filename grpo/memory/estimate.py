@@ -7,9 +7,13 @@ float32 adapters; QLoRA stores the body's linear weights as 4-bit NF4. On CPU ev
 `bf16=True` asks for the same plan there. With `bf16_weights` (full fine-tuning, either device) weights,
 gradients, activations and the reference are bf16, the optimizer states stay as they are, and the optimizer
 updates slices of float32 copies.
-Generation samples a micro-batch's whole prompts at a time (per_device_train_batch_size completions, at least one
-group of num_generations) with a KV cache, outside autocast (so in the weights' dtype), and keeps the whole
-generation batch (steps_per_generation micro-batches) until it is trained on. The loss runs per micro-batch:
+Generation samples the generation batch (steps_per_generation micro-batches of per_device_train_batch_size
+completions) with a KV cache outside autocast (so in the weights' dtype), each prompt prefilled once, and keeps
+the batch until it is trained on. It decodes the whole batch at once when that fits within the peak of the
+training moments, else as many micro-batches' worth of whole prompts as fit (at least one micro-batch's, at
+least one prompt): `Estimate.decode_prompts`, which the Sampler follows, so one decode never raises the peak
+above what decoding a micro-batch at a time gave. Greedy evaluation decodes as many prompts at once as fit
+beside what training keeps within the peak (`eval_prompts_per_batch`). The loss runs per micro-batch:
 activations of the whole micro-batch, the LM head applied in chunks of `logprob_chunk_size` token rows (float32
 logits), and the head's gradient in backward.
 
@@ -33,6 +37,7 @@ GB = 1e9
 BNB_8BIT_MIN_SIZE = 4096  # bitsandbytes keeps 32-bit states for smaller tensors
 BNB_BLOCK = 256  # 8-bit optimizer states: one float32 absmax per block
 NF4_BLOCK = 64  # 4-bit weights: one float32 absmax per block
+KEPT = ("weights", "optimizer states", "reference model", "rollouts")  # parts every moment holds
 
 
 @dataclass(frozen=True)
@@ -116,6 +121,7 @@ class Estimate:
 
     parts: dict[str, float]
     moments: dict[str, tuple[str, ...]]
+    decode_prompts: int = 1  # prompts one sampling decode takes (this rank's)
 
     def total(self, moment: str) -> float:
         return sum(self.parts[p] for p in self.moments[moment])
@@ -187,6 +193,27 @@ def lora_targets(s) -> tuple[str, ...] | None:
     return tuple(s.lora_target_modules) if s.lora_target_modules else None
 
 
+def _generation_bytes(a: Architecture, s, d: _Dtypes, rows: int, prompts: int) -> tuple[float, float]:
+    """The KV cache and the buffers of a decode of `rows` completions of `prompts` prompts (each prefilled
+    once): the cache in the weights' dtype (no autocast; 4-bit layers compute in the same dtype as the rest),
+    one step's logits, their row-major copy, softmax and float64 cumulative sum, and a layer's prefill
+    intermediates."""
+    T, kv_bytes = s.max_prompt_length + s.max_completion_length, d.base
+    kv = 2 * a.num_layers * rows * T * a.kv_dim * kv_bytes * (1 + 1 / a.num_layers)  # + a layer's copy (growing)
+    prefill = prompts * s.max_prompt_length * (3 * a.intermediate_size + 4 * a.hidden_size) * kv_bytes
+    return kv, 20 * rows * a.vocab_size + prefill
+
+
+def eval_prompts_per_batch(a: Architecture, s, device: str = "cuda") -> int:
+    """Prompts one greedy evaluation decode may take (one completion each, counted at max_prompt_length +
+    max_completion_length): as many as fit beside what training keeps (weights, optimizer states, reference,
+    rollouts) within the training peak that the run needs anyway, at least one."""
+    e, d = estimate(a, s, device), _dtypes(s, device)
+    free = e.peak - sum(e.parts[p] for p in KEPT)
+    kv, buffers = _generation_bytes(a, s, d, 1, 1)
+    return max(1, int(free // (kv + buffers)))
+
+
 def estimate(a: Architecture, s, device: str = "cuda") -> Estimate:
     """Peak memory of training `a` with the settings of `s` (a `grpo.Config`) on `device` ("cuda" or "cpu"),
     prompts counted at max_prompt_length (the worst case); see the module docstring."""
@@ -194,8 +221,6 @@ def estimate(a: Architecture, s, device: str = "cuda") -> Estimate:
     V, H, L = a.vocab_size, a.hidden_size, a.num_layers
     schedule = Schedule.resolve(s)  # one rank's share: ranks are not known here
     N = schedule.micro_batch  # sequences per micro-batch (TRL 1.16: completions)
-    # Sampling runs a micro-batch's whole prompts at a time, at least one prompt's group.
-    N_sample = schedule.prompts_per_micro_batch * s.num_generations
     P, C = s.max_prompt_length, s.max_completion_length
     T = P + C
     quantized = s.use_lora and s.load_in_4bit
@@ -214,11 +239,6 @@ def estimate(a: Architecture, s, device: str = "cuda") -> Estimate:
     rollout_rows = schedule.completions_per_generation  # a generation batch's rows
     parts["rollouts"] = rollout_rows * (T * 8 * 2 + C * 4 * (2 if s.beta > 0 else 1))  # ids, masks, log-probs
 
-    # --- generation: KV cache in the weights' dtype (no autocast), logits of one step, a layer's prefill ---
-    kv_bytes = d.base  # 4-bit layers compute in the same dtype as the rest
-    parts["KV cache"] = 2 * L * N_sample * T * a.kv_dim * kv_bytes * (1 + 1 / L)  # + a layer's copy while it grows
-    # A step's logits, their row-major copy, softmax, float64 cumulative sum; a layer's prefill intermediates.
-    parts["sampling buffers"] = 20 * N_sample * V + N_sample * P * (3 * a.intermediate_size + 4 * H) * kv_bytes
 
     # --- a micro-batch's forward and backward ---
     tokens = N * T
@@ -261,7 +281,7 @@ def estimate(a: Architecture, s, device: str = "cuda") -> Estimate:
     float32_slices = (4 if s.optim == "adamw" else 3) if d.base == 2 and not s.use_lora else 0
     parts["optimizer step temporaries"] = (6 * on_cpu_8bit + float32_slices) * 4 * min(max(trainable), BNB_CPU_SLICE)
 
-    kept = ("weights", "optimizer states", "reference model", "rollouts")
+    kept = KEPT
     # Autocast keeps its weight copies until the forward ends; for backward too, unless checkpointing
     # recomputes them layer by layer.
     copies = () if s.gradient_checkpointing else ("autocast weight copies",)
@@ -281,4 +301,12 @@ def estimate(a: Architecture, s, device: str = "cuda") -> Estimate:
         "backward end": kept + ("gradients", "pending embedding gradients"),
         "optimizer step": kept + ("gradients", "optimizer step temporaries"),
     }
-    return Estimate(parts, moments)
+    # --- generation: the whole generation batch in one decode when it fits within the other moments' peak ---
+    G, chunk = s.num_generations, schedule.prompts_per_micro_batch
+    prompts = -(-schedule.completions_per_generation // G)  # this rank's share of the generation batch
+    free = max(sum(parts.get(p, 0.0) for p in m) for m in moments.values()) - sum(parts[p] for p in kept)
+    kv, buffers = _generation_bytes(a, s, d, G, 1)  # one prompt's
+    if prompts * (kv + buffers) > free:  # whole micro-batches' worth, at least one
+        prompts = min(prompts, max(chunk, int(free // (kv + buffers)) // chunk * chunk))
+    parts["KV cache"], parts["sampling buffers"] = _generation_bytes(a, s, d, prompts * G, prompts)
+    return Estimate(parts, moments, prompts)

@@ -6,9 +6,10 @@ import dataclasses
 
 from ..settings import Config
 from ..settings.cli import format_value
-from .estimate import GB, Architecture, Estimate, estimate
+from .estimate import GB, Architecture, Estimate, estimate, eval_prompts_per_batch
 from .known_models import architecture_of
 
+EVAL_BATCH_WITHOUT_PLAN = 64  # prompts per evaluation decode when the model's architecture cannot be read
 CUDA_CONTEXT_GB = 0.5  # the CUDA context and kernels: outside the allocator, still on the card
 FRAGMENTATION = 1.05  # the caching allocator reserves somewhat more than it hands out
 
@@ -58,6 +59,25 @@ def memory_savings(c: Config, every_micro_batch: bool = False) -> list[tuple[dic
     if c.max_completion_length > 64:
         changes.append(({"max_completion_length": c.max_completion_length // 2}, "shorter completions"))
     return changes
+
+
+def sampling_prompts_per_decode(config: Config, model=None, device: str = "cuda") -> int | None:
+    """Prompts one sampling decode takes: the memory plan's (`Estimate.decode_prompts`: the whole generation
+    batch when it fits within the training peak), None (a micro-batch's) where the architecture cannot be
+    read."""
+    arch = architecture_of(config, model)
+    return None if isinstance(arch, str) else estimate(arch, config, "cuda" if device == "cuda" else "cpu").decode_prompts
+
+
+def eval_batch_size(config: Config, model=None, device: str = "cuda") -> int:
+    """Prompts per greedy evaluation decode: `config.eval_batch_size` when set, else as many as the memory plan
+    fits (`eval_prompts_per_batch`), else EVAL_BATCH_WITHOUT_PLAN."""
+    if config.eval_batch_size is not None:
+        return config.eval_batch_size
+    arch = architecture_of(config, model)
+    if isinstance(arch, str):
+        return EVAL_BATCH_WITHOUT_PLAN
+    return eval_prompts_per_batch(arch, config, "cuda" if device == "cuda" else "cpu")
 
 
 def flags(change: dict) -> str:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .sampling import Rollout
+from .sampling import Rollout, rollout_rows
 
 
 @dataclass
@@ -122,19 +122,6 @@ def trained_rows(batch: Batch, skip_zero_advantage: bool, keep_one: bool) -> Bat
         keep = keep.new_zeros(1)  # [1]
         rollout = dataclasses.replace(rollout, completion_mask=torch.zeros_like(rollout.completion_mask))  # [N, C]
     return Batch(rollout_rows(rollout, keep), batch.advantages[keep], rows=batch.rows, tokens=batch.tokens)
-
-
-def rollout_rows(rollout: Rollout, rows: torch.Tensor) -> Rollout:
-    """Rows `rows` [n] (indices, in order) of `rollout`, with only the padding they need: prompts stay
-    left-padded and completions right-padded, but columns no kept row uses are dropped, so that their compute
-    does not depend on the rows left out."""
-    prompt_mask, completion_mask = rollout.prompt_mask[rows], rollout.completion_mask[rows]  # [n, P], [n, C]
-    used = prompt_mask.any(dim=0).nonzero()  # [p, 1]
-    p = int(used.min()) if used.numel() else prompt_mask.shape[1]  # the first column a row uses
-    used = completion_mask.any(dim=0).nonzero()  # [c, 1]
-    c = int(used.max()) + 1 if used.numel() else 1
-    return Rollout(rollout.prompt_ids[rows, p:], prompt_mask[:, p:], rollout.completion_ids[rows, :c],
-                   completion_mask[:, :c], [rollout.completions[i] for i in rows.tolist()], rollout.truncated[rows])
 
 
 def regroup(rollouts: list[Rollout], size: int, pad_id: int) -> list[Rollout]:

@@ -21,12 +21,13 @@ from .sampling import PromptEncoder, sample_completions
 MAX_BREAKDOWN_VALUES = 50  # metrics for each value: a column of ids would flood metrics.jsonl
 
 
-def eval_options(config) -> dict:
-    """The keyword arguments of `evaluate` that the Config sets."""
+def eval_options(config, batch_size: int) -> dict:
+    """The keyword arguments of `evaluate` that the Config sets; `batch_size`: prompts per decode, the
+    config's eval_batch_size or the memory plan's (memory/fit.eval_batch_size)."""
     return dict(accuracy_func=config.eval_accuracy_func, free_accuracy_func=config.eval_free_accuracy_func,
                 format_func=config.eval_format_func, breakdown_column=config.eval_breakdown_column,
                 max_prompt_length=config.max_prompt_length,
-                max_completion_length=config.max_completion_length, batch_size=config.eval_batch_size,
+                max_completion_length=config.max_completion_length, batch_size=batch_size,
                 limit=config.eval_limit, chat_template_kwargs=config.chat_template_kwargs)
 
 

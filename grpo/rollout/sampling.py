@@ -147,18 +147,42 @@ def sample_completions(model, tokenizer, encode: PromptEncoder, prompts: list, *
 class Sampler:
     """The trainer's sampler with our decoder: `sampler(prompts, on_token) -> (rollouts, fields)`, a generation
     batch's prompts in, rollouts of `num_generations` completions each out, and no extra reward columns (a
-    rollout_func's sampler returns some). Prompts are decoded a micro-batch's worth of whole prompts at a time
-    (at least one), so the KV cache stays a micro-batch's; `on_token(n)` counts the tokens as they come."""
+    rollout_func's sampler returns some). Prompts go through as few decodes as the memory plan allows
+    (`prompts_per_decode`, a multiple of a micro-batch's prompts; None: a micro-batch's): one, for the whole
+    generation batch, when its KV cache fits within the training peak. A decode of more rows costs little more
+    per step on a CPU (16 rows: about 1.2x the time of 8). The rows are then cut into chunks of a
+    micro-batch's worth of whole prompts (at least one), each with only the padding its own rows need, as a
+    decode per chunk would give them; `on_token(n)` counts the tokens as they come."""
 
-    def __init__(self, policy, tokenizer, config):
+    def __init__(self, policy, tokenizer, config, prompts_per_decode: int | None = None):
         self.policy, self.tokenizer, self.config = policy, tokenizer, config
         self.encode = PromptEncoder(tokenizer, config.max_prompt_length, config.chat_template_kwargs)
-        self.prompts_per_call = max(1, config.per_device_train_batch_size // config.num_generations)
+        self.prompts_per_chunk = max(1, config.per_device_train_batch_size // config.num_generations)
+        k = self.prompts_per_chunk
+        self.prompts_per_decode = k if prompts_per_decode is None else max(k, prompts_per_decode // k * k)
 
     @torch.no_grad()
     def __call__(self, prompts: list, on_token=None) -> tuple[list[Rollout], dict[str, list]]:
-        c, k = self.config, self.prompts_per_call
-        return [self.policy.parallel.unsharded(lambda model: sample_completions(
-            model, self.tokenizer, self.encode, prompts[i:i + k], num_generations=c.num_generations,
-            max_completion_length=c.max_completion_length, **c.sampling_settings(), stop_at_eos=c.stop_at_eos,
-            on_token=on_token)) for i in range(0, len(prompts), k)], {}
+        c, size = self.config, self.prompts_per_chunk * self.config.num_generations
+        chunks = []
+        for start in range(0, len(prompts), self.prompts_per_decode):
+            whole = self.policy.parallel.unsharded(lambda model: sample_completions(
+                model, self.tokenizer, self.encode, prompts[start:start + self.prompts_per_decode],
+                num_generations=c.num_generations, max_completion_length=c.max_completion_length,
+                **c.sampling_settings(), stop_at_eos=c.stop_at_eos, on_token=on_token))
+            N = len(whole.completions)
+            chunks += [rollout_rows(whole, torch.arange(i, min(i + size, N))) for i in range(0, N, size)]
+        return chunks, {}
+
+
+def rollout_rows(rollout: Rollout, rows: torch.Tensor) -> Rollout:
+    """Rows `rows` [n] (indices, in order) of `rollout`, with only the padding they need: prompts stay
+    left-padded and completions right-padded, but columns no kept row uses are dropped, so that their compute
+    does not depend on the rows left out."""
+    prompt_mask, completion_mask = rollout.prompt_mask[rows], rollout.completion_mask[rows]  # [n, P], [n, C]
+    used = prompt_mask.any(dim=0).nonzero()  # [p, 1]
+    p = int(used.min()) if used.numel() else prompt_mask.shape[1]  # the first column a row uses
+    used = completion_mask.any(dim=0).nonzero()  # [c, 1]
+    c = int(used.max()) + 1 if used.numel() else 1
+    return Rollout(rollout.prompt_ids[rows, p:], prompt_mask[:, p:], rollout.completion_ids[rows, :c],
+                   completion_mask[:, :c], [rollout.completions[i] for i in rows.tolist()], rollout.truncated[rows])

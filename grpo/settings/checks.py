@@ -74,7 +74,7 @@ RULES: dict[str, tuple[typing.Callable, str]] = {
     "num_completions_to_print": (lambda v: v >= 1, ">= 1, or None for all of them"),
     "eval_steps": (lambda v: v >= 0, ">= 0 (0: no evaluation during training)"),
     "eval_limit": (lambda v: v >= 1, ">= 1, or None to evaluate every prompt"),
-    "eval_batch_size": (lambda v: v >= 1, ">= 1"),
+    "eval_batch_size": (lambda v: v >= 1, ">= 1, or None for as many as the memory plan fits"),
 }
 
 

@@ -210,8 +210,10 @@ class Config(metaclass=_CheckedKeywords):
     """Also evaluate before the first GRPO step (step 0), so one run's metrics show GRPO's own gain."""
     eval_limit: int | None = None
     """Evaluate on the first this many eval prompts only (None: all of them)."""
-    eval_batch_size: int = 64
-    """Prompts per batch of greedy eval generation."""
+    eval_batch_size: int | None = None
+    """Prompts per batch of greedy eval generation (None: as many as the memory plan fits beside training
+    within its peak, counted at max_prompt_length + max_completion_length; 64 where the model's architecture
+    cannot be read)."""
     eval_accuracy_func: str = "answer_accuracy_reward"
     """Reward function (by name) whose full marks (>= 1.0) count an eval completion as correct."""
     eval_format_func: str | None = "xml_format_reward"

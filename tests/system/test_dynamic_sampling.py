@@ -31,7 +31,7 @@ def read_jsonl(path) -> list[dict]:
 
 def test_groups_without_signal_are_replaced_and_the_batch_stays_full(tmp_path, tokenizer):
     # Rounds enough that every batch fills with groups with signal (an odd prompt's group can be equal too).
-    trainer = make_trainer(tmp_path / "run", tokenizer, dynamic_sampling_max_rounds=8)
+    trainer = make_trainer(tmp_path / "run", tokenizer, dynamic_sampling_max_rounds=16)
     lines = trainer.train()
     # 4 prompts a generation batch (2 micro-batches of 8 = 16 completions): every one of them odd.
     assert [len(b.rollout.completions) for b in trainer.generation.batches] == [8, 8]

@@ -113,8 +113,30 @@ def test_each_memory_setting_moves_the_prediction_the_right_way():
     assert peak(use_lora=True) < peak(optim="adamw_8bit", gradient_checkpointing=True) < peak()
     assert parts(logprob_chunk_size=128)["log-prob chunk"] < parts()["log-prob chunk"] / 2
     assert peak(per_device_train_batch_size=8) > peak()
-    # A micro-batch counts completions: more per prompt changes only what sampling holds (at least one group).
-    assert peak(num_generations=8) == peak() and parts(num_generations=8)["KV cache"] == 2 * parts()["KV cache"]
+    # A micro-batch counts completions, and one decode samples the whole generation batch (4 micro-batches of 4
+    # here): its KV cache grows with the generation batch, not with completions per prompt.
+    kv = 2 * LLAMA_1B.num_layers * 16 * (256 + 786) * LLAMA_1B.kv_dim * 4 * (1 + 1 / LLAMA_1B.num_layers)
+    assert parts()["KV cache"] == kv and parts(num_generations=8)["KV cache"] == kv
+    assert parts(steps_per_generation=8)["KV cache"] == 2 * kv and peak(num_generations=8) == peak()
+
+
+def test_evaluation_decodes_as_many_prompts_as_fit_within_the_training_peak():
+    from grpo.memory.estimate import eval_prompts_per_batch
+    from grpo.memory.fit import eval_batch_size
+
+    s = Config(per_device_train_batch_size=8, num_generations=8, max_prompt_length=256, max_completion_length=128,
+               use_lora=True, gradient_checkpointing=False)
+    n = eval_prompts_per_batch(LLAMA_1B, s, "cpu")
+    e = estimate(LLAMA_1B, s, "cpu")  # sampling: 8 rows of one prompt, prefilled once
+    V = LLAMA_1B.vocab_size
+    per_prompt = e.parts["KV cache"] / 8 + 20 * V + (e.parts["sampling buffers"] - 8 * 20 * V)  # greedy: 1 row
+    free = e.peak - sum(e.parts[p] for p in ("weights", "optimizer states", "reference model", "rollouts"))
+    assert n * per_prompt <= free < (n + 1) * per_prompt
+    assert n > 8  # far more prompts than the 8 completions sampling decodes at once
+    checkpointed = dataclasses.replace(s, gradient_checkpointing=True)  # a lower peak: fewer prompts fit
+    assert 1 <= eval_prompts_per_batch(LLAMA_1B, checkpointed, "cpu") < n
+    assert eval_batch_size(dataclasses.replace(s, eval_batch_size=5)) == 5  # a set size is honoured
+    assert eval_batch_size(dataclasses.replace(s, model="no/such-model-here")) == 64  # no plan without a config
 
 
 def test_table_meets_the_issue_targets_for_lora():
