@@ -65,3 +65,37 @@ def test_full_length_when_eos_is_disabled():
     ro = sample_completions(model, tokenizer, PromptEncoder(tokenizer, 64), ["Write 3 digits:"], num_generations=4,
                 max_completion_length=5, temperature=1.0, top_p=1.0, top_k=0, stop_at_eos=False)
     assert ro.completion_mask.sum().item() == 4 * 5 and ro.truncated.all()
+
+
+def test_one_decode_for_all_prompts_samples_what_a_decode_per_prompt_samples():
+    """One decode for a generation batch draws each row's uniforms at other positions of the random stream than
+    a decode per micro-batch (a decode's length depends on when its rows sample EOS, so the stream cannot be
+    split ahead): the tokens differ for a seed, their distribution must not. Chi-square on the frequencies of
+    (prompt, position, token) over 2 x 300 rows of 4 tokens each (p = 0.73 here; a temperature of 0.9 instead of
+    1.0 on one side gives p = 6e-9)."""
+    from scipy.stats import chi2_contingency
+
+    tokenizer = tiny_tokenizer()
+    model = tiny_model(tokenizer)
+    with torch.no_grad():  # logits 8x larger: a random model's next token is nearly uniform over 260
+        model.model.norm.weight.mul_(8)
+    encode, prompts = PromptEncoder(tokenizer, 64), ["Write 3 digits:", "Write 12 digits"]
+    settings = dict(num_generations=300, max_completion_length=4, temperature=1.0, top_p=1.0, top_k=0,
+                    stop_at_eos=False)
+    torch.manual_seed(0)
+    one = sample_completions(model, tokenizer, encode, prompts, **settings).completion_ids  # [600, 4]
+    torch.manual_seed(1)
+    apart = torch.cat([sample_completions(model, tokenizer, encode, [p], **settings).completion_ids
+                       for p in prompts])  # [600, 4]
+    assert not torch.equal(one, apart)
+
+    def cells(ids):  # one id per (prompt, position, token)
+        prompt = torch.arange(2).repeat_interleave(300)[:, None]  # [600, 1]
+        return ((prompt * 4 + torch.arange(4)) * len(tokenizer) + ids).flatten()  # [2400]
+
+    a, b = cells(one), cells(apart)
+    values, counts = torch.cat([a, b]).unique(return_counts=True)
+    common = values[counts >= 10]  # rare cells pooled: the test needs expected counts of 5 or more
+    table = [[int((x == v).sum()) for v in common] + [int((~torch.isin(x, common)).sum())] for x in (a, b)]
+    p = chi2_contingency(table).pvalue
+    assert p > 1e-3, p
