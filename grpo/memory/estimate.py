@@ -195,11 +195,13 @@ def lora_targets(s) -> tuple[str, ...] | None:
 
 def _generation_bytes(a: Architecture, s, d: _Dtypes, rows: int, prompts: int) -> tuple[float, float]:
     """The KV cache and the buffers of a decode of `rows` completions of `prompts` prompts (each prefilled
-    once): the cache in the weights' dtype (no autocast; 4-bit layers compute in the same dtype as the rest),
+    once): the cache, allocated for every position at once (rollout/kv_cache), in the weights' dtype (no
+    autocast; 4-bit layers compute in the same dtype as the rest),
     one step's logits, their row-major copy, softmax and float64 cumulative sum, and a layer's prefill
     intermediates."""
     T, kv_bytes = s.max_prompt_length + s.max_completion_length, d.base
-    kv = 2 * a.num_layers * rows * T * a.kv_dim * kv_bytes * (1 + 1 / a.num_layers)  # + a layer's copy (growing)
+    # + a layer's copy while compaction or a prompt's copies rewrite the buffers (or a dynamic cache grows)
+    kv = 2 * a.num_layers * rows * T * a.kv_dim * kv_bytes * (1 + 1 / a.num_layers)
     prefill = prompts * s.max_prompt_length * (3 * a.intermediate_size + 4 * a.hidden_size) * kv_bytes
     return kv, 20 * rows * a.vocab_size + prefill
 

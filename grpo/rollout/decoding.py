@@ -13,10 +13,10 @@ from __future__ import annotations
 import inspect
 
 import torch
-from transformers import DynamicCache
 
 from ..policy.head import head_logits, positions
 from .compaction import DecodingRows, select_rows
+from .kv_cache import preallocated_cache
 
 
 def _cache_argument(body) -> str:
@@ -89,16 +89,22 @@ def decode(hf_model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, max
     the most likely token instead of sampling (evaluation): the filters are skipped, a repetition penalty still
     applies (as in transformers). `on_token(n)`, if given, is called after every decoding step with the number of
     tokens it generated (rows not yet finished), for progress bars. Finished rows leave the batch and the cache
-    as they accumulate (rollout/compaction): the n rows left decode on."""
+    as they accumulate (rollout/compaction): the n rows left decode on. The KV cache and the attention mask are
+    allocated once for P + max_new_tokens positions and written in place (rollout/kv_cache)."""
     body, logits_of = hf_model.base_model, head_logits(hf_model)
-    cache = DynamicCache(config=hf_model.config)
+    P = prompt_ids.shape[1]
+    cache = preallocated_cache(hf_model.config, P + max_new_tokens)
     eos = torch.tensor(eos_ids, device=prompt_ids.device)
     # A model with recurrent state of its own (transformers marks it) can neither drop rows nor repeat them.
     stateful = getattr(hf_model, "_is_stateful", False)
     if stateful and repeats > 1:
         prompt_ids, prompt_mask = prompt_ids.repeat_interleave(repeats, 0), prompt_mask.repeat_interleave(repeats, 0)
         repeats = 1  # [N, P] prompts, prefilled row by row
-    ids, mask = prompt_ids, prompt_mask  # [B, P]
+    ids = prompt_ids  # [B, P]
+    # The attention mask of every position the decode will reach, 1 past the prompt: each step reads a longer
+    # view of it (a finished row's later columns are never read).
+    full_mask = torch.cat([prompt_mask, prompt_mask.new_ones(prompt_mask.shape[0], max_new_tokens)], 1)  # [B, P+C]
+    mask = full_mask[:, :P]  # [B, P]
     position_ids = positions(mask)  # [B, P]
     batch = DecodingRows(ids.shape[0] * repeats, ids.device, compacts=not stateful)  # the rows still decoding
     # Tokens seen so far, kept only when penalized: the default path does no extra work per step.
@@ -110,7 +116,7 @@ def decode(hf_model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, max
                       **{_cache_argument(body): cache}).last_hidden_state[:, -1]  # [n, H]
         if step == 0 and repeats > 1:  # the B prefilled prompts become their N copies
             copies = torch.arange(len(hidden), device=hidden.device).repeat_interleave(repeats)  # [N]
-            hidden, mask, position_ids, seen = select_rows(cache, copies, hidden, mask, position_ids, seen)
+            hidden, full_mask, position_ids, seen = select_rows(cache, copies, hidden, full_mask, position_ids, seen)
         logits = logits_of(hidden)  # [n, V]
         if seen is not None:
             logits = penalize_repetitions(logits, seen, repetition_penalty)  # [n, V]
@@ -131,9 +137,11 @@ def decode(hf_model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, max
             batch.finished |= torch.isin(token, eos)
             if batch.finished.all():
                 break
-            token, mask, position_ids, seen = batch.compact(cache, token, mask, position_ids, seen)  # compaction
+            token, full_mask, position_ids, seen = batch.compact(cache, token, full_mask, position_ids, seen)
+        # The decoding step. A CUDA-graph / torch.compile capture would wrap the body forward from here, with
+        # the full-length cache buffers and `full_mask` (shapes fixed between compactions; rollout/kv_cache).
         ids = token[:, None]  # [n, 1]
-        mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)  # [n, P+t]
+        mask = full_mask[:, :P + step + 1]  # [n, P+t], a view
         position_ids = position_ids[:, -1:] + 1  # [n, 1]
     if not tokens:
         return prompt_ids.new_empty(prompt_ids.shape[0], 0)

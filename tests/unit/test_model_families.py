@@ -203,3 +203,54 @@ def test_the_trainer_runs_the_check_on_its_first_generation(tmp_path):
                       train_dataset=digit_prompts(4))
     trainer.generate()
     assert trainer.policy.head_checked
+
+
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+def test_the_preallocated_cache_decodes_what_the_dynamic_cache_decodes(model_type, monkeypatch):
+    # Greedy and sampled, with compaction, a shared prefill, a repetition penalty and min-p: the same tokens as
+    # transformers' DynamicCache. Families with sliding windows or recurrent state keep the DynamicCache.
+    import grpo.rollout.decoding
+    from transformers import DynamicCache
+
+    from grpo.rollout.kv_cache import PreallocatedLayer, preallocated_cache
+
+    model = tiny_family(model_type)
+    ids = torch.randint(1, V, (4, 6), generator=torch.Generator().manual_seed(0))  # [B, P]
+    mask = torch.ones_like(ids)
+    mask[1, :2] = mask[3, :4] = 0  # left padding
+    plain = all(isinstance(layer, PreallocatedLayer) for layer in preallocated_cache(model.config, 8).layers)
+    assert plain == (model_type not in ("cohere2", "gemma2", "gemma3_text", "mistral", "recurrent_gemma",
+                                        "vaultgemma")), "sliding windows and recurrent state stay dynamic"
+
+    def run(**settings) -> torch.Tensor:
+        torch.manual_seed(0)
+        return decode(model, ids, mask, max_new_tokens=10, top_p=1.0, top_k=0, eos_ids=[5, 7], pad_id=0,
+                      repeats=2, **settings)  # [8, C]
+
+    cases = [dict(temperature=1.0, greedy=True), dict(temperature=1.0, repetition_penalty=1.5, greedy=True),
+             dict(temperature=2.0, min_p=0.05), dict(temperature=2.0, repetition_penalty=1.3)]
+    ours = [run(**case) for case in cases]
+    monkeypatch.setattr(grpo.rollout.decoding, "preallocated_cache", lambda config, _: DynamicCache(config=config))
+    for case, tokens in zip(cases, ours):
+        assert torch.equal(tokens, run(**case)), case
+
+
+def test_the_preallocated_cache_is_written_in_place():
+    from grpo.rollout.kv_cache import preallocated_cache
+
+    model = tiny_family("llama")
+    cache = preallocated_cache(model.config, 6 + 10)
+    seen = []
+    model.model.register_forward_hook(lambda *_: seen.append([
+        (layer.key_buffer.data_ptr(), layer.key_buffer.shape) for layer in cache.layers]))
+    import grpo.rollout.decoding
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(grpo.rollout.decoding, "preallocated_cache", lambda *_: cache)
+        ids = torch.randint(1, V, (4, 6), generator=torch.Generator().manual_seed(0))  # [B, P]
+        decode(model, ids, torch.ones_like(ids), max_new_tokens=10, temperature=1.0, top_p=1.0, top_k=0,
+               eos_ids=[V], pad_id=0, repeats=2, greedy=True)
+    # The prefill's 4 rows, then their 8 copies (one copy of the buffers), then the same buffers every step.
+    assert seen[0][0][1] == (4, 2, 16, 8) and len(seen) == 10
+    assert all(step == seen[1] for step in seen[2:]) and seen[1][0][1] == (8, 2, 16, 8)
+    assert cache.layers[0].get_seq_length() == 6 + 9  # the last token is sampled, never fed back
