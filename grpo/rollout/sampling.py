@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..policy.folding import folded_adapters
 from ..policy.models import unwrap
 from .decoding import decode
 
@@ -125,11 +126,13 @@ def sample_completions(model, tokenizer, encode: PromptEncoder, prompts: list, *
         # Our own loop, not model.generate: a checkpoint's generation-config defaults (a repetition_penalty, say)
         # never apply, only the knobs the run sets, as in TRL; and it is faster (see decoding.py). Knobs beyond
         # temperature make sampling off-policy (as in TRL): the loss scores the policy's own distribution.
-        completion_ids = decode(unwrap(model), prompt_ids, prompt_mask, max_new_tokens=max_completion_length,
-                                temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-                                repetition_penalty=repetition_penalty, eos_ids=eos_ids,
-                                pad_id=tokenizer.pad_token_id, stop_at_eos=stop_at_eos,
-                                greedy=greedy, repeats=num_generations, on_token=on_token)  # [N, C]
+        # LoRA folded into (copies of) its base weights while decoding, where exact (policy/folding).
+        with folded_adapters(model):
+            completion_ids = decode(unwrap(model), prompt_ids, prompt_mask, max_new_tokens=max_completion_length,
+                                    temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                                    repetition_penalty=repetition_penalty, eos_ids=eos_ids,
+                                    pad_id=tokenizer.pad_token_id, stop_at_eos=stop_at_eos,
+                                    greedy=greedy, repeats=num_generations, on_token=on_token)  # [N, C]
     finally:
         model.train(was_training)
     prompt_ids = prompt_ids.repeat_interleave(num_generations, dim=0)  # [N, P]

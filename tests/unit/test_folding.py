@@ -1,0 +1,75 @@
+"""LoRA folded into copies of its base weights while sampling (policy/folding): the reference (adapter off)
+and the policy stay bit for bit what they were, and greedy tokens are the unfolded decode's."""
+import contextlib
+
+import pytest
+import torch
+from tiny_setup import tiny_model, tiny_tokenizer
+
+import grpo.rollout.sampling
+from grpo import Config
+from grpo.policy.folding import folded_adapters, foldable_layers
+from grpo.policy.models import prepare_for_training
+from grpo.rollout.sampling import PromptEncoder, sample_completions
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return tiny_tokenizer()
+
+
+def lora_model(tokenizer, dtype=torch.float32):
+    model = prepare_for_training(tiny_model(tokenizer).to(dtype), Config(use_lora=True, lora_r=4, lora_alpha=8))
+    torch.manual_seed(0)
+    with torch.no_grad():  # peft starts B at 0: an adapter that changes nothing would hide a wrong fold
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.3)
+    return model.eval()
+
+
+def test_the_reference_and_the_policy_are_bit_for_bit_the_same_after_sampling(tokenizer):
+    model = lora_model(tokenizer)
+    assert len(foldable_layers(model)) > 0
+    ids = torch.tensor([tokenizer("Write 3 digits: 012")["input_ids"]])  # [1, T]
+
+    def logits(adapter: bool) -> torch.Tensor:
+        with torch.no_grad(), (contextlib.nullcontext() if adapter else model.disable_adapter()):
+            return model(input_ids=ids).logits  # [1, T, V]
+
+    before = {"reference": logits(False), "policy": logits(True)}
+    weights = {n: p.clone() for n, p in model.named_parameters()}
+    sample_completions(model, tokenizer, PromptEncoder(tokenizer, 64), ["Write 3 digits:"], num_generations=4,
+                       max_completion_length=6, temperature=1.0, top_p=1.0, top_k=0)
+    assert torch.equal(logits(False), before["reference"]) and torch.equal(logits(True), before["policy"])
+    assert not torch.equal(before["reference"], before["policy"])
+    assert all(torch.equal(p, weights[n]) for n, p in model.named_parameters())
+    assert all(p.requires_grad == ("lora_" in n) for n, p in model.named_parameters())
+
+
+def test_greedy_tokens_are_the_unfolded_decodes(tokenizer, monkeypatch):
+    model = lora_model(tokenizer)
+    prompts = ["Write 3 digits:", "Write 12 digits", "<reasoning>"]
+
+    def greedy() -> torch.Tensor:
+        return sample_completions(model, tokenizer, PromptEncoder(tokenizer, 64), prompts, num_generations=1,
+                                  greedy=True, max_completion_length=12, temperature=1.0, top_p=1.0,
+                                  top_k=0).completion_ids  # [3, C]
+
+    folded = greedy()
+    monkeypatch.setattr(grpo.rollout.sampling, "folded_adapters", lambda _: contextlib.nullcontext())
+    assert torch.equal(folded, greedy())
+
+
+def test_layers_are_folded_only_where_exact_enough(tokenizer):
+    model = lora_model(tokenizer)
+    layer = foldable_layers(model)[0]
+    weight = layer.get_base_layer().weight
+    with folded_adapters(model):  # inside: the base weight is the folded copy, the adapter skipped
+        assert layer.merged and layer.get_base_layer().weight is not weight
+        assert torch.allclose(layer.get_base_layer().weight, weight + layer.get_delta_weight("default"))
+    assert not layer.merged and layer.get_base_layer().weight is weight
+    assert foldable_layers(lora_model(tokenizer, torch.bfloat16)) == [], "a bf16 sum would round the update away"
+    assert foldable_layers(tiny_model(tokenizer)) == []  # no adapters
+    with model.disable_adapter():
+        assert foldable_layers(model) == []  # the reference's forward: nothing to fold
