@@ -167,8 +167,8 @@ def evaluate(model, tokenizer, dataset, reward_funcs, *, accuracy_func: str,
     t0 = time.perf_counter()
     with TokenProgress("eval", enabled=progress) as bar:
         for start in range(0, len(dataset), batch_size):
-            bar.prompts_done(start, len(dataset))
             prompts = dataset[start:start + batch_size]["prompt"]
+            bar.batch(start, len(prompts), len(dataset))  # prompts done / total as rows finish, tokens/s
             rollout = unsharded(lambda m: sample_completions(
                 m, tokenizer, encode, prompts, num_generations=1, greedy=True, on_token=bar,
                 max_completion_length=max_completion_length, temperature=1.0, top_p=1.0, top_k=0))

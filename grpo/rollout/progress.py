@@ -86,20 +86,34 @@ def quiet_library_bars():
 
 
 class TokenProgress:
-    """`progress(n)` adds n generated tokens; `progress.prompts_done(k, total)` shows k/total in the postfix.
-    Use as a context manager; disabled, it does nothing."""
+    """`progress(n)` adds n generated tokens (the bar shows them and tokens/s); `progress.prompts_done(k, total)`
+    shows k/total prompts in the postfix. After `progress.batch(start, size, total)` (a decode of prompts
+    start..start+size, one row each: evaluation) every step's count also says how many of the batch's rows are
+    still decoding, so the prompts done advance as rows finish, not only once a batch ends. Use as a context
+    manager; disabled, it does nothing."""
 
     def __init__(self, desc: str, enabled: bool = True):
         self.bar = progress_bar(desc, unit="tok", enabled=enabled, leave=False)
+        self.rows = None  # (start, size, total) of the batch being decoded, one row per prompt
 
     def __call__(self, new_tokens: int) -> None:
+        if self.rows is not None:  # rows that generated no token this step have finished
+            start, size, total = self.rows
+            self.prompts_done(start + size - int(new_tokens), total)
         self.bar.update(int(new_tokens))
 
     def prompts_done(self, done: int, total: int) -> None:
         self.bar.set_postfix_str(f"prompts {done}/{total}", refresh=False)
 
+    def batch(self, start: int, size: int, total: int) -> None:
+        self.rows = (start, size, total)
+        self.prompts_done(start, total)
+
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
+        if self.rows is not None:
+            start, size, total = self.rows
+            self.prompts_done(start + size, total)
         self.bar.close()

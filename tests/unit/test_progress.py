@@ -63,3 +63,16 @@ def test_a_bar_written_to_a_file_is_a_plain_line_every_few_seconds(capsys):
         progress(7)
     line = capsys.readouterr().err
     assert re.fullmatch(r"sampling step 1: 12 tok, \d+s, [\d.e+-]+ tok/s, prompts 1/2\n", line)
+
+
+def test_evaluation_progress_counts_prompts_as_their_rows_finish(capsys):
+    with TokenProgress("eval") as progress:
+        progress.bar.every = 0.0  # a line at every update
+        progress.batch(0, 3, 5)
+        for active in (3, 3, 1):  # two of the first batch's 3 rows finish after the 2nd step
+            progress(active)
+        progress.batch(3, 2, 5)
+        progress(2)
+    lines = [re.sub(r", \d+s, [\d.e+-]+ tok/s", "", line) for line in capsys.readouterr().err.splitlines()]
+    assert lines == ["eval: 3 tok, prompts 0/5", "eval: 6 tok, prompts 0/5", "eval: 7 tok, prompts 2/5",
+                     "eval: 9 tok, prompts 3/5"]
