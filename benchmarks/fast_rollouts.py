@@ -3,7 +3,8 @@ SmolLM2-135M-Instruct with LoRA r16 on every linear, chat prompts of ~200 tokens
 (another commit's grpo, extracted with `git archive`) and against transformers' `generate` with a static cache.
 
     git archive 604ae52 | tar -x -C /tmp/base604
-    python benchmarks/fast_rollouts.py --baseline /tmp/base604 --core 0
+    git archive HEAD | tar -x -C /tmp/new     # (optional) a frozen copy of this tree, to edit it while this runs
+    python benchmarks/fast_rollouts.py --baseline /tmp/base604 --new /tmp/new --core 0
 
 - sampling: 2 prompts x 8 completions (16 rows) of exactly `--max-new` tokens (no EOS: equal work), the trainer's
   way (this tree: its Sampler over the memory plan's decodes; a tree without one: a decode per micro-batch of
@@ -60,9 +61,11 @@ def count_steps(model) -> list:
 def worker(kind: str, max_new: int, eval_prompts: int) -> dict:
     import torch
 
+    from grpo.run.allocator import return_freed_memory
     from grpo.tasks import word_problems
 
     torch.set_num_threads(1)
+    return_freed_memory()  # glibc's mmap threshold as the trainer sets it on a CPU
     config, model, tokenizer = load(max_new)
     train, held_out = word_problems.split(num_train=10_000, num_eval=500, seed=0)
     steps = count_steps(model)
@@ -168,6 +171,7 @@ def measure(tree: Path, kind: str, args) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--baseline", type=Path, default=Path("/tmp/base604"))
+    parser.add_argument("--new", type=Path, default=ROOT, help="the tree measured against the baseline")
     parser.add_argument("--core", type=int, default=0)
     parser.add_argument("--max-new", type=int, default=128)
     parser.add_argument("--eval-prompts", type=int, nargs="+", default=[50])
@@ -184,12 +188,13 @@ def main() -> None:
         args.n = n or 50
         label = "sampling 16 rows" if kind == "sampling" else f"eval {n} prompts"
         # baseline, this tree: alternating, one subprocess each
-        pair = {"baseline": measure(args.baseline, kind, args), "new": measure(ROOT, kind, args)}
+        pair = {"baseline": measure(args.baseline, kind, args), "new": measure(args.new, kind, args)}
         if not args.skip_hf:
-            pair["hf_static"] = measure(ROOT, "hf_sampling" if kind == "sampling" else "hf_eval", args)
+            pair["hf_static"] = measure(args.new, "hf_sampling" if kind == "sampling" else "hf_eval", args)
         rows.append(dict(job=label, **pair, cpu_ratio=pair["new"]["cpu_s"] / pair["baseline"]["cpu_s"]))
     args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(dict(max_new=args.max_new, rows=rows), indent=1))
+    args.output.write_text(json.dumps(dict(max_new=args.max_new, baseline=str(args.baseline), new=str(args.new),
+                                           rows=rows), indent=1))
     head = f"{'job':<18} {'side':<9} {'CPU s':>7} {'wall s':>7} {'tok/CPU s':>9} {'faults/step':>11} {'peak RSS':>8}"
     print(head)
     for row in rows:

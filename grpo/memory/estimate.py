@@ -206,9 +206,14 @@ def _generation_bytes(a: Architecture, s, d: _Dtypes, rows: int, prompts: int) -
     return kv, 20 * rows * a.vocab_size + prefill
 
 
-def _folded_bytes(a: Architecture, s, d: _Dtypes, quantized: bool) -> float:
-    """While sampling, float32 LoRA bases hold a folded copy of every adapted weight (policy/folding)."""
-    if not s.use_lora or quantized or d.base != 4:
+def _sampling_weight_bytes(a: Architecture, s, d: _Dtypes, quantized: bool, device: str) -> float:
+    """While sampling (policy/folding), float32 weights on a CPU run on a oneDNN-packed copy of every body linear
+    (adapters folded in); elsewhere float32 LoRA bases hold a folded copy of every adapted weight."""
+    if quantized or d.base != 4:
+        return 0.0
+    if device == "cpu":
+        return 4.0 * a.linear_params()
+    if not s.use_lora:
         return 0.0
     targets = lora_targets(s)
     return 4.0 * a.num_layers * sum(i * o for n, (i, o) in a.linear_shapes().items() if targets is None or n in targets)
@@ -219,7 +224,7 @@ def eval_prompts_per_batch(a: Architecture, s, device: str = "cuda") -> int:
     max_completion_length): as many as fit beside what training keeps (weights, optimizer states, reference,
     rollouts) within the training peak that the run needs anyway, at least one."""
     e, d = estimate(a, s, device), _dtypes(s, device)
-    free = e.peak - sum(e.parts[p] for p in KEPT) - e.parts["folded LoRA weights"]
+    free = e.peak - sum(e.parts[p] for p in KEPT) - e.parts["sampling weight copies"]
     kv, buffers = _generation_bytes(a, s, d, 1, 1)
     return max(1, int(free // (kv + buffers)))
 
@@ -299,7 +304,7 @@ def estimate(a: Architecture, s, device: str = "cuda") -> Estimate:
     head_accumulating = (("LM-head float32 accumulator", "LM-head gradient block") if low_precision_head
                          else ("LM-head gradient",))
     moments = {
-        "generation": kept + ("KV cache", "sampling buffers", "folded LoRA weights"),
+        "generation": kept + ("KV cache", "sampling buffers", "sampling weight copies"),
         "forward end": kept + ("activations", "autocast weight copies", "log-prob chunk", "log-prob jacobian",
                                "earlier micro-batches' gradients"),
         "backward start": kept + ("activations", "log-prob chunk", "log-prob jacobian",
@@ -312,11 +317,11 @@ def estimate(a: Architecture, s, device: str = "cuda") -> Estimate:
         "optimizer step": kept + ("gradients", "optimizer step temporaries"),
     }
     # --- generation: the whole generation batch in one decode when it fits within the other moments' peak ---
-    parts["folded LoRA weights"] = _folded_bytes(a, s, d, quantized)
+    parts["sampling weight copies"] = _sampling_weight_bytes(a, s, d, quantized, device)
     G, chunk = s.num_generations, schedule.prompts_per_micro_batch
     prompts = -(-schedule.completions_per_generation // G)  # this rank's share of the generation batch
     free = max(sum(parts.get(p, 0.0) for p in m) for m in moments.values()) - sum(parts[p] for p in kept) \
-        - parts["folded LoRA weights"]
+        - parts["sampling weight copies"]
     kv, buffers = _generation_bytes(a, s, d, G, 1)  # one prompt's
     if prompts * (kv + buffers) > free:  # whole micro-batches' worth, at least one
         prompts = min(prompts, max(chunk, int(free // (kv + buffers)) // chunk * chunk))

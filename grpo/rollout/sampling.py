@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..policy.folding import folded_adapters
+from ..policy.folding import sampling_weights
 from ..policy.models import unwrap
 from .decoding import decode
 
@@ -126,8 +126,8 @@ def sample_completions(model, tokenizer, encode: PromptEncoder, prompts: list, *
         # Our own loop, not model.generate: a checkpoint's generation-config defaults (a repetition_penalty, say)
         # never apply, only the knobs the run sets, as in TRL; and it is faster (see decoding.py). Knobs beyond
         # temperature make sampling off-policy (as in TRL): the loss scores the policy's own distribution.
-        # LoRA folded into (copies of) its base weights while decoding, where exact (policy/folding).
-        with folded_adapters(model):
+        # LoRA folded into copies of its base weights, oneDNN-packed on a CPU, while decoding (policy/folding).
+        with sampling_weights(model):
             completion_ids = decode(unwrap(model), prompt_ids, prompt_mask, max_new_tokens=max_completion_length,
                                     temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                                     repetition_penalty=repetition_penalty, eos_ids=eos_ids,

@@ -1,5 +1,6 @@
-"""LoRA folded into copies of its base weights while sampling (policy/folding): the reference (adapter off)
-and the policy stay bit for bit what they were, and greedy tokens are the unfolded decode's."""
+"""LoRA folded into copies of its base weights, and on a CPU linear weights packed for oneDNN, while sampling
+(policy/folding): the reference (adapter off) and the policy stay bit for bit what they were, and greedy
+tokens are the plain decode's."""
 import contextlib
 
 import pytest
@@ -8,7 +9,7 @@ from tiny_setup import tiny_model, tiny_tokenizer
 
 import grpo.rollout.sampling
 from grpo import Config
-from grpo.policy.folding import folded_adapters, foldable_layers
+from grpo.policy.folding import foldable_layers, sampling_weights
 from grpo.policy.models import prepare_for_training
 from grpo.rollout.sampling import PromptEncoder, sample_completions
 
@@ -47,8 +48,9 @@ def test_the_reference_and_the_policy_are_bit_for_bit_the_same_after_sampling(to
     assert all(p.requires_grad == ("lora_" in n) for n, p in model.named_parameters())
 
 
-def test_greedy_tokens_are_the_unfolded_decodes(tokenizer, monkeypatch):
-    model = lora_model(tokenizer)
+@pytest.mark.parametrize("lora", [True, False])
+def test_greedy_tokens_are_the_plain_decodes(tokenizer, monkeypatch, lora):
+    model = lora_model(tokenizer) if lora else tiny_model(tokenizer).eval()
     prompts = ["Write 3 digits:", "Write 12 digits", "<reasoning>"]
 
     def greedy() -> torch.Tensor:
@@ -57,7 +59,7 @@ def test_greedy_tokens_are_the_unfolded_decodes(tokenizer, monkeypatch):
                                   top_k=0).completion_ids  # [3, C]
 
     folded = greedy()
-    monkeypatch.setattr(grpo.rollout.sampling, "folded_adapters", lambda _: contextlib.nullcontext())
+    monkeypatch.setattr(grpo.rollout.sampling, "sampling_weights", lambda _: contextlib.nullcontext())
     assert torch.equal(folded, greedy())
 
 
@@ -65,11 +67,17 @@ def test_layers_are_folded_only_where_exact_enough(tokenizer):
     model = lora_model(tokenizer)
     layer = foldable_layers(model)[0]
     weight = layer.get_base_layer().weight
-    with folded_adapters(model):  # inside: the base weight is the folded copy, the adapter skipped
-        assert layer.merged and layer.get_base_layer().weight is not weight
-        assert torch.allclose(layer.get_base_layer().weight, weight + layer.get_delta_weight("default"))
+    x = torch.randn(3, weight.shape[1])  # [3, in]
+    with sampling_weights(model):  # inside: the folded weight, packed for oneDNN; the adapter skipped
+        assert layer.merged and "forward" in vars(layer.get_base_layer())
+        folded = torch.nn.functional.linear(x, weight + layer.get_delta_weight("default"))  # [3, out]
+        assert torch.allclose(layer(x), folded, atol=1e-5)
     assert not layer.merged and layer.get_base_layer().weight is weight
+    assert not any("forward" in vars(m) for m in model.modules()), "every forward is the class's again"
     assert foldable_layers(lora_model(tokenizer, torch.bfloat16)) == [], "a bf16 sum would round the update away"
     assert foldable_layers(tiny_model(tokenizer)) == []  # no adapters
+    bf16 = lora_model(tokenizer, torch.bfloat16)
+    with sampling_weights(bf16):  # neither folded nor packed: oneDNN packing here is for float32 only
+        assert not any("forward" in vars(m) for m in bf16.modules())
     with model.disable_adapter():
         assert foldable_layers(model) == []  # the reference's forward: nothing to fold

@@ -130,12 +130,16 @@ def test_evaluation_decodes_as_many_prompts_as_fit_within_the_training_peak():
     e = estimate(LLAMA_1B, s, "cpu")  # sampling: 8 rows of one prompt, prefilled once
     V = LLAMA_1B.vocab_size
     per_prompt = e.parts["KV cache"] / 8 + 20 * V + (e.parts["sampling buffers"] - 8 * 20 * V)  # greedy: 1 row
-    # Sampling and evaluation fold the adapters into a float32 copy of the adapted weights (policy/folding).
-    assert e.parts["folded LoRA weights"] == 4 * LLAMA_1B.linear_params() and "folded LoRA weights" in \
+    # Sampling and evaluation fold the adapters into a float32 copy of the adapted weights, packed for oneDNN on a
+    # CPU (policy/folding).
+    assert e.parts["sampling weight copies"] == 4 * LLAMA_1B.linear_params() and "sampling weight copies" in \
         e.moments["generation"]
-    assert estimate(LLAMA_1B, s, "cuda").parts["folded LoRA weights"] == 0  # bf16 bases are not folded
+    assert estimate(LLAMA_1B, s, "cuda").parts["sampling weight copies"] == 0  # bf16 bases are not folded
+    q = dataclasses.replace(s, lora_target_modules=["q_proj"], bf16=False)
+    assert estimate(LLAMA_1B, q, "cuda").parts["sampling weight copies"] == 4 * LLAMA_1B.num_layers * \
+        LLAMA_1B.hidden_size * LLAMA_1B.q_dim  # float32 LoRA on a GPU: the adapted weights folded, not packed
     free = e.peak - sum(e.parts[p] for p in ("weights", "optimizer states", "reference model", "rollouts",
-                                             "folded LoRA weights"))
+                                             "sampling weight copies"))
     assert n * per_prompt <= free < (n + 1) * per_prompt
     assert n > 8  # far more prompts than the 8 completions sampling decodes at once
     checkpointed = dataclasses.replace(s, gradient_checkpointing=True)  # a lower peak: fewer prompts fit
