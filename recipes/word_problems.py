@@ -52,7 +52,6 @@ config = Config(
     eval_steps=1000,  # evaluates at the end (and at step 0, below) only: each evaluation takes minutes on a CPU
     eval_on_start=True,
     eval_limit=200,
-    eval_batch_size=50,
     eval_free_accuracy_func="grpo.tasks.gsm8k.last_number_accuracy",  # format-free: the last number
     eval_breakdown_column="operations",  # eval metrics for one- and two-operation problems apart
     seed=0,
