@@ -12,8 +12,8 @@ smaller than 1/256 of the weight, so sampling would not draw from the trained po
 Packing: oneDNN's float32 matmul on a weight reordered once for it (`to_mkldnn`) took half the time of torch's
 default CPU matmul on the machine this was written on (AMD EPYC, one thread: SmolLM2-135M's [16, 576] x
 [576, 1536] 396 -> 248 us, a 2 x 145-token prefill 5.4 -> 2.6 ms), with float32 results (differences of a few
-float32 roundings, as between any two matmul kernels). The packed copy lives only during the decode; the LM
-head keeps its own path (policy/head)."""
+float32 roundings, as between any two matmul kernels). The packed copies live only during the decode; the LM
+head's is handed to the decode (policy/head's `head_logits`), which reads the head's weight itself."""
 from __future__ import annotations
 
 import contextlib
@@ -68,8 +68,9 @@ def _packed_forward(weight: torch.Tensor, bias: torch.Tensor | None):
 def sampling_weights(model):
     """Within the context, every foldable LoRA layer of `model` (see `foldable_layers`) computes with its base
     weight plus its adapter's update, held in a new tensor, and skips the adapter; on a CPU every packable
-    linear of the body (the LM head aside) runs on a oneDNN-packed copy of its (folded) weight. On exit the
-    original weights (the same tensors, never written), forwards and adapters are back."""
+    linear of the body runs on a oneDNN-packed copy of its (folded) weight. Yields the LM head's product on a
+    packed copy (`hidden -> logits`, for policy/head's `head_logits`), or None where it is not packed. On exit
+    the original weights (the same tensors, never written), forwards and adapters are back."""
     layers = foldable_layers(model)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     swapped, packed = [], []
@@ -92,7 +93,9 @@ def sampling_weights(model):
             for base, weight in folded.items():  # not packed (a GPU): the folded weight stands in
                 swapped.append((base, base.weight))
                 base.weight = torch.nn.Parameter(weight, requires_grad=False)
-        yield
+            # The head's [V, H] product is a fifth of a SmolLM2 decoding step: packed too, used by the decode.
+            head_matmul = _packed_forward(head.weight, head.bias) if head is not None and packable(head) else None
+        yield head_matmul
     finally:
         for module in packed:
             del module.forward  # the class's forward again

@@ -4,9 +4,10 @@ the last position only, and one uniform number per row to pick a token.
 Why not `generate`: at a 150k-token vocabulary its per-step overhead rivals the model itself on a CPU.
 `torch.multinomial` draws one exponential per vocabulary entry (~40 ms per step for 8 rows), the min-length
 processor rewrites the whole score matrix, and `F.linear(h, W)` with few rows is ~30% slower than `W @ h.T`
-(measured; see benchmarks/vs_trl.py). Logits here are computed exactly as the loss computes log-probs
-(hidden states times the LM head, the family's scale or soft cap (policy/head), float32 softmax), so the
-sampling policy is the one being trained.
+(measured; see benchmarks/vs_trl.py). Logits here are computed as the loss computes log-probs (hidden states
+times the LM head, the family's scale or soft cap (policy/head), float32 softmax), so the sampling policy is
+the one being trained; the Sampler's weights (policy/folding: LoRA folded in, oneDNN-packed on a CPU) change
+them by float32 roundings only.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import torch
 
 from ..policy.head import head_logits, positions
 from .compaction import DecodingRows, select_rows
-from .kv_cache import preallocated_cache
+from .kv_cache import in_place, preallocated_cache
 
 
 def _cache_argument(body) -> str:
@@ -76,22 +77,52 @@ def sample_from_logits(logits: torch.Tensor, generator: torch.Generator | None =
     return token.clamp_(max=logits.shape[-1] - 1).squeeze(1)  # [N]
 
 
+MIN_SHARED_PREFIX = 16  # tokens all prompts must share before the prefix is read once for all of them
+
+
+def shared_prefix_length(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> int:
+    """How many first real tokens all left-padded prompts [B, P] share, leaving each at least one token of its
+    own (the last token's hidden state starts its completion); 0 for a single prompt."""
+    lengths = prompt_mask.sum(1)  # [B]
+    shortest, P = int(lengths.min()), prompt_ids.shape[1]
+    if len(prompt_ids) < 2 or shortest < 2:
+        return 0
+    columns = (P - lengths)[:, None] + torch.arange(shortest - 1, device=prompt_ids.device)  # [B, L-1]
+    aligned = prompt_ids.gather(1, columns)  # [B, L-1]: each prompt's first tokens, left-aligned
+    differs = (aligned != aligned[:1]).any(0)  # [L-1]
+    return int(differs.nonzero()[0]) if differs.any() else shortest - 1
+
+
+def suffixes(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each left-padded prompt [B, P] without its first `k` real tokens: ids and mask [B, S], left-padded to the
+    longest rest (S); the prefix tokens of shorter rows that fall inside the S columns are masked out."""
+    lengths = prompt_mask.sum(1)  # [B]
+    P, S = prompt_ids.shape[1], int(lengths.max()) - k
+    first = (P - lengths + k)[:, None]  # [B, 1]: each row's first own column
+    own = torch.arange(P - S, P, device=prompt_ids.device)[None] >= first  # [B, S]
+    return prompt_ids[:, P - S:], own.to(prompt_mask.dtype)  # [B, S] each
+
+
 @torch.no_grad()
 def decode(hf_model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, max_new_tokens: int,
              temperature: float, top_p: float, top_k: int, eos_ids: list[int], pad_id: int,
              min_p: float | None = None, repetition_penalty: float = 1.0, stop_at_eos: bool = True,
-             greedy: bool = False, repeats: int = 1, on_token=None) -> torch.Tensor:
+             greedy: bool = False, repeats: int = 1, on_token=None, head_matmul=None) -> torch.Tensor:
     """Completion ids [N, C] sampled after left-padded prompts [B, P], each prompt `repeats` times in a row
     (N = B * repeats), by a transformers causal LM (adapters, if any, injected in place). A prompt's copies share
     one prefill: the prompt is read once and its KV cache repeated (8 copies of SmolLM2's 142-token GSM8K prompt:
-    9.7 -> 1.4 CPU s). With `stop_at_eos`, rows that sampled EOS continue with `pad_id` and the loop ends when all
+    9.7 -> 1.4 CPU s); with a cache written in place (plain attention), the first tokens all prompts share (at
+    least MIN_SHARED_PREFIX: a system prompt, a worked example) are read once for all of them, then each prompt's
+    own rest, left-padded after the shared part (positions count real tokens, so the keys are the same). With
+    `stop_at_eos`, rows that sampled EOS continue with `pad_id` and the loop ends when all
     have; without it, EOS is never sampled and every row gets `max_new_tokens` tokens. `greedy` takes
     the most likely token instead of sampling (evaluation): the filters are skipped, a repetition penalty still
     applies (as in transformers). `on_token(n)`, if given, is called after every decoding step with the number of
     tokens it generated (rows not yet finished), for progress bars. Finished rows leave the batch and the cache
     as they accumulate (rollout/compaction): the n rows left decode on. The KV cache and the attention mask are
-    allocated once for P + max_new_tokens positions and written in place (rollout/kv_cache)."""
-    body, logits_of = hf_model.base_model, head_logits(hf_model)
+    allocated once for P + max_new_tokens positions and written in place (rollout/kv_cache). `head_matmul`, if
+    given, is the LM head's product on a packed copy of its weight (policy/folding)."""
+    body, logits_of = hf_model.base_model, head_logits(hf_model, head_matmul)
     P = prompt_ids.shape[1]
     cache = preallocated_cache(hf_model.config, P + max_new_tokens)
     eos = torch.tensor(eos_ids, device=prompt_ids.device)
@@ -100,12 +131,20 @@ def decode(hf_model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, max
     if stateful and repeats > 1:
         prompt_ids, prompt_mask = prompt_ids.repeat_interleave(repeats, 0), prompt_mask.repeat_interleave(repeats, 0)
         repeats = 1  # [N, P] prompts, prefilled row by row
-    ids = prompt_ids  # [B, P]
+    ids, mask = prompt_ids, prompt_mask  # [B, P]
+    k = shared_prefix_length(prompt_ids, prompt_mask) if not stateful and in_place(cache) else 0
+    if k >= MIN_SHARED_PREFIX:  # prompts that start alike (a system prompt, a worked example): read it once
+        start = P - int(prompt_mask[0].sum())  # row 0's first real token
+        body(input_ids=prompt_ids[:1, start:start + k], attention_mask=prompt_mask.new_ones(1, k),
+             position_ids=torch.arange(k, device=ids.device)[None], use_cache=True, **{_cache_argument(body): cache})
+        cache.reorder_cache(torch.zeros(len(ids), dtype=torch.long, device=ids.device))  # its KV for every row
+        ids, mask = suffixes(prompt_ids, prompt_mask, k)  # [B, S]
+        mask = torch.cat([mask.new_ones(len(mask), k), mask], 1)  # [B, k+S]: the prefix, then each suffix
+        P = mask.shape[1]
     # The attention mask of every position the decode will reach, 1 past the prompt: each step reads a longer
     # view of it (a finished row's later columns are never read).
-    full_mask = torch.cat([prompt_mask, prompt_mask.new_ones(prompt_mask.shape[0], max_new_tokens)], 1)  # [B, P+C]
-    mask = full_mask[:, :P]  # [B, P]
-    position_ids = positions(mask)  # [B, P]
+    full_mask = torch.cat([mask, mask.new_ones(len(mask), max_new_tokens)], 1)  # [B, P+C]
+    position_ids = positions(mask)[:, P - ids.shape[1]:]  # [B, S]: those of the tokens fed first
     batch = DecodingRows(ids.shape[0] * repeats, ids.device, compacts=not stateful)  # the rows still decoding
     # Tokens seen so far, kept only when penalized: the default path does no extra work per step.
     seen = None if repetition_penalty == 1.0 else seen_tokens(

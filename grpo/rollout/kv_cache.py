@@ -79,3 +79,9 @@ def preallocated_cache(config, max_length: int) -> Cache:
     if not layer_types or any(t != "full_attention" for t in layer_types):
         return DynamicCache(config=config)
     return Cache(layers=[PreallocatedLayer(max_length) for _ in layer_types])
+
+
+def in_place(cache: Cache) -> bool:
+    """Whether every layer of `cache` is a PreallocatedLayer: plain attention, where a token's keys and values
+    depend only on the tokens before it and their positions, so a shared prefix can be read once."""
+    return bool(cache.layers) and all(isinstance(layer, PreallocatedLayer) for layer in cache.layers)

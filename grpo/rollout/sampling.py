@@ -127,12 +127,13 @@ def sample_completions(model, tokenizer, encode: PromptEncoder, prompts: list, *
         # never apply, only the knobs the run sets, as in TRL; and it is faster (see decoding.py). Knobs beyond
         # temperature make sampling off-policy (as in TRL): the loss scores the policy's own distribution.
         # LoRA folded into copies of its base weights, oneDNN-packed on a CPU, while decoding (policy/folding).
-        with sampling_weights(model):
+        with sampling_weights(model) as head_matmul:
             completion_ids = decode(unwrap(model), prompt_ids, prompt_mask, max_new_tokens=max_completion_length,
                                     temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                                     repetition_penalty=repetition_penalty, eos_ids=eos_ids,
                                     pad_id=tokenizer.pad_token_id, stop_at_eos=stop_at_eos,
-                                    greedy=greedy, repeats=num_generations, on_token=on_token)  # [N, C]
+                                    greedy=greedy, repeats=num_generations, on_token=on_token,
+                                    head_matmul=head_matmul)  # [N, C]
     finally:
         model.train(was_training)
     prompt_ids = prompt_ids.repeat_interleave(num_generations, dim=0)  # [N, P]

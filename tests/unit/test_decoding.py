@@ -240,3 +240,17 @@ def test_a_shared_prefill_samples_what_repeated_prompts_sample(penalty):
     repeated = decode(model, ids.repeat_interleave(4, 0), mask.repeat_interleave(4, 0), **settings)
     assert shared.shape == (12, 10) and torch.equal(shared, repeated)
     assert len({tuple(r) for r in shared.tolist()}) > 3  # the copies drew different completions
+
+
+def test_the_shared_prefix_leaves_every_prompt_a_token_of_its_own():
+    from grpo.rollout.decoding import shared_prefix_length, suffixes
+
+    ids = torch.tensor([[0, 0, 5, 6, 7, 8], [5, 6, 7, 9, 9, 9], [0, 5, 6, 7, 8, 1]])  # [3, 6], left-padded
+    mask = (ids != 0).long()
+    assert shared_prefix_length(ids, mask) == 3  # 5 6 7
+    rest, own = suffixes(ids, mask, 3)
+    assert rest.tolist() == [[6, 7, 8], [9, 9, 9], [7, 8, 1]] and own.tolist() == [[0, 0, 1], [1, 1, 1], [0, 1, 1]]
+    same = torch.tensor([[4, 5, 6], [4, 5, 6]])
+    assert shared_prefix_length(same, torch.ones_like(same)) == 2  # the last token stays each row's own
+    assert shared_prefix_length(same[:1], torch.ones_like(same[:1])) == 0  # one prompt: nothing to share
+    assert shared_prefix_length(torch.tensor([[1, 2], [3, 2]]), torch.ones(2, 2, dtype=torch.long)) == 0

@@ -81,3 +81,15 @@ def test_layers_are_folded_only_where_exact_enough(tokenizer):
         assert not any("forward" in vars(m) for m in bf16.modules())
     with model.disable_adapter():
         assert foldable_layers(model) == []  # the reference's forward: nothing to fold
+
+
+def test_the_lm_head_is_packed_for_the_decode_and_gives_its_logits(tokenizer):
+    from grpo.policy.head import head_logits
+    from grpo.policy.models import unwrap
+
+    model = lora_model(tokenizer)
+    hidden = torch.randn(5, unwrap(model).config.hidden_size)  # [5, H]
+    with sampling_weights(model) as head_matmul:
+        assert head_matmul is not None
+        packed = head_logits(unwrap(model), head_matmul)(hidden)  # [5, V]
+    assert torch.allclose(packed, head_logits(unwrap(model))(hidden), atol=1e-5)

@@ -254,3 +254,31 @@ def test_the_preallocated_cache_is_written_in_place():
     assert seen[0][0][1] == (4, 2, 16, 8) and len(seen) == 10
     assert all(step == seen[1] for step in seen[2:]) and seen[1][0][1] == (8, 2, 16, 8)
     assert cache.layers[0].get_seq_length() == 6 + 9  # the last token is sampled, never fed back
+
+
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+def test_a_prefix_all_prompts_share_is_read_once_and_changes_no_greedy_token(model_type, monkeypatch):
+    # 3 left-padded prompts of 20-24 tokens whose first 18 are the same: read once, its cache given to every row
+    # (plain-attention families; the others read every prompt whole), then each prompt's own tokens.
+    import grpo.rollout.decoding
+
+    model = tiny_family(model_type)
+    prefix = torch.randint(1, V, (18,), generator=torch.Generator().manual_seed(1))
+    own = [torch.randint(1, V, (n,), generator=torch.Generator().manual_seed(n)) for n in (2, 6, 4)]
+    ids = torch.zeros(3, 24, dtype=torch.long)  # [B, P]
+    mask = torch.zeros_like(ids)
+    for i, rest in enumerate(own):
+        row = torch.cat([prefix, rest])
+        ids[i, 24 - len(row):], mask[i, 24 - len(row):] = row, 1
+    assert grpo.rollout.decoding.shared_prefix_length(ids, mask) == 18
+    reads = []
+    model.base_model.register_forward_pre_hook(lambda _, args, kw: reads.append(tuple(kw["input_ids"].shape)),
+                                               with_kwargs=True)
+    settings = dict(max_new_tokens=8, temperature=1.0, top_p=1.0, top_k=0, eos_ids=[V], pad_id=0, greedy=True,
+                    repeats=2, repetition_penalty=1.3)
+    shared = decode(model, ids, mask, **settings)  # [6, C]
+    stays_whole = model_type in ("cohere2", "gemma2", "gemma3_text", "mistral", "recurrent_gemma", "vaultgemma")
+    whole = [(6 if model_type == "recurrent_gemma" else 3, 24), (6, 1)]  # its own state: prefilled row by row
+    assert reads[:2] == (whole if stays_whole else [(1, 18), (3, 6)]), reads[:2]
+    monkeypatch.setattr(grpo.rollout.decoding, "MIN_SHARED_PREFIX", 10**6)
+    assert torch.equal(shared, decode(model, ids, mask, **settings))
