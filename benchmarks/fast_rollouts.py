@@ -165,7 +165,9 @@ def measure(tree: Path, kind: str, args) -> dict:
     out = subprocess.run(cmd, env=env, cwd=tree, capture_output=True, text=True)
     if out.returncode:
         raise SystemExit(f"{kind} in {tree} failed:\n{out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    print(f"{kind} ({args.n} prompts) in {tree}: {result}", file=sys.stderr, flush=True)  # as they come
+    return result
 
 
 def main() -> None:
