@@ -34,7 +34,7 @@ from .rollout.rewards import (NoSignalWatch, RewardContext, TrainerState, check_
                               compute_rewards, reward_func_names, reward_metrics)
 from .rollout.sampling import Rollout, Sampler
 from .run import checkpoint, elastic, lock
-from .run.allocator import return_freed_memory
+from .run.allocator import decoding_allocations, return_freed_memory
 from .run.distributed import setup as setup_distributed
 from .run.interrupts import StepAbandoned, StopSignals, TrainingInterrupted
 from .run.logs import log_completions, log_eval, log_metrics, peak_memory_gb
@@ -73,8 +73,8 @@ class Trainer:
         self.model = prepare_for_training(model if model is not None else load_model(config, self.precision), config,
                                           self.dist.world_size)
         self.policy = Policy(self.model, config, self.dist.world_size, self.precision)
-        if self.policy.device.type == "cpu":  # freed activations and logits go back to the OS (run/allocator)
-            return_freed_memory()
+        # On a CPU freed activations and logits go back to the OS (run/allocator), decodes aside.
+        self.threshold_set = self.policy.device.type == "cpu" and return_freed_memory()
         place_reward_models(self.reward_funcs, self.policy.device)  # reward models next to the policy
         self.sampler = Sampler(self.policy, self.tokenizer, config,  # as many prompts per decode as fit (memory/)
                                sampling_prompts_per_decode(config, self.model, self.policy.device.type)) \
@@ -204,7 +204,8 @@ class Trainer:
         # Every rank draws the same global prompts and keeps its own share of whole prompts.
         rows = self.dist.shard(self.prompts.next(num_prompts))                            # rollout/prompts
         with TokenProgress(f"sampling step {self.step + 1}", enabled=self.dist.is_main) as on_token:
-            rollouts, fields = self.sampler(rows["prompt"], on_token)                    # rollout/sampling
+            with decoding_allocations(self.threshold_set):                               # run/allocator
+                rollouts, fields = self.sampler(rows["prompt"], on_token)                # rollout/sampling
         seconds = time.perf_counter() - t0
         columns = {**per_completion(rows, self.config.num_generations), **fields}  # a rollout_func's fields win
         prompts, completions = columns.pop("prompt"), [c for ro in rollouts for c in ro.completions]
@@ -336,9 +337,10 @@ class Trainer:
         torchrun every rank evaluates the whole set (FSDP ranks must generate together) and rank 0 writes."""
         cfg = self.config
         batch_size = eval_batch_size(cfg, self.model, self.policy.device.type)  # memory/fit
-        metrics, _ = evaluate(self.model, self.tokenizer, self.eval_dataset, self.reward_funcs,
-                              **eval_options(cfg, batch_size), progress=self.dist.is_main,
-                              unsharded=self.policy.parallel.unsharded)
+        with decoding_allocations(self.threshold_set):
+            metrics, _ = evaluate(self.model, self.tokenizer, self.eval_dataset, self.reward_funcs,
+                                  **eval_options(cfg, batch_size), progress=self.dist.is_main,
+                                  unsharded=self.policy.parallel.unsharded)
         return log_eval(self.output_dir, self.step, metrics, self.dist.is_main, self.trackers)
 
     def log(self, metrics: dict) -> dict:

@@ -66,7 +66,9 @@ def sampling_prompts_per_decode(config: Config, model=None, device: str = "cuda"
     batch when it fits within the training peak), None (a micro-batch's) where the architecture cannot be
     read."""
     arch = architecture_of(config, model)
-    return None if isinstance(arch, str) else estimate(arch, config, "cuda" if device == "cuda" else "cpu").decode_prompts
+    if isinstance(arch, str):
+        return None
+    return estimate(arch, config, "cuda" if device == "cuda" else "cpu").decode_prompts
 
 
 def eval_batch_size(config: Config, model=None, device: str = "cuda") -> int:

@@ -15,16 +15,35 @@ mapping, unmapped when torch frees it.
   hundreds per step) become fresh mappings, whose page faults cost CPU time.
 Memory first: a deep model's peak was 3x its live memory at 16 MB. `MALLOC_MMAP_THRESHOLD_` in the environment
 chooses another threshold (16777216: faster decoding at a large vocabulary, more memory).
+
+While decoding (`decoding_allocations`), the threshold is 32 MB, then back to 1 MB with the freed heap trimmed:
+a decode with its KV cache allocated once (rollout/kv_cache) frees and reallocates the same few blocks each step
+(logits, their softmax and cumulative sum, the linears' outputs), which at 1 MB are fresh mappings to fault in.
+Measured on SmolLM2-135M with LoRA, one thread (benchmarks/fast_rollouts.py's worker, MALLOC_MMAP_THRESHOLD_=33554432
+against 1 MB, one run each): sampling 16 x 128 tokens
+15.95 -> 14.40 CPU s (page faults per step 9,129 -> 5,530), greedy evaluation of 50 prompts 22.6 -> 21.6 CPU s,
+peak RSS 1.815 -> 1.818 and 2.357 -> 2.421 GB; training keeps the 1 MB threshold.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import os
 import sys
 
 MMAP_THRESHOLD = 1024 * 1024
+DECODING_MMAP_THRESHOLD = 32 * 1024 * 1024
 _M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
+
+
+def _libc():
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.mallopt, libc.malloc_trim  # noqa: B018 -- musl and other C libraries lack them
+        return libc
+    except (OSError, AttributeError):
+        return None
 
 
 def return_freed_memory() -> bool:
@@ -32,9 +51,21 @@ def return_freed_memory() -> bool:
     given in the environment (`MALLOC_MMAP_THRESHOLD_`) is the user's choice and wins. True when set here."""
     if not sys.platform.startswith("linux") or "MALLOC_MMAP_THRESHOLD_" in os.environ:
         return False
+    libc = _libc()
+    return libc is not None and bool(libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD))
+
+
+@contextlib.contextmanager
+def decoding_allocations(threshold_set: bool):
+    """Within the context, DECODING_MMAP_THRESHOLD; after it, MMAP_THRESHOLD again and the heap's free memory
+    given back (malloc_trim). Only where `return_freed_memory` set the threshold (`threshold_set`)."""
+    libc = _libc() if threshold_set else None
+    if libc is None:
+        yield
+        return
+    libc.mallopt(_M_MMAP_THRESHOLD, DECODING_MMAP_THRESHOLD)
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):  # musl and other C libraries have no mallopt
-        return False
-    return bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD))
+        yield
+    finally:
+        libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)
+        libc.malloc_trim(0)

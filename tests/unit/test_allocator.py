@@ -67,3 +67,19 @@ def test_a_deep_forward_keeps_no_more_than_it_holds():
 
 def test_a_threshold_from_the_environment_wins():
     assert run_child("fixed", MALLOC_MMAP_THRESHOLD_="33554432")["set_here"] is False
+
+
+def test_decodes_run_at_a_higher_threshold_and_training_gets_its_own_back(monkeypatch):
+    import grpo.run.allocator as allocator
+
+    calls = []
+    libc = type("Libc", (), {"mallopt": staticmethod(lambda p, v: calls.append(("mallopt", p, v)) or 1),
+                             "malloc_trim": staticmethod(lambda pad: calls.append(("trim", pad)) or 1)})
+    monkeypatch.setattr(allocator, "_libc", lambda: libc)
+    with allocator.decoding_allocations(True):
+        assert calls == [("mallopt", -3, 32 * 1024 * 1024)]
+    assert calls[1:] == [("mallopt", -3, 1024 * 1024), ("trim", 0)]
+    calls.clear()
+    with allocator.decoding_allocations(False):  # a threshold the user chose (or none set here): untouched
+        pass
+    assert calls == []
