@@ -19,10 +19,10 @@ chooses another threshold (16777216: faster decoding at a large vocabulary, more
 While decoding (`decoding_allocations`), the threshold is 32 MB, then back to 1 MB with the freed heap trimmed:
 a decode with its KV cache allocated once (rollout/kv_cache) frees and reallocates the same few blocks each step
 (logits, their softmax and cumulative sum, the linears' outputs), which at 1 MB are fresh mappings to fault in.
-Measured on SmolLM2-135M with LoRA, one thread (benchmarks/fast_rollouts.py's worker, MALLOC_MMAP_THRESHOLD_=33554432
-against 1 MB, one run each): sampling 16 x 128 tokens
-15.95 -> 14.40 CPU s (page faults per step 9,129 -> 5,530), greedy evaluation of 50 prompts 22.6 -> 21.6 CPU s,
-peak RSS 1.815 -> 1.818 and 2.357 -> 2.421 GB; training keeps the 1 MB threshold.
+Measured on SmolLM2-135M with LoRA, one thread (benchmarks/fast_rollouts.py's worker at
+MALLOC_MMAP_THRESHOLD_=33554432 against 1 MB, one run each): sampling 16 x 128 tokens 15.95 -> 14.40 CPU s (page
+faults per step 9,129 -> 5,530), greedy evaluation of 50 prompts 22.6 -> 21.6 CPU s, peak RSS 1.815 -> 1.818
+and 2.357 -> 2.421 GB; training keeps the 1 MB threshold.
 """
 from __future__ import annotations
 
