@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import Cache, DynamicLayer, get_layer_types_and_kwargs
+from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
 
 
-class PreallocatedLayer(DynamicLayer):
-    """One attention layer's keys and values in buffers of `max_length` positions, filled from the left."""
-
-    is_croppable = False
+class PreallocatedLayer(CacheLayerMixin):
+    """One attention layer's keys and values in buffers of `max_length` positions, filled from the left
+    (transformers' layer interface; the attention mask is sized as for a cache that grows)."""
 
     def __init__(self, max_length: int):
         super().__init__()
@@ -53,6 +52,12 @@ class PreallocatedLayer(DynamicLayer):
 
     def get_seq_length(self) -> int:
         return self.length
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.length + query_length, 0  # keys the queries see, from offset 0
+
+    def get_max_length(self) -> int:
+        return -1  # as a growing cache: attention reads views of the written positions only
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Rows `beam_idx` of the buffers: fewer when finished rows leave, repeated for a prompt's copies."""
