@@ -3,12 +3,16 @@ through the DDP / FSDP wrapper, the run's autocast (policy/precision.py) and the
 policy. Sampling with it is rollout/sampling.py's."""
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from . import reference_kind
-from .models import check_logprobs_match_forward, completion_logprobs, device_of, make_reference, reference_context
+from .models import (check_logprobs_match_forward, completion_logprobs, device_of, make_reference, reference_context,
+                     unwrap)
 from .parallel import ParallelPolicy
 from .precision import Precision
+from .prefix import CacheDropped, check_shared_prompt_forward, refusal, shared_prompt_logprobs, shared_prompts
 
 
 class Policy:
@@ -23,6 +27,11 @@ class Policy:
         self.parallel = ParallelPolicy(model, world_size, fsdp=config.fsdp, bf16=precision.bf16)
         self.device = device_of(model)
         self.head_checked = False
+        # Each distinct prompt forwarded once (policy/prefix.py), unless the model's cache cannot serve it.
+        why = refusal(unwrap(model)) if config.shared_prompt_forward else None
+        self.shared_prompt = config.shared_prompt_forward and why is None
+        if why is not None:
+            self._whole_rows(why)
 
     def logprobs(self, rollout, with_entropy: bool = False):
         """Per-token log-probs [N, C] of the rollout's completions under the policy (with grad when enabled);
@@ -49,9 +58,28 @@ class Policy:
             self.parallel(lambda model: check_logprobs_match_forward(
                 model, rollout.input_ids, rollout.attention_mask, rollout.prompt_ids.shape[1],
                 temperature=c.temperature, chunk_size=c.logprob_chunk_size, agree=agree))
+            if self.shared_prompt:
+                excess, error = self.parallel(lambda model: check_shared_prompt_forward(
+                    model, rollout, temperature=c.temperature, chunk_size=c.logprob_chunk_size, agree=agree))
+                if excess > 1:
+                    self._whole_rows(f"its log-probs differ from the whole rows' by up to {error:.3g} on the first "
+                                     "step's check")
             self.head_checked = True
 
+    def _whole_rows(self, why: str) -> None:
+        self.shared_prompt = False
+        print(f"grpo: shared_prompt_forward is off: {why}; log-probs forward whole rows", file=sys.stderr)
+
     def _logprobs(self, model, rollout, with_entropy: bool = False):
+        c, ro = self.config, rollout
+        # Rows that share no prompt (a micro-batch of lone rows) gain nothing from it.
+        if self.shared_prompt and len(shared_prompts(ro.prompt_ids, ro.prompt_mask)[0]) < len(ro.prompt_ids):
+            try:
+                return shared_prompt_logprobs(model, ro.prompt_ids, ro.prompt_mask, ro.completion_ids,
+                                              ro.completion_mask, temperature=c.temperature,
+                                              chunk_size=c.logprob_chunk_size, return_entropy=with_entropy)
+            except CacheDropped as dropped:
+                self._whole_rows(str(dropped))
         return completion_logprobs(model, rollout.input_ids, rollout.attention_mask, rollout.prompt_ids.shape[1],
-                                   temperature=self.config.temperature, chunk_size=self.config.logprob_chunk_size,
+                                   temperature=c.temperature, chunk_size=c.logprob_chunk_size,
                                    return_entropy=with_entropy)

@@ -132,6 +132,28 @@ def test_num_iterations_reuses_one_generation_batch(tmp_path, tokenizer):
     assert history[1]["ratio/mean"] != pytest.approx(1.0, abs=1e-9), "second pass sees an updated policy"
 
 
+@pytest.mark.parametrize("use_lora", [False, True])
+def test_shared_prompt_forward_trains_as_whole_rows(tmp_path, tokenizer, use_lora):
+    """Old-policy, reference and policy log-probs with each prompt forwarded once: the same steps as whole rows
+    (same sampled completions, then the same losses and weights), under checkpointing and num_iterations = 2.
+    Dropout is off: with it, the copies of a prompt would share one dropout mask."""
+    runs = []
+    for shared in (True, False):
+        config = make_config(tmp_path / str(shared), max_steps=2, num_iterations=2, use_lora=use_lora, lora_r=4,
+                             gradient_checkpointing=True, entropy_coef=0.01, disable_dropout=True,
+                             shared_prompt_forward=shared)
+        trainer = Trainer(config, model=tiny_model(tokenizer), tokenizer=tokenizer, reward_funcs=[digit_share],
+                          train_dataset=digit_prompts())
+        assert trainer.policy.shared_prompt == shared
+        runs.append((trainer.train(), snapshot(trainer.model)))
+    (shared_history, shared_weights), (whole_history, whole_weights) = runs
+    for a, b in zip(shared_history, whole_history):
+        for key in ("loss", "kl", "entropy", "grad_norm"):
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
+    for name in whole_weights:
+        torch.testing.assert_close(shared_weights[name], whole_weights[name], rtol=1e-4, atol=1e-6)
+
+
 def test_entropy_bonus_off_policy_mask_and_no_dropout(tmp_path, tokenizer):
     config = make_config(tmp_path, max_steps=2, num_iterations=2, beta=0.0, entropy_coef=0.01,
                          off_policy_mask_threshold=0.1, disable_dropout=True, use_lora=True, lora_r=4, lora_alpha=8,

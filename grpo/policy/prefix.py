@@ -1,0 +1,199 @@
+"""Completion log-probs with each distinct prompt forwarded once: the prompt rows [B, P] run with a KV cache that
+keeps its graph, the cache is expanded to the rows that share each prompt, and the completions [N, C] run
+against it. The gradient through a shared prompt is then the sum over its copies (the backward of the
+expansion), so log-probs and gradients are those of the full rows (models.completion_logprobs), with a group's
+prompt computed once instead of G times.
+
+Served: models whose transformers cache is built of plain and sliding-window attention layers. Under gradient
+checkpointing a layer's forward is replayed in backward; both caches here give the same states on a replay (the
+prompt's layers replace what they hold, the completions' layers only read), which is what transformers'
+`_can_checkpoint_with_cache` asks of a cache kept under checkpointing. Others (recurrent state, KV shared across
+layers, chunked attention) are refused by `refusal`, and the caller takes the full rows."""
+from __future__ import annotations
+
+import contextlib
+import copy
+import inspect
+
+import torch
+
+from ..algo.logprobs import token_logprobs
+from .head import head_transform, positions
+from .models import completion_logprobs, unwrap
+
+
+def shared_prompts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(first, owner)`: the first row [B] of each run of consecutive rows with the same prompt (ids and mask),
+    and each row's run [N]. A group's G rows are consecutive, so a group is one run (or several when trained_rows
+    cut rows between them: each run is still exact)."""
+    same = (prompt_ids[1:] == prompt_ids[:-1]).all(1) & (prompt_mask[1:] == prompt_mask[:-1]).all(1)  # [N-1]
+    starts = torch.cat([same.new_ones(1), ~same])  # [N]: a row whose prompt differs from the one before
+    return starts.nonzero().squeeze(1), starts.long().cumsum(0) - 1  # [B], [N]
+
+
+class CacheDropped(RuntimeError):
+    """The model ran the prompt without filling the cache given (GPT-2 drops it under gradient checkpointing):
+    nothing was computed that the full rows need; take them instead."""
+
+
+def _cache_argument(body) -> str | None:
+    """transformers 5.x renamed the forward's `past_key_values` to `cache`."""
+    parameters = inspect.signature(body.forward).parameters
+    return next((name for name in ("cache", "past_key_values") if name in parameters), None)
+
+
+def refusal(hf_model) -> str | None:
+    """Why `hf_model` cannot take the shared-prompt forward, or None when it can."""
+    from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
+
+    name = type(hf_model).__name__
+    if getattr(hf_model, "_is_stateful", False):
+        return f"{name} keeps a recurrent state outside the KV cache"
+    if _cache_argument(hf_model.base_model) is None:
+        return f"{name}'s body takes no cache"
+    try:
+        layers = DynamicCache(config=hf_model.config).layers
+    except Exception as error:  # a config transformers builds no cache from
+        return f"no cache is built from {type(hf_model.config).__name__} ({error})"
+    kinds = {type(layer) for layer in layers} - {DynamicLayer, DynamicSlidingWindowLayer}
+    if not layers or kinds:
+        return f"{name}'s cache has layers of kind {sorted(k.__name__ for k in kinds) or 'none'}"
+    return None
+
+
+def shared_prompt_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor,
+                           completion_mask: torch.Tensor, *, temperature: float, chunk_size: int,
+                           return_entropy: bool = False):
+    """Log-probs `[N, C]` of the completions under `model` (a transformers causal LM, or peft over one, that
+    `refusal` accepts), as `models.completion_logprobs` on the whole rows gives them; `(logprobs, entropies)`
+    with `return_entropy`."""
+    hf = unwrap(model)
+    body, head, transform = hf.base_model, hf.get_output_embeddings(), head_transform(hf.config)
+    first, owner = shared_prompts(prompt_ids, prompt_mask)  # [B], [N]
+    ids, mask = prompt_ids[first], prompt_mask[first]  # [B, P]
+    # use_cache=False: the cache given is used all the same, and checkpointed layers do not warn about it.
+    cache, argument = _fresh_cache(hf.config), _cache_argument(body)
+    with _cache_kept_under_checkpointing(body):
+        # [B, H]: the prompt's last state (left padding ends on a real token)
+        prompt_hidden = body(input_ids=ids, attention_mask=mask, position_ids=positions(mask), use_cache=False,
+                             **{argument: cache}).last_hidden_state[:, -1]
+        if any(layer.keys is None for layer in cache.layers):
+            raise CacheDropped(f"{type(hf).__name__} drops the cache in this mode (gradient checkpointing)")
+        # Positions continue from each row's real prompt length, as on the whole row.
+        attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)  # [N, P+C]
+        completion_positions = positions(attention_mask)[:, prompt_ids.shape[1]:]  # [N, C]
+        hidden = body(input_ids=completion_ids, attention_mask=attention_mask, position_ids=completion_positions,
+                      use_cache=False, **{argument: _expanded(cache, owner, prompt_ids.shape[1])}
+                      ).last_hidden_state  # [N, C, H]
+    # The state before each completion token: the prompt's last for the first, then the completion's own.
+    hidden = torch.cat([prompt_hidden.index_select(0, owner)[:, None], hidden[:, :-1]], dim=1)  # [N, C, H]
+    return token_logprobs(hidden, head.weight, completion_ids, temperature=temperature, bias=head.bias,
+                          chunk_size=chunk_size, return_entropy=return_entropy, logit_scale=transform.scale,
+                          softcap=transform.softcap)
+
+
+def _capturing(base):
+    class Capturing(base):
+        """Holds the keys and values of the prompt forward; a replay replaces them instead of appending."""
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            self.keys, self.values, self.is_initialized = key_states, value_states, True
+            return key_states, value_states
+
+    return Capturing
+
+
+def _reading(base):
+    class Reading(base):
+        """Holds a prompt's keys and values expanded to its rows; returns them with the new ones and keeps the
+        new ones out, so a replay sees the same states and `get_mask_sizes` stays that of the prompt alone."""
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            return torch.cat([self.keys, key_states], dim=-2), torch.cat([self.values, value_states], dim=-2)
+
+    return Reading
+
+
+def _layer_classes():
+    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+    return {base: (_capturing(base), _reading(base)) for base in (DynamicLayer, DynamicSlidingWindowLayer)}
+
+
+_LAYERS: dict = {}
+
+
+def _fresh_cache(config):
+    """A new cache (nothing shared between forwards) whose layers capture the prompt's keys and values."""
+    from transformers.cache_utils import DynamicCache
+
+    _LAYERS.update(_LAYERS or _layer_classes())
+    cache = DynamicCache(config=config)
+    for layer in cache.layers:
+        layer.__class__ = _LAYERS[type(layer)][0]
+    return cache
+
+
+def _expanded(cache, owner: torch.Tensor, prompt_length: int):
+    """A new cache holding each layer's prompt keys and values [B, h, P, d] at the rows [N] that share them."""
+    readers = {capture: read for capture, read in _LAYERS.values()}
+    expanded = copy.copy(cache)
+    expanded.layers = []
+    for layer in cache.layers:
+        new = readers[type(layer)].__new__(readers[type(layer)])
+        new.__dict__.update(layer.__dict__)
+        keys, values = layer.keys, layer.values  # [B, h, P, d]
+        if getattr(layer, "is_sliding", False):
+            # What a sliding-window layer keeps after P tokens: the last W - 1, which is all the window can reach.
+            start = max(keys.shape[2] - (layer.sliding_window - 1), 0)
+            keys, values = keys[:, :, start:], values[:, :, start:]  # [B, h, min(P, W-1), d]
+            new.cumulative_length = prompt_length
+        new.keys, new.values = keys.index_select(0, owner), values.index_select(0, owner)  # [N, h, *, d]
+        expanded.layers.append(new)
+    return expanded
+
+
+@contextlib.contextmanager
+def _cache_kept_under_checkpointing(body):
+    """Let checkpointed decoder layers keep the cache (transformers drops it otherwise): both caches here give
+    the same states when backward replays a layer."""
+    layers = [m for m in body.modules() if hasattr(type(m), "_can_checkpoint_with_cache")]
+    set_here = [m for m in layers if "_can_checkpoint_with_cache" not in vars(m)]
+    for m in set_here:
+        m._can_checkpoint_with_cache = True
+    try:
+        yield
+    finally:
+        for m in set_here:
+            del m._can_checkpoint_with_cache
+
+
+@torch.no_grad()
+def check_shared_prompt_forward(model, rollout, *, temperature: float, chunk_size: int, rows: int = 4,
+                                tokens: int = 16, agree=lambda excess: excess) -> tuple[float, float]:
+    """The first-step check: log-probs of the first `tokens` completion tokens of (at most `rows` of) the rows
+    sharing the rollout's first prompt, by `shared_prompt_logprobs` and by the whole rows. Returns the largest
+    difference over the tolerance (`agree` makes it the largest over ranks, so that all ranks decide alike; above
+    1, they differ) and the difference. Runs in eval mode (no dropout) and without autocast, as the start-up head
+    check does."""
+    take = (shared_prompts(rollout.prompt_ids, rollout.prompt_mask)[1] == 0).nonzero().squeeze(1)[:rows]  # [r]
+    prompt_ids, prompt_mask = rollout.prompt_ids[take], rollout.prompt_mask[take]  # [r, P]
+    completion_ids, completion_mask = rollout.completion_ids[take, :tokens], rollout.completion_mask[take, :tokens]
+    if completion_ids.shape[1] == 0:
+        return agree(0.0), 0.0
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.autocast(prompt_ids.device.type, enabled=False):
+            ours = shared_prompt_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
+                                          temperature=temperature, chunk_size=chunk_size)  # [r, k]
+            whole = completion_logprobs(model, torch.cat([prompt_ids, completion_ids], 1),
+                                        torch.cat([prompt_mask, completion_mask], 1), prompt_ids.shape[1],
+                                        temperature=temperature, chunk_size=chunk_size)  # [r, k]
+    finally:
+        model.train(was_training)
+    error = (ours - whole).abs().masked_fill(completion_mask == 0, 0).max().item()
+    # 16-bit weights: the two paths round differently (batch shapes differ), in the last places of the largest.
+    low_precision = unwrap(model).get_output_embeddings().weight.dtype not in (torch.float32, torch.float64)
+    tolerance = 1e-3 + (2**-5 * whole.abs().max().item() if low_precision else 0.0)
+    return agree(error / tolerance), error
