@@ -12,7 +12,7 @@ from .models import (check_logprobs_match_forward, completion_logprobs, device_o
                      unwrap)
 from .parallel import ParallelPolicy
 from .precision import Precision
-from .prefix import CacheDropped, check_shared_prompt_forward, refusal, shared_prompt_logprobs, shared_prompts
+from .prefix import CacheDropped, check_shared_prompt_forward, refusal, shared_prompt_logprobs
 
 
 class Policy:
@@ -72,8 +72,8 @@ class Policy:
 
     def _logprobs(self, model, rollout, with_entropy: bool = False):
         c, ro = self.config, rollout
-        # Rows that share no prompt (a micro-batch of lone rows) gain nothing from it.
-        if self.shared_prompt and len(shared_prompts(ro.prompt_ids, ro.prompt_mask)[0]) < len(ro.prompt_ids):
+        # Taken even where no row shares its prompt: under FSDP every rank must run as many forwards.
+        if self.shared_prompt:
             try:
                 return shared_prompt_logprobs(model, ro.prompt_ids, ro.prompt_mask, ro.completion_ids,
                                               ro.completion_mask, temperature=c.temperature,

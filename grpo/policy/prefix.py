@@ -105,11 +105,15 @@ def _capturing(base):
 
 def _reading(base):
     class Reading(base):
-        """Holds a prompt's keys and values expanded to its rows; returns them with the new ones and keeps the
-        new ones out, so a replay sees the same states and `get_mask_sizes` stays that of the prompt alone."""
+        """Holds the prompts' keys and values [B, h, P, d] and each row's prompt (`owner` [N]); returns the
+        row's prompt states with the new ones and keeps the new ones out, so that a replay sees the same states
+        and `get_mask_sizes` stays that of the prompt alone."""
 
         def update(self, key_states, value_states, *args, **kwargs):
-            return torch.cat([self.keys, key_states], dim=-2), torch.cat([self.values, value_states], dim=-2)
+            # Expanded here, not held expanded: under checkpointing a layer's replay expands again, and only the
+            # B prompts' keys and values stay alive between forward and backward.
+            keys, values = self.keys.index_select(0, self.owner), self.values.index_select(0, self.owner)  # [N, ...]
+            return torch.cat([keys, key_states], dim=-2), torch.cat([values, value_states], dim=-2)
 
     return Reading
 
@@ -135,7 +139,7 @@ def _fresh_cache(config):
 
 
 def _expanded(cache, owner: torch.Tensor, prompt_length: int):
-    """A new cache holding each layer's prompt keys and values [B, h, P, d] at the rows [N] that share them."""
+    """A new cache giving each layer's prompt keys and values [B, h, P, d] to the rows [N] that share them."""
     readers = {capture: read for capture, read in _LAYERS.values()}
     expanded = copy.copy(cache)
     expanded.layers = []
@@ -148,7 +152,7 @@ def _expanded(cache, owner: torch.Tensor, prompt_length: int):
             start = max(keys.shape[2] - (layer.sliding_window - 1), 0)
             keys, values = keys[:, :, start:], values[:, :, start:]  # [B, h, min(P, W-1), d]
             new.cumulative_length = prompt_length
-        new.keys, new.values = keys.index_select(0, owner), values.index_select(0, owner)  # [N, h, *, d]
+        new.keys, new.values, new.owner = keys, values, owner  # [B, h, *, d], expanded to [N] by update
         expanded.layers.append(new)
     return expanded
 

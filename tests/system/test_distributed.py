@@ -151,7 +151,10 @@ def test_two_ranks_match_one_process(runs, single, parallel):
     one, two = weights(runs / single), weights(runs / parallel)
     assert one.keys() == two.keys()
     worst = max((one[k] - two[k]).abs().max().item() for k in one)
-    assert worst < 1e-6, f"max abs weight difference 1 vs 2 processes: {worst:.3g}"
+    # The shared-prompt forward (on by default) forwards 2 prompts at once in 1 process and 1 per rank: float
+    # rounding, which AdamW magnifies where a gradient nearly cancels (LoRA's first adapter gradients are ~0):
+    # measured 1.4e-6 (LoRA 3.5e-6), and 7e-7 (2e-8) with whole rows. A wrong gradient moves weights by ~lr, 1e-2.
+    assert worst < 5e-6, f"max abs weight difference 1 vs 2 processes: {worst:.3g}"
     m1, m2 = metrics(runs / single), metrics(runs / parallel)
     assert [m["step"] for m in m2] == [1, 2], "rank 0 alone writes metrics"
     for a, b in zip(m1, m2):
@@ -169,7 +172,10 @@ def test_ranks_left_without_rows_to_train_keep_in_step(skipping, parallel):
     # run on every rank, and the run matches 1 process (which does no forward for such a micro-batch).
     one, two = weights(skipping / "fixed_single_skip"), weights(skipping / parallel)
     worst = max((one[k] - two[k]).abs().max().item() for k in one)
-    assert worst < 1e-6, f"max abs weight difference 1 vs 2 processes: {worst:.3g}"
+    # The shared-prompt forward (on by default) forwards 2 prompts at once in 1 process and 1 per rank: float
+    # rounding, which AdamW magnifies where a gradient nearly cancels (LoRA's first adapter gradients are ~0):
+    # measured 1.4e-6 (LoRA 3.5e-6), and 7e-7 (2e-8) with whole rows. A wrong gradient moves weights by ~lr, 1e-2.
+    assert worst < 5e-6, f"max abs weight difference 1 vs 2 processes: {worst:.3g}"
     m1, m2 = metrics(skipping / "fixed_single_skip"), metrics(skipping / parallel)
     # Step 1: 3 of its 4 prompts' groups have equal rewards; step 2: all 4, so no token is trained (its update is
     # AdamW's on a zero gradient: momentum goes on) and the per-token metrics are 0.
