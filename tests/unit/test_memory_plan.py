@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from grpo.settings import Config
-from grpo.memory.estimate import Architecture, estimate
+from grpo.memory.estimate import Architecture, estimate, prompts_in_micro_batch
 from grpo.memory.fit import cheapest_fit, memory_savings, needed_gb, plan_summary, smaller_micro_batches
 from grpo.memory.known_models import KNOWN
 from grpo.plan import main, table
@@ -148,6 +148,30 @@ def test_evaluation_decodes_as_many_prompts_as_fit_within_the_training_peak():
     assert eval_batch_size(dataclasses.replace(s, model="no/such-model-here")) == 64  # no plan without a config
 
 
+def test_the_shared_prompt_forward_counts_each_prompt_once():
+    assert [prompts_in_micro_batch(n, g) for n, g in [(8, 8), (4, 8), (16, 8), (6, 4), (3, 2), (1, 4)]] == \
+        [1, 1, 2, 2, 2, 1]
+    a = Architecture(hidden_size=8, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=16, vocab_size=100,
+                     tie_word_embeddings=True)
+    s = Config(optim="adamw", beta=0.04, per_device_train_batch_size=4, num_generations=4, max_prompt_length=3,
+               max_completion_length=5, gradient_checkpointing=True)
+    shared, whole = (estimate(a, dataclasses.replace(s, shared_prompt_forward=on), "cpu").parts for on in (True, False))
+    # Checkpointed layer inputs and the final norm: 1 x 3 + 4 x 5 tokens instead of 4 x (3 + 5); the prompt's
+    # keys and values [1, 3] (kv_dim 4) of both layers.
+    per_token = 2 * 4 * 8 + (4 + 4) * 8
+    hidden = 4 * 5 * 8 * 4
+    assert whole["activations"] == per_token * 4 * 8 + hidden
+    assert shared["activations"] == per_token * (3 + 4 * 5) + 2 * 3 * 2 * 4 * 4 + hidden
+    llama = Config(per_device_train_batch_size=4, gradient_accumulation_steps=4, num_generations=4,
+                   max_prompt_length=256, max_completion_length=786, beta=0.04, use_lora=True, optim="adamw_8bit")
+    for checkpointing in (True, False):
+        shared, whole = (estimate(LLAMA_1B, dataclasses.replace(llama, gradient_checkpointing=checkpointing,
+                                                                shared_prompt_forward=on)) for on in (True, False))
+        ratio = shared.parts["activations"] / whole.parts["activations"]
+        assert 0.75 < ratio < 0.95, ratio  # (256 + 4 x 786) / (4 x 1042) = 0.82, and the prompt's keys
+        assert shared.peak < whole.peak
+
+
 def test_table_meets_the_issue_targets_for_lora():
     lora = Config(per_device_train_batch_size=4, gradient_accumulation_steps=4, num_generations=4,
                   max_prompt_length=256, max_completion_length=786, beta=0.04, use_lora=True,
@@ -215,7 +239,7 @@ def test_the_planner_searches_micro_batches_down_to_one_group(capsys):
     assert main([*args, "--gpu-memory", "16"]) == 0
     out = capsys.readouterr().out
     assert "does not fit in 16.0 GB\ncheapest change that fits: --per_device_train_batch_size=8 " \
-           "--gradient_accumulation_steps=32 (about 13.3 GB)" in out  # 64 x 4 = 8 x 32 completions a step
+           "--gradient_accumulation_steps=32 (about 12.8 GB)" in out  # 64 x 4 = 8 x 32 completions a step
     config = Config(model="meta-llama/Llama-3.2-1B-Instruct", use_lora=True, per_device_train_batch_size=64,
                     gradient_accumulation_steps=4, num_generations=4, max_prompt_length=256,
                     max_completion_length=4096, beta=0.04, bf16=True, lora_dropout=0.05)
@@ -225,7 +249,7 @@ def test_the_planner_searches_micro_batches_down_to_one_group(capsys):
     # 8 GB: only one group a micro-batch fits, and only without LoRA's dropout copies.
     assert main([*args, "--gpu-memory", "8"]) == 0
     assert ("cheapest change that fits: --lora_dropout=0.0 --per_device_train_batch_size=4 "
-            "--gradient_accumulation_steps=64 (about 7.4 GB)") in capsys.readouterr().out
+            "--gradient_accumulation_steps=64 (about 7.2 GB)") in capsys.readouterr().out
     assert at(4) > 8 >= at(4, lora_dropout=0.0) and at(8, lora_dropout=0.0) > 8
 
 
