@@ -1,6 +1,6 @@
 """The shared-prompt forward (policy/prefix.py) gives the whole rows' log-probs, entropies and gradients of every
-trainable parameter, on tiny random configs of many families, under full fine-tuning, LoRA (adapter on and off),
-gradient checkpointing and bf16 autocast; models it cannot serve take the whole rows, saying so once."""
+trainable parameter, on tiny random configs of many families, under full fine-tuning, LoRA (adapter on and off), QLoRA,
+gradient checkpointing, eager attention and bf16 autocast; models it cannot serve take the whole rows, saying so once."""
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -119,6 +119,25 @@ def test_lora_adapter_on_and_off(checkpointing):
                                     P, temperature=0.7, chunk_size=7)
         shared = shared_prompt_logprobs(reference, *rows, temperature=0.7, chunk_size=7)
     torch.testing.assert_close(shared * rows[3], whole * rows[3], rtol=1e-5, atol=1e-5)
+
+
+def test_eager_attention():
+    model = tiny("llama")
+    model.config._attn_implementation = "eager"
+    model = prepare_for_training(model, Config(use_lora=False, gradient_checkpointing=False, disable_dropout=True))
+    assert_same(*both_paths(model, grouped_rows()))
+
+
+def test_qlora_with_checkpointing():
+    from tiny_setup import tiny_4bit_model, tiny_tokenizer
+
+    config = Config(use_lora=True, lora_r=4, gradient_checkpointing=True, disable_dropout=True)
+    model = prepare_for_training(tiny_4bit_model(tiny_tokenizer()), config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1)
+    assert_same(*both_paths(model, grouped_rows()))
 
 
 def test_bf16_autocast_is_close():
