@@ -1,6 +1,7 @@
 """The shared-prompt forward (policy/prefix.py) gives the whole rows' log-probs, entropies and gradients of every
-trainable parameter, on tiny random configs of many families, under full fine-tuning, LoRA (adapter on and off), QLoRA,
-gradient checkpointing, eager attention and bf16 autocast; models it cannot serve take the whole rows, saying so once."""
+trainable parameter, on tiny random configs of many families, under full fine-tuning, LoRA (adapter on and
+off), QLoRA, gradient checkpointing, eager attention and bf16 autocast; models it cannot serve take the whole
+rows, saying so once."""
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
