@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import inspect
 
 import torch
@@ -118,34 +119,33 @@ def _reading(base):
     return Reading
 
 
-def _layer_classes():
+@functools.cache
+def _layer_classes() -> dict:
+    """transformers' layer class -> (its capturing, its reading) subclass."""
     from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
     return {base: (_capturing(base), _reading(base)) for base in (DynamicLayer, DynamicSlidingWindowLayer)}
 
 
-_LAYERS: dict = {}
-
-
 def _fresh_cache(config):
-    """A new cache (nothing shared between forwards) whose layers capture the prompt's keys and values."""
+    """A new cache (nothing shared between forwards) whose layers capture the prompt's keys and values: the layers
+    transformers builds for `config`, each turned into its capturing subclass."""
     from transformers.cache_utils import DynamicCache
 
-    _LAYERS.update(_LAYERS or _layer_classes())
     cache = DynamicCache(config=config)
     for layer in cache.layers:
-        layer.__class__ = _LAYERS[type(layer)][0]
+        layer.__class__ = _layer_classes()[type(layer)][0]
     return cache
 
 
 def _expanded(cache, owner: torch.Tensor, prompt_length: int):
     """A new cache giving each layer's prompt keys and values [B, h, P, d] to the rows [N] that share them."""
-    readers = {capture: read for capture, read in _LAYERS.values()}
+    readers = dict(_layer_classes().values())  # capturing -> reading
     expanded = copy.copy(cache)
     expanded.layers = []
     for layer in cache.layers:
-        new = readers[type(layer)].__new__(readers[type(layer)])
-        new.__dict__.update(layer.__dict__)
+        new = copy.copy(layer)  # its settings (a sliding window's size)
+        new.__class__ = readers[type(layer)]
         keys, values = layer.keys, layer.values  # [B, h, P, d]
         if getattr(layer, "is_sliding", False):
             # What a sliding-window layer keeps after P tokens: the last W - 1, which is all the window can reach.
