@@ -52,7 +52,8 @@ class Policy:
     def check_head_once(self, rollout, agree) -> None:
         """On the first call only: log-probs and sampling logits of two of the rollout's rows against the model's
         own forward (models.check_logprobs_match_forward); a family whose logits we get wrong stops the run.
-        `agree(x)` is the largest x over the ranks, so that they stop together."""
+        Then the shared-prompt forward against whole rows (prefix.check_shared_prompt_forward): a difference
+        turns it off, with one line. `agree(x)` is the largest x over the ranks, so that they act together."""
         if not self.head_checked:
             c = self.config
             self.parallel(lambda model: check_logprobs_match_forward(
