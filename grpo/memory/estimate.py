@@ -15,9 +15,9 @@ least one prompt): `Estimate.decode_prompts`, which the Sampler follows, so one 
 above what decoding a micro-batch at a time gave. Greedy evaluation decodes as many prompts at once as fit
 beside what training keeps within the peak (`eval_prompts_per_batch`). The loss runs per micro-batch:
 activations of the whole micro-batch, the LM head applied in chunks of `logprob_chunk_size` token rows (float32
-logits), and the head's gradient in backward. With `shared_prompt_forward` (the default) each of a micro-batch's
-prompts is forwarded once and its completions against its keys and values: activations for P + G x C tokens a
-group instead of G x (P + C).
+logits), and the head's gradient in backward. With `shared_prompt_forward` (on by default without
+checkpointing) each of a micro-batch's prompts is forwarded once and its completions against its keys and
+values: activations for P + G x C tokens a group instead of G x (P + C).
 
 Peak = the largest of six moments: generation, the end of a micro-batch's forward, the start of its backward,
 the recomputation of a layer (gradient checkpointing), the end of the backward, and the optimizer step.
@@ -30,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..algo import HEAD_GRAD_BLOCK
-from ..policy import reference_kind
+from ..policy import prompt_once, reference_kind
 from ..policy.optim import BNB_CPU_SLICE
 from ..policy.precision import Precision
 from ..settings.schedule import Schedule
@@ -267,21 +267,22 @@ def estimate(a: Architecture, s, device: str = "cuda") -> Estimate:
     # --- a micro-batch's forward and backward ---
     # Whole rows forward N x (P + C) tokens; the shared-prompt forward (policy/prefix.py) each of the micro-batch's
     # prompts once and the N completions against its keys and values: B x P + N x C tokens.
-    B = prompts_in_micro_batch(N, s.num_generations) if s.shared_prompt_forward else N
+    once = prompt_once(s.shared_prompt_forward, s.gradient_checkpointing)  # policy/prefix.py
+    B = prompts_in_micro_batch(N, s.num_generations) if once else N
     tokens = B * P + N * C
     per_token = _layer_activations(a, s, d)
     # The shared forward's completions attend to their prompt's keys and values, expanded to their rows: SDPA keeps
     # them with the completions' own (repeated to all heads under a padding mask, as in _layer_activations).
     kv = a.q_dim if a.num_kv_heads < a.num_heads else a.kv_dim
-    prompt_keys = N * P * 2 * kv * d.compute if s.shared_prompt_forward else 0.0
+    prompt_keys = N * P * 2 * kv * d.compute if once else 0.0
     per_layer = per_token * tokens + prompt_keys
     # With checkpointing each layer keeps only its input, and recomputes its activations in backward, one layer
     # at a time, after the log-prob backward has freed its chunk; that layer's backward also holds gradients
     # of its activations, about a third more (measured on CPU). The shared forward checkpoints the prompts' and
     # the completions' layers apart, and keeps the prompts' keys and values [B, P] of every layer.
-    kept_keys = B * P * 2 * a.kv_dim * d.compute if s.shared_prompt_forward else 0.0
+    kept_keys = B * P * 2 * a.kv_dim * d.compute if once else 0.0
     parts["activations"] = L * (d.residual * H * tokens + kept_keys if s.gradient_checkpointing else per_layer)
-    replayed = per_token * max(B * P, N * C) + prompt_keys if s.shared_prompt_forward else per_layer
+    replayed = per_token * max(B * P, N * C) + prompt_keys if once else per_layer
     parts["recomputed layer"] = 1.35 * replayed if s.gradient_checkpointing else 0.0
     # Final norm, and the completion hidden states the log-prob function keeps (a copy: a strided slice).
     parts["activations"] += tokens * (d.residual + 4) * H + N * C * H * d.residual

@@ -48,7 +48,11 @@ def architecture_of(config: Config, model=None, download: bool = False) -> Archi
     `download`). A string says why it could not be read."""
     if model is not None:
         hf_config = getattr(model, "config", model)
-        return Architecture.from_hf_config(hf_config, name=getattr(hf_config, "name_or_path", "") or "the given model")
+        name = getattr(hf_config, "name_or_path", "") or "the given model"
+        try:
+            return Architecture.from_hf_config(hf_config, name=name)
+        except (AttributeError, KeyError, TypeError, ValueError) as error:  # a config without the usual fields
+            return f"the architecture of {name} ({type(hf_config).__name__}) could not be read: {error}"
     if config.model in KNOWN:
         return KNOWN[config.model]
     try:

@@ -7,7 +7,7 @@ import sys
 
 import torch
 
-from . import reference_kind
+from . import prompt_once, reference_kind
 from .models import (check_logprobs_match_forward, completion_logprobs, device_of, make_reference, reference_context,
                      unwrap)
 from .parallel import ParallelPolicy
@@ -28,8 +28,9 @@ class Policy:
         self.device = device_of(model)
         self.head_checked = False
         # Each distinct prompt forwarded once (policy/prefix.py), unless the model's cache cannot serve it.
-        why = refusal(unwrap(model)) if config.shared_prompt_forward else None
-        self.shared_prompt = config.shared_prompt_forward and why is None
+        asked = prompt_once(config.shared_prompt_forward, config.gradient_checkpointing)
+        why = refusal(unwrap(model)) if asked else None
+        self.shared_prompt = asked and why is None
         if why is not None:
             self._whole_rows(why)
 

@@ -177,12 +177,14 @@ class Config(metaclass=_CheckedKeywords):
     """Recompute activations in backward instead of storing them."""
     logprob_chunk_size: int = LOGPROB_CHUNK_SIZE
     """Token rows per chunk of LM-head logits when computing log-probs (bounds logits memory)."""
-    shared_prompt_forward: bool = True
+    shared_prompt_forward: bool | None = None
     """Training-side log-prob forwards (policy, old policy, reference) run each distinct prompt once and its
     completions against its KV cache (policy/prefix.py): the same log-probs and gradients as whole rows, without
     a group's prompt computed G times. With dropout on (`disable_dropout=False`) the prompt's copies share one
     dropout mask. Models whose cache it cannot use take whole rows, saying so once, as does a run whose
-    first-step check finds the two disagree."""
+    first-step check finds the two disagree. None: on without gradient_checkpointing, off with it (exact there
+    too, but its peak was measured higher than whole rows' on some shapes: policy.prompt_once); True: on with
+    checkpointing too."""
     load_in_4bit: bool = False
     """QLoRA: load `model` as 4-bit NF4 (bitsandbytes) under LoRA; applies when the trainer loads `model` itself."""
 

@@ -239,7 +239,7 @@ def test_the_planner_searches_micro_batches_down_to_one_group(capsys):
     assert main([*args, "--gpu-memory", "16"]) == 0
     out = capsys.readouterr().out
     assert "does not fit in 16.0 GB\ncheapest change that fits: --per_device_train_batch_size=8 " \
-           "--gradient_accumulation_steps=32 (about 12.8 GB)" in out  # 64 x 4 = 8 x 32 completions a step
+           "--gradient_accumulation_steps=32 (about 13.3 GB)" in out  # 64 x 4 = 8 x 32 completions a step
     config = Config(model="meta-llama/Llama-3.2-1B-Instruct", use_lora=True, per_device_train_batch_size=64,
                     gradient_accumulation_steps=4, num_generations=4, max_prompt_length=256,
                     max_completion_length=4096, beta=0.04, bf16=True, lora_dropout=0.05)
@@ -249,7 +249,7 @@ def test_the_planner_searches_micro_batches_down_to_one_group(capsys):
     # 8 GB: only one group a micro-batch fits, and only without LoRA's dropout copies.
     assert main([*args, "--gpu-memory", "8"]) == 0
     assert ("cheapest change that fits: --lora_dropout=0.0 --per_device_train_batch_size=4 "
-            "--gradient_accumulation_steps=64 (about 7.2 GB)") in capsys.readouterr().out
+            "--gradient_accumulation_steps=64 (about 7.4 GB)") in capsys.readouterr().out
     assert at(4) > 8 >= at(4, lora_dropout=0.0) and at(8, lora_dropout=0.0) > 8
 
 
@@ -355,3 +355,15 @@ def test_predicted_peak_within_25_percent_of_measured_on_cpu(tmp_path, settings)
     predicted = estimate(arch, Config(**settings), device="cpu").peak
     print(f"predicted {predicted / 1e6:.0f} MB, measured {measured / 1e6:.0f} MB")
     assert predicted == pytest.approx(measured, rel=0.15 if settings.get("bf16_weights") else 0.25)
+
+
+def test_a_model_whose_architecture_cannot_be_read_decodes_without_a_plan():
+    """GPT-2's config names its sizes otherwise (n_embd, n_inner=None): sampling decodes a micro-batch's prompts
+    at a time and evaluation takes its fixed batch, instead of the trainer failing on the planner."""
+    from transformers import GPT2Config
+
+    from grpo.memory.fit import EVAL_BATCH_WITHOUT_PLAN, eval_batch_size, sampling_prompts_per_decode
+
+    gpt2 = GPT2Config(n_embd=8, n_layer=1, n_head=2, vocab_size=50)
+    assert sampling_prompts_per_decode(Config(), gpt2, "cpu") is None
+    assert eval_batch_size(Config(), gpt2, "cpu") == EVAL_BATCH_WITHOUT_PLAN

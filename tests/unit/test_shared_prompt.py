@@ -195,7 +195,7 @@ def test_a_first_step_check_that_fails_turns_it_off_with_one_line(monkeypatch, c
 
 def test_a_model_dropping_the_cache_falls_back_once(capsys):
     config = Config(use_lora=False, beta=0.0, temperature=0.7, logprob_chunk_size=7, disable_dropout=True,
-                    gradient_checkpointing=True)
+                    gradient_checkpointing=True, shared_prompt_forward=True)
     model = prepare_for_training(tiny("gpt2"), config)
     policy = Policy(model, config, world_size=1, precision=Precision.plan(False, False, device="cpu"))
     rows = grouped_rows()
