@@ -48,6 +48,14 @@ def tiny_family(model_type: str):
     return model
 
 
+def left_padded_prompts(rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rows` random 6-token prompts [rows, 6] and their mask, rows 1 and 3 left-padded by 2 and 4 tokens."""
+    ids = torch.randint(1, V, (rows, 6), generator=torch.Generator().manual_seed(0))  # [rows, 6]
+    mask = torch.ones_like(ids)
+    mask[1, :2] = mask[3, :4] = 0  # left padding
+    return ids, mask
+
+
 def left_padded_batch(seed: int = 0):
     ids = torch.randint(1, V, (3, 14), generator=torch.Generator().manual_seed(seed))  # [N, P+C], P = 5
     mask = torch.ones_like(ids)
@@ -81,9 +89,7 @@ def test_rows_leaving_the_decoding_batch_change_no_greedy_token(model_type, monk
     # Finished rows leave the batch and every cache layer (sliding-window, hybrid and MLA ones too); RecurrentGemma
     # keeps its own state outside the cache, so its batch stays whole.
     model = tiny_family(model_type)
-    ids = torch.randint(1, V, (8, 6), generator=torch.Generator().manual_seed(0))  # [N, P]
-    mask = torch.ones_like(ids)
-    mask[1, :2] = mask[3, :4] = 0  # left padding
+    ids, mask = left_padded_prompts(8)  # [N, P]
     sizes = []
     model.base_model.register_forward_pre_hook(lambda _, args, kw: sizes.append(kw["input_ids"].shape[0]),
                                                with_kwargs=True)
@@ -109,9 +115,7 @@ def test_rows_leaving_the_decoding_batch_change_no_greedy_token(model_type, monk
 def test_a_shared_prefill_changes_no_greedy_token(model_type):
     # 4 prompts read once and their cache (every layer kind) repeated twice = the 8 repeated prompts read row by row.
     model = tiny_family(model_type)
-    ids = torch.randint(1, V, (4, 6), generator=torch.Generator().manual_seed(0))  # [B, P]
-    mask = torch.ones_like(ids)
-    mask[1, :2] = mask[3, :4] = 0  # left padding
+    ids, mask = left_padded_prompts(4)  # [B, P]
     settings = dict(max_new_tokens=8, temperature=1.0, top_p=1.0, top_k=0, eos_ids=[V], pad_id=0, greedy=True)
     shared = decode(model, ids, mask, repeats=2, **settings)  # [8, C]
     assert torch.equal(shared, decode(model, ids.repeat_interleave(2, 0), mask.repeat_interleave(2, 0), **settings))
@@ -215,9 +219,7 @@ def test_the_preallocated_cache_decodes_what_the_dynamic_cache_decodes(model_typ
     from grpo.rollout.kv_cache import PreallocatedLayer, preallocated_cache
 
     model = tiny_family(model_type)
-    ids = torch.randint(1, V, (4, 6), generator=torch.Generator().manual_seed(0))  # [B, P]
-    mask = torch.ones_like(ids)
-    mask[1, :2] = mask[3, :4] = 0  # left padding
+    ids, mask = left_padded_prompts(4)  # [B, P]
     plain = all(isinstance(layer, PreallocatedLayer) for layer in preallocated_cache(model.config, 8).layers)
     assert plain == (model_type not in ("cohere2", "gemma2", "gemma3_text", "mistral", "recurrent_gemma",
                                         "vaultgemma")), "sliding windows and recurrent state stay dynamic"
