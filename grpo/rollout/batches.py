@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .sampling import Rollout, rollout_rows
+from .sampling import Rollout, rollout_rows, row_chunks
 
 
 @dataclass
@@ -130,9 +130,7 @@ def regroup(rollouts: list[Rollout], size: int, pad_id: int) -> list[Rollout]:
     need (prompts stay left-padded, completions right-padded), so its compute does not depend on the chunks."""
     if all(len(r.completions) == size for r in rollouts):
         return rollouts  # sampled as they are trained: nothing to move
-    whole = concat(rollouts, pad_id)
-    M = len(whole.completions)
-    return [rollout_rows(whole, torch.arange(start, min(start + size, M))) for start in range(0, M, size)]
+    return row_chunks(concat(rollouts, pad_id), size)
 
 
 def concat(rollouts: list[Rollout], pad_id: int) -> Rollout:

@@ -174,9 +174,15 @@ class Sampler:
                 model, self.tokenizer, self.encode, prompts[start:start + self.prompts_per_decode],
                 num_generations=c.num_generations, max_completion_length=c.max_completion_length,
                 **c.sampling_settings(), stop_at_eos=c.stop_at_eos, on_token=on_token))
-            N = len(whole.completions)
-            chunks += [rollout_rows(whole, torch.arange(i, min(i + size, N))) for i in range(0, N, size)]
+            chunks += row_chunks(whole, size)
         return chunks, {}
+
+
+def row_chunks(rollout: Rollout, size: int) -> list[Rollout]:
+    """`rollout`'s rows in order, in chunks of `size` (the last may be shorter), each with only its own padding
+    (`rollout_rows`)."""
+    N = len(rollout.completions)
+    return [rollout_rows(rollout, torch.arange(i, min(i + size, N))) for i in range(0, N, size)]
 
 
 def rollout_rows(rollout: Rollout, rows: torch.Tensor) -> Rollout:
