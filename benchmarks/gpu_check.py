@@ -11,7 +11,10 @@
             updated, every tensor in the dtype of the bf16 plan (policy/precision.py), 8-bit optimizer states;
   resume    2 steps straight vs 1 + crash + resume + 1 under torch.use_deterministic_algorithms: bit-identical
             weights, metrics and completions (LoRA and full fine-tuning);
-  oom       `python -m grpo.train` with an impossible micro-batch: the planner's advice, exit 1, no traceback.
+  oom       `python -m grpo.train` with an impossible micro-batch: the planner's advice, exit 1, no traceback;
+  shared    the shared-prompt forward (each prompt once; completions padded or packed into one row) against whole
+            rows, float32, Qwen2.5-0.5B architecture with LoRA, 2 prompts of 256 x 4 completions of 100..786 tokens,
+            under sdpa and flash-attention (when installed): log-prob and gradient differences, seconds, peak.
 
     python benchmarks/gpu_check.py                       # everything; benchmarks/results/gpu_check.json
     python benchmarks/gpu_check.py --only resume oom     # some checks
@@ -37,11 +40,15 @@ ROOT = Path(__file__).resolve().parents[1]
 CHILD = ROOT / "benchmarks" / "gpu_check_child.py"
 RESULTS = ROOT / "benchmarks" / "results" / "gpu_check.json"
 MEMORY_TOLERANCE = 0.15  # |predicted - measured| / measured, as benchmarks/gpu_memory.py targets
+# float32 on a GPU: the layouts run different attention kernels (masked or not), which round differently
+SHARED_LOGPROB_TOLERANCE = 1e-3  # largest absolute log-prob difference from whole rows
+SHARED_GRAD_TOLERANCE = 1e-3  # largest gradient difference, relative to the tensor's largest gradient
 # name: (child arguments, seconds it may take on one GPU); the budget shrinks each later one.
 CHECKS = {  # the timed step first: its figures matter most; the memory rows last: a late one can be cut
     "step": [(["step"], 150)],
     "resume": [(["resume", "lora"], 45), (["resume", "full"], 45)],
     "oom": [(None, 45)],
+    "shared": [(["shared"], 60)],
     "qlora": [(["one_step", "qlora"], 60)],
     "full-8bit": [(["one_step", "full"], 60)],
     "memory": [(["memory", "0.5B", "full", "+8-bit", "+ckpt", "LoRA", "QLoRA"], 90),
@@ -101,6 +108,11 @@ def judge(name: str, result: dict, device: str = "cuda") -> list[str]:
         problems += [] if result["steps"] == [1, 2] else [f"logged steps {result['steps']}"]
     if name == "oom":
         problems += judge_oom(result)
+    if name == "shared":
+        problems += [f"{r['attention']} {r['layout']}: {what} {r[key]:.2g} > {bound:g}" for r in result["rows"]
+                     for what, key, bound in (("log-prob error", "logprob_error", SHARED_LOGPROB_TOLERANCE),
+                                              ("gradient error", "grad_error", SHARED_GRAD_TOLERANCE))
+                     if not r[key] <= bound]
     return problems
 
 
@@ -138,6 +150,11 @@ def summary(name: str, result: dict) -> str:
     """The check's figures in one line."""
     if "error" in result:
         return ""
+    if name == "shared":
+        rows = (f"{r['attention']} {r['layout']} err {r['logprob_error']:.1g}/{r['grad_error']:.1g}, "
+                f"{r['seconds']:.2f}/{r['whole_seconds']:.2f} s, {fmt(r['peak_gb'])}/{fmt(r['whole_peak_gb'])} GB"
+                for r in result["rows"])
+        return "; ".join(rows) + " (vs whole rows)"
     if name == "memory":
         return "; ".join(f"{r['model']} {r['column']} {r['predicted_gb']:.2f}/{fmt(r.get('measured_gb'))}"
                          for r in result["rows"]) + " GB (predicted/measured)"

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import importlib.util
 import json
 import math
 import os
@@ -297,6 +298,69 @@ class Crash(BaseException):
     """Stands in for the process dying after checkpoint-1: nothing catches it, nothing more is saved."""
 
 
+def shared(tiny: bool = False, root: str = "") -> dict:
+    """The shared-prompt forward (grpo/policy/prefix.py) against whole rows on the Qwen2.5-0.5B architecture in
+    float32 (TF32 off), LoRA with a trained-looking adapter: for each attention implementation the card has (sdpa,
+    flash-attention when installed) and each layout it allows (padded rows; one packed row), the largest log-prob
+    and gradient differences, and the seconds and peak memory of a forward and backward of each."""
+    from grpo.policy.models import completion_logprobs, prepare_for_training, unwrap
+    from grpo.policy.prefix import packing_refusal, shared_prompt_logprobs
+
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    arch = architecture(QWEN_05B, tiny)
+    (p, lo, hi), groups, generations = ((8, 4, 16) if tiny else (256, 100, 786)), 2, 4
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(300, arch.vocab_size, (groups, p), generator=g)  # [B, P]
+    prompt_ids = prompt.repeat_interleave(generations, 0).to(DEVICE)  # [N, P]
+    prompt_mask = torch.ones_like(prompt_ids)
+    length = torch.randint(lo, hi + 1, (groups * generations,), generator=g)  # [N]
+    completion_ids = torch.randint(300, arch.vocab_size, (len(length), int(length.max())), generator=g).to(DEVICE)
+    completion_mask = (torch.arange(completion_ids.shape[1])[None] < length[:, None]).long().to(DEVICE)  # [N, C]
+    weights = torch.randn(completion_ids.shape, generator=g).to(DEVICE)  # [N, C]: a loss weighing every token
+    implementations = ["sdpa"]
+    if DEVICE == "cuda" and importlib.util.find_spec("flash_attn") is not None:
+        implementations.append("flash_attention_2")
+    rows = []
+    for implementation in implementations:
+        model, _ = random_model(arch, torch.float32)
+        model.config._attn_implementation = implementation
+        model = prepare_for_training(model, Config(use_lora=True, lora_r=16, gradient_checkpointing=True,
+                                                   disable_dropout=True))
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "lora_B" in name:
+                    param.normal_(0, 0.02)
+
+        def run(layout):
+            fresh_memory()
+            model.zero_grad()
+            sync()
+            t = time.perf_counter()
+            if layout == "whole":
+                lp = completion_logprobs(model, torch.cat([prompt_ids, completion_ids], 1),
+                                         torch.cat([prompt_mask, completion_mask], 1), p, temperature=0.7,
+                                         chunk_size=1024)
+            else:
+                lp = shared_prompt_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
+                                            temperature=0.7, chunk_size=1024, pack=layout == "packed")
+            (lp * weights * completion_mask).sum().backward()
+            sync()
+            grads = {n: q.grad.detach().clone() for n, q in model.named_parameters() if q.grad is not None}
+            return (lp.detach() * completion_mask, grads, time.perf_counter() - t, peak_gb())
+
+        whole = run("whole")
+        layouts = ["padded"] + (["packed"] if packing_refusal(unwrap(model)) is None else [])
+        for layout in layouts:
+            lp, grads, seconds, peak = run(layout)
+            grad_error = max(((grads[n] - whole[1][n]).abs().max() / whole[1][n].abs().max().clamp(min=1e-30)).item()
+                             for n in whole[1])
+            rows.append({"attention": implementation, "layout": layout, "tokens": int(completion_mask.sum()),
+                         "logprob_error": (lp - whole[0]).abs().max().item(), "grad_error": grad_error,
+                         "seconds": seconds, "whole_seconds": whole[2], "peak_gb": peak, "whole_peak_gb": whole[3]})
+        del model
+    return {"rows": rows}
+
+
 def crash():
     raise Crash
 
@@ -306,7 +370,7 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-CHECKS = {"memory": memory, "step": step, "one_step": one_step, "resume": resume}
+CHECKS = {"memory": memory, "step": step, "one_step": one_step, "resume": resume, "shared": shared}
 
 
 def main(argv: list[str]) -> None:

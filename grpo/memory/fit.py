@@ -6,7 +6,8 @@ import dataclasses
 
 from ..settings import Config
 from ..settings.cli import format_value
-from .estimate import GB, Architecture, Estimate, estimate, eval_prompts_per_batch
+from ..policy import prompt_once
+from .estimate import GB, Architecture, Estimate, estimate, eval_prompts_per_batch, prompts_in_micro_batch
 from .known_models import architecture_of
 
 EVAL_BATCH_WITHOUT_PLAN = 64  # prompts per evaluation decode when the model's architecture cannot be read
@@ -144,8 +145,12 @@ def describe(arch: Architecture, config: Config, device: str = "cuda") -> str:
     N = config.per_device_train_batch_size
     size = arch.num_params()
     size_text = f"{size / 1e9:.2f}B" if size >= 1e8 else f"{size / 1e6:.1f}M"
+    P, C = config.max_prompt_length, config.max_completion_length
+    once = ""
+    if prompt_once(config.shared_prompt_forward, config.gradient_checkpointing):  # policy/prefix.py
+        once = f", each prompt once: {prompts_in_micro_batch(N, config.num_generations)} x {P} + {N} x {C} tokens"
     lines = [f"{arch.name or 'model'}: {size_text} parameters, {mode}, {', '.join(extras)}, "
-             f"micro-batch {N} sequences of {config.max_prompt_length}+{config.max_completion_length} tokens",
+             f"micro-batch {N} sequences of {P}+{C} tokens{once}",
              f"predicted peak {'GPU' if device == 'cuda' else device.upper()} memory {_size(e.peak)} "
              f"(at {e.peak_moment}):"]
     parts = sorted(((e.parts[p], p) for p in e.moments[e.peak_moment] if e.parts[p] >= 0.005 * e.peak), reverse=True)

@@ -1,5 +1,6 @@
 """benchmarks/gpu_check.py's CPU-side logic: the clean skip without CUDA, reading a check's process output, and
 the pass / fail judgement and table on recorded measurements (the GPU runs themselves need a GPU)."""
+import dataclasses
 import json
 import math
 import os
@@ -83,6 +84,27 @@ def test_the_out_of_memory_check_wants_the_trainers_report_not_a_traceback():
         "no 'error: out of GPU memory' line", "no 'settings that need less memory:' line",
         "no 'memory plan for this configuration:' line", "a traceback"]
     assert gpu_check.judge("oom", {"returncode": 137, "stderr": report}) == ["exit status 137, not 1"]
+
+
+def test_the_out_of_memory_report_says_when_each_prompt_is_forwarded_once():
+    # 32 completions of 4 prompts (G = 8): the shared-prompt forward counts 4 x 256 prompt tokens, not 32 x 256.
+    error = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 64 GiB")
+    config = Config(model="meta-llama/Llama-3.2-1B-Instruct", use_lora=True, per_device_train_batch_size=32,
+                    num_generations=8, max_prompt_length=256, max_completion_length=786, gradient_checkpointing=False)
+    assert "micro-batch 32 sequences of 256+786 tokens, each prompt once: 4 x 256 + 32 x 786 tokens" in \
+        out_of_memory_report(config, error, None)
+    whole = out_of_memory_report(dataclasses.replace(config, shared_prompt_forward=False), error, None)
+    assert "micro-batch 32 sequences of 256+786 tokens\n" in whole and "each prompt once" not in whole
+
+
+def test_the_shared_prompt_check_bounds_each_layout_against_whole_rows():
+    row = {"attention": "sdpa", "layout": "packed", "tokens": 3000, "logprob_error": 2e-5, "grad_error": 3e-6,
+           "seconds": 0.8, "whole_seconds": 1.6, "peak_gb": 4.0, "whole_peak_gb": 7.5}
+    assert gpu_check.judge("shared", {"rows": [row]}) == []
+    assert gpu_check.judge("shared", {"rows": [dict(row, logprob_error=0.02, grad_error=math.nan)]}) == [
+        "sdpa packed: log-prob error 0.02 > 0.001", "sdpa packed: gradient error nan > 0.001"]
+    assert gpu_check.summary("shared", {"rows": [row]}) == \
+        "sdpa packed err 2e-05/3e-06, 0.80/1.60 s, 4.00/7.50 GB (vs whole rows)"
 
 
 def test_one_step_checks_and_the_table():
