@@ -33,12 +33,13 @@ def command_env() -> dict:
 
 
 def before_command(args) -> list[str]:
-    return [sys.executable, "-m", "grpo.eval", RECIPE, "--limit", str(args.eval_limit), "--output",
+    return [sys.executable, "-m", "grpo.eval", args.recipe, "--limit", str(args.eval_limit), "--output",
             str(args.runs / "before" / "eval.json"), *args.overrides]
 
 
 def train_command(args, seed: int) -> list[str]:
-    return [sys.executable, "-m", "grpo.train", RECIPE, f"--seed={seed}", f"--output_dir={args.runs / f'seed-{seed}'}",
+    return [sys.executable, "-m", "grpo.train", args.recipe, f"--seed={seed}",
+            f"--output_dir={args.runs / f'seed-{seed}'}",
             f"--max_steps={args.steps}", "--eval_on_start=false", f"--eval_steps={args.steps}",
             f"--eval_limit={args.eval_limit}", *args.overrides]
 
@@ -49,7 +50,7 @@ def after_command(args, seed: int) -> list[str] | None:
     checkpoints = sorted(run.glob("checkpoint-*/COMPLETE"), key=lambda p: int(p.parent.name.split("-")[1]))
     if not checkpoints:
         return None
-    return [sys.executable, "-m", "grpo.eval", RECIPE, "--checkpoint", str(checkpoints[-1].parent), "--limit",
+    return [sys.executable, "-m", "grpo.eval", args.recipe, "--checkpoint", str(checkpoints[-1].parent), "--limit",
             str(args.eval_limit), "--output", str(run / "after" / "eval.json"), *args.overrides]
 
 
@@ -147,7 +148,7 @@ def summarize(args, start: dict) -> dict:
             "frac_reward_zero_std_blocks": blocks([m.get("frac_reward_zero_std", float("nan")) for m in steps],
                                                   args.block),
         })
-    return {"recipe": RECIPE, "overrides": args.overrides, "eval_limit": args.eval_limit, "threads": 1,
+    return {"recipe": args.recipe, "overrides": args.overrides, "eval_limit": args.eval_limit, "threads": 1,
             "block_steps": args.block, "before": start["metrics"], "seeds": seeds}
 
 
@@ -167,6 +168,7 @@ def print_table(result: dict) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--recipe", default=RECIPE, help="a variant of the word-problems recipe, same held-out set")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--steps", type=int, default=40, help="max_steps of each run (the recipe's)")
     parser.add_argument("--eval-limit", type=int, default=200)

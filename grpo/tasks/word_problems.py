@@ -86,13 +86,16 @@ def make_problem(rng: random.Random, template: int | None = None, two_step_share
                    operations)
 
 
-def split(num_train: int = 10_000, num_eval: int = 500, seed: int = 0,
-          two_step_share: float = 0.3) -> tuple[list[Problem], list[Problem]]:
-    """Disjoint (train, held_out) lists of distinct problems, the same for the same arguments."""
+def split(num_train: int = 10_000, num_eval: int = 500, seed: int = 0, two_step_share: float = 0.3,
+          train_two_step_share: float | None = None) -> tuple[list[Problem], list[Problem]]:
+    """Disjoint (train, held_out) lists of distinct problems, the same for the same arguments. The held-out
+    problems are drawn first, so `train_two_step_share` (None: `two_step_share`) changes the training mix
+    without changing the held-out set."""
     rng = random.Random(seed)
+    train_share = two_step_share if train_two_step_share is None else train_two_step_share
     held_out, train, seen = [], [], {EXAMPLE_KEY}  # the prompt's worked example is in neither split
     while len(held_out) < num_eval or len(train) < num_train:
-        p = make_problem(rng, two_step_share=two_step_share)
+        p = make_problem(rng, two_step_share=two_step_share if len(held_out) < num_eval else train_share)
         if p.key in seen:
             continue
         seen.add(p.key)

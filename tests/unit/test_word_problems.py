@@ -35,6 +35,14 @@ def recompute(p: wp.Problem) -> int:
     return {8: a + b - c, 9: a * b + c, 10: a - b * c, 11: a // b + c if a % b == 0 else None}[p.template]
 
 
+def test_a_training_mix_of_its_own_keeps_the_held_out_problems(splits):
+    train, held_out = wp.split(num_train=2_000, num_eval=500, seed=0, train_two_step_share=0.8)
+    assert held_out == splits[1]
+    assert not {p.key for p in train} & {p.key for p in held_out}
+    two_step = lambda problems: sum(p.operations == 2 for p in problems) / len(problems)  # noqa: E731
+    assert two_step(train) > 0.75 and 0.2 < two_step(held_out) < 0.4  # 0.8 and 0.3 drawn (duplicates redrawn)
+
+
 def test_sizes_disjoint_and_reproducible(splits):
     train, held_out = splits
     assert len(train) == 10_000 and len(held_out) == 500
