@@ -102,7 +102,7 @@ def shared_prompt_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.T
                           ).last_hidden_state  # [N, C, H]
     if packed:
         # The state before each token: its prompt's last for a row's first token, else the token before it.
-        row = torch.arange(len(valid), device=valid.device)[:, None].expand_as(valid)[valid]  # [T]
+        row = _rows(valid)  # [T]
         starts = torch.cat([row.new_ones(1, dtype=torch.bool), row[1:] != row[:-1]])  # [T]
         before = torch.where(starts, owner[row], len(first) + torch.arange(len(row), device=row.device) - 1)  # [T]
         hidden = torch.cat([prompt_hidden, hidden]).index_select(0, before)[None]  # [1, T, H]
@@ -132,7 +132,7 @@ def packing_refusal(hf_model) -> str | None:
     if implementation not in PACKED_ATTENTION:
         return f"{implementation} attention takes no 4D mask"
     windows = _windows(hf_model.config, DynamicCache(config=hf_model.config).layers)
-    if len(windows) > 1 and not _takes_masks_by_kind(hf_model.base_model):
+    if len(windows) > 1 and not _takes_masks_by_kind(type(hf_model.base_model)):
         return f"{type(hf_model).__name__} takes one mask for layers of several kinds"
     return None
 
@@ -155,9 +155,10 @@ def _windows(config, layers) -> dict:
             for kind, layer in zip(kinds, layers)}
 
 
-def _takes_masks_by_kind(body) -> bool:
+@functools.cache
+def _takes_masks_by_kind(body_class) -> bool:
     """transformers' bodies with several layer kinds take `attention_mask` as a dict of masks, one per kind."""
-    return "causal_mask_mapping := attention_mask, dict" in inspect.getsource(type(body).forward)
+    return "causal_mask_mapping := attention_mask, dict" in inspect.getsource(body_class.forward)
 
 
 def _packed_masks(hf, cache, prompt_mask: torch.Tensor, owner: torch.Tensor, completion_mask: torch.Tensor,
@@ -180,8 +181,7 @@ def packed_mask(prompt_mask: torch.Tensor, owner: torch.Tensor, completion_mask:
     the real tokens of its own prompt (keys laid out prompt by prompt), then the tokens of its own row up to itself;
     with a sliding `window`, only keys fewer than `window` positions back (transformers' sliding layers)."""
     valid = completion_mask.bool()  # [N, C]
-    row = torch.arange(len(valid), device=valid.device)[:, None].expand_as(valid)[valid]  # [T]
-    position = completion_positions[valid]  # [T]
+    row, position = _rows(valid), completion_positions[valid]  # [T], [T]
     b, p = prompt_mask.shape
     prompt_owner = torch.arange(b, device=valid.device).repeat_interleave(p)  # [B*P]
     prompt_position = positions(prompt_mask).flatten()  # [B*P]
@@ -191,6 +191,11 @@ def packed_mask(prompt_mask: torch.Tensor, owner: torch.Tensor, completion_mask:
         to_prompt &= position[:, None] - prompt_position < window
         to_row &= position[:, None] - position[None] < window
     return torch.cat([to_prompt, to_row], dim=1)[None, None]  # [1, 1, T, B*P+T]
+
+
+def _rows(valid: torch.Tensor) -> torch.Tensor:
+    """The row [T] of each real token of `valid` [N, C], in the packed row's order (row by row)."""
+    return torch.arange(len(valid), device=valid.device)[:, None].expand_as(valid)[valid]
 
 
 def _capturing(base):
