@@ -130,13 +130,18 @@ def summarize(args, start: dict) -> dict:
         first = start["samples"][:n]  # greedy "before" on the same problems
         before_acc = full_marks(first, "reward/answer_accuracy_reward")
         before_fmt = full_marks(first, "reward/xml_format_reward")
+        # Format-free (the last number of the completion), overall and by the problems' number of operations.
+        free = {"all": (full_marks(first, "free_accuracy"), after.get("eval/free_accuracy"))}
+        for ops in (1, 2):
+            free[f"{ops}-op"] = (full_marks([s for s in first if s.get("operations") == ops], "free_accuracy"),
+                                 after.get(f"eval/operations={ops}/free_accuracy"))
         wall = json.loads((run / "wall.json").read_text()).get("wall_s") if (run / "wall.json").exists() else None
         train_s = sum(m["perf/step_s"] for m in steps)
         seeds.append({
             "seed": seed, "steps": len(steps),
             "held_out": n, "accuracy_before": before_acc, "accuracy_after": after["eval/accuracy"],
             "gain_points": 100 * (after["eval/accuracy"] - before_acc),
-            "format_before": before_fmt, "format_after": after.get("eval/format"),
+            "format_before": before_fmt, "format_after": after.get("eval/format"), "free_accuracy": free,
             "length_after": after["eval/length_mean"],
             "train_minutes": train_s / 60, "eval_minutes": after["eval/seconds"] / 60,
             "wall_minutes": wall / 60 if wall else None, "s_per_step": train_s / len(steps),
@@ -161,6 +166,8 @@ def print_table(result: dict) -> None:
               f"{s['accuracy_before']:.3f} -> {s['accuracy_after']:.3f} "
               f"({s['gain_points']:+.1f} pts) | {s['format_before']:.3f} -> {s['format_after']:.3f} | "
               f"{s['train_minutes']:9.1f} | {s['s_per_step']:6.1f} | {s['peak_memory_gb']:.2f}")
+        print("     format-free " + ", ".join(f"{k} {b:.3f} -> {a:.3f}" for k, (b, a) in s["free_accuracy"].items()
+                                              if a is not None))
         print(f"     reward by {result['block_steps']}-step blocks: "
               f"accuracy {s['reward_blocks']['answer_accuracy_reward']}"
               f", format {s['reward_blocks']['xml_format_reward']}")

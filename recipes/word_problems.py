@@ -18,12 +18,14 @@ from grpo import Config
 from grpo.tasks import word_problems
 from grpo.tasks.gsm8k import answer_accuracy_reward, xml_format_reward
 
-TRAIN, HELD_OUT = word_problems.split(num_train=10_000, num_eval=500, seed=0)
+# Half of the training problems take two operations (the held-out mix stays 30%): at the default mix the policy
+# settled on one equation for every problem and two-operation accuracy fell to 0 (measured, 2 seeds).
+TRAIN, HELD_OUT = word_problems.split(num_train=10_000, num_eval=500, seed=0, train_two_step_share=0.5)
 
 config = Config(
     model="smollm2-135m-instruct",
     output_dir="runs/word_problems",
-    max_steps=40,
+    max_steps=60,
     per_device_train_batch_size=8,  # completions per micro-batch (TRL 1.16's unit): 1 prompt x 8 generations
     # 2 prompts a step: with one (3 configurations x 3 seeds measured) the policy followed whichever few groups
     # happened to have a correct answer
@@ -37,7 +39,13 @@ config = Config(
     lr_scheduler_type="constant",
     warmup_ratio=0.0,
     max_grad_norm=1.0,
-    beta=0.0,
+    beta=0.04,  # keeps the policy near the base model's arithmetic while the format is learned
+    # Groups with equal rewards (no signal) are replaced by new prompts: without it, from step ~15 on 40-70% of the
+    # groups trained nothing
+    dynamic_sampling=True,
+    # Correctness weighs 4x the format: the format is learned in 10-15 steps either way, and afterwards its reward
+    # no longer pulls the advantages of right and wrong answers together
+    reward_weights=[0.25, 1.0],
     use_lora=True,
     lora_r=16,
     lora_alpha=32,
