@@ -1,7 +1,8 @@
 """Whole steps of the README's main job (recipes/word_problems.py) in two trees at once, at the shapes of a trained
 model: a word-problems checkpoint's adapter is merged into the base model first, so that the completions already
-have the format (30-60 tokens) and the step's prompt share is the trained job's. Each tree runs its own recipe on
-that model (`--model=`), one pinned core each, OMP_NUM_THREADS=1, the same seed.
+have the format (30-60 tokens) and the step's prompt share is the trained job's. Both trees run the baseline tree's
+recipe file (the same settings and data) on that model (`--model=`), one pinned core each, OMP_NUM_THREADS=1, the
+same seed.
 
     git archive 604ae52 | tar -x -C /tmp/base604; git archive HEAD | tar -x -C /tmp/new
     python benchmarks/whole_step.py --checkpoint runs/word_problems/checkpoint-60 --trees /tmp/base604 /tmp/new
@@ -35,9 +36,9 @@ def merge(checkpoint: Path, out: Path) -> None:
     tokenizer.save_pretrained(out)
 
 
-def run(tree: Path, core: int, model: Path, steps: int, out: Path) -> subprocess.Popen:
+def run(tree: Path, recipe: Path, core: int, model: Path, steps: int, out: Path) -> subprocess.Popen:
     command = ["/usr/bin/time", "-f", "cpu_s %U %S rss_kb %M", "taskset", "-c", str(core), sys.executable, "-m",
-               "grpo.train", "recipes/word_problems.py", f"--model={model}", f"--max_steps={steps}",
+               "grpo.train", str(recipe), f"--model={model}", f"--max_steps={steps}",
                "--eval_on_start=false", "--eval_limit=1", f"--output_dir={out}", "--seed=0"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONPATH": str(tree)}
     return subprocess.Popen(command, cwd=tree, env=env, stdout=subprocess.DEVNULL, stderr=open(out / "log", "w"))
@@ -65,7 +66,9 @@ def main() -> None:
     outs = [work / f"run{i}" for i in (0, 1)]
     for out in outs:
         out.mkdir()
-    procs = [run(tree, core, work / "model", args.steps, out) for tree, core, out in zip(args.trees, args.cores, outs)]
+    recipe = args.trees[0].resolve() / "recipes" / "word_problems.py"
+    procs = [run(tree, recipe, core, work / "model", args.steps, out)
+             for tree, core, out in zip(args.trees, args.cores, outs)]
     if any(p.wait() for p in procs):
         raise SystemExit(f"a run failed: see {work}/run*/log")
     results = {str(tree): read(out) for tree, out in zip(args.trees, outs)}
