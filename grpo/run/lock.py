@@ -26,18 +26,6 @@ def _in_use(output_dir: Path, holder: str) -> ConfigError:
                        f"another --output_dir")
 
 
-def _holder(f, wait_s: float = 1.0) -> str:
-    """Who holds the lock on `f`, as its holder wrote it. The holder writes right after taking the lock, so a run
-    that lost the race by a moment waits up to `wait_s` for the line rather than say nothing."""
-    deadline = time.monotonic() + wait_s
-    while True:
-        f.seek(0)
-        holder = f.read().strip()
-        if holder or time.monotonic() > deadline:
-            return holder
-        time.sleep(0.02)
-
-
 def check_free(output_dir: str) -> None:
     """ConfigError if a live run holds `output_dir` now (checked early, before a model is loaded; the lock
     itself is taken when training starts)."""
@@ -48,7 +36,7 @@ def check_free(output_dir: str) -> None:
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise _in_use(Path(output_dir), _holder(f)) from None
+            raise _in_use(Path(output_dir), f.read().strip()) from None
 
 
 @contextlib.contextmanager
@@ -62,7 +50,8 @@ def hold(output_dir: Path, dist):
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            problem = str(_in_use(output_dir, _holder(lock)))
+            lock.seek(0)
+            problem = str(_in_use(output_dir, lock.read().strip()))
             lock.close()
             lock = None
         except OSError as error:  # a filesystem without locks (ENOLCK): run, but say what is not guarded
