@@ -331,7 +331,7 @@ def shared(tiny: bool = False, root: str = "") -> dict:
                 if "lora_B" in name:
                     param.normal_(0, 0.02)
 
-        def run(layout):
+        def run(layout, model=model):
             fresh_memory()
             model.zero_grad()
             sync()

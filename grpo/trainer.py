@@ -62,8 +62,8 @@ class Trainer:
         check_eval_setup(config, eval_dataset, self.reward_funcs)
         check_load_options(config, model_given=model is not None)
         checkpoint.check_output_dir(config.output_dir)
-        lock.check_free(config.output_dir)  # before loading anything; taken for good when training starts
         self.dist = setup_distributed()  # world size 1 without torchrun
+        lock.check_free(config.output_dir, self.dist)  # before loading anything; taken when training starts
         self.trackers = Trackers(config, self.dist.is_main)  # report_to: a missing package fails here, early
         check_parallel_settings(self.dist.world_size, config.fsdp, config.optim, config.use_lora)
         torch.manual_seed(config.seed + self.dist.rank)  # ranks sample differently; wrapping syncs the weights

@@ -116,7 +116,10 @@ def shared_prompt_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.T
                          softcap=transform.softcap)
     if not packed:
         return out
-    unpack = lambda flat: flat.new_zeros(valid.shape).masked_scatter(valid, flat[0])  # [1, T] -> [N, C]
+
+    def unpack(flat):
+        return flat.new_zeros(valid.shape).masked_scatter(valid, flat[0])  # [1, T] -> [N, C]
+
     return (unpack(out[0]), unpack(out[1])) if return_entropy else unpack(out)
 
 

@@ -26,17 +26,39 @@ def _in_use(output_dir: Path, holder: str) -> ConfigError:
                        f"another --output_dir")
 
 
-def check_free(output_dir: str) -> None:
-    """ConfigError if a live run holds `output_dir` now (checked early, before a model is loaded; the lock
-    itself is taken when training starts)."""
+def _holder(f, wait_s: float = 1.0) -> str:
+    """Who holds the lock on `f`, as its holder wrote it. The holder writes right after taking the lock, so a run
+    that lost the race by a moment waits up to `wait_s` for the line rather than say nothing."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        f.seek(0)
+        holder = f.read().strip()
+        if holder or time.monotonic() > deadline:
+            return holder
+        time.sleep(0.02)
+
+
+def _raise_on_every_rank(problem: str | None, dist) -> None:
+    """Rank 0's `problem` (None: none) as a ConfigError on every rank of `dist`."""
+    if dist.world_size > 1:
+        problem = dist.gather_objects([problem])[0]
+    if problem is not None:
+        raise ConfigError(problem)
+
+
+def check_free(output_dir: str, dist) -> None:
+    """ConfigError, on every rank, if a live run holds `output_dir` now (checked early, before a model is
+    loaded; the lock itself is taken when training starts). Only rank 0 looks: a rank 1 that looked could
+    find its own job's rank 0 still holding the folder for a run that is ending."""
+    problem = None
     path = Path(output_dir) / LOCK
-    if not path.is_file():
-        return
-    with open(path) as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise _in_use(Path(output_dir), f.read().strip()) from None
+    if dist.is_main and path.is_file():
+        with open(path) as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                problem = str(_in_use(Path(output_dir), _holder(f)))
+    _raise_on_every_rank(problem, dist)
 
 
 @contextlib.contextmanager
@@ -50,17 +72,13 @@ def hold(output_dir: Path, dist):
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            lock.seek(0)
-            problem = str(_in_use(output_dir, lock.read().strip()))
+            problem = str(_in_use(output_dir, _holder(lock)))
             lock.close()
             lock = None
         except OSError as error:  # a filesystem without locks (ENOLCK): run, but say what is not guarded
             print(f"warning: {output_dir} cannot be locked ({error.strerror}): nothing stops a second run "
                   f"from writing into it at the same time", file=sys.stderr)
-    if dist.world_size > 1:
-        problem = dist.gather_objects([problem])[0]  # rank 0's outcome
-    if problem is not None:
-        raise ConfigError(problem)
+    _raise_on_every_rank(problem, dist)
     try:
         if lock is not None:
             lock.seek(0)

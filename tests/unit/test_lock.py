@@ -5,6 +5,9 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
+import time
+import fcntl
 from pathlib import Path
 
 import pytest
@@ -44,8 +47,8 @@ def test_a_second_holder_is_refused_in_one_line_naming_the_first(tmp_path):
         assert line.startswith(f"refused: {tmp_path} is in use by another run (pid {os.getpid()} on ")
         assert line.endswith("): wait for it to end, or pick another --output_dir")
         with pytest.raises(ConfigError, match="is in use by another run"):
-            lock.check_free(str(tmp_path))
-    lock.check_free(str(tmp_path))  # released on leaving
+            lock.check_free(str(tmp_path), Distributed())
+    lock.check_free(str(tmp_path), Distributed())  # released on leaving
     with lock.hold(tmp_path, Distributed()):
         pass
 
@@ -54,11 +57,11 @@ def test_the_lock_of_a_killed_process_is_not_in_the_way(tmp_path):
     other = other_process(tmp_path / "run")
     assert other.stdout.readline().strip() == "holding"
     with pytest.raises(ConfigError, match=rf"pid {other.pid} on "):
-        lock.check_free(str(tmp_path / "run"))
+        lock.check_free(str(tmp_path / "run"), Distributed())
     other.send_signal(signal.SIGKILL)
     other.wait(timeout=60)
     assert (tmp_path / "run" / lock.LOCK).read_text().startswith(f"pid {other.pid} on "), "left behind"
-    lock.check_free(str(tmp_path / "run"))
+    lock.check_free(str(tmp_path / "run"), Distributed())
     with lock.hold(tmp_path / "run", Distributed()):
         assert (tmp_path / "run" / lock.LOCK).read_text().startswith(f"pid {os.getpid()} on ")
 
@@ -87,3 +90,31 @@ def test_under_torchrun_rank_0_holds_it_and_every_rank_refuses_with_its_line(tmp
         with pytest.raises(ConfigError, match="^rank 0 says no$"):
             with lock.hold(tmp_path / "run", TwoRanks(1, "rank 0 says no")):
                 pass
+
+
+def test_rank_0_alone_checks_the_folder_early_and_every_rank_learns_its_answer(tmp_path):
+    with lock.hold(tmp_path / "run", Distributed()):
+        # rank 1 of a job whose rank 0 still holds the folder for the run that is ending: it does not look
+        lock.check_free(str(tmp_path / "run"), TwoRanks(1, None))
+        with pytest.raises(ConfigError, match="^rank 0 says no$"):
+            lock.check_free(str(tmp_path / "run"), TwoRanks(1, "rank 0 says no"))
+        with pytest.raises(ConfigError, match=rf"in use by another run \(pid {os.getpid()} on "):
+            lock.check_free(str(tmp_path / "run"), TwoRanks(0, None))
+
+
+def test_a_run_that_loses_the_race_by_a_moment_still_names_the_holder(tmp_path):
+    """The holder writes who it is just after taking the lock; a run that looks in between waits for the line."""
+    path = tmp_path / lock.LOCK
+    with open(path, "a+") as held:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)  # taken, nothing written yet
+
+        def write_soon():
+            time.sleep(0.2)
+            held.write("pid 1 on elsewhere, since then")
+            held.flush()
+
+        writer = threading.Thread(target=write_soon)
+        writer.start()
+        with pytest.raises(ConfigError, match=r"in use by another run \(pid 1 on elsewhere, since then\)"):
+            lock.check_free(str(tmp_path), Distributed())
+        writer.join()
