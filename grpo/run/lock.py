@@ -38,6 +38,15 @@ def _holder(f, wait_s: float = 1.0) -> str:
         time.sleep(0.02)
 
 
+def _refusal(f, output_dir: Path) -> str | None:
+    """Take the lock on the open lock file `f` (not waiting); the in-use message if another run holds it."""
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return str(_in_use(output_dir, _holder(f)))
+    return None
+
+
 def _raise_on_every_rank(problem: str | None, dist) -> None:
     """Rank 0's `problem` (None: none) as a ConfigError on every rank of `dist`."""
     if dist.world_size > 1:
@@ -54,10 +63,7 @@ def check_free(output_dir: str, dist) -> None:
     path = Path(output_dir) / LOCK
     if dist.is_main and path.is_file():
         with open(path) as f:
-            try:
-                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                problem = str(_in_use(Path(output_dir), _holder(f)))
+            problem = _refusal(f, Path(output_dir))
     _raise_on_every_rank(problem, dist)
 
 
@@ -70,14 +76,13 @@ def hold(output_dir: Path, dist):
         output_dir.mkdir(parents=True, exist_ok=True)
         lock = open(output_dir / LOCK, "a+")  # noqa: SIM115 -- held open for the whole run
         try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            problem = str(_in_use(output_dir, _holder(lock)))
-            lock.close()
-            lock = None
+            problem = _refusal(lock, output_dir)
         except OSError as error:  # a filesystem without locks (ENOLCK): run, but say what is not guarded
             print(f"warning: {output_dir} cannot be locked ({error.strerror}): nothing stops a second run "
                   f"from writing into it at the same time", file=sys.stderr)
+        if problem is not None:
+            lock.close()
+            lock = None
     _raise_on_every_rank(problem, dist)
     try:
         if lock is not None:
