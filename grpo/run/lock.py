@@ -63,7 +63,8 @@ def check_free(output_dir: str, dist) -> None:
     path = Path(output_dir) / LOCK
     if dist.is_main and path.is_file():
         with open(path) as f:
-            problem = _refusal(f, Path(output_dir))
+            with contextlib.suppress(OSError):  # a filesystem without locks: the hold says so when it starts
+                problem = _refusal(f, Path(output_dir))
     _raise_on_every_rank(problem, dist)
 
 

@@ -118,3 +118,17 @@ def test_a_run_that_loses_the_race_by_a_moment_still_names_the_holder(tmp_path):
         with pytest.raises(ConfigError, match=r"in use by another run \(pid 1 on elsewhere, since then\)"):
             lock.check_free(str(tmp_path), Distributed())
         writer.join()
+
+
+def test_a_filesystem_without_locks_warns_at_the_hold_and_does_not_fail_the_early_check(tmp_path, monkeypatch,
+                                                                                          capsys):
+    (tmp_path / lock.LOCK).write_text("pid 1 on a host that ended")
+
+    def no_locks(f, how):
+        raise OSError(37, "No locks available")  # ENOLCK, as NFS without a lock daemon says
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    lock.check_free(str(tmp_path), Distributed())  # no refusal, no OSError
+    with lock.hold(tmp_path, Distributed()):
+        pass
+    assert "cannot be locked (No locks available)" in capsys.readouterr().err
