@@ -41,7 +41,8 @@ def run(tree: Path, recipe: Path, core: int, model: Path, steps: int, out: Path)
                "grpo.train", str(recipe), f"--model={model}", f"--max_steps={steps}",
                "--eval_on_start=false", "--eval_limit=1", f"--output_dir={out}", "--seed=0"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONPATH": str(tree)}
-    return subprocess.Popen(command, cwd=tree, env=env, stdout=subprocess.DEVNULL, stderr=open(out / "log", "w"))
+    with open(out / "log", "w") as log:  # the child writes through its own copy of the handle
+        return subprocess.Popen(command, cwd=tree, env=env, stdout=subprocess.DEVNULL, stderr=log)
 
 
 def read(out: Path) -> dict:
