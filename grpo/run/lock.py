@@ -20,12 +20,6 @@ from ..errors import ConfigError
 LOCK = ".grpo.lock"
 
 
-def _in_use(output_dir: Path, holder: str) -> ConfigError:
-    holder = holder or "its holder did not say who it is"
-    return ConfigError(f"{output_dir} is in use by another run ({holder}): wait for it to end, or pick "
-                       f"another --output_dir")
-
-
 def _holder(f, wait_s: float = 1.0) -> str:
     """Who holds the lock on `f`, as its holder wrote it. The holder writes right after taking the lock, so a run
     that lost the race by a moment waits up to `wait_s` for the line rather than say nothing."""
@@ -43,7 +37,8 @@ def _refusal(f, output_dir: Path) -> str | None:
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        return str(_in_use(output_dir, _holder(f)))
+        holder = _holder(f) or "its holder did not say who it is"
+        return f"{output_dir} is in use by another run ({holder}): wait for it to end, or pick another --output_dir"
     return None
 
 

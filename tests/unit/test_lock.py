@@ -1,5 +1,6 @@
 """The output folder's lock (grpo/run/lock.py): held by one process at a time, said in one line to the other,
 gone with a process that dies, and taken by rank 0 alone under torchrun."""
+import errno
 import os
 import signal
 import subprocess
@@ -125,7 +126,7 @@ def test_a_filesystem_without_locks_warns_at_the_hold_and_does_not_fail_the_earl
     (tmp_path / lock.LOCK).write_text("pid 1 on a host that ended")
 
     def no_locks(f, how):
-        raise OSError(37, "No locks available")  # ENOLCK, as NFS without a lock daemon says
+        raise OSError(errno.ENOLCK, "No locks available")  # as NFS without a lock daemon says
 
     monkeypatch.setattr(fcntl, "flock", no_locks)
     lock.check_free(str(tmp_path), Distributed())  # no refusal, no OSError
