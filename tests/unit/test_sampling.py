@@ -1,6 +1,7 @@
 """Completion masks, prompt padding and truncation, and sampling from a tiny model."""
 import pytest
 import torch
+from stats import chi2_contingency_pvalue
 from tiny_setup import tiny_model, tiny_tokenizer
 
 from grpo.rollout.sampling import (
@@ -73,8 +74,6 @@ def test_one_decode_for_all_prompts_samples_what_a_decode_per_prompt_samples():
     split ahead): the tokens differ for a seed, their distribution must not. Chi-square on the frequencies of
     (prompt, position, token) over 2 x 300 rows of 4 tokens each (p = 0.73 here; a temperature of 0.9 instead of
     1.0 on one side gives p = 6e-9)."""
-    from scipy.stats import chi2_contingency
-
     tokenizer = tiny_tokenizer()
     model = tiny_model(tokenizer)
     with torch.no_grad():  # logits 8x larger: a random model's next token is nearly uniform over 260
@@ -97,5 +96,5 @@ def test_one_decode_for_all_prompts_samples_what_a_decode_per_prompt_samples():
     values, counts = torch.cat([a, b]).unique(return_counts=True)
     common = values[counts >= 10]  # rare cells pooled: the test needs expected counts of 5 or more
     table = [[int((x == v).sum()) for v in common] + [int((~torch.isin(x, common)).sum())] for x in (a, b)]
-    p = chi2_contingency(table).pvalue
+    p = chi2_contingency_pvalue(table)
     assert p > 1e-3, p
