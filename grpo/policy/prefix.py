@@ -23,6 +23,7 @@ import inspect
 import torch
 
 from ..algo.logprobs import token_logprobs
+from ..rollout.kv_cache import keeps_recurrent_state
 from .head import head_transform, positions
 from .models import completion_logprobs, unwrap
 
@@ -52,14 +53,16 @@ def refusal(hf_model) -> str | None:
     from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 
     name = type(hf_model).__name__
-    if getattr(hf_model, "_is_stateful", False):
-        return f"{name} keeps a recurrent state outside the KV cache"
-    if _cache_argument(hf_model.base_model) is None:
-        return f"{name}'s body takes no cache"
     try:
-        layers = DynamicCache(config=hf_model.config).layers
+        cache = DynamicCache(config=hf_model.config)
     except Exception as error:  # a config transformers builds no cache from
         return f"no cache is built from {type(hf_model.config).__name__} ({error})"
+    if keeps_recurrent_state(hf_model, cache):
+        return (f"{name} keeps a recurrent or linear-attention state, which the shared-prompt forward cannot "
+                f"share between a prompt's completions")
+    if _cache_argument(hf_model.base_model) is None:
+        return f"{name}'s body takes no cache"
+    layers = cache.layers
     kinds = {type(layer) for layer in layers} - {DynamicLayer, DynamicSlidingWindowLayer}
     if not layers or kinds:
         return f"{name}'s cache has layers of kind {sorted(k.__name__ for k in kinds) or 'none'}"

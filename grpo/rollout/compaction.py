@@ -11,7 +11,7 @@ MIN_SHARE = 0.25  # compact once at least this share of the batch has finished (
 
 class DecodingRows:
     """Which of a decoding batch's N rows are still in it, and which of those have finished. `compacts=False`
-    keeps them all (a model with recurrent state of its own, which the cache cannot drop rows from)."""
+    keeps them all (a model with a recurrent state, which rows cannot leave: rollout/kv_cache)."""
 
     def __init__(self, N: int, device: torch.device, compacts: bool = True):
         self.N, self.compacts = N, compacts

@@ -17,7 +17,7 @@ import torch
 
 from ..policy.head import head_logits, positions
 from .compaction import DecodingRows, select_rows
-from .kv_cache import in_place, preallocated_cache
+from .kv_cache import in_place, keeps_recurrent_state, preallocated_cache
 
 
 def _cache_argument(body) -> str:
@@ -126,8 +126,7 @@ def decode(hf_model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, max
     P = prompt_ids.shape[1]
     cache = preallocated_cache(hf_model.config, P + max_new_tokens)
     eos = torch.tensor(eos_ids, device=prompt_ids.device)
-    # A model with recurrent state of its own (transformers marks it) can neither drop rows nor repeat them.
-    stateful = getattr(hf_model, "_is_stateful", False)
+    stateful = keeps_recurrent_state(hf_model, cache)  # its rows can neither leave nor be repeated
     if stateful and repeats > 1:
         prompt_ids, prompt_mask = prompt_ids.repeat_interleave(repeats, 0), prompt_mask.repeat_interleave(repeats, 0)
         repeats = 1  # [N, P] prompts, prefilled row by row

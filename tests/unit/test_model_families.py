@@ -121,6 +121,20 @@ def test_a_shared_prefill_changes_no_greedy_token(model_type):
     assert torch.equal(shared, decode(model, ids.repeat_interleave(2, 0), mask.repeat_interleave(2, 0), **settings))
 
 
+def test_a_model_keeping_its_own_state_decodes_transformers_greedy_tokens():
+    # RecurrentGemma holds its recurrent state in its modules and zeroes it when the batch size changes: its rows
+    # are prefilled one per copy and none leave, whatever transformers marks it, so rows finishing at different
+    # steps and prompts repeated decode what `generate` decodes.
+    model = tiny_family("recurrent_gemma")
+    ids, mask = left_padded_prompts(4)  # [B, P]
+    theirs = model.generate(ids.repeat_interleave(2, 0), attention_mask=mask.repeat_interleave(2, 0),
+                            do_sample=False, max_new_tokens=10, pad_token_id=0, eos_token_id=75)[:, ids.shape[1]:]
+    assert (theirs == 75).any(1).sum() == 2 and theirs.shape[1] == 10, "some rows end, others decode on"
+    ours = decode(model, ids, mask, max_new_tokens=10, temperature=1.0, top_p=1.0, top_k=0, eos_ids=[75],
+                  pad_id=0, greedy=True, repeats=2)  # [8, C]
+    assert torch.equal(ours, theirs)
+
+
 def test_transforms_read_from_configs():
     def read(model_type, **settings):
         return head_transform(AutoConfig.for_model(model_type, **settings))

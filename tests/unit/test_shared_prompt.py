@@ -197,7 +197,7 @@ def test_models_it_cannot_serve_are_named():
     settings = dict(SMALL, num_hidden_layers=2, block_types=["recurrent", "attention"], lru_width=32,
                     attention_window_size=16)
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model("recurrent_gemma", **settings))
-    assert "recurrent" in refusal(model)
+    assert "keeps a recurrent or linear-attention state, which the shared-prompt forward cannot" in refusal(model)
 
 
 def policy_and_rollout(shared_prompt_forward=True, model_type="llama"):
