@@ -23,7 +23,7 @@ import inspect
 import torch
 
 from ..algo.logprobs import token_logprobs
-from ..rollout.kv_cache import keeps_recurrent_state
+from .caches import cache_argument, keeps_recurrent_state
 from .head import head_transform, positions
 from .models import completion_logprobs, unwrap
 
@@ -42,12 +42,6 @@ class CacheDropped(RuntimeError):
     nothing was computed that the full rows need; take them instead."""
 
 
-def _cache_argument(body) -> str | None:
-    """transformers 5.x renamed the forward's `past_key_values` to `cache`."""
-    parameters = inspect.signature(body.forward).parameters
-    return next((name for name in ("cache", "past_key_values") if name in parameters), None)
-
-
 def refusal(hf_model) -> str | None:
     """Why `hf_model` cannot take the shared-prompt forward, or None when it can."""
     from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
@@ -60,7 +54,7 @@ def refusal(hf_model) -> str | None:
     if keeps_recurrent_state(hf_model, cache):
         return (f"{name} keeps a recurrent or linear-attention state, which the shared-prompt forward cannot "
                 f"share between a prompt's completions")
-    if _cache_argument(hf_model.base_model) is None:
+    if cache_argument(hf_model.base_model) is None:
         return f"{name}'s body takes no cache"
     layers = cache.layers
     kinds = {type(layer) for layer in layers} - {DynamicLayer, DynamicSlidingWindowLayer}
@@ -84,7 +78,7 @@ def shared_prompt_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.T
     packed = (pack is not False and packing_refusal(hf) is None
               and (pack or packing_pays(hf.config.hidden_size, mask.shape, completion_mask.shape, int(valid.sum()))))
     # use_cache=False: the cache given is used all the same, and checkpointed layers do not warn about it.
-    cache, argument = _fresh_cache(hf.config), _cache_argument(body)
+    cache, argument = _fresh_cache(hf.config), cache_argument(body)
     with _cache_kept_under_checkpointing(body):
         # [B, H]: the prompt's last state (left padding ends on a real token)
         prompt_hidden = body(input_ids=ids, attention_mask=mask, position_ids=positions(mask), use_cache=False,

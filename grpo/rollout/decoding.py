@@ -11,18 +11,12 @@ them by float32 roundings only.
 """
 from __future__ import annotations
 
-import inspect
-
 import torch
 
+from ..policy.caches import cache_argument, keeps_recurrent_state
 from ..policy.head import head_logits, positions
 from .compaction import DecodingRows, select_rows
-from .kv_cache import in_place, keeps_recurrent_state, preallocated_cache
-
-
-def _cache_argument(body) -> str:
-    """transformers 5.x renamed the forward's `past_key_values` to `cache`."""
-    return "cache" if "cache" in inspect.signature(body.forward).parameters else "past_key_values"
+from .kv_cache import in_place, preallocated_cache
 
 
 def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
@@ -123,6 +117,7 @@ def decode(hf_model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, max
     allocated once for P + max_new_tokens positions and written in place (rollout/kv_cache). `head_matmul`, if
     given, is the LM head's product on a packed copy of its weight (policy/folding)."""
     body, logits_of = hf_model.base_model, head_logits(hf_model, head_matmul)
+    argument = cache_argument(body) or "past_key_values"  # the model's own error if it takes no cache
     P = prompt_ids.shape[1]
     cache = preallocated_cache(hf_model.config, P + max_new_tokens)
     eos = torch.tensor(eos_ids, device=prompt_ids.device)
@@ -135,7 +130,7 @@ def decode(hf_model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, max
     if k >= MIN_SHARED_PREFIX:  # prompts that start alike (a system prompt, a worked example): read it once
         start = P - int(prompt_mask[0].sum())  # row 0's first real token
         body(input_ids=prompt_ids[:1, start:start + k], attention_mask=prompt_mask.new_ones(1, k),
-             position_ids=torch.arange(k, device=ids.device)[None], use_cache=True, **{_cache_argument(body): cache})
+             position_ids=torch.arange(k, device=ids.device)[None], use_cache=True, **{argument: cache})
         cache.reorder_cache(torch.zeros(len(ids), dtype=torch.long, device=ids.device))  # its KV for every row
         ids, mask = suffixes(prompt_ids, prompt_mask, k)  # [B, S]
         mask = torch.cat([mask.new_ones(len(mask), k), mask], 1)  # [B, k+S]: the prefix, then each suffix
@@ -151,7 +146,7 @@ def decode(hf_model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, max
     tokens = []
     for step in range(max_new_tokens):
         hidden = body(input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=True,
-                      **{_cache_argument(body): cache}).last_hidden_state[:, -1]  # [n, H]
+                      **{argument: cache}).last_hidden_state[:, -1]  # [n, H]
         if step == 0 and repeats > 1:  # the B prefilled prompts become their N copies
             copies = torch.arange(len(hidden), device=hidden.device).repeat_interleave(repeats)  # [N]
             hidden, full_mask, position_ids, seen = select_rows(cache, copies, hidden, full_mask, position_ids, seen)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import Cache, CacheLayerMixin, LinearAttentionCacheLayerMixin, get_layer_types_and_kwargs
+from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
 
 
 class PreallocatedLayer(CacheLayerMixin):
@@ -91,12 +91,3 @@ def in_place(cache: Cache) -> bool:
     depend only on the tokens before it and their positions, so a shared prefix can be read once."""
     return bool(cache.layers) and all(isinstance(layer, PreallocatedLayer) for layer in cache.layers)
 
-
-def keeps_recurrent_state(hf_model, cache: Cache) -> bool:
-    """Whether `hf_model` keeps a recurrent or linear-attention state, which decoding rows can neither leave, be
-    repeated in nor share a prefix of: transformers marks it `_is_stateful` where it has the mark, and builds the
-    model's cache (`cache`) with linear-attention layers. reorder_cache is not counted on to select those layers'
-    rows: a model may hold the state in its own modules instead, leaving the layer empty (RecurrentGemma does, and
-    zeroes the state when the batch size changes)."""
-    return getattr(hf_model, "_is_stateful", False) or any(
-        isinstance(layer, LinearAttentionCacheLayerMixin) for layer in cache.layers)
