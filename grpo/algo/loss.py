@@ -38,14 +38,20 @@ of the tokens the policy term acts on (m' = m, times the high-entropy mask when 
 Masked positions never reach the loss (nor ``exp``: garbage there cannot overflow into inf * 0). Rows whose
 gradient is exactly 0 may be left out of the call (`zero_advantage_has_no_gradient`) when B and the
 micro-batch's tokens are passed as counted before: the loss and its gradient stay those of all rows.
+
+Each term is a function of `grpo.algo.loss_terms`, with its formula; `policy_loss` composes them.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from . import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES
+from .loss_terms import (clipped_term, cispo_term, entropy_bonus, high_entropy_mask, importance_ratio, k3_kl,
+                         masked_mean, off_policy_mask, sapo_term)
 
 CLIPPED = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")  # the loss types with PPO's clipped objective
 # Prefixes of the metrics that are this call's share of the step's value, like the loss (the step's calls sum to
@@ -53,13 +59,47 @@ CLIPPED = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")  # the loss types with PP
 STEP_SHARES = ("loss/", "off_policy/")
 
 
-def _check_inputs(logprobs, old_logprobs, ref_logprobs, advantages, completion_mask, entropies, loss_type,
-                  importance_sampling_level, max_completion_length, top_entropy_quantile, entropy_coef) -> None:
-    if loss_type not in LOSS_TYPES:
-        raise ValueError(f"unknown loss_type {loss_type!r}; valid: {', '.join(LOSS_TYPES)}")
-    if importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
-        raise ValueError(f"unknown importance_sampling_level {importance_sampling_level!r}; "
-                         f"valid: {', '.join(IMPORTANCE_SAMPLING_LEVELS)}")
+@dataclass(frozen=True, kw_only=True)
+class LossSettings:
+    """What a run's settings decide of `policy_loss`, TRL's names and defaults (`Config.loss_settings()` gives
+    them as keywords); checked when made."""
+
+    loss_type: str = "dapo"  # one of LOSS_TYPES (module docstring)
+    epsilon_low: float = 0.2  # the clip range [1 - epsilon_low, 1 + epsilon_high]
+    epsilon_high: float = 0.2  # also cispo's eps_max
+    delta: float | None = None  # the bound of w in the unclipped term (two-sided clipping), or None
+    beta: float = 0.0  # the KL coefficient
+    use_bias_correction_kl: bool = True  # k3 * w (DeepSeek-V3.2's unbiased KL gradient)
+    importance_sampling_level: str = "token"  # or "sequence" (GSPO)
+    top_entropy_quantile: float = 1.0  # the policy term acts on the top this share of tokens by entropy only
+    entropy_coef: float = 0.0  # the entropy bonus's weight (0: none)
+    # drop the policy terms of negative-advantage sequences whose KL(old || current) exceeds it, or None
+    off_policy_mask_threshold: float | None = None
+    sapo_temperature_pos: float = 1.0  # SAPO's gate temperatures for A > 0 and A <= 0
+    sapo_temperature_neg: float = 1.05
+    max_completion_length: int | None = None  # the L of "dr_grpo" (required there)
+
+    def __post_init__(self) -> None:
+        if self.loss_type not in LOSS_TYPES:
+            raise ValueError(f"unknown loss_type {self.loss_type!r}; valid: {', '.join(LOSS_TYPES)}")
+        if self.importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
+            raise ValueError(f"unknown importance_sampling_level {self.importance_sampling_level!r}; "
+                             f"valid: {', '.join(IMPORTANCE_SAMPLING_LEVELS)}")
+        if self.loss_type == "dr_grpo" and not self.max_completion_length:
+            raise ValueError('loss_type "dr_grpo" needs max_completion_length (a positive int)')
+
+
+# loss_type -> its policy term (loss_terms), given (w, A, lp, m, settings): returns ([B, T] terms, its metrics)
+POLICY_TERMS = {
+    **dict.fromkeys(CLIPPED, lambda ratio, adv, lp, on, s: clipped_term(ratio, adv, on, s.epsilon_low,
+                                                                        s.epsilon_high, s.delta)),
+    "cispo": lambda ratio, adv, lp, on, s: cispo_term(ratio, adv, lp, on, s.epsilon_high),
+    "sapo": lambda ratio, adv, lp, on, s: sapo_term(ratio, adv, s.sapo_temperature_pos, s.sapo_temperature_neg),
+}
+
+
+def _check_inputs(logprobs, old_logprobs, ref_logprobs, advantages, completion_mask, entropies,
+                  settings: LossSettings) -> None:
     if logprobs.dim() != 2:
         raise ValueError(f"logprobs must be [B, T], got shape {tuple(logprobs.shape)}")
     for name, t in (("old_logprobs", old_logprobs), ("ref_logprobs", ref_logprobs),
@@ -70,11 +110,9 @@ def _check_inputs(logprobs, old_logprobs, ref_logprobs, advantages, completion_m
         raise ValueError(
             f"advantages must be [B] = {tuple(logprobs.shape[:1])}, got {tuple(advantages.shape)}"
         )
-    if loss_type == "dr_grpo" and not max_completion_length:
-        raise ValueError('loss_type "dr_grpo" needs max_completion_length (a positive int)')
-    if top_entropy_quantile < 1.0 and entropies is None:
+    if settings.top_entropy_quantile < 1.0 and entropies is None:
         raise ValueError("top_entropy_quantile < 1 needs the per-token entropies")
-    if entropy_coef != 0 and entropies is None:
+    if settings.entropy_coef != 0 and entropies is None:
         raise ValueError("entropy_coef != 0 needs the per-token entropies (with grad, for the bonus to train)")
 
 
@@ -87,35 +125,6 @@ def zero_advantage_has_no_gradient(beta: float, top_entropy_quantile: float, ent
     (top_entropy_quantile < 1): its quantile is over every row's tokens, and leaving some out moves it, nor
     with the entropy bonus (entropy_coef != 0), which every row's tokens feed."""
     return beta == 0 and top_entropy_quantile >= 1.0 and entropy_coef == 0
-
-
-def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
-    """Mean of ``values`` over positions where ``mask`` is true; 0 when the mask is empty."""
-    mask = mask.to(values.dtype)
-    return (values * mask).sum() / mask.sum().clamp(min=1)
-
-
-def high_entropy_mask(entropies: Tensor, completion_mask: Tensor, quantile: float) -> Tensor:
-    """``[B, T]`` bool: completion tokens whose entropy is at least the ``1 - quantile`` quantile
-    (linear interpolation, ``torch.quantile``) of this call's completion tokens' entropies: the top
-    ``quantile`` share of tokens by entropy ("Beyond the 80/20 rule"; TRL's ``top_entropy_quantile``)."""
-    on = completion_mask.bool()  # [B, T]
-    values = entropies[on].float()  # [n]
-    if values.numel() == 0:
-        return torch.zeros_like(on)
-    threshold = torch.quantile(values, 1.0 - quantile)
-    return (entropies >= threshold) & on  # [B, T]
-
-
-def off_policy_mask(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, completion_mask: Tensor,
-                    threshold: float) -> Tensor:
-    """``[B]`` bool, True for the sequences whose policy terms stay: DeepSeek-V3.2's off-policy sequence mask
-    drops a sequence with a negative advantage whose mean per-token KL(old || current) estimate, old - lp over
-    its completion tokens (lp without grad), exceeds ``threshold``: pushing down a sample the policy has already
-    drifted away from destabilizes training. Positive advantages always stay."""
-    on = completion_mask.bool()  # [B, T]
-    kl = torch.where(on, old_logprobs - logprobs.detach(), 0.0).sum(dim=1) / on.sum(dim=1).clamp(min=1)  # [B]
-    return (advantages >= 0) | (kl <= threshold)  # [B]
 
 
 def aggregate(per_token: Tensor, completion_mask: Tensor, loss_type: str = "dapo",
@@ -141,33 +150,11 @@ def aggregate(per_token: Tensor, completion_mask: Tensor, loss_type: str = "dapo
     raise ValueError(f"unknown loss_type {loss_type!r}; valid: {', '.join(LOSS_TYPES)}")
 
 
-def policy_loss(
-    logprobs: Tensor,
-    old_logprobs: Tensor | None,
-    ref_logprobs: Tensor | None,
-    advantages: Tensor,
-    completion_mask: Tensor,
-    *,
-    loss_type: str = "dapo",
-    epsilon_low: float = 0.2,
-    epsilon_high: float = 0.2,
-    delta: float | None = None,
-    beta: float = 0.0,
-    use_bias_correction_kl: bool = True,
-    importance_sampling_level: str = "token",
-    entropies: Tensor | None = None,
-    top_entropy_quantile: float = 1.0,
-    entropy_coef: float = 0.0,
-    off_policy_mask_threshold: float | None = None,
-    sapo_temperature_pos: float = 1.0,
-    sapo_temperature_neg: float = 1.05,
-    max_completion_length: int | None = None,
-    num_tokens: float | None = None,
-    num_micro_batches: int = 1,
-    num_sequences: int | None = None,
-    micro_batch_tokens: float | None = None,
-) -> tuple[Tensor, dict[str, float]]:
-    """The loss of one micro-batch, as written in the module docstring; TRL's defaults.
+def policy_loss(logprobs: Tensor, old_logprobs: Tensor | None, ref_logprobs: Tensor | None, advantages: Tensor,
+                completion_mask: Tensor, *, entropies: Tensor | None = None, num_tokens: float | None = None,
+                num_micro_batches: int = 1, num_sequences: int | None = None, micro_batch_tokens: float | None = None,
+                **settings) -> tuple[Tensor, dict[str, float]]:
+    """The loss of one micro-batch, as written in the module docstring.
 
     Args:
         logprobs: ``[B, T]`` log-probs of the current policy (with grad).
@@ -178,102 +165,61 @@ def policy_loss(
         advantages: ``[B]`` one advantage per completion.
         completion_mask: ``[B, T]`` 1 on completion tokens, 0 on prompt/padding. Values
             at masked positions are ignored (must only be finite).
-        loss_type: one of ``LOSS_TYPES`` (module docstring).
-        epsilon_low, epsilon_high: clip range ``[1 - epsilon_low, 1 + epsilon_high]``.
-        delta: upper bound of w in the unclipped term (two-sided clipping), or None.
-        beta: KL coefficient.
-        use_bias_correction_kl: multiply the k3 KL by w (DeepSeek-V3.2's unbiased KL gradient).
-        importance_sampling_level: ``"token"`` or ``"sequence"`` (GSPO).
         entropies: ``[B, T]`` per-token entropies: the ``entropy`` metric, the high-entropy mask when
             ``top_entropy_quantile < 1``, and the bonus when ``entropy_coef != 0`` (trained through their grad).
-        top_entropy_quantile: keep only the policy term of the top this share of tokens by entropy.
-        entropy_coef: weight of the entropy bonus (module docstring; 0: none).
-        off_policy_mask_threshold: drop the policy terms of negative-advantage sequences whose KL(old ||
-            current) exceeds it (``off_policy_mask``), or None.
-        sapo_temperature_pos, sapo_temperature_neg: SAPO's gate temperatures.
-        max_completion_length: the L of ``"dr_grpo"`` (required there).
         num_tokens: for ``"dapo"`` / ``"cispo"``, the step's token count (default: this call's).
         num_micro_batches: K of the module docstring (default 1: this call is the whole step).
         num_sequences, micro_batch_tokens: the micro-batch's rows (grpo, sapo, dr_grpo, luspo) and completion
             tokens (bnpo), counted before rows with exactly zero gradient were left out (default: this call's).
+        settings: `LossSettings`'s fields as keywords (``loss_type``, ``epsilon_low``, ``beta``, ...); TRL's
+            defaults for those not given.
 
     Returns:
         ``(loss, metrics)``: a scalar tensor and detached python floats, TRL's names where TRL logs
         the same thing: ``loss/policy`` (the policy term aggregated like the loss), ``ratio/mean``
-        (w), ``clip_ratio/low_mean`` (A < 0 and w < 1 - epsilon_low), ``clip_ratio/high_mean``
-        (A > 0 and w > 1 + epsilon_high), ``clip_ratio/region_mean`` (either) for the clipped
-        loss types, ``cispo_clip_ratio`` (A > 0 and w > epsilon_high) for cispo, ``kl`` when the
-        KL term is used, ``entropy`` when entropies are given: masked means over this call's completion
-        tokens. Shares of the step like the loss (``STEP_SHARES``): ``loss/entropy`` (the bonus term,
+        (w), the policy term's own (``clipped_term``'s clip ratios, ``cispo_term``'s ``cispo_clip_ratio``),
+        ``kl`` when the KL term is used, ``entropy`` when entropies are given: masked means over this call's
+        completion tokens. Shares of the step like the loss (``STEP_SHARES``): ``loss/entropy`` (the bonus term,
         -c * mean H / K) when ``entropy_coef != 0``, ``off_policy/masked_ratio`` (the sequences dropped,
         over B, / K) when ``off_policy_mask_threshold`` is set.
     """
-    _check_inputs(logprobs, old_logprobs, ref_logprobs, advantages, completion_mask, entropies, loss_type,
-                  importance_sampling_level, max_completion_length, top_entropy_quantile, entropy_coef)
+    s = LossSettings(**settings)
+    _check_inputs(logprobs, old_logprobs, ref_logprobs, advantages, completion_mask, entropies, s)
     on = completion_mask.bool()  # [B, T]
     if old_logprobs is None:
         old_logprobs = logprobs.detach()
     adv = advantages.to(logprobs.dtype)[:, None]  # [B, 1]
-    log_ratio = torch.where(on, logprobs - old_logprobs, 0.0)  # [B, T]
-    if importance_sampling_level == "sequence":
-        count = on.sum(dim=1, keepdim=True).clamp(min=1)  # [B, 1]
-        log_ratio = (log_ratio.sum(dim=1, keepdim=True) / count).expand_as(log_ratio)  # [B, T]
-    ratio = torch.exp(log_ratio)  # [B, T]
-
-    if loss_type in CLIPPED:
-        clipped = torch.clamp(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high)  # [B, T]
-        unclipped = ratio if delta is None else torch.clamp(ratio, max=delta)  # [B, T]
-        policy = -torch.minimum(unclipped * adv, clipped * adv)  # [B, T]
-    elif loss_type == "cispo":
-        weight = torch.clamp(ratio, max=epsilon_high).detach()  # [B, T]
-        policy = -weight * adv * torch.where(on, logprobs, 0.0)  # [B, T]
-    else:  # sapo
-        tau = torch.full_like(adv, sapo_temperature_neg).masked_fill(adv > 0, sapo_temperature_pos)  # [B, 1]
-        policy = -torch.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau * adv  # [B, T]
-    if off_policy_mask_threshold is not None:
-        kept = off_policy_mask(logprobs, old_logprobs, advantages, on, off_policy_mask_threshold)  # [B]
+    ratio = importance_ratio(logprobs, old_logprobs, on, s.importance_sampling_level)  # [B, T]
+    policy, term_metrics = POLICY_TERMS[s.loss_type](ratio, adv, logprobs, on, s)  # [B, T]
+    if s.off_policy_mask_threshold is not None:
+        kept = off_policy_mask(logprobs, old_logprobs, advantages, on, s.off_policy_mask_threshold)  # [B]
         policy = policy * kept[:, None].to(policy.dtype)  # [B, T]
     acts_on = on  # [B, T]: the tokens the policy term (and the entropy bonus) acts on
-    if top_entropy_quantile < 1.0:
-        acts_on = high_entropy_mask(entropies, on, top_entropy_quantile)  # [B, T]
+    if s.top_entropy_quantile < 1.0:
+        acts_on = high_entropy_mask(entropies, on, s.top_entropy_quantile)  # [B, T]
         policy = policy * acts_on.to(policy.dtype)  # [B, T]
-    agg = {"loss_type": loss_type, "max_completion_length": max_completion_length, "num_tokens": num_tokens,
+    agg = {"loss_type": s.loss_type, "max_completion_length": s.max_completion_length, "num_tokens": num_tokens,
            "num_micro_batches": num_micro_batches, "num_sequences": num_sequences,
            "micro_batch_tokens": micro_batch_tokens}
-    per_token = policy  # [B, T]
-    use_kl = beta != 0 and ref_logprobs is not None
-    if use_kl:
-        ref_diff = torch.where(on, ref_logprobs - logprobs, 0.0)  # [B, T]
-        kl = torch.exp(ref_diff) - ref_diff - 1.0  # [B, T]
-        if use_bias_correction_kl:
-            kl = kl * ratio  # [B, T]
-        per_token = policy + beta * kl  # [B, T]
-    loss = aggregate(per_token, completion_mask, **agg)
-    if entropy_coef != 0:
-        bonus = entropy_coef * masked_mean(entropies.to(logprobs.dtype), acts_on) / num_micro_batches
-        loss = loss - bonus
-
     with torch.no_grad():
-        metrics = {"loss/policy": aggregate(policy, completion_mask, **agg).item(),
-                   "ratio/mean": masked_mean(ratio, on).item()}
-        w = ratio if delta is None or loss_type not in CLIPPED else torch.clamp(ratio, max=delta)  # TRL's coef_1
-        if loss_type in CLIPPED:
-            low = masked_mean(((adv < 0) & (w < 1.0 - epsilon_low)).to(w.dtype), on)
-            high = masked_mean(((adv > 0) & (w > 1.0 + epsilon_high)).to(w.dtype), on)
-            metrics["clip_ratio/low_mean"] = low.item()
-            metrics["clip_ratio/high_mean"] = high.item()
-            metrics["clip_ratio/region_mean"] = (low + high).item()  # the two regions never overlap
-        elif loss_type == "cispo":
-            metrics["cispo_clip_ratio"] = masked_mean(((adv > 0) & (w > epsilon_high)).to(w.dtype), on).item()
-        if use_kl:
-            metrics["kl"] = masked_mean(kl, on).item()
-        if entropies is not None:
-            metrics["entropy"] = masked_mean(entropies.to(ratio.dtype), on).item()
-        if entropy_coef != 0:
-            metrics["loss/entropy"] = -bonus.item()
-        if off_policy_mask_threshold is not None:
-            rows = num_sequences if num_sequences is not None else kept.numel()  # counted before any cut
-            metrics["off_policy/masked_ratio"] = (~kept).sum().item() / max(1, rows) / num_micro_batches
+        metrics = {"loss/policy": aggregate(policy, completion_mask, **agg), "ratio/mean": masked_mean(ratio, on),
+                   **term_metrics}  # 0-dim tensors until the end
+    per_token = policy  # [B, T]
+    if s.beta != 0 and ref_logprobs is not None:
+        kl = k3_kl(logprobs, ref_logprobs, on, ratio if s.use_bias_correction_kl else None)  # [B, T]
+        per_token = policy + s.beta * kl  # [B, T]
+        metrics["kl"] = masked_mean(kl.detach(), on)
+    loss = aggregate(per_token, completion_mask, **agg)
+    if entropies is not None:
+        metrics["entropy"] = masked_mean(entropies.detach().to(ratio.dtype), on)
+    if s.entropy_coef != 0:
+        bonus = entropy_bonus(entropies.to(logprobs.dtype), acts_on, s.entropy_coef, num_micro_batches)
+        loss = loss - bonus
+        metrics["loss/entropy"] = -bonus.detach()
+    metrics = {k: v.item() for k, v in metrics.items()}
+    if s.off_policy_mask_threshold is not None:
+        rows = num_sequences if num_sequences is not None else kept.numel()  # counted before any cut
+        metrics["off_policy/masked_ratio"] = (~kept).sum().item() / max(1, rows) / num_micro_batches
     return loss, metrics
 
 

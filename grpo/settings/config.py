@@ -246,9 +246,9 @@ class Config(metaclass=_CheckedKeywords):
         return {key: overrides.get(key, value) for key, value in settings.items()}
 
     def loss_settings(self) -> dict:
-        """The keyword arguments of `grpo.algo.loss.policy_loss` that settings decide. An unset epsilon_high
-        is epsilon (TRL), resolved here and never stored, so --epsilon and --epsilon_high commute. A completion
-        with advantage 0 has no gradient only when beta == 0 and entropy_coef == 0."""
+        """The keyword arguments of `grpo.algo.loss.policy_loss` that settings decide (`LossSettings`'s fields).
+        An unset epsilon_high is epsilon (TRL), resolved here and never stored, so --epsilon and --epsilon_high
+        commute. A completion with advantage 0 has no gradient only when beta == 0 and entropy_coef == 0."""
         return dict(loss_type=self.loss_type, epsilon_low=self.epsilon,
                     epsilon_high=self.epsilon if self.epsilon_high is None else self.epsilon_high,
                     delta=self.delta, beta=self.beta, use_bias_correction_kl=self.use_bias_correction_kl,
