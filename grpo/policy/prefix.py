@@ -115,6 +115,7 @@ class PaddedRows:
         return before, self.completion_ids
 
     def unpack(self, out):
+        """Log-probs (and entropies) [N, C]: already in the rows."""
         return out
 
 
