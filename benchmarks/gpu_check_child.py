@@ -304,7 +304,8 @@ def shared(tiny: bool = False, root: str = "") -> dict:
     flash-attention when installed) and each layout it allows (padded rows; one packed row), the largest log-prob
     and gradient differences, and the seconds and peak memory of a forward and backward of each."""
     from grpo.policy.models import completion_logprobs, prepare_for_training, unwrap
-    from grpo.policy.prefix import packing_refusal, shared_prompt_logprobs
+    from grpo.policy.packing import packing_refusal
+    from grpo.policy.prefix import shared_prompt_logprobs
 
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     arch = architecture(QWEN_05B, tiny)

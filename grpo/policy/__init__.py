@@ -12,9 +12,9 @@ def reference_kind(use_lora: bool, beta: float) -> str:
 def prompt_once(shared_prompt_forward: bool | None, gradient_checkpointing: bool) -> bool:
     """Whether the training forwards run each distinct prompt once (policy/prefix.py): as asked, and when not
     asked (None) only without gradient checkpointing. Exact under checkpointing too, but there its measured
-    peaks were higher than whole rows' on some shapes (a tiny bf16 model +3%, Llama-3.2-1B layers at G=4
-    +0.3-1.2 GB), for a reason not found and which the memory plan does not predict; and a run that
-    checkpoints is short of memory."""
+    peaks were higher than whole rows' on some shapes (docs/benchmarks.md, "Each prompt once in the training
+    forwards"), for a reason not found and which the memory plan does not predict; and a run that checkpoints
+    is short of memory."""
     return not gradient_checkpointing if shared_prompt_forward is None else shared_prompt_forward
 
 

@@ -9,10 +9,9 @@ Layers are folded only where that is exact enough: float32 base weights (a bf16 
 smaller than 1/256 of the weight, so sampling would not draw from the trained policy), plain torch linears (not
 4-bit or sharded ones), vanilla LoRA with one active adapter (no DoRA or LoRA bias).
 
-Packing: oneDNN's float32 matmul on a weight reordered once for it (`to_mkldnn`) took half the time of torch's
-default CPU matmul on the machine this was written on (AMD EPYC, one thread: SmolLM2-135M's [16, 576] x
-[576, 1536] 396 -> 248 us, a 2 x 145-token prefill 5.4 -> 2.6 ms), with float32 results (differences of a few
-float32 roundings, as between any two matmul kernels). The packed copies live only during the decode; the LM
+Packing: oneDNN's float32 matmul on a weight reordered once for it (`to_mkldnn`) takes less time than torch's
+default CPU matmul (docs/benchmarks.md, "Sampling and evaluation speed"), with float32 results (differences of a
+few float32 roundings, as between any two matmul kernels). The packed copies live only during the decode; the LM
 head's is handed to the decode (policy/head's `head_logits`), which reads the head's weight itself."""
 from __future__ import annotations
 
@@ -38,7 +37,7 @@ def foldable_layers(model) -> list:
 
 
 def _lora_layers(model) -> list:
-    # A model with LoRA layers has imported peft; without them, importing it here would cost ~90 MB of RSS.
+    # A model with LoRA layers has imported peft; without them, importing it here would only add to the RSS.
     lora = sys.modules.get("peft.tuners.lora")
     return [] if lora is None else [m for m in model.modules() if isinstance(m, lora.LoraLayer)]
 

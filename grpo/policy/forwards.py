@@ -17,10 +17,11 @@ from .prefix import CacheDropped, check_shared_prompt_forward, refusal, shared_p
 
 class Policy:
     """`model` (prepared for training) with its reference, wrapped for `world_size` ranks; `config` gives the
-    log-prob settings. Trains on `model`; `parallel` saves and loads it."""
+    log-prob settings; `is_main`: this rank says what every rank does (run/distributed.Distributed.is_main). Trains
+    on `model`; `parallel` saves and loads it."""
 
-    def __init__(self, model, config, world_size: int, precision: Precision):
-        self.model, self.config, self.precision = model, config, precision
+    def __init__(self, model, config, world_size: int, precision: Precision, *, is_main: bool):
+        self.model, self.config, self.precision, self.is_main = model, config, precision, is_main
         self.has_reference = reference_kind(config.use_lora, config.beta) != "none"
         self.reference = make_reference(model, config.use_lora, config.beta, precision.reference_dtype)
         # Before the optimizer exists: FSDP replaces the parameters by their shards.
@@ -70,7 +71,7 @@ class Policy:
 
     def _whole_rows(self, why: str) -> None:
         self.shared_prompt = False
-        if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:  # all ranks turn it off
+        if self.is_main:  # all ranks turn it off
             print(f"grpo: shared_prompt_forward is off: {why}; log-probs forward whole rows", file=sys.stderr)
 
     def _logprobs(self, model, rollout, with_entropy: bool = False):

@@ -173,6 +173,26 @@ def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Te
                           softcap=transform.softcap)
 
 
+@contextlib.contextmanager
+def eval_mode(model):
+    """`model` in eval mode within (no dropout; under gradient checkpointing, the KV cache on), and back in the
+    mode it was in after."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield model
+    finally:
+        model.train(was_training)
+
+
+def agreement_tolerance(hf_model, largest: float) -> float:
+    """How far two computations of the same log-probs or logits may differ, the `largest` of them in magnitude:
+    with a 16-bit LM head their 8 significant bits let two paths (other batch shapes, other kernels) round apart
+    in the last places of the largest."""
+    low_precision = hf_model.get_output_embeddings().weight.dtype not in (torch.float32, torch.float64)
+    return 1e-3 + (2**-5 * largest if low_precision else 0.0)
+
+
 @torch.no_grad()
 def check_logprobs_match_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int, *,
                                  temperature: float, chunk_size: int, rows: int = 2, tokens: int = 16,
@@ -187,29 +207,22 @@ def check_logprobs_match_forward(model, input_ids: torch.Tensor, attention_mask:
     if ids.shape[1] == prompt_length:
         agree(0.0)
         return 0.0
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.autocast(ids.device.type, enabled=False):
-            ours = completion_logprobs(model, ids, mask, prompt_length, temperature=temperature,
-                                       chunk_size=chunk_size)  # [r, k]
-            hidden = hf.base_model(input_ids=ids, attention_mask=mask, position_ids=positions(mask),
-                                   use_cache=False).last_hidden_state[:, prompt_length - 1:-1]  # [r, k, H]
-            sampling = head_logits(hf)(hidden.flatten(0, 1)).view(*hidden.shape[:2], -1)  # [r, k, V]: as generate
-            k = ids.shape[1] - prompt_length
-            keep = {"logits_to_keep": k + 1} if "logits_to_keep" in inspect.signature(hf.forward).parameters else {}
-            logits = hf(input_ids=ids, attention_mask=mask, position_ids=positions(mask), use_cache=False,
-                        **keep).logits[:, -k - 1:-1].float()  # [r, k, V]
-    finally:
-        model.train(was_training)
+    with eval_mode(model), torch.autocast(ids.device.type, enabled=False):
+        ours = completion_logprobs(model, ids, mask, prompt_length, temperature=temperature,
+                                   chunk_size=chunk_size)  # [r, k]
+        hidden = hf.base_model(input_ids=ids, attention_mask=mask, position_ids=positions(mask),
+                               use_cache=False).last_hidden_state[:, prompt_length - 1:-1]  # [r, k, H]
+        sampling = head_logits(hf)(hidden.flatten(0, 1)).view(*hidden.shape[:2], -1)  # [r, k, V]: as generate
+        k = ids.shape[1] - prompt_length
+        keep = {"logits_to_keep": k + 1} if "logits_to_keep" in inspect.signature(hf.forward).parameters else {}
+        logits = hf(input_ids=ids, attention_mask=mask, position_ids=positions(mask), use_cache=False,
+                    **keep).logits[:, -k - 1:-1].float()  # [r, k, V]
     reference = torch.log_softmax(logits / temperature, dim=-1)  # [r, k, V]
     padding = mask[:, prompt_length:] == 0  # [r, k]: after EOS, not scored
     logprob_error = (ours - reference.gather(-1, ids[:, prompt_length:, None]).squeeze(-1)).abs()  # [r, k]
     sampling_error = (torch.log_softmax(sampling / temperature, dim=-1) - reference).abs().amax(-1)  # [r, k]
     logprob_error, sampling_error = (e.masked_fill(padding, 0).max().item() for e in (logprob_error, sampling_error))
-    # 16-bit logits carry 8 significant bits: the two paths may differ in the last few places of the largest.
-    low_precision = hf.get_output_embeddings().weight.dtype not in (torch.float32, torch.float64)
-    tolerance = 1e-3 + (2**-5 * logits.abs().max().item() if low_precision else 0.0)
+    tolerance = agreement_tolerance(hf, logits.abs().max().item())
     excess = agree(max(logprob_error, sampling_error) / tolerance)
     if excess > 1:
         raise ConfigError(

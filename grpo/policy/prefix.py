@@ -10,22 +10,21 @@ prompt's layers replace what they hold, the completions' layers only read), whic
 `_can_checkpoint_with_cache` asks of a cache kept under checkpointing. Others (recurrent state, KV shared across
 layers, chunked attention) are refused by `refusal`, and the caller takes the full rows.
 
-Padding free: with sdpa or eager attention the completions' real tokens can run as one packed row [1, T] (no
-padding between rows), each token attending to its own prompt and the earlier tokens of its own row through a 4D
-mask (`packed_mask`); taken when it costs less than the padded rows (`packing_pays`)."""
+The completions run in one of two layouts: their padded rows [N, C] (`PaddedRows`), or, padding free, their real
+tokens as one packed row under a 4D mask (policy/packing.py), where the model allows it and it costs less."""
 from __future__ import annotations
 
 import contextlib
 import copy
 import functools
-import inspect
 
 import torch
 
 from ..algo.logprobs import token_logprobs
 from .caches import cache_argument, keeps_recurrent_state
 from .head import head_transform, positions
-from .models import completion_logprobs, unwrap
+from .models import agreement_tolerance, completion_logprobs, eval_mode, unwrap
+from .packing import PackedRow, packing_refusal, packs
 
 
 def shared_prompts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,14 +68,18 @@ def shared_prompt_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.T
     """Log-probs `[N, C]` of the completions under `model` (a transformers causal LM, or peft over one, that
     `refusal` accepts), as `models.completion_logprobs` on the whole rows gives them (0 on padding);
     `(logprobs, entropies)` with `return_entropy`. `pack`: run the completions as one packed row (True, where
-    `packing_refusal` allows it), as padded rows (False), or whichever costs less (None)."""
+    `packing_refusal` allows it), as padded rows (False), or whichever costs less (None): `packing.packs`."""
     hf = unwrap(model)
     body, head, transform = hf.base_model, hf.get_output_embeddings(), head_transform(hf.config)
     first, owner = shared_prompts(prompt_ids, prompt_mask)  # [B], [N]
     ids, mask = prompt_ids[first], prompt_mask[first]  # [B, P]
-    valid = completion_mask.bool()  # [N, C]
-    packed = (pack is not False and packing_refusal(hf) is None
-              and (pack or packing_pays(hf.config.hidden_size, mask.shape, completion_mask.shape, int(valid.sum()))))
+    # Positions continue from each row's real prompt length, as on the whole row.
+    attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)  # [N, P+C]
+    completion_positions = positions(attention_mask)[:, prompt_ids.shape[1]:]  # [N, C]
+    if packs(hf, pack, mask.shape, completion_mask.shape, int(completion_mask.bool().sum())):
+        layout = PackedRow(hf, mask, owner, completion_ids, completion_mask, completion_positions)
+    else:
+        layout = PaddedRows(owner, completion_ids, attention_mask, completion_positions)
     # use_cache=False: the cache given is used all the same, and checkpointed layers do not warn about it.
     cache, argument = _fresh_cache(hf.config), cache_argument(body)
     with _cache_kept_under_checkpointing(body):
@@ -85,117 +88,35 @@ def shared_prompt_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.T
                              **{argument: cache}).last_hidden_state[:, -1]
         if any(layer.keys is None for layer in cache.layers):
             raise CacheDropped(f"{type(hf).__name__} drops the cache in this mode (gradient checkpointing)")
-        # Positions continue from each row's real prompt length, as on the whole row.
-        attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)  # [N, P+C]
-        completion_positions = positions(attention_mask)[:, prompt_ids.shape[1]:]  # [N, C]
-        if packed:
-            hidden = body(input_ids=completion_ids[valid][None], position_ids=completion_positions[valid][None],
-                          attention_mask=_packed_masks(hf, cache, mask, owner, completion_mask, completion_positions),
-                          use_cache=False, **{argument: _expanded(cache, None, prompt_ids.shape[1])}
-                          ).last_hidden_state[0]  # [T, H]
-        else:
-            hidden = body(input_ids=completion_ids, attention_mask=attention_mask, position_ids=completion_positions,
-                          use_cache=False, **{argument: _expanded(cache, owner, prompt_ids.shape[1])}
-                          ).last_hidden_state  # [N, C, H]
-    if packed:
-        # The state before each token: its prompt's last for a row's first token, else the token before it.
-        row = _rows(valid)  # [T]
-        starts = torch.cat([row.new_ones(1, dtype=torch.bool), row[1:] != row[:-1]])  # [T]
-        before = torch.where(starts, owner[row], len(first) + torch.arange(len(row), device=row.device) - 1)  # [T]
-        hidden = torch.cat([prompt_hidden, hidden]).index_select(0, before)[None]  # [1, T, H]
-        targets = completion_ids[valid][None]  # [1, T]
-    else:
-        # The state before each completion token: the prompt's last for the first, then the completion's own.
-        hidden = torch.cat([prompt_hidden.index_select(0, owner)[:, None], hidden[:, :-1]], dim=1)  # [N, C, H]
-        targets = completion_ids
-    out = token_logprobs(hidden, head.weight, targets, temperature=temperature, bias=head.bias,
-                         chunk_size=chunk_size, return_entropy=return_entropy, logit_scale=transform.scale,
-                         softcap=transform.softcap)
-    if not packed:
+        hidden = body(**layout.inputs(cache), use_cache=False,
+                      **{argument: _expanded(cache, layout.cache_rows, prompt_ids.shape[1])}).last_hidden_state
+    hidden, targets = layout.states(prompt_hidden, hidden)
+    return layout.unpack(token_logprobs(hidden, head.weight, targets, temperature=temperature, bias=head.bias,
+                                        chunk_size=chunk_size, return_entropy=return_entropy,
+                                        logit_scale=transform.scale, softcap=transform.softcap))
+
+
+class PaddedRows:
+    """The completions [N, C] as their padded rows, row i against the keys and values of its prompt `owner[i]`."""
+
+    def __init__(self, owner: torch.Tensor, completion_ids: torch.Tensor, attention_mask: torch.Tensor,
+                 completion_positions: torch.Tensor):
+        self.cache_rows, self.completion_ids = owner, completion_ids  # [N], [N, C]
+        self.attention_mask, self.positions = attention_mask, completion_positions  # [N, P+C], [N, C]
+
+    def inputs(self, cache) -> dict:
+        """The body's inputs besides the cache."""
+        return dict(input_ids=self.completion_ids, attention_mask=self.attention_mask, position_ids=self.positions)
+
+    def states(self, prompt_hidden: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The state before each completion token [N, C, H], from the prompts' last states [B, H] and the rows'
+        [N, C, H]: the prompt's last for the first, then the completion's own; and the tokens [N, C]."""
+        before = torch.cat([prompt_hidden.index_select(0, self.cache_rows)[:, None], hidden[:, :-1]], 1)  # [N, C, H]
+        return before, self.completion_ids
+
+    def unpack(self, out):
+        """Log-probs (and entropies) [N, C]: already in the rows."""
         return out
-
-    def unpack(flat):
-        return flat.new_zeros(valid.shape).masked_scatter(valid, flat[0])  # [1, T] -> [N, C]
-
-    return (unpack(out[0]), unpack(out[1])) if return_entropy else unpack(out)
-
-
-PACKED_ATTENTION = ("sdpa", "eager")  # take a 4D mask as it is; flash-attention would need the rows' offsets
-
-
-def packing_refusal(hf_model) -> str | None:
-    """Why the completions cannot run as one packed row under `hf_model`, or None when they can: its attention
-    must take a 4D mask, and layers of several kinds (full and sliding) need a body that takes a mask per kind."""
-    from transformers.cache_utils import DynamicCache
-
-    implementation = getattr(hf_model.config, "_attn_implementation", None)
-    if implementation not in PACKED_ATTENTION:
-        return f"{implementation} attention takes no 4D mask"
-    windows = _windows(hf_model.config, DynamicCache(config=hf_model.config).layers)
-    if len(windows) > 1 and not _takes_masks_by_kind(type(hf_model.base_model)):
-        return f"{type(hf_model).__name__} takes one mask for layers of several kinds"
-    return None
-
-
-def packing_pays(hidden_size: int, prompts: tuple, rows: tuple, tokens: int) -> bool:
-    """Whether `tokens` real completion tokens packed into one row cost less than their padded rows [N, C] against
-    prompts [B, P]. Cost per token and layer, in units of 4 x hidden_size multiply-adds: about 6 x hidden_size for
-    the linear layers (12 hidden_size^2 weights), 1 per key attended (keys and values). A packed row attends to
-    all B prompts and all of its tokens (the mask only zeroes them), padded rows to one prompt and C tokens. No real
-    token (a rank's inert row, kept for the collectives) is left padded: a packed row cannot be empty."""
-    (b, p), (n, c) = prompts, rows
-    return 0 < tokens and tokens * (6 * hidden_size + b * p + tokens) < n * c * (6 * hidden_size + p + c)
-
-
-def _windows(config, layers) -> dict:
-    """Each kind of attention layer (config.layer_types' names, or one kind) -> its sliding window (None: full),
-    read from the model's cache layers, as the model's own masks use them."""
-    kinds = getattr(config, "layer_types", None) or ["attention"] * len(layers)
-    return {kind: layer.sliding_window if getattr(layer, "is_sliding", False) else None
-            for kind, layer in zip(kinds, layers)}
-
-
-@functools.cache
-def _takes_masks_by_kind(body_class) -> bool:
-    """transformers' bodies with several layer kinds take `attention_mask` as a dict of masks, one per kind."""
-    return "causal_mask_mapping := attention_mask, dict" in inspect.getsource(body_class.forward)
-
-
-def _packed_masks(hf, cache, prompt_mask: torch.Tensor, owner: torch.Tensor, completion_mask: torch.Tensor,
-                  completion_positions: torch.Tensor):
-    """The packed row's 4D mask [1, 1, T, B*P + T] (a dict of them by layer kind when kinds differ): booleans for
-    sdpa, to be added (0 or the dtype's lowest) for eager."""
-    windows = _windows(hf.config, cache.layers)
-    masks = {window: packed_mask(prompt_mask, owner, completion_mask, completion_positions, window)
-             for window in set(windows.values())}
-    if hf.config._attn_implementation == "eager":
-        low = torch.finfo(hf.dtype).min
-        masks = {w: torch.zeros(m.shape, dtype=hf.dtype, device=m.device).masked_fill(~m, low)
-                 for w, m in masks.items()}
-    return next(iter(masks.values())) if len(masks) == 1 else {kind: masks[w] for kind, w in windows.items()}
-
-
-def packed_mask(prompt_mask: torch.Tensor, owner: torch.Tensor, completion_mask: torch.Tensor,
-                completion_positions: torch.Tensor, window: int | None = None) -> torch.Tensor:
-    """[1, 1, T, B*P + T], True where the packed row's token t (the real completion tokens, row by row) may attend:
-    the real tokens of its own prompt (keys laid out prompt by prompt), then the tokens of its own row up to itself;
-    with a sliding `window`, only keys fewer than `window` positions back (transformers' sliding layers)."""
-    valid = completion_mask.bool()  # [N, C]
-    row, position = _rows(valid), completion_positions[valid]  # [T], [T]
-    b, p = prompt_mask.shape
-    prompt_owner = torch.arange(b, device=valid.device).repeat_interleave(p)  # [B*P]
-    prompt_position = positions(prompt_mask).flatten()  # [B*P]
-    to_prompt = (owner[row][:, None] == prompt_owner) & prompt_mask.flatten().bool()  # [T, B*P]
-    to_row = (row[:, None] == row) & (position[None] <= position[:, None])  # [T, T]
-    if window is not None:
-        to_prompt &= position[:, None] - prompt_position < window
-        to_row &= position[:, None] - position[None] < window
-    return torch.cat([to_prompt, to_row], dim=1)[None, None]  # [1, 1, T, B*P+T]
-
-
-def _rows(valid: torch.Tensor) -> torch.Tensor:
-    """The row [T] of each real token of `valid` [N, C], in the packed row's order (row by row)."""
-    return torch.arange(len(valid), device=valid.device)[:, None].expand_as(valid)[valid]
 
 
 def _capturing(base):
@@ -294,21 +215,13 @@ def check_shared_prompt_forward(model, rollout, *, temperature: float, chunk_siz
     completion_ids, completion_mask = rollout.completion_ids[take, :tokens], rollout.completion_mask[take, :tokens]
     if completion_ids.shape[1] == 0:
         return agree(0.0), 0.0
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.autocast(prompt_ids.device.type, enabled=False):
-            whole = completion_logprobs(model, torch.cat([prompt_ids, completion_ids], 1),
-                                        torch.cat([prompt_mask, completion_mask], 1), prompt_ids.shape[1],
-                                        temperature=temperature, chunk_size=chunk_size)  # [r, k]
-            # Both layouts of the completions, padded rows and (where the model allows it) one packed row.
-            error = max((shared_prompt_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
-                                                temperature=temperature, chunk_size=chunk_size, pack=pack) - whole
-                         ).abs().masked_fill(completion_mask == 0, 0).max().item()
-                        for pack in (False, True)[:1 + (packing_refusal(unwrap(model)) is None)])
-    finally:
-        model.train(was_training)
-    # 16-bit weights: the two paths round differently (batch shapes differ), in the last places of the largest.
-    low_precision = unwrap(model).get_output_embeddings().weight.dtype not in (torch.float32, torch.float64)
-    tolerance = 1e-3 + (2**-5 * whole.abs().max().item() if low_precision else 0.0)
-    return agree(error / tolerance), error
+    with eval_mode(model), torch.autocast(prompt_ids.device.type, enabled=False):
+        whole = completion_logprobs(model, torch.cat([prompt_ids, completion_ids], 1),
+                                    torch.cat([prompt_mask, completion_mask], 1), prompt_ids.shape[1],
+                                    temperature=temperature, chunk_size=chunk_size)  # [r, k]
+        # Both layouts of the completions, padded rows and (where the model allows it) one packed row.
+        error = max((shared_prompt_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
+                                            temperature=temperature, chunk_size=chunk_size, pack=pack) - whole
+                     ).abs().masked_fill(completion_mask == 0, 0).max().item()
+                    for pack in (False, True)[:1 + (packing_refusal(unwrap(model)) is None)])
+    return agree(error / agreement_tolerance(unwrap(model), whole.abs().max().item())), error

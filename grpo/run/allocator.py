@@ -6,23 +6,15 @@ their gradients, a decoding step's logits): the heaps grow to the largest set ev
 fragmentation, and stay that size. A fixed threshold puts every block of `MMAP_THRESHOLD` bytes or more in its own
 mapping, unmapped when torch frees it.
 
-1 MB. Measured, one thread, LoRA with gradient checkpointing:
-- SmolLM2-135M (30 layers, activations of 5-13 MB), forward + backward of 8 x 255 tokens: peak 4.15 GB and 69 CPU s
-  at a 16 MB threshold (2.6 GB of it freed blocks the heap kept: malloc_trim gave them back), 1.59 GB / 77 s at
-  4 MB, 1.35 GB / 78 s at 1 MB, 1.35 GB / 79 s at 128 KB.
-- The benchmark model of benchmarks/vs_trl.py (4 layers, 151,936-token vocabulary), one step: peak 2.25 GB and
-  84 CPU s by default, 1.77 GB / 87 s at 16 MB, 1.44 GB / 101 s at 128 KB: a decoding step's logits (5-10 MB,
-  hundreds per step) become fresh mappings, whose page faults cost CPU time.
-Memory first: a deep model's peak was 3x its live memory at 16 MB. `MALLOC_MMAP_THRESHOLD_` in the environment
-chooses another threshold (16777216: faster decoding at a large vocabulary, more memory).
+1 MB: against higher thresholds it keeps a deep model's peak near its live memory (at 16 MB freed blocks the heap
+kept made the peak several times that) for some more CPU time in page faults, most of it a large vocabulary's
+decoding logits. `MALLOC_MMAP_THRESHOLD_` in the environment chooses another threshold (16777216: faster decoding
+at a large vocabulary, more memory). The figures: docs/benchmarks.md, "glibc's mmap threshold".
 
 While decoding (`decoding_allocations`), the threshold is 32 MB, then back to 1 MB with the freed heap trimmed:
 a decode with its KV cache allocated once (rollout/kv_cache) frees and reallocates the same few blocks each step
-(logits, their softmax and cumulative sum, the linears' outputs), which at 1 MB are fresh mappings to fault in.
-Measured on SmolLM2-135M with LoRA, one thread (benchmarks/fast_rollouts.py's worker at
-MALLOC_MMAP_THRESHOLD_=33554432 against 1 MB, one run each): sampling 16 x 128 tokens 15.95 -> 14.40 CPU s (page
-faults per step 9,129 -> 5,530), greedy evaluation of 50 prompts 22.6 -> 21.6 CPU s, peak RSS 1.815 -> 1.818
-and 2.357 -> 2.421 GB; training keeps the 1 MB threshold.
+(logits, their softmax and cumulative sum, the linears' outputs), which at 1 MB are fresh mappings to fault in:
+a decode then takes less CPU time at about the same peak. Training keeps the 1 MB threshold.
 """
 from __future__ import annotations
 

@@ -237,9 +237,9 @@ class Config(metaclass=_CheckedKeywords):
         check_config(self)  # each field, then the settings that cannot work together (checks.py)
 
     def sampling_settings(self) -> dict:
-        """The sampling keyword arguments of `grpo.rollout.sampling.sample`: the sampling fields, each overridden by
-        its generation_kwargs entry if any (checked on creation), so every caller samples alike. They shape sampling
-        only, as in TRL: the loss scores the policy's own distribution at `temperature`."""
+        """The sampling keyword arguments of `grpo.rollout.sampling.sample_completions`: the sampling fields, each
+        overridden by its generation_kwargs entry if any (checked on creation), so every caller samples alike. They
+        shape sampling only, as in TRL: the loss scores the policy's own distribution at `temperature`."""
         settings = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p,
                     "repetition_penalty": self.repetition_penalty}
         overrides = self.generation_kwargs or {}

@@ -139,7 +139,7 @@ def test_shared_prompt_forward_trains_as_whole_rows(tmp_path, tokenizer, use_lor
     as one packed row): the same steps as whole rows (same sampled completions, then the same losses and weights),
     under checkpointing and num_iterations = 2. Dropout is off: with it, the copies of a prompt would share one
     dropout mask."""
-    monkeypatch.setattr("grpo.policy.prefix.packing_pays", lambda *args: packed)
+    monkeypatch.setattr("grpo.policy.packing.packing_pays", lambda *args: packed)
     runs = []
     for shared in (True, False):
         config = make_config(tmp_path / str(shared), max_steps=2, num_iterations=2, use_lora=use_lora, lora_r=4,

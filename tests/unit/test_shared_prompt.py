@@ -10,8 +10,8 @@ from grpo import Config
 from grpo.policy.forwards import Policy
 from grpo.policy.models import completion_logprobs, prepare_for_training, reference_context
 from grpo.policy.precision import Precision
-from grpo.policy.prefix import (CacheDropped, packed_mask, packing_pays, packing_refusal, refusal,
-                                shared_prompt_logprobs, shared_prompts)
+from grpo.policy.packing import packed_mask, packing_pays, packing_refusal
+from grpo.policy.prefix import CacheDropped, refusal, shared_prompt_logprobs, shared_prompts
 from grpo.rollout.sampling import Rollout
 
 V, P, C = 96, 20, 9
@@ -200,11 +200,12 @@ def test_models_it_cannot_serve_are_named():
     assert "keeps a recurrent or linear-attention state, which the shared-prompt forward cannot" in refusal(model)
 
 
-def policy_and_rollout(shared_prompt_forward=True, model_type="llama"):
+def policy_and_rollout(shared_prompt_forward=True, model_type="llama", is_main=True):
     config = Config(use_lora=False, beta=0.0, temperature=0.7, logprob_chunk_size=7, disable_dropout=True,
                     shared_prompt_forward=shared_prompt_forward)
     model = prepare_for_training(tiny(model_type), config)
-    policy = Policy(model, config, world_size=1, precision=Precision.plan(False, False, device="cpu"))
+    policy = Policy(model, config, world_size=1, precision=Precision.plan(False, False, device="cpu"),
+                    is_main=is_main)
     prompt_ids, prompt_mask, completion_ids, completion_mask = grouped_rows()
     rollout = Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, [""] * len(prompt_ids),
                       torch.zeros(len(prompt_ids), dtype=torch.bool))
@@ -244,13 +245,11 @@ def test_the_first_step_check_covers_the_packed_row(monkeypatch, capsys):
     assert not policy.shared_prompt and "shared_prompt_forward is off" in capsys.readouterr().err
 
 
-def test_the_fallback_line_is_said_by_the_first_rank_only(monkeypatch, capsys):
-    policy, _ = policy_and_rollout()
-    monkeypatch.setattr("torch.distributed.is_initialized", lambda: True)
-    monkeypatch.setattr("torch.distributed.get_rank", lambda: 1)
+def test_the_fallback_line_is_said_by_the_first_rank_only(capsys):
+    policy, _ = policy_and_rollout(is_main=False)
     policy._whole_rows("a reason")
     assert not policy.shared_prompt and capsys.readouterr().err == ""
-    monkeypatch.setattr("torch.distributed.get_rank", lambda: 0)
+    policy, _ = policy_and_rollout()
     policy._whole_rows("a reason")
     assert capsys.readouterr().err.count("a reason") == 1
 
@@ -259,7 +258,7 @@ def test_a_model_dropping_the_cache_falls_back_once(capsys):
     config = Config(use_lora=False, beta=0.0, temperature=0.7, logprob_chunk_size=7, disable_dropout=True,
                     gradient_checkpointing=True, shared_prompt_forward=True)
     model = prepare_for_training(tiny("gpt2"), config)
-    policy = Policy(model, config, world_size=1, precision=Precision.plan(False, False, device="cpu"))
+    policy = Policy(model, config, world_size=1, precision=Precision.plan(False, False, device="cpu"), is_main=True)
     rows = grouped_rows()
     rollout = Rollout(*rows, [""] * len(rows[0]), torch.zeros(len(rows[0]), dtype=torch.bool))
     first = policy.logprobs(rollout)
