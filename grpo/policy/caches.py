@@ -7,8 +7,8 @@ import inspect
 
 
 def cache_argument(body) -> str | None:
-    """The keyword `body`'s forward takes its cache by (transformers 5's `cache`, or older releases' and some
-    families' `past_key_values`); None when it takes none."""
+    """The keyword `body`'s forward takes its cache by (`cache` from transformers 5.24, `past_key_values` in 5.23
+    and some families); None when it takes none."""
     parameters = inspect.signature(body.forward).parameters
     return next((name for name in ("cache", "past_key_values") if name in parameters), None)
 
