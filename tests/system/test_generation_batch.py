@@ -88,3 +88,9 @@ def test_regrouped_micro_batches_keep_only_their_own_padding(tokenizer):
     assert a.prompt_ids.tolist() == [[0, 0, 0, 5, 5], [5] * 5, [5] * 5] and a.completion_mask.tolist() == [
         [1, 1, 1], [1, 0, 0], [1, 0, 0]]
     assert b.prompt_ids.shape == (2, 5) and b.completion_ids.tolist() == [[7], [7]]
+
+
+def test_a_sampler_and_a_rollout_func_together_are_refused(tmp_path, tokenizer):
+    with pytest.raises(ConfigError, match="pass a sampler or a rollout_func, not both"):
+        Trainer(Config(output_dir=str(tmp_path / "both")), tokenizer=tokenizer, train_dataset=digit_prompts(8),
+                sampler=lambda prompts, on_token=None: ([], {}), rollout_func=lambda prompts, trainer: {})
