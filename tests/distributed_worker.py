@@ -23,7 +23,7 @@ import grpo.rollout.sampling
 from grpo import Config, Trainer
 from grpo.settings.cli import apply_overrides
 from grpo.run.distributed import setup
-from grpo.rollout.sampling import Rollout, completion_mask_after_eos, eos_token_ids
+from grpo.rollout.sampling import PromptEncoder, Rollout, completion_mask_after_eos, eos_token_ids, row_chunks
 from grpo.tasks.tiny import model_for
 
 # The 2-rank runs use per_device_train_batch_size=4: one prompt's 4 completions per rank per micro-batch. The
@@ -95,6 +95,23 @@ def fixed_sample(model, tokenizer, encode, prompts, *, num_generations, max_comp
                    prompt_mask.repeat_interleave(num_generations, 0).to(device), completion_ids.to(device),
                    completion_mask.to(device), tokenizer.batch_decode(completion_ids, skip_special_tokens=True),
                    truncated)
+
+
+class FixedSampler:
+    """A Trainer's `sampler=` of fixed_sample's completions, cut as our Sampler cuts its decodes: into chunks of a
+    micro-batch's worth of whole prompts."""
+
+    def __init__(self, model, tokenizer, config: Config):
+        self.model, self.tokenizer, self.config = model, tokenizer, config
+        self.encode = PromptEncoder(tokenizer, config.max_prompt_length, config.chat_template_kwargs)
+        G = config.num_generations
+        self.chunk = max(1, config.per_device_train_batch_size // G) * G
+
+    def __call__(self, prompts: list, on_token=None) -> tuple[list[Rollout], dict]:
+        whole = fixed_sample(self.model, self.tokenizer, self.encode, prompts,
+                             num_generations=self.config.num_generations,
+                             max_completion_length=self.config.max_completion_length)
+        return row_chunks(whole, self.chunk), {}
 
 
 def build_model(tokenizer):

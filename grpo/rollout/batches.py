@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..algo.advantages import zero_std_fraction
+from .rewards import RewardContext, reward_metrics
 from .sampling import Rollout, rollout_rows, row_chunks
 
 
@@ -165,3 +167,15 @@ def length_metrics(lengths: torch.Tensor, truncated: torch.Tensor) -> dict[str, 
             "completions/min_length": lengths.float().min().item(),
             "completions/max_length": lengths.float().max().item(),
             "completions/clipped_ratio": truncated.float().mean().item()}
+
+
+def generation_metrics(rollouts: list[Rollout], scored: Scored, context: RewardContext, generate_s: float,
+                       reward_names: list[str], num_generations: int, dist) -> dict[str, float]:
+    """A generation batch's metrics over all ranks (`dist`: run/distributed's): rewards, lengths, groups
+    without signal, what the reward functions logged, timing."""
+    lengths = dist.gather(torch.cat([ro.completion_mask.sum(1) for ro in rollouts]).float())  # [W*N]
+    truncated = dist.gather(torch.cat([ro.truncated for ro in rollouts]).float())  # [W*N]
+    return {**reward_metrics(scored.rewards, scored.per_func, reward_names), **length_metrics(lengths, truncated),
+            "frac_reward_zero_std": zero_std_fraction(scored.rewards, num_generations, scored.applied),
+            **context.metrics_over(dist), "perf/generate_s": generate_s,
+            "perf/tokens_per_s": lengths.sum().item() / generate_s}

@@ -4,10 +4,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from distributed_worker import fixed_sample
+from distributed_worker import FixedSampler
 from tiny_setup import digit_prompts, digit_share, text_length, tiny_model, tiny_tokenizer
 
-import grpo.rollout.sampling
 from grpo import Config, Trainer
 from grpo.errors import ConfigError
 from grpo.settings.schedule import Schedule
@@ -19,18 +18,18 @@ def tokenizer():
 
 
 def train(tmp_path, name, tokenizer, reward=digit_share, **batch) -> Trainer:
+    """Completions that depend on the prompt text alone (FixedSampler), so that runs cut differently see the same."""
     config = Config(**{**dict(output_dir=str(tmp_path / name), max_steps=2, num_generations=4, max_prompt_length=16,
                               max_completion_length=8, learning_rate=1e-2, optim="adamw", beta=0.04, seed=0,
                               save_steps=10**6), **batch})
-    trainer = Trainer(config, model=tiny_model(tokenizer), tokenizer=tokenizer, reward_funcs=[reward],
-                      train_dataset=digit_prompts(8))
+    model = tiny_model(tokenizer)
+    trainer = Trainer(config, model=model, tokenizer=tokenizer, reward_funcs=[reward],
+                      train_dataset=digit_prompts(8), sampler=FixedSampler(model, tokenizer, config))
     trainer.train()
     return trainer
 
 
-def test_a_group_spanning_two_micro_batches_trains_as_one_micro_batch(tmp_path, tokenizer, monkeypatch):
-    # Completions depend on the prompt text alone, so the two runs see the same ones however they sample.
-    monkeypatch.setattr(grpo.rollout.sampling, "sample_completions", fixed_sample)
+def test_a_group_spanning_two_micro_batches_trains_as_one_micro_batch(tmp_path, tokenizer):
     whole = train(tmp_path, "whole", tokenizer, per_device_train_batch_size=12)  # 3 prompts x 4, one micro-batch
     # 6 completions per micro-batch: the 2nd prompt's group is split 2 + 2 over the two micro-batches.
     split = train(tmp_path, "split", tokenizer, per_device_train_batch_size=6, gradient_accumulation_steps=2)
@@ -43,10 +42,9 @@ def test_a_group_spanning_two_micro_batches_trains_as_one_micro_batch(tmp_path, 
     assert worst < 1e-6 and moved > 1e-3, (worst, moved)  # measured: 8e-9 after 2 steps
 
 
-def test_steps_per_generation_feeds_several_optimizer_steps(tmp_path, tokenizer, monkeypatch):
+def test_steps_per_generation_feeds_several_optimizer_steps(tmp_path, tokenizer):
     # TRL's steps_per_generation = 2 x gradient_accumulation_steps: one generation batch, two optimizer steps.
     # Random completions rewarded by length, so that no group has equal rewards and nothing to train.
-    monkeypatch.setattr(grpo.rollout.sampling, "sample_completions", fixed_sample)
     trainer = train(tmp_path, "spg", tokenizer, per_device_train_batch_size=4, steps_per_generation=2, beta=0.0,
                     reward=text_length)
     assert trainer.prompts.state_dict()["position"] == 2, "one generation batch of 2 prompts for both steps"
@@ -90,3 +88,9 @@ def test_regrouped_micro_batches_keep_only_their_own_padding(tokenizer):
     assert a.prompt_ids.tolist() == [[0, 0, 0, 5, 5], [5] * 5, [5] * 5] and a.completion_mask.tolist() == [
         [1, 1, 1], [1, 0, 0], [1, 0, 0]]
     assert b.prompt_ids.shape == (2, 5) and b.completion_ids.tolist() == [[7], [7]]
+
+
+def test_a_sampler_and_a_rollout_func_together_are_refused(tmp_path, tokenizer):
+    with pytest.raises(ConfigError, match="pass a sampler or a rollout_func, not both"):
+        Trainer(Config(output_dir=str(tmp_path / "both")), tokenizer=tokenizer, train_dataset=digit_prompts(8),
+                sampler=lambda prompts, on_token=None: ([], {}), rollout_func=lambda prompts, trainer: {})

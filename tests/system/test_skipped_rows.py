@@ -4,11 +4,9 @@ import json
 
 import pytest
 import torch
-from distributed_worker import fixed_sample
+from distributed_worker import FixedSampler
 from tiny_setup import digit_prompts, odd_digit_share, tiny_model, tiny_tokenizer
 
-import grpo.rollout.sampling
-import grpo.trainer
 from grpo import Config, Trainer
 from grpo.algo import LOSS_TYPES
 
@@ -18,19 +16,16 @@ def tokenizer():
     return tiny_tokenizer()
 
 
-@pytest.fixture(autouse=True)
-def fixed_completions(monkeypatch):
-    """Completions that depend on the prompt text alone: runs with and without skipping see the same ones."""
-    monkeypatch.setattr(grpo.rollout.sampling, "sample_completions", fixed_sample)
-
-
 def make_trainer(tmp_path, tokenizer, name, reward=odd_digit_share, **overrides) -> Trainer:
+    """Completions that depend on the prompt text alone (FixedSampler): runs with and without skipping see the
+    same ones."""
     config = Config(**{"output_dir": str(tmp_path / name), "max_steps": 2, "per_device_train_batch_size": 8,
                        "gradient_accumulation_steps": 2, "num_generations": 4, "max_prompt_length": 16,
                        "max_completion_length": 8, "learning_rate": 1e-2, "optim": "adamw", "beta": 0.0, "seed": 0,
                        "save_steps": 10**6, **overrides})
-    return Trainer(config, model=tiny_model(tokenizer), tokenizer=tokenizer, reward_funcs=[reward],
-                   train_dataset=digit_prompts(8))
+    model = tiny_model(tokenizer)
+    return Trainer(config, model=model, tokenizer=tokenizer, reward_funcs=[reward], train_dataset=digit_prompts(8),
+                   sampler=FixedSampler(model, tokenizer, config))
 
 
 def step_gradients(trainer: Trainer) -> tuple[dict, dict]:
@@ -55,7 +50,7 @@ def count_forwards(trainer: Trainer) -> list:
 @pytest.mark.parametrize("settings", [*({"loss_type": t} for t in LOSS_TYPES),
                                       {"loss_type": "grpo", "importance_sampling_level": "sequence"},
                                       {"loss_type": "dapo", "delta": 1.5, "scale_rewards": "none"}])
-def test_skipping_zero_advantage_rows_leaves_the_gradient_unchanged(tmp_path, tokenizer, monkeypatch, settings):
+def test_skipping_zero_advantage_rows_leaves_the_gradient_unchanged(tmp_path, tokenizer, settings):
     skipped = make_trainer(tmp_path, tokenizer, "skipped", **settings)
     forwards = count_forwards(skipped)
     grads, totals = step_gradients(skipped)
@@ -73,7 +68,7 @@ def test_skipping_zero_advantage_rows_leaves_the_gradient_unchanged(tmp_path, to
     assert totals["loss/policy"] == pytest.approx(full_totals["loss/policy"], rel=1e-5, abs=1e-8)
 
 
-def test_off_policy_steps_skip_the_old_logprobs_too_and_train_alike(tmp_path, tokenizer, monkeypatch):
+def test_off_policy_steps_skip_the_old_logprobs_too_and_train_alike(tmp_path, tokenizer):
     # num_iterations=2: the old log-probs, computed once per generation batch, are computed for trained rows only;
     # two optimizer steps (the second off-policy) end at the weights of training every row.
     skipped = make_trainer(tmp_path, tokenizer, "skipped", num_iterations=2, loss_type="grpo")

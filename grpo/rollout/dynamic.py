@@ -1,0 +1,62 @@
+"""DAPO's dynamic sampling (`dynamic_sampling`): a generation batch keeps only groups whose rewards differ (a
+group of equal rewards has every advantage 0 and carries no signal), sampling more prompts while it lacks some
+and rounds are left."""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ..algo.advantages import has_signal
+from .batches import Scored, concat
+from .rewards import RewardContext
+from .sampling import Rollout, rollout_rows
+
+
+def kept_groups(signal: torch.Tensor, need: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The `need` groups a batch keeps of those sampled, `signal` [n] (True where a group's rewards differ):
+    groups with signal first, then the others as filler, each kept in the order it was sampled. Returns the
+    groups' indices [need], ascending, and their rows [need * group_size] (group g holds rows g*G .. g*G+G-1)."""
+    keep = torch.cat([signal.nonzero(), (~signal).nonzero()]).flatten()[:need].sort().values  # [need]
+    return keep, (keep[:, None] * group_size + torch.arange(group_size)).flatten()  # [need], [need * G]
+
+
+class DynamicSampling:
+    """Refills this rank's share of a generation batch with groups with signal. `dist` (run/distributed's) keeps
+    the ranks in step: every rank runs as many rounds of as many prompts, so the collectives (and FSDP's
+    sampling) match."""
+
+    def __init__(self, num_generations: int, max_rounds: int, dist, pad_id: int):
+        self.G, self.max_rounds, self.dist, self.pad_id = num_generations, max_rounds, dist, pad_id
+
+    def __call__(self, rollouts: list[Rollout], scored: Scored, context: RewardContext,
+                 sample: Callable[[int], tuple[list[Rollout], Scored, float]]) -> tuple[list[Rollout], Scored,
+                                                                                      dict, float]:
+        """Keep the groups with signal of `rollouts` and `scored` (this rank's), calling `sample(prompts over all
+        ranks)` for as many prompts per rank as the rank shortest of groups lacks, while one lacks any and rounds
+        are left; a rank still short tops up with groups it dropped (they train nothing). Returns the kept
+        rollouts (one chunk) and scores, the `dynamic_sampling/*` metrics and the seconds the rounds took."""
+        G = self.G
+        need = len(scored.completions) // G  # this rank's groups in a generation batch
+        parts, seconds, rounds = [(rollouts, scored)], 0.0, 0
+        signal = has_signal(scored.rewards, G, scored.applied)  # [n] per group sampled so far
+        while rounds < self.max_rounds:
+            missing = int(self.dist.reduce({"value": float(max(0, need - int(signal.sum())))}, "max")["value"])
+            if missing == 0:
+                break
+            more, more_scored, more_seconds = sample(missing * self.dist.world_size)
+            parts.append((more, more_scored))
+            signal = torch.cat([signal, has_signal(more_scored.rewards, G, more_scored.applied)])  # [n]
+            seconds, rounds = seconds + more_seconds, rounds + 1
+        keep, rows = kept_groups(signal, need, G)  # [need], [need * G]
+        index = rows.tolist()
+        prompts = [p for _, s in parts for p in s.prompts]
+        completions = [c for _, s in parts for c in s.completions]
+        kept = Scored([prompts[i] for i in index], [completions[i] for i in index],
+                      torch.cat([s.rewards for _, s in parts])[rows], torch.cat([s.per_func for _, s in parts])[rows],
+                      extras={k: [v[i] for i in index if i < len(v)] for k, v in context.extras.items()})
+        whole = concat([r for rs, _ in parts for r in rs], self.pad_id)
+        counts = self.dist.reduce({"dropped": float(len(signal) - need), "filler": float(need - signal[keep].sum())})
+        metrics = {"dynamic_sampling/rounds": float(rounds), "dynamic_sampling/dropped_groups": counts["dropped"],
+                   "dynamic_sampling/filler_groups": counts["filler"]}
+        return [rollout_rows(whole, rows)], kept, metrics, seconds

@@ -1,0 +1,185 @@
+"""A run's session with its output folder: what a checkpoint holds besides the weights (`state_dict`), writing
+one per step (`save`), resuming from one (`resume`), and a step undone when it fails or a stop signal abandons
+it, the steps done saved so that only that one is lost (`undone_on_failure`). run/checkpoint.py writes and
+finds the folders."""
+from __future__ import annotations
+
+import contextlib
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from ..policy.optim import rescheduled, set_hyperparameters
+from ..policy.parallel import ParallelPolicy
+from ..rollout.batches import Generation, generation_from_dict
+from ..rollout.progress import quiet_library_bars
+from ..rollout.prompts import PromptStream
+from ..settings import Config
+from ..settings.schedule import Schedule
+from . import checkpoint, elastic
+from .distributed import Distributed
+from .interrupts import StepAbandoned, StopSignals, TrainingInterrupted
+
+
+@dataclass(frozen=True)
+class Progress:
+    """Where a run stands besides its weights and optimizer: the optimizer steps done, the generation batch later
+    steps still use, and the steps whose update a NaN/inf loss or gradient skipped (in a row, in all)."""
+
+    step: int
+    generation: Generation | None
+    nonfinite: tuple[int, int]
+
+
+@dataclass(frozen=True)
+class SessionSettings:
+    """What saving and resuming read of the settings."""
+
+    record: dict  # the Config as a checkpoint records it, and as resuming compares it with the saved one
+    save_total_limit: int | None
+    seed: int
+    num_generations: int
+    learning_rate: float
+    betas: tuple[float, float]
+    weight_decay: float
+    lr_scheduler_type: str
+    total_steps: int
+    warmup_steps: int
+
+    @classmethod
+    def of(cls, c: Config, total_steps: int, warmup_steps: int) -> SessionSettings:
+        return cls(asdict(c), c.save_total_limit, c.seed, c.num_generations, c.learning_rate,
+                   (c.adam_beta1, c.adam_beta2), c.weight_decay, c.lr_scheduler_type, total_steps, warmup_steps)
+
+
+class Session:
+    """Checkpoints of one run in `output_dir`. Under torchrun every rank calls every method (gathering and
+    saving are collective) and rank 0 writes."""
+
+    def __init__(self, output_dir: Path, dist: Distributed, parallel: ParallelPolicy, device: torch.device, model,
+                 tokenizer, optimizer, scheduler, prompts: PromptStream, schedule: Schedule,
+                 settings: SessionSettings):
+        self.output_dir, self.dist, self.parallel, self.device = output_dir, dist, parallel, device
+        self.model, self.tokenizer, self.optimizer, self.scheduler = model, tokenizer, optimizer, scheduler
+        self.prompts, self.schedule, self.settings = prompts, schedule, settings
+        self.last_checkpoint: Path | None = None  # the newest checkpoint, written or resumed from
+        self.saved_step: int | None = None  # its step: saving again at it does nothing
+
+    def state_dict(self, progress: Progress) -> dict:
+        """Everything besides the weights that resuming needs: optimizer, schedule, data position, step and
+        skipped-step counters, each rank's RNG states and a generation batch later steps still use; rank 0
+        gets the whole."""
+        mid_batch = not self.schedule.starts_generation(progress.step)
+        own = {"rng": checkpoint.rng_state(), "generation": asdict(progress.generation) if mid_batch else None}
+        return {"step": progress.step, "total_steps": self.settings.total_steps,
+                "optimizer": self.parallel.optimizer_state(self.optimizer),
+                "scheduler": self.scheduler.state_dict(), "prompts": self.prompts.state_dict(),
+                "nonfinite": progress.nonfinite,
+                **(own if self.dist.world_size == 1 else {"ranks": self.dist.gather_to_main(own)})}
+
+    def load_state_dict(self, state: dict) -> Progress:
+        """The inverse of `state_dict`; the current settings (learning rate, betas) win over the saved ones."""
+        s = self.settings
+        own = elastic.rank_state(state, self.dist.rank, self.dist.world_size)  # None: saved by another rank count
+        self.parallel.load_optimizer_state(self.optimizer, state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        set_hyperparameters(self.optimizer, self.scheduler, s.learning_rate, s.betas, s.weight_decay)
+        self.prompts.load_state_dict(state["prompts"])
+        generation = None
+        if own is None:  # run/elastic.py: sample anew what later steps would have reused, seeded per rank
+            self.prompts.rewind(elastic.unfinished_prompts(state, s.num_generations))
+            elastic.seed_rank(s.seed, self.dist.rank, state["step"])
+        else:
+            if own["generation"] is not None:
+                generation = generation_from_dict(own["generation"], self.device)
+            checkpoint.set_rng_state(own["rng"])
+        streak, total = state["nonfinite"]
+        return Progress(state["step"], generation, (streak, total))
+
+    def save(self, progress: Progress) -> Path:
+        """Write checkpoint-STEP (once per step); returns its path. The ranks other than 0 wait until the
+        checkpoint is complete."""
+        if self.saved_step != progress.step:
+            state, weights = self.state_dict(progress), self.parallel.full_state_dict()  # FSDP: gathered
+            if self.dist.is_main:
+                checkpoint.save_checkpoint(str(self.output_dir), progress.step, self.model, self.tokenizer,
+                                           self.settings.record, state, self.settings.save_total_limit, weights)
+            self.dist.barrier()
+            self.last_checkpoint = self.output_dir / f"checkpoint-{progress.step}"
+            self.saved_step = progress.step
+        return self.last_checkpoint
+
+    def save_model(self, path: Path) -> None:
+        """The model (under LoRA its adapter, in peft's format) and tokenizer written into `path` for
+        from_pretrained; no optimizer state (a checkpoint holds that)."""
+        weights = self.parallel.full_state_dict()  # FSDP: gathered
+        if self.dist.is_main:
+            path.mkdir(parents=True, exist_ok=True)
+            with quiet_library_bars():
+                self.model.save_pretrained(path, safe_serialization=True, state_dict=weights)
+            self.tokenizer.save_pretrained(path)
+        self.dist.barrier()
+
+    def resume(self, spec: str) -> Progress | None:
+        """Continue from `spec`, a checkpoint folder or "latest" (the newest loadable one in output_dir, saying
+        which damaged ones it passed over; none yet means step 0, and None is returned). Lines of the logs
+        written after its step are dropped, so they never repeat."""
+        s = self.settings
+        path, passed_over = checkpoint.find_checkpoint(spec, str(self.output_dir))
+        if passed_over and self.dist.is_main:
+            print("\n".join(passed_over), file=sys.stderr)
+        progress = None
+        if path is None:
+            print(f"no checkpoint in {self.output_dir} yet: starting from step 0", file=sys.stderr)
+        else:
+            state = checkpoint.load_state(path)
+            notes = [f"resuming with a changed setting: {c}" for c in checkpoint.changed_settings(path, s.record)]
+            notes += elastic.rank_change_notes(checkpoint.saved_config(path), state, s.record, self.dist.world_size)
+            if state.get("total_steps", s.total_steps) != s.total_steps:  # e.g. a finished run extended
+                notes.append(rescheduled(state["total_steps"], s.total_steps, state["step"], s.learning_rate,
+                                         s.warmup_steps, s.lr_scheduler_type))                 # policy/optim
+            if notes and self.dist.is_main:
+                print("\n".join(notes), file=sys.stderr)
+            self.parallel.load_weights(path)
+            progress = self.load_state_dict(state)
+            self.last_checkpoint, self.saved_step = path, progress.step
+        if self.dist.is_main:  # the one writer; with no checkpoint even step 0's evaluation is done again
+            checkpoint.drop_log_lines_after(str(self.output_dir), progress.step if progress is not None else -1)
+        return progress
+
+    def interrupted(self, signum: int, progress: Progress) -> TrainingInterrupted:
+        """The error a stop signal ends the run with, the steps done saved first."""
+        return TrainingInterrupted(signum, progress.step, self.save(progress) if progress.step > 0 else None)
+
+    @contextlib.contextmanager
+    def undone_on_failure(self, signals: StopSignals, progress: Progress):
+        """A stop signal or an error inside rolls the step back (data position, RNG states, gradients) and saves
+        `progress`, the steps done, so that only this one is lost and resuming repeats it exactly. The caller
+        restores its own generation batch."""
+        rng, prompts = checkpoint.rng_state(), self.prompts.state_dict()
+        try:
+            # Ranks cannot abandon a step alone: the others would wait for them in a collective.
+            with signals.abandonable() if self.dist.world_size == 1 else contextlib.nullcontext():
+                yield
+        except Exception as error:
+            checkpoint.set_rng_state(rng)
+            self.prompts.load_state_dict(prompts)
+            self.optimizer.zero_grad(set_to_none=True)
+            if isinstance(error, StepAbandoned):
+                raise self.interrupted(signals.received, progress) from None
+            if self.dist.world_size == 1:  # saving is collective: a rank failing alone cannot
+                self._save_after_error(progress)
+            raise
+
+    def _save_after_error(self, progress: Progress) -> None:
+        """Keep the steps done before a failing one; never let the save hide the error itself."""
+        try:
+            path = self.save(progress) if progress.step > 0 else None
+        except Exception as save_error:  # noqa: BLE001 -- the error being raised matters more
+            print(f"could not save a checkpoint after the error below: {save_error!r}", file=sys.stderr)
+            return
+        if path is not None:
+            print(f"step {progress.step + 1} failed; {path} holds the state after step {progress.step}",
+                  file=sys.stderr)

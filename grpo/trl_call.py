@@ -1,0 +1,57 @@
+"""TRL's GRPOTrainer call shape on our Trainer: `args=` is the Config, `processing_class=` the tokenizer, a
+`model` given as a hub id or folder is `config.model`, and TRL's keywords this Trainer lacks are refused with
+what to do instead (settings/trl_names.py)."""
+from __future__ import annotations
+
+import dataclasses
+
+from .errors import ConfigError
+from .policy.models import load_tokenizer
+from .settings import Config
+from .settings.trl_names import TRAINER_ONLY
+
+
+def trl_call(config, args, model, tokenizer, processing_class, trl_only: dict):
+    """(config, model, tokenizer) from either call shape, ours or TRL's; ConfigError for what cannot work."""
+    refused = [f"Trainer's `{k}`: {TRAINER_ONLY[k]}" for k, v in trl_only.items()
+               if k in TRAINER_ONLY and v not in (None, (None, None), [])]
+    unknown = [k for k in trl_only if k not in TRAINER_ONLY]
+    if unknown:
+        raise TypeError(f"Trainer() got an unexpected keyword argument '{unknown[0]}'")
+    if refused:
+        raise ConfigError("; ".join(refused))
+    if config is not None and not isinstance(config, Config):  # e.g. TRL's positional (model, reward_funcs)
+        raise ConfigError(f"Trainer's first argument is a grpo Config (TRL's `args=`), got "
+                          f"{type(config).__name__} {config!r:.60}: pass the model as model=, the settings "
+                          f"as args=Config(...)")
+    if args is not None and config is not None:
+        raise ConfigError("pass the Config once: as `config` or as TRL's `args=`, not both")
+    if processing_class is not None and tokenizer is not None:
+        raise ConfigError("pass the tokenizer once: as `tokenizer=` or as TRL's `processing_class=`, not "
+                          "both")
+    config = args if args is not None else config if config is not None else Config()
+    if not isinstance(config, Config):
+        raise ConfigError(f"args= must be a grpo Config, got {type(config).__name__}: build it with "
+                          f"grpo.Config(...) (TRL's GRPOConfig keywords work there)")
+    if isinstance(model, str):  # TRL: a hub id or folder to load
+        config, model = dataclasses.replace(config, model=model), None
+    return config, model, tokenizer if tokenizer is not None else processing_class
+
+
+def default_tokenizer(config: Config, model):
+    """The tokenizer when none is given: `config.model`'s, or for a model object the one of the folder or
+    hub id its config names (TRL's choice). A model built in code names none, and the default model is not
+    its."""
+    if model is None:
+        return load_tokenizer(config.model)
+    source = getattr(getattr(model, "config", None), "_name_or_path", "") or ""
+    if not source:
+        raise ConfigError("a model passed to Trainer needs its tokenizer: pass processing_class=tokenizer "
+                          "(TRL's name; tokenizer= works too); its config names no folder or hub id to load "
+                          "one from")
+    try:
+        return load_tokenizer(source)
+    except ConfigError as error:
+        raise ConfigError(f"a model passed to Trainer without its tokenizer: loading one from {source}, "
+                          f"where its config says it comes from, fails ({error}); pass "
+                          f"processing_class=tokenizer") from None
