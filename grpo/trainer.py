@@ -33,6 +33,7 @@ from .rollout.reward_models import place_reward_models, reward_callables
 from .rollout.rewards import (NoSignalWatch, RewardContext, TrainerState, check_reward_weights,
                               compute_rewards, reward_func_names, reward_metrics)
 from .rollout.sampling import Rollout, Sampler
+from .rollout.streams import PromptStreams
 from .run import checkpoint, elastic, lock
 from .run.allocator import decoding_allocations, return_freed_memory
 from .run.distributed import setup as setup_distributed
@@ -202,10 +203,12 @@ class Trainer:
         and the seconds sampling took."""
         t0 = time.perf_counter()
         # Every rank draws the same global prompts and keeps its own share of whole prompts.
+        streams = PromptStreams(self.config.seed, self.step, self.prompts.drawn).after(  # what each prompt draws
+            self.dist.rank * (num_prompts // self.dist.world_size))                      # rollout/streams
         rows = self.dist.shard(self.prompts.next(num_prompts))                            # rollout/prompts
         with TokenProgress(f"sampling step {self.step + 1}", enabled=self.dist.is_main) as on_token:
             with decoding_allocations(self.threshold_set):                               # run/allocator
-                rollouts, fields = self.sampler(rows["prompt"], on_token)                # rollout/sampling
+                rollouts, fields = self.sampler(rows["prompt"], on_token, streams)       # rollout/sampling
         seconds = time.perf_counter() - t0
         columns = {**per_completion(rows, self.config.num_generations), **fields}  # a rollout_func's fields win
         prompts, completions = columns.pop("prompt"), [c for ro in rollouts for c in ro.completions]
