@@ -29,6 +29,7 @@ from .rollout.reward_models import place_reward_models, reward_callables
 from .rollout.rewards import (NoSignalWatch, RewardContext, TrainerState, check_reward_weights, compute_rewards,
                               reward_func_names)
 from .rollout.sampling import Rollout, Sampler
+from .rollout.streams import PromptStreams
 from .run import checkpoint, lock
 from .run.allocator import decoding_allocations, return_freed_memory
 from .run.distributed import setup as setup_distributed
@@ -46,9 +47,10 @@ class Trainer:
     GRPOTrainer call works as well: `args=` is `config`, `processing_class=` is `tokenizer`, and `model` may
     be a hub id or folder (then it is `config.model`); a model object comes with its tokenizer, or one is
     loaded from the folder or hub id its config names, as TRL does. `sampler` replaces our decoder: like
-    rollout/sampling.Sampler, `sampler(prompts, on_token) -> (rollouts, fields)` samples num_generations
+    rollout/sampling.Sampler, `sampler(prompts, on_token, streams) -> (rollouts, fields)` samples num_generations
     completions of each of this rank's prompts, as Rollouts of whole groups in order on the policy's device, with
-    the extra reward columns it makes (one value per completion; `{}`); it may call `on_token(n)` as tokens come."""
+    the extra reward columns it makes (one value per completion; `{}`); it may call `on_token(n)` as tokens come
+    and draw each prompt's random numbers from `streams` (rollout/streams.PromptStreams)."""
 
     def __init__(self, config: Config | None = None, model=None, tokenizer=None, reward_funcs=(),
                  train_dataset=None, eval_dataset=None, rollout_func=None, reward_processing_classes=None, *,
@@ -69,7 +71,7 @@ class Trainer:
         lock.check_free(config.output_dir, self.dist)  # before loading anything; taken when training starts
         self.trackers = Trackers(config, self.dist.is_main)  # report_to: a missing package fails here, early
         check_parallel_settings(self.dist.world_size, config.fsdp, config.optim, config.use_lora)
-        torch.manual_seed(config.seed + self.dist.rank)  # ranks sample differently; wrapping syncs the weights
+        torch.manual_seed(config.seed + self.dist.rank)  # dropout differs by rank; sampling: rollout/streams
         self.tokenizer = tokenizer if tokenizer is not None else default_tokenizer(config, model)
         self.precision = Precision.plan(config.bf16, config.use_lora, device_of(model) if model is not None else None,
                                         config.bf16_weights)
@@ -213,10 +215,12 @@ class Trainer:
         and the seconds sampling took."""
         t0 = time.perf_counter()
         # Every rank draws the same global prompts and keeps its own share of whole prompts.
+        streams = PromptStreams(self.config.seed, self.step, self.prompts.drawn).after(  # what each prompt draws
+            self.dist.rank * (num_prompts // self.dist.world_size))                      # rollout/streams
         rows = self.dist.shard(self.prompts.next(num_prompts))                            # rollout/prompts
         with TokenProgress(f"sampling step {self.step + 1}", enabled=self.dist.is_main) as on_token:
             with decoding_allocations(self.threshold_set):                               # run/allocator
-                rollouts, fields = self.sampler(rows["prompt"], on_token)                # rollout/sampling
+                rollouts, fields = self.sampler(rows["prompt"], on_token, streams)       # rollout/sampling
         seconds = time.perf_counter() - t0
         columns = {**per_completion(rows, self.config.num_generations), **fields}  # a rollout_func's fields win
         prompts, completions = columns.pop("prompt"), [c for ro in rollouts for c in ro.completions]

@@ -107,7 +107,7 @@ class FixedSampler:
         G = config.num_generations
         self.chunk = max(1, config.per_device_train_batch_size // G) * G
 
-    def __call__(self, prompts: list, on_token=None) -> tuple[list[Rollout], dict]:
+    def __call__(self, prompts: list, on_token=None, streams=None) -> tuple[list[Rollout], dict]:
         whole = fixed_sample(self.model, self.tokenizer, self.encode, prompts,
                              num_generations=self.config.num_generations,
                              max_completion_length=self.config.max_completion_length)

@@ -1,27 +1,34 @@
 """Batch compaction for the KV-cached decode loop (rollout/decoding.py): rows that have finished (sampled EOS)
 leave the batch and the KV cache, so that later steps compute only the rows still decoding, and each step's
-tokens go back to their own rows. Sampling draws what the uncompacted loop draws: every step takes one uniform
-for each of the N original rows and a row uses its own, whichever rows are left."""
+tokens go back to their own rows. Sampling draws what the uncompacted loop draws: each row draws from its own
+random stream (rollout/streams), whichever rows are left."""
 from __future__ import annotations
 
 import torch
 
+from .streams import uniforms
+
 MIN_SHARE = 0.25  # compact once at least this share of the batch has finished (each compaction copies the cache)
+BLOCK = 64  # decoding steps whose uniforms are drawn at once: a draw is a dozen small tensor operations
 
 
 class DecodingRows:
     """Which of a decoding batch's N rows are still in it, and which of those have finished. `compacts=False`
-    keeps them all (a model with a recurrent state, which rows cannot leave: rollout/kv_cache)."""
+    keeps them all (a model with a recurrent state, which rows cannot leave: rollout/kv_cache). `seeds` [N]: where
+    each row's random stream starts (rollout/streams); None when nothing is sampled (greedy decoding)."""
 
-    def __init__(self, N: int, device: torch.device, compacts: bool = True):
-        self.N, self.compacts = N, compacts
+    def __init__(self, N: int, device: torch.device, compacts: bool = True, seeds: torch.Tensor | None = None):
+        self.N, self.compacts, self.seeds = N, compacts, seeds
         self.rows = torch.arange(N, device=device)  # [n]: each batch row's original row (n = N at first)
         self.finished = torch.zeros(N, dtype=torch.bool, device=device)  # [n]
+        self.drawn = None  # [n, BLOCK]: the rows' uniforms for this block of steps
 
-    def uniforms(self) -> torch.Tensor:
-        """This step's uniforms [n, 1] (float64), one per original row and drawn for all N: a row's draw does not
-        depend on which rows have left, and the random stream advances as in the uncompacted loop."""
-        return torch.rand(self.N, 1, dtype=torch.float64, device=self.rows.device)[self.rows]  # [n, 1]
+    def uniforms(self, step: int) -> torch.Tensor:
+        """Decoding step `step`'s uniforms [n, 1] (float64), each row's from its own stream."""
+        if step % BLOCK == 0:
+            steps = torch.arange(step, step + BLOCK, device=self.rows.device)  # [BLOCK]
+            self.drawn = uniforms(self.seeds, steps)  # [n, BLOCK]
+        return self.drawn[:, step % BLOCK, None]  # [n, 1]
 
     def scatter(self, token: torch.Tensor, pad_id: int) -> torch.Tensor:
         """This step's tokens [n] at their original rows [N]; rows that have left get `pad_id`."""
@@ -40,6 +47,8 @@ class DecodingRows:
             return tensors
         keep = (~self.finished).nonzero().squeeze(1)  # [n']
         self.rows, self.finished = self.rows[keep], self.finished[keep]
+        if self.seeds is not None:
+            self.seeds, self.drawn = self.seeds[keep], self.drawn[keep]
         return select_rows(cache, keep, *tensors)
 
 

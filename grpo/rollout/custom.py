@@ -39,9 +39,10 @@ class CustomRollouts:
         self.max_completion_length = trainer.config.max_completion_length
         self.name = getattr(rollout_func, "__name__", type(rollout_func).__name__)
 
-    def __call__(self, prompts: list, on_token=None) -> tuple[list[Rollout], dict[str, list]]:
+    def __call__(self, prompts: list, on_token=None, streams=None) -> tuple[list[Rollout], dict[str, list]]:
         """The sampler interface (rollout/sampling.Sampler's): one call for the whole generation batch, as TRL
-        makes it; the rollout_func's tokens are not counted as they come (`on_token` is not called)."""
+        makes it; the rollout_func's tokens are not counted as they come (`on_token` is not called), and it
+        draws its own random numbers (`streams` is not read)."""
         repeated = [p for p in prompts for _ in range(self.num_generations)]
         output = self.rollout_func(repeated, self.trainer)
         if not isinstance(output, dict) or any(k not in output for k in REQUIRED):

@@ -1,5 +1,6 @@
 """KV-cached sampling, written out instead of `model.generate`: one body forward per new token, the LM head on
-the last position only, and one uniform number per row to pick a token.
+the last position only, and one uniform number per row to pick a token, from the row's own random stream
+(rollout/streams).
 
 Why not `generate`: at a 150k-token vocabulary its per-step overhead rivals the model itself on a CPU.
 `torch.multinomial` draws one exponential per vocabulary entry (~40 ms per step for 8 rows), the min-length
@@ -10,6 +11,9 @@ the one being trained; the Sampler's weights (policy/folding: LoRA folded in, on
 them by float32 roundings only.
 """
 from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -97,85 +101,122 @@ def suffixes(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, k: int) -> tup
     return prompt_ids[:, P - S:], own.to(prompt_mask.dtype)  # [B, S] each
 
 
-@torch.no_grad()
-def decode(hf_model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, max_new_tokens: int,
-             temperature: float, top_p: float, top_k: int, eos_ids: list[int], pad_id: int,
-             min_p: float | None = None, repetition_penalty: float = 1.0, stop_at_eos: bool = True,
-             greedy: bool = False, repeats: int = 1, on_token=None, head_matmul=None) -> torch.Tensor:
-    """Completion ids [N, C] sampled after left-padded prompts [B, P], each prompt `repeats` times in a row
-    (N = B * repeats), by a transformers causal LM (adapters, if any, injected in place). A prompt's copies share
-    one prefill: the prompt is read once and its KV cache repeated (8 copies of SmolLM2's 142-token GSM8K prompt:
-    9.7 -> 1.4 CPU s); with a cache written in place (plain attention), the first tokens all prompts share (at
-    least MIN_SHARED_PREFIX: a system prompt, a worked example) are read once for all of them, then each prompt's
-    own rest, left-padded after the shared part (positions count real tokens, so the keys are the same). With
-    `stop_at_eos`, rows that sampled EOS continue with `pad_id` and the loop ends when all
-    have; without it, EOS is never sampled and every row gets `max_new_tokens` tokens. `greedy` takes
-    the most likely token instead of sampling (evaluation): the filters are skipped, a repetition penalty still
-    applies (as in transformers). `on_token(n)`, if given, is called after every decoding step with the number of
-    tokens it generated (rows not yet finished), for progress bars. Finished rows leave the batch and the cache
-    as they accumulate (rollout/compaction): the n rows left decode on. The KV cache and the attention mask are
-    allocated once for P + max_new_tokens positions and written in place (rollout/kv_cache). `head_matmul`, if
-    given, is the LM head's product on a packed copy of its weight (policy/folding)."""
-    body, logits_of = hf_model.base_model, head_logits(hf_model, head_matmul)
-    argument = cache_argument(body) or "past_key_values"  # the model's own error if it takes no cache
-    P = prompt_ids.shape[1]
-    cache = preallocated_cache(hf_model.config, P + max_new_tokens)
-    eos = torch.tensor(eos_ids, device=prompt_ids.device)
-    stateful = keeps_recurrent_state(hf_model, cache)  # its rows can neither leave nor be repeated
+@dataclass(frozen=True)
+class DecodeSettings:
+    """What a decode samples: up to `max_new_tokens` tokens per row. With `stop_at_eos`, rows that sampled one
+    of `eos_ids` continue with `pad_id` and the decode ends when all have; without it, EOS is never sampled and
+    every row gets `max_new_tokens` tokens. `greedy` takes the most likely token instead of sampling
+    (evaluation): the filters (`filter_logits`) are skipped, a repetition penalty still applies (as in
+    transformers)."""
+
+    max_new_tokens: int
+    eos_ids: Sequence[int]
+    pad_id: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float | None = None
+    repetition_penalty: float = 1.0
+    stop_at_eos: bool = True
+    greedy: bool = False
+
+
+def prefill(forward, cache, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, max_new_tokens: int,
+            repeats: int, stateful: bool,
+            seen: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Reads left-padded prompts [B, P] into `cache` (`forward(ids, mask, positions)`: a body forward writing
+    it) for N = B * repeats rows, each prompt `repeats` times in a row. Returns the rows' last prompt hidden
+    states [N, H], the attention mask of every position the decode will reach [N, P'+C], 1 past the prompt (a
+    finished row's later columns are never read), the last prompt tokens' positions [N, 1] and the tokens seen
+    `seen` [B, V] repeated (None passes).
+
+    A prompt's copies share one prefill: the prompt is read once and its KV cache repeated (8 copies of
+    SmolLM2's 142-token GSM8K prompt: 9.7 -> 1.4 CPU s); with a cache written in place (plain attention), the
+    first tokens all prompts share (at least MIN_SHARED_PREFIX: a system prompt, a worked example) are read
+    once for all of them, then each prompt's own rest, left-padded after the shared part (positions count real
+    tokens, so the keys are the same). A model keeping a recurrent state (`stateful`) has its rows prefilled
+    one by one, since they cannot be repeated."""
     if stateful and repeats > 1:
         prompt_ids, prompt_mask = prompt_ids.repeat_interleave(repeats, 0), prompt_mask.repeat_interleave(repeats, 0)
-        repeats = 1  # [N, P] prompts, prefilled row by row
+        seen = None if seen is None else seen.repeat_interleave(repeats, 0)  # [N, V]
+        repeats = 1  # [N, P] prompts
     ids, mask = prompt_ids, prompt_mask  # [B, P]
     k = shared_prefix_length(prompt_ids, prompt_mask) if not stateful and in_place(cache) else 0
     if k >= MIN_SHARED_PREFIX:  # prompts that start alike (a system prompt, a worked example): read it once
-        start = P - int(prompt_mask[0].sum())  # row 0's first real token
-        body(input_ids=prompt_ids[:1, start:start + k], attention_mask=prompt_mask.new_ones(1, k),
-             position_ids=torch.arange(k, device=ids.device)[None], use_cache=True, **{argument: cache})
+        start = prompt_ids.shape[1] - int(prompt_mask[0].sum())  # row 0's first real token
+        forward(prompt_ids[:1, start:start + k], prompt_mask.new_ones(1, k), torch.arange(k, device=ids.device)[None])
         cache.reorder_cache(torch.zeros(len(ids), dtype=torch.long, device=ids.device))  # its KV for every row
         ids, mask = suffixes(prompt_ids, prompt_mask, k)  # [B, S]
         mask = torch.cat([mask.new_ones(len(mask), k), mask], 1)  # [B, k+S]: the prefix, then each suffix
-        P = mask.shape[1]
-    # The attention mask of every position the decode will reach, 1 past the prompt: each step reads a longer
-    # view of it (a finished row's later columns are never read).
-    full_mask = torch.cat([mask, mask.new_ones(len(mask), max_new_tokens)], 1)  # [B, P+C]
-    position_ids = positions(mask)[:, P - ids.shape[1]:]  # [B, S]: those of the tokens fed first
-    batch = DecodingRows(ids.shape[0] * repeats, ids.device, compacts=not stateful)  # the rows still decoding
+    full_mask = torch.cat([mask, mask.new_ones(len(mask), max_new_tokens)], 1)  # [B, P'+C]
+    position_ids = positions(mask)[:, mask.shape[1] - ids.shape[1]:]  # [B, S]: those of the tokens fed
+    hidden = forward(ids, mask, position_ids)[:, -1]  # [B, H]
+    position_ids = position_ids[:, -1:]  # [B, 1]
+    if repeats > 1:  # the B prefilled prompts become their N copies
+        copies = torch.arange(len(hidden), device=hidden.device).repeat_interleave(repeats)  # [N]
+        hidden, full_mask, position_ids, seen = select_rows(cache, copies, hidden, full_mask, position_ids, seen)
+    return hidden, full_mask, position_ids, seen
+
+
+@torch.no_grad()
+def decode(hf_model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, settings: DecodeSettings, *,
+           repeats: int = 1, seeds: torch.Tensor | None = None, on_token=None, head_matmul=None) -> torch.Tensor:
+    """Completion ids [N, C] sampled after left-padded prompts [B, P] as `settings` say, each prompt `repeats`
+    times in a row (N = B * repeats), by a transformers causal LM (adapters, if any, injected in place); the
+    prompts are read by `prefill`. `seeds` [N] (int64): where each row's random stream starts
+    (rollout/streams.PromptStreams.seeds); None draws them from torch's generator. `on_token(n)`, if given, is
+    called after every decoding step with the number of tokens it generated (rows not yet finished), for
+    progress bars. Finished rows leave the batch and the cache as they accumulate (rollout/compaction): the n
+    rows left decode on. The KV cache and the attention mask are allocated once for P + max_new_tokens
+    positions and written in place (rollout/kv_cache). `head_matmul`, if given, is the LM head's product on a
+    packed copy of its weight (policy/folding)."""
+    s, N, device = settings, len(prompt_ids) * repeats, prompt_ids.device
+    if s.max_new_tokens == 0:
+        return prompt_ids.new_empty(N, 0)
+    body, logits_of = hf_model.base_model, head_logits(hf_model, head_matmul)
+    argument = cache_argument(body) or "past_key_values"  # the model's own error if it takes no cache
+    cache = preallocated_cache(hf_model.config, prompt_ids.shape[1] + s.max_new_tokens)
+
+    def forward(ids: torch.Tensor, mask: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        return body(input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=True,
+                    **{argument: cache}).last_hidden_state  # [n, t, H]
+
+    stateful = keeps_recurrent_state(hf_model, cache)  # its rows can neither leave nor be repeated
     # Tokens seen so far, kept only when penalized: the default path does no extra work per step.
-    seen = None if repetition_penalty == 1.0 else seen_tokens(
+    seen = None if s.repetition_penalty == 1.0 else seen_tokens(
         prompt_ids, prompt_mask, hf_model.get_output_embeddings().weight.shape[0])  # [B, V]
+    hidden, full_mask, position_ids, seen = prefill(forward, cache, prompt_ids, prompt_mask, repeats=repeats,
+                                                    max_new_tokens=s.max_new_tokens, stateful=stateful, seen=seen)
+    P = full_mask.shape[1] - s.max_new_tokens  # the prompt's columns of the mask
+    if seeds is None and not s.greedy:
+        seeds = torch.randint(-2 ** 63, 2 ** 63 - 1, (N,), device=device)  # [N]
+    batch = DecodingRows(N, device, compacts=not stateful, seeds=None if s.greedy else seeds)  # rows decoding
+    eos = torch.tensor(list(s.eos_ids), device=device)
     tokens = []
-    for step in range(max_new_tokens):
-        hidden = body(input_ids=ids, attention_mask=mask, position_ids=position_ids, use_cache=True,
-                      **{argument: cache}).last_hidden_state[:, -1]  # [n, H]
-        if step == 0 and repeats > 1:  # the B prefilled prompts become their N copies
-            copies = torch.arange(len(hidden), device=hidden.device).repeat_interleave(repeats)  # [N]
-            hidden, full_mask, position_ids, seen = select_rows(cache, copies, hidden, full_mask, position_ids, seen)
+    for step in range(s.max_new_tokens):
         logits = logits_of(hidden)  # [n, V]
         if seen is not None:
-            logits = penalize_repetitions(logits, seen, repetition_penalty)  # [n, V]
-        if not stop_at_eos:
+            logits = penalize_repetitions(logits, seen, s.repetition_penalty)  # [n, V]
+        if not s.stop_at_eos:
             logits[:, eos] = -torch.inf
-        if greedy:
+        if s.greedy:
             token = logits.argmax(dim=-1)  # [n]
         else:
-            token = sample_from_logits(filter_logits(logits, temperature, top_k, top_p, min_p),
-                                       u=batch.uniforms())  # [n]
+            token = sample_from_logits(filter_logits(logits, s.temperature, s.top_k, s.top_p, s.min_p),
+                                       u=batch.uniforms(step))  # [n]
         if seen is not None:  # before padding: a finished row's mark does not matter, and pad may be past V
             seen.scatter_(1, token[:, None], True)
-        token = token.masked_fill(batch.finished, pad_id)
-        tokens.append(batch.scatter(token, pad_id))  # [N]
+        token = token.masked_fill(batch.finished, s.pad_id)
+        tokens.append(batch.scatter(token, s.pad_id))  # [N]
         if on_token is not None:
             on_token(int((~batch.finished).sum()))
-        if stop_at_eos:
+        if step + 1 == s.max_new_tokens:
+            break
+        if s.stop_at_eos:
             batch.finished |= torch.isin(token, eos)
             if batch.finished.all():
                 break
             token, full_mask, position_ids, seen = batch.compact(cache, token, full_mask, position_ids, seen)
-        # The decoding step. A CUDA-graph / torch.compile capture would wrap the body forward from here, with
-        # the full-length cache buffers and `full_mask` (shapes fixed between compactions; rollout/kv_cache).
-        ids = token[:, None]  # [n, 1]
-        mask = full_mask[:, :P + step + 1]  # [n, P+t], a view
-        position_ids = position_ids[:, -1:] + 1  # [n, 1]
-    if not tokens:
-        return prompt_ids.new_empty(prompt_ids.shape[0], 0)
+        position_ids = position_ids + 1  # [n, 1]
+        hidden = forward(token[:, None], full_mask[:, :P + step + 1], position_ids)[:, -1]  # [n, H]; mask a view
     return torch.stack(tokens, dim=1)  # [N, C]

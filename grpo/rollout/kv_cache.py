@@ -44,9 +44,7 @@ class PreallocatedLayer(CacheLayerMixin):
 
     def _views(self) -> None:
         # Views of the positions written so far: attention reads no unwritten position, so no mask column
-        # for them is needed. A CUDA-graph / torch.compile capture of the decoding step would instead take
-        # the full-length buffers (static shapes) with the preallocated mask of rollout/decoding.py, which
-        # already zeroes the positions not written yet.
+        # for them is needed.
         self.keys = self.key_buffer[:, :, :self.length]  # [B, H, t, D]
         self.values = self.value_buffer[:, :, :self.length]  # [B, H, t, Dv]
 

@@ -49,6 +49,11 @@ class PromptStream:
         generator = torch.Generator().manual_seed(self.seed + self.epoch)
         return torch.randperm(len(self.dataset), generator=generator).tolist()
 
+    @property
+    def drawn(self) -> int:
+        """Rows drawn so far, over every epoch: the place in the run's stream of the next one."""
+        return self.epoch * len(self.order) + self.position
+
     def next(self, n: int) -> dict[str, list]:
         """The next `n` rows as columns ({"prompt": [...], "answer": [...], ...}), wrapping epochs."""
         indices = []

@@ -10,7 +10,8 @@ import torch
 
 from ..policy.folding import sampling_weights
 from ..policy.models import unwrap
-from .decoding import decode
+from .decoding import DecodeSettings, decode
+from .streams import PromptStreams
 
 
 @dataclass
@@ -109,17 +110,22 @@ def eos_token_ids(tokenizer, model) -> list[int]:
 def sample_completions(model, tokenizer, encode: PromptEncoder, prompts: list, *, num_generations: int,
            max_completion_length: int, temperature: float, top_p: float, top_k: int, min_p: float | None = None,
            repetition_penalty: float = 1.0, stop_at_eos: bool = True, greedy: bool = False,
-           on_token=None) -> Rollout:
+           streams: PromptStreams | None = None, on_token=None) -> Rollout:
     """Sample `num_generations` completions per prompt with KV-cached generation (`Config.sampling_settings()`
     gives the sampling knobs).
 
     `stop_at_eos=False` forces full-length completions (benchmarks compare equal work that way);
     `greedy=True` decodes the most likely token each step instead (evaluation), ignoring the sampling filters;
+    `streams`: the prompts' random streams (rollout/streams; None: drawn from torch's generator);
     `on_token(n)` is called after each decoding step with the tokens it generated (progress bars)."""
     prompt_ids, prompt_mask = encode(prompts)  # [B, P]
     device = next(model.parameters()).device
     prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)  # [B, P]
     eos_ids = eos_token_ids(tokenizer, model)
+    settings = DecodeSettings(max_completion_length, eos_ids, tokenizer.pad_token_id, temperature=temperature,
+                              top_p=top_p, top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty,
+                              stop_at_eos=stop_at_eos, greedy=greedy)
+    seeds = None if streams is None else streams.seeds(len(prompts), num_generations, device)  # [N]
     was_training = model.training
     model.eval()  # KV cache on, dropout off (gradient checkpointing would disable the cache)
     try:
@@ -128,12 +134,8 @@ def sample_completions(model, tokenizer, encode: PromptEncoder, prompts: list, *
         # temperature make sampling off-policy (as in TRL): the loss scores the policy's own distribution.
         # LoRA folded into copies of its base weights, oneDNN-packed on a CPU, while decoding (policy/folding).
         with sampling_weights(model) as head_matmul:
-            completion_ids = decode(unwrap(model), prompt_ids, prompt_mask, max_new_tokens=max_completion_length,
-                                    temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-                                    repetition_penalty=repetition_penalty, eos_ids=eos_ids,
-                                    pad_id=tokenizer.pad_token_id, stop_at_eos=stop_at_eos,
-                                    greedy=greedy, repeats=num_generations, on_token=on_token,
-                                    head_matmul=head_matmul)  # [N, C]
+            completion_ids = decode(unwrap(model), prompt_ids, prompt_mask, settings, repeats=num_generations,
+                                    seeds=seeds, on_token=on_token, head_matmul=head_matmul)  # [N, C]
     finally:
         model.train(was_training)
     prompt_ids = prompt_ids.repeat_interleave(num_generations, dim=0)  # [N, P]
@@ -149,9 +151,11 @@ def sample_completions(model, tokenizer, encode: PromptEncoder, prompts: list, *
 
 
 class Sampler:
-    """The trainer's sampler with our decoder: `sampler(prompts, on_token) -> (rollouts, fields)`, a generation
-    batch's prompts in, rollouts of `num_generations` completions each out, and no extra reward columns (a
-    rollout_func's sampler returns some). Prompts go through as few decodes as the memory plan allows
+    """The trainer's sampler with our decoder: `sampler(prompts, on_token, streams) -> (rollouts, fields)`, a
+    generation batch's prompts in, rollouts of `num_generations` completions each out, and no extra reward
+    columns (a rollout_func's sampler returns some). `streams` (rollout/streams; default: step 0's first
+    prompts of the config's seed) gives each prompt its random stream, so that the tokens do not depend on how
+    the prompts are grouped into decodes. Prompts go through as few decodes as the memory plan allows
     (`prompts_per_decode`, a multiple of a micro-batch's prompts; None: a micro-batch's): one, for the whole
     generation batch, when its KV cache fits within the training peak. A decode of more rows costs little more
     per step on a CPU (16 rows: about 1.2x the time of 8). The rows are then cut into chunks of a
@@ -166,14 +170,17 @@ class Sampler:
         self.prompts_per_decode = k if prompts_per_decode is None else max(k, prompts_per_decode // k * k)
 
     @torch.no_grad()
-    def __call__(self, prompts: list, on_token=None) -> tuple[list[Rollout], dict[str, list]]:
+    def __call__(self, prompts: list, on_token=None,
+                 streams: PromptStreams | None = None) -> tuple[list[Rollout], dict[str, list]]:
         c, size = self.config, self.prompts_per_chunk * self.config.num_generations
+        streams = streams if streams is not None else PromptStreams(c.seed)
         chunks = []
         for start in range(0, len(prompts), self.prompts_per_decode):
             whole = self.policy.parallel.unsharded(lambda model: sample_completions(
                 model, self.tokenizer, self.encode, prompts[start:start + self.prompts_per_decode],
                 num_generations=c.num_generations, max_completion_length=c.max_completion_length,
-                **c.sampling_settings(), stop_at_eos=c.stop_at_eos, on_token=on_token))
+                **c.sampling_settings(), stop_at_eos=c.stop_at_eos, streams=streams.after(start),
+                on_token=on_token))
             chunks += row_chunks(whole, size)
         return chunks, {}
 

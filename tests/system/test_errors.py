@@ -135,6 +135,11 @@ def test_a_reward_failing_later_keeps_the_steps_before_it(tmp_path, capsys):
 
 # --- non-finite loss: skipped, logged, stopped after max_nonfinite_steps in a row ---
 
+# With a KL term every step runs its training forwards, whatever the rewards (groups that all score alike
+# have no policy gradient, and without one are not forwarded).
+EVERY_STEP = "--beta=0.04"
+
+
 def nan_loss_from_step(monkeypatch, first_bad_step: int, last_bad_step: int = 10**9):
     """Every Trainer the CLI builds gets NaN log-probs in the training forwards of steps first..last."""
     real_train, trainers = grpo.trainer.Trainer.train, []
@@ -157,7 +162,7 @@ def nan_loss_from_step(monkeypatch, first_bad_step: int, last_bad_step: int = 10
 
 def test_nonfinite_loss_stops_after_n_in_a_row_keeping_the_last_good_checkpoint(tmp_path, capsys, monkeypatch):
     trainers = nan_loss_from_step(monkeypatch, 3)
-    code, err = run(tmp_path, capsys, "--max_steps=10", "--save_steps=2", "--max_nonfinite_steps=2")
+    code, err = run(tmp_path, capsys, "--max_steps=10", "--save_steps=2", "--max_nonfinite_steps=2", EVERY_STEP)
     assert_short_error(code, err, 1, "step 3: loss nan, grad norm nan: update skipped (1 in a row; stopping at 2)",
                        "error: stopped at step 4: the loss or gradient norm was NaN/inf for 2 steps in a row "
                        "(max_nonfinite_steps=2); their updates were skipped, so the weights are those of step 2. "
@@ -173,7 +178,7 @@ def test_nonfinite_loss_stops_after_n_in_a_row_keeping_the_last_good_checkpoint(
 
 def test_one_nonfinite_step_is_skipped_and_training_goes_on(tmp_path, capsys, monkeypatch):
     nan_loss_from_step(monkeypatch, 2, 2)
-    code, err = run(tmp_path, capsys)
+    code, err = run(tmp_path, capsys, EVERY_STEP)
     assert code == 0, err
     assert "step 2: loss nan, grad norm nan: update skipped (1 in a row; stopping at 3)" in err
 

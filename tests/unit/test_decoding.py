@@ -8,7 +8,8 @@ import torch
 from tiny_setup import tiny_model, tiny_tokenizer
 
 from grpo.rollout.compaction import DecodingRows
-from grpo.rollout.decoding import decode, filter_logits, penalize_repetitions, sample_from_logits, seen_tokens
+from grpo.rollout.decoding import (DecodeSettings, decode, filter_logits, penalize_repetitions, sample_from_logits,
+                                   seen_tokens)
 from grpo.rollout.sampling import left_pad
 
 
@@ -38,8 +39,8 @@ def test_cached_decoding_of_padded_prompts_matches_uncached_greedy():
     model = tiny_model(tokenizer).eval()
     rows = [tokenizer("Write 3 digits:")["input_ids"], tokenizer("Write 12345 digits: 0")["input_ids"]]
     ids, mask = left_pad(rows, tokenizer.pad_token_id)
-    out = decode(model, ids, mask, max_new_tokens=6, temperature=1.0, top_p=1.0, top_k=1, eos_ids=[10**6],
-                   pad_id=tokenizer.pad_token_id)
+    out = decode(model, ids, mask, DecodeSettings(max_new_tokens=6, temperature=1.0, top_p=1.0, top_k=1,
+                                                  eos_ids=[10**6], pad_id=tokenizer.pad_token_id))
     for row, completion in zip(rows, out.tolist()):
         seq = list(row)
         for _ in range(6):  # the whole sequence, no cache, no padding
@@ -55,11 +56,11 @@ def test_rows_stop_at_eos_and_are_padded_after_it():
     with torch.no_grad():
         first = int(model(ids[:1]).logits[0, -1].argmax())
     # Greedy decoding whose first token is declared EOS: every row ends at once, and the loop with it.
-    out = decode(model, ids, mask, max_new_tokens=5, temperature=1.0, top_p=1.0, top_k=1, eos_ids=[first],
-                   pad_id=tokenizer.pad_token_id)
+    out = decode(model, ids, mask, DecodeSettings(max_new_tokens=5, temperature=1.0, top_p=1.0, top_k=1,
+                                                  eos_ids=[first], pad_id=tokenizer.pad_token_id))
     assert out.tolist() == [[first]] * 4
-    full = decode(model, ids, mask, max_new_tokens=5, temperature=1.0, top_p=1.0, top_k=0, eos_ids=[first],
-                    pad_id=tokenizer.pad_token_id, stop_at_eos=False)
+    full = decode(model, ids, mask, DecodeSettings(max_new_tokens=5, temperature=1.0, top_p=1.0, top_k=0,
+                                                   eos_ids=[first], pad_id=tokenizer.pad_token_id, stop_at_eos=False))
     assert full.shape == (4, 5) and not (full == first).any()
     assert math.isfinite(float(full.float().mean()))
 
@@ -114,8 +115,8 @@ def test_greedy_with_a_repetition_penalty_matches_model_generate():
     ids, mask = decode_inputs(tokenizer)
     kwargs = {"max_new_tokens": 10, "temperature": 1.0, "top_p": 1.0, "top_k": 0, "eos_ids": [10**6],
               "pad_id": tokenizer.pad_token_id, "greedy": True}
-    plain = decode(model, ids, mask, **kwargs)
-    ours = decode(model, ids, mask, repetition_penalty=3.0, **kwargs)
+    plain = decode(model, ids, mask, DecodeSettings(**kwargs))
+    ours = decode(model, ids, mask, DecodeSettings(repetition_penalty=3.0, **kwargs))
     assert not torch.equal(ours, plain), "the penalty should change this greedy decode"
     theirs = model.generate(ids, attention_mask=mask, do_sample=False, repetition_penalty=3.0, max_new_tokens=10,
                             min_new_tokens=10, pad_token_id=tokenizer.pad_token_id)[:, ids.shape[1]:]
@@ -137,7 +138,8 @@ def test_sampling_draws_from_the_distribution_model_generate_would(monkeypatch):
     # A random tiny model's logits are close together: a low temperature and a high min_p make min_p bite.
     settings = {"temperature": 0.5, "top_k": 0, "top_p": 1.0, "min_p": 0.6, "repetition_penalty": 1.5}
     torch.manual_seed(0)
-    out = decode(model, ids, mask, max_new_tokens=6, eos_ids=[10**6], pad_id=tokenizer.pad_token_id, **settings)
+    out = decode(model, ids, mask, DecodeSettings(max_new_tokens=6, eos_ids=[10**6], pad_id=tokenizer.pad_token_id,
+                                                  **settings))
     for t, ours in enumerate(recorded):
         prefix = torch.cat([ids, out[:, :t]], dim=1)  # [N, P+t]
         prefix_mask = torch.cat([mask, torch.ones_like(out[:, :t])], dim=1)  # [N, P+t]
@@ -170,8 +172,8 @@ def decode_prompts(model, tokenizer, eos_ids, batch_sizes=None, **kwargs):
         lambda _, args, kw: batch_sizes.append(kw["input_ids"].shape[0]) if batch_sizes is not None else None,
         with_kwargs=True)
     try:
-        return decode(model, ids, mask, max_new_tokens=12, temperature=1.0, top_p=1.0, top_k=0, eos_ids=eos_ids,
-                      pad_id=tokenizer.pad_token_id, **kwargs)
+        return decode(model, ids, mask, DecodeSettings(max_new_tokens=12, temperature=1.0, top_p=1.0, top_k=0,
+                                                       eos_ids=eos_ids, pad_id=tokenizer.pad_token_id, **kwargs))
     finally:
         hook.remove()
 
@@ -228,16 +230,16 @@ def test_a_shared_prefill_samples_what_repeated_prompts_sample(penalty):
     tokenizer = tiny_tokenizer()
     model = lively_model(tokenizer)
     ids, mask = left_pad([tokenizer(p)["input_ids"] for p in PROMPTS[:3]], tokenizer.pad_token_id)  # [3, P]
-    settings = dict(max_new_tokens=10, temperature=1.0, top_p=1.0, top_k=0, eos_ids=[10**6],
-                    pad_id=tokenizer.pad_token_id, repetition_penalty=penalty)
+    settings = DecodeSettings(max_new_tokens=10, temperature=1.0, top_p=1.0, top_k=0, eos_ids=[10**6],
+                              pad_id=tokenizer.pad_token_id, repetition_penalty=penalty)
     sizes = []
     model.base_model.register_forward_pre_hook(lambda _, args, kw: sizes.append(kw["input_ids"].shape),
                                                with_kwargs=True)
     torch.manual_seed(0)
-    shared = decode(model, ids, mask, repeats=4, **settings)  # [12, 10]
+    shared = decode(model, ids, mask, settings, repeats=4)  # [12, 10]
     assert sizes[0] == ids.shape and sizes[1] == (12, 1), sizes[:2]  # the prompts are read once
     torch.manual_seed(0)
-    repeated = decode(model, ids.repeat_interleave(4, 0), mask.repeat_interleave(4, 0), **settings)
+    repeated = decode(model, ids.repeat_interleave(4, 0), mask.repeat_interleave(4, 0), settings)
     assert shared.shape == (12, 10) and torch.equal(shared, repeated)
     assert len({tuple(r) for r in shared.tolist()}) > 3  # the copies drew different completions
 

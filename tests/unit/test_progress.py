@@ -4,7 +4,7 @@ import re
 
 import torch
 
-from grpo.rollout.decoding import decode
+from grpo.rollout.decoding import DecodeSettings, decode
 from grpo.rollout.evaluate import evaluate
 from grpo.rollout.progress import LINE_EVERY_S, LineProgress, TokenProgress, progress_bar
 from grpo.rollout.sampling import left_pad
@@ -23,8 +23,9 @@ def test_on_token_counts_every_generated_token_until_eos():
     with torch.no_grad():
         first = int(model(ids[:1], attention_mask=mask[:1]).logits[0, -1].argmax())
     counts = []
-    out = decode(model, ids, mask, max_new_tokens=6, temperature=1.0, top_p=1.0, top_k=1, eos_ids=[first],
-                   pad_id=tokenizer.pad_token_id, on_token=counts.append)
+    settings = DecodeSettings(max_new_tokens=6, temperature=1.0, top_p=1.0, top_k=1, eos_ids=[first],
+                              pad_id=tokenizer.pad_token_id)
+    out = decode(model, ids, mask, settings, on_token=counts.append)
     assert counts[0] == 2 and counts == sorted(counts, reverse=True)
     # Tokens up to and including each row's EOS are counted; padding after it is not.
     is_eos = out == first

@@ -1,15 +1,22 @@
-"""Completion masks, prompt padding and truncation, and sampling from a tiny model."""
+"""Completion masks, prompt padding and truncation, and sampling from a tiny model: a seed's tokens do not depend
+on how the prompts are grouped, and are drawn from the right distribution."""
+from types import SimpleNamespace
+
 import pytest
 import torch
 from stats import chi2_contingency_pvalue
 from tiny_setup import tiny_model, tiny_tokenizer
 
+from grpo import Config
+from grpo.rollout.compaction import DecodingRows
 from grpo.rollout.sampling import (
     PromptEncoder,
+    Sampler,
     completion_mask_after_eos,
     left_pad,
     sample_completions,
 )
+from grpo.rollout.streams import PromptStreams
 
 EOS = 9
 
@@ -68,12 +75,46 @@ def test_full_length_when_eos_is_disabled():
     assert ro.completion_mask.sum().item() == 4 * 5 and ro.truncated.all()
 
 
-def test_one_decode_for_all_prompts_samples_what_a_decode_per_prompt_samples():
-    """One decode for a generation batch draws each row's uniforms at other positions of the random stream than
-    a decode per micro-batch (a decode's length depends on when its rows sample EOS, so the stream cannot be
-    split ahead): the tokens differ for a seed, their distribution must not. Chi-square on the frequencies of
-    (prompt, position, token) over 2 x 300 rows of 4 tokens each (p = 0.73 here; a temperature of 0.9 instead of
-    1.0 on one side gives p = 6e-9)."""
+def lively_sampler(prompts_per_decode: int, **config):
+    """The trainer's Sampler over the tiny model, 1 prompt x 4 completions per micro-batch, where a fifth of the
+    vocabulary ends a completion: rows finish at different steps and leave their decodes."""
+    tokenizer = tiny_tokenizer()
+    model = tiny_model(tokenizer)
+    model.generation_config.eos_token_id = list(range(4, 44))
+    policy = SimpleNamespace(parallel=SimpleNamespace(unsharded=lambda fn: fn(model)))
+    config = Config(**{**dict(per_device_train_batch_size=4, num_generations=4, max_prompt_length=64,
+                              max_completion_length=10, temperature=1.0, seed=0), **config})
+    return Sampler(policy, tokenizer, config, prompts_per_decode)
+
+
+def sampled(output: tuple) -> list[list[int]]:
+    """Each completion's token ids, from a sampler's (rollouts, fields)."""
+    return [ids for rollout in output[0] for ids in rollout.completion_id_lists]
+
+
+PROMPTS = ["Write 3 digits:", "Write 12345 digits: 0", "<reasoning> think", "Write 7 digits: 01"]
+
+
+def test_a_seed_samples_the_same_tokens_however_the_prompts_are_grouped():
+    # Each prompt draws from its own stream (seed, step, place in the run's prompt stream): a decode of 1, 2 or
+    # all 4 prompts (other padding, other rows leaving) and two ranks' shares sample the same tokens.
+    streams = PromptStreams(seed=0, step=3, first=8)
+    apart, pairs, whole = (sampled(lively_sampler(k)(PROMPTS, streams=streams)) for k in (1, 2, 4))
+    assert apart == pairs == whole
+    assert len({len(row) for row in whole}) > 3  # rows ended at different steps
+    ranks = [sampled(lively_sampler(2)(PROMPTS[2 * r:2 * r + 2], streams=streams.after(2 * r))) for r in (0, 1)]
+    assert ranks[0] + ranks[1] == whole
+    for other in (PromptStreams(seed=1, step=3, first=8), PromptStreams(seed=0, step=4, first=8),
+                  PromptStreams(seed=0, step=3, first=9)):
+        assert sampled(lively_sampler(4)(PROMPTS, streams=other)) != whole
+    assert sampled(lively_sampler(4)(PROMPTS)) == sampled(lively_sampler(2)(PROMPTS))  # default: step 0's
+
+
+def test_each_rows_stream_draws_tokens_as_torchs_generator_does(monkeypatch):
+    """The streams (rollout/streams) against uniforms from torch's generator, one per row and step (the sampler's
+    draw before per-prompt streams): the tokens differ, their distribution must not. Chi-square on the
+    frequencies of (prompt, position, token) over 2 x 300 rows of 4 tokens each (p = 0.16 here; a temperature
+    of 0.9 instead of 1.0 on the streams' side gives p = 2e-17)."""
     tokenizer = tiny_tokenizer()
     model = tiny_model(tokenizer)
     with torch.no_grad():  # logits 8x larger: a random model's next token is nearly uniform over 260
@@ -81,18 +122,19 @@ def test_one_decode_for_all_prompts_samples_what_a_decode_per_prompt_samples():
     encode, prompts = PromptEncoder(tokenizer, 64), ["Write 3 digits:", "Write 12 digits"]
     settings = dict(num_generations=300, max_completion_length=4, temperature=1.0, top_p=1.0, top_k=0,
                     stop_at_eos=False)
-    torch.manual_seed(0)
-    one = sample_completions(model, tokenizer, encode, prompts, **settings).completion_ids  # [600, 4]
+    streams = sample_completions(model, tokenizer, encode, prompts, streams=PromptStreams(seed=0),
+                                 **settings).completion_ids  # [600, 4]
+    monkeypatch.setattr(DecodingRows, "uniforms",
+                        lambda self, step: torch.rand(len(self.rows), 1, dtype=torch.float64))  # [n, 1]
     torch.manual_seed(1)
-    apart = torch.cat([sample_completions(model, tokenizer, encode, [p], **settings).completion_ids
-                       for p in prompts])  # [600, 4]
-    assert not torch.equal(one, apart)
+    generator = sample_completions(model, tokenizer, encode, prompts, **settings).completion_ids  # [600, 4]
+    assert not torch.equal(streams, generator)
 
     def cells(ids):  # one id per (prompt, position, token)
         prompt = torch.arange(2).repeat_interleave(300)[:, None]  # [600, 1]
         return ((prompt * 4 + torch.arange(4)) * len(tokenizer) + ids).flatten()  # [2400]
 
-    a, b = cells(one), cells(apart)
+    a, b = cells(streams), cells(generator)
     values, counts = torch.cat([a, b]).unique(return_counts=True)
     common = values[counts >= 10]  # rare cells pooled: the test needs expected counts of 5 or more
     table = [[int((x == v).sum()) for v in common] + [int((~torch.isin(x, common)).sum())] for x in (a, b)]
