@@ -7,6 +7,9 @@ completions.jsonl and, bit for bit, the same final weights and step.
     python benchmarks/identical_runs.py compare /work/baseline-runs /tmp/after-runs \
         --json benchmarks/results/identical_runs.json
 
+With `run --fixed`, each run's recipe goes through benchmarks/fixed_completions.py (this script's copy, the same
+for both trees): a rollout_func's fixed completions in place of sampling, for trees that sample otherwise.
+
 The runs (each `python -m grpo.train` with PYTHONPATH and cwd the tree, so its grpo and recipes are used):
   full        recipes/tiny.py, full fine-tuning, 8 steps, KL (beta 0.04), 2 micro-batches per step
   lora        recipes/tiny.py, LoRA, 8 steps, num_iterations=2, 8-bit AdamW, KL (beta 0.04)
@@ -36,7 +39,10 @@ IGNORED = ("perf/", "memory/")
 CLOCKS = {"eval/seconds"}  # the one wall-clock value outside perf/
 
 
-def run(tree: Path, out: Path) -> None:
+FIXED = Path(__file__).resolve().parent / "fixed_completions.py"
+
+
+def run(tree: Path, out: Path, fixed: bool = False) -> None:
     tree, out = tree.resolve(), out.resolve()
     env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     found = subprocess.run([sys.executable, "-c", "import grpo; print(grpo.__file__)"], cwd=tree, env=env,
@@ -45,8 +51,10 @@ def run(tree: Path, out: Path) -> None:
         sys.exit(f"error: grpo imported from {found}, not from {tree}")
     out.mkdir(parents=True, exist_ok=True)
     timings = {}
-    for name, args in RUNS.items():
-        cmd = [sys.executable, "-m", "grpo.train", *args, f"--output_dir={out / name}"]
+    for name, (recipe, *args) in RUNS.items():
+        if fixed:
+            env["GRPO_BASE_RECIPE"], recipe = recipe, str(FIXED)
+        cmd = [sys.executable, "-m", "grpo.train", recipe, *args, f"--output_dir={out / name}"]
         print(f"{name}: {' '.join(cmd[1:])}", flush=True)
         cpu0, t0 = _children_cpu(), time.perf_counter()
         with open(out / f"{name}.log", "w") as log:
@@ -136,13 +144,14 @@ def main() -> int:
     p = sub.add_parser("run", help="the three runs with the grpo of --tree, into --out/RUN")
     p.add_argument("--tree", type=Path, required=True)
     p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--fixed", action="store_true", help="fixed completions (a rollout_func) instead of sampling")
     p = sub.add_parser("compare", help="compare two --out folders; exit 1 on any difference")
     p.add_argument("a", type=Path)
     p.add_argument("b", type=Path)
     p.add_argument("--json", type=Path, help="also write the comparison here (benchmarks/results/: ignored)")
     args = parser.parse_args()
     if args.command == "run":
-        run(args.tree, args.out)
+        run(args.tree, args.out, args.fixed)
         return 0
     return compare(args.a, args.b, args.json)
 
