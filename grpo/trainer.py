@@ -38,7 +38,7 @@ from .run.logs import log_completions, log_eval, log_metrics, peak_memory_gb
 from .run.session import Progress, Session, SessionSettings
 from .run.trackers import Trackers
 from .settings import Config
-from .settings.schedule import Schedule
+from .settings.plan import RunPlan
 from .trl_call import default_tokenizer, trl_call
 
 
@@ -58,6 +58,11 @@ class Trainer:
         config, model, tokenizer = trl_call(config, args, model, tokenizer, processing_class, trl_only)  # trl_call
         if sampler is not None and rollout_func is not None:
             raise ConfigError("pass a sampler or a rollout_func, not both: either one makes the completions")
+        self.dist = setup_distributed()  # world size 1 without torchrun
+        # Config(...) resolved it on the ranks torchrun announces; again on the process group's, before any model
+        # (reward models included) loads, which also checks a Config changed after it was made.
+        self.plan = RunPlan.resolve(config, self.dist.world_size)                             # settings/plan
+        self.schedule = self.plan.schedule
         check_dataset(train_dataset)
         self.config = config
         self.reward_funcs = reward_callables(reward_funcs, reward_processing_classes, config.chat_template_kwargs)
@@ -67,7 +72,6 @@ class Trainer:
         check_eval_setup(config, eval_dataset, self.reward_funcs)
         check_load_options(config, model_given=model is not None)
         checkpoint.check_output_dir(config.output_dir)
-        self.dist = setup_distributed()  # world size 1 without torchrun
         lock.check_free(config.output_dir, self.dist)  # before loading anything; taken when training starts
         self.trackers = Trackers(config, self.dist.is_main)  # report_to: a missing package fails here, early
         check_parallel_settings(self.dist.world_size, config.fsdp, config.optim, config.use_lora)
@@ -87,9 +91,7 @@ class Trainer:
                 if rollout_func is None else CustomRollouts(rollout_func, self)
         self.sampler = sampler
         self.prompts = PromptStream(train_dataset, config.seed)
-        self.schedule = Schedule.resolve(config, self.dist.world_size)
         self.total_steps = self.schedule.total_steps(len(train_dataset), config.num_train_epochs, config.max_steps)
-        self.loss_settings = config.loss_settings()
         self.skip_zero_advantage = zero_advantage_has_no_gradient(config.beta, config.top_entropy_quantile,
                                                                   config.entropy_coef)
         self.optimizer = build_optimizer(self.model.parameters(), config.optim, config.learning_rate,
@@ -236,9 +238,9 @@ class Trainer:
         batches = loss_batches(rollouts, advantages, self.config.mask_truncated_completions, self.policy.device,
                                self.skip_zero_advantage, keep_one=self.dist.world_size > 1)
         for b in (b for b in batches if not b.empty):
-            if self.schedule.optimizer_steps_per_generation > 1:
+            if self.plan.keeps_old_logprobs:
                 b.old_logprobs = self.policy.logprobs(b.rollout)                          # policy/forwards
-            if self.policy.has_reference:
+            if self.plan.has_reference:
                 b.ref_logprobs = self.policy.reference_logprobs(b.rollout)                # policy/forwards
         return batches
 
@@ -255,13 +257,13 @@ class Trainer:
                 old_logprobs = b.old_logprobs if b.old_logprobs is not None else logprobs.detach()
                 loss, m = policy_loss(                                                         # algo/loss
                     logprobs, old_logprobs, b.ref_logprobs, b.advantages, b.rollout.completion_mask,
-                    entropies=entropies, **self.loss_settings, num_tokens=counts["divisor"],
+                    entropies=entropies, **self.plan.loss, num_tokens=counts["divisor"],
                     num_sequences=b.rows, micro_batch_tokens=b.tokens, num_micro_batches=counts["micro_batches"])
                 self.policy.parallel.backward(loss)
             add_metrics(totals, m, share=b.trained_tokens / max(1, counts["trained"]))  # over rows trained  algo/loss
             totals["loss"] += loss.item()
         # Per-token metrics (entropy, ratio, clip ratios) are the rows trained's; 0 where no row was trained.
-        totals = {**no_token_metrics(**self.loss_settings), **self.dist.reduce(totals)}  # algo/loss
+        totals = {**no_token_metrics(**self.plan.loss), **self.dist.reduce(totals)}  # algo/loss
         return {**totals, "skipped/zero_gradient": counts["skipped"] / counts["rows"]}
 
     def apply_update(self, totals: dict) -> dict:

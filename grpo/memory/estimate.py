@@ -8,16 +8,16 @@ float32 adapters; QLoRA stores the body's linear weights as 4-bit NF4. On CPU ev
 gradients, activations and the reference are bf16, the optimizer states stay as they are, and the optimizer
 updates slices of float32 copies.
 Generation samples the generation batch (steps_per_generation micro-batches of per_device_train_batch_size
-completions) with a KV cache outside autocast (so in the weights' dtype), each prompt prefilled once, and keeps
-the batch until it is trained on. It decodes the whole batch at once when that fits within the peak of the
-training moments, else as many micro-batches' worth of whole prompts as fit (at least one micro-batch's, at
-least one prompt): `Estimate.decode_prompts`, which the Sampler follows, so one decode never raises the peak
-above what decoding a micro-batch at a time gave. Greedy evaluation decodes as many prompts at once as fit
-beside what training keeps within the peak (`eval_prompts_per_batch`). The loss runs per micro-batch:
-activations of the whole micro-batch, the LM head applied in chunks of `logprob_chunk_size` token rows (float32
-logits), and the head's gradient in backward. With `shared_prompt_forward` (on by default without
-checkpointing) each of a micro-batch's prompts is forwarded once and its completions against its keys and
-values: activations for P + G x C tokens a group instead of G x (P + C).
+completions) with a KV cache outside autocast (so in the weights' dtype), each prompt prefilled once, and keeps the
+batch until it is trained on, with the log-probs the run plan keeps (settings/plan.py). It decodes the whole batch
+at once when that fits within the peak of the training moments, else as many micro-batches' worth of whole prompts
+as fit (at least one micro-batch's, at least one prompt): `Estimate.decode_prompts`, which the Sampler follows, so
+one decode never raises the peak above what decoding a micro-batch at a time gave. Greedy evaluation decodes as many
+prompts at once as fit beside what training keeps within the peak (`eval_prompts_per_batch`). The loss runs per
+micro-batch: activations of the whole micro-batch, the LM head applied in chunks of `logprob_chunk_size` token rows
+(float32 logits), and the head's gradient in backward. With `shared_prompt_forward` (on by default without
+checkpointing) each of a micro-batch's prompts is forwarded once and its completions against its keys and values:
+activations for P + G x C tokens a group instead of G x (P + C).
 
 Peak = the largest of six moments: generation, the end of a micro-batch's forward, the start of its backward,
 the recomputation of a layer (gradient checkpointing), the end of the backward, and the optimizer step.
@@ -30,10 +30,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..algo import HEAD_GRAD_BLOCK
-from ..policy import prompt_once, reference_kind
+from ..policy import prompt_once
 from ..policy.optim import BNB_CPU_SLICE
 from ..policy.precision import Precision
-from ..settings.schedule import Schedule
+from ..settings.plan import RunPlan
 
 GB = 1e9
 BNB_8BIT_MIN_SIZE = 4096  # bitsandbytes keeps 32-bit states for smaller tensors
@@ -243,7 +243,8 @@ def estimate(a: Architecture, s, device: str = "cuda") -> Estimate:
     prompts counted at max_prompt_length (the worst case); see the module docstring."""
     d = _dtypes(s, device)
     V, H, L = a.vocab_size, a.hidden_size, a.num_layers
-    schedule = Schedule.resolve(s)  # one rank's share: ranks are not known here
+    plan = RunPlan.resolve(s, world_size=1)  # the trainer's plan, for one rank's share: ranks are not known here
+    schedule = plan.schedule
     N = schedule.micro_batch  # sequences per micro-batch (TRL 1.16: completions)
     P, C = s.max_prompt_length, s.max_completion_length
     T = P + C
@@ -258,11 +259,10 @@ def estimate(a: Architecture, s, device: str = "cuda") -> Estimate:
     if s.use_lora:
         parts["weights"] += 4 * n_trainable  # float32 adapters
     parts["optimizer states"] = _optimizer_bytes(trainable, s.optim)
-    copy = reference_kind(s.use_lora, s.beta) == "copy"
-    parts["reference model"] = a.num_params() * d.reference if copy else 0.0
+    parts["reference model"] = a.num_params() * d.reference if plan.reference == "copy" else 0.0
     rollout_rows = schedule.completions_per_generation  # a generation batch's rows
-    parts["rollouts"] = rollout_rows * (T * 8 * 2 + C * 4 * (2 if s.beta > 0 else 1))  # ids, masks, log-probs
-
+    logprobs = plan.keeps_old_logprobs + plan.has_reference  # [C] float32 each, kept for the whole batch
+    parts["rollouts"] = rollout_rows * (T * 8 * 2 + C * 4 * logprobs)  # ids and masks, log-probs
 
     # --- a micro-batch's forward and backward ---
     # Whole rows forward N x (P + C) tokens; the shared-prompt forward (policy/prefix.py) each of the micro-batch's

@@ -1,14 +1,6 @@
 """The model being trained: loading it (LoRA, 4-bit), its named forwards (sampling, log-probs, reference
 log-probs), data parallelism across ranks, and the optimizer."""
 
-def reference_kind(use_lora: bool, beta: float) -> str:
-    """Where the KL penalty's reference policy comes from: "none" (beta == 0: no reference forward at all),
-    "adapter" (LoRA: the policy with its adapter disabled) or "copy" (full fine-tuning: a frozen copy)."""
-    if beta == 0:
-        return "none"
-    return "adapter" if use_lora else "copy"
-
-
 def prompt_once(shared_prompt_forward: bool | None, gradient_checkpointing: bool) -> bool:
     """Whether the training forwards run each distinct prompt once (policy/prefix.py): as asked, and when not
     asked (None) only without gradient checkpointing. Exact under checkpointing too, but there its measured

@@ -7,7 +7,7 @@ import sys
 
 import torch
 
-from . import prompt_once, reference_kind
+from . import prompt_once
 from .models import (check_logprobs_match_forward, completion_logprobs, device_of, make_reference, reference_context,
                      unwrap)
 from .parallel import ParallelPolicy
@@ -22,7 +22,6 @@ class Policy:
 
     def __init__(self, model, config, world_size: int, precision: Precision, *, is_main: bool):
         self.model, self.config, self.precision, self.is_main = model, config, precision, is_main
-        self.has_reference = reference_kind(config.use_lora, config.beta) != "none"
         self.reference = make_reference(model, config.use_lora, config.beta, precision.reference_dtype)
         # Before the optimizer exists: FSDP replaces the parameters by their shards.
         self.parallel = ParallelPolicy(model, world_size, fsdp=config.fsdp, bf16=precision.bf16)

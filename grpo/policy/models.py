@@ -11,7 +11,7 @@ import torch
 
 from ..algo.logprobs import token_logprobs
 from ..errors import ConfigError
-from . import reference_kind
+from ..settings.plan import reference_kind
 from .gguf import resolve_model_path
 from .head import head_logits, head_transform, positions
 from .precision import Precision

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ..settings.plan import ranks_from_env
+
 
 @dataclass(frozen=True)
 class Distributed:
@@ -99,7 +101,7 @@ def setup() -> Distributed:
     gloo CPU ones, so the small CPU-side reductions need no copies to the GPU."""
     if dist.is_available() and dist.is_initialized():
         return Distributed(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0)))
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    world_size = ranks_from_env()
     if world_size == 1:
         return Distributed()
     local_rank = int(os.environ["LOCAL_RANK"])

@@ -13,6 +13,7 @@ from ..algo import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, SCALES
 from ..errors import ConfigError
 from .choices import OPTIMIZER_ALIASES, OPTIMIZERS, SCHEDULES, TRACKERS, tracker_names
 from .fieldtypes import FieldType, field_types
+from .plan import RunPlan, ranks_from_env
 from .trl_names import NO_EFFECT, OFF_VALUES, RENAMED, TRL_ONLY, TRL_REASONS
 
 # field: (holds, requirement as read after "must be"); None values of optional fields are not checked.
@@ -125,10 +126,12 @@ def warn_no_effect(warnings: dict[str, str]) -> None:
 
 def check_config(config) -> None:
     """Raise ConfigError on the first field of the wrong type or out of range (each stored as
-    `checked_field` returns it), then on settings that cannot work together (`check_combinations`)."""
+    `checked_field` returns it), then on settings that cannot work together (`check_combinations`), the batch
+    schedule's included: the run plan resolved on the ranks torchrun announces, as the trainer resolves it."""
     for name in field_types(type(config)):
         setattr(config, name, checked_field(type(config), name, getattr(config, name)))
     check_combinations(config)
+    RunPlan.resolve(config, ranks_from_env())
 
 
 def checked_field(cls, name: str, value):
@@ -148,7 +151,7 @@ def checked_field(cls, name: str, value):
 
 def check_combinations(config) -> None:
     """ConfigError on settings that are each valid but cannot work together. Those that depend on the run
-    (a model passed in, the number of ranks, the datasets) are checked where the run knows them."""
+    (a model passed in, the datasets, FSDP's ranks) are checked where the run knows them."""
     if config.load_in_4bit and not config.use_lora:
         raise ConfigError("load_in_4bit=True needs use_lora=True: 4-bit weights are frozen, QLoRA trains "
                           "LoRA adapters on top of them")

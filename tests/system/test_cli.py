@@ -35,3 +35,10 @@ def test_cli_unknown_key_names_the_closest_field():
     result = run("recipes/tiny.py", "--learning_rat=1e-5", timeout=120)
     assert result.returncode == 2
     assert "learning_rate" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_cli_schedule_error_is_one_line():
+    result = run("recipes/tiny.py", "--steps_per_generation=3", "--gradient_accumulation_steps=2", timeout=120)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr == ("error: steps_per_generation=3 must be a multiple of gradient_accumulation_steps=2 here: "
+                             "a generation batch feeds whole optimizer steps\n")

@@ -8,6 +8,7 @@ from datasets import Dataset
 from tiny_setup import digit_prompts, digit_share, tiny_model, tiny_tokenizer
 
 from grpo import Config, Trainer
+from grpo.errors import ConfigError
 from grpo.policy.models import completion_logprobs
 
 REQUIRED_KEYS = {
@@ -213,3 +214,24 @@ def test_trl_loss_settings_and_unscored_completions(tmp_path, tokenizer):
     assert all(line["skipped/zero_gradient"] >= line["completions/clipped_ratio"] for line in history)
     for b in trainer.generation.batches:
         assert not b.rollout.truncated.any() and b.rows == 8 and len(b.rollout.completions) == 8 - b.skipped
+
+
+@pytest.mark.parametrize("model_given", [False, True])
+def test_a_schedule_error_comes_before_any_model_loads(tmp_path, tokenizer, monkeypatch, model_given):
+    import sys
+
+    import grpo.policy.models
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("a model was loaded or prepared before the schedule was checked")
+
+    for name in ("load_model", "prepare_for_training"):  # where it is defined, and every module importing it
+        original = getattr(grpo.policy.models, name)
+        for module in [m for m in sys.modules.values() if getattr(m, name, None) is original]:
+            monkeypatch.setattr(module, name, must_not_run)
+    config = make_config(tmp_path)
+    config.steps_per_generation = 3  # changed after the Config checked it: the Trainer checks it again
+    model = tiny_model(tokenizer) if model_given else None
+    with pytest.raises(ConfigError, match="steps_per_generation=3 must be a multiple of gradient_accumulation_steps=2"):
+        Trainer(config, model=model, tokenizer=tokenizer, reward_funcs=[digit_share], train_dataset=digit_prompts())
+    assert not (tmp_path / "run").exists()

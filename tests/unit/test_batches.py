@@ -28,8 +28,10 @@ def sample_batch(monkeypatch, calls: list, prompts: list, per_device: int,
 
     monkeypatch.setattr(grpo.rollout.sampling, "sample_completions", sample_completions)
     policy = SimpleNamespace(parallel=SimpleNamespace(unsharded=lambda fn: fn(None)))
-    sampler = Sampler(policy, None, Config(per_device_train_batch_size=per_device, num_generations=G),
-                      prompts_per_decode)
+    # A generation batch of `prompts`: as many micro-batches as their completions fill.
+    config = Config(per_device_train_batch_size=per_device, num_generations=G,
+                    steps_per_generation=len(prompts) * G // per_device)
+    sampler = Sampler(policy, None, config, prompts_per_decode)
     rollouts, fields = sampler(prompts)
     return regroup(rollouts, per_device, PAD), fields
 

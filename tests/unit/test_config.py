@@ -526,12 +526,20 @@ QLORA_WITHOUT_LORA = ("load_in_4bit=True needs use_lora=True: 4-bit weights are 
 BF16_WEIGHTS_NOT_FULL = ("bf16_weights=True is for full fine-tuning without FSDP: set use_lora=false and "
                          "fsdp=false (LoRA keeps a bf16 base on CUDA already; FSDP keeps float32 shards)")
 
+# The batch schedule's (settings/schedule.py), resolved when a Config is made.
+SPLIT_STEPS = ("steps_per_generation=3 must be a multiple of gradient_accumulation_steps=2 here: a generation batch "
+               "feeds whole optimizer steps")
+SPLIT_GROUPS = ("a generation batch of 6 completions per rank (per_device_train_batch_size x steps_per_generation) "
+                "must hold whole groups of num_generations=8")
+
 
 @pytest.mark.parametrize("settings, message", [
     (dict(load_in_4bit=True), QLORA_WITHOUT_LORA),
     (dict(bf16_weights=True, use_lora=True), BF16_WEIGHTS_NOT_FULL),
     (dict(bf16_weights=True, fsdp=True), BF16_WEIGHTS_NOT_FULL),
-], ids=["4bit-without-lora", "bf16-weights-with-lora", "bf16-weights-with-fsdp"])
+    (dict(steps_per_generation=3, gradient_accumulation_steps=2), SPLIT_STEPS),
+    (dict(per_device_train_batch_size=6), SPLIT_GROUPS),
+], ids=["4bit-without-lora", "bf16-weights-with-lora", "bf16-weights-with-fsdp", "split-steps", "split-groups"])
 def test_settings_that_cannot_work_together_are_refused_wherever_a_config_is_made(tmp_path, settings,
                                                                                    message):
     args = [f"--{k}={format_value(v)}" for k, v in settings.items()]
@@ -563,3 +571,26 @@ def test_overrides_that_must_agree_are_checked_together_in_any_order():
     with pytest.raises(ConfigError) as info:  # a value's own error still names its override
         apply_overrides(Config(), ["--use_lora", "--load_in_4bit=true", "--lora_r=0"])
     assert str(info.value) == "--lora_r=0: lora_r must be >= 1, got 0"
+
+
+def test_the_schedule_is_checked_on_the_ranks_torchrun_announces(monkeypatch):
+    settings = dict(per_device_train_batch_size=4, num_generations=4, generation_batch_size=4)
+    assert Config(**settings).generation_batch_size == 4  # one process: one micro-batch per generation batch
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match="generation_batch_size=4 must be a multiple of per_device_train_batch_size "
+                                          "x ranks = 8"):
+        Config(**settings)
+
+
+@pytest.mark.parametrize("settings, old, reference", [
+    (dict(), False, "none"),
+    (dict(num_iterations=2), True, "none"),
+    (dict(steps_per_generation=2, beta=0.04), True, "copy"),
+    (dict(use_lora=True, beta=0.04), False, "adapter"),
+])
+def test_the_run_plan_says_which_log_probs_a_generation_batch_keeps(settings, old, reference):
+    from grpo.settings.plan import RunPlan
+
+    plan = RunPlan.resolve(Config(per_device_train_batch_size=8, num_generations=4, **settings), world_size=1)
+    assert (plan.keeps_old_logprobs, plan.reference, plan.has_reference) == (old, reference, reference != "none")
+    assert dict(plan.loss) == Config(**settings).loss_settings()

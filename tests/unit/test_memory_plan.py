@@ -7,6 +7,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -35,6 +36,20 @@ def test_architecture_from_a_transformers_config():
     arch = Architecture.from_hf_config(hf)
     assert arch.num_params() == QWEN_05B.num_params()
     assert (arch.q_dim, arch.kv_dim) == (896, 128)
+
+
+@pytest.mark.parametrize("settings, rows, logprobs", [
+    (dict(), 2, 0),  # on-policy without a reference: the loss's own log-probs are the old ones
+    (dict(beta=0.04), 2, 1),  # the reference's
+    (dict(num_iterations=2), 2, 1),  # the old policy's: the second pass is off-policy
+    (dict(steps_per_generation=2, beta=0.04, use_lora=True), 4, 2),  # both (LoRA's reference: the adapter off)
+])
+def test_rollouts_hold_the_log_probs_the_trainer_keeps(settings, rows, logprobs):
+    a = Architecture(hidden_size=8, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=16, vocab_size=100)
+    s = Config(per_device_train_batch_size=2, num_generations=2, max_prompt_length=3, max_completion_length=5,
+               **settings)
+    # Per row: ids and masks [P + C] int64 each, and [C] float32 per log-prob tensor kept.
+    assert estimate(a, s, "cpu").parts["rollouts"] == rows * (8 * 8 * 2 + 5 * 4 * logprobs)
 
 
 def test_hand_computed_parts_of_a_tiny_model():
@@ -213,8 +228,9 @@ def test_the_planner_offers_bf16_weights_for_full_finetuning_never_with_lora():
 
 
 def test_smaller_micro_batches_keep_the_steps_completions_down_to_one_group():
-    def sizes(**settings):
-        return [tuple(c.values()) for c in smaller_micro_batches(Config(**settings))]
+    def sizes(**settings):  # the batch fields alone: some of these micro-batches split a group, which a Config refuses
+        fields = {"gradient_accumulation_steps": 1, "steps_per_generation": None, **settings}
+        return [tuple(c.values()) for c in smaller_micro_batches(SimpleNamespace(**fields))]
 
     # 64 completions x 4 micro-batches = 256 a step; the divisors of 64 down to one group of 4.
     assert sizes(per_device_train_batch_size=64, gradient_accumulation_steps=4, num_generations=4) == [

@@ -1,0 +1,48 @@
+"""The run plan: what a Config and the number of ranks decide about a run, resolved once, before anything loads.
+The trainer reads it, and the memory planner reads the same plan, so what the planner counts is what the run
+keeps (old and reference log-probs above all). A Config resolves it when made, on the ranks torchrun announces,
+so its errors come from `Config(...)` itself; the trainer resolves it again on its process group's ranks."""
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+
+from .schedule import Schedule
+
+
+def ranks_from_env() -> int:
+    """The number of ranks torchrun starts (its WORLD_SIZE), 1 without torchrun."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def reference_kind(use_lora: bool, beta: float) -> str:
+    """Where the KL penalty's reference policy comes from: "none" (beta == 0: no reference forward at all),
+    "adapter" (LoRA: the policy with its adapter disabled) or "copy" (full fine-tuning: a frozen copy)."""
+    if beta == 0:
+        return "none"
+    return "adapter" if use_lora else "copy"
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    schedule: Schedule
+    loss: Mapping  # the keyword arguments of algo.loss.policy_loss that settings decide (Config.loss_settings)
+    # Old log-probs are taken once per generation batch only when later optimizer steps train on it off-policy;
+    # on-policy, the loss's own detached log-probs are the old ones.
+    keeps_old_logprobs: bool
+    reference: str  # reference_kind: "none", "adapter" or "copy"
+
+    @classmethod
+    def resolve(cls, config, world_size: int) -> RunPlan:
+        """The plan of `config` on `world_size` ranks; ConfigError for a schedule that cannot work
+        (Schedule.resolve)."""
+        schedule = Schedule.resolve(config, world_size)
+        return cls(schedule, MappingProxyType(config.loss_settings()), schedule.optimizer_steps_per_generation > 1,
+                   reference_kind(config.use_lora, config.beta))
+
+    @property
+    def has_reference(self) -> bool:
+        """Whether the loss has reference log-probs (a KL penalty): a frozen copy or the adapter-disabled policy."""
+        return self.reference != "none"
