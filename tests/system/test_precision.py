@@ -6,7 +6,7 @@ import time
 
 import pytest
 import torch
-from tiny_setup import digit_prompts, digit_share, tiny_tokenizer
+from tiny_setup import digit_prompts, digit_share, text_length, tiny_tokenizer
 
 from grpo import Config, Trainer
 from grpo.memory.estimate import Architecture, estimate
@@ -75,7 +75,9 @@ def make_trainer(tmp_path, model_dir, mode: str, bf16: bool) -> Trainer:
                     per_device_train_batch_size=8, num_generations=4, max_prompt_length=16, max_completion_length=8,
                     learning_rate=1e-2, beta=0.04, lora_r=4, lora_alpha=8, lora_dropout=0.0,
                     gradient_checkpointing=True, save_steps=10**9, seed=0, **MODES[mode])
-    return Trainer(config, reward_funcs=[digit_share], train_dataset=digit_prompts())
+    # text_length beside digit_share: a random model's groups may hold no digit at all, and a step whose rewards
+    # are all equal trains nothing (the policy would still be its reference at step 2).
+    return Trainer(config, reward_funcs=[digit_share, text_length], train_dataset=digit_prompts())
 
 
 def check_dtypes(trainer: Trainer, mode: str) -> None:
