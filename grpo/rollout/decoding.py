@@ -3,9 +3,8 @@ the last position only, and one uniform number per row to pick a token, from the
 (rollout/streams).
 
 Why not `generate`: at a 150k-token vocabulary its per-step overhead rivals the model itself on a CPU.
-`torch.multinomial` draws one exponential per vocabulary entry (~40 ms per step for 8 rows), the min-length
-processor rewrites the whole score matrix, and `F.linear(h, W)` with few rows is ~30% slower than `W @ h.T`
-(measured; see benchmarks/vs_trl.py). Logits here are computed as the loss computes log-probs (hidden states
+`torch.multinomial` draws one exponential per vocabulary entry, the min-length processor rewrites the whole
+score matrix, and `F.linear(h, W)` with few rows is slower than `W @ h.T` (docs/benchmarks.md). Logits here are computed as the loss computes log-probs (hidden states
 times the LM head, the family's scale or soft cap (policy/head), float32 softmax), so the sampling policy is
 the one being trained; the Sampler's weights (policy/folding: LoRA folded in, oneDNN-packed on a CPU) change
 them by float32 roundings only.
@@ -130,8 +129,7 @@ def prefill(forward, cache, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
     finished row's later columns are never read), the last prompt tokens' positions [N, 1] and the tokens seen
     `seen` [B, V] repeated (None passes).
 
-    A prompt's copies share one prefill: the prompt is read once and its KV cache repeated (8 copies of
-    SmolLM2's 142-token GSM8K prompt: 9.7 -> 1.4 CPU s); with a cache written in place (plain attention), the
+    A prompt's copies share one prefill: the prompt is read once and its KV cache repeated; with a cache written in place (plain attention), the
     first tokens all prompts share (at least MIN_SHARED_PREFIX: a system prompt, a worked example) are read
     once for all of them, then each prompt's own rest, left-padded after the shared part (positions count real
     tokens, so the keys are the same). A model keeping a recurrent state (`stateful`) has its rows prefilled

@@ -4,7 +4,7 @@ copies the whole cache each token (SmolLM2-135M, 16 rows of 384 positions: about
 mmap threshold (run/allocator), makes every copy fresh pages to fault in.
 
 Each layer keeps buffers [B, H, T_max, D] and hands attention views of the positions written so far; rows leave
-or are repeated (rollout/compaction) by one copy of the buffers, as rarely as before. Families whose cache is not
+or are repeated (rollout/compaction) by one copy of the buffers. Families whose cache is not
 a plain per-position key/value store (sliding windows, chunked or linear attention, recurrent state) keep
 transformers' DynamicCache (`preallocated_cache` returns it)."""
 from __future__ import annotations
