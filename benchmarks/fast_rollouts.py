@@ -61,7 +61,7 @@ def count_steps(model) -> list:
 def worker(kind: str, max_new: int, eval_prompts: int) -> dict:
     import torch
 
-    from grpo.run.allocator import return_freed_memory
+    from grpo.infra.allocator import return_freed_memory
     from grpo.tasks import word_problems
 
     torch.set_num_threads(1)

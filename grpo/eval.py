@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(f"{USAGE}\n\n{OPTIONS}" if argv else USAGE)
         return 0 if argv else 2
-    from .rollout.progress import quiet_library_bars
+    from .infra.progress import quiet_library_bars
 
     with quiet_library_bars():  # transformers' loading bars, in a log file
         return evaluate_recipe(argv)

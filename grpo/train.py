@@ -22,7 +22,7 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE)
         return 0 if argv else 2
     try:
-        from .rollout.progress import quiet_library_bars
+        from .infra.progress import quiet_library_bars
         from .settings.cli import BUILT_MODEL, format_help
         from .settings.recipe import load_with_overrides
 
@@ -47,9 +47,9 @@ def run(recipe, config, argv: list[str]) -> int:
     and how to resume."""
     import torch
 
-    from .run.distributed import shutdown
+    from .infra.distributed import shutdown
     from .settings.recipe import resolve_dataset
-    from .run.interrupts import TrainingInterrupted
+    from .infra.interrupts import TrainingInterrupted
     from .trainer import Trainer
 
     train_dataset = resolve_dataset(recipe.train_dataset, "train_dataset")

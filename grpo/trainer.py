@@ -23,7 +23,7 @@ from .rollout.batches import Batch, Generation, Scored, generation_metrics, loss
 from .rollout.custom import CustomRollouts
 from .rollout.dynamic import DynamicSampling
 from .rollout.evaluate import check_eval_setup, eval_options, evaluate
-from .rollout.progress import TokenProgress, progress_bar
+from .infra.progress import TokenProgress, progress_bar
 from .rollout.prompts import PromptStream, check_dataset, per_completion
 from .rollout.reward_models import place_reward_models, reward_callables
 from .rollout.rewards import (NoSignalWatch, RewardContext, TrainerState, check_reward_weights, compute_rewards,
@@ -31,9 +31,9 @@ from .rollout.rewards import (NoSignalWatch, RewardContext, TrainerState, check_
 from .rollout.sampling import Rollout, Sampler
 from .rollout.streams import PromptStreams
 from .run import checkpoint, lock
-from .run.allocator import decoding_allocations, return_freed_memory
-from .run.distributed import setup as setup_distributed
-from .run.interrupts import StopSignals
+from .infra.allocator import decoding_allocations, return_freed_memory
+from .infra.distributed import setup as setup_distributed
+from .infra.interrupts import StopSignals
 from .run.logs import log_completions, log_eval, log_metrics, peak_memory_gb
 from .run.session import Progress, Session, SessionSettings
 from .run.trackers import Trackers
@@ -82,7 +82,7 @@ class Trainer:
         self.model = prepare_for_training(model if model is not None else load_model(config, self.precision), config,
                                           self.dist.world_size)
         self.policy = Policy(self.model, config, self.dist.world_size, self.precision, is_main=self.dist.is_main)
-        # On a CPU freed activations and logits go back to the OS (run/allocator), decodes aside.
+        # On a CPU freed activations and logits go back to the OS (infra/allocator), decodes aside.
         self.threshold_set = self.policy.device.type == "cpu" and return_freed_memory()
         place_reward_models(self.reward_funcs, self.policy.device)  # reward models next to the policy
         if sampler is None:  # our decoder, as many prompts per decode as fit (memory/), or TRL's rollout_func
@@ -221,7 +221,7 @@ class Trainer:
             self.dist.rank * (num_prompts // self.dist.world_size))                      # rollout/streams
         rows = self.dist.shard(self.prompts.next(num_prompts))                            # rollout/prompts
         with TokenProgress(f"sampling step {self.step + 1}", enabled=self.dist.is_main) as on_token:
-            with decoding_allocations(self.threshold_set):                               # run/allocator
+            with decoding_allocations(self.threshold_set):                               # infra/allocator
                 rollouts, fields = self.sampler(rows["prompt"], on_token, streams)       # rollout/sampling
         seconds = time.perf_counter() - t0
         columns = {**per_completion(rows, self.config.num_generations), **fields}  # a rollout_func's fields win

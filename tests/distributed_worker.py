@@ -22,7 +22,7 @@ from tiny_setup import digit_prompts, digit_share, odd_digit_share, tiny_model, 
 import grpo.rollout.sampling
 from grpo import Config, Trainer
 from grpo.settings.cli import apply_overrides
-from grpo.run.distributed import setup
+from grpo.infra.distributed import setup
 from grpo.rollout.sampling import PromptEncoder, Rollout, completion_mask_after_eos, eos_token_ids, row_chunks
 from grpo.tasks.tiny import model_for
 
@@ -194,7 +194,7 @@ def resume_elsewhere(out_dir: str, name: str) -> None:
 
 
 def main(out_dir: str, names: list[str]) -> None:
-    from grpo.run.distributed import shutdown
+    from grpo.infra.distributed import shutdown
 
     real_sample = grpo.rollout.sampling.sample_completions
     for name in names:

@@ -17,7 +17,7 @@ from .prefix import CacheDropped, check_shared_prompt_forward, refusal, shared_p
 
 class Policy:
     """`model` (prepared for training) with its reference, wrapped for `world_size` ranks; `config` gives the
-    log-prob settings; `is_main`: this rank says what every rank does (run/distributed.Distributed.is_main). Trains
+    log-prob settings; `is_main`: this rank says what every rank does (infra/distributed.Distributed.is_main). Trains
     on `model`; `parallel` saves and loads it."""
 
     def __init__(self, model, config, world_size: int, precision: Precision, *, is_main: bool):

@@ -171,7 +171,7 @@ def length_metrics(lengths: torch.Tensor, truncated: torch.Tensor) -> dict[str, 
 
 def generation_metrics(rollouts: list[Rollout], scored: Scored, context: RewardContext, generate_s: float,
                        reward_names: list[str], num_generations: int, dist) -> dict[str, float]:
-    """A generation batch's metrics over all ranks (`dist`: run/distributed's): rewards, lengths, groups
+    """A generation batch's metrics over all ranks (`dist`: infra/distributed's): rewards, lengths, groups
     without signal, what the reward functions logged, timing."""
     lengths = dist.gather(torch.cat([ro.completion_mask.sum(1) for ro in rollouts]).float())  # [W*N]
     truncated = dist.gather(torch.cat([ro.truncated for ro in rollouts]).float())  # [W*N]

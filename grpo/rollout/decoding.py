@@ -4,10 +4,10 @@ the last position only, and one uniform number per row to pick a token, from the
 
 Why not `generate`: at a 150k-token vocabulary its per-step overhead rivals the model itself on a CPU.
 `torch.multinomial` draws one exponential per vocabulary entry, the min-length processor rewrites the whole
-score matrix, and `F.linear(h, W)` with few rows is slower than `W @ h.T` (docs/benchmarks.md). Logits here are computed as the loss computes log-probs (hidden states
-times the LM head, the family's scale or soft cap (policy/head), float32 softmax), so the sampling policy is
-the one being trained; the Sampler's weights (policy/folding: LoRA folded in, oneDNN-packed on a CPU) change
-them by float32 roundings only.
+score matrix, and `F.linear(h, W)` with few rows is slower than `W @ h.T` (docs/benchmarks.md). Logits here
+are computed as the loss computes log-probs (hidden states times the LM head, the family's scale or soft cap
+(policy/head), float32 softmax), so the sampling policy is the one being trained; the Sampler's weights
+(policy/folding: LoRA folded in, oneDNN-packed on a CPU) change them by float32 roundings only.
 """
 from __future__ import annotations
 
@@ -129,11 +129,11 @@ def prefill(forward, cache, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
     finished row's later columns are never read), the last prompt tokens' positions [N, 1] and the tokens seen
     `seen` [B, V] repeated (None passes).
 
-    A prompt's copies share one prefill: the prompt is read once and its KV cache repeated; with a cache written in place (plain attention), the
-    first tokens all prompts share (at least MIN_SHARED_PREFIX: a system prompt, a worked example) are read
-    once for all of them, then each prompt's own rest, left-padded after the shared part (positions count real
-    tokens, so the keys are the same). A model keeping a recurrent state (`stateful`) has its rows prefilled
-    one by one, since they cannot be repeated."""
+    A prompt's copies share one prefill: the prompt is read once and its KV cache repeated; with a cache written
+    in place (plain attention), the first tokens all prompts share (at least MIN_SHARED_PREFIX: a system prompt,
+    a worked example) are read once for all of them, then each prompt's own rest, left-padded after the shared
+    part (positions count real tokens, so the keys are the same). A model keeping a recurrent state (`stateful`)
+    has its rows prefilled one by one, since they cannot be repeated."""
     if stateful and repeats > 1:
         prompt_ids, prompt_mask = prompt_ids.repeat_interleave(repeats, 0), prompt_mask.repeat_interleave(repeats, 0)
         seen = None if seen is None else seen.repeat_interleave(repeats, 0)  # [N, V]

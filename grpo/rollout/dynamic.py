@@ -22,7 +22,7 @@ def kept_groups(signal: torch.Tensor, need: int, group_size: int) -> tuple[torch
 
 
 class DynamicSampling:
-    """Refills this rank's share of a generation batch with groups with signal. `dist` (run/distributed's) keeps
+    """Refills this rank's share of a generation batch with groups with signal. `dist` (infra/distributed's) keeps
     the ranks in step: every rank runs as many rounds of as many prompts, so the collectives (and FSDP's
     sampling) match."""
 

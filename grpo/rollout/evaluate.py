@@ -14,7 +14,7 @@ import time
 import torch
 
 from ..errors import ConfigError
-from .progress import TokenProgress
+from ..infra.progress import TokenProgress
 from .rewards import compute_rewards, required_columns, reward_func_names, reward_metrics
 from .sampling import PromptEncoder, sample_completions
 

@@ -1,7 +1,7 @@
 """A KV cache allocated once for a whole decode (prompt + max_new_tokens positions) and written in place, for
 rollout/decoding.py: transformers' DynamicCache concatenates every layer's keys and values at every step, which
 copies the whole cache each token (SmolLM2-135M, 16 rows of 384 positions: about 280 MB a step) and, past glibc's
-mmap threshold (run/allocator), makes every copy fresh pages to fault in.
+mmap threshold (infra/allocator), makes every copy fresh pages to fault in.
 
 Each layer keeps buffers [B, H, T_max, D] and hands attention views of the positions written so far; rows leave
 or are repeated (rollout/compaction) by one copy of the buffers. Families whose cache is not

@@ -86,7 +86,7 @@ class RewardContext:
         return {"trainer_state": self.trainer_state, "log_metric": self.log_metric, "log_extra": self.log_extra}
 
     def metrics_over(self, dist) -> dict[str, float]:
-        """Each logged metric's mean over its values on every rank (`dist`: run/distributed's, or None)."""
+        """Each logged metric's mean over its values on every rank (`dist`: infra/distributed's, or None)."""
         names = sorted(set(dist.gather_objects(list(self.metrics)) if dist else self.metrics))
         totals = {f"{k} {n}": f(self.metrics.get(n, [])) for n in names for k, f in (("sum", sum), ("count", len))}
         totals = dist.reduce(totals) if dist else totals

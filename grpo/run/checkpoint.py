@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from ..errors import ConfigError
-from ..rollout.progress import quiet_library_bars
+from ..infra.progress import quiet_library_bars
 
 COMPLETE = "COMPLETE"
 STATE = "trainer_state.pt"

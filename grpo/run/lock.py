@@ -66,7 +66,7 @@ def check_free(output_dir: str, dist) -> None:
 @contextlib.contextmanager
 def hold(output_dir: Path, dist):
     """Hold the lock on `output_dir` (made if missing) for the body; ConfigError, on every rank, when another
-    run holds it. Only rank 0 (of `dist`, run/distributed.py's) takes it; the others learn its outcome."""
+    run holds it. Only rank 0 (of `dist`, infra/distributed.py's) takes it; the others learn its outcome."""
     lock, problem = None, None
     if dist.is_main:
         output_dir.mkdir(parents=True, exist_ok=True)

@@ -14,13 +14,13 @@ import torch
 from ..policy.optim import rescheduled, set_hyperparameters
 from ..policy.parallel import ParallelPolicy
 from ..rollout.batches import Generation, generation_from_dict
-from ..rollout.progress import quiet_library_bars
+from ..infra.progress import quiet_library_bars
 from ..rollout.prompts import PromptStream
 from ..settings import Config
 from ..settings.schedule import Schedule
 from . import checkpoint, elastic
-from .distributed import Distributed
-from .interrupts import StepAbandoned, StopSignals, TrainingInterrupted
+from ..infra.distributed import Distributed
+from ..infra.interrupts import StepAbandoned, StopSignals, TrainingInterrupted
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from ..policy.optim import build_scheduler, warmup_of
-from ..rollout.progress import progress_bar, quiet_library_bars
+from ..infra.progress import progress_bar, quiet_library_bars
 
 
 def encode_examples(tokenizer, examples: list[tuple[str, str]]) -> list[tuple[list[int], list[int]]]:

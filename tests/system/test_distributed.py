@@ -18,7 +18,7 @@ from tiny_setup import tiny_model, tiny_tokenizer
 
 import grpo.rollout.sampling
 from grpo.errors import ConfigError
-from grpo.run.distributed import Distributed
+from grpo.infra.distributed import Distributed
 from grpo.policy.parallel import ParallelPolicy, check_settings
 
 TESTS = Path(__file__).resolve().parents[1]

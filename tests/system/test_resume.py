@@ -11,7 +11,7 @@ from tiny_setup import digit_prompts, digit_share, tiny_model, tiny_tokenizer
 from grpo import Config, Trainer
 from grpo.errors import ConfigError
 from grpo.run.checkpoint import complete_checkpoints
-from grpo.run.interrupts import TrainingInterrupted
+from grpo.infra.interrupts import TrainingInterrupted
 
 VOLATILE = ("perf/", "memory/")  # timings and memory differ between any two runs
 SETTINGS = {

@@ -1,4 +1,4 @@
-"""grpo/run/allocator.py: on glibc, freed blocks below a fixed mmap threshold return to the OS, where the default
+"""grpo/infra/allocator.py: on glibc, freed blocks below a fixed mmap threshold return to the OS, where the default
 dynamic threshold keeps them in the heap (the cause of 0.7-0.9 GB of idle resident memory in a CPU run)."""
 import json
 import os
@@ -11,7 +11,7 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="gl
 
 CHILD = r"""
 import json, sys, torch
-from grpo.run.allocator import return_freed_memory
+from grpo.infra.allocator import return_freed_memory
 set_here = return_freed_memory() if sys.argv[1] == "fixed" else None
 def rss():
     return int(open("/proc/self/statm").read().split()[1]) * 4096
@@ -40,7 +40,7 @@ def test_fixed_threshold_returns_freed_blocks_that_the_default_keeps():
 
 LAYERS = r"""
 import json, sys, torch
-from grpo.run.allocator import return_freed_memory
+from grpo.infra.allocator import return_freed_memory
 return_freed_memory()
 def rss():
     return int(open("/proc/self/statm").read().split()[1]) * 4096
@@ -70,7 +70,7 @@ def test_a_threshold_from_the_environment_wins():
 
 
 def test_decodes_run_at_a_higher_threshold_and_training_gets_its_own_back(monkeypatch):
-    import grpo.run.allocator as allocator
+    import grpo.infra.allocator as allocator
 
     calls = []
     libc = type("Libc", (), {"mallopt": staticmethod(lambda p, v: calls.append(("mallopt", p, v)) or 1),

@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 
 from grpo.errors import ConfigError
-from grpo.run.distributed import Distributed
+from grpo.infra.distributed import Distributed
 from grpo.run import lock
 
 ROOT = Path(__file__).resolve().parents[2]
 # Another process: take the lock on the folder, say so, then wait to be killed (or report its refusal).
-# Without torch (run/distributed.py imports it): one process's Distributed is that of world size 1, rank 0.
+# Without torch (infra/distributed.py imports it): one process's Distributed is that of world size 1, rank 0.
 HOLDER = """
 import sys, time
 from pathlib import Path

@@ -6,7 +6,7 @@ import torch
 
 from grpo.rollout.decoding import DecodeSettings, decode
 from grpo.rollout.evaluate import evaluate
-from grpo.rollout.progress import LINE_EVERY_S, LineProgress, TokenProgress, progress_bar
+from grpo.infra.progress import LINE_EVERY_S, LineProgress, TokenProgress, progress_bar
 from grpo.rollout.sampling import left_pad
 from tiny_setup import digit_prompts, tiny_model, tiny_tokenizer
 

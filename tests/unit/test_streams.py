@@ -8,7 +8,7 @@ from tiny_setup import digit_prompts, digit_share, tiny_model, tiny_tokenizer
 from grpo import Config, Trainer
 from grpo.rollout.rewards import RewardContext
 from grpo.rollout.streams import GAMMA, MULTIPLIERS, PromptStreams, int64, uniforms
-from grpo.run.distributed import Distributed
+from grpo.infra.distributed import Distributed
 
 MASK = (1 << 64) - 1
 
