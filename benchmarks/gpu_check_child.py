@@ -29,7 +29,7 @@ from grpo import Config, Trainer  # noqa: E402
 from grpo.memory.estimate import Architecture  # noqa: E402
 from grpo.memory.known_models import ARTICLE_CONFIG, KNOWN, TABLE_COLUMNS, TABLE_MODELS  # noqa: E402
 from grpo.policy.precision import Precision  # noqa: E402
-from grpo.rollout.sampling import Rollout  # noqa: E402
+from grpo.rollout.batches import Rollout  # noqa: E402
 from grpo.tasks.tiny import wide_tokenizer  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

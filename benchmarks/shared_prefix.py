@@ -89,7 +89,7 @@ def micro_batches(s: dict, vocab: int) -> list:
     """One Rollout per prompt: its G rows, completions right-padded to the longest."""
     import torch
 
-    from grpo.rollout.sampling import Rollout
+    from grpo.rollout.batches import Rollout
 
     g = torch.Generator().manual_seed(0)
     out = []

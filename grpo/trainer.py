@@ -19,7 +19,7 @@ from .policy.models import check_load_options, device_of, load_model, prepare_fo
 from .policy.optim import build_optimizer, build_scheduler, optimizer_step, warmup_of
 from .policy.parallel import check_settings as check_parallel_settings
 from .policy.precision import Precision
-from .rollout.batches import Batch, Generation, Scored, generation_metrics, loss_batches, regroup
+from .rollout.batches import Cut, Generation, MicroBatch, Rollout, Scored, generation_metrics, with_advantages
 from .rollout.custom import CustomRollouts
 from .rollout.dynamic import DynamicSampling
 from .rollout.evaluate import check_eval_setup, eval_options, evaluate
@@ -28,7 +28,7 @@ from .rollout.prompts import PromptStream, check_dataset, per_completion
 from .rollout.reward_models import place_reward_models, reward_callables
 from .rollout.rewards import (NoSignalWatch, RewardContext, TrainerState, check_reward_weights, compute_rewards,
                               reward_func_names)
-from .rollout.sampling import Rollout, Sampler
+from .rollout.sampling import Sampler
 from .rollout.streams import PromptStreams
 from .run import checkpoint, lock
 from .infra.allocator import decoding_allocations, return_freed_memory
@@ -47,8 +47,8 @@ class Trainer:
     GRPOTrainer call works as well: `args=` is `config`, `processing_class=` is `tokenizer`, and `model` may
     be a hub id or folder (then it is `config.model`); a model object comes with its tokenizer, or one is
     loaded from the folder or hub id its config names, as TRL does. `sampler` replaces our decoder: like
-    rollout/sampling.Sampler, `sampler(prompts, on_token, streams) -> (rollouts, fields)` samples num_generations
-    completions of each of this rank's prompts, as Rollouts of whole groups in order on the policy's device, with
+    rollout/sampling.Sampler, `sampler(prompts, on_token, streams) -> (rollout, fields)` samples num_generations
+    completions of each of this rank's prompts, as one Rollout of whole groups in order on the policy's device, with
     the extra reward columns it makes (one value per completion; `{}`); it may call `on_token(n)` as tokens come
     and draw each prompt's random numbers from `streams` (rollout/streams.PromptStreams)."""
 
@@ -179,7 +179,7 @@ class Trainer:
             with self.session.undone_on_failure(signals, start):  # saves `start` if the step fails  run/session
                 if self.schedule.starts_generation(self.step) or self.generation is None:  # None: resumed elastically
                     self.generation = self.generate()
-                totals = self.accumulate(self.generation.batches[self.schedule.micro_batches_of(self.step)])
+                totals = self.accumulate(self.generation.micro_batches[self.schedule.micro_batches_of(self.step)])
         except Exception:
             self.generation = start.generation
             raise
@@ -189,32 +189,37 @@ class Trainer:
 
     @torch.no_grad()
     def generate(self) -> Generation:
-        """Sample a generation batch, score it, and cut it into micro-batches with what the loss needs."""
+        """Sample a generation batch, score it, give it advantages and cut it into micro-batches, with the
+        log-probs fixed for the whole of it."""
         context = RewardContext(self.step, self.total_steps)  # TRL's trainer_state, log_metric, log_extra
-        rollouts, scored, seconds = self.sample(self.schedule.prompts_per_generation, context)
-        self.policy.check_head_once(rollouts[0],  # first step: vs the model's own forward, the ranks agreeing
+        rollout, scored, seconds = self.sample(self.schedule.prompts_per_generation, context)
+        first = torch.arange(min(self.schedule.micro_batch, len(rollout.completions)))  # a micro-batch's rows
+        self.policy.check_head_once(rollout.select(first),  # first step: vs the model's own forward, ranks agreeing
                                     agree=lambda value: self.dist.reduce({"value": value}, "max")["value"])
         refilled = {}
         if self.refill is not None:  # DAPO: only groups with signal, while rounds are left        rollout/dynamic
-            rollouts, scored, refilled, more_seconds = self.refill(rollouts, scored, context,
-                                                                   lambda n: self.sample(n, context))
+            rollout, scored, refilled, more_seconds = self.refill(rollout, scored, context,
+                                                                  lambda n: self.sample(n, context))
             seconds += more_seconds
         generate_s = self.dist.reduce({"s": seconds}, "max")["s"]  # the slowest rank's
         # Every rank's rewards [W*N] and per function [W*N, F], rank-major: advantages may span ranks (scale).
         scored = replace(scored, rewards=self.dist.gather(scored.rewards), per_func=self.dist.gather(scored.per_func))
         scored.advantages = group_advantages(scored.rewards, self.config.num_generations,  # algo/advantages
                                              scale=self.config.scale_rewards, scored=scored.applied)
-        rollouts = regroup(rollouts, self.schedule.micro_batch, self.tokenizer.pad_token_id)  # rollout/batches
-        batches = self.micro_batches(rollouts, self.dist.local(scored.advantages))        # rollout/batches
-        metrics = {**generation_metrics(rollouts, scored, context, generate_s, self.reward_names,  # rollout/batches
+        batch = with_advantages(rollout, self.dist.local(scored.advantages),                 # rollout/batches
+                                self.config.mask_truncated_completions)
+        metrics = {**generation_metrics(batch, scored, context, generate_s, self.reward_names,  # rollout/batches
                                         self.config.num_generations, self.dist), **refilled}
         self.no_signal.update(metrics["frac_reward_zero_std"], show=self.dist.is_main)  # says once what fixes it
-        return Generation(batches, metrics, scored)
+        cut = Cut(self.schedule.micro_batch, self.skip_zero_advantage, keep_one=self.dist.world_size > 1)
+        generation = Generation(batch, cut, metrics, scored)  # cut into micro-batches          rollout/batches
+        generation.fix_logprobs(self.fixed_logprobs)
+        return generation
 
-    def sample(self, num_prompts: int, context: RewardContext) -> tuple[list[Rollout], Scored, float]:
-        """`num_prompts` new prompts over all ranks, this rank's share sampled and scored: its rollouts (the
-        sampler's, in chunks of whole prompts), their scores (this rank's rows: rewards [N], per_func [N, F]),
-        and the seconds sampling took."""
+    def sample(self, num_prompts: int, context: RewardContext) -> tuple[Rollout, Scored, float]:
+        """`num_prompts` new prompts over all ranks, this rank's share sampled and scored: its rollout (the
+        sampler's, whole), its scores (this rank's rows: rewards [N], per_func [N, F]), and the seconds sampling
+        took."""
         t0 = time.perf_counter()
         # Every rank draws the same global prompts and keeps its own share of whole prompts.
         streams = PromptStreams(self.config.seed, self.step, self.prompts.drawn).after(  # what each prompt draws
@@ -222,49 +227,48 @@ class Trainer:
         rows = self.dist.shard(self.prompts.next(num_prompts))                            # rollout/prompts
         with TokenProgress(f"sampling step {self.step + 1}", enabled=self.dist.is_main) as on_token:
             with decoding_allocations(self.threshold_set):                               # infra/allocator
-                rollouts, fields = self.sampler(rows["prompt"], on_token, streams)       # rollout/sampling
+                rollout, fields = self.sampler(rows["prompt"], on_token, streams)        # rollout/sampling
         seconds = time.perf_counter() - t0
         columns = {**per_completion(rows, self.config.num_generations), **fields}  # a rollout_func's fields win
-        prompts, completions = columns.pop("prompt"), [c for ro in rollouts for c in ro.completions]
-        rewards, per_func = compute_rewards(self.reward_funcs, prompts, completions, columns,  # rollout/rewards
+        prompts = columns.pop("prompt")
+        rewards, per_func = compute_rewards(self.reward_funcs, prompts, rollout.completions, columns,  # rollout/rewards
                                             self.config.reward_weights, context=context,
-                                            completion_ids=[i for ro in rollouts for i in ro.completion_id_lists])
-        return rollouts, Scored(prompts, completions, rewards, per_func, extras=context.extras), seconds
+                                            completion_ids=rollout.completion_id_lists)
+        return rollout, Scored(prompts, rollout.completions, rewards, per_func, extras=context.extras), seconds
 
-    def micro_batches(self, rollouts: list[Rollout], advantages: torch.Tensor) -> list[Batch]:
-        """The micro-batches the loss takes, cut to the rows with a gradient (rollout/batches.trained_rows), with
-        the log-probs fixed for the whole generation batch: the old policy's when later steps are off-policy, the
-        reference's when there is one."""
-        batches = loss_batches(rollouts, advantages, self.config.mask_truncated_completions, self.policy.device,
-                               self.skip_zero_advantage, keep_one=self.dist.world_size > 1)
-        for b in (b for b in batches if not b.empty):
-            if self.plan.keeps_old_logprobs:
-                b.old_logprobs = self.policy.logprobs(b.rollout)                          # policy/forwards
-            if self.plan.has_reference:
-                b.ref_logprobs = self.policy.reference_logprobs(b.rollout)                # policy/forwards
-        return batches
+    def fixed_logprobs(self, micro_batch: Rollout) -> dict[str, torch.Tensor]:
+        """A micro-batch's log-probs [n, c] fixed for the whole generation batch: the old policy's when later steps are
+        off-policy, the reference's when there is one."""
+        fixed = {}
+        if self.plan.keeps_old_logprobs:
+            fixed["old_logprobs"] = self.policy.logprobs(micro_batch)                      # policy/forwards
+        if self.plan.has_reference:
+            fixed["ref_logprobs"] = self.policy.reference_logprobs(micro_batch)            # policy/forwards
+        return fixed
 
-    def accumulate(self, batches: list[Batch]) -> dict:
+    def accumulate(self, micro_batches: list[MicroBatch]) -> dict:
         """Back-propagate the loss of every micro-batch, each normalized as `loss_type` says with the step's
         counts over all ranks (so the ranks' summed gradients are those of the step's loss); returns metrics.
-        Rows whose gradient is exactly 0 are left out (rollout/batches.trained_rows), but not from the counts."""
-        counts = self.generation.step_counts(batches, self.dist.reduce)  # over all ranks      rollout/batches
+        Rows whose gradient is exactly 0 are left out (rollout/batches.Rollout.micro_batches), but not from the
+        counts."""
+        counts = self.generation.step_counts(micro_batches, self.dist.reduce)  # over all ranks  rollout/batches
         totals: dict[str, float] = {"kl": 0.0, "loss": 0.0}  # kl: logged as 0 when there is no reference
-        trained = [b for b in batches if not b.empty]  # one process: no forward where no row is left (ranks keep one)
-        for i, b in enumerate(trained):
+        trained = [m for m in micro_batches if not m.empty]  # one process: no forward where no row is left
+        for i, m in enumerate(trained):
+            b = m.rollout
             with self.policy.parallel.sync_gradients(i == len(trained) - 1):
-                logprobs, entropies = self.policy.logprobs(b.rollout, with_entropy=True)  # [n, C] each  policy
+                logprobs, entropies = self.policy.logprobs(b, with_entropy=True)  # [n, C] each      policy
                 old_logprobs = b.old_logprobs if b.old_logprobs is not None else logprobs.detach()
-                loss, m = policy_loss(                                                         # algo/loss
-                    logprobs, old_logprobs, b.ref_logprobs, b.advantages, b.rollout.completion_mask,
-                    entropies=entropies, **self.plan.loss, num_tokens=counts["divisor"],
-                    num_sequences=b.rows, micro_batch_tokens=b.tokens, num_micro_batches=counts["micro_batches"])
+                loss, metrics = policy_loss(                                                   # algo/loss
+                    logprobs, old_logprobs, b.ref_logprobs, b.advantages, b.loss_mask, entropies=entropies,
+                    **self.plan.loss, num_tokens=counts.divisor, num_sequences=m.rows,
+                    micro_batch_tokens=m.tokens, num_micro_batches=counts.micro_batches)
                 self.policy.parallel.backward(loss)
-            add_metrics(totals, m, share=b.trained_tokens / max(1, counts["trained"]))  # over rows trained  algo/loss
+            add_metrics(totals, metrics, share=m.trained_tokens / max(1, counts.trained))  # rows trained  algo/loss
             totals["loss"] += loss.item()
         # Per-token metrics (entropy, ratio, clip ratios) are the rows trained's; 0 where no row was trained.
         totals = {**no_token_metrics(**self.plan.loss), **self.dist.reduce(totals)}  # algo/loss
-        return {**totals, "skipped/zero_gradient": counts["skipped"] / counts["rows"]}
+        return {**totals, "skipped/zero_gradient": counts.skipped / counts.rows}
 
     def apply_update(self, totals: dict) -> dict:
         """Clip and apply the accumulated gradients; a NaN/inf loss or gradient norm skips the update

@@ -23,7 +23,8 @@ import grpo.rollout.sampling
 from grpo import Config, Trainer
 from grpo.settings.cli import apply_overrides
 from grpo.infra.distributed import setup
-from grpo.rollout.sampling import PromptEncoder, Rollout, completion_mask_after_eos, eos_token_ids, row_chunks
+from grpo.rollout.batches import Rollout
+from grpo.rollout.sampling import PromptEncoder, completion_mask_after_eos, eos_token_ids
 from grpo.tasks.tiny import model_for
 
 # The 2-rank runs use per_device_train_batch_size=4: one prompt's 4 completions per rank per micro-batch. The
@@ -98,20 +99,17 @@ def fixed_sample(model, tokenizer, encode, prompts, *, num_generations, max_comp
 
 
 class FixedSampler:
-    """A Trainer's `sampler=` of fixed_sample's completions, cut as our Sampler cuts its decodes: into chunks of a
-    micro-batch's worth of whole prompts."""
+    """A Trainer's `sampler=` of fixed_sample's completions: one rollout of the generation batch, as our Sampler
+    returns."""
 
     def __init__(self, model, tokenizer, config: Config):
         self.model, self.tokenizer, self.config = model, tokenizer, config
         self.encode = PromptEncoder(tokenizer, config.max_prompt_length, config.chat_template_kwargs)
-        G = config.num_generations
-        self.chunk = max(1, config.per_device_train_batch_size // G) * G
 
-    def __call__(self, prompts: list, on_token=None, streams=None) -> tuple[list[Rollout], dict]:
-        whole = fixed_sample(self.model, self.tokenizer, self.encode, prompts,
-                             num_generations=self.config.num_generations,
-                             max_completion_length=self.config.max_completion_length)
-        return row_chunks(whole, self.chunk), {}
+    def __call__(self, prompts: list, on_token=None, streams=None) -> tuple[Rollout, dict]:
+        return fixed_sample(self.model, self.tokenizer, self.encode, prompts,
+                            num_generations=self.config.num_generations,
+                            max_completion_length=self.config.max_completion_length), {}
 
 
 def build_model(tokenizer):

@@ -1,5 +1,6 @@
-"""The data GRPO's optimizer steps consume: micro-batches of scored rollouts, grouped into the generation
-batch that `num_iterations` steps reuse, and how one is rebuilt from its checkpoint form (`asdict`)."""
+"""The generation batch, the one type a step carries from the sampler to the loss (`Rollout`), and the one place
+it is cut into micro-batches (`Rollout.micro_batches`); the generation batch that `num_iterations` steps reuse
+(`Generation`), with its checkpoint form by field name; its scores and metrics."""
 from __future__ import annotations
 
 import dataclasses
@@ -9,42 +10,157 @@ import torch
 
 from ..algo.advantages import zero_std_fraction
 from .rewards import RewardContext, reward_metrics
-from .sampling import Rollout, rollout_rows, row_chunks
+
+PROMPT_SIDE = ("prompt_ids", "prompt_mask")  # [N, P], left-padded
+COMPLETION_SIDE = ("completion_ids", "completion_mask", "loss_mask", "old_logprobs", "ref_logprobs")  # [N, C]
+PER_ROW = ("truncated", "advantages")  # [N]
+IDS = ("prompt_ids", "completion_ids")  # padded with the pad token, the rest with 0
 
 
 @dataclass
-class Batch:
-    """One micro-batch ready for the loss: a rollout plus what GRPO attaches to it. The rollout may hold only the
-    rows whose gradient is not exactly 0 (`trained_rows`); `rows` and `tokens` count the whole micro-batch, the
-    loss's divisors."""
+class Rollout:
+    """Rows of sampled completions and what GRPO attaches to them: this rank's generation batch, or a
+    micro-batch of it. Row i belongs to prompt i // num_generations. A sampler fills the ids, masks, texts and
+    truncation flags; the advantages and the log-probs fixed for the generation batch come later."""
 
-    rollout: Rollout  # n of the micro-batch's rows
-    advantages: torch.Tensor  # [n]
-    old_logprobs: torch.Tensor | None = None  # [n, C], only when num_iterations > 1
-    ref_logprobs: torch.Tensor | None = None  # [n, C], only when beta > 0
-    rows: int | None = None  # the micro-batch's completions (None: the rollout's)
-    tokens: int | None = None  # their completion tokens the loss counts (None: the rollout's)
+    prompt_ids: torch.Tensor  # [N, P] left-padded
+    prompt_mask: torch.Tensor  # [N, P]
+    completion_ids: torch.Tensor  # [N, C] right-padded
+    completion_mask: torch.Tensor  # [N, C] what attention sees: 1 up to and including EOS
+    completions: list  # N strings, or N chat lists [{"role": "assistant", "content": ...}]
+    truncated: torch.Tensor  # [N] bool: no EOS within max_completion_length
+    # [N, C] the completion tokens trained on, which the loss, its token counts and metrics read (None: the
+    # completion mask); 0 on tokens the model did not write and, with mask_truncated_completions, on truncated rows.
+    loss_mask: torch.Tensor | None = None
+    advantages: torch.Tensor | None = None  # [N]
+    old_logprobs: torch.Tensor | None = None  # [N, C], only when later steps are off-policy
+    ref_logprobs: torch.Tensor | None = None  # [N, C], only with a reference
 
     def __post_init__(self):
-        if self.rows is None:
-            self.rows = len(self.rollout.completions)
-        if self.tokens is None:
-            self.tokens = self.trained_tokens
+        if self.loss_mask is None:
+            self.loss_mask = self.completion_mask
+
+    @property
+    def input_ids(self) -> torch.Tensor:
+        return torch.cat([self.prompt_ids, self.completion_ids], dim=1)  # [N, P+C]
+
+    @property
+    def attention_mask(self) -> torch.Tensor:
+        return torch.cat([self.prompt_mask, self.completion_mask], dim=1)  # [N, P+C]
+
+    @property
+    def completion_id_lists(self) -> list[list[int]]:
+        """Each completion's token ids up to and including EOS (reward functions' `completion_ids`)."""
+        return [row[mask.bool()].tolist() for row, mask in zip(self.completion_ids, self.completion_mask)]
+
+    @classmethod
+    def cat(cls, parts: list[Rollout], pad_id: int) -> Rollout:
+        """The rows of `parts` in order as one rollout, prompts left-padded and completions right-padded to the
+        widest (ids with `pad_id`)."""
+        if len(parts) == 1:
+            return parts[0]
+        widths = {"P": max(r.prompt_ids.shape[1] for r in parts), "C": max(r.completion_ids.shape[1] for r in parts)}
+
+        def joined(name: str) -> torch.Tensor | None:
+            tensors = [getattr(r, name) for r in parts]
+            if tensors[0] is None or name in PER_ROW:
+                return None if tensors[0] is None else torch.cat(tensors)  # [sum N]
+            width, left = (widths["P"], True) if name in PROMPT_SIDE else (widths["C"], False)
+            value = pad_id if name in IDS else 0
+            return torch.cat([torch.nn.functional.pad(t, (width - t.shape[1], 0) if left else (0, width - t.shape[1]),
+                                                      value=value) for t in tensors])  # [sum N, width]
+        return cls(**{f.name: [c for r in parts for c in r.completions] if f.name == "completions" else joined(f.name)
+                      for f in dataclasses.fields(cls)})
+
+    def select(self, rows: torch.Tensor) -> Rollout:
+        """Rows `rows` [n] (indices, in order), with only the padding they need: prompts stay left-padded and
+        completions right-padded, but columns no kept row attends to are dropped, so that their compute does not
+        depend on the rows left out."""
+        prompt_mask, completion_mask = self.prompt_mask[rows], self.completion_mask[rows]  # [n, P], [n, C]
+        used = prompt_mask.any(dim=0).nonzero()  # [p, 1]
+        p = int(used.min()) if used.numel() else prompt_mask.shape[1]  # the first column a row uses
+        used = completion_mask.any(dim=0).nonzero()  # [c, 1]
+        c = int(used.max()) + 1 if used.numel() else 1
+
+        def take(name: str):
+            value = getattr(self, name)
+            if name == "completions":
+                return [value[i] for i in rows.tolist()]
+            if value is None or name in PER_ROW:
+                return None if value is None else value[rows]  # [n]
+            return value[rows, p:] if name in PROMPT_SIDE else value[rows, :c]  # [n, P - p] or [n, c]
+        return Rollout(**{f.name: take(f.name) for f in dataclasses.fields(self)})
+
+    def micro_batches(self, cut: Cut) -> list[MicroBatch]:
+        """The generation batch cut into micro-batches of `cut.size` rows in order (a prompt's group may span
+        two), each holding only its rows whose gradient is not exactly 0, with the padding they need, and counting
+        all of them for the loss's divisors. Gone are rows with no token in the loss mask and, with
+        `cut.skip_zero_advantage` (algo/loss.zero_advantage_has_no_gradient), rows whose advantage is exactly 0.
+        With `cut.keep_one` (several ranks) a micro-batch left with no row keeps its first, its masks zeroed so
+        that it adds nothing to the loss or the metrics: every rank must run every micro-batch's forward and
+        backward, or DDP's and FSDP's collectives wait for it forever."""
+        N = len(self.completions)
+        needed = self.loss_mask.bool().any(dim=1).cpu()  # [N]
+        if cut.skip_zero_advantage:
+            needed &= self.advantages.cpu() != 0
+        batches = []
+        for start in range(0, N, cut.size):
+            part = torch.arange(start, min(start + cut.size, N))  # [S], on the CPU: it indexes either device
+            keep, rows = part[needed[part]], self  # [n]
+            if keep.numel() == 0 and cut.keep_one:
+                keep = part[:1]  # [1]
+                zeros = torch.zeros_like(self.completion_mask)  # [N, C]
+                rows = dataclasses.replace(self, completion_mask=zeros, loss_mask=zeros)
+            batches.append(MicroBatch(rows.select(keep), keep, len(part), int(self.loss_mask[part].sum().item())))
+        return batches
+
+
+@dataclass(frozen=True)
+class Cut:
+    """How a generation batch is cut into micro-batches (`Rollout.micro_batches`): kept with it, as the
+    log-probs fixed for it were taken on the micro-batches this cut makes."""
+
+    size: int  # rows per micro-batch
+    skip_zero_advantage: bool
+    keep_one: bool
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """One micro-batch ready for the loss: `rollout` holds the rows the forward sees, rows `index` of the
+    generation batch; `rows` and `tokens` (in the loss mask) count the whole micro-batch, the loss's divisors."""
+
+    rollout: Rollout
+    index: torch.Tensor  # [n]
+    rows: int
+    tokens: int
 
     @property
     def trained_tokens(self) -> int:
-        """Completion tokens of the rows the forward sees: what per-token metrics average over."""
-        return int(self.rollout.completion_mask.sum().item())
+        """Loss tokens of the rows the forward sees: what per-token metrics average over."""
+        return int(self.rollout.loss_mask.sum().item())
 
     @property
     def empty(self) -> bool:
-        """No row left to forward (one process only: `trained_rows` keeps one where there are several ranks)."""
+        """No row left to forward (one process only: the cut keeps one where there are several ranks)."""
         return len(self.rollout.completions) == 0
 
     @property
     def skipped(self) -> int:
         """Rows left out of the forward and backward (a row kept only to run the forward counts too)."""
-        return self.rows - int(self.rollout.completion_mask.any(dim=1).sum().item())
+        return self.rows - int(self.rollout.loss_mask.any(dim=1).sum().item())
+
+
+@dataclass(frozen=True)
+class StepCounts:
+    """What the loss and metrics of one optimizer step count, over all ranks."""
+
+    tokens: float  # the generation batch's loss tokens, counted before rows were skipped
+    trained: float  # the step's loss tokens trained on: per-token metrics average over them
+    micro_batches: float
+    rows: float
+    skipped: float
+    divisor: float  # the generation batch's loss tokens per step it feeds: TRL's dapo/cispo divisor
 
 
 @dataclass
@@ -67,97 +183,55 @@ class Scored:
 
 @dataclass
 class Generation:
-    """One generation batch, used by `num_iterations` optimizer steps."""
+    """One generation batch, used by `num_iterations` optimizer steps: `batch` whole, and cut by `cut` into
+    `micro_batches` on creation."""
 
-    batches: list[Batch]  # this rank's micro-batches
+    batch: Rollout  # this rank's
+    cut: Cut
     metrics: dict
     scored: Scored
 
-    def step_counts(self, step: list[Batch], reduce) -> dict[str, float]:
-        """What the loss and metrics of an optimizer step on micro-batches `step` count, summed over ranks by
-        `reduce`: the generation batch's completion tokens per step it feeds (`divisor`, TRL's dapo/cispo
-        divisor), counted before rows were skipped; the step's tokens trained on (`trained`: per-token metrics
-        average over them); its micro-batches, rows, and rows skipped."""
-        counts = reduce({"all": sum(b.tokens for b in self.batches), "trained": sum(b.trained_tokens for b in step),
-                         "micro_batches": len(step), "rows": sum(b.rows for b in step),
-                         "skipped": sum(b.skipped for b in step)})
-        return {**counts, "divisor": counts["all"] * len(step) / len(self.batches)}
+    def __post_init__(self):
+        self.micro_batches = self.batch.micro_batches(self.cut)
+
+    def fix_logprobs(self, forward) -> None:
+        """Attach to each micro-batch with rows the log-probs fixed for the generation batch, `forward(rollout)`'s
+        {"old_logprobs" | "ref_logprobs": [n, c]}, and write them into the whole batch's [N, C] as well, the copy a
+        checkpoint saves and a resumed cut takes them back from."""
+        for m in (m for m in self.micro_batches if not m.empty):
+            for name, values in forward(m.rollout).items():  # [n, c] each
+                setattr(m.rollout, name, values)
+                if getattr(self.batch, name) is None:
+                    setattr(self.batch, name, values.new_zeros(self.batch.completion_ids.shape))  # [N, C]
+                getattr(self.batch, name)[m.index, :values.shape[1]] = values
+
+    def step_counts(self, step: list[MicroBatch], reduce) -> StepCounts:
+        """The counts of an optimizer step on micro-batches `step`, summed over ranks by `reduce`."""
+        counts = reduce({"tokens": int(self.batch.loss_mask.sum().item()),
+                         "trained": sum(m.trained_tokens for m in step), "micro_batches": len(step),
+                         "rows": sum(m.rows for m in step), "skipped": sum(m.skipped for m in step)})
+        return StepCounts(**counts, divisor=counts["tokens"] * len(step) / len(self.micro_batches))
+
+    def state_dict(self) -> dict:
+        """The checkpoint's form: the batch's tensors by field name, the cut, metrics and scores."""
+        return {"batch": {f.name: getattr(self.batch, f.name) for f in dataclasses.fields(self.batch)},
+                "cut": dataclasses.asdict(self.cut), "metrics": self.metrics, "scored": dataclasses.asdict(self.scored)}
+
+    @classmethod
+    def from_state_dict(cls, saved: dict, device: torch.device) -> Generation:
+        """The inverse of `state_dict`, the batch's tensors moved (back) to `device` and cut again."""
+        batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in saved["batch"].items()}
+        return cls(Rollout(**batch), Cut(**saved["cut"]), saved["metrics"], Scored(**saved["scored"]))
 
 
-def generation_from_dict(saved: dict, device: torch.device) -> Generation:
-    """The inverse of `dataclasses.asdict(generation)`, with its tensors moved (back) to `device`."""
-    batches = [Batch(Rollout(**{k: to_device(v, device) for k, v in b["rollout"].items()}),
-                     *(to_device(b[k], device) for k in ("advantages", "old_logprobs", "ref_logprobs")),
-                     b["rows"], b["tokens"])
-               for b in saved["batches"]]
-    return Generation(batches, saved["metrics"], Scored(**saved["scored"]))
-
-
-def to_device(value, device: torch.device):
-    return value.to(device) if isinstance(value, torch.Tensor) else value
-
-
-def loss_batches(rollouts: list[Rollout], advantages: torch.Tensor, mask_truncated: bool, device: torch.device,
-                 skip_zero_advantage: bool = False, keep_one: bool = False) -> list[Batch]:
-    """The micro-batches as the loss takes them, each with its rows of `advantages` [N] (this rank's), cut to
-    the rows whose gradient is not exactly 0 (`trained_rows`)."""
-    sizes = [len(r.completions) for r in rollouts]
-    return [trained_rows(Batch(loss_rollout(r, mask_truncated), a.to(device)), skip_zero_advantage, keep_one)
-            for r, a in zip(rollouts, advantages.split(sizes))]
-
-
-def trained_rows(batch: Batch, skip_zero_advantage: bool, keep_one: bool) -> Batch:
-    """`batch` (before any log-probs are attached) cut to the rows whose gradient is not exactly 0, its counts
-    before the cut kept for the loss's divisors: gone are rows with no completion token in the loss
-    (mask_truncated_completions) and, with `skip_zero_advantage` (algo/loss.zero_advantage_has_no_gradient),
-    rows whose advantage is exactly 0. With `keep_one` (several ranks) a micro-batch left with no row keeps its
-    first, its completion mask zeroed so that it adds nothing to the loss or the metrics: every rank must run
-    every micro-batch's forward and backward, or DDP's and FSDP's collectives wait for it forever."""
-    needed = batch.rollout.completion_mask.bool().any(dim=1).cpu()  # [N]
-    if skip_zero_advantage:
-        needed &= batch.advantages.cpu() != 0
-    if needed.all():
-        return batch
-    keep = needed.nonzero().squeeze(1)  # [n], on the CPU: it indexes tensors on either device
-    rollout = batch.rollout
-    if keep.numel() == 0 and keep_one:
-        keep = keep.new_zeros(1)  # [1]
-        rollout = dataclasses.replace(rollout, completion_mask=torch.zeros_like(rollout.completion_mask))  # [N, C]
-    return Batch(rollout_rows(rollout, keep), batch.advantages[keep], rows=batch.rows, tokens=batch.tokens)
-
-
-def regroup(rollouts: list[Rollout], size: int, pad_id: int) -> list[Rollout]:
-    """The rows of `rollouts` (a sampler's, in chunks of whole prompts) in order, cut into micro-batches of
-    `size` rows: a prompt's group may span two micro-batches. Each micro-batch keeps only the padding its own rows
-    need (prompts stay left-padded, completions right-padded), so its compute does not depend on the chunks."""
-    if all(len(r.completions) == size for r in rollouts):
-        return rollouts  # sampled as they are trained: nothing to move
-    return row_chunks(concat(rollouts, pad_id), size)
-
-
-def concat(rollouts: list[Rollout], pad_id: int) -> Rollout:
-    """The rows of `rollouts` in order as one rollout, prompts left-padded and completions right-padded to the
-    widest."""
-    P = max(r.prompt_ids.shape[1] for r in rollouts)
-    C = max(r.completion_ids.shape[1] for r in rollouts)
-
-    def cat(name: str, width: int, left: bool, value: int) -> torch.Tensor:
-        parts = [getattr(r, name) for r in rollouts]
-        return torch.cat([torch.nn.functional.pad(t, (width - t.shape[1], 0) if left else (0, width - t.shape[1]),
-                                                  value=value) for t in parts])  # [sum N, width]
-    return Rollout(cat("prompt_ids", P, True, pad_id), cat("prompt_mask", P, True, 0),  # [M, P] each
-                   cat("completion_ids", C, False, pad_id), cat("completion_mask", C, False, 0),  # [M, C] each
-                   [c for r in rollouts for c in r.completions], torch.cat([r.truncated for r in rollouts]))
-
-
-def loss_rollout(rollout: Rollout, mask_truncated: bool) -> Rollout:
-    """The rollout as the loss sees it. With `mask_truncated` (TRL's mask_truncated_completions) a completion
-    that hit max_completion_length without EOS gets an all-zero completion mask: it counts in no loss term,
-    token count or loss metric (and, as in TRL, its tokens are masked from attention)."""
-    if not mask_truncated:
-        return rollout
-    keep = (~rollout.truncated).to(rollout.completion_mask.dtype)[:, None]  # [N, 1]
-    return dataclasses.replace(rollout, completion_mask=rollout.completion_mask * keep)  # [N, C]
+def with_advantages(rollout: Rollout, advantages: torch.Tensor, mask_truncated: bool) -> Rollout:
+    """`rollout` with its advantages [N] and its loss mask as the loss reads it. With `mask_truncated` (TRL's
+    mask_truncated_completions) a completion that hit max_completion_length without EOS has no token in the loss
+    mask: it counts in no loss term, token count or loss metric, and the cut leaves it out of the forward."""
+    loss_mask = rollout.loss_mask
+    if mask_truncated:
+        loss_mask = loss_mask * (~rollout.truncated).to(loss_mask.dtype)[:, None]  # [N, C]
+    return dataclasses.replace(rollout, loss_mask=loss_mask, advantages=advantages.to(rollout.completion_ids.device))
 
 
 def length_metrics(lengths: torch.Tensor, truncated: torch.Tensor) -> dict[str, float]:
@@ -169,12 +243,12 @@ def length_metrics(lengths: torch.Tensor, truncated: torch.Tensor) -> dict[str, 
             "completions/clipped_ratio": truncated.float().mean().item()}
 
 
-def generation_metrics(rollouts: list[Rollout], scored: Scored, context: RewardContext, generate_s: float,
+def generation_metrics(rollout: Rollout, scored: Scored, context: RewardContext, generate_s: float,
                        reward_names: list[str], num_generations: int, dist) -> dict[str, float]:
     """A generation batch's metrics over all ranks (`dist`: infra/distributed's): rewards, lengths, groups
     without signal, what the reward functions logged, timing."""
-    lengths = dist.gather(torch.cat([ro.completion_mask.sum(1) for ro in rollouts]).float())  # [W*N]
-    truncated = dist.gather(torch.cat([ro.truncated for ro in rollouts]).float())  # [W*N]
+    lengths = dist.gather(rollout.completion_mask.sum(1).float())  # [W*N]
+    truncated = dist.gather(rollout.truncated.float())  # [W*N]
     return {**reward_metrics(scored.rewards, scored.per_func, reward_names), **length_metrics(lengths, truncated),
             "frac_reward_zero_std": zero_std_fraction(scored.rewards, num_generations, scored.applied),
             **context.metrics_over(dist), "perf/generate_s": generate_s,

@@ -11,8 +11,9 @@ from __future__ import annotations
 import torch
 
 from ..errors import UserError
+from .batches import Rollout
 from .rewards import REWARD_ARGUMENTS
-from .sampling import Rollout, completion_mask_after_eos, eos_token_ids, is_chat, left_pad
+from .sampling import completion_mask_after_eos, eos_token_ids, is_chat, left_pad
 
 REQUIRED = ("prompt_ids", "completion_ids")
 USED = (*REQUIRED, "logprobs")  # TRL's own keys; every other one is a field for the reward functions
@@ -39,7 +40,7 @@ class CustomRollouts:
         self.max_completion_length = trainer.config.max_completion_length
         self.name = getattr(rollout_func, "__name__", type(rollout_func).__name__)
 
-    def __call__(self, prompts: list, on_token=None, streams=None) -> tuple[list[Rollout], dict[str, list]]:
+    def __call__(self, prompts: list, on_token=None, streams=None) -> tuple[Rollout, dict[str, list]]:
         """The sampler interface (rollout/sampling.Sampler's): one call for the whole generation batch, as TRL
         makes it; the rollout_func's tokens are not counted as they come (`on_token` is not called), and it
         draws its own random numbers (`streams` is not read)."""
@@ -59,8 +60,8 @@ class CustomRollouts:
             raise RolloutFuncError(f"rollout_func '{self.name}' returned a completion of {too_long} tokens, more "
                                    f"than max_completion_length={self.max_completion_length}")
         fields = self.reward_fields({k: v for k, v in output.items() if k not in USED}, len(repeated))
-        return [self.rollout(prompts, [list(map(int, r)) for r in prompt_rows],
-                             [list(map(int, r)) for r in completion_rows])], fields
+        return self.rollout(prompts, [list(map(int, r)) for r in prompt_rows],
+                            [list(map(int, r)) for r in completion_rows]), fields
 
     def reward_fields(self, extra: dict, n: int) -> dict[str, list]:
         """The extra fields as reward columns of `n` values. As in TRL, a list holds one value per completion

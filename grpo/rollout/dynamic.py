@@ -8,9 +8,8 @@ from collections.abc import Callable
 import torch
 
 from ..algo.advantages import has_signal
-from .batches import Scored, concat
+from .batches import Rollout, Scored
 from .rewards import RewardContext
-from .sampling import Rollout, rollout_rows
 
 
 def kept_groups(signal: torch.Tensor, need: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -29,16 +28,15 @@ class DynamicSampling:
     def __init__(self, num_generations: int, max_rounds: int, dist, pad_id: int):
         self.G, self.max_rounds, self.dist, self.pad_id = num_generations, max_rounds, dist, pad_id
 
-    def __call__(self, rollouts: list[Rollout], scored: Scored, context: RewardContext,
-                 sample: Callable[[int], tuple[list[Rollout], Scored, float]]) -> tuple[list[Rollout], Scored,
-                                                                                      dict, float]:
-        """Keep the groups with signal of `rollouts` and `scored` (this rank's), calling `sample(prompts over all
+    def __call__(self, rollout: Rollout, scored: Scored, context: RewardContext,
+                 sample: Callable[[int], tuple[Rollout, Scored, float]]) -> tuple[Rollout, Scored, dict, float]:
+        """Keep the groups with signal of `rollout` and `scored` (this rank's), calling `sample(prompts over all
         ranks)` for as many prompts per rank as the rank shortest of groups lacks, while one lacks any and rounds
         are left; a rank still short tops up with groups it dropped (they train nothing). Returns the kept
-        rollouts (one chunk) and scores, the `dynamic_sampling/*` metrics and the seconds the rounds took."""
+        rows and scores, the `dynamic_sampling/*` metrics and the seconds the rounds took."""
         G = self.G
         need = len(scored.completions) // G  # this rank's groups in a generation batch
-        parts, seconds, rounds = [(rollouts, scored)], 0.0, 0
+        parts, seconds, rounds = [(rollout, scored)], 0.0, 0
         signal = has_signal(scored.rewards, G, scored.applied)  # [n] per group sampled so far
         while rounds < self.max_rounds:
             missing = int(self.dist.reduce({"value": float(max(0, need - int(signal.sum())))}, "max")["value"])
@@ -55,8 +53,8 @@ class DynamicSampling:
         kept = Scored([prompts[i] for i in index], [completions[i] for i in index],
                       torch.cat([s.rewards for _, s in parts])[rows], torch.cat([s.per_func for _, s in parts])[rows],
                       extras={k: [v[i] for i in index if i < len(v)] for k, v in context.extras.items()})
-        whole = concat([r for rs, _ in parts for r in rs], self.pad_id)
+        whole = Rollout.cat([r for r, _ in parts], self.pad_id)
         counts = self.dist.reduce({"dropped": float(len(signal) - need), "filler": float(need - signal[keep].sum())})
         metrics = {"dynamic_sampling/rounds": float(rounds), "dynamic_sampling/dropped_groups": counts["dropped"],
                    "dynamic_sampling/filler_groups": counts["filler"]}
-        return [rollout_rows(whole, rows)], kept, metrics, seconds
+        return whole.select(rows), kept, metrics, seconds

@@ -4,39 +4,14 @@ interface (rollout/custom.py)."""
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass
 
 import torch
 
 from ..policy.folding import sampling_weights
 from ..policy.models import unwrap
+from .batches import Rollout
 from .decoding import DecodeSettings, decode
 from .streams import PromptStreams
-
-
-@dataclass
-class Rollout:
-    """One micro-batch of sampled completions; row i belongs to prompt i // num_generations."""
-
-    prompt_ids: torch.Tensor  # [N, P] left-padded
-    prompt_mask: torch.Tensor  # [N, P]
-    completion_ids: torch.Tensor  # [N, C] right-padded
-    completion_mask: torch.Tensor  # [N, C] 1 up to and including EOS
-    completions: list  # N strings, or N chat lists [{"role": "assistant", "content": ...}]
-    truncated: torch.Tensor  # [N] bool: no EOS within max_completion_length
-
-    @property
-    def input_ids(self) -> torch.Tensor:
-        return torch.cat([self.prompt_ids, self.completion_ids], dim=1)  # [N, P+C]
-
-    @property
-    def attention_mask(self) -> torch.Tensor:
-        return torch.cat([self.prompt_mask, self.completion_mask], dim=1)  # [N, P+C]
-
-    @property
-    def completion_id_lists(self) -> list[list[int]]:
-        """Each completion's token ids up to and including EOS (reward functions' `completion_ids`)."""
-        return [row[mask.bool()].tolist() for row, mask in zip(self.completion_ids, self.completion_mask)]
 
 
 def is_chat(prompt) -> bool:
@@ -151,55 +126,29 @@ def sample_completions(model, tokenizer, encode: PromptEncoder, prompts: list, *
 
 
 class Sampler:
-    """The trainer's sampler with our decoder: `sampler(prompts, on_token, streams) -> (rollouts, fields)`, a
-    generation batch's prompts in, rollouts of `num_generations` completions each out, and no extra reward
+    """The trainer's sampler with our decoder: `sampler(prompts, on_token, streams) -> (rollout, fields)`, a
+    generation batch's prompts in, one rollout of `num_generations` completions each out, and no extra reward
     columns (a rollout_func's sampler returns some). `streams` (rollout/streams; default: step 0's first
     prompts of the config's seed) gives each prompt its random stream, so that the tokens do not depend on how
     the prompts are grouped into decodes. Prompts go through as few decodes as the memory plan allows
     (`prompts_per_decode`, a multiple of a micro-batch's prompts; None: a micro-batch's): one, for the whole
     generation batch, when its KV cache fits within the training peak. A decode of more rows costs little more
-    per step on a CPU (16 rows: about 1.2x the time of 8). The rows are then cut into chunks of a
-    micro-batch's worth of whole prompts (at least one), each with only the padding its own rows need, as a
-    decode per chunk would give them; `on_token(n)` counts the tokens as they come."""
+    per step on a CPU (16 rows: about 1.2x the time of 8). `on_token(n)` counts the tokens as they come."""
 
     def __init__(self, policy, tokenizer, config, prompts_per_decode: int | None = None):
         self.policy, self.tokenizer, self.config = policy, tokenizer, config
         self.encode = PromptEncoder(tokenizer, config.max_prompt_length, config.chat_template_kwargs)
-        self.prompts_per_chunk = max(1, config.per_device_train_batch_size // config.num_generations)
-        k = self.prompts_per_chunk
+        k = max(1, config.per_device_train_batch_size // config.num_generations)  # a micro-batch's prompts
         self.prompts_per_decode = k if prompts_per_decode is None else max(k, prompts_per_decode // k * k)
 
     @torch.no_grad()
     def __call__(self, prompts: list, on_token=None,
-                 streams: PromptStreams | None = None) -> tuple[list[Rollout], dict[str, list]]:
-        c, size = self.config, self.prompts_per_chunk * self.config.num_generations
+                 streams: PromptStreams | None = None) -> tuple[Rollout, dict[str, list]]:
+        c = self.config
         streams = streams if streams is not None else PromptStreams(c.seed)
-        chunks = []
-        for start in range(0, len(prompts), self.prompts_per_decode):
-            whole = self.policy.parallel.unsharded(lambda model: sample_completions(
-                model, self.tokenizer, self.encode, prompts[start:start + self.prompts_per_decode],
-                num_generations=c.num_generations, max_completion_length=c.max_completion_length,
-                **c.sampling_settings(), stop_at_eos=c.stop_at_eos, streams=streams.after(start),
-                on_token=on_token))
-            chunks += row_chunks(whole, size)
-        return chunks, {}
-
-
-def row_chunks(rollout: Rollout, size: int) -> list[Rollout]:
-    """`rollout`'s rows in order, in chunks of `size` (the last may be shorter), each with only its own padding
-    (`rollout_rows`)."""
-    N = len(rollout.completions)
-    return [rollout_rows(rollout, torch.arange(i, min(i + size, N))) for i in range(0, N, size)]
-
-
-def rollout_rows(rollout: Rollout, rows: torch.Tensor) -> Rollout:
-    """Rows `rows` [n] (indices, in order) of `rollout`, with only the padding they need: prompts stay
-    left-padded and completions right-padded, but columns no kept row uses are dropped, so that their compute
-    does not depend on the rows left out."""
-    prompt_mask, completion_mask = rollout.prompt_mask[rows], rollout.completion_mask[rows]  # [n, P], [n, C]
-    used = prompt_mask.any(dim=0).nonzero()  # [p, 1]
-    p = int(used.min()) if used.numel() else prompt_mask.shape[1]  # the first column a row uses
-    used = completion_mask.any(dim=0).nonzero()  # [c, 1]
-    c = int(used.max()) + 1 if used.numel() else 1
-    return Rollout(rollout.prompt_ids[rows, p:], prompt_mask[:, p:], rollout.completion_ids[rows, :c],
-                   completion_mask[:, :c], [rollout.completions[i] for i in rows.tolist()], rollout.truncated[rows])
+        decodes = [self.policy.parallel.unsharded(lambda model: sample_completions(
+            model, self.tokenizer, self.encode, prompts[start:start + self.prompts_per_decode],
+            num_generations=c.num_generations, max_completion_length=c.max_completion_length,
+            **c.sampling_settings(), stop_at_eos=c.stop_at_eos, streams=streams.after(start), on_token=on_token))
+            for start in range(0, len(prompts), self.prompts_per_decode)]
+        return Rollout.cat(decodes, self.tokenizer.pad_token_id), {}

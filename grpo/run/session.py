@@ -13,8 +13,8 @@ import torch
 
 from ..policy.optim import rescheduled, set_hyperparameters
 from ..policy.parallel import ParallelPolicy
-from ..rollout.batches import Generation, generation_from_dict
 from ..infra.progress import quiet_library_bars
+from ..rollout.batches import Generation
 from ..rollout.prompts import PromptStream
 from ..settings import Config
 from ..settings.schedule import Schedule
@@ -72,7 +72,7 @@ class Session:
         skipped-step counters, each rank's RNG states and a generation batch later steps still use; rank 0
         gets the whole."""
         mid_batch = not self.schedule.starts_generation(progress.step)
-        own = {"rng": checkpoint.rng_state(), "generation": asdict(progress.generation) if mid_batch else None}
+        own = {"rng": checkpoint.rng_state(), "generation": progress.generation.state_dict() if mid_batch else None}
         return {"step": progress.step, "total_steps": self.settings.total_steps,
                 "optimizer": self.parallel.optimizer_state(self.optimizer),
                 "scheduler": self.scheduler.state_dict(), "prompts": self.prompts.state_dict(),
@@ -93,7 +93,7 @@ class Session:
             elastic.seed_rank(s.seed, self.dist.rank, state["step"])
         else:
             if own["generation"] is not None:
-                generation = generation_from_dict(own["generation"], self.device)
+                generation = Generation.from_state_dict(own["generation"], self.device)
             checkpoint.set_rng_state(own["rng"])
         streak, total = state["nonfinite"]
         return Progress(state["step"], generation, (streak, total))

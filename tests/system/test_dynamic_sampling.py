@@ -34,7 +34,7 @@ def test_groups_without_signal_are_replaced_and_the_batch_stays_full(tmp_path, t
     trainer = make_trainer(tmp_path / "run", tokenizer, dynamic_sampling_max_rounds=16)
     lines = trainer.train()
     # 4 prompts a generation batch (2 micro-batches of 8 = 16 completions): every one of them odd.
-    assert [len(b.rollout.completions) for b in trainer.generation.batches] == [8, 8]
+    assert [len(b.rollout.completions) for b in trainer.generation.micro_batches] == [8, 8]
     digits = [int(p.split()[1]) for p in trainer.generation.scored.prompts]
     assert len(digits) == 16 and all(n % 2 for n in digits), digits
     assert all(line["frac_reward_zero_std"] == 0.0 for line in lines if "frac_reward_zero_std" in line)
@@ -56,7 +56,7 @@ def test_without_rounds_left_the_batch_is_topped_up_with_dropped_groups(tmp_path
     assert line["dynamic_sampling/rounds"] == 2 and line["dynamic_sampling/filler_groups"] == 4
     assert line["dynamic_sampling/dropped_groups"] == 4 + 4 + 4 - 4  # 3 rounds of 4 groups sampled, 4 kept
     assert trainer.prompts.state_dict()["position"] == 12
-    assert [len(b.rollout.completions) for b in trainer.generation.batches] == [8, 8]
+    assert [len(b.rollout.completions) for b in trainer.generation.micro_batches] == [8, 8]
 
 
 def test_off_by_default_is_the_plain_run(tmp_path, tokenizer):

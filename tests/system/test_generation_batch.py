@@ -34,7 +34,7 @@ def test_a_group_spanning_two_micro_batches_trains_as_one_micro_batch(tmp_path, 
     # 6 completions per micro-batch: the 2nd prompt's group is split 2 + 2 over the two micro-batches.
     split = train(tmp_path, "split", tokenizer, per_device_train_batch_size=6, gradient_accumulation_steps=2)
     assert split.schedule.micro_batches_per_generation == 2
-    assert [len(b.rollout.completions) for b in split.generation.batches] == [6, 6]
+    assert [len(b.rollout.completions) for b in split.generation.micro_batches] == [6, 6]
     assert whole.prompts.state_dict() == split.prompts.state_dict() == {"epoch": 0, "position": 6}
     worst = max((a - b).abs().max().item() for a, b in zip(whole.model.parameters(), split.model.parameters()))
     moved = max((a - b).abs().max().item() for a, b in zip(whole.model.parameters(),
@@ -48,7 +48,8 @@ def test_steps_per_generation_feeds_several_optimizer_steps(tmp_path, tokenizer)
     trainer = train(tmp_path, "spg", tokenizer, per_device_train_batch_size=4, steps_per_generation=2, beta=0.0,
                     reward=text_length)
     assert trainer.prompts.state_dict()["position"] == 2, "one generation batch of 2 prompts for both steps"
-    assert len(trainer.generation.batches) == 2 and trainer.generation.batches[1].old_logprobs is not None
+    micro_batches = trainer.generation.micro_batches
+    assert len(micro_batches) == 2 and micro_batches[1].rollout.old_logprobs is not None
 
 
 @pytest.mark.parametrize("settings, world_size, message", [
@@ -75,16 +76,16 @@ def test_generation_batch_settings_resolve_as_in_trl_or_say_why_not(settings, wo
     assert resolve(2).prompts_per_generation == 2 * 4 * 2 // 4 and resolve(2).global_batch == 4 * 2 * 2
 
 
-def test_regrouped_micro_batches_keep_only_their_own_padding(tokenizer):
-    from grpo.rollout.batches import regroup
-    from grpo.rollout.sampling import Rollout
+def test_micro_batches_keep_only_their_own_padding(tokenizer):
+    from grpo.rollout.batches import Cut, Rollout
 
     def rollout(prompt_len, completion_len, rows):
         ones = lambda n: torch.ones(rows, n, dtype=torch.long)  # noqa: E731
         return Rollout(ones(prompt_len) * 5, ones(prompt_len), ones(completion_len) * 7, ones(completion_len),
                        ["x"] * rows, torch.zeros(rows, dtype=torch.bool))
 
-    a, b = regroup([rollout(2, 3, 4), rollout(5, 1, 4)], 3, pad_id=0)[1:]  # rows 3..5 mix both, 6..7 are b's
+    whole = Rollout.cat([rollout(2, 3, 4), rollout(5, 1, 4)], pad_id=0)
+    a, b = (m.rollout for m in whole.micro_batches(Cut(3, False, False))[1:])  # rows 3..5 mix both, 6..7 are b's
     assert a.prompt_ids.tolist() == [[0, 0, 0, 5, 5], [5] * 5, [5] * 5] and a.completion_mask.tolist() == [
         [1, 1, 1], [1, 0, 0], [1, 0, 0]]
     assert b.prompt_ids.shape == (2, 5) and b.completion_ids.tolist() == [[7], [7]]

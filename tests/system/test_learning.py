@@ -30,9 +30,9 @@ def sabotage(monkeypatch):
     if name:
         if name not in SABOTAGES:
             raise ValueError(f"GRPO_SABOTAGE={name!r}; valid: {', '.join(SABOTAGES)}")
-        original = grpo.trainer.Trainer.micro_batches  # where the advantages meet the loss
-        monkeypatch.setattr(grpo.trainer.Trainer, "micro_batches",
-                            lambda self, rollouts, advantages: original(self, rollouts, SABOTAGES[name](advantages)))
+        original = grpo.trainer.with_advantages  # where the advantages join the generation batch
+        monkeypatch.setattr(grpo.trainer, "with_advantages",
+                            lambda rollout, advantages, mask: original(rollout, SABOTAGES[name](advantages), mask))
     return name
 
 

@@ -14,7 +14,7 @@ from tiny_setup import digit_prompts, text_length, tiny_4bit_model, tiny_model, 
 from grpo import Config, Trainer
 from grpo.errors import ConfigError
 from grpo.policy.models import keep_4bit_layout
-from grpo.rollout.sampling import Rollout
+from grpo.rollout.batches import Rollout
 
 
 @pytest.fixture

@@ -30,7 +30,7 @@ def make_trainer(tmp_path, tokenizer, name, reward=odd_digit_share, **overrides)
 
 def step_gradients(trainer: Trainer) -> tuple[dict, dict]:
     trainer.generation = trainer.generate()
-    totals = trainer.accumulate(trainer.generation.batches)
+    totals = trainer.accumulate(trainer.generation.micro_batches)
     return {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}, totals
 
 
@@ -73,9 +73,9 @@ def test_off_policy_steps_skip_the_old_logprobs_too_and_train_alike(tmp_path, to
     # two optimizer steps (the second off-policy) end at the weights of training every row.
     skipped = make_trainer(tmp_path, tokenizer, "skipped", num_iterations=2, loss_type="grpo")
     skipped.train()
-    batches = skipped.generation.batches
-    assert any(b.empty for b in batches) and any(0 < len(b.advantages) < b.rows for b in batches)
-    assert all(b.old_logprobs.shape[0] == len(b.advantages) for b in batches if not b.empty)
+    batches = skipped.generation.micro_batches
+    assert any(b.empty for b in batches) and any(0 < len(b.rollout.advantages) < b.rows for b in batches)
+    assert all(b.rollout.old_logprobs.shape[0] == len(b.rollout.advantages) for b in batches if not b.empty)
     full = no_skipping(make_trainer(tmp_path, tokenizer, "full", num_iterations=2, loss_type="grpo"))
     full.train()
     worst = max((a - b).abs().max().item() for a, b in zip(skipped.model.parameters(), full.model.parameters()))

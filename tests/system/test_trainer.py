@@ -212,7 +212,7 @@ def test_trl_loss_settings_and_unscored_completions(tmp_path, tokenizer):
     # (no token in the loss: no forward), though not its counts
     assert all(line["completions/clipped_ratio"] > 0 for line in history)
     assert all(line["skipped/zero_gradient"] >= line["completions/clipped_ratio"] for line in history)
-    for b in trainer.generation.batches:
+    for b in trainer.generation.micro_batches:
         assert not b.rollout.truncated.any() and b.rows == 8 and len(b.rollout.completions) == 8 - b.skipped
 
 

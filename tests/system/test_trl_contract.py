@@ -110,7 +110,7 @@ def test_rollout_func_is_called_once_per_generation_batch_and_its_fields_reach_t
     for c in calls:  # each of its 6 prompts num_generations times in a row
         assert all(c[i:i + 4] == [c[i]] * 4 for i in range(0, 24, 4))
     assert sorted(calls[0][::4] + calls[1][::4]) == sorted(digit_prompts(12)["prompt"]), "one epoch, 6 + 6"
-    assert [len(b.rollout.completions) for b in trainer.generation.batches] == [6, 6, 6, 6]
+    assert [len(b.rollout.completions) for b in trainer.generation.micro_batches] == [6, 6, 6, 6]
     assert len(seen) == 2
     for call, (prompts, completions, digit, engine, num_digits) in zip(calls, seen):
         assert prompts == call and completions == [str(i % 10) for i in range(24)]  # in the function's order
@@ -159,5 +159,5 @@ def test_rollout_func_rows_are_on_the_policys_device(tokenizer):
     rollout = sampler.rollout(["a", "a"], [[5, 6], [7]], [[8], [9, 10]])
     tensors = {f.name: getattr(rollout, f.name) for f in dataclasses.fields(rollout)
                if isinstance(getattr(rollout, f.name), torch.Tensor)}
-    assert set(tensors) == {"prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "truncated"}
+    assert set(tensors) == {"prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "loss_mask", "truncated"}
     assert all(t.device == meta for t in tensors.values())

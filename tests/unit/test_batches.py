@@ -1,6 +1,6 @@
-"""How a generation batch is sampled (rollout/sampling.Sampler, then rollout/batches.regroup): our decoder as
-many of its prompts per call as the memory plan allows (all of them when they fit), the rows cut into chunks of a
-micro-batch's worth of whole prompts, then into micro-batches."""
+"""How a generation batch is sampled (rollout/sampling.Sampler, then rollout/batches.Rollout.micro_batches): our
+decoder as many of its prompts per call as the memory plan allows (all of them when they fit), in decodes of a
+micro-batch's worth of whole prompts, the rows then cut into micro-batches."""
 import dataclasses
 from types import SimpleNamespace
 
@@ -8,16 +8,16 @@ import torch
 
 import grpo.rollout.sampling
 from grpo import Config
-from grpo.rollout.batches import regroup
-from grpo.rollout.sampling import Rollout, Sampler
+from grpo.rollout.batches import Cut, Rollout
+from grpo.rollout.sampling import Sampler
 
 G, PAD = 4, 0
 
 
 def sample_batch(monkeypatch, calls: list, prompts: list, per_device: int,
                  prompts_per_decode: int | None = None) -> tuple[list[Rollout], dict]:
-    """The Sampler over a stand-in for the decoder (completion j of prompt p is the token p * 10 + j), regrouped
-    into micro-batches of `per_device` completions as the trainer does."""
+    """The Sampler over a stand-in for the decoder (completion j of prompt p is the token p * 10 + j), cut into
+    micro-batches of `per_device` completions as the trainer does."""
     def sample_completions(model, tokenizer, encode, prompts, *, num_generations, **_) -> Rollout:
         calls.append(list(prompts))
         n = len(prompts) * num_generations
@@ -31,9 +31,9 @@ def sample_batch(monkeypatch, calls: list, prompts: list, per_device: int,
     # A generation batch of `prompts`: as many micro-batches as their completions fill.
     config = Config(per_device_train_batch_size=per_device, num_generations=G,
                     steps_per_generation=len(prompts) * G // per_device)
-    sampler = Sampler(policy, None, config, prompts_per_decode)
-    rollouts, fields = sampler(prompts)
-    return regroup(rollouts, per_device, PAD), fields
+    sampler = Sampler(policy, SimpleNamespace(pad_token_id=PAD), config, prompts_per_decode)
+    rollout, fields = sampler(prompts)
+    return [m.rollout for m in rollout.micro_batches(Cut(per_device, False, False))], fields
 
 
 def test_our_decoder_samples_the_whole_generation_batch_in_one_call_when_it_fits(monkeypatch):
@@ -85,13 +85,11 @@ def test_the_memory_plan_decodes_the_generation_batch_at_once_only_within_the_tr
 def test_chunks_keep_only_their_own_padding_as_a_decode_per_chunk_gives_them():
     """One decode pads every prompt to the longest of the batch and every completion to the longest: each
     chunk of a micro-batch's prompts gets back the widths a decode of its own prompts would have had."""
-    from grpo.rollout.sampling import rollout_rows
-
     prompt_mask = torch.tensor([[0, 0, 1, 1], [0, 0, 1, 1], [1, 1, 1, 1], [1, 1, 1, 1]])  # [4, 4]
     completion_mask = torch.tensor([[1, 1, 0], [1, 0, 0], [1, 1, 1], [1, 0, 0]])  # [4, 3]
     whole = Rollout(prompt_mask * 5, prompt_mask, completion_mask * 7, completion_mask, list("abcd"),
                     torch.tensor([False, False, True, False]))
-    first, second = (rollout_rows(whole, torch.arange(i, i + 2)) for i in (0, 2))
+    first, second = (whole.select(torch.arange(i, i + 2)) for i in (0, 2))
     assert first.prompt_ids.tolist() == [[5, 5], [5, 5]] and first.completion_mask.tolist() == [[1, 1], [1, 0]]
     assert second.prompt_ids.shape == (2, 4) and second.completion_ids.shape == (2, 3)
     assert second.completions == ["c", "d"] and second.truncated.tolist() == [True, False]

@@ -10,9 +10,9 @@ from tiny_setup import digit_share, tiny_tokenizer
 from grpo import Config
 from grpo.errors import ConfigError
 from grpo.plot import panels
+from grpo.rollout.batches import Rollout
 from grpo.rollout.evaluate import (breakdown, check_breakdown_column, check_eval_setup, eval_funcs, evaluate,
                                    summarize, summary_lines)
-from grpo.rollout.sampling import Rollout
 from grpo.tasks.gsm8k import answer_accuracy_reward, last_number_accuracy, xml_format_reward
 
 FREE = "grpo.tasks.gsm8k.last_number_accuracy"

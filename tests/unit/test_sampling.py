@@ -88,8 +88,8 @@ def lively_sampler(prompts_per_decode: int, **config):
 
 
 def sampled(output: tuple) -> list[list[int]]:
-    """Each completion's token ids, from a sampler's (rollouts, fields)."""
-    return [ids for rollout in output[0] for ids in rollout.completion_id_lists]
+    """Each completion's token ids, from a sampler's (rollout, fields)."""
+    return output[0].completion_id_lists
 
 
 PROMPTS = ["Write 3 digits:", "Write 12345 digits: 0", "<reasoning> think", "Write 7 digits: 01"]

@@ -70,8 +70,8 @@ def test_the_trainer_gives_each_rank_the_streams_of_its_share(tmp_path):
     def sampled(rank: int, world_size: int) -> list[list[int]]:
         trainer.prompts.load_state_dict(start)
         trainer.dist = Distributed(rank=rank, world_size=world_size)
-        rollouts, _, _ = trainer.sample(4, context)
-        return [ids for rollout in rollouts for ids in rollout.completion_id_lists]
+        rollout, _, _ = trainer.sample(4, context)
+        return rollout.completion_id_lists
 
     one = sampled(0, 1)
     assert len(one) == 8 and len({len(ids) for ids in one}) > 1

@@ -1,14 +1,15 @@
 """Rows whose gradient is exactly 0 need no forward or backward: per loss type, leaving them out of the loss
 call (with the micro-batch's counts from before) gives the same loss and gradient; the micro-batch cut keeps
 what the divisors need; a step with nothing back-propagated still steps the optimizer as a zero gradient does."""
+import dataclasses
+
 import pytest
 import torch
 
 from grpo.algo import LOSS_TYPES
 from grpo.algo.loss import policy_loss, zero_advantage_has_no_gradient
 from grpo.policy.optim import optimizer_step
-from grpo.rollout.batches import Batch, Generation, Scored, trained_rows
-from grpo.rollout.sampling import Rollout
+from grpo.rollout.batches import Cut, Generation, MicroBatch, Rollout, Scored, StepCounts
 
 SETTINGS = [{}, {"importance_sampling_level": "sequence"}, {"delta": 1.3}, {"epsilon_high": 0.28}]
 
@@ -83,48 +84,55 @@ def rollout(prompt_lengths: list[int], completion_lengths: list[int], truncated=
                    [f"c{i}" for i in range(N)], torch.zeros(N, dtype=torch.bool) if truncated is None else truncated)
 
 
+def trained_rows(rollout: Rollout, advantages: torch.Tensor, skip_zero_advantage: bool, keep_one: bool) -> MicroBatch:
+    """`rollout` cut as one micro-batch."""
+    cut = Cut(len(advantages), skip_zero_advantage, keep_one)
+    (micro_batch,) = dataclasses.replace(rollout, advantages=advantages).micro_batches(cut)
+    return micro_batch
+
+
 def test_trained_rows_drop_zero_gradient_rows_and_keep_the_counts():
     # Row 0: long prompt, advantage 0; row 1: no completion token in the loss (masked truncation); row 2: long
     # completion, advantage 0; rows 3 and 4 train.
     r = rollout([5, 3, 2, 3, 2], [2, 0, 6, 3, 1])
-    b = trained_rows(Batch(r, torch.tensor([0.0, 1.0, 0.0, -0.5, 0.5])), skip_zero_advantage=True, keep_one=False)
+    b = trained_rows(r, torch.tensor([0.0, 1.0, 0.0, -0.5, 0.5]), skip_zero_advantage=True, keep_one=False)
     assert (b.rows, b.tokens, b.trained_tokens, b.skipped) == (5, 12, 4, 3)
-    assert b.rollout.completions == ["c3", "c4"] and b.advantages.tolist() == [-0.5, 0.5]
+    assert b.rollout.completions == ["c3", "c4"] and b.rollout.advantages.tolist() == [-0.5, 0.5]
     # Only the padding the kept rows need: 3 prompt columns (of 5), 3 completion columns (of 6).
     assert b.rollout.prompt_ids.tolist() == r.prompt_ids[3:, 2:].tolist()
     assert b.rollout.completion_mask.tolist() == [[1, 1, 1], [1, 0, 0]]
     # Without skipping zero advantages (a KL term), only the row without tokens goes.
-    b = trained_rows(Batch(r, torch.tensor([0.0, 1.0, 0.0, -0.5, 0.5])), skip_zero_advantage=False, keep_one=False)
+    b = trained_rows(r, torch.tensor([0.0, 1.0, 0.0, -0.5, 0.5]), skip_zero_advantage=False, keep_one=False)
     assert b.rollout.completions == ["c0", "c2", "c3", "c4"] and (b.rows, b.tokens, b.skipped) == (5, 12, 1)
-    whole = Batch(r, torch.ones(5))
-    assert trained_rows(Batch(rollout([2], [3]), torch.ones(1)), True, False).rows == 1
+    whole = trained_rows(r, torch.ones(5), False, False)
+    assert trained_rows(rollout([2], [3]), torch.ones(1), True, False).rows == 1
     assert whole.rows == 5 and whole.tokens == 12
 
 
 def test_a_micro_batch_with_no_row_left_is_empty_or_keeps_one_inert_row():
     r = rollout([4, 2, 3], [2, 5, 1])
-    alone = trained_rows(Batch(r, torch.zeros(3)), skip_zero_advantage=True, keep_one=False)
+    alone = trained_rows(r, torch.zeros(3), skip_zero_advantage=True, keep_one=False)
     assert alone.empty and alone.rollout.completion_ids.shape[0] == 0
     assert (alone.rows, alone.tokens, alone.trained_tokens, alone.skipped) == (3, 8, 0, 3)
     # Several ranks: every rank must run each micro-batch's forward and backward; the row kept adds nothing.
-    ranked = trained_rows(Batch(r, torch.zeros(3)), skip_zero_advantage=True, keep_one=True)
+    ranked = trained_rows(r, torch.zeros(3), skip_zero_advantage=True, keep_one=True)
     assert not ranked.empty and ranked.rollout.completions == ["c0"]
     assert ranked.rollout.completion_mask.sum() == 0 and ranked.rollout.completion_ids.shape == (1, 1)
     assert (ranked.rows, ranked.tokens, ranked.trained_tokens, ranked.skipped) == (3, 8, 0, 3)
     logp = torch.randn(1, 1, requires_grad=True)
-    loss, metrics = policy_loss(logp, None, None, ranked.advantages, ranked.rollout.completion_mask,
+    loss, metrics = policy_loss(logp, None, None, ranked.rollout.advantages, ranked.rollout.loss_mask,
                                 loss_type="grpo", num_sequences=ranked.rows, entropies=torch.ones(1, 1))
     loss.backward()
     assert loss.item() == 0.0 and logp.grad.abs().sum() == 0 and metrics["entropy"] == 0.0
 
 
 def test_step_counts_are_from_before_the_cut():
-    r = rollout([2, 2, 2, 2], [3, 1, 2, 4])
-    cut = trained_rows(Batch(r, torch.tensor([0.0, 1.0, 0.0, -1.0])), skip_zero_advantage=True, keep_one=False)
-    other = Batch(rollout([2, 2], [5, 5]), torch.ones(2))
-    generation = Generation([cut, other], {}, Scored([], [], torch.zeros(0), torch.zeros(0, 1), torch.zeros(0)))
-    counts = generation.step_counts([cut], lambda values: values)
-    assert counts == {"all": 20, "trained": 5, "micro_batches": 1, "rows": 4, "skipped": 2, "divisor": 10.0}
+    # Two micro-batches of 4 rows: the first with two rows of advantage 0, the second all trained.
+    r = dataclasses.replace(rollout([2] * 6, [3, 1, 2, 4, 5, 5]), advantages=torch.tensor([0.0, 1.0, 0.0, -1.0, 1, 1]))
+    generation = Generation(r, Cut(4, skip_zero_advantage=True, keep_one=False), {},
+                            Scored([], [], torch.zeros(0), torch.zeros(0, 1), torch.zeros(0)))
+    counts = generation.step_counts(generation.micro_batches[:1], lambda values: values)
+    assert counts == StepCounts(tokens=20, trained=5, micro_batches=1, rows=4, skipped=2, divisor=10.0)
 
 
 def test_a_step_with_no_gradient_at_all_steps_as_a_zero_gradient():
