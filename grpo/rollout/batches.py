@@ -106,12 +106,12 @@ class Rollout:
         batches = []
         for start in range(0, N, cut.size):
             part = torch.arange(start, min(start + cut.size, N))  # [S], on the CPU: it indexes either device
-            keep, rows = part[needed[part]], self  # [n]
+            keep, source = part[needed[part]], self  # [n]
             if keep.numel() == 0 and cut.keep_one:
                 keep = part[:1]  # [1]
                 zeros = torch.zeros_like(self.completion_mask)  # [N, C]
-                rows = dataclasses.replace(self, completion_mask=zeros, loss_mask=zeros)
-            batches.append(MicroBatch(rows.select(keep), keep, len(part), int(self.loss_mask[part].sum().item())))
+                source = dataclasses.replace(self, completion_mask=zeros, loss_mask=zeros)
+            batches.append(MicroBatch(source.select(keep), keep, len(part), int(self.loss_mask[part].sum().item())))
         return batches
 
 
