@@ -8,7 +8,7 @@ import warnings
 import torch
 
 from ..policy.folding import sampling_weights
-from ..policy.models import unwrap
+from ..policy.models import eval_mode, unwrap
 from .batches import Rollout
 from .decoding import DecodeSettings, decode
 from .streams import PromptStreams
@@ -101,18 +101,14 @@ def sample_completions(model, tokenizer, encode: PromptEncoder, prompts: list, *
                               top_p=top_p, top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty,
                               stop_at_eos=stop_at_eos, greedy=greedy)
     seeds = None if streams is None else streams.seeds(len(prompts), num_generations, device)  # [N]
-    was_training = model.training
-    model.eval()  # KV cache on, dropout off (gradient checkpointing would disable the cache)
-    try:
-        # Our own loop, not model.generate: a checkpoint's generation-config defaults (a repetition_penalty, say)
-        # never apply, only the knobs the run sets, as in TRL; and it is faster (see decoding.py). Knobs beyond
-        # temperature make sampling off-policy (as in TRL): the loss scores the policy's own distribution.
-        # LoRA folded into copies of its base weights, oneDNN-packed on a CPU, while decoding (policy/folding).
-        with sampling_weights(model) as head_matmul:
-            completion_ids = decode(unwrap(model), prompt_ids, prompt_mask, settings, repeats=num_generations,
-                                    seeds=seeds, on_token=on_token, head_matmul=head_matmul)  # [N, C]
-    finally:
-        model.train(was_training)
+    # Our own loop, not model.generate: a checkpoint's generation-config defaults (a repetition_penalty, say)
+    # never apply, only the knobs the run sets, as in TRL; and it is faster (see decoding.py). Knobs beyond
+    # temperature make sampling off-policy (as in TRL): the loss scores the policy's own distribution.
+    # Eval mode: the KV cache on (gradient checkpointing would disable it), dropout off. LoRA folded into copies
+    # of its base weights, oneDNN-packed on a CPU, while decoding (policy/folding).
+    with eval_mode(model), sampling_weights(model) as head_matmul:
+        completion_ids = decode(unwrap(model), prompt_ids, prompt_mask, settings, repeats=num_generations,
+                                seeds=seeds, on_token=on_token, head_matmul=head_matmul)  # [N, C]
     prompt_ids = prompt_ids.repeat_interleave(num_generations, dim=0)  # [N, P]
     prompt_mask = prompt_mask.repeat_interleave(num_generations, dim=0)  # [N, P]
     completion_mask, truncated = completion_mask_after_eos(completion_ids, eos_ids)
