@@ -15,6 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from tiny_setup import tiny_model, tiny_tokenizer
+from tolerances import adamw_rounding, max_abs_diff
 
 import grpo.rollout.sampling
 from grpo.errors import ConfigError
@@ -27,6 +28,8 @@ TORCHRUN_RUNS = ["fixed_ddp", "fixed_fsdp", "fixed_fsdp_bf16", "fixed_ddp_lora",
 SAME_METRICS = ["loss", "loss/policy", "kl", "grad_norm", "reward/mean", "reward/std", "reward/digit_share_std",
                 "clip_ratio/region_mean", "ratio/mean", "entropy", "frac_reward_zero_std", "completions/mean_length",
                 "completions/max_length", "completions/clipped_ratio", "lr"]
+# BASE's 2 AdamW steps at lr 1e-2 on 16 rows each: see tolerances.adamw_rounding
+WEIGHT_BOUND = adamw_rounding(distributed_worker.BASE["max_steps"], distributed_worker.BASE["learning_rate"])
 
 
 # --- one process: everything passes straight through --------------------------------------------------------
@@ -150,13 +153,19 @@ def completion_rows(run: Path) -> list[tuple]:
 def test_two_ranks_match_one_process(runs, single, parallel):
     one, two = weights(runs / single), weights(runs / parallel)
     assert one.keys() == two.keys()
-    worst = max((one[k] - two[k]).abs().max().item() for k in one)
-    # The shared-prompt forward (on by default) forwards 2 prompts at once in 1 process and 1 per rank: float
-    # rounding, which AdamW magnifies where a gradient nearly cancels (LoRA's first adapter gradients are ~0):
-    # measured 1.4e-6 (LoRA 3.5e-6), and 7e-7 (2e-8) with whole rows. A wrong gradient moves weights by ~lr, 1e-2.
-    assert worst < 5e-6, f"max abs weight difference 1 vs 2 processes: {worst:.3g}"
+    worst = max_abs_diff(one, two)
+    # The same gradients summed in another order (2 prompts forwarded at once in 1 process, 1 per rank, then
+    # all-reduced): float rounding, which AdamW magnifies where a gradient nearly cancels. tolerances.py derives
+    # steps * lr / 100 = 2e-4 (measured: 4.6e-6, 6.4e-6 with generic kernels, LoRA 7.9e-6; 8.1e-6 on a Xeon).
+    # A bug (a row of the step's 16 dropped, one rank's gradient scaled) moves elements by ~lr / 16 = 6e-4 and
+    # more (tried: rank 1's gradient scaled by 1.1, 1.2e-3; by 2, 7.7e-3).
+    assert worst < WEIGHT_BOUND, f"max abs weight difference 1 vs 2 processes: {worst:.3g}"
     m1, m2 = metrics(runs / single), metrics(runs / parallel)
     assert [m["step"] for m in m2] == [1, 2], "rank 0 alone writes metrics"
+    # Means over the step's ~200 tokens (and a norm), float32 summed per rank, then reduced: rounding ~sqrt(n) * u
+    # = 1e-6 of them (n * u = 1.2e-5 the worst case, which random signs never near; measured <= 4.4% of the
+    # bound). They catch what the weights' bound lets through: one rank's gradient scaled by 1.01 moved grad_norm
+    # by 1% (the weights by 1.2e-4).
     for a, b in zip(m1, m2):
         for key in SAME_METRICS:
             assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), (a["step"], key)
@@ -171,11 +180,10 @@ def test_ranks_left_without_rows_to_train_keep_in_step(skipping, parallel):
     # rank's micro-batch with no row to train. The rank keeps one inert row so that DDP's and FSDP's collectives
     # run on every rank, and the run matches 1 process (which does no forward for such a micro-batch).
     one, two = weights(skipping / "fixed_single_skip"), weights(skipping / parallel)
-    worst = max((one[k] - two[k]).abs().max().item() for k in one)
-    # The shared-prompt forward (on by default) forwards 2 prompts at once in 1 process and 1 per rank: float
-    # rounding, which AdamW magnifies where a gradient nearly cancels (LoRA's first adapter gradients are ~0):
-    # measured 1.4e-6 (LoRA 3.5e-6), and 7e-7 (2e-8) with whole rows. A wrong gradient moves weights by ~lr, 1e-2.
-    assert worst < 5e-6, f"max abs weight difference 1 vs 2 processes: {worst:.3g}"
+    worst = max_abs_diff(one, two)
+    # As test_two_ranks_match_one_process: steps * lr / 100 (tolerances.py; measured 7.5e-9, 1.5e-6 with generic
+    # kernels); a rank's inert row that trained, or a collective a rank missed, would move its elements by ~lr.
+    assert worst < WEIGHT_BOUND, f"max abs weight difference 1 vs 2 processes: {worst:.3g}"
     m1, m2 = metrics(skipping / "fixed_single_skip"), metrics(skipping / parallel)
     # Step 1: 3 of its 4 prompts' groups have equal rewards; step 2: all 4, so no token is trained (its update is
     # AdamW's on a zero gradient: momentum goes on) and the per-token metrics are 0.
@@ -183,15 +191,17 @@ def test_ranks_left_without_rows_to_train_keep_in_step(skipping, parallel):
     assert m1[0]["entropy"] > 0 and m1[1]["entropy"] == 0.0
     for a, b in zip(m1, m2):
         assert a.keys() == b.keys()
-        for key in [k for k in SAME_METRICS if k in a] + ["skipped/zero_gradient"]:
+        for key in [k for k in SAME_METRICS if k in a] + ["skipped/zero_gradient"]:  # as above
             assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), (a["step"], key)
 
 
 @pytest.mark.slow
 def test_fsdp_under_the_bf16_plan_keeps_float32_master_weights(runs):
     # bf16 all-gathers and compute (MixedPrecisionPolicy), float32 reduction and shards: the saved weights stay
-    # float32, and two steps move them as the float32 run does up to bf16 rounding of the gradients (measured:
-    # cosine 0.996, 9% relative difference; a dropped or wrongly scaled update would be far off).
+    # float32, and two steps move them as the float32 run does up to bf16 rounding of the gradients: bf16 sums
+    # (u = 2**-8) of ~1000 terms err by ~sqrt(n) * u = 12% per element, which AdamW's per-element scaling passes on
+    # to the updates; 0.25 is 2x that, cosine 0.98 about the same (measured: cosine 0.996, 9% relative
+    # difference; a dropped or wrongly scaled update would be far off).
     initial = tiny_model(tiny_tokenizer()).state_dict()  # the worker's model, rebuilt
     exact, half = weights(runs / "fixed_fsdp"), weights(runs / "fixed_fsdp_bf16")
     assert all(t.dtype == torch.float32 for t in half.values())
@@ -214,7 +224,9 @@ def test_ranks_sample_differently_and_fsdp_samples_as_ddp(runs):
     assert [r["completion"] for r in fsdp] == [r["completion"] for r in ddp]
     one, two = load_file(runs / "sampled_ddp" / "checkpoint-1" / "model.safetensors"), \
         load_file(runs / "sampled_fsdp" / "checkpoint-1" / "model.safetensors")
-    assert max((one[k] - two[k]).abs().max().item() for k in one) < 1e-6
+    # 1 step of the same gradients, reduced by DDP's all-reduce or FSDP's reduce-scatter: rounding within
+    # lr / 100 (tolerances.py); FSDP sampling or stepping other rows would differ by ~lr.
+    assert max_abs_diff(one, two) < adamw_rounding(1, distributed_worker.BASE["learning_rate"])
     # Both evaluated greedily after the step (every rank the whole set), and then saved the checkpoint above.
     evals = [[m for m in metrics(runs / name) if "eval/accuracy" in m] for name in ("sampled_ddp", "sampled_fsdp")]
     assert [m["step"] for m in evals[0]] == [m["step"] for m in evals[1]] == [1]

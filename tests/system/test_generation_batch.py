@@ -6,6 +6,7 @@ import pytest
 import torch
 from distributed_worker import FixedSampler
 from tiny_setup import digit_prompts, digit_share, text_length, tiny_model, tiny_tokenizer
+from tolerances import adamw_rounding
 
 from grpo import Config, Trainer
 from grpo.errors import ConfigError
@@ -39,7 +40,10 @@ def test_a_group_spanning_two_micro_batches_trains_as_one_micro_batch(tmp_path, 
     worst = max((a - b).abs().max().item() for a, b in zip(whole.model.parameters(), split.model.parameters()))
     moved = max((a - b).abs().max().item() for a, b in zip(whole.model.parameters(),
                                                             tiny_model(tokenizer).parameters()))
-    assert worst < 1e-6 and moved > 1e-3, (worst, moved)  # measured: 8e-9 after 2 steps
+    # 2 AdamW steps of the same gradients in other micro-batches: steps * lr / 100 = 2e-4 (tolerances.py;
+    # measured 8e-9 .. 1.2e-7 on 5 CPU variants); a group's advantages taken per micro-batch half, or a row
+    # trained twice, would move the elements it dominates by ~lr. `moved`: the weights did move, by ~lr a step.
+    assert worst < adamw_rounding(2, 1e-2) and moved > 1e-3, (worst, moved)
 
 
 def test_steps_per_generation_feeds_several_optimizer_steps(tmp_path, tokenizer):

@@ -4,6 +4,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from tolerances import adamw_rounding
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
@@ -19,6 +20,9 @@ def test_weights_match_trl_after_two_steps(loss_type, settings):
 
     result = compare(loss_type, steps=2, **settings)
     assert result["max_weight_change"] > 1e-3, "the weights must move for the comparison to mean anything"
-    assert result["max_weight_diff"] < 1e-5, result
+    # 2 AdamW steps at lr 1e-2 of the same gradients computed by two implementations: steps * lr / 100 = 2e-4
+    # (tolerances.py); another normalization or clip of a row of the 16 per step moves elements by ~lr / 16 and more
+    assert result["max_weight_diff"] < adamw_rounding(2, 1e-2), result
     for ours, trl in zip(result["ours"], result["trl"]):
+        # float32 means of <= 128 token terms of size ~1: n * u = 7.6e-6
         assert ours["loss"] == pytest.approx(trl["loss"], abs=1e-5)

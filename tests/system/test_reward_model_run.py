@@ -52,6 +52,7 @@ def test_a_run_with_a_reward_model_and_a_function_logs_the_models_rewards(tmp_pa
     assert "eval/reward/tiny-rm" in history[-1]
     # Each logged completion's reward-model column is the model's score of its prompt + completion.
     expected = direct_scores(reward_model, tokenizer, [r["prompt"] for r in rows], [r["completion"] for r in rows])
+    # float32, a padded batch against each text alone: 1e-5 (test_reward_models.py says why)
     torch.testing.assert_close(torch.tensor([r["reward/tiny-rm"] for r in rows]), torch.tensor(expected),
                                atol=1e-5, rtol=1e-5)
     step_1 = [r["reward/tiny-rm"] for r in rows if r["step"] == 1]

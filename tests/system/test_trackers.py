@@ -65,6 +65,7 @@ def assert_same_points(found: dict, expected: dict) -> None:
     assert sorted(found) == sorted(expected)
     for key, points in expected.items():
         assert [s for s, _ in found[key]] == [s for s, _ in points], key
+        # trackers may keep float32: one rounding, <= 2**-24 = 6e-8 relative (1e-7 absolute near 0)
         assert [v for _, v in found[key]] == pytest.approx([v for _, v in points], rel=1e-6, abs=1e-7), key
 
 

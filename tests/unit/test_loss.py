@@ -91,6 +91,9 @@ def random_inputs(B, T, dtype, seed, empty_row=False):
 HAND = dict(logprobs=torch.tensor([[math.log(1.5), math.log(0.5), 100.0], [math.log(1.1), math.log(0.5), 0.0]]),
             old_logprobs=torch.zeros(2, 3), ref_logprobs=None, advantages=torch.tensor([1.0, -2.0]),
             completion_mask=torch.tensor([[1, 1, 0], [1, 1, 1]]))
+# The hand-computed tests' abs=1e-6: HAND is float32; an exp (1 rounding) and a sum of <= 5 terms whose sizes add
+# to <= 7.5, over 5 tokens, round by <= 2 * 5 * 2**-24 * 7.5 / 5 = 9e-7, the hand values (7 decimals) by 5e-8.
+# A wrong clip, weight or count moves them by >= 1e-2.
 
 
 @pytest.mark.parametrize("loss_type, kwargs, expected", [
@@ -206,6 +209,9 @@ RENAMED = {"eps_high": "epsilon_high", "level": "importance_sampling_level", "bi
 
 
 @pytest.mark.parametrize("loss_type, extra", CASES)
+# Against the float64 loops: float32 sums <= 16 x 33 = 528 terms, each with an exp or log: rounding ~sqrt(n) * u
+# = 1.4e-6 of the terms' size (n * u = 3e-5 the worst case, which random signs never near; measured <= 1.4e-7);
+# float64 1e-10, 10^4 x its 528 * 2**-53 = 6e-14. A wrong clip, count or KL term is off by >= 1e-3.
 @pytest.mark.parametrize("dtype, rtol", [(torch.float64, 1e-10), (torch.float32, 1e-5)])
 @pytest.mark.parametrize("B, T, beta", [(1, 5, 0.0), (4, 9, 0.04), (16, 33, 0.5)])
 def test_matches_float64_reference(loss_type, extra, dtype, rtol, B, T, beta):
@@ -232,6 +238,7 @@ def test_metrics_match_reference():
     low = ((a < 0) & (ratio < 0.8)).double().mean().item()
     high = ((a > 0) & (ratio > 1.2)).double().mean().item()
     assert low > 0 and high > 0, "inputs should exercise both clip regions"
+    # float64 means of <= 96 values both ways: rounding <= 96 * 2**-53 = 1e-14 relative; rel 1e-12
     assert metrics["clip_ratio/low_mean"] == pytest.approx(low, rel=1e-12)
     assert metrics["clip_ratio/high_mean"] == pytest.approx(high, rel=1e-12)
     assert metrics["clip_ratio/region_mean"] == pytest.approx(low + high, rel=1e-12)
@@ -264,6 +271,7 @@ def test_cispo_gradient_is_the_clipped_weight_times_the_advantage():
     loss.backward()
     w = (logp - old).detach().exp().clamp(max=1.1)
     assert (w == 1.1).any() and (w < 1.1).any()
+    # float64, a product of 3 factors each way: a few ulps (2**-53 = 1.1e-16) of values ~0.1; atol for exact zeros
     torch.testing.assert_close(logp.grad, -w * adv[:, None] * mask / mask.sum(), rtol=1e-12, atol=1e-15)
 
 
@@ -285,6 +293,7 @@ def test_on_policy_gradient_by_hand(loss_type, bias_kl):
          "dr_grpo": m / (B * L), "luspo": m / B}[loss_type]
     d = (ref - logp).detach()
     kl_grad = -d if bias_kl else 1 - d.exp()
+    # float64 as above: a few ulps of values ~0.1
     torch.testing.assert_close(logp.grad, (-adv[:, None] + beta * kl_grad) * u, rtol=1e-12, atol=1e-15)
     assert metrics["ratio/mean"] == 1.0 and metrics["clip_ratio/region_mean"] == 0.0
 
@@ -303,6 +312,8 @@ def test_micro_batches_sum_to_the_step_loss_except_bnpo(loss_type):
                          num_micro_batches=2, **kwargs)[0] for s in halves]
     local = [policy_loss(logp[s], old[s], ref[s], adv[s], mask[s], **kwargs)[0] for s in halves]
     assert mask[:3].sum() != mask[3:].sum(), "unequal token counts: bnpo must then differ"
+    # float64 sums of <= 42 terms in two groupings: <= 42 * 2**-53 = 5e-15 relative; rel 1e-12. bnpo's own
+    # normalization differs from the whole batch's by the token counts' ratio, >= 1e-2 here: rel 1e-6 tells them apart
     if loss_type == "bnpo":
         assert sum(parts).item() == pytest.approx((local[0] + local[1]).item() / 2, rel=1e-12)
         assert sum(parts).item() != pytest.approx(full.item(), rel=1e-6)

@@ -41,6 +41,7 @@ def test_off_policy_mask_in_the_loss_hand_computed():
     logp = OFF["logprobs"].clone().requires_grad_()
     args = dict(OFF, logprobs=logp, loss_type="luspo")
     plain, metrics = policy_loss(**args)
+    # float64 against the hand values above, each kept to 7 decimals (within 5e-8; a sum of 5: 3e-7): abs 1e-6
     assert plain.item() == pytest.approx(0.7836314, abs=1e-6) and "off_policy/masked_ratio" not in metrics
     masked, metrics = policy_loss(**args, off_policy_mask_threshold=0.25)
     assert masked.item() == pytest.approx(0.2938871, abs=1e-6)
@@ -65,6 +66,7 @@ def test_off_policy_mask_comes_before_the_kl_term():
     plain, plain_metrics = policy_loss(**args)
     masked, metrics = policy_loss(**args, off_policy_mask_threshold=0.25)
     kl_term = plain.item() - plain_metrics["loss/policy"]
+    # float64: the same KL sum either way, a difference of O(1) values: rounding ~10 * 2**-53 = 1e-15 of it
     assert kl_term > 0 and masked.item() - metrics["loss/policy"] == pytest.approx(kl_term, rel=1e-12)
 
 
@@ -80,6 +82,7 @@ def test_entropy_bonus_hand_computed(loss_type):
                   epsilon_high=5.0 if loss_type == "cispo" else 0.2)
     without, _ = policy_loss(*args, **kwargs)
     loss, metrics = policy_loss(*args, **kwargs, entropy_coef=0.1)
+    # float64 sums of <= 3 terms of size <= 10: rounding <= 1e-14, against exact hand values; abs 1e-12
     assert loss.item() - without.item() == pytest.approx(-0.05, abs=1e-12)
     assert metrics["loss/entropy"] == pytest.approx(-0.05, abs=1e-12)
     assert metrics["loss/policy"] == pytest.approx(without.item(), abs=1e-12)
@@ -125,6 +128,9 @@ def test_entropy_bonus_gradient_through_token_logprobs(loss_type, quantile):
     (policy_only,) = torch.autograd.grad(policy, hidden, retain_graph=True)
     want = torch.autograd.grad(expected, (hidden, weight))
     assert (want[0] - policy_only).abs().max() > 1e-3, "the bonus must change the gradient, or this proves nothing"
+    # float64 both ways, chunked against full logits: sums of <= V + B * T = 44 terms, rounding ~44 * 2**-53 = 5e-15
+    # relative; 1e-12 (gradients: 1e-10, through a softmax's cancellations) leaves 100x, and a term dropped or
+    # weighted wrongly is off by 1e-3 (the bonus's own share, asserted above)
     assert loss.item() == pytest.approx(expected.item(), rel=1e-12)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12)

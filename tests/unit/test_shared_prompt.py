@@ -4,6 +4,7 @@ families, under full fine-tuning, LoRA (adapter on and off), QLoRA, gradient che
 bf16 autocast; models it cannot serve take the whole rows, saying so once."""
 import pytest
 import torch
+from tolerances import f32_sum
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from grpo import Config
@@ -73,7 +74,16 @@ def both_paths(model, rows, seed: int = 2, pack: bool = False):
     return results
 
 
-def assert_same(whole, shared, rtol=1e-5):
+# Whole rows and shared prompt compute the same values, summing in other orders: float32 rounding of at most
+# f32_sum(n) of each tensor's largest entry (tolerances.py), n the terms along a value's path: the whole rows'
+# 6 x 29 tokens, V = 96 logits, and per layer the MLP's 64 + 32, attention's <= 29 keys and o_proj's 32 (2 layers:
+# ~600), so RTOL = 3.6e-5 (measured: <= 6.8e-6 on 5 CPU variants). A bug (a completion seeing another prompt's
+# cache, a position off by one, a row left out of the gradient) changes them by ~1e-2 and more (tried: positions
+# off by one, 8e-3 in llama's log-probs, 14x the bound; a row's gradient dropped fails too).
+RTOL = f32_sum(600)
+
+
+def assert_same(whole, shared, rtol=RTOL):
     (lp, ent, grads), (lp2, ent2, grads2) = whole, shared
     torch.testing.assert_close(lp2, lp, rtol=rtol, atol=rtol * lp.abs().max().item())
     torch.testing.assert_close(ent2, ent, rtol=rtol, atol=rtol * ent.abs().max().item())
@@ -123,7 +133,7 @@ def test_lora_adapter_on_and_off(checkpointing, pack):
         whole = completion_logprobs(reference, torch.cat([rows[0], rows[2]], 1), torch.cat([rows[1], rows[3]], 1),
                                     P, temperature=0.7, chunk_size=7)
         shared = shared_prompt_logprobs(reference, *rows, temperature=0.7, chunk_size=7, pack=pack)
-    torch.testing.assert_close(shared * rows[3], whole * rows[3], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(shared * rows[3], whole * rows[3], rtol=RTOL, atol=RTOL * whole.abs().max().item())
 
 
 @pytest.mark.parametrize("pack", [False, True])
@@ -144,7 +154,8 @@ def test_qlora_with_checkpointing(pack):
         for name, p in model.named_parameters():
             if "lora_B" in name:
                 p.normal_(0, 0.1)
-    assert_same(*both_paths(model, grouped_rows(), pack=pack))
+    # tiny_4bit_model's widths: 174 tokens, V = 200, per layer 256 + 128 + 29 + 128: ~1450 terms (as RTOL's)
+    assert_same(*both_paths(model, grouped_rows(), pack=pack), rtol=f32_sum(1450))
 
 
 @pytest.mark.parametrize("pack", [False, True])
@@ -152,6 +163,8 @@ def test_bf16_autocast_is_close(pack):
     model = prepare_for_training(tiny("llama"), Config(use_lora=False, disable_dropout=True))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         (lp, ent, grads), (lp2, ent2, grads2) = both_paths(model, grouped_rows(), pack=pack)
+    # bf16 matmuls (u = 2**-8) round logits of ~10 by ~10 u = 0.04 on each path: 0.1 nats; a gradient's norm
+    # averages its entries' rounding (a few u each): 5% = 13 u (measured <= 0.7%). A bug is off by O(1).
     assert (lp - lp2).abs().max() < 0.1 and (ent - ent2).abs().max() < 0.1
     for name in grads:
         assert (grads[name] - grads2[name]).norm() <= 0.05 * grads[name].norm() + 1e-6, name
@@ -223,8 +236,9 @@ def test_policy_takes_the_shared_path_and_its_first_step_check_passes(monkeypatc
     assert len(calls) == 1
     off, _ = policy_and_rollout(shared_prompt_forward=False)
     off.check_head_once(rollout, agree=lambda x: x)
-    torch.testing.assert_close(off.logprobs(rollout) * rollout.completion_mask,
-                               policy.logprobs(rollout) * rollout.completion_mask, rtol=1e-5, atol=1e-5)
+    whole = off.logprobs(rollout) * rollout.completion_mask
+    torch.testing.assert_close(whole, policy.logprobs(rollout) * rollout.completion_mask, rtol=RTOL,
+                               atol=RTOL * whole.abs().max().item())  # as assert_same
     assert len(calls) == 2
 
 
