@@ -218,11 +218,11 @@ def step(tiny: bool = False, root: str = "") -> dict:
         return run
 
     policy = trainer.policy
-    trainer.sampler = timed("generate", trainer.sampler, after=lambda: generation_peak.append(peak_gb()))
+    trainer.source.sampler = timed("generate", trainer.source.sampler, after=lambda: generation_peak.append(peak_gb()))
     policy.reference_logprobs = timed("reference log-probs", policy.reference_logprobs)
     policy.logprobs = timed("log-probs", policy.logprobs)
     policy.parallel.backward = timed("backward", policy.parallel.backward)
-    trainer.apply_update = timed("optimizer", trainer.apply_update)
+    trainer.updates.apply = timed("optimizer", trainer.updates.apply)
     trainer.save = lambda: None
     fresh_memory()
     (line,) = trainer.train()

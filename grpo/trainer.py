@@ -2,40 +2,37 @@
 stage implemented in the module named beside it; this file only orchestrates."""
 from __future__ import annotations
 
-import sys
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
 from .algo.advantages import group_advantages
 from .algo.loss import add_metrics, no_token_metrics, policy_loss, zero_advantage_has_no_gradient
-from .errors import ConfigError, nonfinite_stop
+from .errors import ConfigError
 from .memory.fit import eval_batch_size, sampling_prompts_per_decode
 from .policy.forwards import Policy
-from .policy.models import check_load_options, device_of, load_model, prepare_for_training
-from .policy.optim import build_optimizer, build_scheduler, optimizer_step, warmup_of
-from .policy.parallel import check_settings as check_parallel_settings
+from .policy.models import device_of, load_model, prepare_for_training
+from .policy.optim import Updates
 from .policy.precision import Precision
-from .rollout.batches import Cut, Generation, MicroBatch, Rollout, Scored, generation_metrics, with_advantages
+from .rollout.batches import Cut, Generation, MicroBatch, generation_metrics, with_advantages
 from .rollout.custom import CustomRollouts
 from .rollout.dynamic import DynamicSampling
-from .rollout.evaluate import check_eval_setup, eval_options, evaluate
-from .infra.progress import TokenProgress, progress_bar
-from .rollout.prompts import PromptStream, check_dataset, per_completion
+from .rollout.evaluate import eval_options, evaluate
+from .infra.progress import progress_bar
+from .rollout.prompts import PromptStream
 from .rollout.reward_models import place_reward_models, reward_callables
-from .rollout.rewards import (NoSignalWatch, RewardContext, TrainerState, check_reward_weights, compute_rewards,
-                              reward_func_names)
+from .rollout.rewards import NoSignalWatch, RewardContext, TrainerState, reward_func_names
 from .rollout.sampling import Sampler
-from .rollout.streams import PromptStreams
+from .rollout.source import RolloutSource
 from .run import checkpoint, lock
 from .infra.allocator import decoding_allocations, return_freed_memory
 from .infra.distributed import setup as setup_distributed
 from .infra.interrupts import StopSignals
 from .run.logs import log_completions, log_eval, log_metrics, peak_memory_gb
 from .run.session import Progress, Session, SessionSettings
+from .run.startup import check_before_loading
 from .run.trackers import Trackers
 from .settings import Config
 from .settings.plan import RunPlan
@@ -44,13 +41,9 @@ from .trl_call import default_tokenizer, trl_call
 
 class Trainer:
     """GRPO on `model` (or `config.model`), rewarded by `reward_funcs`, over `train_dataset` prompts. TRL's
-    GRPOTrainer call works as well: `args=` is `config`, `processing_class=` is `tokenizer`, and `model` may
-    be a hub id or folder (then it is `config.model`); a model object comes with its tokenizer, or one is
-    loaded from the folder or hub id its config names, as TRL does. `sampler` replaces our decoder: like
-    rollout/sampling.Sampler, `sampler(prompts, on_token, streams) -> (rollout, fields)` samples num_generations
-    completions of each of this rank's prompts, as one Rollout of whole groups in order on the policy's device, with
-    the extra reward columns it makes (one value per completion; `{}`); it may call `on_token(n)` as tokens come
-    and draw each prompt's random numbers from `streams` (rollout/streams.PromptStreams)."""
+    GRPOTrainer call works as well (trl_call.py): `args=` is `config`, `processing_class=` is `tokenizer`, and
+    `model` may be a hub id or folder. `sampler` replaces our decoder, with rollout/sampling.Sampler's contract:
+    `sampler(prompts, on_token, streams) -> (rollout, fields)`."""
 
     def __init__(self, config: Config | None = None, model=None, tokenizer=None, reward_funcs=(),
                  train_dataset=None, eval_dataset=None, rollout_func=None, reward_processing_classes=None, *,
@@ -63,18 +56,12 @@ class Trainer:
         # (reward models included) loads, which also checks a Config changed after it was made.
         self.plan = RunPlan.resolve(config, self.dist.world_size)                             # settings/plan
         self.schedule = self.plan.schedule
-        check_dataset(train_dataset)
-        self.config = config
+        self.config, self.eval_dataset = config, eval_dataset
         self.reward_funcs = reward_callables(reward_funcs, reward_processing_classes, config.chat_template_kwargs)
         self.reward_names = reward_func_names(self.reward_funcs)
-        check_reward_weights(config.reward_weights, self.reward_names)
-        self.eval_dataset = eval_dataset
-        check_eval_setup(config, eval_dataset, self.reward_funcs)
-        check_load_options(config, model_given=model is not None)
-        checkpoint.check_output_dir(config.output_dir)
-        lock.check_free(config.output_dir, self.dist)  # before loading anything; taken when training starts
+        check_before_loading(config, self.dist, train_dataset, eval_dataset, self.reward_funcs,     # run/startup
+                             model_given=model is not None)
         self.trackers = Trackers(config, self.dist.is_main)  # report_to: a missing package fails here, early
-        check_parallel_settings(self.dist.world_size, config.fsdp, config.optim, config.use_lora)
         torch.manual_seed(config.seed + self.dist.rank)  # dropout differs by rank; sampling: rollout/streams
         self.tokenizer = tokenizer if tokenizer is not None else default_tokenizer(config, model)
         self.precision = Precision.plan(config.bf16, config.use_lora, device_of(model) if model is not None else None,
@@ -91,24 +78,24 @@ class Trainer:
                 if rollout_func is None else CustomRollouts(rollout_func, self)
         self.sampler = sampler
         self.prompts = PromptStream(train_dataset, config.seed)
+        self.source = RolloutSource(sampler, self.prompts, self.reward_funcs, config.reward_weights, dist=self.dist,
+                                    seed=config.seed, num_generations=config.num_generations,
+                                    release_memory=self.threshold_set)                       # rollout/source
         self.total_steps = self.schedule.total_steps(len(train_dataset), config.num_train_epochs, config.max_steps)
-        self.skip_zero_advantage = zero_advantage_has_no_gradient(config.beta, config.top_entropy_quantile,
-                                                                  config.entropy_coef)
-        self.optimizer = build_optimizer(self.model.parameters(), config.optim, config.learning_rate,
-                                         (config.adam_beta1, config.adam_beta2), config.weight_decay)
-        self.warmup_steps = warmup_of(self.total_steps, config.warmup_ratio, config.warmup_steps)
-        self.scheduler = build_scheduler(self.optimizer, self.total_steps, self.warmup_steps,
-                                         config.lr_scheduler_type)
+        self.updates = Updates(self.model.parameters(), self.plan.optim, self.total_steps)  # policy/optim
+        self.optimizer, self.scheduler = self.updates.optimizer, self.updates.scheduler  # transformers' names
         self.refill = DynamicSampling(config.num_generations, config.dynamic_sampling_max_rounds, self.dist,
                                       self.tokenizer.pad_token_id) if config.dynamic_sampling else None
+        # Rows whose advantage is exactly 0 are left out of the forward when their gradient is 0 (algo/loss).
+        self.cut = Cut(self.schedule.micro_batch, keep_one=self.dist.world_size > 1, skip_zero_advantage=
+                       zero_advantage_has_no_gradient(config.beta, config.top_entropy_quantile, config.entropy_coef))
         self.step = 0
         self.output_dir = Path(config.output_dir)
         self.generation: Generation | None = None
-        self.nonfinite_streak = self.nonfinite_total = 0  # optimizer steps skipped for a NaN/inf loss or grad
         self.no_signal = NoSignalWatch(patience=3)  # steps in a row where every group's rewards were equal
         self.session = Session(self.output_dir, self.dist, self.policy.parallel, self.policy.device, self.model,
                                self.tokenizer, self.optimizer, self.scheduler, self.prompts, self.schedule,
-                               SessionSettings.of(config, self.total_steps, self.warmup_steps))
+                               SessionSettings.of(config, self.total_steps, self.updates.warmup_steps))
 
     # --- TRL's names for what a caller reads ---
     @property
@@ -146,6 +133,7 @@ class Trainer:
             history.append(self.evaluate())
         bar = progress_bar("grpo", total=self.total_steps, initial=self.step, unit="step",
                            enabled=self.dist.is_main)
+        cadence = self.plan.cadence  # settings/plan
         with StopSignals() as signals, bar, self.trackers:
             while self.step < self.total_steps:
                 t0 = time.perf_counter()
@@ -155,15 +143,12 @@ class Trainer:
                 bar.update(1)
                 reward = f"{metrics['reward/mean']:.3f}" if "reward/mean" in metrics else "none scored"
                 bar.set_postfix(reward=reward, kl=f"{metrics['kl']:.4f}")
-                if self.step % self.config.logging_steps == 0 or self.step == self.total_steps:
+                if cadence.logs(self.step, self.total_steps):
                     history.append(self.log(metrics))
-                if self.nonfinite_streak >= self.config.max_nonfinite_steps:
-                    raise nonfinite_stop(self.step, self.nonfinite_streak, self.config.max_nonfinite_steps,
-                                         self.last_checkpoint)
-                if self.config.eval_steps > 0 and (self.step % self.config.eval_steps == 0
-                                                   or self.step == self.total_steps):
+                self.updates.check(self.step, self.last_checkpoint)  # too many NaN/inf steps in a row
+                if cadence.evaluates(self.step, self.total_steps):
                     history.append(self.evaluate())
-                if self.step % self.config.save_steps == 0 and self.step < self.total_steps:
+                if cadence.saves(self.step, self.total_steps):
                     self.save()
                 received = self.dist.agree_on_signal(signals.received)  # every rank stops at the same step
                 if received is not None:
@@ -183,7 +168,7 @@ class Trainer:
         except Exception:
             self.generation = start.generation
             raise
-        metrics = {**self.generation.metrics, **self.apply_update(totals)}
+        metrics = {**self.generation.metrics, **totals, **self.updates.apply(totals["loss"], self.step)}
         self.step += 1
         return metrics
 
@@ -192,18 +177,16 @@ class Trainer:
         """Sample a generation batch, score it, give it advantages and cut it into micro-batches, with the
         log-probs fixed for the whole of it."""
         context = RewardContext(self.step, self.total_steps)  # TRL's trainer_state, log_metric, log_extra
-        rollout, scored, seconds = self.sample(self.schedule.prompts_per_generation, context)
+        rollout, scored, seconds = self.source.draw(self.schedule.prompts_per_generation, self.step, context)
         first = torch.arange(min(self.schedule.micro_batch, len(rollout.completions)))  # a micro-batch's rows
         self.policy.check_head_once(rollout.select(first),  # first step: vs the model's own forward, ranks agreeing
                                     agree=lambda value: self.dist.reduce({"value": value}, "max")["value"])
         refilled = {}
         if self.refill is not None:  # DAPO: only groups with signal, while rounds are left        rollout/dynamic
-            rollout, scored, refilled, more_seconds = self.refill(rollout, scored, context,
-                                                                  lambda n: self.sample(n, context))
-            seconds += more_seconds
+            rollout, scored, refilled, seconds = self.refill(rollout, scored, context, seconds,
+                                                             lambda n: self.source.draw(n, self.step, context))
         generate_s = self.dist.reduce({"s": seconds}, "max")["s"]  # the slowest rank's
-        # Every rank's rewards [W*N] and per function [W*N, F], rank-major: advantages may span ranks (scale).
-        scored = replace(scored, rewards=self.dist.gather(scored.rewards), per_func=self.dist.gather(scored.per_func))
+        scored = scored.gathered(self.dist)  # every rank's rewards: advantages may span ranks  rollout/batches
         scored.advantages = group_advantages(scored.rewards, self.config.num_generations,  # algo/advantages
                                              scale=self.config.scale_rewards, scored=scored.applied)
         batch = with_advantages(rollout, self.dist.local(scored.advantages),                 # rollout/batches
@@ -211,40 +194,10 @@ class Trainer:
         metrics = {**generation_metrics(batch, scored, context, generate_s, self.reward_names,  # rollout/batches
                                         self.config.num_generations, self.dist), **refilled}
         self.no_signal.update(metrics["frac_reward_zero_std"], show=self.dist.is_main)  # says once what fixes it
-        cut = Cut(self.schedule.micro_batch, self.skip_zero_advantage, keep_one=self.dist.world_size > 1)
-        generation = Generation(batch, cut, metrics, scored)  # cut into micro-batches          rollout/batches
-        generation.fix_logprobs(self.fixed_logprobs)
+        generation = Generation(batch, self.cut, metrics, scored)  # cut into micro-batches          rollout/batches
+        generation.fix_logprobs(lambda micro: self.policy.fixed_logprobs(                       # policy/forwards
+            micro, old=self.plan.keeps_old_logprobs, reference=self.plan.has_reference))
         return generation
-
-    def sample(self, num_prompts: int, context: RewardContext) -> tuple[Rollout, Scored, float]:
-        """`num_prompts` new prompts over all ranks, this rank's share sampled and scored: its rollout (the
-        sampler's, whole), its scores (this rank's rows: rewards [N], per_func [N, F]), and the seconds sampling
-        took."""
-        t0 = time.perf_counter()
-        # Every rank draws the same global prompts and keeps its own share of whole prompts.
-        streams = PromptStreams(self.config.seed, self.step, self.prompts.drawn).after(  # what each prompt draws
-            self.dist.rank * (num_prompts // self.dist.world_size))                      # rollout/streams
-        rows = self.dist.shard(self.prompts.next(num_prompts))                            # rollout/prompts
-        with TokenProgress(f"sampling step {self.step + 1}", enabled=self.dist.is_main) as on_token:
-            with decoding_allocations(self.threshold_set):                               # infra/allocator
-                rollout, fields = self.sampler(rows["prompt"], on_token, streams)        # rollout/sampling
-        seconds = time.perf_counter() - t0
-        columns = {**per_completion(rows, self.config.num_generations), **fields}  # a rollout_func's fields win
-        prompts = columns.pop("prompt")
-        rewards, per_func = compute_rewards(self.reward_funcs, prompts, rollout.completions, columns,  # rollout/rewards
-                                            self.config.reward_weights, context=context,
-                                            completion_ids=rollout.completion_id_lists)
-        return rollout, Scored(prompts, rollout.completions, rewards, per_func, extras=context.extras), seconds
-
-    def fixed_logprobs(self, micro_batch: Rollout) -> dict[str, torch.Tensor]:
-        """A micro-batch's log-probs [n, c] fixed for the whole generation batch: the old policy's when later steps are
-        off-policy, the reference's when there is one."""
-        fixed = {}
-        if self.plan.keeps_old_logprobs:
-            fixed["old_logprobs"] = self.policy.logprobs(micro_batch)                      # policy/forwards
-        if self.plan.has_reference:
-            fixed["ref_logprobs"] = self.policy.reference_logprobs(micro_batch)            # policy/forwards
-        return fixed
 
     def accumulate(self, micro_batches: list[MicroBatch]) -> dict:
         """Back-propagate the loss of every micro-batch, each normalized as `loss_type` says with the step's
@@ -270,20 +223,6 @@ class Trainer:
         totals = {**no_token_metrics(**self.plan.loss), **self.dist.reduce(totals)}  # algo/loss
         return {**totals, "skipped/zero_gradient": counts.skipped / counts.rows}
 
-    def apply_update(self, totals: dict) -> dict:
-        """Clip and apply the accumulated gradients; a NaN/inf loss or gradient norm skips the update
-        (the weights stay finite) and counts towards `max_nonfinite_steps`."""
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        metrics, applied = optimizer_step(params, self.optimizer, self.scheduler, self.config.max_grad_norm,
-                                          totals["loss"])                                     # policy/optim
-        self.nonfinite_streak, self.nonfinite_total = (0, self.nonfinite_total) if applied else (
-            self.nonfinite_streak + 1, self.nonfinite_total + 1)
-        if not applied:
-            tqdm.write(f"step {self.step + 1}: loss {totals['loss']}, grad norm {metrics['grad_norm']}: update skipped "
-                       f"({self.nonfinite_streak} in a row; stopping at {self.config.max_nonfinite_steps})",
-                       file=sys.stderr)
-        return {**totals, **metrics, "skipped/nonfinite": float(self.nonfinite_total)}
-
     def evaluate(self) -> dict:
         """Greedy pass@1 on the eval dataset, logged as its own metrics.jsonl line (`eval/*` keys). Under
         torchrun every rank evaluates the whole set (FSDP ranks must generate together) and rank 0 writes."""
@@ -305,7 +244,7 @@ class Trainer:
 
     # --- checkpoints: what they hold, writing and finding them (run/session.py, run/checkpoint.py) ---
     def progress(self) -> Progress:
-        return Progress(self.step, self.generation, (self.nonfinite_streak, self.nonfinite_total))
+        return Progress(self.step, self.generation, self.updates.nonfinite)
 
     @property
     def last_checkpoint(self) -> Path | None:
@@ -321,5 +260,4 @@ class Trainer:
         """Continue from `spec`, a checkpoint folder or "latest" (run/session.Session.resume)."""
         resumed = self.session.resume(spec)
         if resumed is not None:
-            self.step, self.generation = resumed.step, resumed.generation
-            self.nonfinite_streak, self.nonfinite_total = resumed.nonfinite
+            self.step, self.generation, self.updates.nonfinite = resumed.step, resumed.generation, resumed.nonfinite

@@ -50,6 +50,12 @@ class Policy:
 
         return self.parallel(forward)
 
+    def fixed_logprobs(self, rollout, *, old: bool, reference: bool) -> dict[str, torch.Tensor]:
+        """A micro-batch's log-probs [n, c] fixed for the whole generation batch: the old policy's (`old`: when
+        later steps train on it off-policy), the reference's (`reference`: when the loss has a KL penalty)."""
+        fixed = {"old_logprobs": self.logprobs(rollout)} if old else {}
+        return {**fixed, "ref_logprobs": self.reference_logprobs(rollout)} if reference else fixed
+
     def check_head_once(self, rollout, agree) -> None:
         """On the first call only: log-probs and sampling logits of two of the rollout's rows against the model's
         own forward (models.check_logprobs_match_forward); a family whose logits we get wrong stops the run.

@@ -3,9 +3,12 @@ from __future__ import annotations
 
 import math
 
-import torch
+import sys
 
-from ..errors import ConfigError
+import torch
+from tqdm.auto import tqdm
+
+from ..errors import ConfigError, nonfinite_stop
 from ..settings.choices import OPTIMIZERS, SCHEDULES
 from .rounding import StochasticRoundingAdamW, stochastic_round_to_bf16
 
@@ -147,3 +150,33 @@ def optimizer_step(params, optimizer, scheduler, max_grad_norm: float, loss: flo
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     return metrics, applied
+
+
+class Updates:
+    """The optimizer over `params`' trainable tensors and its learning-rate schedule over `total_steps`, as `s`
+    (settings/plan.OptimSettings) says, applying the accumulated gradients once per step. A NaN/inf loss or
+    gradient norm skips the update (the weights stay finite); `nonfinite` counts the skipped steps (in a row, in
+    all), which a checkpoint keeps, and `must_stop` says when the run has skipped `max_nonfinite_steps` in a row."""
+
+    def __init__(self, params, s, total_steps: int):
+        self.params = [p for p in params if p.requires_grad]
+        self.optimizer = build_optimizer(self.params, s.name, s.learning_rate, s.betas, s.weight_decay)
+        self.warmup_steps = warmup_of(total_steps, s.warmup_ratio, s.warmup_steps)
+        self.scheduler = build_scheduler(self.optimizer, total_steps, self.warmup_steps, s.lr_scheduler_type)
+        self.max_grad_norm, self.max_nonfinite_steps = s.max_grad_norm, s.max_nonfinite_steps
+        self.nonfinite = (0, 0)
+
+    def apply(self, loss: float, step: int) -> dict:
+        """Step `step`'s update (optimizer_step); returns its metrics."""
+        metrics, applied = optimizer_step(self.params, self.optimizer, self.scheduler, self.max_grad_norm, loss)
+        streak, total = self.nonfinite
+        self.nonfinite = (0, total) if applied else (streak + 1, total + 1)
+        if not applied:
+            tqdm.write(f"step {step + 1}: loss {loss}, grad norm {metrics['grad_norm']}: update skipped "
+                       f"({self.nonfinite[0]} in a row; stopping at {self.max_nonfinite_steps})", file=sys.stderr)
+        return {**metrics, "skipped/nonfinite": float(self.nonfinite[1])}
+
+    def check(self, step: int, newest_checkpoint) -> None:
+        """TrainingStopped once `max_nonfinite_steps` updates in a row were skipped, at optimizer step `step`."""
+        if self.nonfinite[0] >= self.max_nonfinite_steps:
+            raise nonfinite_stop(step, self.nonfinite[0], self.max_nonfinite_steps, newest_checkpoint)

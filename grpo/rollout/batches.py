@@ -53,6 +53,10 @@ class Rollout:
         """Each completion's token ids up to and including EOS (reward functions' `completion_ids`)."""
         return [row[mask.bool()].tolist() for row, mask in zip(self.completion_ids, self.completion_mask)]
 
+    def to(self, device: torch.device) -> Rollout:
+        return Rollout(**{f.name: v.to(device) if isinstance(v := getattr(self, f.name), torch.Tensor) else v
+                          for f in dataclasses.fields(self)})
+
     @classmethod
     def cat(cls, parts: list[Rollout], pad_id: int) -> Rollout:
         """The rows of `parts` in order as one rollout, prompts left-padded and completions right-padded to the
@@ -175,6 +179,10 @@ class Scored:
     advantages: torch.Tensor | None = None  # [W*N], once computed from the rewards
     extras: dict = dataclasses.field(default_factory=dict)  # this rank's reward functions' log_extra columns
 
+    def gathered(self, dist) -> Scored:
+        """With every rank's rewards [W*N] and per function [W*N, F], rank-major (`dist`: infra/distributed's)."""
+        return dataclasses.replace(self, rewards=dist.gather(self.rewards), per_func=dist.gather(self.per_func))
+
     @property
     def applied(self) -> torch.Tensor:
         """[W*N] False where every reward function returned None: such a completion has no score."""
@@ -220,8 +228,8 @@ class Generation:
     @classmethod
     def from_state_dict(cls, saved: dict, device: torch.device) -> Generation:
         """The inverse of `state_dict`, the batch's tensors moved (back) to `device` and cut again."""
-        batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in saved["batch"].items()}
-        return cls(Rollout(**batch), Cut(**saved["cut"]), saved["metrics"], Scored(**saved["scored"]))
+        batch = Rollout(**saved["batch"]).to(device)
+        return cls(batch, Cut(**saved["cut"]), saved["metrics"], Scored(**saved["scored"]))
 
 
 def with_advantages(rollout: Rollout, advantages: torch.Tensor, mask_truncated: bool) -> Rollout:

@@ -13,7 +13,7 @@ import torch
 from ..errors import UserError
 from .batches import Rollout
 from .rewards import REWARD_ARGUMENTS
-from .sampling import completion_mask_after_eos, eos_token_ids, is_chat, left_pad
+from .sampling import eos_token_ids, is_chat, left_pad, rollout_of_tokens
 
 REQUIRED = ("prompt_ids", "completion_ids")
 USED = (*REQUIRED, "logprobs")  # TRL's own keys; every other one is a field for the reward functions
@@ -88,12 +88,6 @@ class CustomRollouts:
         given = torch.zeros_like(completion_ids)  # [N, C] 1 where the function returned a token
         for i, r in enumerate(completion_rows):
             completion_ids[i, :len(r)], given[i, :len(r)] = torch.tensor(r, dtype=torch.long), 1
-        # As for our own samples: up to and including the first EOS, and "truncated" when there is none.
-        after_eos, truncated = completion_mask_after_eos(completion_ids.masked_fill(given == 0, -1), self.eos_ids)
-        completion_mask = after_eos * given  # [N, C]
-        completion_ids = completion_ids.masked_fill(completion_mask == 0, pad)
-        texts = self.tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-        completions = [[{"role": "assistant", "content": t}] for t in texts] if is_chat(prompts[0]) else texts
-        to = self.device  # every tensor on the policy's device, as our own sampler returns them
-        return Rollout(prompt_ids.to(to), prompt_mask.to(to), completion_ids.to(to), completion_mask.to(to),
-                       completions, truncated.to(to))
+        rollout = rollout_of_tokens(prompt_ids, prompt_mask, completion_ids, self.tokenizer, self.eos_ids,
+                                    chat=is_chat(prompts[0]), given=given)  # as our own samples are made
+        return rollout.to(self.device)  # on the policy's device, as our own sampler returns them

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -156,9 +157,63 @@ def prefill(forward, cache, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
     return hidden, full_mask, position_ids, seen
 
 
+class ToolDecode(NamedTuple):
+    """What a decode with tools returns: the completions [N, C], which of their tokens the tools wrote [N, C]
+    (1: tool output and the turn headers around it, never the model's) and each row's length [N]."""
+
+    completion_ids: torch.Tensor
+    tool_mask: torch.Tensor
+    lengths: torch.Tensor
+
+
+class ForcedTokens:
+    """Tokens queued for some rows of a decode (a tool's output), fed one per step in place of a sampled one: the
+    row reads them into its own KV cache positions while the other rows decode on, so no conversation is read
+    twice. `tools.after_tokens` (rollout/tool_loop.ToolLoop) sees every token a row samples and says what to
+    queue, or that a row ends."""
+
+    def __init__(self, tools, N: int, C: int, device: torch.device):
+        self.tools, self.queued = tools, {}  # original row -> its tokens still to feed
+        self.mask = torch.zeros(N, C, dtype=torch.long, device=device)  # [N, C]
+        self.lengths = torch.full((N,), C, dtype=torch.long, device=device)  # [N]
+
+    def apply(self, token: torch.Tensor, rows: torch.Tensor, step: int) -> torch.Tensor:
+        """This step's tokens [n] of batch rows `rows` [n] (original indices) with queued ones in place of
+        sampled ones; [n] bool: which were queued."""
+        forced = torch.zeros_like(token, dtype=torch.bool)  # [n]
+        if self.queued:
+            where = {r: i for i, r in enumerate(rows.tolist())}
+            for r in list(self.queued):
+                token[where[r]], forced[where[r]] = self.queued[r].pop(0), True
+                if not self.queued[r]:
+                    del self.queued[r]
+            self.mask[rows[forced], step] = 1
+        return forced
+
+    def react(self, token: torch.Tensor, rows: torch.Tensor, forced: torch.Tensor, was: torch.Tensor,
+              finished: torch.Tensor, room: int) -> None:
+        """Show the tools the tokens [n] that batch rows `rows` [n] sampled this step (`forced` [n]: not sampled;
+        `was` [n]: finished before it); `finished` [n] is updated in place: a row whose tool ran gets its output
+        queued and goes on past its EOS, a row the tools end finishes."""
+        own = (~forced & ~was).nonzero().squeeze(1)  # [k]: positions that sampled a token of their own
+        if own.numel() == 0:
+            return
+        reaction = self.tools.after_tokens(rows[own].tolist(), token[own].tolist(), [room] * own.numel())
+        for position, r in zip(own.tolist(), rows[own].tolist()):
+            if r in reaction:
+                if reaction[r]:
+                    self.queued[r] = list(reaction[r])
+                finished[position] = reaction[r] is None
+
+    def ended(self, newly: torch.Tensor, rows: torch.Tensor, step: int) -> None:
+        """Rows `newly` [n] (bool) finished at `step`: their length is step + 1."""
+        self.lengths[rows[newly]] = step + 1
+
+
 @torch.no_grad()
 def decode(hf_model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, settings: DecodeSettings, *,
-           repeats: int = 1, seeds: torch.Tensor | None = None, on_token=None, head_matmul=None) -> torch.Tensor:
+           repeats: int = 1, seeds: torch.Tensor | None = None, on_token=None, head_matmul=None,
+           tools=None) -> torch.Tensor | ToolDecode:
     """Completion ids [N, C] sampled after left-padded prompts [B, P] as `settings` say, each prompt `repeats`
     times in a row (N = B * repeats), by a transformers causal LM (adapters, if any, injected in place); the
     prompts are read by `prefill`. `seeds` [N] (int64): where each row's random stream starts
@@ -167,7 +222,9 @@ def decode(hf_model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, settin
     progress bars. Finished rows leave the batch and the cache as they accumulate (rollout/compaction): the n
     rows left decode on. The KV cache and the attention mask are allocated once for P + max_new_tokens
     positions and written in place (rollout/kv_cache). `head_matmul`, if given, is the LM head's product on a
-    packed copy of its weight (policy/folding)."""
+    packed copy of its weight (policy/folding). `tools` (rollout/tool_loop.ToolLoop), if given, watches what each
+    row writes and appends its tools' output (`ForcedTokens`); then a `ToolDecode` is returned, and a row ends at
+    an EOS that closes no tool call or where the tools end it."""
     s, N, device = settings, len(prompt_ids) * repeats, prompt_ids.device
     if s.max_new_tokens == 0:
         return prompt_ids.new_empty(N, 0)
@@ -190,6 +247,7 @@ def decode(hf_model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, settin
         seeds = torch.randint(-2 ** 63, 2 ** 63 - 1, (N,), device=device)  # [N]
     batch = DecodingRows(N, device, compacts=not stateful, seeds=None if s.greedy else seeds)  # rows decoding
     eos = torch.tensor(list(s.eos_ids), device=device)
+    turns = None if tools is None else ForcedTokens(tools, N, s.max_new_tokens, device)
     tokens = []
     for step in range(s.max_new_tokens):
         logits = logits_of(hidden)  # [n, V]
@@ -202,19 +260,31 @@ def decode(hf_model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, settin
         else:
             token = sample_from_logits(filter_logits(logits, s.temperature, s.top_k, s.top_p, s.min_p),
                                        u=batch.uniforms(step))  # [n]
+        forced = None if turns is None else turns.apply(token, batch.rows, step)  # [n] a tool's tokens
         if seen is not None:  # before padding: a finished row's mark does not matter, and pad may be past V
             seen.scatter_(1, token[:, None], True)
         token = token.masked_fill(batch.finished, s.pad_id)
         tokens.append(batch.scatter(token, s.pad_id))  # [N]
         if on_token is not None:
             on_token(int((~batch.finished).sum()))
+        if turns is not None:  # a sampled EOS ends a row unless it closed a tool call; the tools may end one
+            was = batch.finished.clone()  # [n]
+            if s.stop_at_eos:
+                batch.finished |= torch.isin(token, eos) & ~forced
+            turns.react(token, batch.rows, forced, was, batch.finished, s.max_new_tokens - step - 1)
+            turns.ended(batch.finished & ~was, batch.rows, step)
         if step + 1 == s.max_new_tokens:
             break
         if s.stop_at_eos:
-            batch.finished |= torch.isin(token, eos)
+            if turns is None:
+                batch.finished |= torch.isin(token, eos)
             if batch.finished.all():
                 break
             token, full_mask, position_ids, seen = batch.compact(cache, token, full_mask, position_ids, seen)
         position_ids = position_ids + 1  # [n, 1]
         hidden = forward(token[:, None], full_mask[:, :P + step + 1], position_ids)[:, -1]  # [n, H]; mask a view
-    return torch.stack(tokens, dim=1)  # [N, C]
+    completion_ids = torch.stack(tokens, dim=1)  # [N, C]
+    if turns is None:
+        return completion_ids
+    C = completion_ids.shape[1]
+    return ToolDecode(completion_ids, turns.mask[:, :C], turns.lengths.clamp(max=C))

@@ -28,15 +28,15 @@ class DynamicSampling:
     def __init__(self, num_generations: int, max_rounds: int, dist, pad_id: int):
         self.G, self.max_rounds, self.dist, self.pad_id = num_generations, max_rounds, dist, pad_id
 
-    def __call__(self, rollout: Rollout, scored: Scored, context: RewardContext,
+    def __call__(self, rollout: Rollout, scored: Scored, context: RewardContext, seconds: float,
                  sample: Callable[[int], tuple[Rollout, Scored, float]]) -> tuple[Rollout, Scored, dict, float]:
         """Keep the groups with signal of `rollout` and `scored` (this rank's), calling `sample(prompts over all
         ranks)` for as many prompts per rank as the rank shortest of groups lacks, while one lacks any and rounds
         are left; a rank still short tops up with groups it dropped (they train nothing). Returns the kept
-        rows and scores, the `dynamic_sampling/*` metrics and the seconds the rounds took."""
+        rows and scores, the `dynamic_sampling/*` metrics and `seconds` plus those the rounds took."""
         G = self.G
         need = len(scored.completions) // G  # this rank's groups in a generation batch
-        parts, seconds, rounds = [(rollout, scored)], 0.0, 0
+        parts, rounds = [(rollout, scored)], 0
         signal = has_signal(scored.rewards, G, scored.applied)  # [n] per group sampled so far
         while rounds < self.max_rounds:
             missing = int(self.dist.reduce({"value": float(max(0, need - int(signal.sum())))}, "max")["value"])

@@ -111,25 +111,36 @@ def sample_completions(model, tokenizer, encode: PromptEncoder, prompts: list, *
                                 seeds=seeds, on_token=on_token, head_matmul=head_matmul)  # [N, C]
     prompt_ids = prompt_ids.repeat_interleave(num_generations, dim=0)  # [N, P]
     prompt_mask = prompt_mask.repeat_interleave(num_generations, dim=0)  # [N, P]
-    completion_mask, truncated = completion_mask_after_eos(completion_ids, eos_ids)
-    completion_ids = completion_ids.masked_fill(completion_mask == 0, tokenizer.pad_token_id)
+    return rollout_of_tokens(prompt_ids, prompt_mask, completion_ids, tokenizer, eos_ids, chat=is_chat(prompts[0]))
+
+
+def rollout_of_tokens(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor, tokenizer,
+                      eos_ids: list[int], *, chat: bool, given: torch.Tensor | None = None) -> Rollout:
+    """The Rollout of completions [N, C] after their prompts [N, P], however they were made (our decoder, a
+    rollout_func): each completion runs up to and including its first EOS ("truncated" without one), the ids
+    after it padded; `given` [N, C]: 1 where a token was made (None: everywhere). The texts are decoded without
+    special tokens, as chat messages [{"role": "assistant", ...}] after chat prompts (`chat`)."""
+    if given is not None:  # a position nothing was made at is neither a token nor an EOS
+        completion_ids = completion_ids.masked_fill(given == 0, -1)  # [N, C]
+    completion_mask, truncated = completion_mask_after_eos(completion_ids, eos_ids)  # [N, C], [N]
+    if given is not None:
+        completion_mask = completion_mask * given  # [N, C]
+    completion_ids = completion_ids.masked_fill(completion_mask == 0, tokenizer.pad_token_id)  # [N, C]
     texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-    if is_chat(prompts[0]):
-        completions = [[{"role": "assistant", "content": t}] for t in texts]
-    else:
-        completions = texts
+    completions = [[{"role": "assistant", "content": t}] for t in texts] if chat else texts
     return Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, completions, truncated)
 
 
 class Sampler:
-    """The trainer's sampler with our decoder: `sampler(prompts, on_token, streams) -> (rollout, fields)`, a
-    generation batch's prompts in, one rollout of `num_generations` completions each out, and no extra reward
-    columns (a rollout_func's sampler returns some). `streams` (rollout/streams; default: step 0's first
-    prompts of the config's seed) gives each prompt its random stream, so that the tokens do not depend on how
-    the prompts are grouped into decodes. Prompts go through as few decodes as the memory plan allows
-    (`prompts_per_decode`, a multiple of a micro-batch's prompts; None: a micro-batch's): one, for the whole
-    generation batch, when its KV cache fits within the training peak. A decode of more rows costs little more
-    per step on a CPU (16 rows: about 1.2x the time of 8). `on_token(n)` counts the tokens as they come."""
+    """The trainer's sampler with our decoder. The contract any sampler keeps (`Trainer(sampler=...)`):
+    `sampler(prompts, on_token, streams) -> (rollout, fields)` samples `num_generations` completions of each of
+    this rank's prompts, returned as one Rollout of whole groups in order on the policy's device, with the extra
+    reward columns it makes (one value per completion; ours: `{}`); it may call `on_token(n)` as tokens come and
+    draws each prompt's random numbers from `streams` (rollout/streams; default: step 0's first prompts of the
+    config's seed), so that the tokens do not depend on how the prompts are grouped into decodes. Ours sends the
+    prompts through as few decodes as the memory plan allows (`prompts_per_decode`, a multiple of a micro-batch's
+    prompts; None: a micro-batch's): one for the whole generation batch when its KV cache fits within the
+    training peak, since a decode of more rows costs little more per step (docs/benchmarks.md)."""
 
     def __init__(self, policy, tokenizer, config, prompts_per_decode: int | None = None):
         self.policy, self.tokenizer, self.config = policy, tokenizer, config

@@ -26,6 +26,46 @@ def reference_kind(use_lora: bool, beta: float) -> str:
 
 
 @dataclass(frozen=True)
+class OptimSettings:
+    """What the optimizer, its learning-rate schedule and the update guard read of the settings."""
+
+    name: str  # Config.optim
+    learning_rate: float
+    betas: tuple[float, float]
+    weight_decay: float
+    lr_scheduler_type: str
+    warmup_ratio: float
+    warmup_steps: float
+    max_grad_norm: float
+    max_nonfinite_steps: int
+
+    @classmethod
+    def of(cls, c) -> OptimSettings:
+        return cls(c.optim, c.learning_rate, (c.adam_beta1, c.adam_beta2), c.weight_decay, c.lr_scheduler_type,
+                   c.warmup_ratio, c.warmup_steps, c.max_grad_norm, c.max_nonfinite_steps)
+
+
+@dataclass(frozen=True)
+class Cadence:
+    """When a run writes a metrics line, evaluates and writes a checkpoint, at the end of optimizer step `step`
+    (1-based) of `total`: every `logging_steps` and the last; every `eval_steps` (0: never) and the last; every
+    `save_steps` before the last, whose checkpoint the end of training writes."""
+
+    logging_steps: int
+    eval_steps: int
+    save_steps: int
+
+    def logs(self, step: int, total: int) -> bool:
+        return step % self.logging_steps == 0 or step == total
+
+    def evaluates(self, step: int, total: int) -> bool:
+        return self.eval_steps > 0 and (step % self.eval_steps == 0 or step == total)
+
+    def saves(self, step: int, total: int) -> bool:
+        return step % self.save_steps == 0 and step < total
+
+
+@dataclass(frozen=True)
 class RunPlan:
     schedule: Schedule
     loss: Mapping  # the keyword arguments of algo.loss.policy_loss that settings decide (Config.loss_settings)
@@ -33,6 +73,8 @@ class RunPlan:
     # on-policy, the loss's own detached log-probs are the old ones.
     keeps_old_logprobs: bool
     reference: str  # reference_kind: "none", "adapter" or "copy"
+    optim: OptimSettings
+    cadence: Cadence
 
     @classmethod
     def resolve(cls, config, world_size: int) -> RunPlan:
@@ -40,7 +82,8 @@ class RunPlan:
         (Schedule.resolve)."""
         schedule = Schedule.resolve(config, world_size)
         return cls(schedule, MappingProxyType(config.loss_settings()), schedule.optimizer_steps_per_generation > 1,
-                   reference_kind(config.use_lora, config.beta))
+                   reference_kind(config.use_lora, config.beta), OptimSettings.of(config),
+                   Cadence(config.logging_steps, config.eval_steps, config.save_steps))
 
     @property
     def has_reference(self) -> bool:

@@ -1,5 +1,6 @@
 """Rows whose gradient is exactly 0 (advantage 0 without a KL term) get no forward or backward: the Trainer's
 gradients and updates are those of training every row, for every loss type, and the metrics say how many."""
+import dataclasses
 import json
 
 import pytest
@@ -37,7 +38,7 @@ def step_gradients(trainer: Trainer) -> tuple[dict, dict]:
 
 def no_skipping(trainer: Trainer) -> Trainer:
     """`trainer` training every row with a completion token, zero-advantage rows included."""
-    trainer.skip_zero_advantage = False
+    trainer.cut = dataclasses.replace(trainer.cut, skip_zero_advantage=False)
     return trainer
 
 

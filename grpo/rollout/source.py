@@ -1,0 +1,47 @@
+"""Where a step's rollouts come from: the next prompts of the stream, this rank's share of them sampled by the
+sampler (our decoder or a rollout_func) from each prompt's own random stream, and scored by the reward
+functions (`RolloutSource.draw`)."""
+from __future__ import annotations
+
+import time
+
+from ..infra.allocator import decoding_allocations
+from ..infra.progress import TokenProgress
+from .batches import Rollout, Scored
+from .prompts import PromptStream, per_completion
+from .rewards import RewardContext, compute_rewards
+from .streams import PromptStreams
+
+
+class RolloutSource:
+    """`sampler` (the Trainer's contract) over the prompts of `prompts`, rewarded by `reward_funcs` weighted by
+    `reward_weights`; `dist` (infra/distributed) shards the prompts over the ranks; `seed` starts the prompts'
+    random streams; `release_memory`: a CPU run whose allocator returns freed memory to the OS
+    (infra/allocator), which decodes suspend."""
+
+    def __init__(self, sampler, prompts: PromptStream, reward_funcs: list, reward_weights: list[float] | None, *,
+                 dist, seed: int, num_generations: int, release_memory: bool):
+        self.sampler, self.prompts, self.reward_funcs = sampler, prompts, reward_funcs
+        self.reward_weights = reward_weights
+        self.dist, self.seed, self.num_generations, self.release_memory = dist, seed, num_generations, release_memory
+
+    def draw(self, num_prompts: int, step: int, context: RewardContext) -> tuple[Rollout, Scored, float]:
+        """`num_prompts` new prompts over all ranks, this rank's share sampled and scored at optimizer step `step`:
+        its rollout (the sampler's, whole), its scores (this rank's rows: rewards [N], per_func [N, F]) and the
+        seconds sampling took."""
+        t0 = time.perf_counter()
+        # Every rank draws the same global prompts and keeps its own share of whole prompts; each prompt's
+        # random numbers come from its place in the generation batch, whichever rank samples it.
+        streams = PromptStreams(self.seed, step, self.prompts.drawn).after(
+            self.dist.rank * (num_prompts // self.dist.world_size))
+        rows = self.dist.shard(self.prompts.next(num_prompts))
+        with TokenProgress(f"sampling step {step + 1}", enabled=self.dist.is_main) as on_token:
+            with decoding_allocations(self.release_memory):
+                rollout, fields = self.sampler(rows["prompt"], on_token, streams)
+        seconds = time.perf_counter() - t0
+        columns = {**per_completion(rows, self.num_generations), **fields}  # a rollout_func's fields win
+        prompts = columns.pop("prompt")
+        rewards, per_func = compute_rewards(self.reward_funcs, prompts, rollout.completions, columns,
+                                            self.reward_weights, context=context,
+                                            completion_ids=rollout.completion_id_lists)
+        return rollout, Scored(prompts, rollout.completions, rewards, per_func, extras=context.extras), seconds
