@@ -1,0 +1,212 @@
+"""Multi-turn tool calling inside one batched decode: `ToolLoop`, the per-row state machine the decode loop
+calls once per step.
+
+The decode loop samples one token per active row per step and hands the rows that sampled one of their own to
+`after_tokens`. A row whose tool ran gets tokens back (the tool's output, then the next assistant header),
+which the decode loop feeds one per step in place of sampling, in the same KV cache, with loss mask 0:
+
+- chat tools (Hermes / Qwen format): at EOS, the calls in the row's last assistant message run, unless it
+  already made `max_iterations` rounds (TRL's `max_tool_calling_iterations`; None, TRL's default: no limit);
+- inline tools (`InlineTool`): when the text just completed a trigger inside an open span, its result and
+  the span's close are forced, within the same message.
+
+Failures (TRL counts them in `tools/failure_frequency`): a tool that raises or times out returns its error to
+the model as its output; a malformed call or an unknown tool ends the row, as does output longer than the
+room the row has left.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+
+from .tool_prompts import check_tool_template, render_tool_prompt, tool_turn_text
+from .tools import InlineTool, MalformedCall, ToolCall, Tools, parse_hermes, run_calls, strip_hermes
+
+
+@dataclass
+class _Row:
+    """One completion's state: its prompt and environment, every completion id so far (its own and forced),
+    where its current assistant message starts, the conversation after the prompt as the template renders it
+    (`history`), the messages each tool round adds for reward functions (`events`: None for an inline call),
+    the rounds made, and where in the current message the last inline result ends."""
+
+    prompt: object
+    env: object
+    ids: list[int] = field(default_factory=list)
+    start: int = 0
+    history: list[dict] = field(default_factory=list)
+    events: list = field(default_factory=list)
+    rounds: int = 0
+    span_end: int = 0
+    prompt_text: str | None = None
+
+
+@dataclass
+class _Pending:
+    """A row's calls of this step, waiting for their outcomes."""
+
+    row: int
+    room: int
+    thunks: list
+    calls: list[ToolCall] | None = None  # chat calls
+    message: str = ""  # the assistant message's text (chat) or the text so far (inline)
+    inline: InlineTool | None = None
+
+
+class ToolLoop:
+    """Tool calling for one decode of N rows. `prompts[i]`: row i's prompt (chat messages, or a string when
+    only inline tools are used); `envs[i]`: its environment (`make_envs`) when the tools include an
+    environment's methods; `eos_ids`: the ids that end a turn (the tokenizer's EOS by default);
+    `chat_template_kwargs`: as the prompts were rendered with."""
+
+    def __init__(self, tools: Tools, tokenizer, prompts: list, max_iterations: int | None = None,
+                 envs: list | None = None, eos_ids=None, chat_template_kwargs: dict | None = None):
+        if tools.methods and (envs is None or len(envs) != len(prompts)):
+            raise ValueError("the tools include an environment's methods: pass envs= (make_envs), one per prompt")
+        if tools.chat:
+            if any(isinstance(p, str) for p in prompts):
+                raise ValueError("chat tools need chat prompts (lists of messages); text prompts take inline tools")
+            check_tool_template(tokenizer, chat_template_kwargs)
+        self.tools, self.tokenizer, self.max_iterations = tools, tokenizer, max_iterations
+        self.chat_template_kwargs = chat_template_kwargs
+        self.eos = set(eos_ids) if eos_ids is not None else {tokenizer.eos_token_id}
+        self.rows = [_Row(p, e) for p, e in zip(prompts, envs or [None] * len(prompts))]
+        self.calls = self.failures = 0
+        self._trigger_chars = {t.trigger[-1] for t in tools.inline}
+        self._triggering: dict[int, bool] = {}  # token id -> whether its text holds a trigger's last character
+
+    def after_tokens(self, rows: list[int], tokens: list[int], room: list[int]) -> dict[int, list[int] | None]:
+        """Called every decode step with the rows (original indices) that just sampled a token of their own,
+        those tokens, and `room[k]`: how many tokens row `rows[k]` may still take. Returns, for the rows whose
+        tool ran, the token ids to feed next, or None for a row that must end now; rows left out go on as
+        sampled (an EOS ends them). The rows' calls of the step run at once, each row's in order."""
+        ended, pending = {}, []
+        for r, token, space in zip(rows, tokens, room):
+            row = self.rows[r]
+            row.ids.append(token)
+            if self.max_iterations is not None and row.rounds >= self.max_iterations:
+                continue
+            if token in self.eos:
+                if self.tools.chat and not self._chat_calls(r, space, pending):
+                    ended[r] = None
+            elif self._trigger_chars and self._may_trigger(token):
+                self._inline_call(r, space, pending)
+        outcomes = run_calls([p.thunks for p in pending], self.tools.timeout_s)
+        forced = {p.row: self._finish(p, o) for p, o in zip(pending, outcomes)}
+        return {**forced, **ended}
+
+    def _chat_calls(self, r: int, space: int, pending: list) -> bool:
+        """Queue the calls of row r's message that just ended, if any; False when the row must end now (a
+        malformed call, an unknown tool)."""
+        row = self.rows[r]
+        message = self._text(row.ids[row.start:-1])
+        try:
+            calls = parse_hermes(message)
+        except MalformedCall:
+            self.calls, self.failures = self.calls + 1, self.failures + 1
+            return False
+        if not calls:
+            return True
+        functions = [self.tools.resolve(c.name, row.env) for c in calls]
+        self.calls += len(calls)
+        if None in functions:
+            self.failures += functions.count(None)
+            return False
+        thunks = [functools.partial(f, **c.arguments) for f, c in zip(functions, calls)]
+        pending.append(_Pending(r, space, thunks, calls=calls, message=message))
+        return True
+
+    def _inline_call(self, r: int, space: int, pending: list) -> None:
+        row = self.rows[r]
+        text = self._text(row.ids[row.start:])
+        for tool in self.tools.inline:
+            expression = tool.expression(text, row.span_end)
+            if expression is not None:
+                self.calls += 1
+                pending.append(_Pending(r, space, [functools.partial(tool.fn, expression)], message=text,
+                                        inline=tool))
+                return
+
+    def _finish(self, p: _Pending, outcomes: list) -> list[int] | None:
+        """The tokens row `p.row` is fed after its calls' `outcomes` (None: they do not fit its room)."""
+        self.failures += sum(o.failed for o in outcomes)
+        row = self.rows[p.row]
+        if p.inline is not None:
+            ids = self.tokenizer.encode(outcomes[0].text + p.inline.close, add_special_tokens=False)
+            if len(ids) > p.room:
+                return None
+            row.span_end = len(p.message) + len(self._text(ids))
+            row.events.append(None)
+            row.ids += ids
+        else:
+            tool_calls = [{"type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                          for c in p.calls]
+            tool_messages = [{"role": "tool", "name": c.name, "content": o.text} for c, o in zip(p.calls, outcomes)]
+            before = p.message[:p.message.find("<tool_call>")].rstrip()
+            forms = [{"role": "assistant", "content": before, "tool_calls": tool_calls},
+                     {"role": "assistant", "content": p.message}]  # as parsed, else as written
+            held = self._prompt_text(row) + self._text(row.ids)
+            text, assistant = tool_turn_text(self.tokenizer, [*row.prompt, *row.history], forms, tool_messages,
+                                             held, self.tools.schemas, self.chat_template_kwargs)
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+            if len(ids) > p.room:
+                return None
+            row.history += [assistant, *tool_messages]
+            row.events.append([{"role": "assistant", "content": strip_hermes(p.message), "tool_calls": tool_calls},
+                               *tool_messages])
+            row.span_end = 0
+            row.ids += ids
+            row.start = len(row.ids)
+        row.rounds += 1
+        return ids
+
+    def completion_messages(self, row: int, completion_ids: list[int], tool_mask: list[int]) -> list[dict]:
+        """Row `row`'s completion as TRL gives it to reward functions when tools are used: assistant and tool
+        messages in turn (`[{"role": "assistant", "content": ..., "tool_calls": [...]}, {"role": "tool",
+        "name": ..., "content": ...}, ..., {"role": "assistant", "content": ...}]`); an inline tool's results
+        stay in their assistant message's content. `completion_ids`: the row's ids without padding;
+        `tool_mask`: 1 on the tokens it sampled, 0 on those it was fed."""
+        events = iter(self.rows[row].events)
+        messages, text, own_since = [], "", True
+        for own, ids in _runs(completion_ids, tool_mask):
+            if own:
+                text, own_since = text + self._text(ids, skip_special=True), True
+                continue
+            event = next(events, ())
+            if event == ():
+                raise ValueError(f"row {row}'s tool mask has more fed runs than the row had tool rounds")
+            if event is None:
+                text += self._text(ids, skip_special=True)
+            else:
+                messages, text, own_since = messages + event, "", False
+        return messages + [{"role": "assistant", "content": text}] if own_since else messages
+
+    def metrics(self) -> dict[str, float]:
+        """TRL's tool metrics: calls per completion and failed calls per call (0 when none were made)."""
+        return {"tools/call_frequency": self.calls / max(1, len(self.rows)),
+                "tools/failure_frequency": self.failures / self.calls if self.calls else 0.0}
+
+    def _text(self, ids: list[int], skip_special: bool = False) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special, clean_up_tokenization_spaces=False)
+
+    def _prompt_text(self, row: _Row) -> str:
+        if row.prompt_text is None:
+            row.prompt_text = render_tool_prompt(self.tokenizer, row.prompt, self.tools.schemas,
+                                                 self.chat_template_kwargs)
+        return row.prompt_text
+
+    def _may_trigger(self, token: int) -> bool:
+        """Whether `token`'s text holds the last character of a trigger: the cheap test (one decode per
+        distinct token) before the row's message is decoded."""
+        if token not in self._triggering:
+            self._triggering[token] = any(c in self._text([token]) for c in self._trigger_chars)
+        return self._triggering[token]
+
+
+def _runs(ids: list[int], mask: list[int]):
+    """(mask value, ids) for each maximal run of equal mask values."""
+    start = 0
+    for i in range(1, len(ids) + 1):
+        if i == len(ids) or mask[i] != mask[start]:
+            yield bool(mask[start]), ids[start:i]
+            start = i

@@ -1,0 +1,252 @@
+"""Tools a model may call while it decodes (TRL's `tools=` / `environment_factory=`), and running them.
+
+- `Tools.of(...)`: plain functions and an environment class's public methods become JSON schemas
+  (transformers' `get_json_schema`: type hints and a Google-style docstring), which the chat template renders
+  into the prompt (`rollout/tool_prompts.py`); inline tools (`InlineTool`, e.g. GSM8K's `<<12+7=19>>`) run
+  inside the text instead.
+- `parse_hermes`: Hermes / Qwen calls, `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`.
+- `run_calls`: one decode step's calls, the rows' at once and each row's in order (async ones on an event
+  loop, plain ones in threads), each with a timeout. A call that raises or times out returns TRL's error
+  text, `{'error': '...'}`.
+- `make_envs`: one environment per completion, reset with its dataset row, as TRL does.
+
+The per-row state machine that uses these is `rollout/tool_loop.py`.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import inspect
+import json
+import re
+import types
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ..errors import ConfigError
+
+PARSERS = ("hermes",)
+NOT_TOOLS = ("reset", "get_reward")  # an environment's methods that the model may not call
+CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One parsed call: the tool's name and its keyword arguments."""
+
+    name: str
+    arguments: dict
+
+
+class MalformedCall(ValueError):
+    """A `<tool_call>` block that is not a JSON object with a string `name` and an object `arguments`."""
+
+
+def parse_hermes(text: str) -> list[ToolCall]:
+    """The calls in one assistant message, in order ([] when there are none); MalformedCall for a block that
+    is not valid JSON of the right shape, or an opened block that is never closed."""
+    calls = []
+    for body in CALL.findall(text):
+        try:
+            call = json.loads(body)
+        except json.JSONDecodeError as e:
+            raise MalformedCall(f"not JSON: {body!r} ({e})") from None
+        arguments = call.get("arguments", {}) if isinstance(call, dict) else None
+        if isinstance(arguments, str):  # some models write the arguments as a JSON string
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError:
+                pass
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not isinstance(arguments, dict):
+            raise MalformedCall(f"not a call: {body!r}")
+        calls.append(ToolCall(call["name"], arguments))
+    if text.count("<tool_call>") != len(calls):
+        raise MalformedCall(f"an unclosed <tool_call> in {text!r}")
+    return calls
+
+
+def strip_hermes(text: str) -> str:
+    """An assistant message's text without its `<tool_call>` blocks: the `content` TRL gives reward functions
+    beside the parsed `tool_calls`."""
+    return CALL.sub("", text).strip()
+
+
+@dataclass(frozen=True)
+class InlineTool:
+    """A tool written inside the text: when the model's text ends with `trigger` inside a span opened by
+    `open` (and not yet closed by `close`), `fn(expression)` runs on what lies between, and its result plus
+    `close` is forced. GSM8K's calculator annotations: `InlineTool("<<", "=", ">>", calculate)` turns
+    `<<12+7=` into `<<12+7=19>>`."""
+
+    open: str
+    trigger: str
+    close: str
+    fn: Callable
+
+    def expression(self, text: str, since: int = 0) -> str | None:
+        """The expression to evaluate when `text` (one assistant message) has just completed the trigger;
+        None otherwise. Spans opened before character `since` (the end of the last forced result) are
+        done with."""
+        if not text.endswith(self.trigger):
+            return None
+        body = text[:len(text) - len(self.trigger)]
+        start = body.rfind(self.open)
+        if start < since or start < 0:
+            return None
+        expression = body[start + len(self.open):]
+        return None if self.close and self.close in expression else expression
+
+
+@dataclass(frozen=True)
+class Tools:
+    """What a decode may call: `functions` by name, an `environment_factory` whose instances' public
+    methods (`methods`) are tools of their row, their JSON `schemas` (for the chat template) and the
+    `inline` tools; the call `parser`, and each call's `timeout_s`."""
+
+    functions: dict
+    environment_factory: type | None
+    methods: tuple[str, ...]
+    schemas: list
+    inline: tuple[InlineTool, ...]
+    parser: str
+    timeout_s: float
+
+    @classmethod
+    def of(cls, tools=(), environment_factory=None, parser: str = "hermes", inline=(),
+           timeout_s: float = 10.0) -> Tools:
+        """Tools from TRL's arguments (`tools=[fn, ...]`, `environment_factory=`) plus `inline` ones; a
+        ConfigError naming the tool that has no schema, a clash of names, an unknown parser."""
+        if parser not in PARSERS:
+            raise ConfigError(f"tool parser {parser!r} is not known; known: {', '.join(PARSERS)}")
+        if not timeout_s > 0:
+            raise ConfigError(f"timeout_s must be > 0, got {timeout_s}")
+        tools = list(tools or ())
+        methods = environment_methods(environment_factory) if environment_factory is not None else {}
+        named = [getattr(f, "__name__", repr(f)) for f in tools] + list(methods)
+        if len(set(named)) < len(named):
+            clash = sorted({n for n in named if named.count(n) > 1})
+            raise ConfigError(f"two tools are named {', '.join(clash)}: each tool needs a name of its own")
+        if not named and not inline:
+            raise ConfigError("no tools: give tools=[...], environment_factory= or inline=[...]")
+        functions = dict(zip(named, tools))
+        schemas = [schema_of(f) for f in tools] + list(methods.values())
+        return cls(functions, environment_factory, tuple(methods), schemas, tuple(inline or ()), parser, timeout_s)
+
+    @property
+    def chat(self) -> bool:
+        """Whether the model calls tools in chat turns (schemas in the prompt, calls parsed at EOS)."""
+        return bool(self.schemas)
+
+    def resolve(self, name: str, env) -> Callable | None:
+        """The callable a row's call of `name` runs (an environment's method on that row's `env`); None for
+        a name that is not a tool of that row."""
+        if name in self.functions:
+            return self.functions[name]
+        return getattr(env, name) if env is not None and name in self.methods else None
+
+
+def schema_of(fn) -> dict:
+    """`fn`'s JSON schema as chat templates take it; a ConfigError saying what its docstring or hints lack."""
+    from transformers.utils import get_json_schema
+
+    try:
+        return get_json_schema(fn)
+    except Exception as e:  # transformers' own parsing exceptions, which share no base class but Exception
+        raise ConfigError(f"tool {getattr(fn, '__name__', fn)!r} cannot be described to the model: {e} (a tool "
+                          f"needs type hints and a Google-style docstring with an Args: section)") from None
+
+
+def environment_methods(factory) -> dict[str, dict]:
+    """An environment class's tools, name -> JSON schema: its public methods except `reset` and
+    `get_reward`. The schema is read from the method bound to a stand-in, so `self` is not an argument."""
+    if not inspect.isclass(factory):
+        raise ConfigError(f"environment_factory must be a class (one instance is made per completion), got "
+                          f"{type(factory).__name__}")
+    if not callable(getattr(factory, "reset", None)):
+        raise ConfigError(f"environment_factory {factory.__name__} has no reset(**row) method")
+    methods = {}
+    for name in dir(factory):
+        if name.startswith("_") or name in NOT_TOOLS or not callable(getattr(factory, name)):
+            continue
+        static = isinstance(inspect.getattr_static(factory, name), (staticmethod, classmethod))
+        method = getattr(factory, name)
+        methods[name] = schema_of(method if static else types.MethodType(method, object()))
+    return methods
+
+
+def make_envs(factory, rows: list[dict]) -> tuple[list, list]:
+    """One environment per completion (`rows`: the dataset rows, one per completion, with their `prompt`) and
+    the prompts as the model sees them: `env.reset(**row)` gets every column, and a string it returns is
+    appended to the prompt's last message (to the prompt itself for a text prompt), as TRL does."""
+    envs, prompts = [], []
+    for row in rows:
+        env = factory()
+        observation = env.reset(**row)
+        prompt = row["prompt"]
+        if observation is not None:
+            if isinstance(prompt, str):
+                prompt = prompt + observation
+            else:
+                prompt = [*prompt[:-1], {**prompt[-1], "content": prompt[-1]["content"] + observation}]
+        envs.append(env)
+        prompts.append(prompt)
+    return envs, prompts
+
+
+def environment_reward(environments, **kwargs) -> list[float | None]:
+    """A reward function (TRL's contract, `environments=` passed by the trainer): each environment's
+    `get_reward()`, None where it has none."""
+    return [env.get_reward() if callable(getattr(env, "get_reward", None)) else None for env in environments]
+
+
+def error_text(message: str) -> str:
+    """What the model reads for a failed call: TRL's tool content for an error, `str({"error": message})`."""
+    return str({"error": message})
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """A call's result as the model reads it, and whether the call failed."""
+
+    text: str
+    failed: bool
+
+
+def run_calls(groups: list[list[Callable[[], object]]], timeout_s: float) -> list[list[Outcome]]:
+    """Run the calls and return their outcomes, group by group. `groups`: one list per row of argument-less
+    callables (e.g. `functools.partial(fn, **arguments)`); the groups run at once, a group's calls one after
+    another in order (a row's environment sees them as the model wrote them). Async calls run on an event
+    loop, plain ones in a thread per group; each call gets `timeout_s`. A raised exception or a timeout becomes
+    `error_text` and a failure. A timed-out plain call cannot be stopped: its thread runs on, unwaited for, and
+    its result is dropped."""
+    if not any(groups):
+        return [[] for _ in groups]
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=len(groups), thread_name_prefix="grpo-tool")
+
+    async def one(thunk) -> Outcome:
+        try:
+            if inspect.iscoroutinefunction(thunk):
+                value = await asyncio.wait_for(thunk(), timeout_s)
+            else:
+                value = await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(pool, thunk), timeout_s)
+        except TimeoutError:
+            return Outcome(error_text(f"timed out after {timeout_s:g} s"), failed=True)
+        except Exception as e:  # the model reads the error, as TRL feeds it back
+            return Outcome(error_text(str(e)), failed=True)
+        return Outcome(str(value), failed=False)
+
+    async def in_order(thunks) -> list[Outcome]:
+        return [await one(t) for t in thunks]
+
+    async def every():
+        return await asyncio.gather(*(in_order(g) for g in groups))
+
+    try:
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return asyncio.run(every())
+        with concurrent.futures.ThreadPoolExecutor(1) as runner:  # the caller runs a loop (a notebook)
+            return runner.submit(asyncio.run, every()).result()
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)

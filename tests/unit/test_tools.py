@@ -1,0 +1,357 @@
+"""Tool calling inside the decode (rollout/tools.py, tool_prompts.py, tool_loop.py): schemas, Hermes parsing,
+running calls (errors, timeouts, async), environments, inline tools, and `ToolLoop` driven by scripted tokens
+one per step, as the decode loop will drive it. A tokenizer trained in code on a few lines, with the ChatML
+tools template of tasks/calculator.py."""
+import asyncio
+import functools
+import time
+
+import pytest
+
+from grpo.errors import ConfigError
+from grpo.rollout.tool_loop import ToolLoop
+from grpo.rollout.tool_prompts import check_tool_template, render_tool_prompt
+from grpo.rollout.tools import (InlineTool, MalformedCall, ToolCall, Tools, environment_reward, make_envs,
+                                parse_hermes, run_calls, strip_hermes)
+from grpo.tasks.calculator import CHATML_TOOLS, calculate
+from grpo.tasks.tiny import CHAT_TEMPLATE, train_tokenizer
+
+CALL = '<tool_call>\n{"name": "multiply", "arguments": {"a": 3, "b": 4}}\n</tool_call>'
+COMPACT_CALL = '<tool_call>{"name":"multiply","arguments":{"a":3,"b":4}}</tool_call>'
+QUESTION = [{"role": "user", "content": "What is 3 times 4?"}]
+# What the row is fed after CALL<|im_end|>: the template ends the assistant turn with "\n" after the EOS the row
+# sampled, then a user turn holding the tool's response, then the next assistant header.
+TOOL_TURN_12 = "\n<|im_start|>user\n<tool_response>\n12\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+
+
+def multiply(a: int, b: int) -> int:
+    """Multiplies two integers.
+
+    Args:
+        a: The first integer.
+        b: The second integer.
+    """
+    return a * b
+
+
+def divide(a: float, b: float) -> float:
+    """Divides one number by another.
+
+    Args:
+        a: The dividend.
+        b: The divisor.
+    """
+    return a / b
+
+
+async def async_add(a: int, b: int) -> int:
+    """Adds two integers, slowly.
+
+    Args:
+        a: The first integer.
+        b: The second integer.
+    """
+    await asyncio.sleep(0.2)
+    return a + b
+
+
+def nap(seconds: float) -> str:
+    """Sleeps.
+
+    Args:
+        seconds: How long.
+    """
+    time.sleep(seconds)
+    return "awake"
+
+
+@pytest.fixture(scope="module")
+def tok():
+    texts = [CALL, COMPACT_CALL, "The answer is 12.", "<<12+7=19>> apples", "What is 3 times 4?"] * 5
+    tokenizer = train_tokenizer(texts, vocab_size=300)
+    tokenizer.chat_template = CHATML_TOOLS
+    return tokenizer
+
+
+def drive(loop, tok, scripts, max_tokens=400):
+    """Decode as the decode loop will: each step, every live row takes the next token of its script (its own
+    token) and the loop is told; fed tokens go into the row with mask 0, and the row goes on with its next
+    scripted turn. A row ends at EOS, when told None, or when its script runs out.
+    `scripts[r]`: row r's turns, each a text the model writes (with <|im_end|> where it samples EOS).
+    Returns each row's (ids, mask) and everything `after_tokens` answered."""
+    rows = [{"turns": [tok.encode(t, add_special_tokens=False) for t in turns], "ids": [], "mask": []}
+            for turns in scripts]
+    for row in rows:
+        row["queue"] = row["turns"].pop(0)
+    answers, live = [], list(range(len(rows)))
+    while live:
+        tokens = [rows[r]["queue"].pop(0) for r in live]
+        for r, t in zip(live, tokens):
+            rows[r]["ids"].append(t)
+            rows[r]["mask"].append(1)
+        answer = loop.after_tokens(live, tokens, [max_tokens - len(rows[r]["ids"]) for r in live])
+        answers.append(answer)
+        still = []
+        for r, t in zip(live, tokens):
+            row = rows[r]
+            if r in answer:
+                if answer[r] is None:
+                    continue
+                row["ids"] += answer[r]
+                row["mask"] += [0] * len(answer[r])
+                if row["queue"] or not row["turns"]:
+                    continue  # the script wrote past the trigger, or has no next turn: done
+                row["queue"] = row["turns"].pop(0)
+            elif t == tok.eos_token_id or not row["queue"]:
+                continue
+            still.append(r)
+        live = still
+    return [(row["ids"], row["mask"]) for row in rows], answers
+
+
+def fed(answers, row):
+    return [a[row] for a in answers if row in a]
+
+
+# --- schemas, templates, parsing ------------------------------------------------------------------------------
+
+
+def test_a_typed_docstringed_function_becomes_a_json_schema():
+    assert Tools.of(tools=[multiply]).schemas == [{"type": "function", "function": {
+        "name": "multiply", "description": "Multiplies two integers.",
+        "parameters": {"type": "object", "properties": {
+            "a": {"type": "integer", "description": "The first integer."},
+            "b": {"type": "integer", "description": "The second integer."}}, "required": ["a", "b"]},
+        "return": {"type": "integer"}}}]
+
+
+def test_a_tool_without_hints_or_docstring_a_clash_or_no_tool_is_a_config_error():
+    def bare(a):
+        return a
+    with pytest.raises(ConfigError, match="'bare' cannot be described"):
+        Tools.of(tools=[bare])
+    with pytest.raises(ConfigError, match="two tools are named multiply"):
+        Tools.of(tools=[multiply, multiply])
+    with pytest.raises(ConfigError, match="no tools"):
+        Tools.of()
+    with pytest.raises(ConfigError, match="parser 'json' is not known"):
+        Tools.of(tools=[multiply], parser="json")
+
+
+def test_the_prompt_holds_the_schemas_and_a_template_without_tools_is_refused(tok):
+    text = render_tool_prompt(tok, QUESTION, Tools.of(tools=[multiply]).schemas)
+    assert '<tools>\n{"type": "function", "function": {"name": "multiply"' in text
+    assert text.endswith("<|im_start|>user\nWhat is 3 times 4?<|im_end|>\n<|im_start|>assistant\n")
+    check_tool_template(tok)
+    plain = train_tokenizer(["x"], vocab_size=270)
+    plain.chat_template = CHAT_TEMPLATE  # ChatML that never renders `tools`
+    with pytest.raises(ConfigError, match="ignores `tools`"):
+        check_tool_template(plain)
+    plain.chat_template = None
+    with pytest.raises(ConfigError, match="the tokenizer has none"):
+        check_tool_template(plain)
+    plain.chat_template = CHATML_TOOLS.replace("{%- if message.role == 'tool' %}",
+                                               "{%- if message.role == 'tool' %}{{ raise_exception('no tools') }}")
+    with pytest.raises(ConfigError, match="cannot render a conversation with tools: no tools"):
+        check_tool_template(plain)
+    plain.chat_template = CHATML_TOOLS.replace("message.content + '\\n</tool_response>'", "'\\n</tool_response>'")
+    with pytest.raises(ConfigError, match="does not render tool messages"):
+        check_tool_template(plain)
+
+
+def test_hermes_calls_one_two_malformed():
+    assert parse_hermes("Let me see.\n" + CALL) == [ToolCall("multiply", {"a": 3, "b": 4})]
+    two = CALL + "\n" + '<tool_call>\n{"name": "divide", "arguments": "{\\"a\\": 1, \\"b\\": 2}"}\n</tool_call>'
+    assert parse_hermes(two) == [ToolCall("multiply", {"a": 3, "b": 4}), ToolCall("divide", {"a": 1, "b": 2})]
+    assert parse_hermes("No call here.") == []
+    assert strip_hermes("Let me see.\n" + CALL) == "Let me see."
+    for bad in ['<tool_call>{"name": "multiply", "arguments": {"a": 3</tool_call>',  # not JSON
+                '<tool_call>["multiply"]</tool_call>', '<tool_call>{"arguments": {}}</tool_call>',
+                '<tool_call>{"name": "multiply", "arguments": 3}</tool_call>',
+                '<tool_call>{"name": "multiply", "arguments": {}}']:  # never closed
+        with pytest.raises(MalformedCall):
+            parse_hermes(bad)
+
+
+# --- running calls --------------------------------------------------------------------------------------------
+
+
+def test_a_raising_tool_returns_trls_error_text_and_fails():
+    [[ok, error]] = run_calls([[functools.partial(divide, 1, 4), functools.partial(divide, 1, 0)]], timeout_s=5)
+    assert (ok.text, ok.failed) == ("0.25", False)
+    assert (error.text, error.failed) == ("{'error': 'division by zero'}", True)  # str({"error": str(e)})
+    [[wrong]] = run_calls([[functools.partial(multiply, a=3, c=4)]], timeout_s=5)
+    assert wrong.failed and "unexpected keyword argument 'c'" in wrong.text
+
+
+def test_the_rows_calls_run_at_once_each_with_a_timeout():
+    start = time.perf_counter()
+    outcomes = run_calls([[functools.partial(async_add, 1, 2)], [functools.partial(async_add, 3, 4)],
+                          [functools.partial(nap, 0.2)], [functools.partial(nap, 0.2)], [functools.partial(nap, 30)]],
+                         timeout_s=0.5)
+    took = time.perf_counter() - start
+    assert [[o.text for o in g] for g in outcomes[:4]] == [["3"], ["7"], ["awake"], ["awake"]]
+    assert outcomes[4][0].failed and outcomes[4][0].text == "{'error': 'timed out after 0.5 s'}"
+    assert took < 2.0, f"{took:.2f} s: the calls did not run at once (one after another: 30.8 s)"
+
+
+def test_a_rows_calls_run_in_the_order_written():
+    written = []
+
+    def log(word: str, wait: float) -> int:
+        time.sleep(wait)
+        written.append(word)
+        return len(written)
+
+    outcomes = run_calls([[functools.partial(log, "first", 0.2), functools.partial(log, "second", 0.0)]], 5)
+    assert written == ["first", "second"] and [o.text for o in outcomes[0]] == ["1", "2"]
+
+
+# --- the loop, chat tools -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("call", [CALL, COMPACT_CALL], ids=["as-the-template-writes-it", "compact"])
+def test_a_call_at_eos_feeds_the_tool_turn_and_the_next_header(tok, call):
+    loop = ToolLoop(Tools.of(tools=[multiply]), tok, [QUESTION, QUESTION], max_iterations=3)
+    rows, answers = drive(loop, tok, [[call + "<|im_end|>", "The answer is 12.<|im_end|>"],
+                                      ["The answer is 12.<|im_end|>"]])
+    (forced,) = fed(answers, 0)
+    assert tok.decode(forced) == TOOL_TURN_12
+    assert fed(answers, 1) == []
+    ids, mask = rows[0]
+    assert tok.decode(ids) == call + "<|im_end|>" + TOOL_TURN_12 + "The answer is 12.<|im_end|>"
+    assert loop.completion_messages(0, ids, mask) == [
+        {"role": "assistant", "content": "",
+         "tool_calls": [{"type": "function", "function": {"name": "multiply", "arguments": {"a": 3, "b": 4}}}]},
+        {"role": "tool", "name": "multiply", "content": "12"},
+        {"role": "assistant", "content": "The answer is 12."}]
+    assert loop.completion_messages(1, *rows[1]) == [{"role": "assistant", "content": "The answer is 12."}]
+    assert loop.metrics() == {"tools/call_frequency": 0.5, "tools/failure_frequency": 0.0}  # 1 call, 2 rows
+
+
+def test_the_fed_text_continues_the_prompt_as_one_rendering_of_the_whole_conversation(tok):
+    """Prompt + what the row holds after two rounds is the template's rendering of the conversation: the KV
+    cache holds what a prompt of the whole conversation would."""
+    tools = Tools.of(tools=[multiply])
+    loop = ToolLoop(tools, tok, [QUESTION], max_iterations=None)
+    rows, _ = drive(loop, tok, [[CALL + "<|im_end|>", "Again.\n" + CALL + "<|im_end|>", "12.<|im_end|>"]])
+    call = {"type": "function", "function": {"name": "multiply", "arguments": {"a": 3, "b": 4}}}
+    conversation = QUESTION + [{"role": "assistant", "content": "", "tool_calls": [call]},
+                               {"role": "tool", "name": "multiply", "content": "12"},
+                               {"role": "assistant", "content": "Again.", "tool_calls": [call]},
+                               {"role": "tool", "name": "multiply", "content": "12"},
+                               {"role": "assistant", "content": "12."}]
+    whole = tok.apply_chat_template(conversation, tools=tools.schemas, tokenize=False)
+    assert render_tool_prompt(tok, QUESTION, tools.schemas) + tok.decode(rows[0][0]) + "\n" == whole
+    assert loop.metrics()["tools/call_frequency"] == 2.0
+
+
+def test_errors_are_read_by_the_model_unknown_and_malformed_calls_end_the_row(tok):
+    bad = '<tool_call>\n{"name": "divide", "arguments": {"a": 1, "b": 0}}\n</tool_call>'
+    unknown = '<tool_call>\n{"name": "power", "arguments": {"a": 2, "b": 9}}\n</tool_call>'
+    loop = ToolLoop(Tools.of(tools=[multiply, divide]), tok, [QUESTION] * 3)
+    _, answers = drive(loop, tok, [[bad + "<|im_end|>", "Oops.<|im_end|>"], [unknown + "<|im_end|>", "x"],
+                                   ['<tool_call>{"name": "multiply"<|im_end|>', "x"]])
+    (forced,) = fed(answers, 0)
+    assert "<tool_response>\n{'error': 'division by zero'}\n</tool_response>" in tok.decode(forced)
+    assert fed(answers, 1) == [None] and fed(answers, 2) == [None]
+    assert loop.metrics() == {"tools/call_frequency": 1.0, "tools/failure_frequency": 1.0}  # 3 calls, 3 failed
+
+
+def test_async_tools_of_rows_that_call_in_one_step_run_at_once(tok):
+    loop = ToolLoop(Tools.of(tools=[async_add]), tok, [QUESTION] * 3)
+    call = '<tool_call>\n{"name": "async_add", "arguments": {"a": 3, "b": 4}}\n</tool_call><|im_end|>'
+    start = time.perf_counter()
+    _, answers = drive(loop, tok, [[call, "7.<|im_end|>"]] * 3)  # the rows reach EOS on the same step
+    took = time.perf_counter() - start
+    assert all("<tool_response>\n7\n" in tok.decode(fed(answers, r)[0]) for r in range(3))
+    assert took < 0.5, f"{took:.2f} s: the rows' calls (0.2 s each) did not overlap"
+
+
+def test_output_longer_than_the_room_left_ends_the_row(tok):
+    loop = ToolLoop(Tools.of(tools=[multiply]), tok, [QUESTION])
+    ids = tok.encode(CALL + "<|im_end|>", add_special_tokens=False)
+    for token in ids[:-1]:
+        assert loop.after_tokens([0], [token], [100]) == {}
+    assert loop.after_tokens([0], [ids[-1]], [len(tok.encode(TOOL_TURN_12)) - 1]) == {0: None}
+
+
+def test_max_iterations_is_respected(tok):
+    loop = ToolLoop(Tools.of(tools=[multiply]), tok, [QUESTION], max_iterations=1)
+    rows, answers = drive(loop, tok, [[CALL + "<|im_end|>", CALL + "<|im_end|>", "never"]])
+    assert len(fed(answers, 0)) == 1  # the second call is not run: its EOS ends the row
+    assert tok.decode(rows[0][0]).endswith("</tool_call><|im_end|>")
+    assert loop.completion_messages(0, *rows[0])[-1]["content"] == CALL
+
+
+def test_a_template_that_renders_the_history_otherwise_is_a_clear_error(tok):
+    loop = ToolLoop(Tools.of(tools=[multiply]), tok, [QUESTION], eos_ids=[tok.eos_token_id, tok.pad_token_id])
+    with pytest.raises(ConfigError, match="renders the conversation with its tool turn otherwise than the row"):
+        drive(loop, tok, [[CALL + "<|pad|>", "x"]])  # the template ends its turns with <|im_end|>, not <|pad|>
+
+
+# --- environments ----------------------------------------------------------------------------------------------
+
+
+class Counter:
+    """A stateful environment: the model adds to a running total."""
+
+    def reset(self, prompt, start: int, **columns) -> str:
+        self.total = start
+        return f" Start from {start}."
+
+    def add(self, n: int) -> int:
+        """Adds to the running total.
+
+        Args:
+            n: The number to add.
+        """
+        self.total += n
+        return self.total
+
+    def get_reward(self) -> float:
+        return float(self.total == 10)
+
+    def _helper(self):
+        return None
+
+
+def test_an_environment_per_completion_its_methods_its_reward(tok):
+    tools = Tools.of(environment_factory=Counter)
+    assert [s["function"]["name"] for s in tools.schemas] == ["add"]
+    assert tools.schemas[0]["function"]["parameters"]["properties"] == {
+        "n": {"type": "integer", "description": "The number to add."}}
+    envs, prompts = make_envs(Counter, [{"prompt": QUESTION, "start": 3}, {"prompt": QUESTION, "start": 8}])
+    assert prompts[1] == [{"role": "user", "content": "What is 3 times 4? Start from 8."}]
+    assert QUESTION[0]["content"] == "What is 3 times 4?"  # the dataset's row is left as it was
+    loop = ToolLoop(tools, tok, prompts, envs=envs)
+    add = '<tool_call>\n{"name": "add", "arguments": {"n": 2}}\n</tool_call><|im_end|>'
+    _, answers = drive(loop, tok, [[add, "Done.<|im_end|>"], [add, "Done.<|im_end|>"]])
+    assert "<tool_response>\n5\n" in tok.decode(fed(answers, 0)[0])
+    assert "<tool_response>\n10\n" in tok.decode(fed(answers, 1)[0])
+    assert environment_reward(envs) == [0.0, 1.0]
+    with pytest.raises(ValueError, match="pass envs="):
+        ToolLoop(tools, tok, prompts)
+
+
+# --- inline tools ----------------------------------------------------------------------------------------------
+
+
+def test_inline_span_detection():
+    tool = InlineTool("<<", "=", ">>", calculate)
+    assert tool.expression("She has <<12+7=") == "12+7"
+    assert tool.expression("She has <<12+7=19>> and 3=") is None  # the span was closed
+    assert tool.expression("So x = ") is None and tool.expression("So x =") is None
+    assert tool.expression("<<12+7=19>> then <<19*2=", since=11) == "19*2"
+    assert tool.expression("<<12+7=", since=11) is None  # opened before the last forced result ended
+
+
+def test_an_inline_trigger_forces_the_result_and_the_close(tok):
+    loop = ToolLoop(Tools.of(inline=[InlineTool("<<", "=", ">>", calculate)]), tok, ["Q: 12 and 7 more. A:"])
+    rows, answers = drive(loop, tok, [[" <<12+7=", " apples, then <<19*2=", " in all.<|im_end|>"]])
+    assert [tok.decode(f) for f in fed(answers, 0)] == ["19>>", "38>>"]
+    ids, mask = rows[0]
+    assert tok.decode(ids) == " <<12+7=19>> apples, then <<19*2=38>> in all.<|im_end|>"
+    assert loop.completion_messages(0, ids, mask) == [
+        {"role": "assistant", "content": " <<12+7=19>> apples, then <<19*2=38>> in all."}]
+    assert loop.metrics() == {"tools/call_frequency": 2.0, "tools/failure_frequency": 0.0}
