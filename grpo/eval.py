@@ -119,6 +119,7 @@ def evaluate_recipe(argv: list[str]) -> int:
         return e.exit_code
 
     from .policy.models import device_of, load_model, load_tokenizer
+    from .rollout.tools import Tools
 
     model = model if model is not None else load_model(config)
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model)
@@ -127,7 +128,8 @@ def evaluate_recipe(argv: list[str]) -> int:
 
     batch_size = eval_batch_size(config, model, device_of(model).type)
     options = eval_options(config, batch_size) | ({"limit": limit} if limit is not None else {})
-    metrics, samples = evaluate(model, tokenizer, dataset, reward_funcs, **options)
+    tools = Tools.of(recipe.tools, recipe.environment_factory) if recipe.tools or recipe.environment_factory else None
+    metrics, samples = evaluate(model, tokenizer, dataset, reward_funcs, **options, tools=tools)
     first, *groups = summary_lines(metrics)
     print("\n".join([f"greedy pass@1 on {int(metrics['eval/num_examples'])} prompts: {first}", *groups]))
     output.parent.mkdir(parents=True, exist_ok=True)

@@ -59,7 +59,8 @@ def run(recipe, config, argv: list[str]) -> int:
         model, tokenizer = recipe.resolve_model(config)
         trainer = Trainer(config, model=model, tokenizer=tokenizer, reward_funcs=recipe.reward_funcs,
                           train_dataset=train_dataset, eval_dataset=eval_dataset, rollout_func=recipe.rollout_func,
-                          reward_processing_classes=recipe.reward_processing_classes)
+                          reward_processing_classes=recipe.reward_processing_classes, tools=recipe.tools,
+                          environment_factory=recipe.environment_factory)
         trainer.train()
     except TrainingInterrupted as e:
         saved = f"saved {e.checkpoint}\n{resume_hint(argv, e.checkpoint)}" if e.checkpoint else "nothing to save yet"

@@ -26,6 +26,7 @@ from .rollout.reward_models import place_reward_models, reward_callables
 from .rollout.rewards import NoSignalWatch, RewardContext, TrainerState, reward_func_names
 from .rollout.sampling import Sampler
 from .rollout.source import RolloutSource
+from .rollout.tools import Tools
 from .run import checkpoint, lock
 from .infra.allocator import decoding_allocations, return_freed_memory
 from .infra.distributed import setup as setup_distributed
@@ -47,10 +48,13 @@ class Trainer:
 
     def __init__(self, config: Config | None = None, model=None, tokenizer=None, reward_funcs=(),
                  train_dataset=None, eval_dataset=None, rollout_func=None, reward_processing_classes=None, *,
-                 args: Config | None = None, processing_class=None, sampler=None, **trl_only):
+                 args: Config | None = None, processing_class=None, sampler=None, tools=None,
+                 environment_factory=None, **trl_only):
         config, model, tokenizer = trl_call(config, args, model, tokenizer, processing_class, trl_only)  # trl_call
-        if sampler is not None and rollout_func is not None:
-            raise ConfigError("pass a sampler or a rollout_func, not both: either one makes the completions")
+        if sum(x is not None for x in (sampler, rollout_func, tools or environment_factory)) > 1:
+            raise ConfigError("pass one of a sampler, a rollout_func, tools/environment_factory: the tools are "
+                              "called within our own decoder, which the other two replace")
+        self.tools = Tools.of(tools, environment_factory) if tools or environment_factory else None  # rollout/tools
         self.dist = setup_distributed()  # world size 1 without torchrun
         # Config(...) resolved it on the ranks torchrun announces; again on the process group's, before any model
         # (reward models included) loads, which also checks a Config changed after it was made.
@@ -74,13 +78,14 @@ class Trainer:
         place_reward_models(self.reward_funcs, self.policy.device)  # reward models next to the policy
         if sampler is None:  # our decoder, as many prompts per decode as fit (memory/), or TRL's rollout_func
             sampler = Sampler(self.policy, self.tokenizer, config,
-                              sampling_prompts_per_decode(config, self.model, self.policy.device.type)) \
+                              sampling_prompts_per_decode(config, self.model, self.policy.device.type), self.tools) \
                 if rollout_func is None else CustomRollouts(rollout_func, self)
         self.sampler = sampler
         self.prompts = PromptStream(train_dataset, config.seed)
         self.source = RolloutSource(sampler, self.prompts, self.reward_funcs, config.reward_weights, dist=self.dist,
                                     seed=config.seed, num_generations=config.num_generations,
-                                    release_memory=self.threshold_set)                       # rollout/source
+                                    release_memory=self.threshold_set,
+                                    environment_factory=environment_factory)                 # rollout/source
         self.total_steps = self.schedule.total_steps(len(train_dataset), config.num_train_epochs, config.max_steps)
         self.updates = Updates(self.model.parameters(), self.plan.optim, self.total_steps)  # policy/optim
         self.optimizer, self.scheduler = self.updates.optimizer, self.updates.scheduler  # transformers' names
@@ -231,7 +236,7 @@ class Trainer:
         with decoding_allocations(self.threshold_set):
             metrics, _ = evaluate(self.model, self.tokenizer, self.eval_dataset, self.reward_funcs,
                                   **eval_options(cfg, batch_size), progress=self.dist.is_main,
-                                  unsharded=self.policy.parallel.unsharded)
+                                  unsharded=self.policy.parallel.unsharded, tools=self.tools)
         return log_eval(self.output_dir, self.step, metrics, self.dist.is_main, self.trackers)
 
     def log(self, metrics: dict) -> dict:

@@ -13,7 +13,7 @@ from .rewards import RewardContext, reward_metrics
 
 PROMPT_SIDE = ("prompt_ids", "prompt_mask")  # [N, P], left-padded
 COMPLETION_SIDE = ("completion_ids", "completion_mask", "loss_mask", "old_logprobs", "ref_logprobs")  # [N, C]
-PER_ROW = ("truncated", "advantages")  # [N]
+PER_ROW = ("truncated", "advantages", "tool_calls", "tool_failures")  # [N]
 IDS = ("prompt_ids", "completion_ids")  # padded with the pad token, the rest with 0
 
 
@@ -35,6 +35,8 @@ class Rollout:
     advantages: torch.Tensor | None = None  # [N]
     old_logprobs: torch.Tensor | None = None  # [N, C], only when later steps are off-policy
     ref_logprobs: torch.Tensor | None = None  # [N, C], only with a reference
+    tool_calls: torch.Tensor | None = None  # [N] the tool calls each completion made, when it could make some
+    tool_failures: torch.Tensor | None = None  # [N] those that failed (raised, timed out, unknown, malformed)
 
     def __post_init__(self):
         if self.loss_mask is None:
@@ -251,13 +253,23 @@ def length_metrics(lengths: torch.Tensor, truncated: torch.Tensor) -> dict[str, 
             "completions/clipped_ratio": truncated.float().mean().item()}
 
 
+def tool_metrics(calls: torch.Tensor, failures: torch.Tensor) -> dict[str, float]:
+    """TRL's tool metrics from each completion's calls [N] and failed calls [N]: calls per completion, and the
+    share of calls that failed (0 without calls)."""
+    return {"tools/call_frequency": calls.mean().item(),
+            "tools/failure_frequency": (failures.sum() / calls.sum().clamp(min=1)).item()}
+
+
 def generation_metrics(rollout: Rollout, scored: Scored, context: RewardContext, generate_s: float,
                        reward_names: list[str], num_generations: int, dist) -> dict[str, float]:
     """A generation batch's metrics over all ranks (`dist`: infra/distributed's): rewards, lengths, groups
     without signal, what the reward functions logged, timing."""
     lengths = dist.gather(rollout.completion_mask.sum(1).float())  # [W*N]
     truncated = dist.gather(rollout.truncated.float())  # [W*N]
+    tools = {} if rollout.tool_calls is None else tool_metrics(dist.gather(rollout.tool_calls.float()),
+                                                               dist.gather(rollout.tool_failures.float()))
     return {**reward_metrics(scored.rewards, scored.per_func, reward_names), **length_metrics(lengths, truncated),
+            **tools,
             "frac_reward_zero_std": zero_std_fraction(scored.rewards, num_generations, scored.applied),
             **context.metrics_over(dist), "perf/generate_s": generate_s,
             "perf/tokens_per_s": lengths.sum().item() / generate_s}

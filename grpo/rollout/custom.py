@@ -16,13 +16,10 @@ from .rewards import REWARD_ARGUMENTS
 from .sampling import eos_token_ids, is_chat, left_pad, rollout_of_tokens
 
 REQUIRED = ("prompt_ids", "completion_ids")
-USED = (*REQUIRED, "logprobs")  # TRL's own keys; every other one is a field for the reward functions
+USED = (*REQUIRED, "logprobs", "env_mask")  # TRL's own keys; every other one is a field for the reward functions
 # The reward functions' own arguments (rollout/rewards.py) and the dataset's prompt: a field of that name would
 # collide with them (TRL: a TypeError, or the field silently dropped), so it is refused.
 RESERVED = (*REWARD_ARGUMENTS, "prompt", "completion")
-# Fields TRL gives a meaning beyond the rewards; forwarding them would silently drop that meaning.
-UNSUPPORTED = {"env_mask": "TRL masks the tokens it marks 0 out of the loss (environment feedback); "
-                           "not implemented here"}
 
 
 class RolloutFuncError(UserError):
@@ -60,16 +57,18 @@ class CustomRollouts:
             raise RolloutFuncError(f"rollout_func '{self.name}' returned a completion of {too_long} tokens, more "
                                    f"than max_completion_length={self.max_completion_length}")
         fields = self.reward_fields({k: v for k, v in output.items() if k not in USED}, len(repeated))
+        env_mask = output.get("env_mask")
+        if env_mask is not None and [len(m) for m in env_mask] != [len(r) for r in completion_rows]:
+            raise RolloutFuncError(f"rollout_func '{self.name}' returned an env_mask whose rows are not as long as "
+                                   f"their completion_ids (one 0/1 per completion token)")
         return self.rollout(prompts, [list(map(int, r)) for r in prompt_rows],
-                            [list(map(int, r)) for r in completion_rows]), fields
+                            [list(map(int, r)) for r in completion_rows], env_mask), fields
 
     def reward_fields(self, extra: dict, n: int) -> dict[str, list]:
         """The extra fields as reward columns of `n` values. As in TRL, a list holds one value per completion
         and anything else (a number, a string, a tuple) is every completion's value. A list of another length
         is an error here (TRL fails later on a shorter one, with a KeyError, and drops a longer one's tail)."""
         for key in extra:
-            if key in UNSUPPORTED:
-                raise RolloutFuncError(f"rollout_func '{self.name}' returned '{key}': {UNSUPPORTED[key]}")
             if key in RESERVED:
                 raise RolloutFuncError(f"rollout_func '{self.name}' returned a field '{key}', a name the reward "
                                        f"functions' own arguments use ({', '.join(RESERVED)}): rename it")
@@ -80,14 +79,21 @@ class CustomRollouts:
                                    f"completion's value)")
         return {k: v if isinstance(v, list) else [v] * n for k, v in extra.items()}
 
-    def rollout(self, prompts: list, prompt_rows: list[list[int]], completion_rows: list[list[int]]) -> Rollout:
+    def rollout(self, prompts: list, prompt_rows: list[list[int]], completion_rows: list[list[int]],
+                env_mask: list[list[int]] | None) -> Rollout:
+        """The rows as our own samples are made; TRL's `env_mask` (1 on the model's tokens, 0 on what an
+        environment wrote) takes the tokens it marks 0 out of the loss mask, which attention still sees."""
         pad = self.tokenizer.pad_token_id
         prompt_ids, prompt_mask = left_pad(prompt_rows, pad)  # [N, P]
         width = max(1, max(len(r) for r in completion_rows))
         completion_ids = torch.full((len(completion_rows), width), pad, dtype=torch.long)  # [N, C]
         given = torch.zeros_like(completion_ids)  # [N, C] 1 where the function returned a token
+        own = torch.ones_like(completion_ids)  # [N, C] 0 where env_mask says an environment wrote the token
         for i, r in enumerate(completion_rows):
             completion_ids[i, :len(r)], given[i, :len(r)] = torch.tensor(r, dtype=torch.long), 1
+            if env_mask is not None:
+                own[i, :len(r)] = torch.tensor([int(bool(v)) for v in env_mask[i]], dtype=torch.long)
         rollout = rollout_of_tokens(prompt_ids, prompt_mask, completion_ids, self.tokenizer, self.eos_ids,
                                     chat=is_chat(prompts[0]), given=given)  # as our own samples are made
+        rollout.loss_mask = rollout.completion_mask * own  # [N, C]
         return rollout.to(self.device)  # on the policy's device, as our own sampler returns them

@@ -17,6 +17,7 @@ from ..errors import ConfigError
 from ..infra.progress import TokenProgress
 from .rewards import compute_rewards, required_columns, reward_func_names, reward_metrics
 from .sampling import PromptEncoder, sample_completions
+from .tools import make_envs
 
 MAX_BREAKDOWN_VALUES = 50  # metrics for each value: a column of ids would flood metrics.jsonl
 
@@ -28,7 +29,8 @@ def eval_options(config, batch_size: int) -> dict:
                 format_func=config.eval_format_func, breakdown_column=config.eval_breakdown_column,
                 max_prompt_length=config.max_prompt_length,
                 max_completion_length=config.max_completion_length, batch_size=batch_size,
-                limit=config.eval_limit, chat_template_kwargs=config.chat_template_kwargs)
+                limit=config.eval_limit, chat_template_kwargs=config.chat_template_kwargs,
+                max_tool_calling_iterations=config.max_tool_calling_iterations)
 
 
 def check_eval_setup(config, eval_dataset, reward_funcs) -> None:
@@ -149,9 +151,11 @@ def evaluate(model, tokenizer, dataset, reward_funcs, *, accuracy_func: str,
              free_accuracy_func: str | None = None, format_func: str | None = None,
              breakdown_column: str | None = None, max_prompt_length: int, max_completion_length: int,
              batch_size: int = 64, limit: int | None = None, progress: bool = True, unsharded=None,
-             chat_template_kwargs: dict | None = None) -> tuple[dict[str, float], list[dict]]:
+             chat_template_kwargs: dict | None = None, tools=None,
+             max_tool_calling_iterations: int | None = None) -> tuple[dict[str, float], list[dict]]:
     """Greedy-decode one completion per prompt of `dataset` (its first `limit` rows), chat prompts rendered
-    with `chat_template_kwargs` as in training, and score it.
+    with `chat_template_kwargs` as in training, and score it. With `tools` (rollout/tools.Tools) the rows call
+    them in the decode as in training (an environment_factory's environments reset on each row).
 
     `unsharded(fn)` runs `fn(model)` for each batch (default: directly); the Trainer passes its parallel
     wrapper, so that FSDP ranks generate together. Returns `(metrics, samples)`: `eval/*` metrics and one
@@ -162,20 +166,27 @@ def evaluate(model, tokenizer, dataset, reward_funcs, *, accuracy_func: str,
         dataset = dataset.select(range(min(limit, len(dataset))))
     funcs = eval_funcs(reward_funcs, accuracy_func, free_accuracy_func, format_func, dataset.column_names)
     groups = check_breakdown_column(dataset, breakdown_column)
-    encode = PromptEncoder(tokenizer, max_prompt_length, chat_template_kwargs)
-    completions, completion_ids, lengths = [], [], []
+    encode = PromptEncoder(tokenizer, max_prompt_length, chat_template_kwargs, tools)
+    completions, completion_ids, lengths, environments = [], [], [], []
     t0 = time.perf_counter()
     with TokenProgress("eval", enabled=progress) as bar:
         for start in range(0, len(dataset), batch_size):
-            prompts = dataset[start:start + batch_size]["prompt"]
+            prompts, envs = dataset[start:start + batch_size]["prompt"], None
+            if tools is not None and tools.environment_factory is not None:
+                envs, prompts = make_envs(tools.environment_factory, list(dataset.select(
+                    range(start, min(start + batch_size, len(dataset))))))
+                environments += envs
             bar.batch(start, len(prompts), len(dataset))  # prompts done / total as rows finish, tokens/s
             rollout = unsharded(lambda m: sample_completions(
                 m, tokenizer, encode, prompts, num_generations=1, greedy=True, on_token=bar,
-                max_completion_length=max_completion_length, temperature=1.0, top_p=1.0, top_k=0))
+                max_completion_length=max_completion_length, temperature=1.0, top_p=1.0, top_k=0,
+                max_tool_calling_iterations=max_tool_calling_iterations, envs=envs))
             completions += rollout.completions
             completion_ids += rollout.completion_id_lists
             lengths.append(rollout.completion_mask.sum(dim=1).float())  # [b]
     columns = {k: dataset[k] for k in dataset.column_names if k != "prompt"}
+    if environments:
+        columns["environments"] = environments
     prompts = dataset["prompt"]
     rewards, per_func = compute_rewards(reward_funcs, prompts, completions, columns,
                                         completion_ids=completion_ids)  # [N], [N, F]

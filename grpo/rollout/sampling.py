@@ -10,8 +10,10 @@ import torch
 from ..policy.folding import sampling_weights
 from ..policy.models import eval_mode, unwrap
 from .batches import Rollout
-from .decoding import DecodeSettings, decode
+from .decoding import DecodeSettings, ToolDecode, decode
 from .streams import PromptStreams
+from .tool_loop import ToolLoop
+from .tool_prompts import render_tool_prompt
 
 
 def is_chat(prompt) -> bool:
@@ -30,17 +32,23 @@ def render_prompt(tokenizer, prompt, chat_template_kwargs: dict | None = None) -
 
 
 class PromptEncoder:
-    """Tokenizes prompts (chat ones rendered with `chat_template_kwargs`), cutting overlong ones from the left
-    (the end of a prompt matters most)."""
+    """Tokenizes prompts (chat ones rendered with `chat_template_kwargs`, and with the schemas of `tools`
+    (rollout/tools.Tools) when the model calls some in chat turns), cutting overlong ones from the left (the end
+    of a prompt matters most)."""
 
-    def __init__(self, tokenizer, max_prompt_length: int, chat_template_kwargs: dict | None = None):
+    def __init__(self, tokenizer, max_prompt_length: int, chat_template_kwargs: dict | None = None, tools=None):
         self.tokenizer = tokenizer
         self.max_prompt_length = max_prompt_length
         self.chat_template_kwargs = chat_template_kwargs
+        self.tools = tools
         self.warned = False
 
     def __call__(self, prompts: list) -> tuple[torch.Tensor, torch.Tensor]:
-        texts = [render_prompt(self.tokenizer, p, self.chat_template_kwargs) for p in prompts]
+        if self.tools is not None and self.tools.chat:
+            texts = [render_tool_prompt(self.tokenizer, p, self.tools.schemas, self.chat_template_kwargs)
+                     for p in prompts]
+        else:
+            texts = [render_prompt(self.tokenizer, p, self.chat_template_kwargs) for p in prompts]
         # A chat template already writes any BOS it wants; plain text gets the tokenizer's default.
         special = not is_chat(prompts[0])
         rows = [self.tokenizer(t, add_special_tokens=special)["input_ids"] for t in texts]
@@ -85,14 +93,18 @@ def eos_token_ids(tokenizer, model) -> list[int]:
 def sample_completions(model, tokenizer, encode: PromptEncoder, prompts: list, *, num_generations: int,
            max_completion_length: int, temperature: float, top_p: float, top_k: int, min_p: float | None = None,
            repetition_penalty: float = 1.0, stop_at_eos: bool = True, greedy: bool = False,
-           streams: PromptStreams | None = None, on_token=None) -> Rollout:
+           streams: PromptStreams | None = None, on_token=None, max_tool_calling_iterations: int | None = None,
+           envs: list | None = None) -> Rollout:
     """Sample `num_generations` completions per prompt with KV-cached generation (`Config.sampling_settings()`
     gives the sampling knobs).
 
     `stop_at_eos=False` forces full-length completions (benchmarks compare equal work that way);
     `greedy=True` decodes the most likely token each step instead (evaluation), ignoring the sampling filters;
     `streams`: the prompts' random streams (rollout/streams; None: drawn from torch's generator);
-    `on_token(n)` is called after each decoding step with the tokens it generated (progress bars)."""
+    `on_token(n)` is called after each decoding step with the tokens it generated (progress bars). With the
+    tools of `encode` (rollout/tools.Tools), rows call them within the decode (rollout/tool_loop.ToolLoop), up
+    to `max_tool_calling_iterations` rounds each (None: no limit, TRL's default); `envs`: one environment per
+    completion when the tools include an environment's methods."""
     prompt_ids, prompt_mask = encode(prompts)  # [B, P]
     device = next(model.parameters()).device
     prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)  # [B, P]
@@ -106,12 +118,42 @@ def sample_completions(model, tokenizer, encode: PromptEncoder, prompts: list, *
     # temperature make sampling off-policy (as in TRL): the loss scores the policy's own distribution.
     # Eval mode: the KV cache on (gradient checkpointing would disable it), dropout off. LoRA folded into copies
     # of its base weights, oneDNN-packed on a CPU, while decoding (policy/folding).
+    loop = None if encode.tools is None else ToolLoop(
+        encode.tools, tokenizer, [p for p in prompts for _ in range(num_generations)], max_tool_calling_iterations,
+        envs, eos_ids, encode.chat_template_kwargs)
     with eval_mode(model), sampling_weights(model) as head_matmul:
-        completion_ids = decode(unwrap(model), prompt_ids, prompt_mask, settings, repeats=num_generations,
-                                seeds=seeds, on_token=on_token, head_matmul=head_matmul)  # [N, C]
+        decoded = decode(unwrap(model), prompt_ids, prompt_mask, settings, repeats=num_generations, seeds=seeds,
+                         on_token=on_token, head_matmul=head_matmul, tools=loop)  # [N, C], or with the tool mask
     prompt_ids = prompt_ids.repeat_interleave(num_generations, dim=0)  # [N, P]
     prompt_mask = prompt_mask.repeat_interleave(num_generations, dim=0)  # [N, P]
-    return rollout_of_tokens(prompt_ids, prompt_mask, completion_ids, tokenizer, eos_ids, chat=is_chat(prompts[0]))
+    if loop is None:
+        return rollout_of_tokens(prompt_ids, prompt_mask, decoded, tokenizer, eos_ids, chat=is_chat(prompts[0]))
+    return tool_rollout(prompt_ids, prompt_mask, decoded, loop, tokenizer, eos_ids, chat=is_chat(prompts[0]))
+
+
+def tool_rollout(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, decoded: ToolDecode, loop: ToolLoop,
+                 tokenizer, eos_ids: list[int], *, chat: bool) -> Rollout:
+    """The Rollout of a decode with tools: each completion as long as the decode ran it (an EOS within it closed
+    a tool call), "truncated" unless the model's own EOS ended it; the tools' tokens attended to but out of the
+    loss mask; the completions as TRL gives them to rewards (assistant and tool messages after chat prompts); each
+    row's tool calls and failures counted."""
+    ids, tool_mask, lengths = decoded  # [N, C], [N, C], [N]
+    N, C = ids.shape
+    completion_mask = (torch.arange(C, device=ids.device)[None] < lengths[:, None]).long()  # [N, C]
+    last = ids.gather(1, (lengths - 1).clamp(min=0)[:, None]).squeeze(1)  # [N]
+    own_last = tool_mask.gather(1, (lengths - 1).clamp(min=0)[:, None]).squeeze(1) == 0  # [N]
+    truncated = ~(torch.isin(last, torch.tensor(eos_ids, device=ids.device)) & own_last & (lengths > 0))  # [N]
+    ids = ids.masked_fill(completion_mask == 0, tokenizer.pad_token_id)  # [N, C]
+    rows = [(row[:n].tolist(), (1 - mask[:n]).tolist()) for row, mask, n in zip(ids, tool_mask, lengths.tolist())]
+    if chat:
+        completions = [loop.completion_messages(i, r, own) for i, (r, own) in enumerate(rows)]
+    else:
+        completions = tokenizer.batch_decode(ids, skip_special_tokens=True)
+    calls, failures = loop.row_counts()
+    return Rollout(prompt_ids, prompt_mask, ids, completion_mask, completions, truncated,
+                   loss_mask=completion_mask * (1 - tool_mask),
+                   tool_calls=torch.tensor(calls, device=ids.device),
+                   tool_failures=torch.tensor(failures, device=ids.device))
 
 
 def rollout_of_tokens(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor, tokenizer,
@@ -142,20 +184,23 @@ class Sampler:
     prompts; None: a micro-batch's): one for the whole generation batch when its KV cache fits within the
     training peak, since a decode of more rows costs little more per step (docs/benchmarks.md)."""
 
-    def __init__(self, policy, tokenizer, config, prompts_per_decode: int | None = None):
+    def __init__(self, policy, tokenizer, config, prompts_per_decode: int | None = None, tools=None):
         self.policy, self.tokenizer, self.config = policy, tokenizer, config
-        self.encode = PromptEncoder(tokenizer, config.max_prompt_length, config.chat_template_kwargs)
+        self.encode = PromptEncoder(tokenizer, config.max_prompt_length, config.chat_template_kwargs, tools)
         k = max(1, config.per_device_train_batch_size // config.num_generations)  # a micro-batch's prompts
         self.prompts_per_decode = k if prompts_per_decode is None else max(k, prompts_per_decode // k * k)
 
     @torch.no_grad()
-    def __call__(self, prompts: list, on_token=None,
-                 streams: PromptStreams | None = None) -> tuple[Rollout, dict[str, list]]:
-        c = self.config
+    def __call__(self, prompts: list, on_token=None, streams: PromptStreams | None = None,
+                 envs: list | None = None) -> tuple[Rollout, dict[str, list]]:
+        """`envs`: with an environment_factory, one environment per completion (rollout/tools.make_envs)."""
+        c, k, G = self.config, self.prompts_per_decode, self.config.num_generations
         streams = streams if streams is not None else PromptStreams(c.seed)
         decodes = [self.policy.parallel.unsharded(lambda model: sample_completions(
-            model, self.tokenizer, self.encode, prompts[start:start + self.prompts_per_decode],
-            num_generations=c.num_generations, max_completion_length=c.max_completion_length,
-            **c.sampling_settings(), stop_at_eos=c.stop_at_eos, streams=streams.after(start), on_token=on_token))
-            for start in range(0, len(prompts), self.prompts_per_decode)]
+            model, self.tokenizer, self.encode, prompts[start:start + k], num_generations=G,
+            max_completion_length=c.max_completion_length, **c.sampling_settings(), stop_at_eos=c.stop_at_eos,
+            streams=streams.after(start), on_token=on_token,
+            max_tool_calling_iterations=c.max_tool_calling_iterations,
+            envs=None if envs is None else envs[start * G:(start + k) * G]))
+            for start in range(0, len(prompts), k)]
         return Rollout.cat(decodes, self.tokenizer.pad_token_id), {}

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import time
 
+from ..errors import ConfigError
 from ..infra.allocator import decoding_allocations
 from ..infra.progress import TokenProgress
 from .batches import Rollout, Scored
 from .prompts import PromptStream, per_completion
 from .rewards import RewardContext, compute_rewards
 from .streams import PromptStreams
+from .tools import make_envs
 
 
 class RolloutSource:
@@ -20,9 +22,9 @@ class RolloutSource:
     (infra/allocator), which decodes suspend."""
 
     def __init__(self, sampler, prompts: PromptStream, reward_funcs: list, reward_weights: list[float] | None, *,
-                 dist, seed: int, num_generations: int, release_memory: bool):
+                 dist, seed: int, num_generations: int, release_memory: bool, environment_factory=None):
         self.sampler, self.prompts, self.reward_funcs = sampler, prompts, reward_funcs
-        self.reward_weights = reward_weights
+        self.reward_weights, self.environment_factory = reward_weights, environment_factory
         self.dist, self.seed, self.num_generations, self.release_memory = dist, seed, num_generations, release_memory
 
     def draw(self, num_prompts: int, step: int, context: RewardContext) -> tuple[Rollout, Scored, float]:
@@ -35,13 +37,30 @@ class RolloutSource:
         streams = PromptStreams(self.seed, step, self.prompts.drawn).after(
             self.dist.rank * (num_prompts // self.dist.world_size))
         rows = self.dist.shard(self.prompts.next(num_prompts))
+        columns = per_completion(rows, self.num_generations)
+        prompts, envs = rows["prompt"], {}
+        if self.environment_factory is not None:  # one environment per completion; its tools are its methods
+            prompts, envs = self.environments(columns)
         with TokenProgress(f"sampling step {step + 1}", enabled=self.dist.is_main) as on_token:
             with decoding_allocations(self.release_memory):
-                rollout, fields = self.sampler(rows["prompt"], on_token, streams)
+                rollout, fields = self.sampler(prompts, on_token, streams, **envs)
         seconds = time.perf_counter() - t0
-        columns = {**per_completion(rows, self.num_generations), **fields}  # a rollout_func's fields win
+        columns = {**columns, **fields, **({"environments": envs["envs"]} if envs else {})}  # a rollout_func's win
         prompts = columns.pop("prompt")
         rewards, per_func = compute_rewards(self.reward_funcs, prompts, rollout.completions, columns,
                                             self.reward_weights, context=context,
                                             completion_ids=rollout.completion_id_lists)
         return rollout, Scored(prompts, rollout.completions, rewards, per_func, extras=context.extras), seconds
+
+    def environments(self, columns: dict[str, list]) -> tuple[list, dict]:
+        """The prompts (one per group) and `{"envs": [one environment per completion]}` of a generation batch's
+        rows (`columns`, one entry per completion), each environment reset on its row (rollout/tools.make_envs).
+        A group's completions start from one prompt, so a reset that words it differently within a group is
+        an error."""
+        rows = [dict(zip(columns, values)) for values in zip(*columns.values())]
+        envs, prompts = make_envs(self.environment_factory, rows)
+        G = self.num_generations
+        if any(prompts[i] != prompts[i - i % G] for i in range(len(prompts))):
+            raise ConfigError(f"{self.environment_factory.__name__}.reset returned different prompts for the "
+                              f"completions of one dataset row: a group's {G} completions are sampled from one prompt")
+        return prompts[::G], {"envs": envs}

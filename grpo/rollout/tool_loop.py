@@ -39,6 +39,8 @@ class _Row:
     rounds: int = 0
     span_end: int = 0
     prompt_text: str | None = None
+    calls: int = 0  # tool calls made, and those that failed (TRL's tools/* metrics)
+    failures: int = 0
 
 
 @dataclass
@@ -71,7 +73,6 @@ class ToolLoop:
         self.chat_template_kwargs = chat_template_kwargs
         self.eos = set(eos_ids) if eos_ids is not None else {tokenizer.eos_token_id}
         self.rows = [_Row(p, e) for p, e in zip(prompts, envs or [None] * len(prompts))]
-        self.calls = self.failures = 0
         self._trigger_chars = {t.trigger[-1] for t in tools.inline}
         self._triggering: dict[int, bool] = {}  # token id -> whether its text holds a trigger's last character
 
@@ -103,14 +104,14 @@ class ToolLoop:
         try:
             calls = parse_hermes(message)
         except MalformedCall:
-            self.calls, self.failures = self.calls + 1, self.failures + 1
+            row.calls, row.failures = row.calls + 1, row.failures + 1
             return False
         if not calls:
             return True
         functions = [self.tools.resolve(c.name, row.env) for c in calls]
-        self.calls += len(calls)
+        row.calls += len(calls)
         if None in functions:
-            self.failures += functions.count(None)
+            row.failures += functions.count(None)
             return False
         thunks = [functools.partial(f, **c.arguments) for f, c in zip(functions, calls)]
         pending.append(_Pending(r, space, thunks, calls=calls, message=message))
@@ -122,15 +123,15 @@ class ToolLoop:
         for tool in self.tools.inline:
             expression = tool.expression(text, row.span_end)
             if expression is not None:
-                self.calls += 1
+                row.calls += 1
                 pending.append(_Pending(r, space, [functools.partial(tool.fn, expression)], message=text,
                                         inline=tool))
                 return
 
     def _finish(self, p: _Pending, outcomes: list) -> list[int] | None:
         """The tokens row `p.row` is fed after its calls' `outcomes` (None: they do not fit its room)."""
-        self.failures += sum(o.failed for o in outcomes)
         row = self.rows[p.row]
+        row.failures += sum(o.failed for o in outcomes)
         if p.inline is not None:
             ids = self.tokenizer.encode(outcomes[0].text + p.inline.close, add_special_tokens=False)
             if len(ids) > p.room:
@@ -180,6 +181,18 @@ class ToolLoop:
             else:
                 messages, text, own_since = messages + event, "", False
         return messages + [{"role": "assistant", "content": text}] if own_since else messages
+
+    @property
+    def calls(self) -> int:
+        return sum(row.calls for row in self.rows)
+
+    @property
+    def failures(self) -> int:
+        return sum(row.failures for row in self.rows)
+
+    def row_counts(self) -> tuple[list[int], list[int]]:
+        """Each row's tool calls and failed calls."""
+        return [row.calls for row in self.rows], [row.failures for row in self.rows]
 
     def metrics(self) -> dict[str, float]:
         """TRL's tool metrics: calls per completion and failed calls per call (0 when none were made)."""

@@ -114,13 +114,16 @@ class Tools:
     @classmethod
     def of(cls, tools=(), environment_factory=None, parser: str = "hermes", inline=(),
            timeout_s: float = 10.0) -> Tools:
-        """Tools from TRL's arguments (`tools=[fn, ...]`, `environment_factory=`) plus `inline` ones; a
+        """Tools from TRL's arguments (`tools=[fn, ...]`, `environment_factory=`) plus `inline` ones (also
+        accepted within `tools`); a
         ConfigError naming the tool that has no schema, a clash of names, an unknown parser."""
         if parser not in PARSERS:
             raise ConfigError(f"tool parser {parser!r} is not known; known: {', '.join(PARSERS)}")
         if not timeout_s > 0:
             raise ConfigError(f"timeout_s must be > 0, got {timeout_s}")
-        tools = list(tools or ())
+        given = list(tools or ())  # TRL's functions, and our inline tools among them
+        inline = (*(inline or ()), *(t for t in given if isinstance(t, InlineTool)))
+        tools = [t for t in given if not isinstance(t, InlineTool)]
         methods = environment_methods(environment_factory) if environment_factory is not None else {}
         named = [getattr(f, "__name__", repr(f)) for f in tools] + list(methods)
         if len(set(named)) < len(named):
@@ -130,7 +133,7 @@ class Tools:
             raise ConfigError("no tools: give tools=[...], environment_factory= or inline=[...]")
         functions = dict(zip(named, tools))
         schemas = [schema_of(f) for f in tools] + list(methods.values())
-        return cls(functions, environment_factory, tuple(methods), schemas, tuple(inline or ()), parser, timeout_s)
+        return cls(functions, environment_factory, tuple(methods), schemas, inline, parser, timeout_s)
 
     @property
     def chat(self) -> bool:

@@ -40,6 +40,7 @@ RULES: dict[str, tuple[typing.Callable, str]] = {
     "max_steps": (lambda v: v > 0 or v == -1, "> 0, or -1 to train for num_train_epochs"),
     "max_prompt_length": (lambda v: v >= 1, ">= 1"),
     "max_completion_length": (lambda v: v >= 1, ">= 1"),
+    "max_tool_calling_iterations": (lambda v: v >= 1, ">= 1, or None for no limit"),
     "temperature": (lambda v: v > 0, "> 0"),
     "top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
     "top_k": (lambda v: v >= 0, ">= 0 (0 disables it)"),

@@ -107,6 +107,9 @@ class Config(metaclass=_CheckedKeywords):
     alike (a dict or its JSON text), e.g. {"enable_thinking": false} for Qwen3."""
     stop_at_eos: bool = True
     """End completions at EOS; False always samples max_completion_length tokens (benchmarks: equal work)."""
+    max_tool_calling_iterations: int | None = None
+    """With tools (`Trainer(tools=..., environment_factory=...)`): the rounds of tool calls a completion may make
+    (None: no limit but max_completion_length, which bounds the whole completion, tool output included; TRL's)."""
 
     # --- algorithm ---
     beta: float = 0.0

@@ -31,6 +31,10 @@ class Recipe:
     """Optional TRL `rollout_func(prompts, trainer) -> {"prompt_ids", "completion_ids"}` replacing our decoder."""
     reward_processing_classes: object = None
     """Optional, as in TRL: the tokenizer of each reward model in `reward_funcs` (None for plain functions)."""
+    tools: list | None = None
+    """Optional, as in TRL: functions the model may call (and our inline tools, rollout/tools.InlineTool)."""
+    environment_factory: object = None
+    """Optional, as in TRL: a class, one instance per completion, whose public methods are tools."""
 
     def resolve_model(self, config: Config) -> tuple:
         """(model, tokenizer) from the recipe's `build_model`, or (None, None) to load `config.model`."""
@@ -40,8 +44,8 @@ class Recipe:
 RECIPE_CONTRACT = (
     "a recipe must define `config` (a grpo.Config), `reward_funcs` (a list of reward "
     "functions, reward models or reward model paths) and `train_dataset` (a datasets.Dataset or a function "
-    "returning one); `eval_dataset`, `build_model(config) -> (model, tokenizer)`, `rollout_func` and "
-    "`reward_processing_classes` are optional"
+    "returning one); `eval_dataset`, `build_model(config) -> (model, tokenizer)`, `rollout_func`, "
+    "`reward_processing_classes`, `tools` and `environment_factory` are optional"
 )
 _recipe_ids = itertools.count()
 
@@ -67,6 +71,8 @@ def load_recipe(path: str) -> Recipe:
         build_model=getattr(module, "build_model", None),
         rollout_func=getattr(module, "rollout_func", None),
         reward_processing_classes=getattr(module, "reward_processing_classes", None),
+        tools=getattr(module, "tools", None),
+        environment_factory=getattr(module, "environment_factory", None),
     )
 
 

@@ -18,7 +18,7 @@ TRL_ONLY = frozenset("""
     include_num_input_tokens_seen label_names label_smoothing_factor length_column_name liger_kernel_config
     load_best_model_at_end local_rank log_completions_hub_repo log_level log_level_replica
     log_multimodal log_on_each_node log_unique_prompts logging_first_step logging_nan_inf_filter
-    logging_strategy lr_scheduler_kwargs max_tool_calling_iterations metric_for_best_model
+    logging_strategy lr_scheduler_kwargs metric_for_best_model
     model_init_kwargs multi_objective_aggregation neftune_noise_alpha
     num_generations_eval optim_args optim_target_modules pad_to_multiple_of
     parallelism_config per_device_eval_batch_size prediction_loss_only project push_to_hub ref_model_mixup_alpha

@@ -96,6 +96,6 @@ def test_micro_batches_keep_only_their_own_padding(tokenizer):
 
 
 def test_a_sampler_and_a_rollout_func_together_are_refused(tmp_path, tokenizer):
-    with pytest.raises(ConfigError, match="pass a sampler or a rollout_func, not both"):
+    with pytest.raises(ConfigError, match="pass one of a sampler, a rollout_func, tools/environment_factory"):
         Trainer(Config(output_dir=str(tmp_path / "both")), tokenizer=tokenizer, train_dataset=digit_prompts(8),
                 sampler=lambda prompts, on_token=None: ([], {}), rollout_func=lambda prompts, trainer: {})

@@ -128,7 +128,7 @@ def test_rollout_func_is_called_once_per_generation_batch_and_its_fields_reach_t
                                             r"holds one value per completion")),
     ({"prompts": lambda n: ["x"] * n}, r"returned a field 'prompts', a name the reward functions' own arguments use"),
     ({"completion": "x"}, r"returned a field 'completion', a name the reward functions' own arguments use"),
-    ({"env_mask": lambda n: [[1]] * n}, r"returned 'env_mask': TRL masks the tokens it marks 0 out of the loss"),
+    ({"env_mask": lambda n: [[1]] * n}, r"returned an env_mask whose rows are not as long as their completion_ids"),
 ])
 def test_rollout_func_fields_are_checked(tmp_path, tokenizer, fields, message):
     trainer = Trainer(config(tmp_path, max_steps=1), model=tiny_model(tokenizer), tokenizer=tokenizer,
@@ -156,7 +156,7 @@ def test_rollout_func_rows_are_on_the_policys_device(tokenizer):
                               policy=SimpleNamespace(device=meta),
                               config=SimpleNamespace(num_generations=2, max_completion_length=4))
     sampler = CustomRollouts(lambda prompts, trainer: None, trainer)
-    rollout = sampler.rollout(["a", "a"], [[5, 6], [7]], [[8], [9, 10]])
+    rollout = sampler.rollout(["a", "a"], [[5, 6], [7]], [[8], [9, 10]], None)
     tensors = {f.name: getattr(rollout, f.name) for f in dataclasses.fields(rollout)
                if isinstance(getattr(rollout, f.name), torch.Tensor)}
     assert set(tensors) == {"prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "loss_mask", "truncated"}
