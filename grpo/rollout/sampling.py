@@ -13,7 +13,7 @@ from .batches import Rollout
 from .decoding import DecodeSettings, ToolDecode, decode
 from .streams import PromptStreams
 from .tool_loop import ToolLoop
-from .tool_prompts import render_tool_prompt
+from .tool_prompts import check_tool_template, render_tool_prompt
 
 
 def is_chat(prompt) -> bool:
@@ -187,6 +187,8 @@ class Sampler:
     def __init__(self, policy, tokenizer, config, prompts_per_decode: int | None = None, tools=None):
         self.policy, self.tokenizer, self.config = policy, tokenizer, config
         self.encode = PromptEncoder(tokenizer, config.max_prompt_length, config.chat_template_kwargs, tools)
+        if tools is not None and tools.chat:  # a template that cannot show the model its tools: said before a step
+            check_tool_template(tokenizer, config.chat_template_kwargs)
         k = max(1, config.per_device_train_batch_size // config.num_generations)  # a micro-batch's prompts
         self.prompts_per_decode = k if prompts_per_decode is None else max(k, prompts_per_decode // k * k)
 
