@@ -62,6 +62,10 @@ def number_text(value: float | int) -> str:
 
 
 INLINE_CALCULATOR = InlineTool(open="<<", trigger="=", close=">>", fn=calculate)
+# The word problems' worked example (grpo/tasks/word_problems.py) with GSM8K's calculator annotations: the model
+# writes `<<12+7=`, the calculator writes `19>>`, and the model goes on from the result.
+INLINE_EXAMPLE_ANSWER = ("<reasoning>\n12 + 7 = <<12+7=19>>19\n19 - 5 = <<19-5=14>>14\n</reasoning>\n"
+                         "<answer>\n14\n</answer>")
 
 SMOLLM2_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 

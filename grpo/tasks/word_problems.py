@@ -103,17 +103,19 @@ def split(num_train: int = 10_000, num_eval: int = 500, seed: int = 0, two_step_
     return train, held_out
 
 
-def prompt(question: str, worked_example: bool = True) -> list[dict]:
+def prompt(question: str, worked_example: bool = True, example_answer: str = EXAMPLE_ANSWER) -> list[dict]:
     """The chat prompt: the GSM8K system prompt, a worked example turn (without it a small instruct model
-    hardly ever uses the tags, so every group's rewards are equal and GRPO learns nothing), the question."""
+    hardly ever uses the tags, so every group's rewards are equal and GRPO learns nothing; `example_answer`:
+    its answer), the question."""
     messages = [{"role": "system", "content": SYSTEM_PROMPT}]
     if worked_example:
-        messages += [{"role": "user", "content": EXAMPLE_QUESTION}, {"role": "assistant", "content": EXAMPLE_ANSWER}]
+        messages += [{"role": "user", "content": EXAMPLE_QUESTION}, {"role": "assistant", "content": example_answer}]
     return messages + [{"role": "user", "content": question}]
 
 
-def rows(problems: list[Problem], worked_example: bool = True) -> list[dict]:
+def rows(problems: list[Problem], worked_example: bool = True, example_answer: str = EXAMPLE_ANSWER) -> list[dict]:
     """Dataset rows: `prompt` (chat), `answer` (the number, as a string, for answer_accuracy_reward),
     `question` and `operations`."""
-    return [{"prompt": prompt(p.question, worked_example), "answer": str(p.answer), "question": p.question,
+    return [{"prompt": prompt(p.question, worked_example, example_answer), "answer": str(p.answer),
+             "question": p.question,
              "operations": p.operations} for p in problems]
