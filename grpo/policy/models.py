@@ -11,6 +11,7 @@ import torch
 
 from ..algo.logprobs import token_logprobs
 from ..errors import ConfigError
+from ..infra.libraries import import_bitsandbytes
 from ..settings.plan import reference_kind
 from .gguf import resolve_model_path
 from .head import head_logits, head_transform, positions
@@ -53,6 +54,7 @@ def load_model(config, precision: Precision | None = None):
     if not config.load_in_4bit:
         with loading(name):
             return AutoModelForCausalLM.from_pretrained(name, dtype=dtype).to(device)
+    import_bitsandbytes()  # transformers' 4-bit layers import it: without the line it logs
     from transformers import BitsAndBytesConfig
 
     # Embeddings, norms and the LM head stay in `dtype` (bf16 under bf16); peft's prepare_model_for_kbit_training
