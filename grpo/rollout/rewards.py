@@ -28,6 +28,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from ..errors import ConfigError, UserError
+from ..infra.interrupts import StepAbandoned
 
 
 # What every reward function may take besides the dataset's columns.
@@ -156,11 +157,23 @@ def reward_metrics(rewards: Tensor, per_func: Tensor, names: list[str]) -> dict[
 
 def _call(f, name: str, batch: dict, context: RewardContext):
     """`f` on the whole batch, given only the arguments it accepts (all of them when it takes **kwargs); an
-    async function's coroutine is returned unawaited. A RewardError if it raises."""
+    async function's coroutine is returned unawaited. A RewardError if it needs a column the batch lacks, or if
+    it raises."""
+    missing = sorted(required_columns(f) - set(batch))
+    if missing:  # before the call: Python's "missing 1 required positional argument" names no column
+        columns = ["prompt"] + [k for k in batch if k not in REWARD_ARGUMENTS]
+        raise RewardError(f"reward function '{name}' takes {_plural('column', missing)} the dataset does not "
+                          f"have: {', '.join(missing)} (its columns: {', '.join(columns)})")
     try:
         return f(**_accepted(f, {**batch, **context.kwargs()}))
+    except StepAbandoned:  # a stop signal arrived while it ran: the step stops, the function did nothing wrong
+        raise
     except Exception as batch_error:
         _raise(f, name, batch_error, batch)
+
+
+def _plural(word: str, items: list) -> str:
+    return f"a {word}" if len(items) == 1 else f"{len(items)} {word}s"
 
 
 def _accepted(f, kwargs: dict) -> dict:

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..errors import ConfigError
+from ..errors import ConfigError, resume_hint, setting
 from ..infra.progress import quiet_library_bars
 
 COMPLETE = "COMPLETE"
@@ -85,7 +85,7 @@ def check_no_earlier_run(output_dir: str) -> None:
     earlier += [p.name for p in Path(output_dir).glob("*.jsonl") if p.stat().st_size]
     if earlier:
         raise ConfigError(f"{output_dir} already holds a run ({', '.join(earlier)}): continue it with "
-                          f"--resume_from_checkpoint=latest, or pick another --output_dir")
+                          f"{resume_hint()}, or pick another {setting('output_dir')}")
 
 
 def check_output_dir(output_dir: str, setting: str = "output_dir") -> None:
@@ -105,13 +105,17 @@ def check_output_dir(output_dir: str, setting: str = "output_dir") -> None:
                           ) from None
 
 
-def find_checkpoint(spec: str, output_dir: str) -> tuple[Path | None, list[str]]:
+def find_checkpoint(spec: str | bool, output_dir: str) -> tuple[Path | None, list[str]]:
     """The checkpoint folder `spec` names, or for "latest" the newest loadable one in `output_dir` (None if
-    there is none yet), and a line for each newer one passed over as damaged. ConfigError if `spec` is not a
-    loadable checkpoint (naming the one that is), if every checkpoint of `output_dir` is damaged, or if
-    `output_dir` holds loadable newer ones: continuing the older one there would mix two runs."""
+    there is none yet; for True, transformers' spelling, ConfigError then), and a line for each newer one passed
+    over as damaged. ConfigError if `spec` is not a loadable checkpoint (naming the one that is), if every
+    checkpoint of `output_dir` is damaged, or if `output_dir` holds loadable newer ones: continuing the older one
+    there would mix two runs."""
     found = complete_checkpoints(output_dir)
-    if spec == "latest":
+    if spec is True and not found:
+        raise ConfigError(f"{setting('resume_from_checkpoint', True)}: no checkpoint in {output_dir} to resume from "
+                          f"(\"latest\" would start from step 0 when there is none)")
+    if spec in ("latest", True):
         damaged = []
         for path in reversed(found):
             problem = damage(path)
@@ -128,7 +132,7 @@ def find_checkpoint(spec: str, output_dir: str) -> tuple[Path | None, list[str]]
     newer = [p.name for p in found if _step_of(p) > _step_of(path) and damage(p) is None]
     if newer:
         raise ConfigError(f"{output_dir} holds checkpoints newer than {spec} ({', '.join(newer)}): continuing "
-                          f"from it there would mix two runs; move them away or pick another --output_dir")
+                          f"from it there would mix two runs; move them away or pick another {setting('output_dir')}")
     return path, []
 
 
@@ -199,12 +203,13 @@ def loadable_beside(path: Path, weights_only: bool = False) -> Path | None:
                  if p.resolve() != path.resolve() and damage(p, weights_only) is None), None)
 
 
-def unloadable(setting: str, path: Path, problem: str, weights_only: bool = False) -> ConfigError:
-    """The error for an explicitly named damaged checkpoint: the file, and the checkpoint that would work."""
+def unloadable(option: str, path: Path, problem: str, weights_only: bool = False) -> ConfigError:
+    """The error for an explicitly named damaged checkpoint: the file, and the checkpoint that would work;
+    `option` is the setting that named it, as the caller writes it."""
     other = loadable_beside(path, weights_only)
-    fix = (f"the newest loadable checkpoint beside it is {other}: {setting}={other}" if other is not None
+    fix = (f"the newest loadable checkpoint beside it is {other}: {option}={other}" if other is not None
            else "no checkpoint beside it can be loaded")
-    return ConfigError(f"{setting}={path} cannot be loaded: {problem}; {fix}")
+    return ConfigError(f"{option}={path} cannot be loaded: {problem}; {fix}")
 
 
 def _step_of(checkpoint: Path) -> int:
@@ -212,19 +217,23 @@ def _step_of(checkpoint: Path) -> int:
 
 
 def _checked_folder(spec: str) -> Path:
-    path = Path(spec)
+    path, option = Path(spec), setting("resume_from_checkpoint")
     inside = complete_checkpoints(spec)
     if inside:
-        raise ConfigError(f"resume_from_checkpoint={spec} is a run folder, not a checkpoint: pass one of its "
-                          f"checkpoints (newest: {inside[-1]}) or --resume_from_checkpoint=latest")
+        raise ConfigError(f"{option}={spec} is a run folder, not a checkpoint: pass one of its checkpoints "
+                          f"(newest: {inside[-1]}) or {resume_hint()}")
     if not path.is_dir():
-        raise ConfigError(f"resume_from_checkpoint: no such folder: {spec}")
+        raise ConfigError(f"{option}: no such folder: {spec}")
     if not (path / COMPLETE).exists():
-        raise ConfigError(f"resume_from_checkpoint={spec} is not a complete checkpoint (no {COMPLETE} marker: "
-                          f"its save was interrupted); --resume_from_checkpoint=latest picks the newest complete one")
+        started = [p.name for p in path.iterdir() if p.name in (STATE, "config.json", "adapter_config.json")
+                   or p.suffix == ".safetensors"]  # what a save writes before its marker
+        what = (f"is not a complete checkpoint (no {COMPLETE} marker: its save was interrupted)" if started else
+                "holds no checkpoint: it is empty" if not any(path.iterdir()) else
+                f"holds no checkpoint (no weights, {STATE} or {COMPLETE} marker)")
+        raise ConfigError(f"{option}={spec} {what}; {resume_hint()} picks the newest complete one")
     problem = damage(path)
     if problem is not None:
-        raise unloadable("--resume_from_checkpoint", path, problem)
+        raise unloadable(option, path, problem)
     return path
 
 

@@ -116,6 +116,15 @@ def test_reward_function_errors(tmp_path, capsys, returns, fragments):
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
+def test_a_reward_function_taking_a_column_the_dataset_lacks_names_both(tmp_path, capsys):
+    body = ("def judge(completions, answer, **kwargs):\n    return [0.0] * len(completions)\n"
+            "reward_funcs = [judge]\ntrain_dataset = digit_prompts")
+    code, err = run(tmp_path, capsys, body=body)
+    assert_short_error(code, err, 1)
+    assert err.splitlines()[-1] == ("error: reward function 'judge' takes a column the dataset does not have: "
+                                    "answer (its columns: prompt, num_digits)")
+
+
 def test_a_reward_failing_later_keeps_the_steps_before_it(tmp_path, capsys):
     body = """
         calls = []

@@ -197,9 +197,8 @@ def test_latest_passes_over_a_damaged_checkpoint_and_an_explicit_one_names_the_o
         find_checkpoint(str(newest), str(tmp_path))
     message = str(error.value)
     assert "\n" not in message and re.search(problem, message)
-    assert message.startswith(f"--resume_from_checkpoint={newest} cannot be loaded: ")
-    assert message.endswith(f"the newest loadable checkpoint beside it is {older}: "
-                            f"--resume_from_checkpoint={older}")
+    assert message.startswith(f"resume_from_checkpoint={newest} cannot be loaded: ")  # from Python
+    assert message.endswith(f"the newest loadable checkpoint beside it is {older}: resume_from_checkpoint={older}")
     # What that line suggests works: the damaged newer checkpoint is not one that would be mixed in.
     assert find_checkpoint(str(older), str(tmp_path)) == (older, [])
 
