@@ -4,10 +4,12 @@ position and the step. Each is written into a temporary folder, fsynced, and ren
 completion marker, so a crash mid-save never leaves a checkpoint that looks complete; half-written ones are
 neither loaded nor counted by `save_total_limit`. A checkpoint damaged after its save (a full disk, a node
 lost mid-write on a network filesystem) is recognised from its files' own headers and sizes before anything
-is loaded: `latest` passes over it to the newest loadable one. Resuming drops the lines of the run's .jsonl
-logs written after the checkpoint's step, so the metrics stream has no duplicated or missing lines."""
+is loaded, and so is one whose bytes changed (a flipped bit) from the sha256 of each file, written beside them:
+`latest` passes over it to the newest loadable one. Resuming drops the lines of the run's .jsonl logs written
+after the checkpoint's step, so the metrics stream has no duplicated or missing lines."""
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -25,6 +27,7 @@ from ..infra.progress import quiet_library_bars
 
 COMPLETE = "COMPLETE"
 STATE = "trainer_state.pt"
+CHECKSUMS = "checksums.sha256"  # `sha256sum -c checksums.sha256` checks them too
 NAME = re.compile(r"^checkpoint-(\d+)$")
 # Settings that shape the saved tensors: a checkpoint only loads into a run with the same ones.
 STATE_SHAPING = ("use_lora", "lora_r", "lora_target_modules", "optim", "fsdp", "bf16_weights")
@@ -45,6 +48,8 @@ def save_checkpoint(output_dir: str, step: int, model, tokenizer, config_dict: d
         tokenizer.save_pretrained(tmp)
     (tmp / "grpo_config.json").write_text(json.dumps(config_dict, indent=2))
     torch.save(state, tmp / STATE)
+    files = sorted(p.relative_to(tmp).as_posix() for p in tmp.rglob("*") if p.is_file())
+    (tmp / CHECKSUMS).write_text("".join(f"{_sha256(tmp / name)}  {name}\n" for name in files))
     for path in [*tmp.rglob("*"), *root.glob("*.jsonl")]:  # the logs too: lines up to `step` must survive
         if path.is_file():
             _fsync(path)
@@ -60,6 +65,14 @@ def save_checkpoint(output_dir: str, step: int, model, tokenizer, config_dict: d
         for old in complete_checkpoints(output_dir)[:-save_total_limit]:
             shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def _fsync(path: Path) -> None:
@@ -139,9 +152,9 @@ def find_checkpoint(spec: str | bool, output_dir: str) -> tuple[Path | None, lis
 def damage(checkpoint: Path, weights_only: bool = False) -> str | None:
     """Why `checkpoint` cannot be loaded, or None when it looks whole: its completion marker, settings,
     trainer state and weights present, and each file as long as its own header says (a safetensors file's
-    JSON header, the central directory at the end of torch.save's zip). The bytes themselves are not
-    checksummed: a file cut short, what a full disk or a lost node leaves, is what this recognises.
-    `weights_only`: the model folder alone (what grpo.eval loads)."""
+    JSON header, the central directory at the end of torch.save's zip): a file cut short, what a full disk or a
+    lost node leaves; then each file's sha256 against the one its save wrote (a changed byte: bit rot, a bad
+    copy), where it wrote them. `weights_only`: the model folder alone (what grpo.eval loads)."""
     needed = [] if weights_only else [COMPLETE, "grpo_config.json", STATE]
     adapter = (checkpoint / "adapter_config.json").exists()
     needed.append("adapter_model.safetensors" if adapter else "config.json")
@@ -169,6 +182,23 @@ def damage(checkpoint: Path, weights_only: bool = False) -> str | None:
         except (zipfile.BadZipFile, OSError):
             size = _bytes(checkpoint / STATE)
             return f"{STATE} is cut short or damaged ({size}, no zip directory at its end)"
+    return _checksum_damage(checkpoint, weights_only)
+
+
+def _checksum_damage(checkpoint: Path, weights_only: bool) -> str | None:
+    """The first file whose sha256 is not the one `checksums.sha256` lists (checkpoints saved before they were
+    written have none to check); `weights_only`: the weights and the model's own files alone."""
+    listed = checkpoint / CHECKSUMS
+    if not listed.is_file():
+        return None
+    for line in listed.read_text().splitlines():
+        expected, _, name = line.partition("  ")
+        if weights_only and (name in (COMPLETE, STATE, "grpo_config.json") or "/" in name):
+            continue
+        if not (checkpoint / name).is_file():
+            return f"no {name} (its {CHECKSUMS} lists it)"
+        if _sha256(checkpoint / name) != expected:
+            return f"{name} does not match its sha256 in {CHECKSUMS} (its bytes changed after it was saved)"
     return None
 
 

@@ -1,7 +1,7 @@
 """When checkpoints are written and how a run is picked up again, with transformers' names and meanings:
 `save_strategy` ("no" writes none), `resume_from_checkpoint=True` (the newest checkpoint), Ctrl-C from Python a
-KeyboardInterrupt raised once the checkpoint is written, and hints in the caller's language (Python or the
-command line)."""
+KeyboardInterrupt raised once the checkpoint is written, hints in the caller's language (Python or the command
+line), and a checkpoint whose bytes changed after its save recognised by its checksums and passed over."""
 import os
 import signal
 
@@ -127,3 +127,33 @@ def test_save_strategy_epoch_saves_after_each_pass_over_the_prompts(tmp_path, to
     make_trainer(out, tokenizer, {}, optim="adamw", max_steps=-1, num_train_epochs=3, save_strategy="epoch",
                  save_steps=1, num_generations=2, gradient_accumulation_steps=1).train()
     assert checkpoints(out) == ["checkpoint-2", "checkpoint-4", "checkpoint-6"]
+
+
+def flip_a_tensor_byte(path) -> None:
+    """One bit of a tensor's data changed: the file keeps its size and its header."""
+    data = bytearray(path.read_bytes())
+    data[len(data) - 5] ^= 0x01  # the last tensor's bytes end the file
+    path.write_bytes(bytes(data))
+
+
+def test_a_flipped_bit_in_the_weights_is_passed_over_like_a_truncated_file(tmp_path, tokenizer, capsys):
+    out = tmp_path / "run"
+    make_trainer(out, tokenizer, {}, optim="adamw", max_steps=2, save_steps=1).train()
+    newest, older = out / "checkpoint-2", out / "checkpoint-1"
+    flip_a_tensor_byte(newest / "model.safetensors")
+    why = ("model.safetensors does not match its sha256 in checksums.sha256 (its bytes changed after it was "
+           "saved)")
+    with pytest.raises(ConfigError) as error:  # named: one line naming the one that works
+        make_trainer(out, tokenizer, {}, optim="adamw", max_steps=3, resume_from_checkpoint=str(newest)).train()
+    assert str(error.value) == (f"resume_from_checkpoint={newest} cannot be loaded: {why}; the newest loadable "
+                                f"checkpoint beside it is {older}: resume_from_checkpoint={older}")
+    capsys.readouterr()
+    resumed = make_trainer(out, tokenizer, {}, optim="adamw", max_steps=3, resume_from_checkpoint="latest")
+    assert [line["step"] for line in resumed.train()] == [2, 3], "step 2 again, from checkpoint-1"
+    assert f"{newest} cannot be loaded ({why}): resuming from {older}" in capsys.readouterr().err
+
+    for name in ("checkpoint-1", "checkpoint-3"):  # checkpoint-2 is still the damaged one: none is loadable now
+        flip_a_tensor_byte(out / name / "model.safetensors")
+    with pytest.raises(ConfigError, match=r"no checkpoint in .* can be loaded \(checkpoint-3: model.safetensors does "
+                                          r"not match its sha256"):
+        make_trainer(out, tokenizer, {}, optim="adamw", max_steps=4, resume_from_checkpoint="latest").train()

@@ -16,6 +16,7 @@ import pytest
 
 from grpo.errors import ConfigError
 from grpo.run.checkpoint import (
+    CHECKSUMS,
     COMPLETE,
     STATE,
     complete_checkpoints,
@@ -147,7 +148,7 @@ def test_saving_a_step_again_replaces_it_and_leaves_no_temporary_folders(tmp_pat
     for _ in range(2):
         path = save_checkpoint(str(tmp_path), 3, model, None, {}, {"step": 3})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-3"]
-    assert sorted(p.name for p in path.iterdir()) == [COMPLETE, "config.json", "generation_config.json",
+    assert sorted(p.name for p in path.iterdir()) == [COMPLETE, CHECKSUMS, "config.json", "generation_config.json",
                                                       "grpo_config.json", "model.safetensors", STATE]
 
 
