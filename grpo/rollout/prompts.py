@@ -13,10 +13,10 @@ def check_dataset(dataset, name: str = "train_dataset") -> None:
     columns = getattr(dataset, "column_names", None)
     if columns is None:
         raise DatasetError(f"{name} must be a datasets.Dataset, got {type(dataset).__name__}")
+    if len(dataset) == 0:  # before the columns: a Dataset made from no rows has none
+        raise DatasetError(f"{name} is empty (no rows)")
     if "prompt" not in columns:
         raise DatasetError(f"{name} has no 'prompt' column (columns: {', '.join(columns) or 'none'})")
-    if len(dataset) == 0:
-        raise DatasetError(f"{name} is empty")
     missing = dataset.with_format("arrow")["prompt"].null_count
     if missing:
         raise DatasetError(f"{name} has {missing} missing (None) prompts out of {len(dataset)}")

@@ -85,8 +85,8 @@ def test_a_bug_in_the_recipe_keeps_its_traceback(tmp_path, capsys):
 
 @pytest.mark.parametrize("rows, fragment", [
     ("[{'question': 'hi'}]", "train_dataset has no 'prompt' column (columns: question)"),
-    ("[]", "train_dataset has no 'prompt' column (columns: none)"),  # an empty list has no columns
-    ("{'prompt': []}", "train_dataset is empty"),
+    ("[]", "train_dataset is empty (no rows)"),  # an empty list has no columns either
+    ("{'prompt': []}", "train_dataset is empty (no rows)"),
     ("[{'prompt': 7}]", "train_dataset['prompt'] must hold strings or lists of {'role', 'content'} messages, got int"),
     ("[{'prompt': 'a'}, {'prompt': None}]", "train_dataset has 1 missing (None) prompts out of 2"),
 ])
