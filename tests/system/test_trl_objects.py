@@ -1,10 +1,12 @@
 """What a TRL 1.16 script hands GRPOTrainer besides its settings, ported by changing its import lines: a tokenizer
 without a pad token (padded with EOS, as TRL does), `peft_config=LoraConfig(...)` (our LoRA settings read from
-it, what we lack refused in one line), and a PeftModel as `model=` (its own adapter trained)."""
+it, what we lack refused in one line), a PeftModel as `model=` (its own adapter trained), and chat prompts with
+a tokenizer that has no chat template (one line, when the Trainer is made)."""
 import re
 
 import pytest
 import torch
+from datasets import Dataset
 from peft import LoraConfig, get_peft_model
 from tiny_setup import digit_prompts, digit_share, text_length, tiny_model, tiny_tokenizer
 
@@ -94,3 +96,18 @@ def test_a_peft_model_trains_its_own_adapter(tmp_path, use_lora):
                                                     "refused)")):
         GRPOTrainer(model=model, reward_funcs=digit_share, train_dataset=digit_prompts(), args=args(tmp_path),
                     processing_class=tokenizer, peft_config=LoraConfig(r=2, target_modules="all-linear"))
+
+
+@pytest.mark.xfail(strict=True, reason="needs trainer.py to call rollout/prompts.check_chat_template (the report's "
+                                       "diff); the check itself is written")
+def test_chat_prompts_with_a_tokenizer_without_a_chat_template_are_one_line_when_the_trainer_is_made(tmp_path):
+    tokenizer = tiny_tokenizer()
+    model = tiny_model(tokenizer)
+    tokenizer.chat_template = None
+    chats = Dataset.from_list([{"prompt": [{"role": "user", "content": f"Write {k} digits"}]} for k in range(8)])
+    with pytest.raises(ConfigError) as error:
+        GRPOTrainer(model=model, reward_funcs=digit_share, args=args(tmp_path), train_dataset=chats,
+                    processing_class=tokenizer)
+    assert str(error.value) == ("train_dataset holds chat prompts (lists of messages), but the tokenizer has no "
+                                "chat template to render them: pass an instruct model's tokenizer, set "
+                                "tokenizer.chat_template, or give the prompts as text")
