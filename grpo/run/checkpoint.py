@@ -193,7 +193,7 @@ def _checksum_damage(checkpoint: Path, weights_only: bool) -> str | None:
         return None
     for line in listed.read_text().splitlines():
         expected, _, name = line.partition("  ")
-        if weights_only and (name in (COMPLETE, STATE, "grpo_config.json") or "/" in name):
+        if weights_only and name in (STATE, "grpo_config.json"):
             continue
         if not (checkpoint / name).is_file():
             return f"no {name} (its {CHECKSUMS} lists it)"

@@ -169,6 +169,13 @@ def two_checkpoints(out: Path, model) -> tuple[Path, Path]:
                                  {"step": step, "x": list(range(500))}) for step in (1, 2))
 
 
+def flip_a_bit(path: Path) -> None:
+    """One bit of the file's last bytes (a tensor's, or the zip directory's) changed; its size stays."""
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
 def cut_in_half(path: Path) -> None:
     data = path.read_bytes()
     path.write_bytes(data[:len(data) // 2])
@@ -179,6 +186,9 @@ def cut_in_half(path: Path) -> None:
     ("lora", "adapter_model.safetensors", r"adapter_model.safetensors is cut short \(.*\)"),
     ("full", STATE, rf"{STATE} is cut short or damaged \([\d,]+ bytes, no zip directory at its end\)"),
     ("full", f"-{STATE}", f"no {STATE}"),  # deleted
+    ("lora", "~adapter_model.safetensors", r"adapter_model.safetensors does not match its sha256 in "
+                                           r"checksums.sha256 \(its bytes changed after it was saved\)"),  # a bit
+    ("full", f"~{STATE}", rf"{STATE} does not match its sha256 in checksums.sha256 \(.*\)"),
 ])
 def test_latest_passes_over_a_damaged_checkpoint_and_an_explicit_one_names_the_one_that_works(
         tmp_path, models, kind, damaged, problem):
@@ -186,6 +196,8 @@ def test_latest_passes_over_a_damaged_checkpoint_and_an_explicit_one_names_the_o
     assert damage(older) is None and damage(newest) is None
     if damaged.startswith("-"):
         (newest / damaged[1:]).unlink()
+    elif damaged.startswith("~"):
+        flip_a_bit(newest / damaged[1:])
     else:
         cut_in_half(newest / damaged)
 
