@@ -166,8 +166,6 @@ def _call(f, name: str, batch: dict, context: RewardContext):
                           f"have: {', '.join(missing)} (its columns: {', '.join(columns)})")
     try:
         return f(**_accepted(f, {**batch, **context.kwargs()}))
-    except StepAbandoned:  # a stop signal arrived while it ran: the step stops, the function did nothing wrong
-        raise
     except Exception as batch_error:
         _raise(f, name, batch_error, batch)
 
@@ -215,13 +213,18 @@ def _await_all(coroutines: list) -> list:
 
 def _raise(f, name: str, batch_error: BaseException, batch: dict):
     """Raise a RewardError for `f` failing on `batch`, naming the first item it fails on alone (an error path,
-    so retrying item by item is affordable; what the retries log is dropped)."""
+    so retrying item by item is affordable; what the retries log is dropped). A stop signal that arrived while
+    it ran (StepAbandoned) is no fault of the function: it goes on, and the step stops."""
+    if isinstance(batch_error, StepAbandoned):
+        raise batch_error
     i, error, note = 0, batch_error, " (fails on the whole batch only; showing its first item)"
     for k in range(len(batch["completions"])):
         try:
             out = f(**_accepted(f, {**{key: v[k:k + 1] for key, v in batch.items()}, **RewardContext().kwargs()}))
             if inspect.isawaitable(out) and isinstance(err := _await_all([out])[0], BaseException):
                 raise err
+        except StepAbandoned:
+            raise
         except Exception as item_error:
             i, error, note = k, item_error, ""
             break

@@ -42,7 +42,8 @@ def test_ctrl_c_from_python_is_a_keyboard_interrupt_once_saved_and_says_how_to_r
     assert [line["step"] for line in resumed.train()] == [3, 4]
 
 
-def test_ctrl_c_while_a_reward_function_runs_stops_the_step_not_the_function(tmp_path, tokenizer):
+@pytest.mark.parametrize("kind", ["def", "async def"])
+def test_ctrl_c_while_a_reward_function_runs_stops_the_step_not_the_function(tmp_path, tokenizer, kind):
     calls = []
 
     def slow_judge(completions, **kwargs):  # a judge model or an API: where Ctrl-C most often lands
@@ -51,9 +52,12 @@ def test_ctrl_c_while_a_reward_function_runs_stops_the_step_not_the_function(tmp
             sigint()
         return text_length(completions)
 
+    async def async_judge(completions, **kwargs):
+        return slow_judge(completions)
+
     out = tmp_path / "run"
     trainer = make_trainer(out, tokenizer, {}, optim="adamw", max_steps=4, save_steps=10)
-    trainer.reward_funcs = [slow_judge]
+    trainer.reward_funcs = [slow_judge if kind == "def" else async_judge]
     with pytest.raises(KeyboardInterrupt, match=r"interrupted by SIGINT after step 1: saved .*checkpoint-1"):
         trainer.train()
 
