@@ -11,7 +11,7 @@ import json
 import sys
 from pathlib import Path
 
-from .errors import ConfigError, UserError
+from .errors import ConfigError, UserError, command_line
 
 USAGE = ("usage: python -m grpo.eval RECIPE [--checkpoint DIR] [--limit N] [--output FILE] [--key=value ...] "
          "[--help]")
@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if argv else 2
     from .infra.progress import quiet_library_bars
 
-    with quiet_library_bars():  # transformers' loading bars, in a log file
+    with command_line(), quiet_library_bars():  # hints as --key=value; transformers' loading bars, in a log file
         return evaluate_recipe(argv)
 
 

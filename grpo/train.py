@@ -11,7 +11,7 @@ import os
 import shlex
 import sys
 
-from .errors import UserError
+from .errors import UserError, command_line
 
 USAGE = "usage: python -m grpo.train RECIPE [--key=value ...] [--help]"
 
@@ -21,6 +21,11 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
         return 0 if argv else 2
+    with command_line():  # every message's hint names settings as --key=value
+        return _main(argv)
+
+
+def _main(argv: list[str]) -> int:
     try:
         from .infra.progress import quiet_library_bars
         from .settings.cli import BUILT_MODEL, format_help
@@ -63,9 +68,9 @@ def run(recipe, config, argv: list[str]) -> int:
                           environment_factory=recipe.environment_factory)
         trainer.train()
     except TrainingInterrupted as e:
-        saved = f"saved {e.checkpoint}\n{resume_hint(argv, e.checkpoint)}" if e.checkpoint else "nothing to save yet"
+        saved = f"saved {e.checkpoint}\n{resume_hint(argv, e.checkpoint)}" if e.checkpoint else e.unsaved
         if trainer is None or trainer.dist.is_main:  # under torchrun every rank stops, and says so once
-            print(f"{e}: {saved}", file=sys.stderr)
+            print(f"{e.summary}: {saved}", file=sys.stderr)
         return 128 + e.signum
     except torch.cuda.OutOfMemoryError as e:  # the same class as torch.OutOfMemoryError
         print(out_of_memory_report(config, e, trainer), file=sys.stderr)

@@ -1,18 +1,22 @@
 """TRL's GRPOTrainer call shape on our Trainer: `args=` is the Config, `processing_class=` the tokenizer, a
-`model` given as a hub id or folder is `config.model`, and TRL's keywords this Trainer lacks are refused with
-what to do instead (settings/trl_names.py)."""
+`model` given as a hub id or folder is `config.model`, `peft_config=` (a peft LoraConfig) and a PeftModel passed
+in set the Config's LoRA settings, a tokenizer without a pad token pads with EOS, and TRL's keywords this Trainer
+lacks are refused with what to do instead (settings/trl_names.py)."""
 from __future__ import annotations
 
 import dataclasses
 
 from .errors import ConfigError
-from .policy.models import load_tokenizer
+from .policy.lora import adapter_settings, is_peft_model, lora_settings
+from .policy.models import load_tokenizer, with_pad_token
 from .settings import Config
 from .settings.trl_names import TRAINER_ONLY
 
 
 def trl_call(config, args, model, tokenizer, processing_class, trl_only: dict):
     """(config, model, tokenizer) from either call shape, ours or TRL's; ConfigError for what cannot work."""
+    trl_only = dict(trl_only)
+    peft_config = trl_only.pop("peft_config", None)
     refused = [f"Trainer's `{k}`: {TRAINER_ONLY[k]}" for k, v in trl_only.items()
                if k in TRAINER_ONLY and v not in (None, (None, None), [])]
     unknown = [k for k in trl_only if k not in TRAINER_ONLY]
@@ -35,7 +39,21 @@ def trl_call(config, args, model, tokenizer, processing_class, trl_only: dict):
                           f"grpo.Config(...) (TRL's GRPOConfig keywords work there)")
     if isinstance(model, str):  # TRL: a hub id or folder to load
         config, model = dataclasses.replace(config, model=model), None
-    return config, model, tokenizer if tokenizer is not None else processing_class
+    config = dataclasses.replace(config, **lora) if (lora := _lora(peft_config, model)) else config
+    tokenizer = tokenizer if tokenizer is not None else processing_class
+    return config, model, with_pad_token(tokenizer) if tokenizer is not None else None
+
+
+def _lora(peft_config, model) -> dict:
+    """The LoRA settings TRL's `peft_config` or a PeftModel passed in asks for, as TRL takes them: either trains
+    LoRA whatever use_lora says, and the two together are refused."""
+    if peft_config is not None and is_peft_model(model):
+        raise ConfigError("a PeftModel passed together with peft_config (as in TRL, refused): merge and unload "
+                          "its adapter and pass the base model with peft_config, or pass the PeftModel alone to "
+                          "train its adapter")
+    if peft_config is not None:
+        return lora_settings(peft_config)
+    return adapter_settings(model) if is_peft_model(model) else {}
 
 
 def default_tokenizer(config: Config, model):

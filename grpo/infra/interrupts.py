@@ -1,7 +1,7 @@
 """Stopping cleanly on SIGINT (Ctrl-C) and SIGTERM (preemption). While a step is still generating or
 back-propagating, nothing has touched the weights, so the step is abandoned (the trainer rolls it back);
 once the optimizer runs, the step is finished. Either way the trainer then saves and raises
-TrainingInterrupted. A second signal stops at once, without saving."""
+TrainingInterrupted (a KeyboardInterrupt). A second signal stops at once, without saving."""
 from __future__ import annotations
 
 import contextlib
@@ -10,17 +10,23 @@ import sys
 import threading
 from pathlib import Path
 
+from ..errors import resume_hint
+
 
 class StepAbandoned(Exception):
     """Raised inside the abandonable part of a step when a stop signal arrives."""
 
 
-class TrainingInterrupted(Exception):
-    """Training stopped on signal `signum` after `step` steps; `checkpoint` holds them (None before step 1)."""
+class TrainingInterrupted(KeyboardInterrupt):
+    """Training stopped on signal `signum` after `step` steps; `checkpoint` holds them (None before step 1, or
+    when nothing is saved: `unsaved` says why). A KeyboardInterrupt, as Ctrl-C's own would be, so code that
+    stops on one stops on this; its message says how to resume, in the caller's language."""
 
-    def __init__(self, signum: int, step: int, checkpoint: Path | None):
-        self.signum, self.step, self.checkpoint = signum, step, checkpoint
-        super().__init__(f"interrupted by {signal.Signals(signum).name} after step {step}")
+    def __init__(self, signum: int, step: int, checkpoint: Path | None, unsaved: str = "nothing to save yet"):
+        self.signum, self.step, self.checkpoint, self.unsaved = signum, step, checkpoint, unsaved
+        self.summary = f"interrupted by {signal.Signals(signum).name} after step {step}"
+        saved = f"saved {checkpoint}; to resume, set {resume_hint()}" if checkpoint is not None else unsaved
+        super().__init__(f"{self.summary}: {saved}")
 
 
 class StopSignals:

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 from ..algo import HEAD_GRAD_BLOCK
 from ..policy import prompt_once
+from ..policy.lora import lora_targets
 from ..policy.optim import BNB_CPU_SLICE
 from ..policy.precision import Precision
 from ..settings.plan import RunPlan
@@ -189,10 +190,6 @@ def _optimizer_bytes(tensors: list[int], optim: str) -> float:
         return 8 * sum(tensors)
     big = sum(n for n in tensors if n >= BNB_8BIT_MIN_SIZE)
     return 2 * big * (1 + 4 / BNB_BLOCK) + 8 * (sum(tensors) - big)
-
-
-def lora_targets(s) -> tuple[str, ...] | None:
-    return tuple(s.lora_target_modules) if s.lora_target_modules else None
 
 
 def _generation_bytes(a: Architecture, s, d: _Dtypes, rows: int, prompts: int) -> tuple[float, float]:

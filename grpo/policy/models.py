@@ -5,15 +5,16 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
-import warnings
 
 import torch
 
 from ..algo.logprobs import token_logprobs
 from ..errors import ConfigError
+from ..infra.libraries import import_bitsandbytes
 from ..settings.plan import reference_kind
 from .gguf import resolve_model_path
 from .head import head_logits, head_transform, positions
+from .lora import with_adapter
 from .precision import Precision
 from .sources import loading
 
@@ -28,7 +29,16 @@ def load_tokenizer(name_or_path: str):
     name = resolve_model_path(name_or_path)  # a .gguf file or the packaged short name: its converted folder
     with loading(name):  # a missing model: one line saying whether it was read as a path or a hub id
         tokenizer = AutoTokenizer.from_pretrained(name)
+    return with_pad_token(tokenizer)
+
+
+def with_pad_token(tokenizer):
+    """`tokenizer`, padding with its EOS token when it has no pad token (TRL's choice, made on the object itself);
+    ConfigError when it has neither."""
     if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise ConfigError(f"the tokenizer ({type(tokenizer).__name__}) has neither a pad token nor an EOS token: "
+                              f"set tokenizer.pad_token (completions end at its EOS token, so set that too)")
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
 
@@ -53,6 +63,7 @@ def load_model(config, precision: Precision | None = None):
     if not config.load_in_4bit:
         with loading(name):
             return AutoModelForCausalLM.from_pretrained(name, dtype=dtype).to(device)
+    import_bitsandbytes()  # transformers' 4-bit layers import it: without the line it logs
     from transformers import BitsAndBytesConfig
 
     # Embeddings, norms and the LM head stay in `dtype` (bf16 under bf16); peft's prepare_model_for_kbit_training
@@ -86,8 +97,8 @@ def keep_4bit_layout(model) -> None:
 
 
 def prepare_for_training(model, config, world_size: int = 1):
-    """bf16 weights when asked for, gradient checkpointing, LoRA adapters when asked for, then no dropout when
-    asked for (after LoRA: its lora_dropout too). Returns the model to train."""
+    """bf16 weights when asked for, gradient checkpointing, LoRA adapters when asked for (policy/lora.py), then no
+    dropout when asked for (after LoRA: its lora_dropout too). Returns the model to train."""
     keep_4bit_layout(model)  # a 4-bit model passed in, too
     if config.bf16_weights:  # a model built or passed in float32, as load_model would have loaded it
         model = model.to(torch.bfloat16)
@@ -102,15 +113,7 @@ def prepare_for_training(model, config, world_size: int = 1):
     if not config.use_lora and world_size == 1:  # DDP and FSDP reduce dense gradients only
         sparse_tied_embedding_gradient(model)
     if config.use_lora:
-        from peft import LoraConfig, get_peft_model
-
-        lora = LoraConfig(
-            r=config.lora_r, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
-            target_modules=config.lora_target_modules or "all-linear", task_type="CAUSAL_LM",
-        )
-        with warnings.catch_warnings():  # peft 0.21 reads transformers 5's deprecated alias: not the user's to fix
-            warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
-            model = get_peft_model(model, lora)
+        model = with_adapter(model, config)  # a PeftModel passed in keeps its own
     if config.disable_dropout:
         disable_dropout(model)
     model.train()

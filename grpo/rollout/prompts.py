@@ -1,10 +1,11 @@
-"""The prompt stream: a reshuffled pass over the dataset per epoch, resumable from (epoch, position)."""
+"""The prompt stream: a reshuffled pass over the dataset per epoch, resumable from (epoch, position); the checks
+of a dataset before training (its prompts, and a chat template for chat ones)."""
 from __future__ import annotations
 
 
 import torch
 
-from ..errors import DatasetError
+from ..errors import ConfigError, DatasetError
 
 
 def check_dataset(dataset, name: str = "train_dataset") -> None:
@@ -13,10 +14,10 @@ def check_dataset(dataset, name: str = "train_dataset") -> None:
     columns = getattr(dataset, "column_names", None)
     if columns is None:
         raise DatasetError(f"{name} must be a datasets.Dataset, got {type(dataset).__name__}")
+    if len(dataset) == 0:  # before the columns: a Dataset made from no rows has none
+        raise DatasetError(f"{name} is empty (no rows)")
     if "prompt" not in columns:
         raise DatasetError(f"{name} has no 'prompt' column (columns: {', '.join(columns) or 'none'})")
-    if len(dataset) == 0:
-        raise DatasetError(f"{name} is empty")
     missing = dataset.with_format("arrow")["prompt"].null_count
     if missing:
         raise DatasetError(f"{name} has {missing} missing (None) prompts out of {len(dataset)}")
@@ -33,6 +34,17 @@ def check_dataset(dataset, name: str = "train_dataset") -> None:
         if empty:
             raise DatasetError(f"{name} has {len(empty)} empty chat prompts (no messages) out of {len(dataset)}, "
                                f"first at row {empty[0]}: each needs at least one {{'role', 'content'}} message")
+
+
+def check_chat_template(tokenizer, datasets: dict) -> None:
+    """ConfigError, before anything is sampled, when a dataset of `datasets` (name: dataset or None) holds chat
+    prompts (its first row's type is every row's) and `tokenizer` has no chat template to render them."""
+    for name, dataset in datasets.items():
+        if dataset is not None and len(dataset) and isinstance(dataset[0]["prompt"], list) \
+                and not tokenizer.chat_template:
+            raise ConfigError(f"{name} holds chat prompts (lists of messages), but the tokenizer has no chat "
+                              f"template to render them: pass an instruct model's tokenizer, set "
+                              f"tokenizer.chat_template, or give the prompts as text")
 
 
 class PromptStream:

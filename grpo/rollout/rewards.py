@@ -28,6 +28,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from ..errors import ConfigError, UserError
+from ..infra.interrupts import StepAbandoned
 
 
 # What every reward function may take besides the dataset's columns.
@@ -156,11 +157,21 @@ def reward_metrics(rewards: Tensor, per_func: Tensor, names: list[str]) -> dict[
 
 def _call(f, name: str, batch: dict, context: RewardContext):
     """`f` on the whole batch, given only the arguments it accepts (all of them when it takes **kwargs); an
-    async function's coroutine is returned unawaited. A RewardError if it raises."""
+    async function's coroutine is returned unawaited. A RewardError if it needs a column the batch lacks, or if
+    it raises."""
+    missing = sorted(required_columns(f) - set(batch))
+    if missing:  # before the call: Python's "missing 1 required positional argument" names no column
+        columns = ["prompt"] + [k for k in batch if k not in REWARD_ARGUMENTS]
+        raise RewardError(f"reward function '{name}' takes {_plural('column', missing)} the dataset does not "
+                          f"have: {', '.join(missing)} (its columns: {', '.join(columns)})")
     try:
         return f(**_accepted(f, {**batch, **context.kwargs()}))
     except Exception as batch_error:
         _raise(f, name, batch_error, batch)
+
+
+def _plural(word: str, items: list) -> str:
+    return f"a {word}" if len(items) == 1 else f"{len(items)} {word}s"
 
 
 def _accepted(f, kwargs: dict) -> dict:
@@ -202,13 +213,18 @@ def _await_all(coroutines: list) -> list:
 
 def _raise(f, name: str, batch_error: BaseException, batch: dict):
     """Raise a RewardError for `f` failing on `batch`, naming the first item it fails on alone (an error path,
-    so retrying item by item is affordable; what the retries log is dropped)."""
+    so retrying item by item is affordable; what the retries log is dropped). A stop signal that arrived while
+    it ran (StepAbandoned) is no fault of the function: it goes on, and the step stops."""
+    if isinstance(batch_error, StepAbandoned):
+        raise batch_error
     i, error, note = 0, batch_error, " (fails on the whole batch only; showing its first item)"
     for k in range(len(batch["completions"])):
         try:
             out = f(**_accepted(f, {**{key: v[k:k + 1] for key, v in batch.items()}, **RewardContext().kwargs()}))
             if inspect.isawaitable(out) and isinstance(err := _await_all([out])[0], BaseException):
                 raise err
+        except StepAbandoned:
+            raise
         except Exception as item_error:
             i, error, note = k, item_error, ""
             break

@@ -4,10 +4,12 @@ position and the step. Each is written into a temporary folder, fsynced, and ren
 completion marker, so a crash mid-save never leaves a checkpoint that looks complete; half-written ones are
 neither loaded nor counted by `save_total_limit`. A checkpoint damaged after its save (a full disk, a node
 lost mid-write on a network filesystem) is recognised from its files' own headers and sizes before anything
-is loaded: `latest` passes over it to the newest loadable one. Resuming drops the lines of the run's .jsonl
-logs written after the checkpoint's step, so the metrics stream has no duplicated or missing lines."""
+is loaded, and so is one whose bytes changed (a flipped bit) from the sha256 of each file, written beside them:
+`latest` passes over it to the newest loadable one. Resuming drops the lines of the run's .jsonl logs written
+after the checkpoint's step, so the metrics stream has no duplicated or missing lines."""
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -20,11 +22,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..errors import ConfigError
+from ..errors import ConfigError, resume_hint, setting
 from ..infra.progress import quiet_library_bars
 
 COMPLETE = "COMPLETE"
 STATE = "trainer_state.pt"
+CHECKSUMS = "checksums.sha256"  # `sha256sum -c checksums.sha256` checks them too
 NAME = re.compile(r"^checkpoint-(\d+)$")
 # Settings that shape the saved tensors: a checkpoint only loads into a run with the same ones.
 STATE_SHAPING = ("use_lora", "lora_r", "lora_target_modules", "optim", "fsdp", "bf16_weights")
@@ -45,6 +48,8 @@ def save_checkpoint(output_dir: str, step: int, model, tokenizer, config_dict: d
         tokenizer.save_pretrained(tmp)
     (tmp / "grpo_config.json").write_text(json.dumps(config_dict, indent=2))
     torch.save(state, tmp / STATE)
+    files = sorted(p.relative_to(tmp).as_posix() for p in tmp.rglob("*") if p.is_file())
+    (tmp / CHECKSUMS).write_text("".join(f"{_sha256(tmp / name)}  {name}\n" for name in files))
     for path in [*tmp.rglob("*"), *root.glob("*.jsonl")]:  # the logs too: lines up to `step` must survive
         if path.is_file():
             _fsync(path)
@@ -60,6 +65,14 @@ def save_checkpoint(output_dir: str, step: int, model, tokenizer, config_dict: d
         for old in complete_checkpoints(output_dir)[:-save_total_limit]:
             shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def _fsync(path: Path) -> None:
@@ -85,7 +98,7 @@ def check_no_earlier_run(output_dir: str) -> None:
     earlier += [p.name for p in Path(output_dir).glob("*.jsonl") if p.stat().st_size]
     if earlier:
         raise ConfigError(f"{output_dir} already holds a run ({', '.join(earlier)}): continue it with "
-                          f"--resume_from_checkpoint=latest, or pick another --output_dir")
+                          f"{resume_hint()}, or pick another {setting('output_dir')}")
 
 
 def check_output_dir(output_dir: str, setting: str = "output_dir") -> None:
@@ -105,13 +118,17 @@ def check_output_dir(output_dir: str, setting: str = "output_dir") -> None:
                           ) from None
 
 
-def find_checkpoint(spec: str, output_dir: str) -> tuple[Path | None, list[str]]:
+def find_checkpoint(spec: str | bool, output_dir: str) -> tuple[Path | None, list[str]]:
     """The checkpoint folder `spec` names, or for "latest" the newest loadable one in `output_dir` (None if
-    there is none yet), and a line for each newer one passed over as damaged. ConfigError if `spec` is not a
-    loadable checkpoint (naming the one that is), if every checkpoint of `output_dir` is damaged, or if
-    `output_dir` holds loadable newer ones: continuing the older one there would mix two runs."""
+    there is none yet; for True, transformers' spelling, ConfigError then), and a line for each newer one passed
+    over as damaged. ConfigError if `spec` is not a loadable checkpoint (naming the one that is), if every
+    checkpoint of `output_dir` is damaged, or if `output_dir` holds loadable newer ones: continuing the older one
+    there would mix two runs."""
     found = complete_checkpoints(output_dir)
-    if spec == "latest":
+    if spec is True and not found:
+        raise ConfigError(f"{setting('resume_from_checkpoint', True)}: no checkpoint in {output_dir} to resume from "
+                          f"(\"latest\" would start from step 0 when there is none)")
+    if spec in ("latest", True):
         damaged = []
         for path in reversed(found):
             problem = damage(path)
@@ -128,16 +145,16 @@ def find_checkpoint(spec: str, output_dir: str) -> tuple[Path | None, list[str]]
     newer = [p.name for p in found if _step_of(p) > _step_of(path) and damage(p) is None]
     if newer:
         raise ConfigError(f"{output_dir} holds checkpoints newer than {spec} ({', '.join(newer)}): continuing "
-                          f"from it there would mix two runs; move them away or pick another --output_dir")
+                          f"from it there would mix two runs; move them away or pick another {setting('output_dir')}")
     return path, []
 
 
 def damage(checkpoint: Path, weights_only: bool = False) -> str | None:
     """Why `checkpoint` cannot be loaded, or None when it looks whole: its completion marker, settings,
     trainer state and weights present, and each file as long as its own header says (a safetensors file's
-    JSON header, the central directory at the end of torch.save's zip). The bytes themselves are not
-    checksummed: a file cut short, what a full disk or a lost node leaves, is what this recognises.
-    `weights_only`: the model folder alone (what grpo.eval loads)."""
+    JSON header, the central directory at the end of torch.save's zip): a file cut short, what a full disk or a
+    lost node leaves; then each file's sha256 against the one its save wrote (a changed byte: bit rot, a bad
+    copy), where it wrote them. `weights_only`: the model folder alone (what grpo.eval loads)."""
     needed = [] if weights_only else [COMPLETE, "grpo_config.json", STATE]
     adapter = (checkpoint / "adapter_config.json").exists()
     needed.append("adapter_model.safetensors" if adapter else "config.json")
@@ -165,6 +182,23 @@ def damage(checkpoint: Path, weights_only: bool = False) -> str | None:
         except (zipfile.BadZipFile, OSError):
             size = _bytes(checkpoint / STATE)
             return f"{STATE} is cut short or damaged ({size}, no zip directory at its end)"
+    return _checksum_damage(checkpoint, weights_only)
+
+
+def _checksum_damage(checkpoint: Path, weights_only: bool) -> str | None:
+    """The first file whose sha256 is not the one `checksums.sha256` lists (checkpoints saved before they were
+    written have none to check); `weights_only`: the weights and the model's own files alone."""
+    listed = checkpoint / CHECKSUMS
+    if not listed.is_file():
+        return None
+    for line in listed.read_text().splitlines():
+        expected, _, name = line.partition("  ")
+        if weights_only and name in (STATE, "grpo_config.json"):
+            continue
+        if not (checkpoint / name).is_file():
+            return f"no {name} (its {CHECKSUMS} lists it)"
+        if _sha256(checkpoint / name) != expected:
+            return f"{name} does not match its sha256 in {CHECKSUMS} (its bytes changed after it was saved)"
     return None
 
 
@@ -199,12 +233,13 @@ def loadable_beside(path: Path, weights_only: bool = False) -> Path | None:
                  if p.resolve() != path.resolve() and damage(p, weights_only) is None), None)
 
 
-def unloadable(setting: str, path: Path, problem: str, weights_only: bool = False) -> ConfigError:
-    """The error for an explicitly named damaged checkpoint: the file, and the checkpoint that would work."""
+def unloadable(option: str, path: Path, problem: str, weights_only: bool = False) -> ConfigError:
+    """The error for an explicitly named damaged checkpoint: the file, and the checkpoint that would work;
+    `option` is the setting that named it, as the caller writes it."""
     other = loadable_beside(path, weights_only)
-    fix = (f"the newest loadable checkpoint beside it is {other}: {setting}={other}" if other is not None
+    fix = (f"the newest loadable checkpoint beside it is {other}: {option}={other}" if other is not None
            else "no checkpoint beside it can be loaded")
-    return ConfigError(f"{setting}={path} cannot be loaded: {problem}; {fix}")
+    return ConfigError(f"{option}={path} cannot be loaded: {problem}; {fix}")
 
 
 def _step_of(checkpoint: Path) -> int:
@@ -212,19 +247,23 @@ def _step_of(checkpoint: Path) -> int:
 
 
 def _checked_folder(spec: str) -> Path:
-    path = Path(spec)
+    path, option = Path(spec), setting("resume_from_checkpoint")
     inside = complete_checkpoints(spec)
     if inside:
-        raise ConfigError(f"resume_from_checkpoint={spec} is a run folder, not a checkpoint: pass one of its "
-                          f"checkpoints (newest: {inside[-1]}) or --resume_from_checkpoint=latest")
+        raise ConfigError(f"{option}={spec} is a run folder, not a checkpoint: pass one of its checkpoints "
+                          f"(newest: {inside[-1]}) or {resume_hint()}")
     if not path.is_dir():
-        raise ConfigError(f"resume_from_checkpoint: no such folder: {spec}")
+        raise ConfigError(f"{option}: no such folder: {spec}")
     if not (path / COMPLETE).exists():
-        raise ConfigError(f"resume_from_checkpoint={spec} is not a complete checkpoint (no {COMPLETE} marker: "
-                          f"its save was interrupted); --resume_from_checkpoint=latest picks the newest complete one")
+        started = [p.name for p in path.iterdir() if p.name in (STATE, "config.json", "adapter_config.json")
+                   or p.suffix == ".safetensors"]  # what a save writes before its marker
+        what = (f"is not a complete checkpoint (no {COMPLETE} marker: its save was interrupted)" if started else
+                "holds no checkpoint: it is empty" if not any(path.iterdir()) else
+                f"holds no checkpoint (no weights, {STATE} or {COMPLETE} marker)")
+        raise ConfigError(f"{option}={spec} {what}; {resume_hint()} picks the newest complete one")
     problem = damage(path)
     if problem is not None:
-        raise unloadable("--resume_from_checkpoint", path, problem)
+        raise unloadable(option, path, problem)
     return path
 
 

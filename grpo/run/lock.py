@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from ..errors import ConfigError
+from ..errors import ConfigError, setting
 
 LOCK = ".grpo.lock"
 
@@ -38,7 +38,8 @@ def _refusal(f, output_dir: Path) -> str | None:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         holder = _holder(f) or "its holder did not say who it is"
-        return f"{output_dir} is in use by another run ({holder}): wait for it to end, or pick another --output_dir"
+        return (f"{output_dir} is in use by another run ({holder}): wait for it to end, or pick another "
+                f"{setting('output_dir')}")
     return None
 
 

@@ -1,7 +1,7 @@
-"""A run's session with its output folder: what a checkpoint holds besides the weights (`state_dict`), writing
-one per step (`save`), resuming from one (`resume`), and a step undone when it fails or a stop signal abandons
-it, the steps done saved so that only that one is lost (`undone_on_failure`). run/checkpoint.py writes and
-finds the folders."""
+"""A run's session with its output folder: what a checkpoint holds besides the weights (`state_dict`), when
+save_strategy asks for one (`due`), writing one per step (`save`; none at all under save_strategy="no"),
+resuming from one (`resume`), and a step undone when it fails or a stop signal abandons it, the steps done saved
+so that only that one is lost (`undone_on_failure`). run/checkpoint.py writes and finds the folders."""
 from __future__ import annotations
 
 import contextlib
@@ -38,6 +38,8 @@ class SessionSettings:
     """What saving and resuming read of the settings."""
 
     record: dict  # the Config as a checkpoint records it, and as resuming compares it with the saved one
+    save_strategy: str
+    save_steps: int
     save_total_limit: int | None
     seed: int
     num_generations: int
@@ -50,8 +52,18 @@ class SessionSettings:
 
     @classmethod
     def of(cls, c: Config, total_steps: int, warmup_steps: int) -> SessionSettings:
-        return cls(asdict(c), c.save_total_limit, c.seed, c.num_generations, c.learning_rate,
-                   (c.adam_beta1, c.adam_beta2), c.weight_decay, c.lr_scheduler_type, total_steps, warmup_steps)
+        return cls(asdict(c), c.save_strategy, c.save_steps, c.save_total_limit, c.seed, c.num_generations,
+                   c.learning_rate, (c.adam_beta1, c.adam_beta2), c.weight_decay, c.lr_scheduler_type, total_steps,
+                   warmup_steps)
+
+
+def save_due(step: int, total_steps: int, save_strategy: str, save_steps: int, epoch_ended: bool) -> bool:
+    """Whether `save_strategy` asks for a checkpoint once `step` optimizer steps are done, as transformers'
+    does: "steps" every `save_steps` and at the end, "epoch" when the step ended a pass over the prompts
+    (`epoch_ended`) and at the end, "no" never."""
+    if save_strategy == "no":
+        return False
+    return step >= total_steps or (epoch_ended if save_strategy == "epoch" else step % save_steps == 0)
 
 
 class Session:
@@ -98,9 +110,17 @@ class Session:
         streak, total = state["nonfinite"]
         return Progress(state["step"], generation, (streak, total))
 
-    def save(self, progress: Progress) -> Path:
-        """Write checkpoint-STEP (once per step); returns its path. The ranks other than 0 wait until the
-        checkpoint is complete."""
+    def due(self, step: int) -> bool:
+        """Whether save_strategy asks for checkpoint-`step` once `step` optimizer steps are done (`save_due`)."""
+        s, prompts = self.settings, len(self.prompts.dataset)
+        ended = self.schedule.epochs_done(step, prompts) > self.schedule.epochs_done(step - 1, prompts)
+        return save_due(step, s.total_steps, s.save_strategy, s.save_steps, ended)
+
+    def save(self, progress: Progress) -> Path | None:
+        """Write checkpoint-STEP (once per step); returns its path, or None under save_strategy="no", which writes
+        none. The ranks other than 0 wait until the checkpoint is complete."""
+        if self.settings.save_strategy == "no":
+            return None
         if self.saved_step != progress.step:
             state, weights = self.state_dict(progress), self.parallel.full_state_dict()  # FSDP: gathered
             if self.dist.is_main:
@@ -122,10 +142,10 @@ class Session:
             self.tokenizer.save_pretrained(path)
         self.dist.barrier()
 
-    def resume(self, spec: str) -> Progress | None:
+    def resume(self, spec: str | bool) -> Progress | None:
         """Continue from `spec`, a checkpoint folder or "latest" (the newest loadable one in output_dir, saying
-        which damaged ones it passed over; none yet means step 0, and None is returned). Lines of the logs
-        written after its step are dropped, so they never repeat."""
+        which damaged ones it passed over; none yet means step 0, and None is returned) or True (the same, an
+        error when there is none). Lines of the logs written after its step are dropped, so they never repeat."""
         s = self.settings
         path, passed_over = checkpoint.find_checkpoint(spec, str(self.output_dir))
         if passed_over and self.dist.is_main:
@@ -150,8 +170,9 @@ class Session:
         return progress
 
     def interrupted(self, signum: int, progress: Progress) -> TrainingInterrupted:
-        """The error a stop signal ends the run with, the steps done saved first."""
-        return TrainingInterrupted(signum, progress.step, self.save(progress) if progress.step > 0 else None)
+        """The error a stop signal ends the run with, the steps done saved first (unless save_strategy="no")."""
+        unsaved = "nothing to save yet" if progress.step == 0 else 'nothing saved (save_strategy="no")'
+        return TrainingInterrupted(signum, progress.step, self.save(progress) if progress.step > 0 else None, unsaved)
 
     @contextlib.contextmanager
     def undone_on_failure(self, signals: StopSignals, progress: Progress):

@@ -135,12 +135,13 @@ class Trackers:
         self.trackers: list = []
 
     def start(self, config_dict: dict, step: int) -> None:
-        """Open the trackers; a run resuming (`resume_from_checkpoint`, here at `step`) continues their runs."""
+        """Open the trackers; a run resuming (`config_dict`'s resume_from_checkpoint, the run's own, here at
+        `step`) continues their runs."""
         if not self.is_main or not self.names:
             return
         output_dir = Path(self.config.output_dir)
         path = output_dir / STATE
-        resume_step = step if self.config.resume_from_checkpoint and path.exists() else None
+        resume_step = step if config_dict["resume_from_checkpoint"] and path.exists() else None
         run = json.loads(path.read_text()) if resume_step is not None else {}
         run.setdefault("name", f"{output_dir.resolve().name}-{time.strftime('%Y%m%d-%H%M%S')}")
         self.trackers = [TRACKER_CLASSES[name](output_dir, run) for name in self.names]

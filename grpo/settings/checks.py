@@ -6,12 +6,13 @@ from __future__ import annotations
 import difflib
 import json
 import math
+import re
 import sys
 import typing
 
 from ..algo import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, SCALES
 from ..errors import ConfigError
-from .choices import OPTIMIZER_ALIASES, OPTIMIZERS, SCHEDULES, TRACKERS, tracker_names
+from .choices import ALL_LINEAR, OPTIMIZER_ALIASES, OPTIMIZERS, SAVE_STRATEGIES, SCHEDULES, TRACKERS, tracker_names
 from .fieldtypes import FieldType, field_types
 from .plan import RunPlan, ranks_from_env
 from .trl_names import NO_EFFECT, OFF_VALUES, RENAMED, TRL_ONLY, TRL_REASONS
@@ -66,11 +67,16 @@ RULES: dict[str, tuple[typing.Callable, str]] = {
     "lora_r": (lambda v: v >= 1, ">= 1"),
     "lora_alpha": (lambda v: v > 0, "> 0"),
     "lora_dropout": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "lora_target_modules": (lambda v: v == ALL_LINEAR or (isinstance(v, list) and all(
+        isinstance(m, str) and re.fullmatch(r"[\w.]+", m) for m in v)),
+        f'module names (a list, or comma-separated) or "{ALL_LINEAR}" (peft\'s regex strings are not read here)'),
     "logprob_chunk_size": (lambda v: v >= 1, ">= 1"),
     "logging_steps": (lambda v: v >= 1, ">= 1"),
+    "save_strategy": (lambda v: v in SAVE_STRATEGIES, f"one of {', '.join(SAVE_STRATEGIES)}"),
     "save_steps": (lambda v: v >= 1, ">= 1"),
     "save_total_limit": (lambda v: v >= 1, ">= 1, or None to keep every checkpoint"),
-    "resume_from_checkpoint": (lambda v: v.strip() != "", 'a checkpoint folder or "latest"'),
+    "resume_from_checkpoint": (lambda v: isinstance(v, bool) or (isinstance(v, str) and v.strip() != ""),
+                               'a checkpoint folder, "latest", or True / False'),
     "report_to": (lambda v: tracker_names(v) is not None,
                   f'"none" or one or more (a list, or comma-separated) of {", ".join(TRACKERS)}'),
     "num_completions_to_print": (lambda v: v >= 1, ">= 1, or None for all of them"),
@@ -143,11 +149,25 @@ def checked_field(cls, name: str, value):
         value = "group" if value else "none"
     if name == "optim" and isinstance(value, str):  # transformers' names: the rest of grpo sees only ours
         value = OPTIMIZER_ALIASES.get(value, value)
+    if name == "resume_from_checkpoint" and isinstance(value, str) and value.strip().lower() in ("true", "false"):
+        value = value.strip().lower() == "true"  # --resume_from_checkpoint=true: transformers' True
+    if name == "lora_target_modules":
+        value = _module_names(value)
     types = field_types(cls)
     value = _checked_value(name, name, value, types[name])
     if name == "generation_kwargs" and value:
         value = {key: _generation_kwarg(key, entry, types) for key, entry in value.items()}
     return value
+
+
+def _module_names(value):
+    """lora_target_modules as stored: "all-linear", or a list from a list, tuple, set (peft's own form) or
+    comma-separated text (the command line's form); anything else as it is, for the rule to refuse."""
+    if isinstance(value, str):
+        return value.strip() if value.strip() == ALL_LINEAR else [m.strip() for m in value.split(",") if m.strip()]
+    if isinstance(value, (set, frozenset)):
+        return sorted(value)
+    return list(value) if isinstance(value, tuple) else value
 
 
 def check_combinations(config) -> None:

@@ -174,8 +174,9 @@ class Config(metaclass=_CheckedKeywords):
     disable_dropout: bool = False
     """Set every torch.nn.Dropout of the policy to p = 0, LoRA's lora_dropout included (as TRL does): train-mode
     forwards are then deterministic, so the loss's log-probs are the very ones its old log-probs were taken of."""
-    lora_target_modules: list[str] | None = None
-    """Module names to adapt (default: every linear layer except the LM head)."""
+    lora_target_modules: list[str] | str | None = None
+    """Module names to adapt, or "all-linear" (peft's: every linear layer except the output head, also what None
+    means here)."""
     gradient_checkpointing: bool = True
     """Recompute activations in backward instead of storing them."""
     logprob_chunk_size: int = LOGPROB_CHUNK_SIZE
@@ -194,12 +195,17 @@ class Config(metaclass=_CheckedKeywords):
     # --- logging and checkpoints ---
     logging_steps: int = 1  # TRL: 10; a metrics line is cheap and short runs need every point
     """Write a metrics.jsonl line (and completions.jsonl rows) every this many optimizer steps."""
+    save_strategy: str = "steps"
+    """When checkpoints are written (transformers'): "steps" every save_steps optimizer steps, "epoch" after each
+    pass over the training prompts, both also at the end; "no": never, not even when a signal or an error stops
+    the run (`Trainer.save_model` still writes the model)."""
     save_steps: int = 500
-    """Save a checkpoint every this many optimizer steps (and always at the end)."""
+    """With save_strategy="steps", save a checkpoint every this many optimizer steps (and always at the end)."""
     save_total_limit: int | None = None
     """Keep at most this many checkpoints, deleting the oldest (None keeps all)."""
-    resume_from_checkpoint: str | None = None
-    """Continue from this checkpoint folder, or "latest" (the newest complete one in output_dir, if any)."""
+    resume_from_checkpoint: str | bool | None = None
+    """Continue from this checkpoint folder; "latest": the newest loadable one in output_dir, or step 0 when there
+    is none yet; True (transformers'): the newest one, an error when there is none; False or None: a fresh run."""
     report_to: str | list[str] = "none"
     """Trackers that also receive the config, every metrics.jsonl line and completion samples: "tensorboard",
     "trackio", "wandb", several (a list or comma-separated), or "none". TRL's default too: offline-first,

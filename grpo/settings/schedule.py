@@ -83,6 +83,11 @@ class Schedule:
         first = step % (self.micro_batches_per_generation // self.accumulation) * self.accumulation
         return slice(first, first + self.accumulation)
 
+    def epochs_done(self, step: int, num_prompts: int) -> int:
+        """Whole passes over `num_prompts` prompts drawn by the generation batches that the first `step` optimizer
+        steps finished (an epoch ends with the generation batch that completes it)."""
+        return step // self.optimizer_steps_per_generation * self.prompts_per_generation // num_prompts
+
     def total_steps(self, num_prompts: int, num_train_epochs: float, max_steps: int) -> int:
         """Optimizer steps of a run: `max_steps` when set, else enough generation batches for the epochs over
         `num_prompts` prompts, each feeding `optimizer_steps_per_generation` steps."""

@@ -24,7 +24,7 @@ TRL_ONLY = frozenset("""
     parallelism_config per_device_eval_batch_size prediction_loss_only project push_to_hub ref_model_mixup_alpha
     ref_model_sync_steps remove_unused_columns
     restore_callback_states_from_checkpoint router_aux_loss_coef run_name save_on_each_node save_only_model
-    save_strategy shuffle_dataset skip_memory_metrics sync_ref_model tf32 torch_compile
+    shuffle_dataset skip_memory_metrics sync_ref_model tf32 torch_compile
     torch_compile_backend torch_compile_mode torch_empty_cache_steps trackio_bucket_id trackio_space_id
     trackio_static_space_id train_sampling_strategy transformers_continuous_batching_config trust_remote_code
     use_adaptive_entropy use_cache use_cpu use_liger_kernel use_transformers_continuous_batching
@@ -77,7 +77,6 @@ _NO_HUB = "nothing is pushed to the Hub (push_to_hub is not supported): checkpoi
 NO_EFFECT = {
     "use_cpu": "the device is chosen automatically: the GPU when there is one (CUDA_VISIBLE_DEVICES= hides "
                "it)",
-    "save_strategy": "checkpoints are written every save_steps and at the end",
     "logging_strategy": "logging_steps sets when a metrics line is written",
     "logging_first_step": "logging_steps sets which steps are logged (every one by default)",
     "disable_tqdm": "progress shows on stderr; written to a file, it is a plain line every few seconds",
@@ -106,10 +105,8 @@ OFF_VALUES = {
 }
 
 # Keyword arguments of TRL's GRPOTrainer that this Trainer does not take, and what to do instead (its `args`
-# and `processing_class` are taken, as `config` and `tokenizer`).
+# and `processing_class` are taken, as `config` and `tokenizer`, and `peft_config` by trl_call.py).
 TRAINER_ONLY = {
-    "peft_config": "set use_lora=True with lora_r, lora_alpha, lora_dropout and lora_target_modules in the "
-                   "Config",
     "callbacks": "there are no callbacks here: metrics.jsonl and report_to receive every logged line",
     "optimizers": "set optim, learning_rate, lr_scheduler_type and warmup_steps in the Config",
 }

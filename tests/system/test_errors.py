@@ -85,8 +85,8 @@ def test_a_bug_in_the_recipe_keeps_its_traceback(tmp_path, capsys):
 
 @pytest.mark.parametrize("rows, fragment", [
     ("[{'question': 'hi'}]", "train_dataset has no 'prompt' column (columns: question)"),
-    ("[]", "train_dataset has no 'prompt' column (columns: none)"),  # an empty list has no columns
-    ("{'prompt': []}", "train_dataset is empty"),
+    ("[]", "train_dataset is empty (no rows)"),  # an empty list has no columns either
+    ("{'prompt': []}", "train_dataset is empty (no rows)"),
     ("[{'prompt': 7}]", "train_dataset['prompt'] must hold strings or lists of {'role', 'content'} messages, got int"),
     ("[{'prompt': 'a'}, {'prompt': None}]", "train_dataset has 1 missing (None) prompts out of 2"),
 ])
@@ -114,6 +114,15 @@ def test_reward_function_errors(tmp_path, capsys, returns, fragments):
     assert_short_error(code, err, 1, *fragments)
     assert len(err) < 1000
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_a_reward_function_taking_a_column_the_dataset_lacks_names_both(tmp_path, capsys):
+    body = ("def judge(completions, answer, **kwargs):\n    return [0.0] * len(completions)\n"
+            "reward_funcs = [judge]\ntrain_dataset = digit_prompts")
+    code, err = run(tmp_path, capsys, body=body)
+    assert_short_error(code, err, 1)
+    assert err.splitlines()[-1] == ("error: reward function 'judge' takes a column the dataset does not have: "
+                                    "answer (its columns: prompt, num_digits)")
 
 
 def test_a_reward_failing_later_keeps_the_steps_before_it(tmp_path, capsys):

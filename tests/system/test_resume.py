@@ -138,7 +138,7 @@ def test_a_fresh_run_does_not_write_over_an_earlier_one(tmp_path, tokenizer):
     out = tmp_path / "run"
     make_trainer(out, tokenizer, {}, optim="adamw", max_steps=1).train()
     before = (out / "metrics.jsonl").read_text()
-    with pytest.raises(ConfigError, match=r"already holds a run \(checkpoint-1, .*--resume_from_checkpoint=latest"):
+    with pytest.raises(ConfigError, match=r"already holds a run \(checkpoint-1, .*resume_from_checkpoint=True"):
         make_trainer(out, tokenizer, {}, optim="adamw", max_steps=1).train()
     assert (out / "metrics.jsonl").read_text() == before
 
@@ -146,7 +146,8 @@ def test_a_fresh_run_does_not_write_over_an_earlier_one(tmp_path, tokenizer):
 @pytest.mark.parametrize("spec, message", [
     ("missing", "no such folder"),
     (".", "is a run folder, not a checkpoint: pass one of its checkpoints"),
-    (".checkpoint-3.tmp", "is not a complete checkpoint"),
+    (".checkpoint-3.tmp", r"is not a complete checkpoint \(no COMPLETE marker: its save was interrupted\)"),
+    ("empty", "holds no checkpoint: it is empty; resume_from_checkpoint=True in the Config picks the newest"),
     ("checkpoint-1", r"holds checkpoints newer than .*checkpoint-1 \(checkpoint-2\): continuing from it there would "
                      "mix two runs"),
 ])
@@ -154,6 +155,8 @@ def test_resume_from_a_bad_folder_says_why(tmp_path, tokenizer, spec, message):
     out = tmp_path / "run"
     make_trainer(out, tokenizer, {}, optim="adamw", max_steps=2, save_steps=1).train()
     (out / ".checkpoint-3.tmp").mkdir()
+    (out / ".checkpoint-3.tmp" / "config.json").write_text("{}")  # a save cut short after its first file
+    (out / "empty").mkdir()
     with pytest.raises(ConfigError, match=message):
         make_trainer(out, tokenizer, {}, optim="adamw", resume_from_checkpoint=str(out / spec)).train()
 

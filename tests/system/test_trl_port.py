@@ -113,9 +113,7 @@ def test_the_docs_trl_script_runs_as_written_with_a_tiny_model(tmp_path, monkeyp
     assert trainer.state.global_step == trainer.state.max_steps == 4 == trainer.args.max_steps
     captured = capsys.readouterr()
     assert "trained 4 steps" in captured.out
-    assert [line for line in captured.err.splitlines() if line.startswith("warning:")] == [
-        "warning: TRL's `save_strategy` has no effect here: checkpoints are written every save_steps and at "
-        "the end"]
+    assert [line for line in captured.err.splitlines() if line.startswith("warning:")] == []
     # warmup_steps=2 of 4, then linear decay: lr 1e-5 x (0, 1/2, then 1 - (s - 2) / 2 at s = 2, 3).
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [line["lr"] for line in lines] == pytest.approx([0.0, 0.5e-5, 1e-5, 0.5e-5])
@@ -149,8 +147,9 @@ def test_trls_call_shape_and_its_refusals(tmp_path):
                                 "processing_class=tokenizer (TRL's name; tokenizer= works too); its config "
                                 "names no folder or hub id to load one from")
     for call, message in [
-        (dict(peft_config=object()), "Trainer's `peft_config`: set use_lora=True with lora_r, lora_alpha, "
-                                     "lora_dropout and lora_target_modules in the Config"),
+        (dict(peft_config=object()), "peft_config must be a peft LoraConfig (this trainer trains LoRA adapters), "
+                                     "got object"),
+        (dict(callbacks=[object()]), "Trainer's `callbacks`: there are no callbacks here"),
         (dict(config="Qwen/Qwen2.5-0.5B-Instruct"),
          "Trainer's first argument is a grpo Config (TRL's `args=`), got str 'Qwen/Qwen2.5-0.5B-Instruct': "
          "pass the model as model="),

@@ -49,7 +49,7 @@ def test_two_runs_started_together_into_one_folder(tmp_path):
     assert [run.returncode for run in runs] == [0, 0], [err[-2000:] for _, err in results]
     said = sorted(stdout.strip() for stdout, _ in results)
     assert said[0].startswith(f"error: {out} is in use by another run (pid "), said
-    assert said[0].endswith("): wait for it to end, or pick another --output_dir") and "\n" not in said[0]
+    assert said[0].endswith("): wait for it to end, or pick another output_dir") and "\n" not in said[0]
     assert said[1] == "trained 4"
     assert all("Traceback" not in err for _, err in results)
     steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]

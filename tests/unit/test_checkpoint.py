@@ -16,6 +16,7 @@ import pytest
 
 from grpo.errors import ConfigError
 from grpo.run.checkpoint import (
+    CHECKSUMS,
     COMPLETE,
     STATE,
     complete_checkpoints,
@@ -147,7 +148,7 @@ def test_saving_a_step_again_replaces_it_and_leaves_no_temporary_folders(tmp_pat
     for _ in range(2):
         path = save_checkpoint(str(tmp_path), 3, model, None, {}, {"step": 3})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-3"]
-    assert sorted(p.name for p in path.iterdir()) == [COMPLETE, "config.json", "generation_config.json",
+    assert sorted(p.name for p in path.iterdir()) == [COMPLETE, CHECKSUMS, "config.json", "generation_config.json",
                                                       "grpo_config.json", "model.safetensors", STATE]
 
 
@@ -168,6 +169,13 @@ def two_checkpoints(out: Path, model) -> tuple[Path, Path]:
                                  {"step": step, "x": list(range(500))}) for step in (1, 2))
 
 
+def flip_a_bit(path: Path) -> None:
+    """One bit of the file's last bytes (a tensor's, or the zip directory's) changed; its size stays."""
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
 def cut_in_half(path: Path) -> None:
     data = path.read_bytes()
     path.write_bytes(data[:len(data) // 2])
@@ -178,6 +186,9 @@ def cut_in_half(path: Path) -> None:
     ("lora", "adapter_model.safetensors", r"adapter_model.safetensors is cut short \(.*\)"),
     ("full", STATE, rf"{STATE} is cut short or damaged \([\d,]+ bytes, no zip directory at its end\)"),
     ("full", f"-{STATE}", f"no {STATE}"),  # deleted
+    ("lora", "~adapter_model.safetensors", r"adapter_model.safetensors does not match its sha256 in "
+                                           r"checksums.sha256 \(its bytes changed after it was saved\)"),  # a bit
+    ("full", f"~{STATE}", rf"{STATE} does not match its sha256 in checksums.sha256 \(.*\)"),
 ])
 def test_latest_passes_over_a_damaged_checkpoint_and_an_explicit_one_names_the_one_that_works(
         tmp_path, models, kind, damaged, problem):
@@ -185,6 +196,8 @@ def test_latest_passes_over_a_damaged_checkpoint_and_an_explicit_one_names_the_o
     assert damage(older) is None and damage(newest) is None
     if damaged.startswith("-"):
         (newest / damaged[1:]).unlink()
+    elif damaged.startswith("~"):
+        flip_a_bit(newest / damaged[1:])
     else:
         cut_in_half(newest / damaged)
 
@@ -197,9 +210,8 @@ def test_latest_passes_over_a_damaged_checkpoint_and_an_explicit_one_names_the_o
         find_checkpoint(str(newest), str(tmp_path))
     message = str(error.value)
     assert "\n" not in message and re.search(problem, message)
-    assert message.startswith(f"--resume_from_checkpoint={newest} cannot be loaded: ")
-    assert message.endswith(f"the newest loadable checkpoint beside it is {older}: "
-                            f"--resume_from_checkpoint={older}")
+    assert message.startswith(f"resume_from_checkpoint={newest} cannot be loaded: ")  # from Python
+    assert message.endswith(f"the newest loadable checkpoint beside it is {older}: resume_from_checkpoint={older}")
     # What that line suggests works: the damaged newer checkpoint is not one that would be mixed in.
     assert find_checkpoint(str(older), str(tmp_path)) == (older, [])
 

@@ -61,6 +61,36 @@ def test_none_for_optional_fields(arg):
     assert getattr(config, key) is None
 
 
+@pytest.mark.parametrize("key, text, python, stored", [
+    # peft's "all-linear" (every linear layer but the output head); names, as a list or comma-separated text.
+    ("lora_target_modules", "all-linear", "all-linear", "all-linear"),
+    ("lora_target_modules", "q_proj,v_proj", ("q_proj", "v_proj"), ["q_proj", "v_proj"]),
+    # transformers' True: the newest checkpoint in output_dir; False: none.
+    ("resume_from_checkpoint", "true", True, True),
+    ("resume_from_checkpoint", "False", False, False),
+    ("resume_from_checkpoint", "latest", "latest", "latest"),
+    ("save_strategy", "no", "no", "no"),
+    ("save_strategy", "epoch", "epoch", "epoch"),
+])
+def test_transformers_and_peft_values_in_python_and_on_the_command_line(key, text, python, stored):
+    assert getattr(Config(**{key: python}), key) == stored
+    assert getattr(apply_overrides(Config(), [f"--{key}={text}"]), key) == stored
+
+
+@pytest.mark.parametrize("settings, message", [
+    (dict(lora_target_modules=r".*\.q_proj"), 'lora_target_modules must be module names (a list, or '
+                                              'comma-separated) or "all-linear" (peft\'s regex strings are not read '
+                                              "here), got ['.*\\\\.q_proj']"),
+    (dict(save_strategy="best"), "save_strategy must be one of steps, epoch, no, got 'best'"),
+    (dict(resume_from_checkpoint=3), 'resume_from_checkpoint must be a checkpoint folder, "latest", or True / '
+                                     "False, got 3"),
+])
+def test_transformers_and_peft_values_we_lack(settings, message):
+    with pytest.raises(ConfigError) as error:
+        Config(**settings)
+    assert str(error.value) == message
+
+
 def test_later_overrides_win():
     assert apply_overrides(Config(), ["--seed=1", "--seed=2"]).seed == 2
 
@@ -153,10 +183,11 @@ def test_every_setting_not_accepted_is_named_in_one_error():
 
 @pytest.mark.parametrize("settings, args, warnings", [
     # Any value: nothing here depends on it.
-    ({"use_cpu": True, "save_strategy": "no"}, ["--use_cpu", "--save_strategy=no"],
+    ({"use_cpu": True, "logging_first_step": True}, ["--use_cpu", "--logging_first_step=true"],
      ["TRL's `use_cpu` has no effect here: the device is chosen automatically: the GPU when there is one "
       "(CUDA_VISIBLE_DEVICES= hides it)",
-      "TRL's `save_strategy` has no effect here: checkpoints are written every save_steps and at the end"]),
+      "TRL's `logging_first_step` has no effect here: logging_steps sets which steps are logged (every one by "
+      "default)"]),
     # A feature this trainer lacks, at the value that leaves it off, as Python or as command-line text.
     ({"use_vllm": False, "gradient_checkpointing_kwargs": {"use_reentrant": False}},
      ["--use_vllm=False", '--gradient_checkpointing_kwargs={"use_reentrant":false}'],
@@ -485,7 +516,8 @@ def test_recipe_runtime_error_keeps_its_traceback(tmp_path):
     (dict(reward_weights=1.0), "reward_weights must be a list of floats, got 1.0"),
     (dict(reward_weights=[1.0, "x"]), "reward_weights[1] must be a float, got str 'x'"),
     (dict(reward_weights=[1.0, math.inf]), "reward_weights must be finite numbers, got [1.0, inf]"),
-    (dict(resume_from_checkpoint=""), "resume_from_checkpoint must be a checkpoint folder or \"latest\", got ''"),
+    (dict(resume_from_checkpoint=""),
+     "resume_from_checkpoint must be a checkpoint folder, \"latest\", or True / False, got ''"),
 ])
 def test_bad_settings_are_refused_with_one_sentence(settings, message):
     with pytest.raises(ConfigError) as info:

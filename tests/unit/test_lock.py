@@ -46,7 +46,7 @@ def test_a_second_holder_is_refused_in_one_line_naming_the_first(tmp_path):
         line = other.stdout.readline().strip()
         assert other.wait(timeout=60) == 0
         assert line.startswith(f"refused: {tmp_path} is in use by another run (pid {os.getpid()} on ")
-        assert line.endswith("): wait for it to end, or pick another --output_dir")
+        assert line.endswith("): wait for it to end, or pick another output_dir")
         with pytest.raises(ConfigError, match="is in use by another run"):
             lock.check_free(str(tmp_path), Distributed())
     lock.check_free(str(tmp_path), Distributed())  # released on leaving
