@@ -3,7 +3,7 @@ stage implemented in the module named beside it; this file only orchestrates."""
 from __future__ import annotations
 
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -21,7 +21,7 @@ from .rollout.custom import CustomRollouts
 from .rollout.dynamic import DynamicSampling
 from .rollout.evaluate import eval_options, evaluate
 from .infra.progress import progress_bar
-from .rollout.prompts import PromptStream
+from .rollout.prompts import PromptStream, check_chat_template
 from .rollout.reward_models import place_reward_models, reward_callables
 from .rollout.rewards import NoSignalWatch, RewardContext, TrainerState, reward_func_names
 from .rollout.sampling import Sampler
@@ -68,6 +68,7 @@ class Trainer:
         self.trackers = Trackers(config, self.dist.is_main)  # report_to: a missing package fails here, early
         torch.manual_seed(config.seed + self.dist.rank)  # dropout differs by rank; sampling: rollout/streams
         self.tokenizer = tokenizer if tokenizer is not None else default_tokenizer(config, model)
+        check_chat_template(self.tokenizer, {"train_dataset": train_dataset, "eval_dataset": eval_dataset})
         self.precision = Precision.plan(config.bf16, config.use_lora, device_of(model) if model is not None else None,
                                         config.bf16_weights)
         self.model = prepare_for_training(model if model is not None else load_model(config, self.precision), config,
@@ -119,10 +120,13 @@ class Trainer:
         self.session.save_model(Path(output_dir if output_dir is not None else self.config.output_dir))
 
     # --- the loop ---
-    def train(self) -> list[dict]:
-        """Run to `total_steps`, first resuming `config.resume_from_checkpoint` when set; returns the logged
-        metrics lines. On SIGINT/SIGTERM it saves a checkpoint and raises TrainingInterrupted. Holds
-        output_dir for the whole run: another run already in it is a ConfigError."""
+    def train(self, resume_from_checkpoint: str | bool | None = None) -> list[dict]:
+        """Run to `total_steps`, first resuming `resume_from_checkpoint` (transformers' argument, in place of
+        config.resume_from_checkpoint) when set; returns the logged metrics lines. On SIGINT/SIGTERM it saves a
+        checkpoint and raises TrainingInterrupted, a KeyboardInterrupt. Holds output_dir for the whole run:
+        another run already in it is a ConfigError."""
+        if resume_from_checkpoint is not None:
+            self.config = replace(self.config, resume_from_checkpoint=resume_from_checkpoint)
         with lock.hold(self.output_dir, self.dist):                                          # run/lock
             return self._train()
 
@@ -153,7 +157,7 @@ class Trainer:
                 self.updates.check(self.step, self.last_checkpoint)  # too many NaN/inf steps in a row
                 if cadence.evaluates(self.step, self.total_steps):
                     history.append(self.evaluate())
-                if cadence.saves(self.step, self.total_steps):
+                if self.session.due(self.step) and self.step < self.total_steps:  # save_strategy  run/session
                     self.save()
                 received = self.dist.agree_on_signal(signals.received)  # every rank stops at the same step
                 if received is not None:
@@ -170,7 +174,7 @@ class Trainer:
                 if self.schedule.starts_generation(self.step) or self.generation is None:  # None: resumed elastically
                     self.generation = self.generate()
                 totals = self.accumulate(self.generation.micro_batches[self.schedule.micro_batches_of(self.step)])
-        except Exception:
+        except BaseException:  # TrainingInterrupted too, a KeyboardInterrupt
             self.generation = start.generation
             raise
         metrics = {**self.generation.metrics, **totals, **self.updates.apply(totals["loss"], self.step)}
@@ -256,9 +260,9 @@ class Trainer:
         """The newest checkpoint, written or resumed from."""
         return self.session.last_checkpoint
 
-    def save(self) -> Path:
-        """Write checkpoint-STEP (once per step); returns its path. Under torchrun every rank calls it and
-        rank 0 writes; the others wait until the checkpoint is complete."""
+    def save(self) -> Path | None:
+        """Write checkpoint-STEP (once per step); returns its path (None: save_strategy="no"). Under torchrun
+        every rank calls it and rank 0 writes; the others wait until the checkpoint is complete."""
         return self.session.save(self.progress())
 
     def resume(self, spec: str) -> None:

@@ -47,22 +47,18 @@ class OptimSettings:
 
 @dataclass(frozen=True)
 class Cadence:
-    """When a run writes a metrics line, evaluates and writes a checkpoint, at the end of optimizer step `step`
-    (1-based) of `total`: every `logging_steps` and the last; every `eval_steps` (0: never) and the last; every
-    `save_steps` before the last, whose checkpoint the end of training writes."""
+    """When a run writes a metrics line and evaluates, at the end of optimizer step `step` (1-based) of `total`:
+    every `logging_steps` and the last; every `eval_steps` (0: never) and the last. Checkpoints follow
+    save_strategy (run/session.save_due)."""
 
     logging_steps: int
     eval_steps: int
-    save_steps: int
 
     def logs(self, step: int, total: int) -> bool:
         return step % self.logging_steps == 0 or step == total
 
     def evaluates(self, step: int, total: int) -> bool:
         return self.eval_steps > 0 and (step % self.eval_steps == 0 or step == total)
-
-    def saves(self, step: int, total: int) -> bool:
-        return step % self.save_steps == 0 and step < total
 
 
 @dataclass(frozen=True)
@@ -83,7 +79,7 @@ class RunPlan:
         schedule = Schedule.resolve(config, world_size)
         return cls(schedule, MappingProxyType(config.loss_settings()), schedule.optimizer_steps_per_generation > 1,
                    reference_kind(config.use_lora, config.beta), OptimSettings.of(config),
-                   Cadence(config.logging_steps, config.eval_steps, config.save_steps))
+                   Cadence(config.logging_steps, config.eval_steps))
 
     @property
     def has_reference(self) -> bool:

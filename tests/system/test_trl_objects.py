@@ -98,8 +98,6 @@ def test_a_peft_model_trains_its_own_adapter(tmp_path, use_lora):
                     processing_class=tokenizer, peft_config=LoraConfig(r=2, target_modules="all-linear"))
 
 
-@pytest.mark.xfail(strict=True, reason="needs trainer.py to call rollout/prompts.check_chat_template (the report's "
-                                       "diff); the check itself is written")
 def test_chat_prompts_with_a_tokenizer_without_a_chat_template_are_one_line_when_the_trainer_is_made(tmp_path):
     tokenizer = tiny_tokenizer()
     model = tiny_model(tokenizer)
