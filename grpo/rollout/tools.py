@@ -117,6 +117,8 @@ class Tools:
         """Tools from TRL's arguments (`tools=[fn, ...]`, `environment_factory=`) plus `inline` ones (also
         accepted within `tools`); a
         ConfigError naming the tool that has no schema, a clash of names, an unknown parser."""
+        if isinstance(tools, Tools):  # already made, with its own parser and timeout
+            return tools
         if parser not in PARSERS:
             raise ConfigError(f"tool parser {parser!r} is not known; known: {', '.join(PARSERS)}")
         if not timeout_s > 0:
