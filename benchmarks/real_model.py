@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -110,6 +111,31 @@ def blocks(values: list[float], size: int) -> list[float]:
     return [round(sum(values[i:i + size]) / len(values[i:i + size]), 3) for i in range(0, len(values), size)]
 
 
+ANNOTATION = re.compile(r"<<([^<>=]*)=([^<>]*)>>")
+
+
+def calculator_results(texts: list[str]) -> dict:
+    """Every GSM8K-style `<<expression=result>>` in `texts`, checked: the result the calculator wrote must be
+    `calculate(expression)` (an error text where it refused the expression)."""
+    from grpo.tasks.calculator import calculate
+
+    def value(expression: str) -> str:
+        try:
+            return calculate(expression)
+        except Exception as e:  # refused or failed: the model read the calculator's error instead
+            return f"error: {e}"
+    found = [(e, r) for t in texts for e, r in ANNOTATION.findall(t)]
+    wrong = [(e, r) for e, r in found if not value(e) == r and not r.startswith("{'error'")]
+    return {"annotations": len(found), "wrong": len(wrong), "wrong_examples": wrong[:5]}
+
+
+def completion_texts(path: Path) -> list[str]:
+    """The completions' text in a completions.jsonl (each message's content, for chat completions)."""
+    rows = read_jsonl(path)
+    return [r["completion"] if isinstance(r["completion"], str) else
+            "".join(m.get("content") or "" for m in r["completion"]) for r in rows]
+
+
 def summarize(args, start: dict) -> dict:
     seeds = []
     for seed in args.seeds:
@@ -152,6 +178,9 @@ def summarize(args, start: dict) -> dict:
                               for k in ("answer_accuracy_reward", "xml_format_reward")},
             "frac_reward_zero_std_blocks": blocks([m.get("frac_reward_zero_std", float("nan")) for m in steps],
                                                   args.block),
+            "tool_call_blocks": blocks([m["tools/call_frequency"] for m in steps], args.block)
+            if "tools/call_frequency" in steps[0] else None,
+            "calculator": calculator_results(completion_texts(run / "completions.jsonl")),
         })
     return {"recipe": args.recipe, "overrides": args.overrides, "eval_limit": args.eval_limit, "threads": 1,
             "block_steps": args.block, "before": start["metrics"], "seeds": seeds}
@@ -171,6 +200,10 @@ def print_table(result: dict) -> None:
         print(f"     reward by {result['block_steps']}-step blocks: "
               f"accuracy {s['reward_blocks']['answer_accuracy_reward']}"
               f", format {s['reward_blocks']['xml_format_reward']}")
+        if s["tool_call_blocks"] is not None:
+            c = s["calculator"]
+            print(f"     tool calls per completion by blocks {s['tool_call_blocks']}; calculator results in the "
+                  f"logged completions: {c['annotations']}, {c['wrong']} not the expression's value")
 
 
 def main() -> None:
