@@ -203,3 +203,37 @@ def test_a_run_shortened_below_its_restored_step_says_nothing_is_trained():
         "resuming a run of 100 steps as one of 1: step 119 is past its end, so no step is trained")
     # 5 steps of 10, linear without warmup: lr 1e-3 x (1 - 5/10) for step 6.
     assert rescheduled(5, 10, 5, 1e-3, 0, "linear").endswith("from step 5 on (lr 0.0005 for step 6)")
+
+
+
+def test_resume_with_tools_mid_generation_batch_is_bit_identical(tmp_path):
+    # The scripted policy writes "<<3*4=" and the calculator feeds "12>>": the checkpoint in the middle of a
+    # generation batch (num_iterations=2) holds tool tokens, the loss mask without them and the call counts.
+    from datasets import Dataset
+    from scripted import chain, scripted_model, scripted_tokenizer
+
+    from grpo.tasks.calculator import INLINE_CALCULATOR
+    tokenizer = scripted_tokenizer("<<", "3*4")
+    prompt = "Compute 3*4: "
+
+    def by_place(completions, **kwargs):
+        return [i / len(completions) for i in range(len(completions))]
+
+    def run(out, **overrides):
+        config = Config(output_dir=str(out), max_steps=6, save_steps=3, per_device_train_batch_size=8,
+                        gradient_accumulation_steps=2, num_generations=4, max_prompt_length=16,
+                        max_completion_length=12, learning_rate=1e-2, optim="adamw", num_iterations=2, seed=0,
+                        **overrides)
+        model = scripted_model(tokenizer, chain(tokenizer, prompt, "<<", "3*4", "="))
+        return Trainer(config, model=model, tokenizer=tokenizer, reward_funcs=[by_place],
+                       train_dataset=Dataset.from_list([{"prompt": prompt}] * 8), tools=[INLINE_CALCULATOR])
+    reference = run(tmp_path / "reference")
+    reference.train()
+    assert all(line["tools/call_frequency"] == 1 for line in read_jsonl(tmp_path / "reference" / "metrics.jsonl"))
+    first = run(tmp_path / "run")
+    stop_when(first, "accumulate", 4, lambda: (_ for _ in ()).throw(Crash()))
+    with pytest.raises(Crash):
+        first.train()
+    resumed = run(tmp_path / "run", resume_from_checkpoint="latest")
+    resumed.train()
+    assert_same_run(resumed, tmp_path / "run", reference, tmp_path / "reference")
