@@ -96,7 +96,10 @@ def sampling_run(config, model, tokenizer, prompts):
         from grpo.memory.fit import sampling_prompts_per_decode
 
         policy = SimpleNamespace(parallel=SimpleNamespace(unsharded=lambda fn: fn(model)))
-        sampler = sampling.Sampler(policy, tokenizer, config, sampling_prompts_per_decode(config, model, "cpu"))
+        from grpo.settings.plan import SamplingSettings
+
+        sampler = sampling.Sampler(policy, tokenizer, SamplingSettings.of(config),
+                                   sampling_prompts_per_decode(config, model, "cpu"))
         return lambda: sampler(prompts) and None
     encode = sampling.PromptEncoder(tokenizer, config.max_prompt_length)  # one decode per micro-batch (1 prompt)
     knobs = dict(num_generations=8, max_completion_length=config.max_completion_length, temperature=0.7, top_p=1.0,

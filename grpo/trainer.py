@@ -78,7 +78,7 @@ class Trainer:
         self.threshold_set = self.policy.device.type == "cpu" and return_freed_memory()
         place_reward_models(self.reward_funcs, self.policy.device)  # reward models next to the policy
         if sampler is None:  # our decoder, as many prompts per decode as fit (memory/), or TRL's rollout_func
-            sampler = Sampler(self.policy, self.tokenizer, config,
+            sampler = Sampler(self.policy, self.tokenizer, self.plan.sampling,
                               sampling_prompts_per_decode(config, self.model, self.policy.device.type), self.tools) \
                 if rollout_func is None else CustomRollouts(rollout_func, self)
         self.sampler = sampler

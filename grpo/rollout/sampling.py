@@ -184,25 +184,26 @@ class Sampler:
     prompts; None: a micro-batch's): one for the whole generation batch when its KV cache fits within the
     training peak, since a decode of more rows costs little more per step (docs/benchmarks.md)."""
 
-    def __init__(self, policy, tokenizer, config, prompts_per_decode: int | None = None, tools=None):
-        self.policy, self.tokenizer, self.config = policy, tokenizer, config
-        self.encode = PromptEncoder(tokenizer, config.max_prompt_length, config.chat_template_kwargs, tools)
+    def __init__(self, policy, tokenizer, settings, prompts_per_decode: int | None = None, tools=None):
+        """`settings`: settings/plan.SamplingSettings (a Config's plan's `sampling`)."""
+        self.policy, self.tokenizer, self.settings = policy, tokenizer, settings
+        kwargs = None if settings.chat_template_kwargs is None else dict(settings.chat_template_kwargs)
+        self.encode = PromptEncoder(tokenizer, settings.max_prompt_length, kwargs, tools)
         if tools is not None and tools.chat:  # a template that cannot show the model its tools: said before a step
-            check_tool_template(tokenizer, config.chat_template_kwargs)
-        k = max(1, config.per_device_train_batch_size // config.num_generations)  # a micro-batch's prompts
+            check_tool_template(tokenizer, kwargs)
+        k = settings.micro_batch_prompts
         self.prompts_per_decode = k if prompts_per_decode is None else max(k, prompts_per_decode // k * k)
 
     @torch.no_grad()
     def __call__(self, prompts: list, on_token=None, streams: PromptStreams | None = None,
                  envs: list | None = None) -> tuple[Rollout, dict[str, list]]:
         """`envs`: with an environment_factory, one environment per completion (rollout/tools.make_envs)."""
-        c, k, G = self.config, self.prompts_per_decode, self.config.num_generations
-        streams = streams if streams is not None else PromptStreams(c.seed)
+        s, k, G = self.settings, self.prompts_per_decode, self.settings.num_generations
+        streams = streams if streams is not None else PromptStreams(s.seed)
         decodes = [self.policy.parallel.unsharded(lambda model: sample_completions(
             model, self.tokenizer, self.encode, prompts[start:start + k], num_generations=G,
-            max_completion_length=c.max_completion_length, **c.sampling_settings(), stop_at_eos=c.stop_at_eos,
-            streams=streams.after(start), on_token=on_token,
-            max_tool_calling_iterations=c.max_tool_calling_iterations,
+            max_completion_length=s.max_completion_length, **s.knobs, stop_at_eos=s.stop_at_eos,
+            streams=streams.after(start), on_token=on_token, max_tool_calling_iterations=s.max_tool_calling_iterations,
             envs=None if envs is None else envs[start * G:(start + k) * G]))
             for start in range(0, len(prompts), k)]
         return Rollout.cat(decodes, self.tokenizer.pad_token_id), {}

@@ -46,6 +46,30 @@ class OptimSettings:
 
 
 @dataclass(frozen=True)
+class SamplingSettings:
+    """What the trainer's sampler reads of the settings: prompts and completions' lengths, the sampling knobs
+    (Config.sampling_settings: generation_kwargs applied), the tool rounds, the seed of every prompt's random
+    stream, and a micro-batch's prompts (the smallest decode)."""
+
+    num_generations: int
+    max_prompt_length: int
+    max_completion_length: int
+    knobs: Mapping  # temperature, top_p, top_k, min_p, repetition_penalty
+    stop_at_eos: bool
+    chat_template_kwargs: Mapping | None
+    max_tool_calling_iterations: int | None
+    seed: int
+    micro_batch_prompts: int
+
+    @classmethod
+    def of(cls, c) -> SamplingSettings:
+        kwargs = None if c.chat_template_kwargs is None else MappingProxyType(dict(c.chat_template_kwargs))
+        return cls(c.num_generations, c.max_prompt_length, c.max_completion_length,
+                   MappingProxyType(c.sampling_settings()), c.stop_at_eos, kwargs, c.max_tool_calling_iterations,
+                   c.seed, max(1, c.per_device_train_batch_size // c.num_generations))
+
+
+@dataclass(frozen=True)
 class Cadence:
     """When a run writes a metrics line and evaluates, at the end of optimizer step `step` (1-based) of `total`:
     every `logging_steps` and the last; every `eval_steps` (0: never) and the last. Checkpoints follow
@@ -70,6 +94,7 @@ class RunPlan:
     keeps_old_logprobs: bool
     reference: str  # reference_kind: "none", "adapter" or "copy"
     optim: OptimSettings
+    sampling: SamplingSettings
     cadence: Cadence
 
     @classmethod
@@ -78,7 +103,7 @@ class RunPlan:
         (Schedule.resolve)."""
         schedule = Schedule.resolve(config, world_size)
         return cls(schedule, MappingProxyType(config.loss_settings()), schedule.optimizer_steps_per_generation > 1,
-                   reference_kind(config.use_lora, config.beta), OptimSettings.of(config),
+                   reference_kind(config.use_lora, config.beta), OptimSettings.of(config), SamplingSettings.of(config),
                    Cadence(config.logging_steps, config.eval_steps))
 
     @property

@@ -8,6 +8,7 @@ import torch
 
 import grpo.rollout.sampling
 from grpo import Config
+from grpo.settings.plan import SamplingSettings
 from grpo.rollout.batches import Cut, Rollout
 from grpo.rollout.sampling import Sampler
 
@@ -31,7 +32,7 @@ def sample_batch(monkeypatch, calls: list, prompts: list, per_device: int,
     # A generation batch of `prompts`: as many micro-batches as their completions fill.
     config = Config(per_device_train_batch_size=per_device, num_generations=G,
                     steps_per_generation=len(prompts) * G // per_device)
-    sampler = Sampler(policy, SimpleNamespace(pad_token_id=PAD), config, prompts_per_decode)
+    sampler = Sampler(policy, SimpleNamespace(pad_token_id=PAD), SamplingSettings.of(config), prompts_per_decode)
     rollout, fields = sampler(prompts)
     return [m.rollout for m in rollout.micro_batches(Cut(per_device, False, False))], fields
 

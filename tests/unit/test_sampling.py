@@ -8,6 +8,7 @@ from stats import chi2_contingency_pvalue
 from tiny_setup import tiny_model, tiny_tokenizer
 
 from grpo import Config
+from grpo.settings.plan import SamplingSettings
 from grpo.rollout.compaction import DecodingRows
 from grpo.rollout.sampling import (
     PromptEncoder,
@@ -84,7 +85,7 @@ def lively_sampler(prompts_per_decode: int, **config):
     policy = SimpleNamespace(parallel=SimpleNamespace(unsharded=lambda fn: fn(model)))
     config = Config(**{**dict(per_device_train_batch_size=4, num_generations=4, max_prompt_length=64,
                               max_completion_length=10, temperature=1.0, seed=0), **config})
-    return Sampler(policy, tokenizer, config, prompts_per_decode)
+    return Sampler(policy, tokenizer, SamplingSettings.of(config), prompts_per_decode)
 
 
 def sampled(output: tuple) -> list[list[int]]:
