@@ -1,0 +1,54 @@
+"""The loop as a TRL script drives it, its import lines changed: what `train()` returns (transformers'
+TrainOutput), `trainer.state.log_history`, `callbacks=` and `eval_strategy`."""
+import json
+import math
+
+import pytest
+from tiny_setup import digit_prompts, digit_share, tiny_model, tiny_tokenizer
+
+from grpo import Config as GRPOConfig  # was: from trl import GRPOConfig, GRPOTrainer
+from grpo import Trainer as GRPOTrainer
+
+TINY = dict(per_device_train_batch_size=4, num_generations=2, max_prompt_length=16, max_completion_length=4,
+            optim="adamw", learning_rate=1e-2, report_to="none")
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return tiny_tokenizer()
+
+
+def metrics_lines(output_dir) -> list[dict]:
+    return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_train_returns_a_train_output_and_the_state_keeps_every_logged_line(tmp_path, tokenizer):
+    args = GRPOConfig(output_dir=str(tmp_path / "run"), max_steps=3, save_steps=3, **TINY)
+    trainer = GRPOTrainer(model=tiny_model(tokenizer), processing_class=tokenizer, reward_funcs=digit_share,
+                          args=args, train_dataset=digit_prompts(8))
+    result = trainer.train()
+    global_step, training_loss, metrics = result  # a NamedTuple, as transformers' TrainOutput
+    assert global_step == result.global_step == trainer.state.global_step == 3
+    lines = metrics_lines(tmp_path / "run")
+    assert [line["step"] for line in lines] == [1, 2, 3]
+    # transformers' train_loss: the mean of the steps' losses; its speed metrics, a sample being a completion.
+    assert training_loss == metrics["train_loss"] == pytest.approx(sum(line["loss"] for line in lines) / 3)
+    assert set(metrics) == {"train_runtime", "train_samples_per_second", "train_steps_per_second", "train_loss",
+                            "epoch"}
+    assert metrics["train_steps_per_second"] == pytest.approx(3 / metrics["train_runtime"], rel=0.01, abs=1e-3)
+    assert metrics["train_samples_per_second"] == pytest.approx(4 * 3 / metrics["train_runtime"], rel=0.01)
+    # 3 steps of 2 prompts (4 completions) over 8 prompts: 0.75 of an epoch.
+    assert metrics["epoch"] == trainer.state.epoch == 0.75 and trainer.state.max_steps == 3
+    # log_history: the metrics.jsonl lines, then the TrainOutput's metrics, as transformers appends them.
+    assert trainer.state.log_history == [*lines, {**metrics, "step": 3}]
+
+    # Resumed (a longer run), the log_history holds the lines before the checkpoint too.
+    longer = GRPOConfig(output_dir=str(tmp_path / "run"), max_steps=4, save_steps=3, **TINY)
+    resumed = GRPOTrainer(model=tiny_model(tokenizer), processing_class=tokenizer, reward_funcs=digit_share,
+                          args=longer, train_dataset=digit_prompts(8))
+    again = resumed.train(resume_from_checkpoint=True)
+    lines = metrics_lines(tmp_path / "run")
+    assert [line["step"] for line in lines] == [1, 2, 3, 4]
+    assert resumed.state.log_history == [*lines, {**again.metrics, "step": 4}]
+    assert again.training_loss == pytest.approx(lines[-1]["loss"]), "this call's one step"
+    assert math.isfinite(again.metrics["train_runtime"]) and resumed.args is longer
