@@ -174,7 +174,7 @@ def memory(size: str, *columns: str, tiny: bool = False, root: str = "") -> dict
             fresh_memory()
             hook = register_optimizer_step_post_hook(lambda *_: peaks.append(peak_gb()))
             trainer = trainer_for(dataclasses.replace(config, output_dir=tempfile.mkdtemp(dir=root)), model, tokenizer)
-            trainer.save = lambda: None  # no multi-GB checkpoint at the end: only the peak matters
+            trainer.save = lambda **_: None  # no multi-GB checkpoint at the end: only the peak matters
             start = time.perf_counter()
             trainer.train()
             row.update(measured_gb=peaks[-1], seconds=time.perf_counter() - start)
@@ -223,7 +223,7 @@ def step(tiny: bool = False, root: str = "") -> dict:
     policy.logprobs = timed("log-probs", policy.logprobs)
     policy.parallel.backward = timed("backward", policy.parallel.backward)
     trainer.updates.apply = timed("optimizer", trainer.updates.apply)
-    trainer.save = lambda: None
+    trainer.save = lambda **_: None
     fresh_memory()
     trainer.train()
     line = trainer.state.log_history[0]  # the one step's metrics line

@@ -30,6 +30,7 @@ from .infra.allocator import decoding_allocations, return_freed_memory
 from .infra.distributed import setup as setup_distributed
 from .infra.interrupts import StopSignals
 from .run.logs import logged_lines, peak_memory_gb
+from .run.callbacks import Callbacks
 from .run.report import Report, TrainOutput
 from .run.session import Progress, Session, SessionSettings
 from .run.startup import check_before_loading
@@ -47,7 +48,7 @@ class Trainer:
 
     def __init__(self, config: Config | None = None, model=None, tokenizer=None, reward_funcs=(),
                  train_dataset=None, eval_dataset=None, rollout_func=None, reward_processing_classes=None, *,
-                 args: Config | None = None, processing_class=None, sampler=None, tools=None,
+                 args: Config | None = None, processing_class=None, callbacks=None, sampler=None, tools=None,
                  environment_factory=None, **trl_only):
         config, model, tokenizer = trl_call(config, args, model, tokenizer, processing_class, trl_only)  # trl_call
         self.tools = Tools.of(tools, environment_factory) if tools or environment_factory else None  # rollout/tools
@@ -91,17 +92,19 @@ class Trainer:
         # Rows whose advantage is exactly 0 are left out of the forward when their gradient is 0 (algo/loss).
         self.cut = Cut(self.schedule.micro_batch, keep_one=self.dist.world_size > 1, skip_zero_advantage=
                        zero_advantage_has_no_gradient(config.beta, config.top_entropy_quantile, config.entropy_coef))
-        # transformers' trainer.state: `step` (below) is its global_step; reward functions get it as trainer_state.
-        self.state = TrainerState(max_steps=self.total_steps, is_world_process_zero=self.dist.is_main,
-                                  is_local_process_zero=self.dist.local_rank == 0)
+        self.state = TrainerState(max_steps=self.total_steps, is_world_process_zero=self.dist.is_main,  # `step`: its
+                                  is_local_process_zero=self.dist.local_rank == 0)                 # global_step
+        self.callbacks = Callbacks(callbacks, config, self.state, self.model, self.tokenizer, self.optimizer,
+                                   self.scheduler)                                              # run/callbacks
         self.output_dir = Path(config.output_dir)
-        self.report = Report(self.output_dir, self.dist, self.trackers, self.state, self.reward_names,  # run/report
-                             self.schedule.global_batch)
+        self.report = Report(self.output_dir, self.dist, self.trackers, self.state, self.callbacks,  # run/report
+                             self.reward_names, self.schedule.global_batch)
         self.generation: Generation | None = None
         self.no_signal = NoSignalWatch(patience=3)  # steps in a row where every group's rewards were equal
         self.session = Session(self.output_dir, self.dist, self.policy.parallel, self.policy.device, self.model,
                                self.tokenizer, self.optimizer, self.scheduler, self.prompts, self.schedule,
-                               SessionSettings.of(config, self.total_steps, self.updates.warmup_steps))
+                               SessionSettings.of(config, self.total_steps, self.updates.warmup_steps),
+                               on_save=self.callbacks.on_save)
 
     # --- TRL's names for what a caller reads ---
     @property
@@ -136,25 +139,28 @@ class Trainer:
             elif self.step == 0:  # a fresh run must not append to an earlier one's logs
                 checkpoint.check_no_earlier_run(str(self.output_dir))
             self.output_dir.mkdir(parents=True, exist_ok=True)
-            self.report.begin({**asdict(self.config), "resume_from_checkpoint": resume})  # clock, trackers  run/report
+            self.report.begin({**asdict(self.config), "resume_from_checkpoint": resume})  # on_train_begin  run/report
             if self.config.eval_on_start and self.step == 0:
                 self.evaluate()
             cadence = self.plan.cadence  # settings/plan
             with StopSignals() as signals, self.report.steps_bar(), self.trackers:
                 while self.step < self.total_steps:
+                    self.callbacks.on_step_begin()
                     metrics = self.report.step(self.run_step(signals))  # its loss counted, the bar advanced
-                    if cadence.logs(self.step, self.total_steps):  # its batch's completions once, not per pass
+                    control = self.callbacks.on_step_end(  # the cadence's flags, then what the callbacks make of them
+                        cadence.logs(self.step, self.total_steps), cadence.evaluates(self.step, self.total_steps),
+                        self.session.due(self.step))  # save_strategy  run/session
+                    if control.should_log:  # with its batch's completions once, not per pass over it
                         self.report.log(metrics, self.generation.scored, self.schedule.starts_generation(self.step - 1))
                     self.updates.check(self.step, self.session.last_checkpoint)  # too many NaN/inf steps in a row
-                    if cadence.evaluates(self.step, self.total_steps):
+                    if control.should_evaluate:
                         self.evaluate()
-                    if self.session.due(self.step) and self.step < self.total_steps:  # save_strategy  run/session
-                        self.save()
-                    received = self.dist.agree_on_signal(signals.received)  # every rank stops at the same step
-                    if received is not None:
-                        raise self.session.interrupted(received, self.progress())
-                self.save()
-            return self.report.output()
+                    if control.should_save or control.should_training_stop:  # a stop saves as the end does
+                        self.save(asked=control.should_save)
+                    self.session.stop_on_signal(signals.received, self.progress())  # saved first   run/session
+                    if control.should_training_stop:
+                        break
+            return self.report.output()  # then on_train_end
 
     def run_step(self, signals: StopSignals) -> dict:
         """One optimizer step on the next gradient_accumulation_steps micro-batches of the generation batch,
@@ -238,10 +244,11 @@ class Trainer:
     def progress(self) -> Progress:
         return Progress(self.step, self.generation, self.updates.nonfinite)
 
-    def save(self) -> Path | None:
-        """Write checkpoint-STEP (once per step); returns its path (None: save_strategy="no"). Under torchrun
-        every rank calls it and rank 0 writes; the others wait until the checkpoint is complete."""
-        return self.session.save(self.progress())
+    def save(self, asked: bool = False) -> Path | None:
+        """Write checkpoint-STEP (once per step), then the callbacks' on_save; returns its path (None under
+        save_strategy="no", unless `asked`: a callback's should_save). Under torchrun every rank calls it and rank 0
+        writes; the others wait until the checkpoint is complete."""
+        return self.session.save(self.progress(), asked)
 
     def resume(self, spec: str) -> None:
         """Continue from `spec`, a checkpoint folder or "latest" (run/session.Session.resume)."""

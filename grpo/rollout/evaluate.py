@@ -160,6 +160,8 @@ def evaluate(model, tokenizer, dataset, reward_funcs, *, accuracy_func: str,
     `unsharded(fn)` runs `fn(model)` for each batch (default: directly); the Trainer passes its parallel
     wrapper, so that FSDP ranks generate together. Returns `(metrics, samples)`: `eval/*` metrics and one
     dict per row (prompt, completion, each reward, and `free_accuracy` when no reward function gives it)."""
+    if dataset is None:
+        raise ConfigError("evaluating needs an eval_dataset: pass Trainer(eval_dataset=...)")
     unsharded = unsharded or (lambda fn: fn(model))
     names = reward_func_names(reward_funcs)
     if limit is not None:

@@ -1,6 +1,7 @@
 """What a run reports while `train()` runs: the step bar; every logged line written (metrics.jsonl, completions.jsonl
-and the trackers: run/logs.py) and kept in `trainer.state.log_history`; and what `train()` returns,
-transformers' `TrainOutput`, whose metrics close the log_history as in transformers."""
+and the trackers: run/logs.py), kept in `trainer.state.log_history` and passed to the callbacks' `on_log` (an
+evaluation's also to `on_evaluate`); and what `train()` returns, transformers' `TrainOutput`, whose metrics
+close the log_history and go to `on_log` as in transformers."""
 from __future__ import annotations
 
 import time
@@ -9,6 +10,7 @@ from typing import NamedTuple
 
 from ..infra.progress import progress_bar
 from ..rollout.rewards import TrainerState
+from .callbacks import Callbacks
 from .logs import log_completions, log_eval, log_metrics
 
 
@@ -35,19 +37,20 @@ def train_output(global_step: int, epoch: float, losses: list[float], seconds: f
 
 class Report:
     """One Trainer's reporting. Under torchrun every rank calls it (logging gathers) and rank 0 writes; every
-    rank keeps the log_history."""
+    rank keeps the log_history and calls its callbacks."""
 
-    def __init__(self, output_dir: Path, dist, trackers, state: TrainerState, reward_names: list[str],
-                 completions_per_step: int):
+    def __init__(self, output_dir: Path, dist, trackers, state: TrainerState, callbacks: Callbacks,
+                 reward_names: list[str], completions_per_step: int):
         self.output_dir, self.dist, self.trackers, self.state = output_dir, dist, trackers, state
-        self.reward_names, self.completions_per_step = reward_names, completions_per_step
+        self.callbacks, self.reward_names, self.completions_per_step = callbacks, reward_names, completions_per_step
         self.start, self.losses, self.bar = time.perf_counter(), [], None
 
     def begin(self, config: dict) -> None:
-        """A `train()` call starts: its clock and its steps' losses (for its TrainOutput), and the trackers,
-        given `config` (the Config as a dict, with the call's resume_from_checkpoint)."""
+        """A `train()` call starts: its clock and its steps' losses (for its TrainOutput), the trackers (given
+        `config`, the Config as a dict with the call's resume_from_checkpoint), then the callbacks' on_train_begin."""
         self.start, self.losses = time.perf_counter(), []
         self.trackers.start(config, self.state.global_step)
+        self.callbacks.on_train_begin()
 
     def steps_bar(self):
         """The bar of the steps (to enter once the steps begin, after any evaluation at the start)."""
@@ -73,18 +76,25 @@ class Report:
         return self._logged(line)
 
     def evaluation(self, metrics: dict) -> dict:
-        """An evaluation's metrics.jsonl line, printed too."""
-        return self._logged(log_eval(self.output_dir, self.state.global_step, metrics, self.dist.is_main,
+        """An evaluation's metrics.jsonl line (printed too), then the callbacks' on_log and on_evaluate."""
+        line = self._logged(log_eval(self.output_dir, self.state.global_step, metrics, self.dist.is_main,
                                      self.trackers))
+        self.callbacks.on_evaluate(metrics)
+        return line
 
     def output(self) -> TrainOutput:
-        """This `train()` call's TrainOutput; its metrics close the log_history, as transformers logs them (not
-        metrics.jsonl, whose lines are the steps' and the evaluations')."""
+        """This `train()` call's TrainOutput, once its metrics are logged as transformers logs them (the last entry
+        of log_history, and on_log; not metrics.jsonl, whose lines are the steps' and the evaluations') and the
+        callbacks' on_train_end has run."""
         out = train_output(self.state.global_step, self.state.epoch, self.losses, time.perf_counter() - self.start,
                            self.completions_per_step)
         self.state.log_history.append({**out.metrics, "step": out.global_step})
+        self.callbacks.on_log(dict(out.metrics))
+        self.callbacks.on_train_end()
         return out
 
     def _logged(self, line: dict) -> dict:
         self.state.log_history.append(line)
+        # transformers' on_log gets the logs without the step, which is state.global_step.
+        self.callbacks.on_log({k: v for k, v in line.items() if k != "step"})
         return line

@@ -72,10 +72,11 @@ class Session:
 
     def __init__(self, output_dir: Path, dist: Distributed, parallel: ParallelPolicy, device: torch.device, model,
                  tokenizer, optimizer, scheduler, prompts: PromptStream, schedule: Schedule,
-                 settings: SessionSettings):
+                 settings: SessionSettings, on_save=lambda: None):
         self.output_dir, self.dist, self.parallel, self.device = output_dir, dist, parallel, device
         self.model, self.tokenizer, self.optimizer, self.scheduler = model, tokenizer, optimizer, scheduler
         self.prompts, self.schedule, self.settings = prompts, schedule, settings
+        self.on_save = on_save  # called after each checkpoint written (the callbacks' on_save)
         self.last_checkpoint: Path | None = None  # the newest checkpoint, written or resumed from
         self.saved_step: int | None = None  # its step: saving again at it does nothing
 
@@ -116,10 +117,11 @@ class Session:
         ended = self.schedule.epochs_done(step, prompts) > self.schedule.epochs_done(step - 1, prompts)
         return save_due(step, s.total_steps, s.save_strategy, s.save_steps, ended)
 
-    def save(self, progress: Progress) -> Path | None:
+    def save(self, progress: Progress, asked: bool = False) -> Path | None:
         """Write checkpoint-STEP (once per step); returns its path, or None under save_strategy="no", which writes
-        none. The ranks other than 0 wait until the checkpoint is complete."""
-        if self.settings.save_strategy == "no":
+        none unless `asked` (a callback's control.should_save, which transformers obeys whatever the strategy).
+        The ranks other than 0 wait until the checkpoint is complete; then `on_save`."""
+        if self.settings.save_strategy == "no" and not asked:
             return None
         if self.saved_step != progress.step:
             state, weights = self.state_dict(progress), self.parallel.full_state_dict()  # FSDP: gathered
@@ -129,6 +131,7 @@ class Session:
             self.dist.barrier()
             self.last_checkpoint = self.output_dir / f"checkpoint-{progress.step}"
             self.saved_step = progress.step
+            self.on_save()
         return self.last_checkpoint
 
     def save_model(self, path: Path) -> None:
@@ -168,6 +171,13 @@ class Session:
         if self.dist.is_main:  # the one writer; with no checkpoint even step 0's evaluation is done again
             checkpoint.drop_log_lines_after(str(self.output_dir), progress.step if progress is not None else -1)
         return progress
+
+    def stop_on_signal(self, received: int | None, progress: Progress) -> None:
+        """Raise `interrupted` when a rank received a stop signal (`received`: this rank's), every rank at the same
+        step: ranks see a signal at different moments."""
+        received = self.dist.agree_on_signal(received)
+        if received is not None:
+            raise self.interrupted(received, progress)
 
     def interrupted(self, signum: int, progress: Progress) -> TrainingInterrupted:
         """The error a stop signal ends the run with, the steps done saved first (unless save_strategy="no")."""

@@ -107,6 +107,5 @@ OFF_VALUES = {
 # Keyword arguments of TRL's GRPOTrainer that this Trainer does not take, and what to do instead (its `args`
 # and `processing_class` are taken, as `config` and `tokenizer`, and `peft_config` by trl_call.py).
 TRAINER_ONLY = {
-    "callbacks": "there are no callbacks here: metrics.jsonl and report_to receive every logged line",
     "optimizers": "set optim, learning_rate, lr_scheduler_type and warmup_steps in the Config",
 }

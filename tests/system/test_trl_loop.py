@@ -52,3 +52,61 @@ def test_train_returns_a_train_output_and_the_state_keeps_every_logged_line(tmp_
     assert resumed.state.log_history == [*lines, {**again.metrics, "step": 4}]
     assert again.training_loss == pytest.approx(lines[-1]["loss"]), "this call's one step"
     assert math.isfinite(again.metrics["train_runtime"]) and resumed.args is longer
+
+
+def test_callbacks_are_called_as_transformers_calls_them_and_steer_the_loop(tmp_path, tokenizer):
+    from transformers import TrainerCallback
+
+    class Steering(TrainerCallback):
+        """Saves after step 1 without logging it, stops after step 2."""
+
+        def __init__(self):
+            self.events, self.seen = [], {}
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.events.append(("train_begin", state.global_step))
+            self.seen = {"args": args, "state": state, **kwargs}
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.events.append(("step_begin", state.global_step))
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.events.append(("step_end", state.global_step, control.should_log, control.should_save))
+            control.should_log, control.should_save = state.global_step != 1, state.global_step == 1
+            control.should_training_stop = state.global_step == 2
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            self.events.append(("log", state.global_step, "loss" in logs, "train_loss" in logs, "step" in logs))
+
+        def on_save(self, args, state, control, **kwargs):
+            self.events.append(("save", state.global_step, sorted(p.name for p in tmp_path.glob("run/checkpoint-*"))))
+
+        def on_train_end(self, args, state, control, **kwargs):
+            self.events.append(("train_end", state.global_step))
+
+    class Counting:  # not a TrainerCallback: only some of its method names, passed as a class (made once)
+        logs = []
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            Counting.logs.append(state.global_step)
+            return control
+
+    steering = Steering()
+    args = GRPOConfig(output_dir=str(tmp_path / "run"), max_steps=4, save_steps=10, **TINY)
+    trainer = GRPOTrainer(model=tiny_model(tokenizer), processing_class=tokenizer, reward_funcs=digit_share,
+                          args=args, train_dataset=digit_prompts(8), callbacks=[steering, Counting])
+    result = trainer.train()
+    assert result.global_step == trainer.state.global_step == 2
+    assert steering.events == [
+        ("train_begin", 0),
+        ("step_begin", 0), ("step_end", 1, True, False), ("save", 1, ["checkpoint-1"]),  # step 1: saved, not logged
+        ("step_begin", 1), ("step_end", 2, True, False), ("log", 2, True, False, False),  # step 2: logged, then stop
+        ("save", 2, ["checkpoint-1", "checkpoint-2"]),  # a stop saves as the end of training does
+        ("log", 2, False, True, False), ("train_end", 2)]  # the TrainOutput's metrics, then the end
+    assert [line["step"] for line in metrics_lines(tmp_path / "run")] == [2]
+    assert Counting.logs == [2, 2]
+    seen = steering.seen  # transformers' positional arguments and keyword arguments
+    assert seen["args"] is trainer.args and seen["state"] is trainer.state
+    assert seen["model"] is trainer.model and seen["processing_class"] is tokenizer
+    assert seen["optimizer"] is trainer.optimizer and seen["lr_scheduler"] is trainer.scheduler
+    assert seen["train_dataloader"] is None and seen["eval_dataloader"] is None

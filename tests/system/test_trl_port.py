@@ -150,7 +150,7 @@ def test_trls_call_shape_and_its_refusals(tmp_path):
     for call, message in [
         (dict(peft_config=object()), "peft_config must be a peft LoraConfig (this trainer trains LoRA adapters), "
                                      "got object"),
-        (dict(callbacks=[object()]), "Trainer's `callbacks`: there are no callbacks here"),
+        (dict(optimizers=(object(), None)), "Trainer's `optimizers`: set optim, learning_rate"),
         (dict(config="Qwen/Qwen2.5-0.5B-Instruct"),
          "Trainer's first argument is a grpo Config (TRL's `args=`), got str 'Qwen/Qwen2.5-0.5B-Instruct': "
          "pass the model as model="),
