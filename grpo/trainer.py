@@ -142,14 +142,12 @@ class Trainer:
             self.report.begin({**asdict(self.config), "resume_from_checkpoint": resume})  # on_train_begin  run/report
             if self.config.eval_on_start and self.step == 0:
                 self.evaluate()
-            cadence = self.plan.cadence  # settings/plan
             with StopSignals() as signals, self.report.steps_bar(), self.trackers:
                 while self.step < self.total_steps:
                     self.callbacks.on_step_begin()
                     metrics = self.report.step(self.run_step(signals))  # its loss counted, the bar advanced
-                    control = self.callbacks.on_step_end(  # the cadence's flags, then what the callbacks make of them
-                        cadence.logs(self.step, self.total_steps), cadence.evaluates(self.step, self.total_steps),
-                        self.session.due(self.step))  # save_strategy  run/session
+                    control = self.callbacks.on_step_end(*self.plan.cadence.due(  # the callbacks after  settings/plan
+                        self.step, self.total_steps, self.schedule.ends_epoch(self.step, len(self.prompts.dataset))))
                     if control.should_log:  # with its batch's completions once, not per pass over it
                         self.report.log(metrics, self.generation.scored, self.schedule.starts_generation(self.step - 1))
                     self.updates.check(self.step, self.session.last_checkpoint)  # too many NaN/inf steps in a row

@@ -49,6 +49,7 @@ config = Config(
     logging_steps=1,
     save_steps=1000,
     save_total_limit=1,
+    eval_strategy="steps",
     eval_steps=10,
     eval_on_start=True,
     seed=0,

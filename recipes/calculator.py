@@ -58,6 +58,7 @@ config = Config(
     logging_steps=1,
     save_steps=1000,
     save_total_limit=1,
+    eval_strategy="steps",
     eval_steps=1000,  # evaluates at the end (and at step 0, below) only: each evaluation takes minutes on a CPU
     eval_on_start=True,
     eval_limit=200,

@@ -9,6 +9,7 @@ length and `num_examples` over the rows holding each value. Used by the Trainer 
 from __future__ import annotations
 
 import importlib
+import sys
 import time
 
 import torch
@@ -34,11 +35,16 @@ def eval_options(config, batch_size: int) -> dict:
 
 
 def check_eval_setup(config, eval_dataset, reward_funcs) -> None:
-    """Evaluating during training needs an eval dataset that `check_eval_inputs` accepts."""
-    if config.eval_steps > 0 or config.eval_on_start:
+    """Evaluating during training needs an eval dataset that `check_eval_inputs` accepts. eval_steps without an
+    eval_strategy evaluates nothing, as in transformers: said in a warning."""
+    if config.eval_strategy != "no" or config.eval_on_start:
         if eval_dataset is None:
-            raise ConfigError("eval_steps / eval_on_start need an eval_dataset")
+            raise ConfigError(f"eval_strategy={config.eval_strategy!r} / eval_on_start need an eval_dataset")
         check_eval_inputs(config, eval_dataset, reward_funcs)
+    if config.eval_strategy == "no" and config.eval_steps is not None:
+        print(f'warning: eval_steps={config.eval_steps} has no effect with eval_strategy="no" (transformers\' '
+              f'default, as here): set eval_strategy="steps" to evaluate every {config.eval_steps} steps',
+              file=sys.stderr)
 
 
 def check_eval_inputs(config, dataset, reward_funcs) -> None:

@@ -1,5 +1,5 @@
-"""A run's session with its output folder: what a checkpoint holds besides the weights (`state_dict`), when
-save_strategy asks for one (`due`), writing one per step (`save`; none at all under save_strategy="no"),
+"""A run's session with its output folder: what a checkpoint holds besides the weights (`state_dict`), writing
+one per step (`save`; none at all under save_strategy="no", unless a callback asks; when is settings/plan's Cadence),
 resuming from one (`resume`), and a step undone when it fails or a stop signal abandons it, the steps done saved
 so that only that one is lost (`undone_on_failure`). run/checkpoint.py writes and finds the folders."""
 from __future__ import annotations
@@ -38,8 +38,7 @@ class SessionSettings:
     """What saving and resuming read of the settings."""
 
     record: dict  # the Config as a checkpoint records it, and as resuming compares it with the saved one
-    save_strategy: str
-    save_steps: int
+    save_strategy: str  # when to save is the plan's Cadence; "no" here: no checkpoint on a signal or an error either
     save_total_limit: int | None
     seed: int
     num_generations: int
@@ -52,18 +51,9 @@ class SessionSettings:
 
     @classmethod
     def of(cls, c: Config, total_steps: int, warmup_steps: int) -> SessionSettings:
-        return cls(asdict(c), c.save_strategy, c.save_steps, c.save_total_limit, c.seed, c.num_generations,
+        return cls(asdict(c), c.save_strategy, c.save_total_limit, c.seed, c.num_generations,
                    c.learning_rate, (c.adam_beta1, c.adam_beta2), c.weight_decay, c.lr_scheduler_type, total_steps,
                    warmup_steps)
-
-
-def save_due(step: int, total_steps: int, save_strategy: str, save_steps: int, epoch_ended: bool) -> bool:
-    """Whether `save_strategy` asks for a checkpoint once `step` optimizer steps are done, as transformers'
-    does: "steps" every `save_steps` and at the end, "epoch" when the step ended a pass over the prompts
-    (`epoch_ended`) and at the end, "no" never."""
-    if save_strategy == "no":
-        return False
-    return step >= total_steps or (epoch_ended if save_strategy == "epoch" else step % save_steps == 0)
 
 
 class Session:
@@ -110,12 +100,6 @@ class Session:
             checkpoint.set_rng_state(own["rng"])
         streak, total = state["nonfinite"]
         return Progress(state["step"], generation, (streak, total))
-
-    def due(self, step: int) -> bool:
-        """Whether save_strategy asks for checkpoint-`step` once `step` optimizer steps are done (`save_due`)."""
-        s, prompts = self.settings, len(self.prompts.dataset)
-        ended = self.schedule.epochs_done(step, prompts) > self.schedule.epochs_done(step - 1, prompts)
-        return save_due(step, s.total_steps, s.save_strategy, s.save_steps, ended)
 
     def save(self, progress: Progress, asked: bool = False) -> Path | None:
         """Write checkpoint-STEP (once per step); returns its path, or None under save_strategy="no", which writes

@@ -221,10 +221,15 @@ class Config(metaclass=_CheckedKeywords):
     """Under torchrun: shard weights, gradients and optimizer state over ranks (FSDP2), not replicate (DDP)."""
 
     # --- evaluation ---
-    eval_steps: int = 0  # TRL: None (= logging_steps, with eval_strategy="steps"); no eval_strategy here
-    """Greedy pass@1 on the eval dataset every this many optimizer steps and at the end (0: never)."""
+    eval_strategy: str = "no"
+    """When to evaluate (greedy, on the eval dataset): "steps" every `eval_steps` optimizer steps and at the end,
+    "epoch" at the end of each pass over the training prompts and at the end, "no" never (transformers')."""
+    eval_steps: int | None = None  # transformers also takes a float below 1 (a share of the steps); steps here
+    """With eval_strategy="steps": evaluate every this many optimizer steps (None: every `logging_steps`, as in
+    transformers)."""
     eval_on_start: bool = False
-    """Also evaluate before the first GRPO step (step 0), so one run's metrics show GRPO's own gain."""
+    """Also evaluate before the first GRPO step (step 0), whatever eval_strategy says, so one run's metrics show
+    GRPO's own gain."""
     eval_limit: int | None = None
     """Evaluate on the first this many eval prompts only (None: all of them)."""
     eval_batch_size: int | None = None

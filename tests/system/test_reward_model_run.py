@@ -41,9 +41,10 @@ def direct_scores(model, tokenizer, prompts, completions) -> list[float]:
 
 def test_a_run_with_a_reward_model_and_a_function_logs_the_models_rewards(tmp_path, tokenizer):
     reward_model = tiny_reward_model(tokenizer, name="org/tiny-rm")
-    trainer = Trainer(config(tmp_path, eval_steps=2), model=tiny_model(tokenizer), tokenizer=tokenizer,
-                      reward_funcs=[reward_model, digit_share], reward_processing_classes=[tokenizer, None],
-                      train_dataset=digit_prompts(), eval_dataset=digit_prompts(4))
+    trainer = Trainer(config(tmp_path, eval_strategy="steps", eval_steps=2), model=tiny_model(tokenizer),
+                      tokenizer=tokenizer, reward_funcs=[reward_model, digit_share],
+                      reward_processing_classes=[tokenizer, None], train_dataset=digit_prompts(),
+                      eval_dataset=digit_prompts(4))
     before = [p.detach().clone() for p in trainer.model.parameters()]
     trainer.train()
     assert reward_model.device == trainer.policy.device  # next to the policy (the GPU when there is one)

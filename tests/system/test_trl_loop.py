@@ -110,3 +110,38 @@ def test_callbacks_are_called_as_transformers_calls_them_and_steer_the_loop(tmp_
     assert seen["model"] is trainer.model and seen["processing_class"] is tokenizer
     assert seen["optimizer"] is trainer.optimizer and seen["lr_scheduler"] is trainer.scheduler
     assert seen["train_dataloader"] is None and seen["eval_dataloader"] is None
+
+
+@pytest.mark.parametrize("strategy, eval_steps, prompts, expected", [
+    ("steps", None, 8, [2, 4]),  # eval_steps unset: logging_steps (2), as in transformers; and the last step
+    ("steps", 3, 8, [3, 4]),
+    ("epoch", None, 6, [3, 4]),  # 2 prompts a step: the pass over 6 ends with step 3; and the last step
+    ("no", None, 8, []),
+])
+def test_eval_strategy_and_eval_steps_as_transformers_reads_them(tmp_path, tokenizer, strategy, eval_steps,
+                                                                 prompts, expected):
+    class Evaluated:
+        steps = []
+
+        def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+            Evaluated.steps.append((state.global_step, metrics["eval/num_examples"]))
+
+    args = GRPOConfig(output_dir=str(tmp_path / "run"), max_steps=4, logging_steps=2, eval_strategy=strategy,
+                      eval_steps=eval_steps, eval_limit=2, eval_accuracy_func="digit_share", eval_format_func=None,
+                      **TINY)
+    trainer = GRPOTrainer(model=tiny_model(tokenizer), processing_class=tokenizer, reward_funcs=digit_share,
+                          args=args, train_dataset=digit_prompts(prompts), eval_dataset=digit_prompts(2),
+                          callbacks=[Evaluated])
+    trainer.train()
+    evals = [line["step"] for line in metrics_lines(tmp_path / "run") if "eval/num_examples" in line]
+    assert evals == expected and Evaluated.steps == [(step, 2) for step in expected]
+    assert [line["step"] for line in trainer.state.log_history if "eval/num_examples" in line] == expected
+
+
+def test_eval_steps_alone_evaluates_nothing_as_in_transformers_and_says_so(tmp_path, tokenizer, capsys):
+    args = GRPOConfig(output_dir=str(tmp_path / "run"), max_steps=1, eval_steps=1, **TINY)
+    GRPOTrainer(model=tiny_model(tokenizer), processing_class=tokenizer, reward_funcs=digit_share, args=args,
+                train_dataset=digit_prompts(8), eval_dataset=digit_prompts(2)).train()
+    assert "eval/num_examples" not in "".join(map(str, metrics_lines(tmp_path / "run")))
+    assert ('warning: eval_steps=1 has no effect with eval_strategy="no" (transformers\' default, as here): set '
+            'eval_strategy="steps" to evaluate every 1 steps') in capsys.readouterr().err
