@@ -229,7 +229,7 @@ class Trainer:
         return {**totals, "skipped/zero_gradient": counts.skipped / counts.rows}
 
     def evaluate(self) -> dict:
-        """Greedy pass@1 on the eval dataset, logged as its own metrics.jsonl line (`eval/*` keys). Under
+        """Greedy pass@1 on the eval dataset, logged as its own metrics.jsonl line (rollout/evaluate.py's keys). Under
         torchrun every rank evaluates the whole set (FSDP ranks must generate together) and rank 0 writes."""
         batch_size = eval_batch_size(self.config, self.model, self.policy.device.type)  # memory/fit
         with decoding_allocations(self.threshold_set):

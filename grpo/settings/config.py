@@ -236,10 +236,13 @@ class Config(metaclass=_CheckedKeywords):
     """Prompts per batch of greedy eval generation (None: as many as the memory plan fits beside training
     within its peak, counted at max_prompt_length + max_completion_length; 64 where the model's architecture
     cannot be read)."""
-    eval_accuracy_func: str = "answer_accuracy_reward"
-    """Reward function (by name) whose full marks (>= 1.0) count an eval completion as correct."""
-    eval_format_func: str | None = "xml_format_reward"
-    """Reward function (by name) whose full marks count an eval completion as well-formatted (None: skip)."""
+    eval_accuracy_func: str | None = None
+    """Reward function (by name) whose full marks (>= 1.0) count an eval completion as correct, `eval/accuracy`
+    (None: skip; each reward function's mean is logged whatever these say); the GSM8K recipes name
+    "answer_accuracy_reward"."""
+    eval_format_func: str | None = None
+    """Reward function (by name) whose full marks count an eval completion as well-formatted, `eval/format` (None:
+    skip); the GSM8K recipes name "xml_format_reward"."""
     eval_free_accuracy_func: str | None = None
     """Function whose full marks count an eval completion correct whatever its format (`eval/free_accuracy`):
     a reward function (by name) or an importable `module.function` with their contract, e.g. GSM8K's

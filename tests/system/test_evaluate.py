@@ -51,7 +51,7 @@ def test_evaluate_is_greedy_and_scores_every_prompt(tokenizer):
     assert len(samples) == 7 and metrics["eval/num_examples"] == 7
     assert metrics["eval/accuracy"] == pytest.approx(sum(s["reward/first_is_digit"] for s in samples) / 7)
     assert metrics["eval/format"] == 0.0, "0.5 is not full marks"
-    assert metrics["eval/reward/half"] == 0.5
+    assert metrics["eval_rewards/half/mean"] == 0.5
     assert 1 <= metrics["eval/length_mean"] <= 6
     assert {k: v for k, v in again.items() if k != "eval/seconds"} == {
         k: v for k, v in metrics.items() if k != "eval/seconds"}, "greedy decoding is deterministic"

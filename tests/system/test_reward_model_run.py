@@ -50,7 +50,7 @@ def test_a_run_with_a_reward_model_and_a_function_logs_the_models_rewards(tmp_pa
     assert reward_model.device == trainer.policy.device  # next to the policy (the GPU when there is one)
     metrics, rows = read(tmp_path / "run" / "metrics.jsonl"), read(tmp_path / "run" / "completions.jsonl")
     assert [m["step"] for m in metrics if "reward/tiny-rm" in m and "reward/digit_share" in m] == [1, 2]
-    assert "eval/reward/tiny-rm" in logged(trainer)[-1]
+    assert "eval_rewards/tiny-rm/mean" in logged(trainer)[-1]
     # Each logged completion's reward-model column is the model's score of its prompt + completion.
     expected = direct_scores(reward_model, tokenizer, [r["prompt"] for r in rows], [r["completion"] for r in rows])
     # float32, a padded batch against each text alone: 1e-5 (test_reward_models.py says why)

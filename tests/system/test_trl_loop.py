@@ -127,8 +127,7 @@ def test_eval_strategy_and_eval_steps_as_transformers_reads_them(tmp_path, token
             Evaluated.steps.append((state.global_step, metrics["eval/num_examples"]))
 
     args = GRPOConfig(output_dir=str(tmp_path / "run"), max_steps=4, logging_steps=2, eval_strategy=strategy,
-                      eval_steps=eval_steps, eval_limit=2, eval_accuracy_func="digit_share", eval_format_func=None,
-                      **TINY)
+                      eval_steps=eval_steps, eval_limit=2, **TINY)
     trainer = GRPOTrainer(model=tiny_model(tokenizer), processing_class=tokenizer, reward_funcs=digit_share,
                           args=args, train_dataset=digit_prompts(prompts), eval_dataset=digit_prompts(2),
                           callbacks=[Evaluated])
@@ -136,6 +135,10 @@ def test_eval_strategy_and_eval_steps_as_transformers_reads_them(tmp_path, token
     evals = [line["step"] for line in metrics_lines(tmp_path / "run") if "eval/num_examples" in line]
     assert evals == expected and Evaluated.steps == [(step, 2) for step in expected]
     assert [line["step"] for line in trainer.state.log_history if "eval/num_examples" in line] == expected
+    # No eval_*_func set: what TRL logs, each reward function's mean on the (greedy) eval completions.
+    for line in [line for line in metrics_lines(tmp_path / "run") if "eval/num_examples" in line]:
+        assert 0 <= line["eval_rewards/digit_share/mean"] == line["eval_reward"] <= 1
+        assert "eval/accuracy" not in line
 
 
 def test_eval_steps_alone_evaluates_nothing_as_in_transformers_and_says_so(tmp_path, tokenizer, capsys):
