@@ -25,14 +25,14 @@ from .rollout.rewards import NoSignalWatch, RewardContext, TrainerState, reward_
 from .rollout.sampling import Sampler
 from .rollout.source import RolloutSource
 from .rollout.tools import Tools
-from .run import checkpoint, lock
+from .run import lock
 from .infra.allocator import decoding_allocations, return_freed_memory
 from .infra.distributed import setup as setup_distributed
 from .infra.interrupts import StopSignals
 from .run.logs import logged_lines, peak_memory_gb
 from .run.callbacks import Callbacks
 from .run.report import Report, TrainOutput
-from .run.session import Progress, Session, SessionSettings
+from .run.session import Progress, Session
 from .run.startup import check_before_loading
 from .run.trackers import Trackers
 from .settings import Config
@@ -50,18 +50,18 @@ class Trainer:
                  train_dataset=None, eval_dataset=None, rollout_func=None, reward_processing_classes=None, *,
                  args: Config | None = None, processing_class=None, callbacks=None, sampler=None, tools=None,
                  environment_factory=None, **trl_only):
-        config, model, tokenizer = trl_call(config, args, model, tokenizer, processing_class, trl_only)  # trl_call
+        config, model, tokenizer = trl_call(config, args, model, tokenizer, processing_class, trl_only,  # trl_call
+                                            (sampler, rollout_func, tools or environment_factory))
         self.tools = Tools.of(tools, environment_factory) if tools or environment_factory else None  # rollout/tools
         self.dist = setup_distributed()  # world size 1 without torchrun
-        # Config(...) resolved it on the ranks torchrun announces; again on the process group's, before any model
-        # (reward models included) loads, which also checks a Config changed after it was made.
+        # Config(...) resolved it for torchrun's ranks; again for the group's before loading (and a Config changed).
         self.plan = RunPlan.resolve(config, self.dist.world_size)                             # settings/plan
         self.schedule = self.plan.schedule
         self.config, self.eval_dataset = config, eval_dataset
         self.reward_funcs = reward_callables(reward_funcs, reward_processing_classes, config.chat_template_kwargs)
         self.reward_names = reward_func_names(self.reward_funcs)
         check_before_loading(config, self.dist, train_dataset, eval_dataset, self.reward_funcs,     # run/startup
-                             (sampler, rollout_func, tools or environment_factory), model_given=model is not None)
+                             model_given=model is not None)
         self.trackers = Trackers(config, self.dist.is_main)  # report_to: a missing package fails here, early
         torch.manual_seed(config.seed + self.dist.rank)  # dropout differs by rank; sampling: rollout/streams
         self.tokenizer = tokenizer if tokenizer is not None else default_tokenizer(config, model)
@@ -80,10 +80,9 @@ class Trainer:
                 if rollout_func is None else CustomRollouts(rollout_func, self)
         self.sampler = sampler
         self.prompts = PromptStream(train_dataset, config.seed)
-        self.source = RolloutSource(sampler, self.prompts, self.reward_funcs, config.reward_weights, dist=self.dist,
-                                    seed=config.seed, num_generations=config.num_generations,
-                                    release_memory=self.threshold_set,
-                                    environment_factory=environment_factory)                 # rollout/source
+        self.source = RolloutSource(sampler, self.prompts, self.reward_funcs, config.reward_weights,  # rollout/source
+                                    dist=self.dist, seed=config.seed, num_generations=config.num_generations,
+                                    release_memory=self.threshold_set, environment_factory=environment_factory)
         self.total_steps = self.schedule.total_steps(len(train_dataset), config.num_train_epochs, config.max_steps)
         self.updates = Updates(self.model.parameters(), self.plan.optim, self.total_steps)  # policy/optim
         self.optimizer, self.scheduler = self.updates.optimizer, self.updates.scheduler  # transformers' names
@@ -92,8 +91,8 @@ class Trainer:
         # Rows whose advantage is exactly 0 are left out of the forward when their gradient is 0 (algo/loss).
         self.cut = Cut(self.schedule.micro_batch, keep_one=self.dist.world_size > 1, skip_zero_advantage=
                        zero_advantage_has_no_gradient(config.beta, config.top_entropy_quantile, config.entropy_coef))
-        self.state = TrainerState(max_steps=self.total_steps, is_world_process_zero=self.dist.is_main,  # `step`: its
-                                  is_local_process_zero=self.dist.local_rank == 0)                 # global_step
+        self.state = TrainerState(max_steps=self.total_steps, is_world_process_zero=self.dist.is_main,
+                                  is_local_process_zero=self.dist.local_rank == 0)  # `step` is its global_step
         self.callbacks = Callbacks(callbacks, config, self.state, self.model, self.tokenizer, self.optimizer,
                                    self.scheduler)                                              # run/callbacks
         self.output_dir = Path(config.output_dir)
@@ -101,10 +100,8 @@ class Trainer:
                              self.reward_names, self.schedule.global_batch)
         self.generation: Generation | None = None
         self.no_signal = NoSignalWatch(patience=3)  # steps in a row where every group's rewards were equal
-        self.session = Session(self.output_dir, self.dist, self.policy.parallel, self.policy.device, self.model,
-                               self.tokenizer, self.optimizer, self.scheduler, self.prompts, self.schedule,
-                               SessionSettings.of(config, self.total_steps, self.updates.warmup_steps),
-                               on_save=self.callbacks.on_save)
+        self.session = Session(self.output_dir, self.dist, self.policy, self.tokenizer, self.updates, self.prompts,
+                               self.schedule, config, self.total_steps, on_save=self.callbacks.on_save)  # run/session
 
     # --- TRL's names for what a caller reads ---
     @property
@@ -134,11 +131,8 @@ class Trainer:
         a KeyboardInterrupt. Holds output_dir for the whole run: another run already in it is a ConfigError."""
         resume = self.config.resume_from_checkpoint if resume_from_checkpoint is None else resume_from_checkpoint
         with lock.hold(self.output_dir, self.dist):                                          # run/lock
-            if self.step == 0 and resume:
+            if self.step == 0:  # resumed, or a fresh run that must not append to an earlier one's logs
                 self.resume(resume)
-            elif self.step == 0:  # a fresh run must not append to an earlier one's logs
-                checkpoint.check_no_earlier_run(str(self.output_dir))
-            self.output_dir.mkdir(parents=True, exist_ok=True)
             self.report.begin({**asdict(self.config), "resume_from_checkpoint": resume})  # on_train_begin  run/report
             if self.config.eval_on_start and self.step == 0:
                 self.evaluate()
@@ -243,13 +237,13 @@ class Trainer:
         return Progress(self.step, self.generation, self.updates.nonfinite)
 
     def save(self, asked: bool = False) -> Path | None:
-        """Write checkpoint-STEP (once per step), then the callbacks' on_save; returns its path (None under
-        save_strategy="no", unless `asked`: a callback's should_save). Under torchrun every rank calls it and rank 0
-        writes; the others wait until the checkpoint is complete."""
+        """Write checkpoint-STEP once per step (under save_strategy="no" only if `asked`: a callback's should_save),
+        then on_save; returns its path or None. Under torchrun every rank calls it; rank 0 writes, the others wait."""
         return self.session.save(self.progress(), asked)
 
-    def resume(self, spec: str) -> None:
-        """Continue from `spec`, a checkpoint folder or "latest" (run/session.Session.resume)."""
+    def resume(self, spec: str | bool | None) -> None:
+        """Start as resume_from_checkpoint `spec` says: from a checkpoint folder, "latest" or True, or fresh
+        (None or False) in an output_dir no earlier run wrote in (run/session.Session.resume)."""
         resumed = self.session.resume(spec)
         if resumed is not None:
             self.step, self.generation, self.updates.nonfinite = resumed.step, resumed.generation, resumed.nonfinite

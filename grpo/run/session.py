@@ -9,10 +9,8 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import torch
-
-from ..policy.optim import rescheduled, set_hyperparameters
-from ..policy.parallel import ParallelPolicy
+from ..policy.forwards import Policy
+from ..policy.optim import Updates, rescheduled, set_hyperparameters
 from ..infra.progress import quiet_library_bars
 from ..rollout.batches import Generation
 from ..rollout.prompts import PromptStream
@@ -60,12 +58,13 @@ class Session:
     """Checkpoints of one run in `output_dir`. Under torchrun every rank calls every method (gathering and
     saving are collective) and rank 0 writes."""
 
-    def __init__(self, output_dir: Path, dist: Distributed, parallel: ParallelPolicy, device: torch.device, model,
-                 tokenizer, optimizer, scheduler, prompts: PromptStream, schedule: Schedule,
-                 settings: SessionSettings, on_save=lambda: None):
-        self.output_dir, self.dist, self.parallel, self.device = output_dir, dist, parallel, device
-        self.model, self.tokenizer, self.optimizer, self.scheduler = model, tokenizer, optimizer, scheduler
-        self.prompts, self.schedule, self.settings = prompts, schedule, settings
+    def __init__(self, output_dir: Path, dist: Distributed, policy: Policy, tokenizer, updates: Updates,
+                 prompts: PromptStream, schedule: Schedule, config: Config, total_steps: int, on_save=lambda: None):
+        self.output_dir, self.dist, self.parallel, self.device = output_dir, dist, policy.parallel, policy.device
+        self.model, self.tokenizer, self.optimizer, self.scheduler = (policy.model, tokenizer, updates.optimizer,
+                                                                      updates.scheduler)
+        self.prompts, self.schedule = prompts, schedule
+        self.settings = SessionSettings.of(config, total_steps, updates.warmup_steps)
         self.on_save = on_save  # called after each checkpoint written (the callbacks' on_save)
         self.last_checkpoint: Path | None = None  # the newest checkpoint, written or resumed from
         self.saved_step: int | None = None  # its step: saving again at it does nothing
@@ -129,10 +128,15 @@ class Session:
             self.tokenizer.save_pretrained(path)
         self.dist.barrier()
 
-    def resume(self, spec: str | bool) -> Progress | None:
-        """Continue from `spec`, a checkpoint folder or "latest" (the newest loadable one in output_dir, saying
-        which damaged ones it passed over; none yet means step 0, and None is returned) or True (the same, an
-        error when there is none). Lines of the logs written after its step are dropped, so they never repeat."""
+    def resume(self, spec: str | bool | None) -> Progress | None:
+        """Start as resume_from_checkpoint `spec` says: None or False, a fresh run, which must not append to an
+        earlier run's logs (None returned); a checkpoint folder, "latest" (the newest loadable one in output_dir,
+        saying which damaged ones it passed over; none yet means step 0, and None is returned) or True (the same,
+        an error when there is none). Lines of the logs written after its step are dropped, so they never
+        repeat."""
+        if not spec:
+            checkpoint.check_no_earlier_run(str(self.output_dir))
+            return None
         s = self.settings
         path, passed_over = checkpoint.find_checkpoint(spec, str(self.output_dir))
         if passed_over and self.dist.is_main:

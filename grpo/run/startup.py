@@ -3,7 +3,6 @@ reward functions, a model object) or on the machine (the output folder, the rank
 line, not a model load. Settings alone are checked when the Config is made (settings/checks.py)."""
 from __future__ import annotations
 
-from ..errors import ConfigError
 from ..policy.models import check_load_options
 from ..policy.parallel import check_settings as check_parallel_settings
 from ..rollout.evaluate import check_eval_setup
@@ -12,14 +11,9 @@ from ..rollout.rewards import check_reward_weights, reward_func_names
 from . import checkpoint, lock
 
 
-def check_before_loading(config, dist, train_dataset, eval_dataset, reward_funcs: list, samplers: tuple, *,
-                         model_given: bool) -> None:
+def check_before_loading(config, dist, train_dataset, eval_dataset, reward_funcs: list, *, model_given: bool) -> None:
     """ConfigError (or the dataset's, reward's error) for a run of `config` that cannot start; `dist`:
-    infra/distributed's, whose rank 0 looks at the output folder's lock; `samplers`: the Trainer's sampler,
-    rollout_func and tools (or environment_factory), of which one at most may be given."""
-    if sum(x is not None for x in samplers) > 1:
-        raise ConfigError("pass one of a sampler, a rollout_func, tools/environment_factory: the tools are "
-                          "called within our own decoder, which the other two replace")
+    infra/distributed's, whose rank 0 looks at the output folder's lock."""
     check_dataset(train_dataset)
     check_reward_weights(config.reward_weights, reward_func_names(reward_funcs))
     check_eval_setup(config, eval_dataset, reward_funcs)
