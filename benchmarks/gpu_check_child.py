@@ -174,7 +174,7 @@ def memory(size: str, *columns: str, tiny: bool = False, root: str = "") -> dict
             fresh_memory()
             hook = register_optimizer_step_post_hook(lambda *_: peaks.append(peak_gb()))
             trainer = trainer_for(dataclasses.replace(config, output_dir=tempfile.mkdtemp(dir=root)), model, tokenizer)
-            trainer.save = lambda: None  # no multi-GB checkpoint at the end: only the peak matters
+            trainer.save = lambda **_: None  # no multi-GB checkpoint at the end: only the peak matters
             start = time.perf_counter()
             trainer.train()
             row.update(measured_gb=peaks[-1], seconds=time.perf_counter() - start)
@@ -223,9 +223,10 @@ def step(tiny: bool = False, root: str = "") -> dict:
     policy.logprobs = timed("log-probs", policy.logprobs)
     policy.parallel.backward = timed("backward", policy.parallel.backward)
     trainer.updates.apply = timed("optimizer", trainer.updates.apply)
-    trainer.save = lambda: None
+    trainer.save = lambda **_: None
     fresh_memory()
-    (line,) = trainer.train()
+    trainer.train()
+    line = trainer.state.log_history[0]  # the one step's metrics line
     planned = estimate(arch, config, "cuda")
     return {"seconds": seconds, "step_s": line["perf/step_s"], "tokens_per_s": line["perf/tokens_per_s"],
             "generated_tokens": line["completions/mean_length"] * config.per_device_train_batch_size
@@ -248,7 +249,8 @@ def one_step(mode: str, tiny: bool = False, root: str = "") -> dict:
                     save_steps=10**9, **settings)
     trainer = trainer_for(config)
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
-    (line,) = trainer.train()
+    trainer.train()
+    line = trainer.state.log_history[0]  # the one step's metrics line
     states = [s["state1"].dtype for s in trainer.optimizer.state.values() if "state1" in s]
     return {"loss": line["loss"], "kl": line["kl"], "step_s": line["perf/step_s"],
             "tokens_per_s": line["perf/tokens_per_s"],

@@ -57,8 +57,8 @@ def run_ours(model, tokenizer, loss_type: str, steps: int, out: str, shared: dic
     trainer = Trainer(config, model=model, tokenizer=tokenizer, reward_funcs=[digit_share],
                       train_dataset=Dataset.from_list([{"prompt": PROMPT}] * 64),
                       rollout_func=fixed_rollout_func(tokenizer, SHARED["max_completion_length"]))
-    history = trainer.train()
-    return trainer.model, [{"loss": h["loss"], "kl": h["kl"]} for h in history]
+    trainer.train()
+    return trainer.model, [{"loss": h["loss"], "kl": h["kl"]} for h in trainer.state.log_history if "loss" in h]
 
 
 def run_trl(model_dir: str, tokenizer, loss_type: str, steps: int, out: str, shared: dict):

@@ -41,7 +41,7 @@ def before_command(args) -> list[str]:
 def train_command(args, seed: int) -> list[str]:
     return [sys.executable, "-m", "grpo.train", args.recipe, f"--seed={seed}",
             f"--output_dir={args.runs / f'seed-{seed}'}",
-            f"--max_steps={args.steps}", "--eval_on_start=false", f"--eval_steps={args.steps}",
+            f"--max_steps={args.steps}", "--eval_on_start=false", "--eval_strategy=steps", f"--eval_steps={args.steps}",
             f"--eval_limit={args.eval_limit}", *args.overrides]
 
 

@@ -1,6 +1,6 @@
 """`python -m grpo.eval RECIPE [--checkpoint DIR] [--limit N] [--output FILE] [--key=value ...]`: greedy
-pass@1 of a model on the recipe's `eval_dataset`; prints accuracy, format-free accuracy, format rate and mean
-length (and them by `eval_breakdown_column`'s values), writes JSON.
+pass@1 of a model on the recipe's `eval_dataset`; prints the mean reward, accuracy, format-free accuracy, format
+rate (those the recipe sets) and mean length (and them by `eval_breakdown_column`'s values), writes JSON.
 
 Without --checkpoint it evaluates the model the recipe starts from (for a recipe with a warm start, the model
 right after it). The JSON (default: DIR/eval.json, or OUTPUT_DIR/eval.json) holds the metrics and every
@@ -15,8 +15,8 @@ from .errors import ConfigError, UserError, command_line
 
 USAGE = ("usage: python -m grpo.eval RECIPE [--checkpoint DIR] [--limit N] [--output FILE] [--key=value ...] "
          "[--help]")
-OPTIONS = """Greedy pass@1 of a model on RECIPE's eval_dataset: prints accuracy, format rate and mean length,
-and writes them with every prompt, completion and reward (and the dataset's other columns) to JSON.
+OPTIONS = """Greedy pass@1 of a model on RECIPE's eval_dataset: prints the mean reward, accuracy, format rate and
+mean length, and writes them with every prompt, completion and reward (and the dataset's other columns) to JSON.
 
   --checkpoint DIR  a checkpoint-STEP folder, or a folder Trainer.save_model wrote (a LoRA adapter is loaded
                     onto the recipe's base model); default: the model the recipe starts from

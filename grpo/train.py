@@ -77,8 +77,8 @@ def run(recipe, config, argv: list[str]) -> int:
         return 1
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
-        if trainer is not None and trainer.last_checkpoint is not None:
-            print(resume_hint(argv, trainer.last_checkpoint), file=sys.stderr)
+        if trainer is not None and trainer.session.last_checkpoint is not None:
+            print(resume_hint(argv, trainer.session.last_checkpoint), file=sys.stderr)
         return e.exit_code
     finally:
         shutdown()  # under torchrun; nothing to do otherwise
@@ -108,8 +108,8 @@ def out_of_memory_report(config, error: Exception, trainer) -> str:
         lines += ["memory plan for this configuration:", *(f"  {line}" for line in plan)]
     except Exception:  # noqa: BLE001, S110 -- the planner must never hide the message above
         pass
-    if trainer is not None and trainer.last_checkpoint is not None:
-        lines.append(f"the last checkpoint is {trainer.last_checkpoint}; after changing settings, "
+    if trainer is not None and trainer.session.last_checkpoint is not None:
+        lines.append(f"the last checkpoint is {trainer.session.last_checkpoint}; after changing settings, "
                      f"--resume_from_checkpoint=latest continues from it")
     return "\n".join(lines)
 

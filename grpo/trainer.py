@@ -3,14 +3,13 @@ stage implemented in the module named beside it; this file only orchestrates."""
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
 from .algo.advantages import group_advantages
 from .algo.loss import add_metrics, no_token_metrics, policy_loss, zero_advantage_has_no_gradient
-from .errors import ConfigError
 from .memory.fit import eval_batch_size, sampling_prompts_per_decode
 from .policy.forwards import Policy
 from .policy.models import device_of, load_model, prepare_for_training
@@ -20,19 +19,20 @@ from .rollout.batches import Cut, Generation, MicroBatch, generation_metrics, wi
 from .rollout.custom import CustomRollouts
 from .rollout.dynamic import DynamicSampling
 from .rollout.evaluate import eval_options, evaluate
-from .infra.progress import progress_bar
 from .rollout.prompts import PromptStream, check_chat_template
 from .rollout.reward_models import place_reward_models, reward_callables
 from .rollout.rewards import NoSignalWatch, RewardContext, TrainerState, reward_func_names
 from .rollout.sampling import Sampler
 from .rollout.source import RolloutSource
 from .rollout.tools import Tools
-from .run import checkpoint, lock
+from .run import lock
 from .infra.allocator import decoding_allocations, return_freed_memory
 from .infra.distributed import setup as setup_distributed
 from .infra.interrupts import StopSignals
-from .run.logs import log_completions, log_eval, log_metrics, peak_memory_gb
-from .run.session import Progress, Session, SessionSettings
+from .run.logs import logged_lines, peak_memory_gb
+from .run.callbacks import Callbacks
+from .run.report import Report, TrainOutput
+from .run.session import Progress, Session
 from .run.startup import check_before_loading
 from .run.trackers import Trackers
 from .settings import Config
@@ -48,16 +48,13 @@ class Trainer:
 
     def __init__(self, config: Config | None = None, model=None, tokenizer=None, reward_funcs=(),
                  train_dataset=None, eval_dataset=None, rollout_func=None, reward_processing_classes=None, *,
-                 args: Config | None = None, processing_class=None, sampler=None, tools=None,
+                 args: Config | None = None, processing_class=None, callbacks=None, sampler=None, tools=None,
                  environment_factory=None, **trl_only):
-        config, model, tokenizer = trl_call(config, args, model, tokenizer, processing_class, trl_only)  # trl_call
-        if sum(x is not None for x in (sampler, rollout_func, tools or environment_factory)) > 1:
-            raise ConfigError("pass one of a sampler, a rollout_func, tools/environment_factory: the tools are "
-                              "called within our own decoder, which the other two replace")
+        config, model, tokenizer = trl_call(config, args, model, tokenizer, processing_class, trl_only,  # trl_call
+                                            (sampler, rollout_func, tools or environment_factory))
         self.tools = Tools.of(tools, environment_factory) if tools or environment_factory else None  # rollout/tools
         self.dist = setup_distributed()  # world size 1 without torchrun
-        # Config(...) resolved it on the ranks torchrun announces; again on the process group's, before any model
-        # (reward models included) loads, which also checks a Config changed after it was made.
+        # Config(...) resolved it for torchrun's ranks; again for the group's before loading (and a Config changed).
         self.plan = RunPlan.resolve(config, self.dist.world_size)                             # settings/plan
         self.schedule = self.plan.schedule
         self.config, self.eval_dataset = config, eval_dataset
@@ -83,10 +80,9 @@ class Trainer:
                 if rollout_func is None else CustomRollouts(rollout_func, self)
         self.sampler = sampler
         self.prompts = PromptStream(train_dataset, config.seed)
-        self.source = RolloutSource(sampler, self.prompts, self.reward_funcs, config.reward_weights, dist=self.dist,
-                                    seed=config.seed, num_generations=config.num_generations,
-                                    release_memory=self.threshold_set,
-                                    environment_factory=environment_factory)                 # rollout/source
+        self.source = RolloutSource(sampler, self.prompts, self.reward_funcs, config.reward_weights,  # rollout/source
+                                    dist=self.dist, seed=config.seed, num_generations=config.num_generations,
+                                    release_memory=self.threshold_set, environment_factory=environment_factory)
         self.total_steps = self.schedule.total_steps(len(train_dataset), config.num_train_epochs, config.max_steps)
         self.updates = Updates(self.model.parameters(), self.plan.optim, self.total_steps)  # policy/optim
         self.optimizer, self.scheduler = self.updates.optimizer, self.updates.scheduler  # transformers' names
@@ -95,13 +91,17 @@ class Trainer:
         # Rows whose advantage is exactly 0 are left out of the forward when their gradient is 0 (algo/loss).
         self.cut = Cut(self.schedule.micro_batch, keep_one=self.dist.world_size > 1, skip_zero_advantage=
                        zero_advantage_has_no_gradient(config.beta, config.top_entropy_quantile, config.entropy_coef))
-        self.step = 0
+        self.state = TrainerState(max_steps=self.total_steps, is_world_process_zero=self.dist.is_main,
+                                  is_local_process_zero=self.dist.local_rank == 0)  # `step` is its global_step
+        self.callbacks = Callbacks(callbacks, config, self.state, self.model, self.tokenizer, self.optimizer,
+                                   self.scheduler)                                              # run/callbacks
         self.output_dir = Path(config.output_dir)
+        self.report = Report(self.output_dir, self.dist, self.trackers, self.state, self.callbacks,  # run/report
+                             self.reward_names, self.schedule.global_batch)
         self.generation: Generation | None = None
         self.no_signal = NoSignalWatch(patience=3)  # steps in a row where every group's rewards were equal
-        self.session = Session(self.output_dir, self.dist, self.policy.parallel, self.policy.device, self.model,
-                               self.tokenizer, self.optimizer, self.scheduler, self.prompts, self.schedule,
-                               SessionSettings.of(config, self.total_steps, self.updates.warmup_steps))
+        self.session = Session(self.output_dir, self.dist, self.policy, self.tokenizer, self.updates, self.prompts,
+                               self.schedule, config, self.total_steps, on_save=self.callbacks.on_save)  # run/session
 
     # --- TRL's names for what a caller reads ---
     @property
@@ -109,9 +109,13 @@ class Trainer:
         return self.config
 
     @property
-    def state(self) -> TrainerState:
-        """transformers' `trainer.state`: `global_step` (optimizer steps done) and `max_steps`."""
-        return TrainerState(self.step, self.total_steps)
+    def step(self) -> int:
+        """Optimizer steps done: `state.global_step` (and `state.epoch` follows it)."""
+        return self.state.global_step
+
+    @step.setter
+    def step(self, step: int) -> None:
+        self.state.global_step, self.state.epoch = step, self.schedule.epoch(step, len(self.prompts.dataset))
 
     def save_model(self, output_dir: str | None = None) -> None:
         """transformers' Trainer.save_model: the model (under LoRA its adapter, in peft's format) and
@@ -120,55 +124,40 @@ class Trainer:
         self.session.save_model(Path(output_dir if output_dir is not None else self.config.output_dir))
 
     # --- the loop ---
-    def train(self, resume_from_checkpoint: str | bool | None = None) -> list[dict]:
+    def train(self, resume_from_checkpoint: str | bool | None = None) -> TrainOutput:
         """Run to `total_steps`, first resuming `resume_from_checkpoint` (transformers' argument, in place of
-        config.resume_from_checkpoint) when set; returns the logged metrics lines. On SIGINT/SIGTERM it saves a
-        checkpoint and raises TrainingInterrupted, a KeyboardInterrupt. Holds output_dir for the whole run:
-        another run already in it is a ConfigError."""
-        if resume_from_checkpoint is not None:
-            self.config = replace(self.config, resume_from_checkpoint=resume_from_checkpoint)
+        config.resume_from_checkpoint) when set; returns transformers' TrainOutput (run/report.py), the logged
+        lines being in `state.log_history`. On SIGINT/SIGTERM it saves a checkpoint and raises TrainingInterrupted,
+        a KeyboardInterrupt. Holds output_dir for the whole run: another run already in it is a ConfigError."""
+        resume = self.config.resume_from_checkpoint if resume_from_checkpoint is None else resume_from_checkpoint
         with lock.hold(self.output_dir, self.dist):                                          # run/lock
-            return self._train()
-
-    def _train(self) -> list[dict]:
-        if self.step == 0 and self.config.resume_from_checkpoint:
-            self.resume(self.config.resume_from_checkpoint)
-        elif self.step == 0:  # a fresh run must not append to an earlier one's logs
-            checkpoint.check_no_earlier_run(str(self.output_dir))
-        self.output_dir.mkdir(parents=True, exist_ok=True)
-        self.trackers.start(asdict(self.config), self.step)
-        history = []
-        if self.config.eval_on_start and self.step == 0:
-            history.append(self.evaluate())
-        bar = progress_bar("grpo", total=self.total_steps, initial=self.step, unit="step",
-                           enabled=self.dist.is_main)
-        cadence = self.plan.cadence  # settings/plan
-        with StopSignals() as signals, bar, self.trackers:
-            while self.step < self.total_steps:
-                t0 = time.perf_counter()
-                metrics = self.run_step(signals)
-                metrics["perf/step_s"] = time.perf_counter() - t0
-                metrics["memory/peak_gb"] = peak_memory_gb(self.policy.device)
-                bar.update(1)
-                reward = f"{metrics['reward/mean']:.3f}" if "reward/mean" in metrics else "none scored"
-                bar.set_postfix(reward=reward, kl=f"{metrics['kl']:.4f}")
-                if cadence.logs(self.step, self.total_steps):
-                    history.append(self.log(metrics))
-                self.updates.check(self.step, self.last_checkpoint)  # too many NaN/inf steps in a row
-                if cadence.evaluates(self.step, self.total_steps):
-                    history.append(self.evaluate())
-                if self.session.due(self.step) and self.step < self.total_steps:  # save_strategy  run/session
-                    self.save()
-                received = self.dist.agree_on_signal(signals.received)  # every rank stops at the same step
-                if received is not None:
-                    raise self.session.interrupted(received, self.progress())
-            self.save()
-        return history
+            if self.step == 0:  # resumed, or a fresh run that must not append to an earlier one's logs
+                self.resume(resume)
+            self.report.begin({**asdict(self.config), "resume_from_checkpoint": resume})  # on_train_begin  run/report
+            if self.config.eval_on_start and self.step == 0:
+                self.evaluate()
+            with StopSignals() as signals, self.report.steps_bar(), self.trackers:
+                while self.step < self.total_steps:
+                    self.callbacks.on_step_begin()
+                    metrics = self.report.step(self.run_step(signals))  # its loss counted, the bar advanced
+                    control = self.callbacks.on_step_end(*self.plan.cadence.due(  # the callbacks after  settings/plan
+                        self.step, self.total_steps, self.schedule.ends_epoch(self.step, len(self.prompts.dataset))))
+                    if control.should_log:  # with its batch's completions once, not per pass over it
+                        self.report.log(metrics, self.generation.scored, self.schedule.starts_generation(self.step - 1))
+                    self.updates.check(self.step, self.session.last_checkpoint)  # too many NaN/inf steps in a row
+                    if control.should_evaluate:
+                        self.evaluate()
+                    if control.should_save or control.should_training_stop:  # a stop saves as the end does
+                        self.save(asked=control.should_save)
+                    self.session.stop_on_signal(signals.received, self.progress())  # saved first   run/session
+                    if control.should_training_stop:
+                        break
+            return self.report.output()  # then on_train_end
 
     def run_step(self, signals: StopSignals) -> dict:
         """One optimizer step on the next gradient_accumulation_steps micro-batches of the generation batch,
         sampling a new one when the schedule says (settings/schedule.py)."""
-        start = self.progress()
+        start, t0 = self.progress(), time.perf_counter()
         try:
             with self.session.undone_on_failure(signals, start):  # saves `start` if the step fails  run/session
                 if self.schedule.starts_generation(self.step) or self.generation is None:  # None: resumed elastically
@@ -177,7 +166,8 @@ class Trainer:
         except BaseException:  # TrainingInterrupted too, a KeyboardInterrupt
             self.generation = start.generation
             raise
-        metrics = {**self.generation.metrics, **totals, **self.updates.apply(totals["loss"], self.step)}
+        metrics = {**self.generation.metrics, **totals, **self.updates.apply(totals["loss"], self.step),
+                   "perf/step_s": time.perf_counter() - t0, "memory/peak_gb": peak_memory_gb(self.policy.device)}
         self.step += 1
         return metrics
 
@@ -185,7 +175,7 @@ class Trainer:
     def generate(self) -> Generation:
         """Sample a generation batch, score it, give it advantages and cut it into micro-batches, with the
         log-probs fixed for the whole of it."""
-        context = RewardContext(self.step, self.total_steps)  # TRL's trainer_state, log_metric, log_extra
+        context = RewardContext(self.state)  # TRL's trainer_state, log_metric, log_extra
         rollout, scored, seconds = self.source.draw(self.schedule.prompts_per_generation, self.step, context)
         first = torch.arange(min(self.schedule.micro_batch, len(rollout.completions)))  # a micro-batch's rows
         self.policy.check_head_once(rollout.select(first),  # first step: vs the model's own forward, ranks agreeing
@@ -233,40 +223,28 @@ class Trainer:
         return {**totals, "skipped/zero_gradient": counts.skipped / counts.rows}
 
     def evaluate(self) -> dict:
-        """Greedy pass@1 on the eval dataset, logged as its own metrics.jsonl line (`eval/*` keys). Under
+        """Greedy pass@1 on the eval dataset, logged as its own metrics.jsonl line (rollout/evaluate.py's keys). Under
         torchrun every rank evaluates the whole set (FSDP ranks must generate together) and rank 0 writes."""
-        cfg = self.config
-        batch_size = eval_batch_size(cfg, self.model, self.policy.device.type)  # memory/fit
+        batch_size = eval_batch_size(self.config, self.model, self.policy.device.type)  # memory/fit
         with decoding_allocations(self.threshold_set):
             metrics, _ = evaluate(self.model, self.tokenizer, self.eval_dataset, self.reward_funcs,
-                                  **eval_options(cfg, batch_size), progress=self.dist.is_main,
+                                  **eval_options(self.config, batch_size), progress=self.dist.is_main,
                                   unsharded=self.policy.parallel.unsharded, tools=self.tools)
-        return log_eval(self.output_dir, self.step, metrics, self.dist.is_main, self.trackers)
-
-    def log(self, metrics: dict) -> dict:
-        """Every rank calls it (it gathers); rank 0 writes. Timings and memory are the slowest / largest rank's."""
-        line = log_metrics(self.output_dir, self.step, metrics, self.dist, self.trackers)
-        if self.schedule.starts_generation(self.step - 1):  # once per generation batch, not per pass
-            log_completions(self.output_dir, self.step, self.generation.scored, self.reward_names, self.dist,
-                            self.trackers)
-        return line
+        return self.report.evaluation(metrics)                                                 # run/report
 
     # --- checkpoints: what they hold, writing and finding them (run/session.py, run/checkpoint.py) ---
     def progress(self) -> Progress:
         return Progress(self.step, self.generation, self.updates.nonfinite)
 
-    @property
-    def last_checkpoint(self) -> Path | None:
-        """The newest checkpoint, written or resumed from."""
-        return self.session.last_checkpoint
+    def save(self, asked: bool = False) -> Path | None:
+        """Write checkpoint-STEP once per step (under save_strategy="no" only if `asked`: a callback's should_save),
+        then on_save; returns its path or None. Under torchrun every rank calls it; rank 0 writes, the others wait."""
+        return self.session.save(self.progress(), asked)
 
-    def save(self) -> Path | None:
-        """Write checkpoint-STEP (once per step); returns its path (None: save_strategy="no"). Under torchrun
-        every rank calls it and rank 0 writes; the others wait until the checkpoint is complete."""
-        return self.session.save(self.progress())
-
-    def resume(self, spec: str) -> None:
-        """Continue from `spec`, a checkpoint folder or "latest" (run/session.Session.resume)."""
+    def resume(self, spec: str | bool | None) -> None:
+        """Start as resume_from_checkpoint `spec` says: from a checkpoint folder, "latest" or True, or fresh
+        (None or False) in an output_dir no earlier run wrote in (run/session.Session.resume)."""
         resumed = self.session.resume(spec)
         if resumed is not None:
             self.step, self.generation, self.updates.nonfinite = resumed.step, resumed.generation, resumed.nonfinite
+            self.state.log_history = logged_lines(self.output_dir, self.step)  # transformers restores it too

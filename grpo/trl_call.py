@@ -13,8 +13,12 @@ from .settings import Config
 from .settings.trl_names import TRAINER_ONLY
 
 
-def trl_call(config, args, model, tokenizer, processing_class, trl_only: dict):
-    """(config, model, tokenizer) from either call shape, ours or TRL's; ConfigError for what cannot work."""
+def trl_call(config, args, model, tokenizer, processing_class, trl_only: dict, samplers: tuple):
+    """(config, model, tokenizer) from either call shape, ours or TRL's; ConfigError for what cannot work.
+    `samplers`: the Trainer's sampler, rollout_func and tools (or environment_factory), one at most given."""
+    if sum(x is not None for x in samplers) > 1:
+        raise ConfigError("pass one of a sampler, a rollout_func, tools/environment_factory: the tools are "
+                          "called within our own decoder, which the other two replace")
     trl_only = dict(trl_only)
     peft_config = trl_only.pop("peft_config", None)
     refused = [f"Trainer's `{k}`: {TRAINER_ONLY[k]}" for k, v in trl_only.items()

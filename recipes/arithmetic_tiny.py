@@ -49,8 +49,11 @@ config = Config(
     logging_steps=1,
     save_steps=1000,
     save_total_limit=1,
+    eval_strategy="steps",
     eval_steps=10,
     eval_on_start=True,
+    eval_accuracy_func="answer_accuracy_reward",  # eval/accuracy: a right answer in the format
+    eval_format_func="xml_format_reward",
     seed=0,
 )
 

@@ -36,6 +36,8 @@ config = Config(
     lora_alpha=32,
     optim="adamw_8bit",
     gradient_checkpointing=True,
+    eval_accuracy_func="answer_accuracy_reward",  # eval/accuracy: a right answer in the format
+    eval_format_func="xml_format_reward",
     eval_free_accuracy_func="grpo.tasks.gsm8k.last_number_accuracy",  # the answer, whatever the format
 )
 

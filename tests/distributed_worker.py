@@ -37,7 +37,7 @@ BASE = dict(max_steps=2, per_device_train_batch_size=4, gradient_accumulation_st
             # reverted), most likely float rounding that AdamW magnifies where a gradient nearly cancels (not yet
             # verified); these keep the 1e-6 bar and benchmarks/data_parallel.py's figure comparable.
             gradient_checkpointing=False, adam_beta2=0.99, use_bias_correction_kl=False)
-EVAL = dict(eval_steps=1, eval_limit=3, eval_accuracy_func="digit_share", eval_format_func=None,
+EVAL = dict(eval_strategy="steps", eval_steps=1, eval_limit=3, eval_accuracy_func="digit_share", eval_format_func=None,
             eval_free_accuracy_func=None)
 RUNS = {
     "fixed_single": dict(per_device_train_batch_size=8),
@@ -136,7 +136,7 @@ def make_trainer(output_dir: str, name: str, **overrides) -> Trainer:
         model.generation_config.eos_token_id = list(range(4, len(tokenizer), 2))
     reward = odd_digit_share if name.endswith("_skip") else digit_share
     return Trainer(config, model=model, tokenizer=tokenizer, reward_funcs=[reward], train_dataset=data,
-                   eval_dataset=data if config.eval_steps else None)
+                   eval_dataset=data if config.eval_strategy != "no" else None)
 
 
 def train(out_dir: str, name: str) -> Trainer:

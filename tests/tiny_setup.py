@@ -58,3 +58,9 @@ def odd_digit_share(completions, num_digits, **kwargs):
     """digit_share where the prompt asks for an odd number of digits, 0.5 where even: those groups' rewards
     are all equal, so every one of their advantages is exactly 0."""
     return [s if n % 2 else 0.5 for s, n in zip(digit_share(completions), num_digits)]
+
+
+def logged(trainer) -> list[dict]:
+    """The lines `trainer`'s run logged, as metrics.jsonl holds them: its state.log_history without the metrics
+    each train() call closes it with (transformers' TrainOutput ones)."""
+    return [line for line in trainer.state.log_history if "train_runtime" not in line]

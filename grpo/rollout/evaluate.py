@@ -1,14 +1,16 @@
 """Greedy pass@1 on a held-out dataset, scored by the run's own reward functions.
 
-`eval/accuracy` is the share of completions that get full marks (>= 1.0) from the function named as the
-accuracy one, `eval/free_accuracy` and `eval/format` the same for the format-free accuracy and the format
-ones; `eval/reward/<name>` is every reward function's mean and `eval/length_mean` the mean completion length
-in tokens. With a breakdown column, `eval/<column>=<value>/<metric>` repeats the accuracies, format, mean
-length and `num_examples` over the rows holding each value. Used by the Trainer (every `eval_steps`) and by
-`python -m grpo.eval`."""
+As TRL logs an evaluation, `eval_rewards/<name>/mean` is each reward function's mean over the completions it
+scored and `eval_reward` the mean of their weighted sum (reward_weights) over the completions any scored. With
+the eval functions set (none by default), `eval/accuracy` is the share of completions that get full marks (>= 1.0)
+from the function named as the accuracy one, `eval/free_accuracy` and `eval/format` the same for the format-free
+accuracy and the format ones. `eval/length_mean` is the mean completion length in tokens. With a breakdown
+column, `eval/<column>=<value>/<metric>` repeats the accuracies, format, mean length and `num_examples` over the
+rows holding each value. Used by the Trainer (eval_strategy) and by `python -m grpo.eval`."""
 from __future__ import annotations
 
 import importlib
+import sys
 import time
 
 import torch
@@ -27,6 +29,7 @@ def eval_options(config, batch_size: int) -> dict:
     config's eval_batch_size or the memory plan's (memory/fit.eval_batch_size)."""
     return dict(accuracy_func=config.eval_accuracy_func, free_accuracy_func=config.eval_free_accuracy_func,
                 format_func=config.eval_format_func, breakdown_column=config.eval_breakdown_column,
+                reward_weights=config.reward_weights,
                 max_prompt_length=config.max_prompt_length,
                 max_completion_length=config.max_completion_length, batch_size=batch_size,
                 limit=config.eval_limit, chat_template_kwargs=config.chat_template_kwargs,
@@ -34,11 +37,16 @@ def eval_options(config, batch_size: int) -> dict:
 
 
 def check_eval_setup(config, eval_dataset, reward_funcs) -> None:
-    """Evaluating during training needs an eval dataset that `check_eval_inputs` accepts."""
-    if config.eval_steps > 0 or config.eval_on_start:
+    """Evaluating during training needs an eval dataset that `check_eval_inputs` accepts. eval_steps without an
+    eval_strategy evaluates nothing, as in transformers: said in a warning."""
+    if config.eval_strategy != "no" or config.eval_on_start:
         if eval_dataset is None:
-            raise ConfigError("eval_steps / eval_on_start need an eval_dataset")
+            raise ConfigError(f"eval_strategy={config.eval_strategy!r} / eval_on_start need an eval_dataset")
         check_eval_inputs(config, eval_dataset, reward_funcs)
+    if config.eval_strategy == "no" and config.eval_steps is not None:
+        print(f'warning: eval_steps={config.eval_steps} has no effect with eval_strategy="no" (transformers\' '
+              f'default, as here): set eval_strategy="steps" to evaluate every {config.eval_steps} steps',
+              file=sys.stderr)
 
 
 def check_eval_inputs(config, dataset, reward_funcs) -> None:
@@ -49,7 +57,7 @@ def check_eval_inputs(config, dataset, reward_funcs) -> None:
     check_breakdown_column(dataset, config.eval_breakdown_column)
 
 
-def eval_funcs(reward_funcs, accuracy_func: str, free_accuracy_func: str | None, format_func: str | None,
+def eval_funcs(reward_funcs, accuracy_func: str | None, free_accuracy_func: str | None, format_func: str | None,
                columns: list[str] | None = None) -> dict[str, tuple[str, object]]:
     """{metric: (name, function)} of the functions that score an evaluation. A name is a reward function's;
     the format-free accuracy may also be an importable `module.function`. Fails early, naming the choices,
@@ -111,8 +119,8 @@ def full_marks_rate(values: torch.Tensor) -> float:
 
 def summarize(scores: dict[str, torch.Tensor], lengths: torch.Tensor,
               prefix: str = "eval/") -> dict[str, float]:
-    """`<prefix><metric>`: each score's full-marks rate (`scores`: metric -> [N] values), then the mean
-    length (`lengths` [N]) and the number of rows."""
+    """`<prefix><metric>`: each score's full-marks rate (`scores`: metric -> [N] values, maybe none), then the
+    mean length (`lengths` [N]) and the number of rows."""
     out = {f"{prefix}{metric}": full_marks_rate(values) for metric, values in scores.items()}
     out[f"{prefix}length_mean"] = lengths.float().mean().item()
     out[f"{prefix}num_examples"] = float(lengths.numel())
@@ -140,6 +148,8 @@ def summary_lines(metrics: dict[str, float]) -> list[str]:
         parts = [f"{label} {metrics[prefix + key]:.3f}" for key, label in
                  (("accuracy", "accuracy"), ("free_accuracy", "format-free accuracy"), ("format", "format"))
                  if prefix + key in metrics]
+        if prefix == "eval/" and "eval_reward" in metrics:  # the whole set's reward (absent where none scored)
+            parts.insert(0, f"reward {metrics['eval_reward']:.3f}")
         parts.append(f"mean length {metrics[prefix + 'length_mean']:.1f} tokens")
         n = int(metrics[prefix + "num_examples"])
         lines.append(("" if prefix == "eval/" else f"  {prefix[5:-1]} ({n} prompts): ") + ", ".join(parts))
@@ -147,9 +157,10 @@ def summary_lines(metrics: dict[str, float]) -> list[str]:
 
 
 @torch.no_grad()
-def evaluate(model, tokenizer, dataset, reward_funcs, *, accuracy_func: str,
+def evaluate(model, tokenizer, dataset, reward_funcs, *, accuracy_func: str | None = None,
              free_accuracy_func: str | None = None, format_func: str | None = None,
-             breakdown_column: str | None = None, max_prompt_length: int, max_completion_length: int,
+             breakdown_column: str | None = None, reward_weights: list[float] | None = None,
+             max_prompt_length: int, max_completion_length: int,
              batch_size: int = 64, limit: int | None = None, progress: bool = True, unsharded=None,
              chat_template_kwargs: dict | None = None, tools=None,
              max_tool_calling_iterations: int | None = None) -> tuple[dict[str, float], list[dict]]:
@@ -160,6 +171,8 @@ def evaluate(model, tokenizer, dataset, reward_funcs, *, accuracy_func: str,
     `unsharded(fn)` runs `fn(model)` for each batch (default: directly); the Trainer passes its parallel
     wrapper, so that FSDP ranks generate together. Returns `(metrics, samples)`: `eval/*` metrics and one
     dict per row (prompt, completion, each reward, and `free_accuracy` when no reward function gives it)."""
+    if dataset is None:
+        raise ConfigError("evaluating needs an eval_dataset: pass Trainer(eval_dataset=...)")
     unsharded = unsharded or (lambda fn: fn(model))
     names = reward_func_names(reward_funcs)
     if limit is not None:
@@ -188,7 +201,7 @@ def evaluate(model, tokenizer, dataset, reward_funcs, *, accuracy_func: str,
     if environments:
         columns["environments"] = environments
     prompts = dataset["prompt"]
-    rewards, per_func = compute_rewards(reward_funcs, prompts, completions, columns,
+    rewards, per_func = compute_rewards(reward_funcs, prompts, completions, columns, reward_weights,
                                         completion_ids=completion_ids)  # [N], [N, F]
     means = reward_metrics(rewards, per_func, names)
     # A function that is not a reward function (an imported format-free accuracy) scores apart.
@@ -201,7 +214,10 @@ def evaluate(model, tokenizer, dataset, reward_funcs, *, accuracy_func: str,
               for m, (name, _) in funcs.items()}  # metric: [N]
     lengths = torch.cat(lengths)  # [N]
     metrics = summarize(scores, lengths)
-    metrics.update({f"eval/reward/{n}": means[f"reward/{n}"] for n in names if f"reward/{n}" in means})
+    # TRL's names; a function that scored no completion, or a set none scored, has no mean.
+    metrics.update({f"eval_rewards/{n}/mean": means[f"reward/{n}"] for n in names if f"reward/{n}" in means})
+    if "reward/mean" in means:
+        metrics["eval_reward"] = means["reward/mean"]
     if groups is not None:
         metrics.update(breakdown(scores, lengths, breakdown_column, groups))
     metrics["eval/seconds"] = time.perf_counter() - t0

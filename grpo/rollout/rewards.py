@@ -21,7 +21,7 @@ import numbers
 import os
 import sys
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -63,17 +63,22 @@ def reward_func_names(funcs) -> list[str]:
 
 @dataclass
 class TrainerState:
-    """What reward functions get as `trainer_state`: the fields of transformers' TrainerState they use most."""
+    """transformers' TrainerState, the fields of it most read: the Trainer's `trainer.state`, which reward
+    functions get as `trainer_state` and callbacks as `state`, as in TRL."""
 
     global_step: int = 0  # optimizer steps done
     max_steps: int = 0  # optimizer steps of the run
+    epoch: float = 0.0  # passes over the training prompts done, a fraction within one (Schedule.epoch)
+    log_history: list[dict] = field(default_factory=list)  # every logged line (run/report.py)
+    is_world_process_zero: bool = True  # rank 0 of all, the one that writes
+    is_local_process_zero: bool = True  # rank 0 of this machine
 
 
 class RewardContext:
     """TRL's per-call reward arguments besides the batch, and what the functions log through them."""
 
-    def __init__(self, global_step: int = 0, max_steps: int = 0):
-        self.trainer_state = TrainerState(global_step, max_steps)
+    def __init__(self, trainer_state: TrainerState | None = None):
+        self.trainer_state = trainer_state if trainer_state is not None else TrainerState()
         self.metrics: dict[str, list[float]] = {}
         self.extras: dict[str, list] = {}  # column: one value per completion
 

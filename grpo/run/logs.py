@@ -57,6 +57,21 @@ def log_eval(output_dir: Path, step: int, metrics: dict, is_main: bool, trackers
     return line
 
 
+def logged_lines(output_dir: Path, up_to: int) -> list[dict]:
+    """metrics.jsonl's lines up to step `up_to`, where the log_history of a run resumed at that step starts;
+    none without the file (a rank on a filesystem of its own), and never a line torn by a crash."""
+    path, lines = output_dir / METRICS, []
+    for text in path.read_text().splitlines() if path.exists() else []:
+        try:
+            line = json.loads(text)
+            kept = line.get("step", 0) <= up_to
+        except (ValueError, AttributeError, TypeError):
+            continue
+        if kept:
+            lines.append(line)
+    return lines
+
+
 def log_completions(output_dir: Path, step: int, scored, reward_names: list[str], dist, trackers) -> None:
     """Every completion of a generation batch (`rollout.batches.Scored`, every rank's) with its rewards."""
     prompts, completions = dist.gather_objects(scored.prompts), dist.gather_objects(scored.completions)

@@ -1,5 +1,5 @@
-"""A run's session with its output folder: what a checkpoint holds besides the weights (`state_dict`), when
-save_strategy asks for one (`due`), writing one per step (`save`; none at all under save_strategy="no"),
+"""A run's session with its output folder: what a checkpoint holds besides the weights (`state_dict`), writing
+one per step (`save`; none at all under save_strategy="no", unless a callback asks; when is settings/plan's Cadence),
 resuming from one (`resume`), and a step undone when it fails or a stop signal abandons it, the steps done saved
 so that only that one is lost (`undone_on_failure`). run/checkpoint.py writes and finds the folders."""
 from __future__ import annotations
@@ -9,10 +9,8 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import torch
-
-from ..policy.optim import rescheduled, set_hyperparameters
-from ..policy.parallel import ParallelPolicy
+from ..policy.forwards import Policy
+from ..policy.optim import Updates, rescheduled, set_hyperparameters
 from ..infra.progress import quiet_library_bars
 from ..rollout.batches import Generation
 from ..rollout.prompts import PromptStream
@@ -38,8 +36,7 @@ class SessionSettings:
     """What saving and resuming read of the settings."""
 
     record: dict  # the Config as a checkpoint records it, and as resuming compares it with the saved one
-    save_strategy: str
-    save_steps: int
+    save_strategy: str  # when to save is the plan's Cadence; "no" here: no checkpoint on a signal or an error either
     save_total_limit: int | None
     seed: int
     num_generations: int
@@ -52,30 +49,23 @@ class SessionSettings:
 
     @classmethod
     def of(cls, c: Config, total_steps: int, warmup_steps: int) -> SessionSettings:
-        return cls(asdict(c), c.save_strategy, c.save_steps, c.save_total_limit, c.seed, c.num_generations,
+        return cls(asdict(c), c.save_strategy, c.save_total_limit, c.seed, c.num_generations,
                    c.learning_rate, (c.adam_beta1, c.adam_beta2), c.weight_decay, c.lr_scheduler_type, total_steps,
                    warmup_steps)
-
-
-def save_due(step: int, total_steps: int, save_strategy: str, save_steps: int, epoch_ended: bool) -> bool:
-    """Whether `save_strategy` asks for a checkpoint once `step` optimizer steps are done, as transformers'
-    does: "steps" every `save_steps` and at the end, "epoch" when the step ended a pass over the prompts
-    (`epoch_ended`) and at the end, "no" never."""
-    if save_strategy == "no":
-        return False
-    return step >= total_steps or (epoch_ended if save_strategy == "epoch" else step % save_steps == 0)
 
 
 class Session:
     """Checkpoints of one run in `output_dir`. Under torchrun every rank calls every method (gathering and
     saving are collective) and rank 0 writes."""
 
-    def __init__(self, output_dir: Path, dist: Distributed, parallel: ParallelPolicy, device: torch.device, model,
-                 tokenizer, optimizer, scheduler, prompts: PromptStream, schedule: Schedule,
-                 settings: SessionSettings):
-        self.output_dir, self.dist, self.parallel, self.device = output_dir, dist, parallel, device
-        self.model, self.tokenizer, self.optimizer, self.scheduler = model, tokenizer, optimizer, scheduler
-        self.prompts, self.schedule, self.settings = prompts, schedule, settings
+    def __init__(self, output_dir: Path, dist: Distributed, policy: Policy, tokenizer, updates: Updates,
+                 prompts: PromptStream, schedule: Schedule, config: Config, total_steps: int, on_save=lambda: None):
+        self.output_dir, self.dist, self.parallel, self.device = output_dir, dist, policy.parallel, policy.device
+        self.model, self.tokenizer, self.optimizer, self.scheduler = (policy.model, tokenizer, updates.optimizer,
+                                                                      updates.scheduler)
+        self.prompts, self.schedule = prompts, schedule
+        self.settings = SessionSettings.of(config, total_steps, updates.warmup_steps)
+        self.on_save = on_save  # called after each checkpoint written (the callbacks' on_save)
         self.last_checkpoint: Path | None = None  # the newest checkpoint, written or resumed from
         self.saved_step: int | None = None  # its step: saving again at it does nothing
 
@@ -110,16 +100,11 @@ class Session:
         streak, total = state["nonfinite"]
         return Progress(state["step"], generation, (streak, total))
 
-    def due(self, step: int) -> bool:
-        """Whether save_strategy asks for checkpoint-`step` once `step` optimizer steps are done (`save_due`)."""
-        s, prompts = self.settings, len(self.prompts.dataset)
-        ended = self.schedule.epochs_done(step, prompts) > self.schedule.epochs_done(step - 1, prompts)
-        return save_due(step, s.total_steps, s.save_strategy, s.save_steps, ended)
-
-    def save(self, progress: Progress) -> Path | None:
+    def save(self, progress: Progress, asked: bool = False) -> Path | None:
         """Write checkpoint-STEP (once per step); returns its path, or None under save_strategy="no", which writes
-        none. The ranks other than 0 wait until the checkpoint is complete."""
-        if self.settings.save_strategy == "no":
+        none unless `asked` (a callback's control.should_save, which transformers obeys whatever the strategy).
+        The ranks other than 0 wait until the checkpoint is complete; then `on_save`."""
+        if self.settings.save_strategy == "no" and not asked:
             return None
         if self.saved_step != progress.step:
             state, weights = self.state_dict(progress), self.parallel.full_state_dict()  # FSDP: gathered
@@ -129,6 +114,7 @@ class Session:
             self.dist.barrier()
             self.last_checkpoint = self.output_dir / f"checkpoint-{progress.step}"
             self.saved_step = progress.step
+            self.on_save()
         return self.last_checkpoint
 
     def save_model(self, path: Path) -> None:
@@ -142,10 +128,15 @@ class Session:
             self.tokenizer.save_pretrained(path)
         self.dist.barrier()
 
-    def resume(self, spec: str | bool) -> Progress | None:
-        """Continue from `spec`, a checkpoint folder or "latest" (the newest loadable one in output_dir, saying
-        which damaged ones it passed over; none yet means step 0, and None is returned) or True (the same, an
-        error when there is none). Lines of the logs written after its step are dropped, so they never repeat."""
+    def resume(self, spec: str | bool | None) -> Progress | None:
+        """Start as resume_from_checkpoint `spec` says: None or False, a fresh run, which must not append to an
+        earlier run's logs (None returned); a checkpoint folder, "latest" (the newest loadable one in output_dir,
+        saying which damaged ones it passed over; none yet means step 0, and None is returned) or True (the same,
+        an error when there is none). Lines of the logs written after its step are dropped, so they never
+        repeat."""
+        if not spec:
+            checkpoint.check_no_earlier_run(str(self.output_dir))
+            return None
         s = self.settings
         path, passed_over = checkpoint.find_checkpoint(spec, str(self.output_dir))
         if passed_over and self.dist.is_main:
@@ -168,6 +159,13 @@ class Session:
         if self.dist.is_main:  # the one writer; with no checkpoint even step 0's evaluation is done again
             checkpoint.drop_log_lines_after(str(self.output_dir), progress.step if progress is not None else -1)
         return progress
+
+    def stop_on_signal(self, received: int | None, progress: Progress) -> None:
+        """Raise `interrupted` when a rank received a stop signal (`received`: this rank's), every rank at the same
+        step: ranks see a signal at different moments."""
+        received = self.dist.agree_on_signal(received)
+        if received is not None:
+            raise self.interrupted(received, progress)
 
     def interrupted(self, signum: int, progress: Progress) -> TrainingInterrupted:
         """The error a stop signal ends the run with, the steps done saved first (unless save_strategy="no")."""

@@ -12,7 +12,8 @@ import typing
 
 from ..algo import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, SCALES
 from ..errors import ConfigError
-from .choices import ALL_LINEAR, OPTIMIZER_ALIASES, OPTIMIZERS, SAVE_STRATEGIES, SCHEDULES, TRACKERS, tracker_names
+from .choices import (ALL_LINEAR, EVAL_STRATEGIES, OPTIMIZER_ALIASES, OPTIMIZERS, SAVE_STRATEGIES, SCHEDULES, TRACKERS,
+                      tracker_names)
 from .fieldtypes import FieldType, field_types
 from .plan import RunPlan, ranks_from_env
 from .trl_names import NO_EFFECT, OFF_VALUES, RENAMED, TRL_ONLY, TRL_REASONS
@@ -80,7 +81,9 @@ RULES: dict[str, tuple[typing.Callable, str]] = {
     "report_to": (lambda v: tracker_names(v) is not None,
                   f'"none" or one or more (a list, or comma-separated) of {", ".join(TRACKERS)}'),
     "num_completions_to_print": (lambda v: v >= 1, ">= 1, or None for all of them"),
-    "eval_steps": (lambda v: v >= 0, ">= 0 (0: no evaluation during training)"),
+    "eval_strategy": (lambda v: v in EVAL_STRATEGIES, f"one of {', '.join(EVAL_STRATEGIES)}"),
+    # transformers reads 0 as None: refused here, where 0 used to mean "never" (eval_strategy="no" says that now).
+    "eval_steps": (lambda v: v >= 1, ">= 1, or None for logging_steps (eval_strategy=\"no\" evaluates never)"),
     "eval_limit": (lambda v: v >= 1, ">= 1, or None to evaluate every prompt"),
     "eval_batch_size": (lambda v: v >= 1, ">= 1, or None for as many as the memory plan fits"),
 }

@@ -1,7 +1,7 @@
 """What a setting may say, where the runtime implements the choices: optimizers (policy/optim.py), schedules
-(policy/optim.py), trackers (run/trackers.py) and save strategies (run/session.py). The math's own choice lists
-(loss types, reward scales, importance-sampling levels) stay in grpo/algo, which settings reads; nothing here
-imports torch."""
+(policy/optim.py), trackers (run/trackers.py), and save and evaluation strategies (settings/plan.py's Cadence).
+The math's own choice lists (loss types, reward scales, importance-sampling levels) stay in grpo/algo, which
+settings reads; nothing here imports torch."""
 from __future__ import annotations
 
 OPTIMIZERS = ("adamw_8bit", "adamw")  # policy/optim.build_optimizer
@@ -9,7 +9,8 @@ OPTIMIZERS = ("adamw_8bit", "adamw")  # policy/optim.build_optimizer
 OPTIMIZER_ALIASES = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw", "adamw_bnb_8bit": "adamw_8bit"}
 SCHEDULES = ("cosine", "linear", "constant")  # policy/optim.build_scheduler
 TRACKERS = ("tensorboard", "trackio", "wandb")  # run/trackers.Trackers
-SAVE_STRATEGIES = ("steps", "epoch", "no")  # run/session.save_due; transformers' "best" needs its eval_strategy
+SAVE_STRATEGIES = ("steps", "epoch", "no")  # settings/plan.interval_due; transformers' "best": not implemented
+EVAL_STRATEGIES = ("no", "steps", "epoch")  # settings/plan.interval_due: transformers' IntervalStrategy
 ALL_LINEAR = "all-linear"  # peft's lora target: every linear layer but the output head (policy/lora.py)
 
 

@@ -221,20 +221,28 @@ class Config(metaclass=_CheckedKeywords):
     """Under torchrun: shard weights, gradients and optimizer state over ranks (FSDP2), not replicate (DDP)."""
 
     # --- evaluation ---
-    eval_steps: int = 0  # TRL: None (= logging_steps, with eval_strategy="steps"); no eval_strategy here
-    """Greedy pass@1 on the eval dataset every this many optimizer steps and at the end (0: never)."""
+    eval_strategy: str = "no"
+    """When to evaluate (greedy, on the eval dataset): "steps" every `eval_steps` optimizer steps and at the end,
+    "epoch" at the end of each pass over the training prompts and at the end, "no" never (transformers')."""
+    eval_steps: int | None = None  # transformers also takes a float below 1 (a share of the steps); steps here
+    """With eval_strategy="steps": evaluate every this many optimizer steps (None: every `logging_steps`, as in
+    transformers)."""
     eval_on_start: bool = False
-    """Also evaluate before the first GRPO step (step 0), so one run's metrics show GRPO's own gain."""
+    """Also evaluate before the first GRPO step (step 0), whatever eval_strategy says, so one run's metrics show
+    GRPO's own gain."""
     eval_limit: int | None = None
     """Evaluate on the first this many eval prompts only (None: all of them)."""
     eval_batch_size: int | None = None
     """Prompts per batch of greedy eval generation (None: as many as the memory plan fits beside training
     within its peak, counted at max_prompt_length + max_completion_length; 64 where the model's architecture
     cannot be read)."""
-    eval_accuracy_func: str = "answer_accuracy_reward"
-    """Reward function (by name) whose full marks (>= 1.0) count an eval completion as correct."""
-    eval_format_func: str | None = "xml_format_reward"
-    """Reward function (by name) whose full marks count an eval completion as well-formatted (None: skip)."""
+    eval_accuracy_func: str | None = None
+    """Reward function (by name) whose full marks (>= 1.0) count an eval completion as correct, `eval/accuracy`
+    (None: skip; each reward function's mean is logged whatever these say); the GSM8K recipes name
+    "answer_accuracy_reward"."""
+    eval_format_func: str | None = None
+    """Reward function (by name) whose full marks count an eval completion as well-formatted, `eval/format` (None:
+    skip); the GSM8K recipes name "xml_format_reward"."""
     eval_free_accuracy_func: str | None = None
     """Function whose full marks count an eval completion correct whatever its format (`eval/free_accuracy`):
     a reward function (by name) or an importable `module.function` with their contract, e.g. GSM8K's

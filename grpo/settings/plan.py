@@ -45,6 +45,15 @@ class OptimSettings:
                    c.warmup_ratio, c.warmup_steps, c.max_grad_norm, c.max_nonfinite_steps)
 
 
+def interval_due(strategy: str, every: int, step: int, total: int, epoch_ended: bool) -> bool:
+    """transformers' IntervalStrategy once optimizer step `step` (1-based) of `total` is done, as its
+    DefaultFlowCallback reads it: "steps" every `every` steps and at the last, "epoch" at a step that ended a pass
+    over the training prompts (`epoch_ended`) and at the last, "no" never."""
+    if strategy == "no":
+        return False
+    return step >= total or (epoch_ended if strategy == "epoch" else step % every == 0)
+
+
 @dataclass(frozen=True)
 class SamplingSettings:
     """What the trainer's sampler reads of the settings: prompts and completions' lengths, the sampling knobs
@@ -71,18 +80,26 @@ class SamplingSettings:
 
 @dataclass(frozen=True)
 class Cadence:
-    """When a run writes a metrics line and evaluates, at the end of optimizer step `step` (1-based) of `total`:
-    every `logging_steps` and the last; every `eval_steps` (0: never) and the last. Checkpoints follow
-    save_strategy (run/session.save_due)."""
+    """When a run writes a metrics line (every `logging_steps` and at the last step), evaluates (eval_strategy)
+    and saves a checkpoint (save_strategy), each strategy as transformers reads it (`interval_due`)."""
 
     logging_steps: int
-    eval_steps: int
+    eval_strategy: str
+    eval_steps: int  # eval_steps, else logging_steps (transformers' fallback)
+    save_strategy: str
+    save_steps: int
 
-    def logs(self, step: int, total: int) -> bool:
-        return step % self.logging_steps == 0 or step == total
+    @classmethod
+    def of(cls, config) -> Cadence:
+        return cls(config.logging_steps, config.eval_strategy, config.eval_steps or config.logging_steps,
+                   config.save_strategy, config.save_steps)
 
-    def evaluates(self, step: int, total: int) -> bool:
-        return self.eval_steps > 0 and (step % self.eval_steps == 0 or step == total)
+    def due(self, step: int, total: int, epoch_ended: bool) -> tuple[bool, bool, bool]:
+        """(log, evaluate, save) once optimizer step `step` of `total` is done; `epoch_ended`: it ended a pass
+        over the training prompts (Schedule.ends_epoch)."""
+        return (step % self.logging_steps == 0 or step == total,
+                interval_due(self.eval_strategy, self.eval_steps, step, total, epoch_ended),
+                interval_due(self.save_strategy, self.save_steps, step, total, epoch_ended))
 
 
 @dataclass(frozen=True)
@@ -104,7 +121,7 @@ class RunPlan:
         schedule = Schedule.resolve(config, world_size)
         return cls(schedule, MappingProxyType(config.loss_settings()), schedule.optimizer_steps_per_generation > 1,
                    reference_kind(config.use_lora, config.beta), OptimSettings.of(config), SamplingSettings.of(config),
-                   Cadence(config.logging_steps, config.eval_steps))
+                   Cadence.of(config))
 
     @property
     def has_reference(self) -> bool:

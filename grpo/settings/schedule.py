@@ -88,6 +88,15 @@ class Schedule:
         steps finished (an epoch ends with the generation batch that completes it)."""
         return step // self.optimizer_steps_per_generation * self.prompts_per_generation // num_prompts
 
+    def ends_epoch(self, step: int, num_prompts: int) -> bool:
+        """Whether optimizer step `step` (1-based) finished a pass over `num_prompts` prompts."""
+        return self.epochs_done(step, num_prompts) > self.epochs_done(step - 1, num_prompts)
+
+    def epoch(self, step: int, num_prompts: int) -> float:
+        """transformers' `state.epoch` after the first `step` optimizer steps: passes over `num_prompts` prompts,
+        each step counting for its share of its generation batch's prompts."""
+        return step * self.prompts_per_generation / (self.optimizer_steps_per_generation * num_prompts)
+
     def total_steps(self, num_prompts: int, num_train_epochs: float, max_steps: int) -> int:
         """Optimizer steps of a run: `max_steps` when set, else enough generation batches for the epochs over
         `num_prompts` prompts, each feeding `optimizer_steps_per_generation` steps."""

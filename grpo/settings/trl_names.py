@@ -12,7 +12,7 @@ TRL_ONLY = frozenset("""
     ddp_find_unused_parameters ddp_static_graph ddp_timeout debug deepspeed disable_tqdm do_eval
     do_predict do_train ds3_gather_for_generation enable_jit_checkpoint entropy_coef_delta
     entropy_coef_max entropy_coef_min entropy_target eval_accumulation_steps eval_delay eval_do_concat_batches
-    eval_strategy eval_use_gather_object fp16 fp16_full_eval fsdp_config full_determinism
+    eval_use_gather_object fp16 fp16_full_eval fsdp_config full_determinism
     gradient_checkpointing_kwargs greater_is_better hub_always_push hub_model_id
     hub_private_repo hub_revision hub_strategy hub_token ignore_data_skip include_for_metrics
     include_num_input_tokens_seen label_names label_smoothing_factor length_column_name liger_kernel_config
@@ -50,7 +50,6 @@ TRL_REASONS = {
     "fsdp_config": "--fsdp=true under torchrun is the one FSDP (FSDP2) setting",
     "gradient_checkpointing_kwargs": "checkpointing is always non-reentrant here",
     "activation_checkpointing": "it is called gradient_checkpointing here (on by default, as in TRL)",
-    "eval_strategy": "set eval_steps instead",
     "per_device_eval_batch_size": "set eval_batch_size (prompts per batch of greedy decoding)",
     "fp16": "bf16 (CUDA) or float32 only",
     "push_to_hub": "checkpoints are written to output_dir only",
@@ -99,7 +98,7 @@ NO_EFFECT = {
 OFF_VALUES = {
     "use_vllm": (False,), "use_transformers_paged": (False,), "use_liger_kernel": (False,), "fp16": (False,),
     "push_to_hub": (False,), "deepspeed": (None,), "fsdp_config": (None,), "torch_compile": (False,),
-    "sync_ref_model": (False,), "use_adaptive_entropy": (False,), "eval_strategy": ("no",), "tf32": (None,),
+    "sync_ref_model": (False,), "use_adaptive_entropy": (False,), "tf32": (None,),
     "shuffle_dataset": (True,), "model_init_kwargs": (None,), "full_determinism": (False,),
     "gradient_checkpointing_kwargs": (None, {"use_reentrant": False}),
 }
@@ -107,6 +106,5 @@ OFF_VALUES = {
 # Keyword arguments of TRL's GRPOTrainer that this Trainer does not take, and what to do instead (its `args`
 # and `processing_class` are taken, as `config` and `tokenizer`, and `peft_config` by trl_call.py).
 TRAINER_ONLY = {
-    "callbacks": "there are no callbacks here: metrics.jsonl and report_to receive every logged line",
     "optimizers": "set optim, learning_rate, lr_scheduler_type and warmup_steps in the Config",
 }

@@ -3,7 +3,7 @@ import math
 
 import pytest
 import torch
-from tiny_setup import digit_prompts, digit_share, tiny_model, tiny_tokenizer
+from tiny_setup import digit_prompts, digit_share, logged, tiny_model, tiny_tokenizer
 
 from grpo import Config, Trainer
 
@@ -17,7 +17,8 @@ def test_a_tiny_full_finetuning_run_trains_bf16_weights_on_cpu(tmp_path, optim):
     trainer = Trainer(config, model=tiny_model(tokenizer), tokenizer=tokenizer, reward_funcs=[digit_share],
                       train_dataset=digit_prompts())
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
-    history = trainer.train()
+    trainer.train()
+    history = logged(trainer)
     params = dict(trainer.model.named_parameters())
     assert all(p.dtype == torch.bfloat16 for p in params.values())
     assert all(math.isfinite(line["loss"]) and math.isfinite(line["grad_norm"]) for line in history)

@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-from tiny_setup import digit_prompts, odd_digit_share, tiny_model, tiny_tokenizer
+from tiny_setup import digit_prompts, logged, odd_digit_share, tiny_model, tiny_tokenizer
 
 from grpo import Config, Trainer
 
@@ -32,7 +32,8 @@ def read_jsonl(path) -> list[dict]:
 def test_groups_without_signal_are_replaced_and_the_batch_stays_full(tmp_path, tokenizer):
     # Rounds enough that every batch fills with groups with signal (an odd prompt's group can be equal too).
     trainer = make_trainer(tmp_path / "run", tokenizer, dynamic_sampling_max_rounds=16)
-    lines = trainer.train()
+    trainer.train()
+    lines = logged(trainer)
     # 4 prompts a generation batch (2 micro-batches of 8 = 16 completions): every one of them odd.
     assert [len(b.rollout.completions) for b in trainer.generation.micro_batches] == [8, 8]
     digits = [int(p.split()[1]) for p in trainer.generation.scored.prompts]
@@ -52,7 +53,8 @@ def test_without_rounds_left_the_batch_is_topped_up_with_dropped_groups(tmp_path
                                                                   "dynamic_sampling_max_rounds": 2}),
                       model=tiny_model(tokenizer), tokenizer=tokenizer, reward_funcs=[constant],
                       train_dataset=digit_prompts(18))
-    line = trainer.train()[-1]
+    trainer.train()
+    line = logged(trainer)[-1]
     assert line["dynamic_sampling/rounds"] == 2 and line["dynamic_sampling/filler_groups"] == 4
     assert line["dynamic_sampling/dropped_groups"] == 4 + 4 + 4 - 4  # 3 rounds of 4 groups sampled, 4 kept
     assert trainer.prompts.state_dict()["position"] == 12
@@ -61,7 +63,8 @@ def test_without_rounds_left_the_batch_is_topped_up_with_dropped_groups(tmp_path
 
 def test_off_by_default_is_the_plain_run(tmp_path, tokenizer):
     plain = make_trainer(tmp_path / "plain", tokenizer, dynamic_sampling=False, max_steps=2)
-    lines = plain.train()
+    plain.train()
+    lines = logged(plain)
     assert not any(k.startswith("dynamic_sampling/") for line in lines for k in line)
     assert any(line["frac_reward_zero_std"] > 0 for line in lines)
 

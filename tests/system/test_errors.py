@@ -258,7 +258,7 @@ EVAL_BODY = "reward_funcs = [digit_share]\ntrain_dataset = digit_prompts\neval_d
      "--output"),
     (EVAL_BODY, ["--output={tmp}"],
      "error: --output={tmp} is a folder: name a file in it, such as {tmp}/eval.json"),
-    # No eval data, and reward functions without the default eval_accuracy_func: the missing data comes first.
+    # No eval data: said before anything about the functions that would score it.
     (GOOD_BODY, [], "error: recipe {tmp}/recipe.py defines no eval_dataset: grpo.eval evaluates on it"),
 ], ids=["limit-0", "output-under-a-file", "output-a-folder", "no-eval-data"])
 def test_eval_mistakes(tmp_path, capsys, body, args, line):

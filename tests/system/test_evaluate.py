@@ -51,7 +51,7 @@ def test_evaluate_is_greedy_and_scores_every_prompt(tokenizer):
     assert len(samples) == 7 and metrics["eval/num_examples"] == 7
     assert metrics["eval/accuracy"] == pytest.approx(sum(s["reward/first_is_digit"] for s in samples) / 7)
     assert metrics["eval/format"] == 0.0, "0.5 is not full marks"
-    assert metrics["eval/reward/half"] == 0.5
+    assert metrics["eval_rewards/half/mean"] == 0.5
     assert 1 <= metrics["eval/length_mean"] <= 6
     assert {k: v for k, v in again.items() if k != "eval/seconds"} == {
         k: v for k, v in metrics.items() if k != "eval/seconds"}, "greedy decoding is deterministic"
@@ -60,7 +60,7 @@ def test_evaluate_is_greedy_and_scores_every_prompt(tokenizer):
 def test_trainer_evaluates_at_start_every_eval_steps_and_at_the_end(tmp_path, tokenizer):
     config = Config(output_dir=str(tmp_path / "run"), max_steps=3, per_device_train_batch_size=4,
                     num_generations=2, max_prompt_length=16, max_completion_length=6, learning_rate=1e-3,
-                    optim="adamw", eval_steps=2, eval_on_start=True, eval_limit=4,
+                    optim="adamw", eval_strategy="steps", eval_steps=2, eval_on_start=True, eval_limit=4,
                     eval_accuracy_func="always_one", eval_format_func=None, eval_free_accuracy_func=None)
     trainer = Trainer(config, model=tiny_model(tokenizer), tokenizer=tokenizer, reward_funcs=[always_one],
                       train_dataset=digit_prompts(), eval_dataset=digit_prompts())

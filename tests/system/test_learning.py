@@ -55,7 +55,8 @@ def test_grpo_raises_held_out_accuracy(tmp_path, sabotage, keep_threads):
     trainer = Trainer(config, model=model, tokenizer=tokenizer, reward_funcs=recipe.reward_funcs,
                       train_dataset=resolve_dataset(recipe.train_dataset),
                       eval_dataset=resolve_dataset(recipe.eval_dataset))
-    evals = [line for line in trainer.train() if "eval/accuracy" in line]
+    trainer.train()
+    evals = [line for line in trainer.state.log_history if "eval/accuracy" in line]
     before, after = evals[0], evals[-1]
     assert (before["step"], after["step"]) == (0, 20)
     assert before["eval/accuracy"] < 0.3, "the warm start must leave GRPO room to improve"

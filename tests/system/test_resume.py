@@ -6,7 +6,7 @@ import signal
 
 import pytest
 import torch
-from tiny_setup import digit_prompts, digit_share, tiny_model, tiny_tokenizer
+from tiny_setup import digit_prompts, digit_share, logged, tiny_model, tiny_tokenizer
 
 from grpo import Config, Trainer
 from grpo.errors import ConfigError
@@ -180,7 +180,8 @@ def test_a_finished_run_extended_continues_on_the_new_totals_schedule(tmp_path, 
                          lr_scheduler_type=schedule)
     # 3 steps: linear 1 - s/3 (1, 2/3, 1/3), cosine (1 + cos(pi s/3)) / 2 (1, 3/4, 1/4).
     ended = [1.0, 2 / 3, 1 / 3] if schedule == "linear" else [1.0, 0.75, 0.25]
-    assert [line["lr"] for line in first.train()] == pytest.approx([1e-2 * m for m in ended])
+    first.train()
+    assert [line["lr"] for line in logged(first)] == pytest.approx([1e-2 * m for m in ended])
     saved = [p.detach().clone() for p in first.model.parameters()]
     capsys.readouterr()
 
@@ -188,8 +189,9 @@ def test_a_finished_run_extended_continues_on_the_new_totals_schedule(tmp_path, 
                            lr_scheduler_type=schedule, resume_from_checkpoint="latest")
     spy, lrs = resumed.optimizer.step, []
     resumed.optimizer.step = lambda: (lrs.append(resumed.optimizer.param_groups[0]["lr"]), spy())[1]
-    history = resumed.train()
-    assert [line["step"] for line in history] == [4, 5]
+    resumed.train()
+    assert [line["step"] for line in logged(resumed)] == [1, 2, 3, 4, 5]  # the first train()'s lines too
+    history = logged(resumed)[3:]
     assert [line["lr"] for line in history] == pytest.approx(extended) and lrs == pytest.approx(extended)
     assert any(not torch.equal(p, q) for p, q in zip(saved, resumed.model.parameters())), "step 4 trained"
     assert (f"resuming a run of 3 steps as one of 5: the {schedule} learning-rate schedule is now that of 5 "

@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from tiny_setup import digit_prompts, digit_share, tiny_model, tiny_reward_model, tiny_tokenizer
+from tiny_setup import digit_prompts, digit_share, logged, tiny_model, tiny_reward_model, tiny_tokenizer
 
 from grpo import Config, Trainer
 from grpo.eval import main as eval_main
@@ -41,15 +41,16 @@ def direct_scores(model, tokenizer, prompts, completions) -> list[float]:
 
 def test_a_run_with_a_reward_model_and_a_function_logs_the_models_rewards(tmp_path, tokenizer):
     reward_model = tiny_reward_model(tokenizer, name="org/tiny-rm")
-    trainer = Trainer(config(tmp_path, eval_steps=2), model=tiny_model(tokenizer), tokenizer=tokenizer,
-                      reward_funcs=[reward_model, digit_share], reward_processing_classes=[tokenizer, None],
-                      train_dataset=digit_prompts(), eval_dataset=digit_prompts(4))
+    trainer = Trainer(config(tmp_path, eval_strategy="steps", eval_steps=2), model=tiny_model(tokenizer),
+                      tokenizer=tokenizer, reward_funcs=[reward_model, digit_share],
+                      reward_processing_classes=[tokenizer, None], train_dataset=digit_prompts(),
+                      eval_dataset=digit_prompts(4))
     before = [p.detach().clone() for p in trainer.model.parameters()]
-    history = trainer.train()
+    trainer.train()
     assert reward_model.device == trainer.policy.device  # next to the policy (the GPU when there is one)
     metrics, rows = read(tmp_path / "run" / "metrics.jsonl"), read(tmp_path / "run" / "completions.jsonl")
     assert [m["step"] for m in metrics if "reward/tiny-rm" in m and "reward/digit_share" in m] == [1, 2]
-    assert "eval/reward/tiny-rm" in history[-1]
+    assert "eval_rewards/tiny-rm/mean" in logged(trainer)[-1]
     # Each logged completion's reward-model column is the model's score of its prompt + completion.
     expected = direct_scores(reward_model, tokenizer, [r["prompt"] for r in rows], [r["completion"] for r in rows])
     # float32, a padded batch against each text alone: 1e-5 (test_reward_models.py says why)

@@ -8,7 +8,7 @@ import signal
 import pytest
 from test_errors import run
 from test_resume import make_trainer, read_jsonl, stop_when
-from tiny_setup import text_length
+from tiny_setup import logged, text_length
 
 import grpo.trainer
 from grpo.errors import ConfigError
@@ -39,7 +39,8 @@ def test_ctrl_c_from_python_is_a_keyboard_interrupt_once_saved_and_says_how_to_r
                                f"resume_from_checkpoint=True in the Config")
     assert checkpoints(out) == ["checkpoint-2"]
     resumed = make_trainer(out, tokenizer, {}, optim="adamw", max_steps=4, save_steps=10, resume_from_checkpoint=True)
-    assert [line["step"] for line in resumed.train()] == [3, 4]
+    resumed.train()
+    assert [line["step"] for line in logged(resumed)] == [1, 2, 3, 4]  # the log_history of the whole run
 
 
 @pytest.mark.parametrize("kind", ["def", "async def"])
@@ -101,14 +102,16 @@ def test_resume_from_checkpoint_true_is_the_newest_checkpoint_and_needs_one(tmp_
         make_trainer(out, tokenizer, {}, optim="adamw", max_steps=2, resume_from_checkpoint=True).train()
     make_trainer(out, tokenizer, {}, optim="adamw", max_steps=2, save_steps=1).train()
     resumed = make_trainer(out, tokenizer, {}, optim="adamw", max_steps=3, resume_from_checkpoint=True)
-    assert [line["step"] for line in resumed.train()] == [3]
+    resumed.train()
+    assert [line["step"] for line in logged(resumed)] == [1, 2, 3]
 
 
 def test_train_takes_transformers_resume_from_checkpoint(tmp_path, tokenizer):
     out = tmp_path / "run"
     make_trainer(out, tokenizer, {}, optim="adamw", max_steps=2, save_steps=1).train()
     resumed = make_trainer(out, tokenizer, {}, optim="adamw", max_steps=3)
-    assert [line["step"] for line in resumed.train(resume_from_checkpoint=True)] == [3]
+    resumed.train(resume_from_checkpoint=True)
+    assert [line["step"] for line in logged(resumed)] == [1, 2, 3]
 
 
 def test_save_strategy_no_writes_no_checkpoint_not_even_on_ctrl_c(tmp_path, tokenizer):
@@ -151,7 +154,8 @@ def test_a_flipped_bit_in_the_weights_is_passed_over_like_a_truncated_file(tmp_p
                                 f"checkpoint beside it is {older}: resume_from_checkpoint={older}")
     capsys.readouterr()
     resumed = make_trainer(out, tokenizer, {}, optim="adamw", max_steps=3, resume_from_checkpoint="latest")
-    assert [line["step"] for line in resumed.train()] == [2, 3], "step 2 again, from checkpoint-1"
+    resumed.train()
+    assert [line["step"] for line in logged(resumed)] == [1, 2, 3], "step 2 again, from checkpoint-1"
     assert f"{newest} cannot be loaded ({why}): resuming from {older}" in capsys.readouterr().err
 
     for name in ("checkpoint-1", "checkpoint-3"):  # checkpoint-2 is still the damaged one: none is loadable now

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 from distributed_worker import FixedSampler
-from tiny_setup import digit_prompts, odd_digit_share, tiny_model, tiny_tokenizer
+from tiny_setup import digit_prompts, logged, odd_digit_share, tiny_model, tiny_tokenizer
 from tolerances import adamw_rounding, f32_sum
 
 from grpo import Config, Trainer
@@ -104,7 +104,8 @@ def test_a_step_where_every_advantage_is_zero_runs_no_forward(tmp_path, tokenize
                            max_steps=1)
     monkeypatch.setattr(trainer.policy, "logprobs", lambda *a, **kw: pytest.fail("no row needs a forward"))
     before = [p.detach().clone() for p in trainer.model.parameters()]
-    (line,) = trainer.train()
+    trainer.train()
+    (line,) = logged(trainer)
     assert line["skipped/zero_gradient"] == 1.0 and line["loss"] == 0.0 and line["grad_norm"] == 0.0
     assert all(torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))  # AdamW's first step on 0
 
@@ -115,7 +116,8 @@ def test_the_entropy_bonus_trains_zero_advantage_rows(tmp_path, tokenizer):
     trainer = make_trainer(tmp_path, tokenizer, "bonus", reward=lambda completions, **_: [1.0] * len(completions),
                            max_steps=1, entropy_coef=0.01, off_policy_mask_threshold=0.1)
     before = [p.detach().clone() for p in trainer.model.parameters()]
-    (line,) = trainer.train()
+    trainer.train()
+    (line,) = logged(trainer)
     assert line["skipped/zero_gradient"] == 0.0 and line["grad_norm"] > 0 and line["loss/entropy"] < 0
     assert line["off_policy/masked_ratio"] == 0.0  # on-policy: nothing to mask
     assert any(not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
@@ -124,5 +126,6 @@ def test_the_entropy_bonus_trains_zero_advantage_rows(tmp_path, tokenizer):
 def test_a_step_with_no_row_trained_logs_the_off_policy_metric_as_zero(tmp_path, tokenizer):
     trainer = make_trainer(tmp_path, tokenizer, "flat_opsm", reward=lambda completions, **_: [1.0] * len(completions),
                            max_steps=1, off_policy_mask_threshold=0.1)
-    (line,) = trainer.train()
+    trainer.train()
+    (line,) = logged(trainer)
     assert line["skipped/zero_gradient"] == 1.0 and line["off_policy/masked_ratio"] == 0.0

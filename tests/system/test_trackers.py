@@ -43,8 +43,9 @@ def make_trainer(out, tokenizer, **settings) -> Trainer:
     """3 steps of 2 prompts x 4 completions; evaluation at steps 2 and 3, so eval lines share train steps."""
     config = Config(output_dir=str(out), max_steps=3, per_device_train_batch_size=8, num_generations=4,
                     max_prompt_length=16, max_completion_length=6, learning_rate=1e-2, optim="adamw", seed=0,
-                    eval_steps=2, eval_limit=2, eval_accuracy_func="digit_share", eval_format_func=None,
-                    eval_free_accuracy_func=None, log_completions=True, num_completions_to_print=3,
+                    eval_strategy="steps", eval_steps=2, eval_limit=2, eval_accuracy_func="digit_share",
+                    eval_format_func=None, eval_free_accuracy_func=None, log_completions=True,
+                    num_completions_to_print=3,
                     **settings)
     return Trainer(config, model=tiny_model(tokenizer), tokenizer=tokenizer, reward_funcs=[digit_share],
                    train_dataset=digit_prompts(), eval_dataset=digit_prompts(4))

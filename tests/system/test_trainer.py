@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 from datasets import Dataset
-from tiny_setup import digit_prompts, digit_share, tiny_model, tiny_tokenizer
+from tiny_setup import digit_prompts, digit_share, logged, tiny_model, tiny_tokenizer
 from tolerances import adamw_rounding, max_abs_diff
 
 from grpo import Config, Trainer
@@ -49,7 +49,8 @@ def test_full_finetune_trains_logs_and_checkpoints(tmp_path, tokenizer):
     trainer = Trainer(make_config(tmp_path), model=tiny_model(tokenizer), tokenizer=tokenizer,
                       reward_funcs=[digit_share], train_dataset=digit_prompts())
     before = snapshot(trainer.model)
-    history = trainer.train()
+    trainer.train()
+    history = logged(trainer)
 
     assert trainer.step == 2 and len(history) == 2
     changed = [n for n, p in trainer.model.named_parameters() if not torch.equal(p, before[n])]
@@ -99,7 +100,8 @@ def test_reference_forward_only_when_beta_positive(tmp_path, tokenizer, beta, ex
     reference_forwards = []
     reference_logprobs = trainer.policy.reference_logprobs
     trainer.policy.reference_logprobs = lambda rollout: reference_forwards.append(1) or reference_logprobs(rollout)
-    history = trainer.train()
+    trainer.train()
+    history = logged(trainer)
     assert len(reference_forwards) == expected_forwards  # steps x micro-batches
     assert (trainer.policy.reference is None) == (beta == 0)
     if beta == 0:
@@ -129,7 +131,8 @@ def test_num_iterations_reuses_one_generation_batch(tmp_path, tokenizer):
     trainer = Trainer(make_config(tmp_path, max_steps=2, num_iterations=2, beta=0.0, seed=1),
                       model=tiny_model(tokenizer), tokenizer=tokenizer, reward_funcs=[digit_share],
                       train_dataset=digit_prompts())
-    history = trainer.train()
+    trainer.train()
+    history = logged(trainer)
     assert trainer.prompts.position == 4, "two optimizer steps on one generation batch of 2 x 2 prompts"
     assert history[0]["ratio/mean"] == pytest.approx(1.0)
     assert history[1]["ratio/mean"] != pytest.approx(1.0, abs=1e-9), "second pass sees an updated policy"
@@ -151,7 +154,8 @@ def test_shared_prompt_forward_trains_as_whole_rows(tmp_path, tokenizer, use_lor
         trainer = Trainer(config, model=tiny_model(tokenizer), tokenizer=tokenizer, reward_funcs=[digit_share],
                           train_dataset=digit_prompts())
         assert trainer.policy.shared_prompt == shared
-        runs.append((trainer.train(), snapshot(trainer.model)))
+        trainer.train()
+        runs.append((logged(trainer), snapshot(trainer.model)))
     (shared_history, shared_weights), (whole_history, whole_weights) = runs
     # 2 AdamW steps of the same gradients summed in another order: steps * lr / 100 = 2e-4 (tolerances.py;
     # measured 7e-8 .. 4e-6 on 5 CPU variants). A row of the step's 16 that lost its gradient on the shared path
@@ -177,7 +181,8 @@ def test_entropy_bonus_off_policy_mask_and_no_dropout(tmp_path, tokenizer):
                      if "lora_dropout" in n and isinstance(m, torch.nn.Dropout)]
     assert lora_dropouts and all(m.p == 0 for m in trainer.model.modules() if isinstance(m, torch.nn.Dropout))
     assert trainer.config.optim == "adamw" and isinstance(trainer.optimizer, torch.optim.AdamW)
-    first, second = trainer.train()
+    trainer.train()
+    first, second = logged(trainer)
     for line in (first, second):
         assert all(math.isfinite(v) for v in line.values() if isinstance(v, float))
         # beta 0: the loss is the policy term plus the bonus, -0.01 x the micro-batches' mean entropy (float32
@@ -204,7 +209,8 @@ def test_trl_loss_settings_and_unscored_completions(tmp_path, tokenizer):
                               "max_prompt_length": 16, "learning_rate": 1e-2, "optim": "adamw", "seed": 0})
     trainer = Trainer(config, model=tiny_model(tokenizer), tokenizer=tokenizer, reward_funcs=[picky],
                       train_dataset=digit_prompts())
-    history = trainer.train()
+    trainer.train()
+    history = logged(trainer)
     for line in history:
         assert REQUIRED_KEYS - {"reward/digit_share"} <= line.keys()
         assert all(math.isfinite(v) for v in line.values())

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_setup import digit_prompts, digit_share, tiny_model, tiny_tokenizer
+from tiny_setup import digit_prompts, digit_share, logged, tiny_model, tiny_tokenizer
 
 from grpo import Config, Trainer
 from grpo.errors import ConfigError
@@ -81,7 +81,8 @@ def test_a_ported_config_trains_with_trls_reward_helpers(tmp_path):
     assert trainer.schedule.micro_batches_per_generation == args.steps_per_generation == 2
     assert trainer.schedule.prompts_per_generation * args.num_generations == args.generation_batch_size == 16
     before = [p.detach().clone() for p in model.parameters()]
-    history = trainer.train()
+    trainer.train()
+    history = logged(trainer)
     assert trainer.step == 2 and [line["step"] for line in history] == [1, 2]
     lines = [json.loads(r) for r in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert lines == history
@@ -149,7 +150,7 @@ def test_trls_call_shape_and_its_refusals(tmp_path):
     for call, message in [
         (dict(peft_config=object()), "peft_config must be a peft LoraConfig (this trainer trains LoRA adapters), "
                                      "got object"),
-        (dict(callbacks=[object()]), "Trainer's `callbacks`: there are no callbacks here"),
+        (dict(optimizers=(object(), None)), "Trainer's `optimizers`: set optim, learning_rate"),
         (dict(config="Qwen/Qwen2.5-0.5B-Instruct"),
          "Trainer's first argument is a grpo Config (TRL's `args=`), got str 'Qwen/Qwen2.5-0.5B-Instruct': "
          "pass the model as model="),

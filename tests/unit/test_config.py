@@ -233,6 +233,29 @@ def test_scale_rewards_takes_trls_bools():
         Config(scale_rewards="std")
 
 
+def test_eval_strategy_and_eval_steps_take_transformers_values():
+    assert (Config().eval_strategy, Config().eval_steps) == ("no", None)  # transformers' defaults
+    with pytest.raises(ConfigError, match="eval_strategy must be one of no, steps, epoch, got 'best'"):
+        Config(eval_strategy="best")
+    with pytest.raises(ConfigError, match="eval_steps must be >= 1, or None for logging_steps"):
+        Config(eval_strategy="steps", eval_steps=0)  # 0 used to mean "never" here: refused, not read as None
+
+
+def test_the_cadence_logs_evaluates_and_saves_as_transformers_default_flow_does():
+    from grpo.settings.plan import Cadence
+
+    # 7 steps, a pass over the prompts ending with step 4: (log, evaluate, save) after each.
+    epoch = Cadence.of(Config(logging_steps=3, eval_strategy="epoch", save_strategy="steps", save_steps=5))
+    assert [epoch.due(s, 7, epoch_ended=s == 4) for s in range(1, 8)] == [
+        (False, False, False), (False, False, False), (True, False, False), (False, True, False),
+        (False, False, True), (True, False, False), (True, True, True)]
+    steps = Cadence.of(Config(logging_steps=2, eval_strategy="steps", save_strategy="epoch"))  # eval every 2
+    assert [steps.due(s, 3, epoch_ended=s == 1)[1:] for s in range(1, 4)] == [(False, True), (True, False),
+                                                                               (True, True)]
+    never = Cadence.of(Config(eval_strategy="no", eval_steps=1, save_strategy="no"))
+    assert [never.due(s, 2, epoch_ended=True)[1:] for s in (1, 2)] == [(False, False)] * 2
+
+
 def test_trl_settings_list_matches_trl():
     trl = pytest.importorskip("trl")
     from grpo.settings.trl_names import RENAMED, TRL_ONLY, TRL_REASONS
@@ -244,7 +267,7 @@ def test_trl_settings_list_matches_trl():
     # Their defaults are ours but where a comment beside the field says why not.
     args, config = trl.GRPOConfig(output_dir="unused", use_cpu=True), Config()
     differ = {k for k in ours & theirs if getattr(args, k) != getattr(config, k)}
-    assert differ == {"output_dir", "num_train_epochs", "optim", "logging_steps", "eval_steps", "fsdp", "bf16",
+    assert differ == {"output_dir", "num_train_epochs", "optim", "logging_steps", "fsdp", "bf16",
                       "report_to", "steps_per_generation", "generation_batch_size"}
     # TRL resolves those two in __post_init__ (it knows the rank count); the Trainer resolves our Nones alike.
     from grpo.settings.schedule import Schedule

@@ -128,7 +128,8 @@ def test_evaluate_reports_format_free_accuracy_and_the_breakdown():
         "eval/operations=2/accuracy": 0.0, "eval/operations=2/free_accuracy": 1 / 2,  # rows 2, 3
         "eval/operations=2/format": 1 / 2, "eval/operations=2/length_mean": (3 + 4) / 2,
         "eval/operations=2/num_examples": 2.0,
-        "eval/reward/xml_format_reward": 2 / 5, "eval/reward/answer_accuracy_reward": 1 / 5,
+        "eval_rewards/xml_format_reward/mean": 2 / 5, "eval_rewards/answer_accuracy_reward/mean": 1 / 5,
+        "eval_reward": 3 / 5,  # the rows' sums: 2, 0, 1, 0, 0
     }
     assert {k: v for k, v in metrics.items() if k != "eval/seconds"} == pytest.approx(expected)
     assert [s["free_accuracy"] for s in samples] == [1.0, 1.0, 0.0, 1.0, 0.0]
@@ -144,6 +145,17 @@ def test_evaluate_reports_format_free_accuracy_and_the_breakdown():
     assert metrics["eval/free_accuracy"] == metrics["eval/accuracy"] == pytest.approx(1 / 5)
     assert "free_accuracy" not in samples[0]
     assert not any("=" in k for k in metrics)
+
+
+def test_without_eval_functions_an_evaluation_logs_the_rewards_as_trl_names_them():
+    # No eval_*_func (the defaults): each reward function's mean and the weighted reward's, TRL's eval keys.
+    metrics, _ = evaluate(None, tiny_tokenizer(), ROWS, [xml_format_reward, answer_accuracy_reward],
+                          reward_weights=[0.5, 2.0], max_prompt_length=16, max_completion_length=8, batch_size=2,
+                          progress=False, unsharded=scripted(COMPLETIONS))
+    assert {k: v for k, v in metrics.items() if k != "eval/seconds"} == pytest.approx({
+        "eval_rewards/xml_format_reward/mean": 2 / 5, "eval_rewards/answer_accuracy_reward/mean": 1 / 5,
+        "eval_reward": (0.5 + 2.0 + 0.5) / 5, "eval/length_mean": 3.0, "eval/num_examples": 5.0})
+    assert summary_lines(metrics) == ["reward 0.600, mean length 3.0 tokens"]
 
 
 def test_eval_funcs_find_functions_and_their_columns():

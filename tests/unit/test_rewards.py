@@ -9,6 +9,7 @@ from grpo.errors import ConfigError
 from grpo.rollout.rewards import (
     RewardContext,
     RewardError,
+    TrainerState,
     compute_rewards,
     reward_func_name,
     reward_func_names,
@@ -320,7 +321,7 @@ def test_every_function_gets_trls_arguments_and_logs_through_them():
         log_extra("parsed", [c.upper() for c in completions])
         return [1.0] * len(completions)
 
-    context = RewardContext(global_step=7, max_steps=10)
+    context = RewardContext(TrainerState(global_step=7, max_steps=10))
     compute_rewards([logging_reward], ["p", "q"], ["a", "b"], {"answer": ["1", "2"]},
                     completion_ids=[[5, 6], [7]], context=context)
     assert seen == {"step": 7, "ids": [[5, 6], [7]], "columns": {"answer"}}

@@ -65,7 +65,7 @@ def test_the_trainer_gives_each_rank_the_streams_of_its_share(tmp_path):
                     max_prompt_length=16, max_completion_length=8, optim="adamw", beta=0.0)
     trainer = Trainer(config, model=model, tokenizer=tokenizer, reward_funcs=[digit_share],
                       train_dataset=digit_prompts(8))
-    start, context = trainer.prompts.state_dict(), RewardContext(0, 1)
+    start, context = trainer.prompts.state_dict(), RewardContext(trainer.state)
 
     def sampled(rank: int, world_size: int) -> list[list[int]]:
         trainer.prompts.load_state_dict(start)

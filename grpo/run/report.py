@@ -1,0 +1,100 @@
+"""What a run reports while `train()` runs: the step bar; every logged line written (metrics.jsonl, completions.jsonl
+and the trackers: run/logs.py), kept in `trainer.state.log_history` and passed to the callbacks' `on_log` (an
+evaluation's also to `on_evaluate`); and what `train()` returns, transformers' `TrainOutput`, whose metrics
+close the log_history and go to `on_log` as in transformers."""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import NamedTuple
+
+from ..infra.progress import progress_bar
+from ..rollout.rewards import TrainerState
+from .callbacks import Callbacks
+from .logs import log_completions, log_eval, log_metrics
+
+
+class TrainOutput(NamedTuple):
+    """transformers' TrainOutput (its fields; transformers.trainer_utils is not imported: it costs seconds)."""
+
+    global_step: int
+    training_loss: float
+    metrics: dict[str, float]
+
+
+def train_output(global_step: int, epoch: float, losses: list[float], seconds: float,
+                 completions_per_step: int) -> TrainOutput:
+    """What transformers' `train()` returns for a call that ran one step per entry of `losses` (each step's
+    loss) in `seconds`: the mean of those losses, and its speed metrics rounded as transformers rounds them, a
+    sample being a completion (as in TRL). transformers' `total_flos` is left out: FLOPs are not counted here."""
+    steps = len(losses)
+    training_loss = sum(losses) / max(steps, 0.001)  # transformers' guard: 0.0 when no step ran
+    metrics = {"train_runtime": round(seconds, 4),
+               "train_samples_per_second": round(steps * completions_per_step / seconds, 3),
+               "train_steps_per_second": round(steps / seconds, 3), "train_loss": training_loss, "epoch": epoch}
+    return TrainOutput(global_step, training_loss, metrics)
+
+
+class Report:
+    """One Trainer's reporting. Under torchrun every rank calls it (logging gathers) and rank 0 writes; every
+    rank keeps the log_history and calls its callbacks."""
+
+    def __init__(self, output_dir: Path, dist, trackers, state: TrainerState, callbacks: Callbacks,
+                 reward_names: list[str], completions_per_step: int):
+        self.output_dir, self.dist, self.trackers, self.state = output_dir, dist, trackers, state
+        self.callbacks, self.reward_names, self.completions_per_step = callbacks, reward_names, completions_per_step
+        self.start, self.losses, self.bar = time.perf_counter(), [], None
+
+    def begin(self, config: dict) -> None:
+        """A `train()` call starts: its clock and its steps' losses (for its TrainOutput), the trackers (given
+        `config`, the Config as a dict with the call's resume_from_checkpoint), then the callbacks' on_train_begin."""
+        self.start, self.losses = time.perf_counter(), []
+        self.trackers.start(config, self.state.global_step)
+        self.callbacks.on_train_begin()
+
+    def steps_bar(self):
+        """The bar of the steps (to enter once the steps begin, after any evaluation at the start)."""
+        self.bar = progress_bar("grpo", total=self.state.max_steps, initial=self.state.global_step, unit="step",
+                                enabled=self.dist.is_main)
+        return self.bar
+
+    def step(self, metrics: dict) -> dict:
+        """A step is done: its loss counted, the bar advanced with its reward and KL."""
+        self.losses.append(metrics["loss"])
+        self.bar.update(1)
+        reward = f"{metrics['reward/mean']:.3f}" if "reward/mean" in metrics else "none scored"
+        self.bar.set_postfix(reward=reward, kl=f"{metrics['kl']:.4f}")
+        return metrics
+
+    def log(self, metrics: dict, scored, with_completions: bool) -> dict:
+        """The step's metrics.jsonl line; `with_completions`, its generation batch's completions too (`scored`,
+        rollout/batches.Scored). Timings and memory are the slowest / largest rank's."""
+        line = log_metrics(self.output_dir, self.state.global_step, metrics, self.dist, self.trackers)
+        if with_completions:
+            log_completions(self.output_dir, self.state.global_step, scored, self.reward_names, self.dist,
+                            self.trackers)
+        return self._logged(line)
+
+    def evaluation(self, metrics: dict) -> dict:
+        """An evaluation's metrics.jsonl line (printed too), then the callbacks' on_log and on_evaluate."""
+        line = self._logged(log_eval(self.output_dir, self.state.global_step, metrics, self.dist.is_main,
+                                     self.trackers))
+        self.callbacks.on_evaluate(metrics)
+        return line
+
+    def output(self) -> TrainOutput:
+        """This `train()` call's TrainOutput, once its metrics are logged as transformers logs them (the last entry
+        of log_history, and on_log; not metrics.jsonl, whose lines are the steps' and the evaluations') and the
+        callbacks' on_train_end has run."""
+        out = train_output(self.state.global_step, self.state.epoch, self.losses, time.perf_counter() - self.start,
+                           self.completions_per_step)
+        self.state.log_history.append({**out.metrics, "step": out.global_step})
+        self.callbacks.on_log(dict(out.metrics))
+        self.callbacks.on_train_end()
+        return out
+
+    def _logged(self, line: dict) -> dict:
+        self.state.log_history.append(line)
+        # transformers' on_log gets the logs without the step, which is state.global_step.
+        self.callbacks.on_log({k: v for k, v in line.items() if k != "step"})
+        return line
