@@ -12,8 +12,10 @@ from __future__ import annotations
 import ast
 import math
 import operator
+import re
 
 from ..rollout.tools import InlineTool
+from .gsm8k import completion_text, extract_xml_answer, parse_number
 
 MAX_EXPRESSION = 200  # characters: a GSM8K annotation is far shorter; longer ones are not arithmetic homework
 MAX_MAGNITUDE = 1e15  # beyond it a product of products is a number no word problem needs
@@ -66,6 +68,23 @@ INLINE_CALCULATOR = InlineTool(open="<<", trigger="=", close=">>", fn=calculate)
 # writes `<<12+7=`, the calculator writes `19>>`, and the model goes on from the result.
 INLINE_EXAMPLE_ANSWER = ("<reasoning>\n12 + 7 = <<12+7=19>>19\n19 - 5 = <<19-5=14>>14\n</reasoning>\n"
                          "<answer>\n14\n</answer>")
+
+RESULT = re.compile(r"<<[^<>=]*=([^<>]*)>>")
+
+
+def last_result_reward(completions, **kwargs) -> list[float]:
+    """1.0 when the number in a completion's <answer> block is the last result the calculator wrote
+    (`<<expression=result>>`), else 0.0: the answer is where the worked-out steps end, not an earlier step's
+    result. Without a calculator result or an answer it is 0.0."""
+    rewards = []
+    for completion in completions:
+        text = completion_text(completion)
+        results, content = RESULT.findall(text), extract_xml_answer(text)
+        answer = parse_number(content) if content is not None else None
+        last = parse_number(results[-1]) if results else None
+        rewards.append(float(answer is not None and last is not None and abs(answer - last) < 1e-6))
+    return rewards
+
 
 SMOLLM2_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 

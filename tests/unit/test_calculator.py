@@ -87,3 +87,13 @@ def test_a_calculator_round_with_smollm2s_tokenizer(smollm2):
     assert whole.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging "
                             "Face\n\n# Tools\n\n")
     assert loop.metrics() == {"tools/call_frequency": 2.0, "tools/failure_frequency": 0.0}
+
+
+def test_last_result_reward_asks_the_answer_to_be_the_last_result():
+    from grpo.tasks.calculator import last_result_reward
+    chain = "<reasoning>\n14 + 13 = <<14+13=27>>27\n27 - 23 = <<27-23=4>>4\n</reasoning>\n"
+    assert last_result_reward([chain + "<answer>\n4\n</answer>",  # where the steps end: 1
+                               chain + "<answer>\n27\n</answer>",  # an earlier step's result: 0
+                               chain,  # no answer: 0
+                               "<answer>\n4\n</answer>",  # no calculator result: 0
+                               [{"role": "assistant", "content": chain + "<answer>4.0</answer>"}]]) == [1, 0, 0, 0, 1]
