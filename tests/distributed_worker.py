@@ -69,6 +69,9 @@ RUNS = {
     "elastic_two": dict(num_iterations=2),
     "elastic_one_to_two": dict(num_iterations=2, max_steps=3),
     "elastic_two_to_one": dict(per_device_train_batch_size=8, num_iterations=2, max_steps=3),
+    # `tools_*`: a scripted policy calling the inline calculator (tests/scripted.py) on 1 process and 2 ranks.
+    "tools_single": dict(per_device_train_batch_size=8, max_completion_length=12),
+    "tools_ddp": dict(max_completion_length=12),
 }
 ELASTIC_RESUMES = {"elastic_one_to_two": "elastic_one/checkpoint-1", "elastic_two_to_one": "elastic_two/checkpoint-2"}
 
@@ -125,7 +128,22 @@ def build_model(tokenizer):
     return model.to(device)
 
 
+def tools_trainer(config: Config) -> Trainer:
+    """The scripted policy writes "<<3*4=" after every prompt; the calculator feeds "12>>"."""
+    from scripted import chain, scripted_model, scripted_tokenizer
+
+    from grpo.tasks.calculator import INLINE_CALCULATOR
+    tokenizer = scripted_tokenizer("<<", "3*4")
+    prompts = [f"Round {i}. Compute 3*4: " for i in range(8)]
+    model = scripted_model(tokenizer, chain(tokenizer, prompts[0], "<<", "3*4", "="))
+    setup()
+    return Trainer(config, model=model, tokenizer=tokenizer, reward_funcs=[digit_share],
+                   train_dataset=Dataset.from_list([{"prompt": p} for p in prompts]), tools=[INLINE_CALCULATOR])
+
+
 def make_trainer(output_dir: str, name: str, **overrides) -> Trainer:
+    if name.startswith("tools"):
+        return tools_trainer(Config(output_dir=output_dir, **{**BASE, **RUNS[name], **overrides}))
     tokenizer = tiny_tokenizer()
     fixed = name.startswith("fixed")
     data = digit_prompts(8) if fixed else Dataset.from_list([{"prompt": "Write 5 digits:"}] * 8)

@@ -24,7 +24,7 @@ from grpo.policy.parallel import ParallelPolicy, check_settings
 
 TESTS = Path(__file__).resolve().parents[1]
 TORCHRUN_RUNS = ["fixed_ddp", "fixed_fsdp", "fixed_fsdp_bf16", "fixed_ddp_lora", "sampled_ddp", "sampled_fsdp",
-                 "resumed_ddp", "resumed_fsdp"]
+                 "resumed_ddp", "resumed_fsdp", "tools_ddp"]
 SAME_METRICS = ["loss", "loss/policy", "kl", "grad_norm", "reward/mean", "reward/std", "reward/digit_share_std",
                 "clip_ratio/region_mean", "ratio/mean", "entropy", "frac_reward_zero_std", "completions/mean_length",
                 "completions/max_length", "completions/clipped_ratio", "lr"]
@@ -81,6 +81,7 @@ def runs(tmp_path_factory):
             patch.setattr(grpo.rollout.sampling, "sample_completions", distributed_worker.fixed_sample)
             for name in ["fixed_single", "fixed_single_lora"]:
                 distributed_worker.train(str(out), name)
+        distributed_worker.train(str(out), "tools_single")
 
     torchrun(out, TORCHRUN_RUNS, meanwhile)
     return out
@@ -261,3 +262,14 @@ def test_resuming_on_another_number_of_ranks(elastic, name, saved_step):
     assert loaded["prompts"]["position"] == loaded["saved_prompts"]["position"] - rewound
     assert [m["step"] for m in metrics(elastic / name)] == list(range(saved_step + 1, 4))
     assert (elastic / name / "checkpoint-3" / "COMPLETE").exists()
+
+
+@pytest.mark.slow
+def test_two_ranks_call_tools_as_one_process_does(runs):
+    # Every completion calls the calculator once on either layout, its result fed into the row and counted
+    # over both ranks; the completions and their rewards are those of one process.
+    one, two = metrics(runs / "tools_single"), metrics(runs / "tools_ddp")
+    assert [m["tools/call_frequency"] for m in two] == [m["tools/call_frequency"] for m in one] == [1.0, 1.0]
+    assert [m["tools/failure_frequency"] for m in two] == [0.0, 0.0]
+    assert completion_rows(runs / "tools_ddp") == completion_rows(runs / "tools_single")
+    assert {r[2] for r in completion_rows(runs / "tools_ddp")} == {"<<3*4=12>>"}
