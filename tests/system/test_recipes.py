@@ -35,3 +35,17 @@ def test_gsm8k_rows_become_chat_prompts_with_the_reference_answer(monkeypatch):
                              {"role": "user", "content": fake[0]["question"]}]
     assert row["answer"] == "1203"
     assert set(recipe.eval_dataset().column_names) == {"prompt", "answer"}
+
+
+def test_the_calculator_recipe_is_word_problems_with_the_inline_calculator():
+    from grpo.tasks.calculator import INLINE_CALCULATOR
+    from grpo.settings.recipe import resolve_dataset
+    base, calculator = load_recipe("recipes/word_problems.py"), load_recipe("recipes/calculator.py")
+    assert calculator.tools == [INLINE_CALCULATOR] and base.tools is None
+    assert calculator.reward_funcs == base.reward_funcs
+    from dataclasses import replace
+    assert replace(calculator.config, output_dir=base.config.output_dir) == base.config
+    held_out, plain = resolve_dataset(calculator.eval_dataset), resolve_dataset(base.eval_dataset)
+    assert held_out["question"] == plain["question"] and held_out["answer"] == plain["answer"]
+    example = held_out[0]["prompt"][2]["content"]  # the worked example's answer, annotated
+    assert "<<12+7=19>>19" in example and "<<12+7=19>>" not in plain[0]["prompt"][2]["content"]
