@@ -1,6 +1,6 @@
 """TRL's `callbacks=`: transformers' `TrainerCallback` objects (or classes, or any object with some of their
 method names), called as transformers' CallbackHandler calls them, `hook(args, state, control, **kwargs)`, in
-the order given, each one's returned control (if any) replacing the one before. The loop (Trainer._train) acts
+the order given, each one's returned control (if any) replacing the one before. The loop (Trainer.train) acts
 on the `TrainerControl` they leave: what to log, evaluate and save at a step, and whether to stop."""
 from __future__ import annotations
 
