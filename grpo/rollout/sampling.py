@@ -42,6 +42,8 @@ class PromptEncoder:
         self.chat_template_kwargs = chat_template_kwargs
         self.tools = tools
         self.warned = False
+        if tools is not None and tools.chat:  # a template that cannot show the model its tools: said once, up front
+            check_tool_template(tokenizer, chat_template_kwargs)
 
     def __call__(self, prompts: list) -> tuple[torch.Tensor, torch.Tensor]:
         if self.tools is not None and self.tools.chat:
@@ -189,8 +191,6 @@ class Sampler:
         self.policy, self.tokenizer, self.settings = policy, tokenizer, settings
         kwargs = None if settings.chat_template_kwargs is None else dict(settings.chat_template_kwargs)
         self.encode = PromptEncoder(tokenizer, settings.max_prompt_length, kwargs, tools)
-        if tools is not None and tools.chat:  # a template that cannot show the model its tools: said before a step
-            check_tool_template(tokenizer, kwargs)
         k = settings.micro_batch_prompts
         self.prompts_per_decode = k if prompts_per_decode is None else max(k, prompts_per_decode // k * k)
 

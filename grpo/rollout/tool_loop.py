@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field
 
-from .tool_prompts import check_tool_template, render_tool_prompt, tool_turn_text
+from .tool_prompts import render_tool_prompt, tool_turn_text
 from .tools import InlineTool, MalformedCall, ToolCall, Tools, parse_hermes, run_calls, strip_hermes
 
 
@@ -59,7 +59,8 @@ class ToolLoop:
     """Tool calling for one decode of N rows. `prompts[i]`: row i's prompt (chat messages, or a string when
     only inline tools are used); `envs[i]`: its environment (`make_envs`) when the tools include an
     environment's methods; `eos_ids`: the ids that end a turn (the tokenizer's EOS by default);
-    `chat_template_kwargs`: as the prompts were rendered with."""
+    `chat_template_kwargs`: as the prompts were rendered with (whose PromptEncoder checked, once, that the
+    template renders tools)."""
 
     def __init__(self, tools: Tools, tokenizer, prompts: list, max_iterations: int | None = None,
                  envs: list | None = None, eos_ids=None, chat_template_kwargs: dict | None = None):
@@ -68,7 +69,6 @@ class ToolLoop:
         if tools.chat:
             if any(isinstance(p, str) for p in prompts):
                 raise ValueError("chat tools need chat prompts (lists of messages); text prompts take inline tools")
-            check_tool_template(tokenizer, chat_template_kwargs)
         self.tools, self.tokenizer, self.max_iterations = tools, tokenizer, max_iterations
         self.chat_template_kwargs = chat_template_kwargs
         self.eos = set(eos_ids) if eos_ids is not None else {tokenizer.eos_token_id}
