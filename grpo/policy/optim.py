@@ -156,7 +156,7 @@ class Updates:
     """The optimizer over `params`' trainable tensors and its learning-rate schedule over `total_steps`, as `s`
     (settings/plan.OptimSettings) says, applying the accumulated gradients once per step. A NaN/inf loss or
     gradient norm skips the update (the weights stay finite); `nonfinite` counts the skipped steps (in a row, in
-    all), which a checkpoint keeps, and `must_stop` says when the run has skipped `max_nonfinite_steps` in a row."""
+    all), which a checkpoint keeps, and `check` stops the run once `max_nonfinite_steps` were skipped in a row."""
 
     def __init__(self, params, s, total_steps: int):
         self.params = [p for p in params if p.requires_grad]
