@@ -2,6 +2,7 @@
 stage implemented in the module named beside it; this file only orchestrates."""
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -26,6 +27,7 @@ from .rollout.sampling import Sampler
 from .rollout.source import RolloutSource
 from .rollout.tools import Tools
 from .run import lock
+from .run.ahead import Ahead, Worker, check_async
 from .infra.allocator import decoding_allocations, return_freed_memory
 from .infra.distributed import setup as setup_distributed
 from .infra.interrupts import StopSignals
@@ -79,6 +81,8 @@ class Trainer:
                               sampling_prompts_per_decode(config, self.model, self.policy.device.type), self.tools) \
                 if rollout_func is None else CustomRollouts(rollout_func, self)
         self.sampler = sampler
+        if config.async_generation:
+            check_async(self.policy.device, custom_sampler=not isinstance(sampler, Sampler))    # run/ahead
         self.prompts = PromptStream(train_dataset, config.seed)
         self.source = RolloutSource(sampler, self.prompts, self.reward_funcs, config.reward_weights,  # rollout/source
                                     dist=self.dist, seed=config.seed, num_generations=config.num_generations,
@@ -100,8 +104,12 @@ class Trainer:
                              self.reward_names, self.schedule.global_batch)
         self.generation: Generation | None = None
         self.no_signal = NoSignalWatch(patience=3)  # steps in a row where every group's rewards were equal
+        # async_generation: a forked sampler makes the next generation batch while this one trains (run/ahead).
+        self.ahead = Ahead(self._start_sampler, self.prompts, self.schedule, self.total_steps, config.max_staleness) \
+            if config.async_generation else None
         self.session = Session(self.output_dir, self.dist, self.policy, self.tokenizer, self.updates, self.prompts,
-                               self.schedule, config, self.total_steps, on_save=self.callbacks.on_save)  # run/session
+                               self.schedule, config, self.total_steps, on_save=self.callbacks.on_save,  # run/session
+                               sampled_ahead=self.ahead.for_checkpoint if self.ahead else lambda step: None)
 
     # --- TRL's names for what a caller reads ---
     @property
@@ -130,7 +138,7 @@ class Trainer:
         lines being in `state.log_history`. On SIGINT/SIGTERM it saves a checkpoint and raises TrainingInterrupted,
         a KeyboardInterrupt. Holds output_dir for the whole run: another run already in it is a ConfigError."""
         resume = self.config.resume_from_checkpoint if resume_from_checkpoint is None else resume_from_checkpoint
-        with lock.hold(self.output_dir, self.dist):                                          # run/lock
+        with lock.hold(self.output_dir, self.dist), self.ahead or contextlib.nullcontext():  # run/lock, run/ahead
             if self.step == 0:  # resumed, or a fresh run that must not append to an earlier one's logs
                 self.resume(resume)
             self.report.begin({**asdict(self.config), "resume_from_checkpoint": resume})  # on_train_begin  run/report
@@ -161,7 +169,9 @@ class Trainer:
         try:
             with self.session.undone_on_failure(signals, start):  # saves `start` if the step fails  run/session
                 if self.schedule.starts_generation(self.step) or self.generation is None:  # None: resumed elastically
-                    self.generation = self.generate()
+                    self.generation = self.generate() if self.ahead is None else self.taken_ahead()
+                if self.ahead is not None:
+                    self.ahead.ask_ahead(self.step)  # sampled while this step trains
                 totals = self.accumulate(self.generation.micro_batches[self.schedule.micro_batches_of(self.step)])
         except BaseException:  # TrainingInterrupted too, a KeyboardInterrupt
             self.generation = start.generation
@@ -177,9 +187,7 @@ class Trainer:
         log-probs fixed for the whole of it."""
         context = RewardContext(self.state)  # TRL's trainer_state, log_metric, log_extra
         rollout, scored, seconds = self.source.draw(self.schedule.prompts_per_generation, self.step, context)
-        first = torch.arange(min(self.schedule.micro_batch, len(rollout.completions)))  # a micro-batch's rows
-        self.policy.check_head_once(rollout.select(first),  # first step: vs the model's own forward, ranks agreeing
-                                    agree=lambda value: self.dist.reduce({"value": value}, "max")["value"])
+        self.check_head(rollout)
         refilled = {}
         if self.refill is not None:  # DAPO: only groups with signal, while rounds are left        rollout/dynamic
             rollout, scored, refilled, seconds = self.refill(rollout, scored, context, seconds,
@@ -197,6 +205,26 @@ class Trainer:
         generation.fix_logprobs(lambda micro: self.policy.fixed_logprobs(                       # policy/forwards
             micro, old=self.plan.keeps_old_logprobs, reference=self.plan.has_reference))
         return generation
+
+    def check_head(self, rollout) -> None:
+        """On the first generation batch: our log-probs vs the model's own forward, ranks agreeing (policy)."""
+        first = torch.arange(min(self.schedule.micro_batch, len(rollout.completions)))  # a micro-batch's rows
+        self.policy.check_head_once(rollout.select(first),
+                                    agree=lambda value: self.dist.reduce({"value": value}, "max")["value"])
+
+    def taken_ahead(self) -> Generation:
+        """This step's batch from the sampler process (run/ahead), once the trainer's own policy checked its head."""
+        generation = self.ahead.take(self.step)
+        self.check_head(generation.batch)
+        return generation
+
+    def _start_sampler(self) -> Worker:
+        """The sampler process: a fork of this trainer that runs `generate` at the step each request names."""
+        def generate_at(step: int) -> Generation:
+            self.step, self.source.show_progress = step, False
+            return self.generate()
+        return Worker(generate_at, [p for p in self.model.parameters() if p.requires_grad], self.prompts,
+                      self.policy.device, release=self.optimizer.state.clear)
 
     def accumulate(self, micro_batches: list[MicroBatch]) -> dict:
         """Back-propagate the loss of every micro-batch, each normalized as `loss_type` says with the step's
@@ -247,4 +275,6 @@ class Trainer:
         resumed = self.session.resume(spec)
         if resumed is not None:
             self.step, self.generation, self.updates.nonfinite = resumed.step, resumed.generation, resumed.nonfinite
+            if self.ahead is not None:
+                self.ahead.restore(resumed.ahead)
             self.state.log_history = logged_lines(self.output_dir, self.step)  # transformers restores it too

@@ -19,6 +19,9 @@ micro-batch: activations of the whole micro-batch, the LM head applied in chunks
 checkpointing) each of a micro-batch's prompts is forwarded once and its completions against its keys and values:
 activations for P + G x C tokens a group instead of G x (P + C).
 
+With `async_generation` the sampler process decodes during every training moment (its KV cache, buffers and
+weight copies added to them), and the trainable weights have one more copy, in memory the two processes share.
+
 Peak = the largest of six moments: generation, the end of a micro-batch's forward, the start of its backward,
 the recomputation of a layer (gradient checkpointing), the end of the backward, and the optimizer step.
 Optimizer states exist from the first step on, gradients only between the first backward and the optimizer
@@ -344,4 +347,12 @@ def estimate(a: Architecture, s, device: str = "cuda") -> Estimate:
     if prompts * (kv + buffers) > free:  # whole micro-batches' worth, at least one
         prompts = min(prompts, max(chunk, int(free // (kv + buffers)) // chunk * chunk))
     parts["KV cache"], parts["sampling buffers"] = _generation_bytes(a, s, d, prompts * G, prompts)
+    # async_generation: the sampler process decodes while the trainer trains (run/ahead.py), so every training
+    # moment holds a decode too, and the trainable weights' copy the two share; the frozen weights are the
+    # trainer's own pages (forked, never written).
+    parts["sampler's weight copy"] = (4 if s.use_lora else d.base) * n_trainable if s.async_generation else 0.0
+    if s.async_generation:
+        decoding = ("KV cache", "sampling buffers", "sampling weight copies", "sampler's weight copy")
+        moments = {name: held + (decoding if name != "generation" else ("sampler's weight copy",))
+                   for name, held in moments.items()}
     return Estimate(parts, moments, prompts)

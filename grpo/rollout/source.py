@@ -26,6 +26,7 @@ class RolloutSource:
         self.sampler, self.prompts, self.reward_funcs = sampler, prompts, reward_funcs
         self.reward_weights, self.environment_factory = reward_weights, environment_factory
         self.dist, self.seed, self.num_generations, self.release_memory = dist, seed, num_generations, release_memory
+        self.show_progress = dist.is_main  # off in a sampler process (run/ahead.py): the trainer's bar is shown
 
     def draw(self, num_prompts: int, step: int, context: RewardContext) -> tuple[Rollout, Scored, float]:
         """`num_prompts` new prompts over all ranks, this rank's share sampled and scored at optimizer step `step`:
@@ -41,7 +42,7 @@ class RolloutSource:
         prompts, envs = rows["prompt"], {}
         if self.environment_factory is not None:  # one environment per completion; its tools are its methods
             prompts, envs = self.environments(columns)
-        with TokenProgress(f"sampling step {step + 1}", enabled=self.dist.is_main) as on_token:
+        with TokenProgress(f"sampling step {step + 1}", enabled=self.show_progress) as on_token:
             with decoding_allocations(self.release_memory):
                 rollout, fields = self.sampler(prompts, on_token, streams, **envs)
         seconds = time.perf_counter() - t0

@@ -17,6 +17,7 @@ from ..rollout.prompts import PromptStream
 from ..settings import Config
 from ..settings.schedule import Schedule
 from . import checkpoint, elastic
+from .ahead import Sampled
 from ..infra.distributed import Distributed
 from ..infra.interrupts import StepAbandoned, StopSignals, TrainingInterrupted
 
@@ -29,6 +30,7 @@ class Progress:
     step: int
     generation: Generation | None
     nonfinite: tuple[int, int]
+    ahead: Sampled | None = None  # resumed: a batch sampled ahead with older weights (run/ahead.py)
 
 
 @dataclass(frozen=True)
@@ -59,13 +61,15 @@ class Session:
     saving are collective) and rank 0 writes."""
 
     def __init__(self, output_dir: Path, dist: Distributed, policy: Policy, tokenizer, updates: Updates,
-                 prompts: PromptStream, schedule: Schedule, config: Config, total_steps: int, on_save=lambda: None):
+                 prompts: PromptStream, schedule: Schedule, config: Config, total_steps: int, on_save=lambda: None,
+                 sampled_ahead=lambda step: None):
         self.output_dir, self.dist, self.parallel, self.device = output_dir, dist, policy.parallel, policy.device
         self.model, self.tokenizer, self.optimizer, self.scheduler = (policy.model, tokenizer, updates.optimizer,
                                                                       updates.scheduler)
         self.prompts, self.schedule = prompts, schedule
         self.settings = SessionSettings.of(config, total_steps, updates.warmup_steps)
         self.on_save = on_save  # called after each checkpoint written (the callbacks' on_save)
+        self.sampled_ahead = sampled_ahead  # step -> the Sampled batch a checkpoint keeps (run/ahead.Ahead), or None
         self.last_checkpoint: Path | None = None  # the newest checkpoint, written or resumed from
         self.saved_step: int | None = None  # its step: saving again at it does nothing
 
@@ -74,7 +78,9 @@ class Session:
         skipped-step counters, each rank's RNG states and a generation batch later steps still use; rank 0
         gets the whole."""
         mid_batch = not self.schedule.starts_generation(progress.step)
-        own = {"rng": checkpoint.rng_state(), "generation": progress.generation.state_dict() if mid_batch else None}
+        ahead = self.sampled_ahead(progress.step)
+        own = {"rng": checkpoint.rng_state(), "generation": progress.generation.state_dict() if mid_batch else None,
+               "ahead": ahead.state_dict() if ahead is not None else None}
         return {"step": progress.step, "total_steps": self.settings.total_steps,
                 "optimizer": self.parallel.optimizer_state(self.optimizer),
                 "scheduler": self.scheduler.state_dict(), "prompts": self.prompts.state_dict(),
@@ -89,16 +95,18 @@ class Session:
         self.scheduler.load_state_dict(state["scheduler"])
         set_hyperparameters(self.optimizer, self.scheduler, s.learning_rate, s.betas, s.weight_decay)
         self.prompts.load_state_dict(state["prompts"])
-        generation = None
+        generation = ahead = None
         if own is None:  # run/elastic.py: sample anew what later steps would have reused, seeded per rank
             self.prompts.rewind(elastic.unfinished_prompts(state, s.num_generations))
             elastic.seed_rank(s.seed, self.dist.rank, state["step"])
         else:
             if own["generation"] is not None:
                 generation = Generation.from_state_dict(own["generation"], self.device)
+            if own.get("ahead") is not None:  # not in a checkpoint of a synchronous run
+                ahead = Sampled.from_state_dict(own["ahead"], self.device)
             checkpoint.set_rng_state(own["rng"])
         streak, total = state["nonfinite"]
-        return Progress(state["step"], generation, (streak, total))
+        return Progress(state["step"], generation, (streak, total), ahead)
 
     def save(self, progress: Progress, asked: bool = False) -> Path | None:
         """Write checkpoint-STEP (once per step); returns its path, or None under save_strategy="no", which writes

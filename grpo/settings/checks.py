@@ -54,6 +54,7 @@ RULES: dict[str, tuple[typing.Callable, str]] = {
     "delta": (lambda v: v > 0, "> 0, or None for one-sided clipping"),
     "num_iterations": (lambda v: v >= 1, ">= 1"),
     "dynamic_sampling_max_rounds": (lambda v: v >= 1, ">= 1"),
+    "max_staleness": (lambda v: v >= 0, ">= 0"),
     "scale_rewards": (lambda v: v in SCALES, f"one of {', '.join(SCALES)}"),
     "loss_type": (lambda v: v in LOSS_TYPES, f"one of {', '.join(LOSS_TYPES)}"),
     "importance_sampling_level": (lambda v: v in IMPORTANCE_SAMPLING_LEVELS,

@@ -131,6 +131,13 @@ class Config(metaclass=_CheckedKeywords):
     nothing). `dynamic_sampling/*` metrics say how many rounds it took and how many groups were dropped."""
     dynamic_sampling_max_rounds: int = 3
     """Extra sampling rounds one generation batch may take under dynamic_sampling (verl: max_num_gen_batches)."""
+    async_generation: bool = False  # TRL has a separate AsyncGRPOTrainer (vLLM server) for this
+    """Sample the next generation batch in a sampler process (a fork of the trainer, half the CPU threads) while
+    the current one trains, with weights up to max_staleness optimizer steps old; the old log-probs are then the
+    sampling weights', and the loss's ratio to them corrects for the lag (run/ahead.py). CPU, one process only."""
+    max_staleness: int = 1  # TRL AsyncGRPOConfig's name
+    """With async_generation: the most optimizer steps the weights a batch is sampled with may lag the step
+    that trains on it; 0 waits for every batch (the synchronous step, bit for bit)."""
     scale_rewards: str = "group"
     """Advantage scaling: "group" std, "batch" std, or "none" (Dr. GRPO); TRL's True / False are "group" / "none"."""
     loss_type: str = "dapo"

@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
+from ..errors import ConfigError
 from .schedule import Schedule
 
 
@@ -106,8 +107,9 @@ class Cadence:
 class RunPlan:
     schedule: Schedule
     loss: Mapping  # the keyword arguments of algo.loss.policy_loss that settings decide (Config.loss_settings)
-    # Old log-probs are taken once per generation batch only when later optimizer steps train on it off-policy;
-    # on-policy, the loss's own detached log-probs are the old ones.
+    # Old log-probs are taken once per generation batch only when optimizer steps train on it off-policy: later
+    # steps of the batch, or a batch sampled ahead (async_generation, max_staleness > 0) with older weights; on
+    # policy, the loss's own detached log-probs are the old ones.
     keeps_old_logprobs: bool
     reference: str  # reference_kind: "none", "adapter" or "copy"
     optim: OptimSettings
@@ -119,7 +121,12 @@ class RunPlan:
         """The plan of `config` on `world_size` ranks; ConfigError for a schedule that cannot work
         (Schedule.resolve)."""
         schedule = Schedule.resolve(config, world_size)
-        return cls(schedule, MappingProxyType(config.loss_settings()), schedule.optimizer_steps_per_generation > 1,
+        if config.async_generation and world_size > 1:
+            raise ConfigError(f"async_generation=True runs one trainer process and its sampler; under torchrun "
+                              f"({world_size} ranks) set async_generation=False")
+        ahead = config.async_generation and config.max_staleness > 0
+        return cls(schedule, MappingProxyType(config.loss_settings()),
+                   schedule.optimizer_steps_per_generation > 1 or ahead,
                    reference_kind(config.use_lora, config.beta), OptimSettings.of(config), SamplingSettings.of(config),
                    Cadence.of(config))
 
