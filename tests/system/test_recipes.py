@@ -38,14 +38,22 @@ def test_gsm8k_rows_become_chat_prompts_with_the_reference_answer(monkeypatch):
 
 
 def test_the_calculator_recipe_is_word_problems_with_the_inline_calculator():
-    from grpo.tasks.calculator import INLINE_CALCULATOR
+    from dataclasses import replace
+
     from grpo.settings.recipe import resolve_dataset
+    from grpo.tasks.calculator import INLINE_CALCULATOR, last_result_reward
     base, calculator = load_recipe("recipes/word_problems.py"), load_recipe("recipes/calculator.py")
     assert calculator.tools == [INLINE_CALCULATOR] and base.tools is None
-    assert calculator.reward_funcs == base.reward_funcs
-    from dataclasses import replace
-    assert replace(calculator.config, output_dir=base.config.output_dir) == base.config
+    assert calculator.reward_funcs == [*base.reward_funcs, last_result_reward]
+    # the documented differences only: 48 steps and the last-result reward's weight beside the base two
+    assert replace(calculator.config, output_dir=base.config.output_dir, max_steps=base.config.max_steps,
+                   reward_weights=base.config.reward_weights) == base.config
+    assert calculator.config.max_steps == 48 and calculator.config.reward_weights == [0.25, 1.0, 0.25]
     held_out, plain = resolve_dataset(calculator.eval_dataset), resolve_dataset(base.eval_dataset)
     assert held_out["question"] == plain["question"] and held_out["answer"] == plain["answer"]
-    example = held_out[0]["prompt"][2]["content"]  # the worked example's answer, annotated
-    assert "<<12+7=19>>19" in example and "<<12+7=19>>" not in plain[0]["prompt"][2]["content"]
+    prompt, plain_prompt = held_out[0]["prompt"], plain[0]["prompt"]
+    # system, one-step example (user, assistant), then the base prompt's two-step example, annotated, and question
+    assert prompt[0] == plain_prompt[0] and prompt[-1] == plain_prompt[-1] and len(prompt) == len(plain_prompt) + 2
+    assert "<<12+7=19>>19" in prompt[2]["content"]
+    two_step = prompt[4]["content"]
+    assert "<<" in two_step and "<<" not in plain_prompt[2]["content"]
