@@ -94,7 +94,8 @@ def instrument(cuda: bool) -> dict:
         lambda out, args, kwargs: (out.shape[1] - kwargs["input_ids"].shape[1]) * out.shape[0])
     import grpo.rollout.sampling
 
-    grpo.rollout.sampling.generate = timed(grpo.rollout.sampling.generate, lambda out, args, kwargs: out.numel())
+    # The name the sampler calls (sampling.py imports decode from decoding.py).
+    grpo.rollout.sampling.decode = timed(grpo.rollout.sampling.decode, lambda out, args, kwargs: out.numel())
     return marks
 
 

@@ -1,7 +1,7 @@
 """async_generation: a forked sampler makes the next generation batch while the current one trains. With
 max_staleness=0 it is the synchronous run bit for bit; with 1, each batch is sampled with the weights one step
-old and its old log-probs are those weights'; a killed sampler ends the run with one line and a checkpoint; a
-resumed run trains on what the uninterrupted one did."""
+old and its old log-probs are those weights'; a killed sampler ends the run with one line and a checkpoint, Ctrl-C
+saves and stops the sampler; a resumed run trains on what the uninterrupted one did."""
 import copy
 import json
 import os
@@ -118,6 +118,24 @@ def test_a_killed_sampler_ends_the_run_with_one_line_and_a_checkpoint(tmp_path, 
     with pytest.raises(SamplerDied, match=r"killed by SIGKILL.*step 3.*resume_from_checkpoint"):
         trainer.train()
     assert [p.name for p in complete_checkpoints(out)] == ["checkpoint-2"]
+
+
+def test_ctrl_c_saves_the_steps_done_and_stops_the_sampler(tmp_path, tokenizer):
+    out = tmp_path / "run"
+    trainer = make_trainer(out, tokenizer, save_steps=10, async_generation=True)
+    original, sampler = trainer.accumulate, []
+
+    def ctrl_c_in_step_3(*args):
+        if trainer.step == 2:
+            sampler.append(trainer.ahead.worker.process)  # sampling step 4's batch now
+            os.kill(os.getpid(), signal.SIGINT)  # a terminal's Ctrl-C reaches both; the sampler ignores it
+        return original(*args)
+
+    trainer.accumulate = ctrl_c_in_step_3
+    with pytest.raises(KeyboardInterrupt, match=r"interrupted by SIGINT after step 2: saved .*checkpoint-2"):
+        trainer.train()
+    assert [p.name for p in complete_checkpoints(out)] == ["checkpoint-2"]
+    assert sampler and not sampler[0].is_alive() and trainer.ahead.worker is None
 
 
 def test_settings_it_cannot_run_with_are_one_line(tokenizer):

@@ -163,6 +163,23 @@ def test_evaluation_decodes_as_many_prompts_as_fit_within_the_training_peak():
     assert eval_batch_size(dataclasses.replace(s, model="no/such-model-here")) == 64  # no plan without a config
 
 
+def test_sampling_ahead_holds_a_decode_during_every_training_moment():
+    s = Config(per_device_train_batch_size=8, num_generations=8, max_prompt_length=256, max_completion_length=128,
+               use_lora=True, gradient_checkpointing=False)
+    for settings in (s, dataclasses.replace(s, use_lora=False, optim="adamw")):
+        sync = estimate(LLAMA_1B, settings, "cpu")
+        ahead = estimate(LLAMA_1B, dataclasses.replace(settings, async_generation=True), "cpu")
+        # The sampler process decodes while the trainer trains: its KV cache, buffers and folded weights.
+        decode = sum(sync.parts[p] for p in ("KV cache", "sampling buffers", "sampling weight copies"))
+        # One float32 copy of the trainable weights in shared memory: as large as their gradients.
+        copy = ahead.parts["sampler's weight copy"]
+        assert copy == sync.parts["gradients"] > 0 and sync.parts["sampler's weight copy"] == 0
+        for moment in sync.moments:
+            extra = copy if moment == "generation" else copy + decode
+            assert ahead.total(moment) == pytest.approx(sync.total(moment) + extra), moment
+        assert ahead.peak > sync.peak
+
+
 def test_the_shared_prompt_forward_counts_each_prompt_once():
     assert [prompts_in_micro_batch(n, g) for n, g in [(8, 8), (4, 8), (16, 8), (6, 4), (3, 2), (1, 4)]] == \
         [1, 1, 2, 2, 2, 1]
