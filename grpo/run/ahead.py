@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import multiprocessing
+import os
 import pickle
 import signal
 import time
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import ConfigError, TrainingStopped, resume_hint
+from ..infra.children import die_with_parent
 from ..infra.interrupts import StepAbandoned
 from ..rollout.batches import Generation
 
@@ -64,7 +66,8 @@ class Worker:
         # fork: the worker starts with the trainer's model, tools, rewards and environments, no pickling; the
         # frozen weights stay shared (copy-on-write, never written).
         self.process = multiprocessing.get_context("fork").Process(
-            target=_serve, args=(child, produce, params, self.shared, prompts, sampler_threads, release), daemon=True)
+            target=_serve, args=(child, self.conn, os.getpid(), produce, params, self.shared, prompts, sampler_threads,
+                                 release), daemon=True)
         self.process.start()
         child.close()
 
@@ -110,8 +113,12 @@ class Worker:
         self.process.join()
 
 
-def _serve(conn, produce, params, shared, prompts, threads: int, release) -> None:
-    """The worker's loop: answer each request with the batch, or with the error that made it fail."""
+def _serve(conn, trainers_end, trainer_pid: int, produce, params, shared, prompts, threads: int, release) -> None:
+    """The worker's loop: answer each request with the batch, or with the error that made it fail. It ends with
+    the trainer, whatever ends that (infra/children), and holds neither the trainer's end of the pipe (so the
+    trainer's end closing is an end of file here) nor the run's lock (run/lock drops it at the fork)."""
+    die_with_parent(trainer_pid)
+    trainers_end.close()
     # The trainer handles the signals (it saves, then stops the worker); a terminal's Ctrl-C reaches both.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)

@@ -4,7 +4,10 @@ moment, refuses in one line instead of interleaving its logs and checkpoints wit
 
 The lock is the kernel's (`flock`), not the file's existence: it goes with the process however that ends, so a
 lock file left by a run that died is not in anyone's way, and nothing has to be cleaned up. The file only
-says who holds the lock, for the message. Under torchrun rank 0 holds it for every rank."""
+says who holds the lock, for the message. Under torchrun rank 0 holds it for every rank.
+
+A process the run forks (the sampler, a tool call) lets go of its copy of the lock's descriptor as it starts,
+so the lock goes when the run's own process ends, whatever its children do."""
 from __future__ import annotations
 
 import contextlib
@@ -16,8 +19,18 @@ import time
 from pathlib import Path
 
 from ..errors import ConfigError, setting
+from ..infra.children import drop_inherited
 
 LOCK = ".grpo.lock"
+_held: set = set()  # the lock files this process holds open
+
+
+def _drop_in_child() -> None:
+    for f in _held:
+        drop_inherited(f.fileno())
+
+
+os.register_at_fork(after_in_child=_drop_in_child)
 
 
 def _holder(f, wait_s: float = 1.0) -> str:
@@ -88,7 +101,9 @@ def hold(output_dir: Path, dist):
             since = time.strftime("%Y-%m-%d %H:%M:%S")
             lock.write(f"pid {os.getpid()} on {socket.gethostname()}, since {since}")
             lock.flush()
+            _held.add(lock)
         yield
     finally:
         if lock is not None:
+            _held.discard(lock)
             lock.close()  # closing the file releases the lock
