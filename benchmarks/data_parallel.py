@@ -37,7 +37,7 @@ def summary(run_dir: Path, reference: dict | None) -> dict:
     weights = load_file(path)
     last = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][-1]
     diff = None if reference is None else max((weights[k] - reference[k]).abs().max().item() for k in reference)
-    return {"max_abs_weight_diff": diff, "step_s": last["perf/step_s"], "peak_gb": last["memory/peak_gb"],
+    return {"max_abs_weight_diff": diff, "step_s": last["step_time"], "peak_gb": last["memory/peak_gb"],
             "grad_norm": last["grad_norm"], "loss": last["loss"], "weights": weights}
 
 

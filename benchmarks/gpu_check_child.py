@@ -228,7 +228,7 @@ def step(tiny: bool = False, root: str = "") -> dict:
     trainer.train()
     line = trainer.state.log_history[0]  # the one step's metrics line
     planned = estimate(arch, config, "cuda")
-    return {"seconds": seconds, "step_s": line["perf/step_s"], "tokens_per_s": line["perf/tokens_per_s"],
+    return {"seconds": seconds, "step_s": line["step_time"], "tokens_per_s": line["perf/tokens_per_s"],
             "generated_tokens": line["completions/mean_length"] * config.per_device_train_batch_size
             * config.gradient_accumulation_steps, "loss": line["loss"],
             "changed_fraction": moved_fraction(trainer, before),
@@ -252,7 +252,7 @@ def one_step(mode: str, tiny: bool = False, root: str = "") -> dict:
     trainer.train()
     line = trainer.state.log_history[0]  # the one step's metrics line
     states = [s["state1"].dtype for s in trainer.optimizer.state.values() if "state1" in s]
-    return {"loss": line["loss"], "kl": line["kl"], "step_s": line["perf/step_s"],
+    return {"loss": line["loss"], "kl": line["kl"], "step_s": line["step_time"],
             "tokens_per_s": line["perf/tokens_per_s"],
             "changed_fraction": moved_fraction(trainer, before), "dtype_problems": dtype_problems(trainer),
             "int8_states": sum(d == torch.uint8 for d in states), "peak_gb": peak_gb()}
@@ -292,7 +292,7 @@ def resume(mode: str, tiny: bool = False, root: str = "") -> dict:
 
 def stable(out: Path) -> list[dict]:
     """metrics.jsonl without timings and memory, which differ between any two runs."""
-    return [{k: v for k, v in json.loads(line).items() if not k.startswith(("perf/", "memory/"))}
+    return [{k: v for k, v in json.loads(line).items() if not k.startswith(("perf/", "memory/", "step_time"))}
             for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 

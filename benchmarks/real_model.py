@@ -21,6 +21,8 @@ import sys
 import time
 from pathlib import Path
 
+from grpo.run.metric_names import trl_names
+
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = "recipes/word_problems.py"
 
@@ -140,7 +142,7 @@ def summarize(args, start: dict) -> dict:
     seeds = []
     for seed in args.seeds:
         run = args.runs / f"seed-{seed}"
-        lines = read_jsonl(run / "metrics.jsonl")
+        lines = [trl_names(line) for line in read_jsonl(run / "metrics.jsonl")]  # older runs too
         steps = [m for m in lines if "loss" in m]
         evals = [m for m in lines if "eval/accuracy" in m and m["step"] > 0]
         for path in run.glob("after*/eval.json"):  # a stopped run's checkpoints, evaluated apart
@@ -162,7 +164,7 @@ def summarize(args, start: dict) -> dict:
             free[f"{ops}-op"] = (full_marks([s for s in first if s.get("operations") == ops], "free_accuracy"),
                                  after.get(f"eval/operations={ops}/free_accuracy"))
         wall = json.loads((run / "wall.json").read_text()).get("wall_s") if (run / "wall.json").exists() else None
-        train_s = sum(m["perf/step_s"] for m in steps)
+        train_s = sum(m["step_time"] for m in steps)
         seeds.append({
             "seed": seed, "steps": len(steps),
             "held_out": n, "accuracy_before": before_acc, "accuracy_after": after["eval/accuracy"],
@@ -174,7 +176,7 @@ def summarize(args, start: dict) -> dict:
             "peak_memory_gb": max(m["memory/peak_gb"] for m in steps),
             "evaluations": [{k: m[k] for k in ("step", "eval/accuracy", "eval/format", "eval/num_examples")}
                             for m in evals],
-            "reward_blocks": {k: blocks([m[f"reward/{k}"] for m in steps], args.block)
+            "reward_blocks": {k: blocks([m[f"rewards/{k}/mean"] for m in steps], args.block)
                               for k in ("answer_accuracy_reward", "xml_format_reward")},
             "frac_reward_zero_std_blocks": blocks([m.get("frac_reward_zero_std", float("nan")) for m in steps],
                                                   args.block),

@@ -49,7 +49,7 @@ def read(out: Path) -> dict:
     steps = [m for m in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in m]
     usage = (out / "log").read_text().strip().splitlines()[-1].split()
     return {"cpu_s": float(usage[1]) + float(usage[2]), "peak_gb": int(usage[4]) * 1024 / 1e9,
-            "steps": [{"step": m["step"], "step_s": m["perf/step_s"], "generate_s": m["perf/generate_s"],
+            "steps": [{"step": m["step"], "step_s": m["step_time"], "generate_s": m["perf/generate_s"],
                        "skipped": m["skipped/zero_gradient"], "mean_length": m["completions/mean_length"]}
                       for m in steps]}
 

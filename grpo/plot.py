@@ -1,21 +1,27 @@
 """`python -m grpo.plot OUTPUT_DIR`: PNG curves from OUTPUT_DIR/metrics.jsonl, written next to it.
 
-reward.png (the mean and each reward function), kl.png (unless beta = 0), completion_length.png, eval.png
-(held-out accuracy, format-free accuracy and format rate, when the run evaluated), eval_breakdown.png (the
-accuracies by the values of `eval_breakdown_column`, when set) and curves.png with all of them. Noisy per-step
-curves are drawn faint with a moving average on top. Needs matplotlib: `pip install -e ".[plot]"`."""
+reward.png (the mean and each reward function), kl.png (unless beta = 0), completion_length.png, the training
+diagnostics: loss.png (the loss and its policy term), grad_norm.png, entropy.png, clip_ratio.png (the shares of
+tokens clipped), frac_reward_zero_std.png (groups without signal), learning_rate.png and tools.png (calls per
+completion and the share that failed, when the run called tools); eval.png (held-out accuracy, format-free
+accuracy and format rate, when the run evaluated), eval_breakdown.png (the accuracies by the values of
+`eval_breakdown_column`, when set) and curves.png with all of them. Noisy per-step curves are drawn faint with a
+moving average on top. Runs written before the metrics took TRL's names are read under those names
+(run/metric_names.py). Needs matplotlib: `pip install -e ".[plot]"`."""
 from __future__ import annotations
 
 import json
 import sys
 from pathlib import Path
 
+from .run.metric_names import trl_names
+
 USAGE = "usage: python -m grpo.plot OUTPUT_DIR"
 
 
 def read_metrics(path: Path) -> list[dict]:
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        return [trl_names(json.loads(line)) for line in f if line.strip()]
 
 
 def series(lines: list[dict], key: str) -> tuple[list[int], list[float]]:
@@ -34,9 +40,9 @@ def moving_average(values: list[float], window: int) -> list[float]:
 
 
 def reward_keys(lines: list[dict]) -> list[str]:
-    """reward/mean first, then one key per reward function (not the `_std` ones)."""
-    keys = {k for line in lines for k in line if k.startswith("reward/") and not k.endswith("_std")}
-    return ["reward/mean"] + sorted(keys - {"reward/mean", "reward/std"})
+    """`reward` first, then each reward function's mean (`rewards/<f>/mean`)."""
+    keys = {k for line in lines for k in line if k.startswith("rewards/") and k.endswith("/mean")}
+    return ["reward"] + sorted(keys)
 
 
 def breakdown_keys(lines: list[dict]) -> list[str]:
@@ -55,6 +61,16 @@ def panels(lines: list[dict]) -> list[tuple[str, str, str, list[str], bool]]:
         ("reward.png", "reward (training samples)", "reward", reward_keys(lines), True),
         ("kl.png", "KL to the reference", "k3 KL", ["kl"], True),
         ("completion_length.png", "completion length", "tokens", ["completions/mean_length", "eval/length_mean"], True),
+        ("loss.png", "loss", "loss", ["loss", "loss/policy"], True),
+        ("grad_norm.png", "gradient norm (before clipping)", "L2 norm", ["grad_norm"], True),
+        ("entropy.png", "token entropy", "nats", ["entropy"], True),
+        ("clip_ratio.png", "tokens clipped", "share of tokens",
+         ["clip_ratio/region_mean", "clip_ratio/low_mean", "clip_ratio/high_mean", "cispo_clip_ratio"], True),
+        ("frac_reward_zero_std.png", "groups whose rewards all agree (no signal)", "share of groups",
+         ["frac_reward_zero_std"], True),
+        ("learning_rate.png", "learning rate", "learning rate", ["learning_rate"], False),
+        ("tools.png", "tool calls", "per completion / share failed",
+         ["tools/call_frequency", "tools/failure_frequency"], True),
         ("eval.png", "held-out greedy pass@1", "share of prompts",
          ["eval/accuracy", "eval/free_accuracy", "eval/format"], False),
         ("eval_breakdown.png", f"held-out greedy pass@1 by {by[0][5:].partition('=')[0] if by else ''}",

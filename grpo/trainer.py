@@ -177,9 +177,9 @@ class Trainer:
             self.generation = start.generation
             raise
         metrics = {**self.generation.metrics, **totals, **self.updates.apply(totals["loss"], self.step),
-                   "perf/step_s": time.perf_counter() - t0, "memory/peak_gb": peak_memory_gb(self.policy.device)}
+                   "step_time": time.perf_counter() - t0, "memory/peak_gb": peak_memory_gb(self.policy.device)}
         self.step += 1
-        return metrics
+        return {**metrics, "epoch": self.state.epoch}  # transformers logs the epoch on every line
 
     @torch.no_grad()
     def generate(self) -> Generation:

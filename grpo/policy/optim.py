@@ -137,13 +137,13 @@ def rescheduled(saved_total: int, total_steps: int, step: int, lr: float, warmup
 def optimizer_step(params, optimizer, scheduler, max_grad_norm: float, loss: float) -> tuple[dict, bool]:
     """Clip the accumulated gradients of `params` (0: no clipping), step the optimizer unless the loss or the
     gradient norm is NaN/inf (so the weights stay finite), then advance the schedule and free the gradients.
-    Returns the `lr` and `grad_norm` metrics, and whether the update was applied."""
+    Returns the `learning_rate` and `grad_norm` metrics, and whether the update was applied."""
     if all(p.grad is None for p in params):  # every row's gradient was exactly 0 and skipped (rollout/batches)
         for p in params:  # step as on the zero gradient it stands for: momentum, weight decay, step count go on
             p.grad = torch.zeros_like(p)
     grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm > 0 else math.inf).item()
     # The rate this update uses (the schedule's last one is the saved run's after a resume that changed it).
-    metrics = {"lr": optimizer.param_groups[0]["lr"], "grad_norm": grad_norm}
+    metrics = {"learning_rate": optimizer.param_groups[0]["lr"], "grad_norm": grad_norm}
     applied = math.isfinite(loss) and math.isfinite(grad_norm)
     if applied:
         optimizer.step()

@@ -246,11 +246,17 @@ def with_advantages(rollout: Rollout, advantages: torch.Tensor, mask_truncated: 
 
 def length_metrics(lengths: torch.Tensor, truncated: torch.Tensor) -> dict[str, float]:
     """TRL's `completions/*` metrics from a generation batch's completion lengths [N] (before any masking)
-    and truncation flags [N] (`clipped_ratio`: the share that hit max_completion_length without EOS)."""
+    and truncation flags [N] (`clipped_ratio`: the share that hit max_completion_length without EOS); the
+    `*_terminated_length` ones over the completions that ended (0 when none did, as in TRL)."""
+    ended = lengths[~truncated.bool()].float()  # [n]
+    ended = ended if ended.numel() else torch.zeros(1)  # [n >= 1]
     return {"completions/mean_length": lengths.float().mean().item(),
             "completions/min_length": lengths.float().min().item(),
             "completions/max_length": lengths.float().max().item(),
-            "completions/clipped_ratio": truncated.float().mean().item()}
+            "completions/clipped_ratio": truncated.float().mean().item(),
+            "completions/mean_terminated_length": ended.mean().item(),
+            "completions/min_terminated_length": ended.min().item(),
+            "completions/max_terminated_length": ended.max().item()}
 
 
 def tool_metrics(calls: torch.Tensor, failures: torch.Tensor) -> dict[str, float]:

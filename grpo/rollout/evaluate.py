@@ -1,7 +1,8 @@
 """Greedy pass@1 on a held-out dataset, scored by the run's own reward functions.
 
-As TRL logs an evaluation, `eval_rewards/<name>/mean` is each reward function's mean over the completions it
-scored and `eval_reward` the mean of their weighted sum (reward_weights) over the completions any scored. With
+As TRL logs an evaluation, `eval_rewards/<name>/mean` and `/std` are each reward function's mean and std over the
+completions it scored, `eval_reward` and `eval_reward_std` those of their weighted sum (reward_weights) over the
+completions any scored. With
 the eval functions set (none by default), `eval/accuracy` is the share of completions that get full marks (>= 1.0)
 from the function named as the accuracy one, `eval/free_accuracy` and `eval/format` the same for the format-free
 accuracy and the format ones. `eval/length_mean` is the mean completion length in tokens. With a breakdown
@@ -215,9 +216,7 @@ def evaluate(model, tokenizer, dataset, reward_funcs, *, accuracy_func: str | No
     lengths = torch.cat(lengths)  # [N]
     metrics = summarize(scores, lengths)
     # TRL's names; a function that scored no completion, or a set none scored, has no mean.
-    metrics.update({f"eval_rewards/{n}/mean": means[f"reward/{n}"] for n in names if f"reward/{n}" in means})
-    if "reward/mean" in means:
-        metrics["eval_reward"] = means["reward/mean"]
+    metrics.update({f"eval_{k}": v for k, v in means.items()})
     if groups is not None:
         metrics.update(breakdown(scores, lengths, breakdown_column, groups))
     metrics["eval/seconds"] = time.perf_counter() - t0

@@ -141,23 +141,28 @@ def check_reward_weights(weights: list[float] | None, names: list[str]) -> None:
 
 
 def reward_metrics(rewards: Tensor, per_func: Tensor, names: list[str]) -> dict[str, float]:
-    """`reward/<name>` and `reward/<name>_std` over the completions a function applied to (absent if it applied
-    to none), and `reward/mean`, `reward/std` of the combined reward over the completions some function scored
-    (absent when none was: a 0 there would read as a score), from `compute_rewards`' `rewards` [N] and
-    `per_func` [N, F] (under torchrun, every rank's rows gathered: stds do not average across ranks). Stds are
-    population stds (ddof 0)."""
+    """TRL's reward metrics: `rewards/<name>/mean` and `rewards/<name>/std` over the completions a function
+    applied to (absent if it applied to none), and `reward`, `reward_std` of the combined reward over the
+    completions some function scored (absent when none was: a 0 there would read as a score), from
+    `compute_rewards`' `rewards` [N] and `per_func` [N, F] (under torchrun, every rank's rows gathered: stds do not
+    average across ranks). Stds are sample stds (ddof 1) as TRL's; 0 over a single completion."""
     metrics = {}
     for j, name in enumerate(names):
         applied = per_func[:, j][~per_func[:, j].isnan()]
         if applied.numel():
-            metrics[f"reward/{name}"] = applied.mean().item()
-            metrics[f"reward/{name}_std"] = applied.std(correction=0).item()
+            metrics[f"rewards/{name}/mean"] = applied.mean().item()
+            metrics[f"rewards/{name}/std"] = sample_std(applied)
     # As in TRL, completions no function scored are left out.
     scored = ~per_func.isnan().all(dim=1)  # [N]
     if scored.any():
-        metrics["reward/mean"] = rewards[scored].mean().item()
-        metrics["reward/std"] = rewards[scored].std(correction=0).item()
+        metrics["reward"] = rewards[scored].mean().item()
+        metrics["reward_std"] = sample_std(rewards[scored])
     return metrics
+
+
+def sample_std(values: Tensor) -> float:
+    """The std with Bessel's correction (TRL's `nanstd`), 0.0 for one value (where it is undefined)."""
+    return values.std(correction=1).item() if values.numel() > 1 else 0.0
 
 
 def _call(f, name: str, batch: dict, context: RewardContext):

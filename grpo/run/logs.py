@@ -14,6 +14,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..rollout.evaluate import summary_lines
+from .metric_names import trl_names
 
 METRICS = "metrics.jsonl"
 COMPLETIONS = "completions.jsonl"
@@ -38,7 +39,8 @@ def peak_rss_bytes() -> int:
 
 def log_metrics(output_dir: Path, step: int, metrics: dict, dist, trackers) -> dict:
     """The step's metrics.jsonl line, as floats; timings and memory are the slowest / largest rank's."""
-    timings = dist.reduce({k: v for k, v in metrics.items() if k.startswith(("perf/", "memory/"))}, "max")
+    timings = dist.reduce({k: v for k, v in metrics.items() if k.startswith(("perf/", "memory/", "step_time"))},
+                          "max")
     line = {"step": step, **{k: float(v) for k, v in sorted({**metrics, **timings}.items())}}
     if dist.is_main:
         _append_line(output_dir / METRICS, line)
@@ -68,7 +70,7 @@ def logged_lines(output_dir: Path, up_to: int) -> list[dict]:
         except (ValueError, AttributeError, TypeError):
             continue
         if kept:
-            lines.append(line)
+            lines.append(trl_names(line))
     return lines
 
 

@@ -62,7 +62,7 @@ class Report:
         """A step is done: its loss counted, the bar advanced with its reward and KL."""
         self.losses.append(metrics["loss"])
         self.bar.update(1)
-        reward = f"{metrics['reward/mean']:.3f}" if "reward/mean" in metrics else "none scored"
+        reward = f"{metrics['reward']:.3f}" if "reward" in metrics else "none scored"
         self.bar.set_postfix(reward=reward, kl=f"{metrics['kl']:.4f}")
         return metrics
 

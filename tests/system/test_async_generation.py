@@ -16,7 +16,7 @@ from grpo.errors import ConfigError
 from grpo.run.ahead import SamplerDied
 from grpo.run.checkpoint import complete_checkpoints
 
-VOLATILE = ("perf/", "memory/", "async/wait_s")
+VOLATILE = ("perf/", "memory/", "step_time", "async/wait_s")
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ def test_cli_trains_the_offline_recipe(tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [line["step"] for line in lines] == [1, 2]
-    assert all("reward/digit_count" in line for line in lines)
+    assert all("rewards/digit_count/mean" in line for line in lines)
     assert (out / "checkpoint-2" / "model.safetensors").exists()
     assert not (out / "checkpoint-1").exists(), "save_total_limit=1 keeps only the newest"
 

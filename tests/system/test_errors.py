@@ -235,7 +235,7 @@ def test_a_step_where_no_completion_was_scored_logs_no_reward_mean(tmp_path, cap
     code, err = run(tmp_path, capsys, "--max_steps=1", body=body)
     assert code == 0, err
     (line,) = [json.loads(text) for text in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert not {"reward/mean", "reward/std", "reward/never"} & line.keys()
+    assert not {"reward", "reward_std", "rewards/never/mean"} & line.keys()
     assert line["frac_reward_zero_std"] == 1.0
     assert "reward=none scored" in err
 

@@ -13,7 +13,7 @@ from grpo.errors import ConfigError
 from grpo.run.checkpoint import complete_checkpoints
 from grpo.infra.interrupts import TrainingInterrupted
 
-VOLATILE = ("perf/", "memory/")  # timings and memory differ between any two runs
+VOLATILE = ("perf/", "memory/", "step_time")  # timings and memory differ between any two runs
 SETTINGS = {
     # A reference copy, and num_iterations=2 puts checkpoint-3 in the middle of a generation batch.
     "full-adamw-mid-batch": dict(optim="adamw", beta=0.04, num_iterations=2),
@@ -181,7 +181,7 @@ def test_a_finished_run_extended_continues_on_the_new_totals_schedule(tmp_path, 
     # 3 steps: linear 1 - s/3 (1, 2/3, 1/3), cosine (1 + cos(pi s/3)) / 2 (1, 3/4, 1/4).
     ended = [1.0, 2 / 3, 1 / 3] if schedule == "linear" else [1.0, 0.75, 0.25]
     first.train()
-    assert [line["lr"] for line in logged(first)] == pytest.approx([1e-2 * m for m in ended])
+    assert [line["learning_rate"] for line in logged(first)] == pytest.approx([1e-2 * m for m in ended])
     saved = [p.detach().clone() for p in first.model.parameters()]
     capsys.readouterr()
 
@@ -192,7 +192,7 @@ def test_a_finished_run_extended_continues_on_the_new_totals_schedule(tmp_path, 
     resumed.train()
     assert [line["step"] for line in logged(resumed)] == [1, 2, 3, 4, 5]  # the first train()'s lines too
     history = logged(resumed)[3:]
-    assert [line["lr"] for line in history] == pytest.approx(extended) and lrs == pytest.approx(extended)
+    assert [line["learning_rate"] for line in history] == pytest.approx(extended) and lrs == pytest.approx(extended)
     assert any(not torch.equal(p, q) for p, q in zip(saved, resumed.model.parameters())), "step 4 trained"
     assert (f"resuming a run of 3 steps as one of 5: the {schedule} learning-rate schedule is now that of 5 "
             f"steps, from step 3 on (lr {extended[0]:.3g} for step 4)") in capsys.readouterr().err

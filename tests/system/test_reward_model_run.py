@@ -49,7 +49,7 @@ def test_a_run_with_a_reward_model_and_a_function_logs_the_models_rewards(tmp_pa
     trainer.train()
     assert reward_model.device == trainer.policy.device  # next to the policy (the GPU when there is one)
     metrics, rows = read(tmp_path / "run" / "metrics.jsonl"), read(tmp_path / "run" / "completions.jsonl")
-    assert [m["step"] for m in metrics if "reward/tiny-rm" in m and "reward/digit_share" in m] == [1, 2]
+    assert [m["step"] for m in metrics if "rewards/tiny-rm/mean" in m and "rewards/digit_share/mean" in m] == [1, 2]
     assert "eval_rewards/tiny-rm/mean" in logged(trainer)[-1]
     # Each logged completion's reward-model column is the model's score of its prompt + completion.
     expected = direct_scores(reward_model, tokenizer, [r["prompt"] for r in rows], [r["completion"] for r in rows])
@@ -57,7 +57,7 @@ def test_a_run_with_a_reward_model_and_a_function_logs_the_models_rewards(tmp_pa
     torch.testing.assert_close(torch.tensor([r["reward/tiny-rm"] for r in rows]), torch.tensor(expected),
                                atol=1e-5, rtol=1e-5)
     step_1 = [r["reward/tiny-rm"] for r in rows if r["step"] == 1]
-    assert metrics[0]["reward/tiny-rm"] == pytest.approx(sum(step_1) / len(step_1), abs=1e-5)
+    assert metrics[0]["rewards/tiny-rm/mean"] == pytest.approx(sum(step_1) / len(step_1), abs=1e-5)
     assert max((a - b).abs().max().item() for a, b in zip(before, trainer.model.parameters())) > 1e-4
 
 
@@ -85,7 +85,7 @@ def test_a_recipe_names_a_reward_model_by_its_folder(tmp_path, tokenizer, capsys
     recipe = tmp_path / "recipe.py"
     recipe.write_text(RECIPE.format(out=str(tmp_path / "run"), model=str(folder)))
     assert train_main([str(recipe)]) == 0, capsys.readouterr().err
-    assert "reward/digits-rm" in read(tmp_path / "run" / "metrics.jsonl")[0]
+    assert "rewards/digits-rm/mean" in read(tmp_path / "run" / "metrics.jsonl")[0]
     assert eval_main([str(recipe), "--limit=3", f"--output={tmp_path / 'eval.json'}"]) == 0, capsys.readouterr().err
     samples = json.loads((tmp_path / "eval.json").read_text())["samples"]
     expected = direct_scores(tiny_reward_model(tokenizer), tokenizer, [s["prompt"] for s in samples],

@@ -69,7 +69,7 @@ def test_trls_tools_example_runs_with_only_its_imports_changed(tmp_path, tokeniz
     (line,) = read(tmp_path / "run" / "metrics.jsonl")
     # Two rounds each (the third call is not run: the limit), none failing; every reward saw the tool's "12".
     assert line["tools/call_frequency"] == 2.0 and line["tools/failure_frequency"] == 0.0
-    assert line["reward/product_seen"] == 1.0
+    assert line["rewards/product_seen/mean"] == 1.0
     completion = read(tmp_path / "run" / "completions.jsonl")[0]["completion"]
     call = {"type": "function", "function": {"name": "multiply", "arguments": {"a": 3, "b": 4}}}
     assert completion == [{"role": "assistant", "content": "", "tool_calls": [call]},
@@ -168,7 +168,7 @@ def test_an_environment_per_completion_serves_its_methods_and_its_reward(tmp_pat
                       tokenizer=tokenizer, reward_funcs=[used], train_dataset=dataset, environment_factory=Counter)
     trainer.train()
     (line,) = read(tmp_path / "run" / "metrics.jsonl")
-    assert line["reward/used"] == 2.0  # each completion's own environment saw its two calls
+    assert line["rewards/used/mean"] == 2.0  # each completion's own environment saw its two calls
 
 
 def test_an_inline_calculator_writes_the_result_into_the_models_own_message(tmp_path):

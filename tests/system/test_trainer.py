@@ -13,10 +13,11 @@ from grpo.errors import ConfigError
 from grpo.policy.models import completion_logprobs
 
 REQUIRED_KEYS = {
-    "step", "loss/policy", "kl", "reward/mean", "reward/std", "reward/digit_share", "clip_ratio/low_mean",
+    "step", "epoch", "loss/policy", "kl", "reward", "reward_std", "rewards/digit_share/mean", "clip_ratio/low_mean",
     "clip_ratio/high_mean", "clip_ratio/region_mean", "entropy", "frac_reward_zero_std", "completions/mean_length",
-    "completions/min_length", "completions/max_length", "completions/clipped_ratio", "lr", "grad_norm",
-    "perf/step_s", "perf/tokens_per_s", "memory/peak_gb",
+    "completions/min_length", "completions/max_length", "completions/clipped_ratio", "learning_rate", "grad_norm",
+    "completions/mean_terminated_length", "completions/min_terminated_length", "completions/max_terminated_length",
+    "step_time", "perf/tokens_per_s", "memory/peak_gb",
 }
 
 
@@ -212,7 +213,7 @@ def test_trl_loss_settings_and_unscored_completions(tmp_path, tokenizer):
     trainer.train()
     history = logged(trainer)
     for line in history:
-        assert REQUIRED_KEYS - {"reward/digit_share"} <= line.keys()
+        assert REQUIRED_KEYS - {"rewards/digit_share/mean"} <= line.keys()
         assert all(math.isfinite(v) for v in line.values())
         assert line["completions/max_length"] <= 4 and 0 <= line["frac_reward_zero_std"] <= 1
     rows = [json.loads(r) for r in (tmp_path / "run" / "completions.jsonl").read_text().splitlines()]

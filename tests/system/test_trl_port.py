@@ -87,8 +87,8 @@ def test_a_ported_config_trains_with_trls_reward_helpers(tmp_path):
     lines = [json.loads(r) for r in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert lines == history
     for line in lines:  # TRL's reward helpers are named as in TRL's logs
-        assert {"loss", "kl", "grad_norm", "reward/soft_overlong_punishment_reward",
-                "reward/repetition_penalty_reward", "reward/digit_share"} <= line.keys()
+        assert {"loss", "kl", "grad_norm", "rewards/soft_overlong_punishment_reward/mean",
+                "rewards/repetition_penalty_reward/mean", "rewards/digit_share/mean"} <= line.keys()
         assert all(math.isfinite(v) for v in line.values())
     assert max((a - b).abs().max().item() for a, b in zip(before, model.parameters())) > 0
 
@@ -117,7 +117,7 @@ def test_the_docs_trl_script_runs_as_written_with_a_tiny_model(tmp_path, monkeyp
     assert [line for line in captured.err.splitlines() if line.startswith("warning:")] == []
     # warmup_steps=2 of 4, then linear decay: lr 1e-5 x (0, 1/2, then 1 - (s - 2) / 2 at s = 2, 3).
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [line["lr"] for line in lines] == pytest.approx([0.0, 0.5e-5, 1e-5, 0.5e-5])
+    assert [line["learning_rate"] for line in lines] == pytest.approx([0.0, 0.5e-5, 1e-5, 0.5e-5])
     # save_model(output_dir): the model and tokenizer for from_pretrained, as transformers writes them.
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -1,6 +1,7 @@
 """What an evaluation reports beside the strict accuracy: the format-free accuracy (the last number of the
 completion) and every metric broken down by a dataset column, by hand, through the evaluate API."""
 import math
+from statistics import stdev
 
 import pytest
 import torch
@@ -130,6 +131,9 @@ def test_evaluate_reports_format_free_accuracy_and_the_breakdown():
         "eval/operations=2/num_examples": 2.0,
         "eval_rewards/xml_format_reward/mean": 2 / 5, "eval_rewards/answer_accuracy_reward/mean": 1 / 5,
         "eval_reward": 3 / 5,  # the rows' sums: 2, 0, 1, 0, 0
+        # TRL's stds, with Bessel's correction: of 1, 0, 1, 0, 0; of 1, 0, 0, 0, 0; of the sums
+        "eval_rewards/xml_format_reward/std": stdev([1, 0, 1, 0, 0]),
+        "eval_rewards/answer_accuracy_reward/std": stdev([1, 0, 0, 0, 0]), "eval_reward_std": stdev([2, 0, 1, 0, 0]),
     }
     assert {k: v for k, v in metrics.items() if k != "eval/seconds"} == pytest.approx(expected)
     assert [s["free_accuracy"] for s in samples] == [1.0, 1.0, 0.0, 1.0, 0.0]
@@ -154,7 +158,10 @@ def test_without_eval_functions_an_evaluation_logs_the_rewards_as_trl_names_them
                           progress=False, unsharded=scripted(COMPLETIONS))
     assert {k: v for k, v in metrics.items() if k != "eval/seconds"} == pytest.approx({
         "eval_rewards/xml_format_reward/mean": 2 / 5, "eval_rewards/answer_accuracy_reward/mean": 1 / 5,
-        "eval_reward": (0.5 + 2.0 + 0.5) / 5, "eval/length_mean": 3.0, "eval/num_examples": 5.0})
+        "eval_reward": (0.5 + 2.0 + 0.5) / 5, "eval/length_mean": 3.0, "eval/num_examples": 5.0,
+        "eval_rewards/xml_format_reward/std": stdev([1, 0, 1, 0, 0]),
+        "eval_rewards/answer_accuracy_reward/std": stdev([1, 0, 0, 0, 0]),
+        "eval_reward_std": stdev([0.5 + 2.0, 0, 0.5, 0, 0])})
     assert summary_lines(metrics) == ["reward 0.600, mean length 3.0 tokens"]
 
 

@@ -98,9 +98,9 @@ def test_the_metric_name_is_the_last_part_of_name_or_path(tokenizer):
     funcs = reward_callables([model, model], [tokenizer, tokenizer])
     rewards, per_func = compute_rewards(funcs, PROMPTS, COMPLETIONS, {})
     metrics = reward_metrics(rewards, per_func, reward_func_names(funcs))
-    assert {"reward/Skywork-Reward-V2-Qwen3-0.6B", "reward/Skywork-Reward-V2-Qwen3-0.6B_2"} <= set(metrics)
+    assert {"rewards/Skywork-Reward-V2-Qwen3-0.6B/mean", "rewards/Skywork-Reward-V2-Qwen3-0.6B_2/mean"} <= set(metrics)
     torch.testing.assert_close(rewards, per_func.sum(dim=1))
-    assert metrics["reward/Skywork-Reward-V2-Qwen3-0.6B"] == pytest.approx(per_func[:, 0].mean().item())
+    assert metrics["rewards/Skywork-Reward-V2-Qwen3-0.6B/mean"] == pytest.approx(per_func[:, 0].mean().item())
     assert RewardModel(tiny_reward_model(tokenizer, name=""), tokenizer).__name__ == "GPT2ForSequenceClassification"
 
 

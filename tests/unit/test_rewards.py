@@ -163,13 +163,14 @@ def test_compute_rewards_weights_and_nones():
     assert per_func.shape == (4, 2)
     assert per_func[:, 0].isnan().tolist() == [False, True, False, True]
     assert per_func[0].tolist() == [1.0, 10.0]
-    assert metrics["reward/first"] == pytest.approx(2.0)  # mean of 1 and 3, Nones left out
-    assert metrics["reward/first_std"] == pytest.approx(1.0)
-    assert metrics["reward/second"] == pytest.approx(15.0)
-    assert metrics["reward/second_std"] == pytest.approx(5.0)
+    # TRL's names; stds with Bessel's correction, as TRL's nanstd
+    assert metrics["rewards/first/mean"] == pytest.approx(2.0)  # mean of 1 and 3, Nones left out
+    assert metrics["rewards/first/std"] == pytest.approx(2 ** 0.5)
+    assert metrics["rewards/second/mean"] == pytest.approx(15.0)
+    assert metrics["rewards/second/std"] == pytest.approx(50 ** 0.5)
     # row 3, which no function scored, is left out of the combined reward's metrics (as in TRL)
-    assert metrics["reward/mean"] == pytest.approx(19.0 / 3)
-    assert metrics["reward/std"] == pytest.approx(float(np.std([6.0, 10.0, 3.0])))
+    assert metrics["reward"] == pytest.approx(19.0 / 3)
+    assert metrics["reward_std"] == pytest.approx(float(np.std([6.0, 10.0, 3.0], ddof=1)))
 
 
 def test_compute_rewards_default_weights_and_number_types():
@@ -179,16 +180,16 @@ def test_compute_rewards_default_weights_and_number_types():
     rewards, per_func = compute_rewards([mixed, always(1.0)], ["p"] * 4, ["c"] * 4, {})
     metrics = reward_metrics(rewards, per_func, reward_func_names([mixed, always(1.0)]))
     assert rewards.tolist() == [1.5, 3.0, 2.0, 4.0]
-    assert set(metrics) == {"reward/mixed", "reward/mixed_std", "reward/always_1.0",
-                            "reward/always_1.0_std", "reward/mean", "reward/std"}
+    assert set(metrics) == {"rewards/mixed/mean", "rewards/mixed/std", "rewards/always_1.0/mean",
+                            "rewards/always_1.0/std", "reward", "reward_std"}
 
 
 def test_function_that_never_applies_has_no_metric():
     rewards, per_func = compute_rewards([always(None)], ["p"] * 2, ["c"] * 2, {})
     metrics = reward_metrics(rewards, per_func, ["always_None"])
     assert rewards.tolist() == [0.0, 0.0]
-    assert "reward/always_None" not in metrics
-    assert "reward/mean" not in metrics and "reward/std" not in metrics, "none scored: no 0.0 to misread"
+    assert "rewards/always_None/mean" not in metrics
+    assert "reward" not in metrics and "reward_std" not in metrics, "none scored: no 0.0 to misread"
 
 
 def test_trl_style_function_with_chat_completions_and_answer_column():
@@ -206,7 +207,7 @@ def test_trl_style_function_with_chat_completions_and_answer_column():
     metrics = reward_metrics(rewards, per_func, reward_func_names(funcs))
     assert per_func.tolist() == [[2.0, 1.0, 1.0], [0.0, 1.0, 0.0]]
     assert rewards.tolist() == [4.0, 1.0]
-    assert metrics["reward/correctness_reward_func"] == 1.0
+    assert metrics["rewards/correctness_reward_func/mean"] == 1.0
 
 
 def test_reward_func_names():
@@ -227,7 +228,7 @@ def test_reward_func_names():
 def test_duplicate_functions_get_separate_metrics():
     funcs = [always(1.0), always(1.0)]
     metrics = reward_metrics(*compute_rewards(funcs, ["p"], ["c"], {}, weights=[1, 2]), reward_func_names(funcs))
-    assert "reward/always_1.0" in metrics and "reward/always_1.0_2" in metrics
+    assert "rewards/always_1.0/mean" in metrics and "rewards/always_1.0_2/mean" in metrics
 
 
 # --- errors --------------------------------------------------------------------------------------
