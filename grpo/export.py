@@ -1,0 +1,197 @@
+"""`python -m grpo.export CHECKPOINT [--merged DIR] [--gguf FILE [--gguf-type TYPE]] [--base MODEL]`: the trained
+model out of grpo, for transformers, vLLM, llama.cpp, Ollama or LM Studio.
+
+CHECKPOINT is a checkpoint-STEP folder or a folder Trainer.save_model wrote. A LoRA adapter is merged into its
+base model (the run's `model`: a hub id, a folder, a .gguf file or a packaged short name; `--base` names another
+when the run was given a model built in code), in float32. `--merged DIR` writes a transformers folder (weights,
+tokenizer, and a README whose `base_model` is the base's portable name: the hub id, never a path of this
+machine); `--gguf FILE` one GGUF file (policy/gguf_export.py), whose tokenizer is the source GGUF's own when the
+model came from one."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import ConfigError, UserError
+
+USAGE = ("usage: python -m grpo.export CHECKPOINT [--merged DIR] [--gguf FILE] [--gguf-type TYPE] [--base MODEL] "
+         "[--help]")
+OPTIONS = """Export a trained model: a LoRA adapter merged into its base model, in float32.
+
+  --merged DIR      a transformers folder: model, tokenizer, README naming the base model (DIR must not exist
+                    or be empty)
+  --gguf FILE       one GGUF file for llama.cpp, Ollama, LM Studio (llama- and qwen2-style models)
+  --gguf-type TYPE  f32, f16 (default), bf16, q8_0, q5_1, q5_0, q4_1 or q4_0
+  --base MODEL      the base model of a LoRA checkpoint (default: the run's `model`, from grpo_config.json)"""
+OWN_OPTIONS = ("merged", "gguf", "gguf-type", "base")
+
+
+@dataclass
+class Trained:
+    model: object  # a transformers causal LM, adapters merged, float32, eval mode
+    tokenizer: object
+    base_name: str  # portable: a hub id or a file name, never a path of this machine
+    source_gguf: Path | None  # the GGUF the base model came from
+
+
+def parse(argv: list[str]) -> tuple[Path, dict[str, str]]:
+    checkpoint, own, i = None, {}, 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--"):
+            if checkpoint is not None:
+                raise ConfigError(f"one CHECKPOINT only, got {checkpoint} and {arg}")
+            checkpoint, i = Path(arg), i + 1
+            continue
+        key, has_value, value = arg[2:].partition("=")
+        if key not in OWN_OPTIONS:
+            raise ConfigError(f"unknown option --{key}: {', '.join('--' + o for o in OWN_OPTIONS)}")
+        if not has_value:
+            if i + 1 == len(argv):
+                raise ConfigError(f"--{key} needs a value")
+            value, i = argv[i + 1], i + 1
+        own[key], i = value, i + 1
+    if checkpoint is None:
+        raise ConfigError("name the CHECKPOINT folder to export")
+    if "merged" not in own and "gguf" not in own:
+        raise ConfigError("nothing to write: pass --merged DIR, --gguf FILE or both")
+    return checkpoint, own
+
+
+def portable_name(model: str) -> str:
+    """What a model card may call the base model: the hub id of a packaged short name, a hub id as it is, a
+    file's or folder's name (a path of this machine means nothing elsewhere)."""
+    from .policy.gguf import OFFLINE_MODELS
+
+    if model.lower() in OFFLINE_MODELS:
+        return OFFLINE_MODELS[model.lower()][2]
+    path = Path(model).expanduser()
+    return path.name if path.exists() or model.lower().endswith(".gguf") else model
+
+
+def source_gguf(model: str) -> Path | None:
+    from .policy.gguf import OFFLINE_MODELS, packaged_gguf
+
+    if model.lower() in OFFLINE_MODELS:
+        return packaged_gguf(model.lower())
+    return Path(model).expanduser() if model.lower().endswith(".gguf") else None
+
+
+def base_of(checkpoint: Path, base: str | None) -> str:
+    """The base model of a LoRA checkpoint: `base`, else the run's `model` when the adapter was trained on it,
+    else the folder peft recorded; a ConfigError when neither names a model (one built in code)."""
+    from .policy.gguf import resolve_model_path
+
+    if base is not None:
+        return base
+    recorded = json.loads((checkpoint / "adapter_config.json").read_text()).get("base_model_name_or_path") or ""
+    saved = checkpoint / "grpo_config.json"
+    model = json.loads(saved.read_text()).get("model") if saved.exists() else None
+    if model and (not recorded or resolve_model_path(model) == recorded):
+        return model
+    if recorded and Path(recorded).exists():
+        return recorded
+    raise ConfigError(f"{checkpoint} is a LoRA adapter whose base model was built in code or is not here "
+                      f"(peft recorded {recorded!r}): name it with --base (a folder, hub id or .gguf file)")
+
+
+def load_trained(checkpoint: Path, base: str | None = None) -> Trained:
+    """The trained model of `checkpoint`, its LoRA adapter (if any) merged into the base, in float32."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .policy.gguf import resolve_model_path
+    from .policy.sources import loading
+    from .run.checkpoint import damage, unloadable
+
+    if not checkpoint.is_dir():
+        raise ConfigError(f"no such checkpoint folder: {checkpoint}")
+    lora = (checkpoint / "adapter_config.json").exists()
+    if not lora and not (checkpoint / "config.json").exists():
+        raise ConfigError(f"{checkpoint} is not a checkpoint folder (no config.json or adapter_config.json)")
+    problem = damage(checkpoint, weights_only=True)
+    if problem is not None:
+        raise unloadable("CHECKPOINT", checkpoint, problem, weights_only=True)
+    if lora:
+        from peft import PeftModel
+
+        name = base_of(checkpoint, base)
+        with loading(resolve_model_path(name)):
+            model = AutoModelForCausalLM.from_pretrained(resolve_model_path(name), dtype=torch.float32)
+        model = PeftModel.from_pretrained(model, checkpoint).merge_and_unload()
+    else:
+        saved = checkpoint / "grpo_config.json"
+        name = base or (json.loads(saved.read_text()).get("model") if saved.exists() else None) or checkpoint.name
+        model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    has_tokenizer = (checkpoint / "tokenizer_config.json").exists()
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint if has_tokenizer else resolve_model_path(name))
+    return Trained(model.eval(), tokenizer, portable_name(name), source_gguf(name))
+
+
+def write_merged(trained: Trained, folder: Path) -> Path:
+    """A transformers folder (written beside and renamed into place), whose README names the base model."""
+    if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
+        raise ConfigError(f"--merged={folder} exists and is not an empty folder: name a new one")
+    tmp = folder.with_name(f".{folder.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        trained.model.config._name_or_path = trained.base_name
+        trained.model.save_pretrained(tmp, safe_serialization=True)
+        trained.tokenizer.save_pretrained(tmp)
+        (tmp / "README.md").write_text(
+            f"---\nbase_model: {trained.base_name}\nlibrary_name: transformers\ntags:\n- grpo\n---\n\n"
+            f"{trained.base_name} trained with GRPO (grpo); the LoRA adapter, if any, merged into the weights.\n")
+        if folder.exists():
+            folder.rmdir()
+        os.replace(tmp, folder)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return folder
+
+
+def export(checkpoint: Path, merged: Path | None = None, gguf: Path | None = None, gguf_type: str = "f16",
+           base: str | None = None) -> list[Path]:
+    """What `python -m grpo.export` does, from Python: the paths written."""
+    from .policy.gguf_export import check_exportable, check_gguf_type, write_gguf
+
+    if gguf is not None:
+        check_gguf_type(gguf_type)
+    trained = load_trained(checkpoint, base)
+    if gguf is not None:  # before writing anything: a model the GGUF writer cannot express fails first
+        check_exportable(trained.model.config)
+    written = []
+    if merged is not None:
+        written.append(write_merged(trained, merged))
+    if gguf is not None:
+        written.append(write_gguf(trained.model, trained.tokenizer, gguf, gguf_type, trained.source_gguf,
+                                  name=trained.base_name))
+    return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(f"{USAGE}\n\n{OPTIONS}" if argv else USAGE)
+        return 0 if argv else 2
+    from .infra.progress import quiet_library_bars
+
+    try:
+        checkpoint, own = parse(argv)
+        with quiet_library_bars():
+            written = export(checkpoint, Path(own["merged"]) if "merged" in own else None,
+                             Path(own["gguf"]) if "gguf" in own else None, own.get("gguf-type", "f16"),
+                             own.get("base"))
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
+    for path in written:
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
