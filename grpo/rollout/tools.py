@@ -23,7 +23,7 @@ import types
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..errors import ConfigError
+from ..errors import ConfigError, UserError
 
 PARSERS = ("hermes",)
 NOT_TOOLS = ("reset", "get_reward")  # an environment's methods that the model may not call
@@ -186,7 +186,11 @@ def make_envs(factory, rows: list[dict]) -> tuple[list, list]:
     envs, prompts = [], []
     for row in rows:
         env = factory()
-        observation = env.reset(**row)
+        try:
+            observation = env.reset(**row)
+        except Exception as error:
+            raise EnvironmentFailed(f"environment {factory.__name__}.reset raised {_one_line(error)} on the dataset "
+                                    f"row {_short(row)}") from error
         prompt = row["prompt"]
         if observation is not None:
             if isinstance(prompt, str):
@@ -198,10 +202,33 @@ def make_envs(factory, rows: list[dict]) -> tuple[list, list]:
     return envs, prompts
 
 
-def environment_reward(environments, **kwargs) -> list[float | None]:
+def environment_reward(environments, prompts=None, **kwargs) -> list[float | None]:
     """A reward function (TRL's contract, `environments=` passed by the trainer): each environment's
-    `get_reward()`, None where it has none."""
-    return [env.get_reward() if callable(getattr(env, "get_reward", None)) else None for env in environments]
+    `get_reward()`, None where it has none; EnvironmentFailed naming the class, the completion and its prompt
+    when one raises."""
+    rewards = []
+    for i, env in enumerate(environments):
+        try:
+            rewards.append(env.get_reward() if callable(getattr(env, "get_reward", None)) else None)
+        except Exception as error:
+            prompt = f" (prompt {_short(prompts[i])})" if prompts is not None else ""
+            raise EnvironmentFailed(f"environment {type(env).__name__}.get_reward raised {_one_line(error)} for "
+                                    f"completion {i} of the batch{prompt}") from error
+    return rewards
+
+
+class EnvironmentFailed(UserError):
+    """An environment's `reset` or `get_reward` raised: the message names the class, the row and the error."""
+
+
+def _one_line(error: BaseException, limit: int = 300) -> str:
+    text = " ".join(f"{type(error).__name__}: {error}".split())
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _short(value, limit: int = 200) -> str:
+    text = " ".join(repr(value).split())
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def error_text(message: str) -> str:

@@ -6,7 +6,8 @@ neither loaded nor counted by `save_total_limit`. A checkpoint damaged after its
 lost mid-write on a network filesystem) is recognised from its files' own headers and sizes before anything
 is loaded, and so is one whose bytes changed (a flipped bit) from the sha256 of each file, written beside them:
 `latest` passes over it to the newest loadable one. Resuming drops the lines of the run's .jsonl logs written
-after the checkpoint's step, so the metrics stream has no duplicated or missing lines."""
+after the checkpoint's step, so the metrics stream has no duplicated or missing lines. A checkpoint the output
+folder cannot take (read-only, full) is written into a rescue folder instead (`save_or_rescue`)."""
 from __future__ import annotations
 
 import hashlib
@@ -65,6 +66,43 @@ def save_checkpoint(output_dir: str, step: int, model, tokenizer, config_dict: d
         for old in complete_checkpoints(output_dir)[:-save_total_limit]:
             shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def rescue_folders(output_dir: str) -> list[Path]:
+    """Where a checkpoint goes when `output_dir` cannot take it, in the order tried: a folder beside it (a
+    folder turned read-only), then one in the temporary folder (`TMPDIR`; a full disk)."""
+    root = Path(output_dir).absolute()
+    return [root.with_name(f"{root.name}.rescue"), Path(tempfile.gettempdir()) / f"grpo-rescue-{root.name}"]
+
+
+def save_or_rescue(output_dir: str, step: int, *args, **kwargs) -> tuple[Path | None, str | None]:
+    """`save_checkpoint` into `output_dir`, or when that fails (a read-only folder, a full disk) into the first
+    of `rescue_folders` that takes it: (the checkpoint written or None, None or the line that says what
+    happened, naming the folder, the cause and where the state went)."""
+    try:
+        return save_checkpoint(output_dir, step, *args, **kwargs), None
+    except Exception as error:  # noqa: BLE001 -- OSError, and what torch or safetensors raise for a failed write
+        cause = _cause(error)
+        shutil.rmtree(Path(output_dir) / f".checkpoint-{step}.tmp", ignore_errors=True)  # the space it took
+    failed = f"checkpoint-{step} cannot be written into {output_dir} ({cause})"
+    for rescue in rescue_folders(output_dir):
+        try:
+            path = save_checkpoint(str(rescue), step, *args, **kwargs)
+        except Exception as error:  # noqa: BLE001 -- as above; the next folder is tried
+            failed += f", nor into {rescue} ({_cause(error)})"
+            shutil.rmtree(rescue / f".checkpoint-{step}.tmp", ignore_errors=True)
+            continue
+        return path, (f"{failed}: the state after step {step} is saved in {path} instead; make {output_dir} "
+                      f"writable (or free space), then resume with {setting('resume_from_checkpoint', str(path))}")
+    newest = complete_checkpoints(output_dir)
+    return None, (f"{failed}: the steps after {newest[-1] if newest else 'the start'} are lost; make {output_dir} "
+                  f"writable (or free space) and run again")
+
+
+def _cause(error: BaseException) -> str:
+    if isinstance(error, OSError) and error.strerror:
+        return f"{error.strerror}{f': {error.filename}' if error.filename else ''}"
+    return " ".join(str(error).split())[:200] or type(error).__name__
 
 
 def _sha256(path: Path) -> str:

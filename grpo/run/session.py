@@ -1,7 +1,8 @@
 """A run's session with its output folder: what a checkpoint holds besides the weights (`state_dict`), writing
 one per step (`save`; none at all under save_strategy="no", unless a callback asks; when is settings/plan's Cadence),
 resuming from one (`resume`), and a step undone when it fails or a stop signal abandons it, the steps done saved
-so that only that one is lost (`undone_on_failure`). run/checkpoint.py writes and finds the folders."""
+so that only that one is lost (`undone_on_failure`). run/checkpoint.py writes and finds the folders; a checkpoint
+output_dir cannot take goes to a rescue folder, and the run stops saying where (`CheckpointNotWritten`)."""
 from __future__ import annotations
 
 import contextlib
@@ -9,6 +10,7 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from ..errors import TrainingStopped, UserError
 from ..policy.forwards import Policy
 from ..policy.optim import Updates, rescheduled, set_hyperparameters
 from ..infra.progress import quiet_library_bars
@@ -20,6 +22,11 @@ from . import checkpoint, elastic
 from .ahead import Sampled
 from ..infra.distributed import Distributed
 from ..infra.interrupts import StepAbandoned, StopSignals, TrainingInterrupted
+
+
+class CheckpointNotWritten(TrainingStopped):
+    """A checkpoint could not be written into output_dir: the message names the folder, the cause and the rescue
+    folder that holds the state instead (run/checkpoint.save_or_rescue)."""
 
 
 @dataclass(frozen=True)
@@ -116,10 +123,17 @@ class Session:
             return None
         if self.saved_step != progress.step:
             state, weights = self.state_dict(progress), self.parallel.full_state_dict()  # FSDP: gathered
-            if self.dist.is_main:
-                checkpoint.save_checkpoint(str(self.output_dir), progress.step, self.model, self.tokenizer,
-                                           self.settings.record, state, self.settings.save_total_limit, weights)
+            written, problem = None, None
+            if self.dist.is_main:  # a folder that cannot take it: a rescue folder does (run/checkpoint)
+                written, problem = checkpoint.save_or_rescue(str(self.output_dir), progress.step, self.model,
+                                                             self.tokenizer, self.settings.record, state,
+                                                             self.settings.save_total_limit, weights)
+            if self.dist.world_size > 1:  # every rank stops with rank 0's line
+                problem = self.dist.gather_objects([problem])[0]
             self.dist.barrier()
+            if problem is not None:
+                self.last_checkpoint = written or self.last_checkpoint
+                raise CheckpointNotWritten(problem)
             self.last_checkpoint = self.output_dir / f"checkpoint-{progress.step}"
             self.saved_step = progress.step
             self.on_save()
@@ -205,7 +219,8 @@ class Session:
         try:
             path = self.save(progress) if progress.step > 0 else None
         except Exception as save_error:  # noqa: BLE001 -- the error being raised matters more
-            print(f"could not save a checkpoint after the error below: {save_error!r}", file=sys.stderr)
+            said = save_error if isinstance(save_error, UserError) else repr(save_error)
+            print(f"could not save a checkpoint after the error below: {said}", file=sys.stderr)
             return
         if path is not None:
             print(f"step {progress.step + 1} failed; {path} holds the state after step {progress.step}",

@@ -3,6 +3,10 @@ to chat prompts with the reference answer in an `answer` column."""
 from __future__ import annotations
 
 import re
+from pathlib import Path
+
+from ..errors import DatasetError
+from ..infra import hub
 
 SYSTEM_PROMPT = """Respond in the following format:
 <reasoning>
@@ -117,10 +121,60 @@ def chat_prompt(question: str) -> list[dict]:
     return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": question}]
 
 
-def load_gsm8k(split: str):
-    """GSM8K (from the hub) as chat prompts; the reference answer (after '####') becomes the `answer` column."""
+HUB_ID = "openai/gsm8k"
+FORMATS = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".csv": "csv"}
+LOCAL_COPY = ("a folder holding its split files (train and test: .parquet, .jsonl, .json or .csv with `question` "
+              "and `answer` columns, e.g. the Hub repository's main/train-00000-of-00001.parquet), or the train "
+              "file itself")
+
+
+def load_gsm8k(split: str, path: str | None = None):
+    """GSM8K as chat prompts; the reference answer (after '####') becomes the `answer` column. From `path`
+    when given (LOCAL_COPY: a folder or a file, `split_file` finds the split), else from the Hub, or its copy in
+    the Hugging Face cache when the Hub cannot be reached; DatasetError, within seconds, when neither is there."""
     from datasets import load_dataset
 
-    data = load_dataset("openai/gsm8k", "main", split=split)
+    if path is None:
+        if (problem := hub.unreachable()) is None:
+            data = load_dataset(HUB_ID, "main", split=split)
+            return _as_prompts(data)
+        path = hub.cached(HUB_ID, repo_type="dataset")
+        if path is None:
+            raise DatasetError(f"GSM8K ({HUB_ID} on the Hugging Face Hub) is not in the Hugging Face cache (HF_HOME) "
+                               f"and {problem}: set GSM8K_PATH to a local copy, {LOCAL_COPY}")
+    file = split_file(Path(path).expanduser(), split)
+    data = load_dataset(FORMATS[file.suffix], data_files=str(file), split="train")
+    missing = {"question", "answer"} - set(data.column_names)
+    if missing:
+        raise DatasetError(f"{file} has no {' or '.join(sorted(missing))} column (columns: "
+                           f"{', '.join(data.column_names)}): GSM8K's files have `question` and `answer`")
+    return _as_prompts(data)
+
+
+def split_file(path: Path, split: str) -> Path:
+    """The file of `split` in a local copy of GSM8K: in a folder (or its `main/`), the first file whose name
+    starts with the split; for a file, the file itself for "train" and for another split the file beside it
+    named alike (train.jsonl -> test.jsonl). DatasetError naming what was looked for."""
+    if path.is_file():
+        if path.suffix not in FORMATS:
+            raise DatasetError(f"GSM8K_PATH={path}: not a {', '.join(FORMATS)} file")
+        if split == "train":
+            return path
+        beside = path.with_name(path.name.replace("train", split))
+        if "train" in path.name and beside.is_file():
+            return beside
+        raise DatasetError(f"GSM8K_PATH={path} is one file, read as the train split, and there is no {split} file "
+                           f"beside it named alike ({beside.name}): put one there, or point GSM8K_PATH at a folder "
+                           f"holding both")
+    if not path.is_dir():
+        raise DatasetError(f"GSM8K_PATH={path}: no such file or folder; point it at {LOCAL_COPY}")
+    found = sorted(f for folder in (path, path / "main") for f in folder.glob(f"{split}*") if f.suffix in FORMATS)
+    if not found:
+        raise DatasetError(f"GSM8K_PATH={path} holds no {split} file ({split}*{'/'.join(FORMATS)}, in it or in "
+                           f"its main/): point it at {LOCAL_COPY}")
+    return found[0]
+
+
+def _as_prompts(data):
     return data.map(lambda row: {"prompt": chat_prompt(row["question"]), "answer": extract_hash_answer(row["answer"])},
                     remove_columns=data.column_names)

@@ -79,8 +79,9 @@ def test_a_hub_model_without_a_network(tmp_path):
     result = subprocess.run([sys.executable, "-m", "grpo.train", recipe], cwd=ROOT, env=env, capture_output=True,
                             text=True, timeout=120)
     assert_short_error(result.returncode, result.stderr, 2,
-                       "error: model=Qwen/Qwen2.5-0.5B-Instruct is read as a Hugging Face Hub id, HF_HUB_OFFLINE=1 is "
-                       "set, and it is not in the Hugging Face cache", "point --model at a folder")
+                       "error: model=Qwen/Qwen2.5-0.5B-Instruct is read as a Hugging Face Hub id, it is not in the "
+                       "Hugging Face cache (HF_HOME) and HF_HUB_OFFLINE=1 is set: the closest model shipped for "
+                       "offline use is --model=smollm2-135m-instruct", "point --model at a folder")
     assert [line for line in result.stderr.splitlines() if line.strip()] == [result.stderr.strip()], "one line"
     assert not (tmp_path / "run").exists()
 

@@ -1,5 +1,4 @@
 """The shipped recipes load offline and say what the README says they do."""
-import datasets
 from datasets import Dataset
 
 from grpo.settings.recipe import load_recipe
@@ -25,11 +24,14 @@ def test_gsm8k_recipe_ports_the_article_settings():
     assert [f.__name__ for f in recipe.reward_funcs] == ["xml_format_reward", "answer_accuracy_reward"]
 
 
-def test_gsm8k_rows_become_chat_prompts_with_the_reference_answer(monkeypatch):
+def test_gsm8k_rows_become_chat_prompts_with_the_reference_answer(monkeypatch, tmp_path):
     recipe = load_recipe("recipes/gsm8k_lora.py")
     fake = Dataset.from_list([{"question": "Tom has 3 apples and buys 1,200 more. How many?",
                                "answer": "3 + 1200 = 1203\n#### 1,203"}])
-    monkeypatch.setattr(datasets, "load_dataset", lambda *args, **kwargs: fake)  # tasks/gsm8k.py's hub download
+    for split in ("train", "test"):  # a local copy in the Hub repository's layout
+        (tmp_path / "main").mkdir(exist_ok=True)
+        fake.to_parquet(tmp_path / "main" / f"{split}-00000-of-00001.parquet")
+    monkeypatch.setenv("GSM8K_PATH", str(tmp_path))
     row = recipe.train_dataset()[0]
     assert row["prompt"] == [{"role": "system", "content": SYSTEM_PROMPT},
                              {"role": "user", "content": fake[0]["question"]}]

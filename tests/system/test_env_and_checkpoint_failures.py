@@ -1,0 +1,162 @@
+"""Failures that used to be tracebacks or lost steps: an environment whose `reset` or `get_reward` raises is one
+line naming the class, the row and the error; a checkpoint folder that turns read-only mid-run is one line
+naming the folder and the cause, and the state is saved in a rescue folder that resuming accepts."""
+import subprocess
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from datasets import Dataset
+from scripted import CALL, UNKNOWN_CALL, chain, scripted_model, scripted_tokenizer
+from tiny_setup import digit_prompts, digit_share, tiny_model, tiny_tokenizer
+
+from grpo import Config, Trainer
+from grpo.errors import TrainingStopped, UserError
+from grpo.rollout.tools import environment_reward
+from grpo.train import main
+
+QUESTION = [{"role": "user", "content": "What is 3 times 4?"}]
+
+
+class Broken:
+    """An environment whose reset fails on the row whose answer is "bad"."""
+
+    def reset(self, **row):
+        if row["answer"] == "bad":
+            raise KeyError("no such puzzle")
+
+    def multiply(self, a: int, b: int) -> int:
+        """
+        Multiplies two integers.
+
+        Args:
+            a: The first integer.
+            b: The second integer.
+        """
+        return a * b
+
+    def get_reward(self) -> float:
+        raise ValueError("the episode never finished")
+
+
+def calling_trainer(tmp_path, answers, reward):
+    tokenizer = scripted_tokenizer(CALL, UNKNOWN_CALL)
+    prompt = tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=False)
+    model = scripted_model(tokenizer, chain(tokenizer, prompt, "<tool_call>", CALL, "</tool_call>"))
+    config = Config(output_dir=str(tmp_path / "run"), max_steps=1, per_device_train_batch_size=4, num_generations=4,
+                    max_prompt_length=1024, max_completion_length=160, optim="adamw", save_steps=1000,
+                    max_tool_calling_iterations=1)
+    dataset = Dataset.from_list([{"prompt": QUESTION, "answer": a} for a in answers])
+    return Trainer(config, model=model, tokenizer=tokenizer, reward_funcs=[reward], train_dataset=dataset,
+                   environment_factory=Broken)
+
+
+def test_a_raising_reset_is_one_line_naming_the_environment_the_row_and_the_error(tmp_path):
+    trainer = calling_trainer(tmp_path, ["bad"], lambda completions, **kw: [0.0] * len(completions))
+    with pytest.raises(UserError) as info:
+        trainer.train()
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.startswith("environment Broken.reset raised KeyError: 'no such puzzle' on the dataset row ")
+    assert "'answer': 'bad'" in message and "What is 3 times 4?" in message
+
+
+def test_a_raising_get_reward_is_one_line_naming_the_environment_the_completion_and_the_error(tmp_path):
+    trainer = calling_trainer(tmp_path, ["12"], environment_reward)
+    with pytest.raises(UserError) as info:
+        trainer.train()
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.startswith("environment Broken.get_reward raised ValueError: the episode never finished for "
+                              "completion 0 of the batch (prompt ")
+
+
+def test_a_raising_reset_on_the_command_line_is_one_error_line(tmp_path, capsys):
+    recipe = tmp_path / "recipe.py"
+    recipe.write_text(textwrap.dedent(f"""
+        from datasets import Dataset
+        from grpo import Config
+        from scripted import CALL, UNKNOWN_CALL, chain, scripted_model, scripted_tokenizer
+        from test_env_and_checkpoint_failures import QUESTION, Broken
+
+        config = Config(output_dir={str(tmp_path / 'run')!r}, max_steps=1, per_device_train_batch_size=4,
+                        num_generations=4, max_prompt_length=1024, max_completion_length=160, optim="adamw")
+        reward_funcs = [lambda completions, **kw: [0.0] * len(completions)]
+        train_dataset = Dataset.from_list([{{"prompt": QUESTION, "answer": "bad"}}] * 4)
+        environment_factory = Broken
+
+        def build_model(config):
+            tokenizer = scripted_tokenizer(CALL, UNKNOWN_CALL)
+            prompt = tokenizer.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=False)
+            return scripted_model(tokenizer, chain(tokenizer, prompt, "<tool_call>", CALL, "</tool_call>")), tokenizer
+    """))
+    code = main([str(recipe)])
+    err = capsys.readouterr().err
+    assert code == 1 and "Traceback" not in err
+    (line,) = [line for line in err.splitlines() if line.startswith("error:")]
+    assert line.startswith("error: environment Broken.reset raised KeyError: 'no such puzzle' on the dataset row ")
+
+
+def freeze(folder: Path) -> None:
+    """Make `folder` refuse new entries, as a folder turned read-only does, even to root; skip where this
+    machine cannot."""
+    done = subprocess.run(["chattr", "+i", str(folder)], capture_output=True).returncode == 0 if \
+        Path("/usr/bin/chattr").exists() or Path("/bin/chattr").exists() else False
+    if not done:
+        folder.chmod(0o555)
+    try:
+        (folder / ".probe").mkdir()
+    except OSError:
+        return
+    (folder / ".probe").rmdir()
+    thaw(folder)
+    pytest.skip("cannot make a folder read-only here (root on a filesystem without chattr +i)")
+
+
+def thaw(folder: Path) -> None:
+    subprocess.run(["chattr", "-i", str(folder)], capture_output=True)
+    folder.chmod(0o755)
+
+
+def run_trainer(out, tokenizer, callbacks=(), **overrides) -> Trainer:
+    config = Config(output_dir=str(out), max_steps=4, save_steps=1, save_total_limit=1, per_device_train_batch_size=8,
+                    num_generations=4, max_prompt_length=16, max_completion_length=8, learning_rate=1e-2,
+                    optim="adamw", seed=0, **overrides)
+    return Trainer(config, model=tiny_model(tokenizer), tokenizer=tokenizer, reward_funcs=[digit_share],
+                   train_dataset=digit_prompts(), callbacks=list(callbacks))
+
+
+@pytest.mark.slow
+def test_a_checkpoint_folder_turned_read_only_is_one_line_and_the_state_is_rescued(tmp_path):
+    tokenizer = tiny_tokenizer()
+    out = tmp_path / "run"
+
+    class TurnReadOnly:
+        """After step 2 (before its checkpoint), the output folder stops taking new entries."""
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 2:
+                freeze(out)
+
+    trainer = run_trainer(out, tokenizer, callbacks=[TurnReadOnly()])
+    try:
+        with pytest.raises(TrainingStopped) as info:
+            trainer.train()
+    finally:
+        thaw(out)
+    rescued = tmp_path / "run.rescue" / "checkpoint-2"
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.startswith(f"checkpoint-2 cannot be written into {out} (")
+    assert f"the state after step 2 is saved in {rescued} instead" in message
+    assert f"resume_from_checkpoint={str(rescued)!r}" in message
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-1"]
+
+    resumed = run_trainer(out, tokenizer, resume_from_checkpoint=str(rescued))
+    resumed.train()
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-4"]
+    reference = run_trainer(tmp_path / "reference", tokenizer)
+    reference.train()
+    for a, b in zip(resumed.model.parameters(), reference.model.parameters()):
+        assert torch.equal(a, b), "the rescued state continues exactly as the uninterrupted run"
