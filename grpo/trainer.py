@@ -83,7 +83,8 @@ class Trainer:
         self.sampler = sampler
         if config.async_generation:
             check_async(self.policy.device, custom_sampler=not isinstance(sampler, Sampler))    # run/ahead
-        self.prompts = PromptStream(train_dataset, config.seed)
+        self.prompts = PromptStream(train_dataset, config.seed if config.data_seed is None else config.data_seed,
+                                    shuffle=config.shuffle_dataset)
         self.source = RolloutSource(sampler, self.prompts, self.reward_funcs, config.reward_weights,  # rollout/source
                                     dist=self.dist, seed=config.seed, num_generations=config.num_generations,
                                     release_memory=self.threshold_set, environment_factory=environment_factory)

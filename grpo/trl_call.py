@@ -8,7 +8,9 @@ import dataclasses
 
 from .errors import ConfigError
 from .policy.lora import adapter_settings, is_peft_model, lora_settings
+from .policy.gguf import resolve_model_path
 from .policy.models import load_tokenizer, with_pad_token
+from .policy.sources import loading, locate
 from .settings import Config
 from .settings.trl_names import TRAINER_ONLY
 
@@ -43,12 +45,12 @@ def trl_call(config, args, model, tokenizer, processing_class, trl_only: dict, s
                           f"grpo.Config(...) (TRL's GRPOConfig keywords work there)")
     if isinstance(model, str):  # TRL: a hub id or folder to load
         config, model = dataclasses.replace(config, model=model), None
-    config = dataclasses.replace(config, **lora) if (lora := _lora(peft_config, model)) else config
+    config = dataclasses.replace(config, **lora) if (lora := _lora(peft_config, model, config)) else config
     tokenizer = tokenizer if tokenizer is not None else processing_class
     return config, model, with_pad_token(tokenizer) if tokenizer is not None else None
 
 
-def _lora(peft_config, model) -> dict:
+def _lora(peft_config, model, config: Config) -> dict:
     """The LoRA settings TRL's `peft_config` or a PeftModel passed in asks for, as TRL takes them: either trains
     LoRA whatever use_lora says, and the two together are refused."""
     if peft_config is not None and is_peft_model(model):
@@ -56,8 +58,19 @@ def _lora(peft_config, model) -> dict:
                           "its adapter and pass the base model with peft_config, or pass the PeftModel alone to "
                           "train its adapter")
     if peft_config is not None:
-        return lora_settings(peft_config)
+        return lora_settings(peft_config, model_type=lambda: _model_type(model, config))
     return adapter_settings(model) if is_peft_model(model) else {}
+
+
+def _model_type(model, config: Config) -> str | None:
+    """The policy's config.model_type: the model object's, or read from config.model's config.json."""
+    if model is not None:
+        return getattr(getattr(model, "config", None), "model_type", None)
+    from transformers import AutoConfig
+
+    name = locate(resolve_model_path(config.model))
+    with loading(name):
+        return AutoConfig.from_pretrained(name).model_type
 
 
 def default_tokenizer(config: Config, model):

@@ -37,6 +37,7 @@ from ..policy import prompt_once
 from ..policy.lora import lora_targets
 from ..policy.optim import BNB_CPU_SLICE
 from ..policy.precision import Precision
+from ..settings.choices import planned_prompt_length
 from ..settings.plan import RunPlan
 
 GB = 1e9
@@ -201,10 +202,10 @@ def _generation_bytes(a: Architecture, s, d: _Dtypes, rows: int, prompts: int) -
     autocast; 4-bit layers compute in the same dtype as the rest),
     one step's logits, their row-major copy, softmax and float64 cumulative sum, and a layer's prefill
     intermediates."""
-    T, kv_bytes = s.max_prompt_length + s.max_completion_length, d.base
+    T, kv_bytes = planned_prompt_length(s) + s.max_completion_length, d.base
     # + a layer's copy while compaction or a prompt's copies rewrite the buffers (or a dynamic cache grows)
     kv = 2 * a.num_layers * rows * T * a.kv_dim * kv_bytes * (1 + 1 / a.num_layers)
-    prefill = prompts * s.max_prompt_length * (3 * a.intermediate_size + 4 * a.hidden_size) * kv_bytes
+    prefill = prompts * planned_prompt_length(s) * (3 * a.intermediate_size + 4 * a.hidden_size) * kv_bytes
     return kv, 20 * rows * a.vocab_size + prefill
 
 
@@ -246,7 +247,7 @@ def estimate(a: Architecture, s, device: str = "cuda") -> Estimate:
     plan = RunPlan.resolve(s, world_size=1)  # the trainer's plan, for one rank's share: ranks are not known here
     schedule = plan.schedule
     N = schedule.micro_batch  # sequences per micro-batch (TRL 1.16: completions)
-    P, C = s.max_prompt_length, s.max_completion_length
+    P, C = planned_prompt_length(s), s.max_completion_length
     T = P + C
     quantized = s.use_lora and s.load_in_4bit
     trainable = a.lora_tensors(s.lora_r, lora_targets(s)) if s.use_lora else a.trainable_tensors()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..settings import Config
+from ..settings.choices import planned_prompt_length
 from ..settings.cli import format_value
 from ..policy import prompt_once
 from .estimate import GB, Architecture, Estimate, estimate, eval_prompts_per_batch, prompts_in_micro_batch
@@ -145,7 +146,7 @@ def describe(arch: Architecture, config: Config, device: str = "cuda") -> str:
     N = config.per_device_train_batch_size
     size = arch.num_params()
     size_text = f"{size / 1e9:.2f}B" if size >= 1e8 else f"{size / 1e6:.1f}M"
-    P, C = config.max_prompt_length, config.max_completion_length
+    P, C = planned_prompt_length(config), config.max_completion_length
     once = ""
     if prompt_once(config.shared_prompt_forward, config.gradient_checkpointing):  # policy/prefix.py
         once = f", each prompt once: {prompts_in_micro_batch(N, config.num_generations)} x {P} + {N} x {C} tokens"

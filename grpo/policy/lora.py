@@ -31,10 +31,11 @@ def is_peft_model(model) -> bool:
     return peft is not None and isinstance(model, peft.PeftModel)
 
 
-def lora_settings(lora, source: str = "peft_config") -> dict:
+def lora_settings(lora, source: str = "peft_config", model_type=None) -> dict:
     """The Config settings that train what the peft LoraConfig `lora` describes (use_lora=True, lora_r,
     lora_alpha, lora_dropout, lora_target_modules); ConfigError naming every field it sets that this trainer
-    does not implement, at once. `source` is what messages call it."""
+    does not implement, at once. `source` is what messages call it; `model_type` (a callable giving the model's
+    config.model_type) is read only when the LoraConfig names no target_modules: peft's default for it."""
     peft = sys.modules.get("peft")
     if peft is None or not isinstance(lora, peft.LoraConfig):
         raise ConfigError(f"{source} must be a peft LoraConfig (this trainer trains LoRA adapters), got "
@@ -51,16 +52,21 @@ def lora_settings(lora, source: str = "peft_config") -> dict:
                           f": it trains plain LoRA from r, lora_alpha, lora_dropout and target_modules")
     return {"use_lora": True, **{ours: getattr(lora, theirs) for theirs, ours in FIELDS.items()
                                  if theirs != "target_modules"},
-            "lora_target_modules": _target_modules(lora.target_modules, source)}
+            "lora_target_modules": _target_modules(lora.target_modules, source, model_type)}
 
 
-def _target_modules(target_modules, source: str):
+def _target_modules(target_modules, source: str, model_type):
     """peft's target_modules as the Config holds them: "all-linear" or a list of names (a regex string is refused
-    by the Config's own check)."""
-    if target_modules is None:  # peft looks a default up by architecture, which is not done here
-        raise ConfigError(f"{source} has target_modules=None, peft's default for the model's architecture, which "
-                          f"is not read here: name them, target_modules=\"{ALL_LINEAR}\" (every linear layer but "
-                          f"the output head) or a list such as [\"q_proj\", \"v_proj\"]")
+    by the Config's own check); None: peft's default for the model's architecture, as get_peft_model picks it."""
+    if target_modules is None:
+        from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as DEFAULTS
+
+        kind = model_type() if model_type is not None else None
+        if kind not in DEFAULTS:
+            raise ConfigError(f"{source} has target_modules=None, peft's default for the model's architecture, and "
+                              f"peft has none for model_type {kind!r}: name them, target_modules=\"{ALL_LINEAR}\" "
+                              f"(every linear layer but the output head) or a list such as [\"q_proj\", \"v_proj\"]")
+        return sorted(DEFAULTS[kind])
     return target_modules if isinstance(target_modules, str) else sorted(target_modules)
 
 

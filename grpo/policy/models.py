@@ -54,15 +54,16 @@ def check_load_options(config, model_given: bool) -> None:
 def load_model(config, precision: Precision | None = None):
     """The policy from `config.model` (hub id or local path) on `precision`'s device (default: the GPU when there
     is one), in its base dtype; with `load_in_4bit`, its decoder's linear layers are stored as 4-bit NF4 (QLoRA),
-    computing in that dtype."""
+    computing in that dtype. `model_init_kwargs` go to from_pretrained (its dtype is the precision plan's: bf16)."""
     from transformers import AutoModelForCausalLM
 
     precision = precision or Precision.plan(config.bf16, config.use_lora, bf16_weights=config.bf16_weights)
     device, dtype = precision.device_type, precision.base_dtype
     name = locate(resolve_model_path(config.model))  # a .gguf or the packaged short name: its converted folder
+    kwargs = {k: v for k, v in (config.model_init_kwargs or {}).items() if k != "dtype"}  # settings/checks
     if not config.load_in_4bit:
         with loading(name):
-            return AutoModelForCausalLM.from_pretrained(name, dtype=dtype).to(device)
+            return AutoModelForCausalLM.from_pretrained(name, dtype=dtype, **kwargs).to(device)
     import_bitsandbytes()  # transformers' 4-bit layers import it: without the line it logs
     from transformers import BitsAndBytesConfig
 
@@ -71,7 +72,7 @@ def load_model(config, precision: Precision | None = None):
     quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype)
     with loading(name):
         model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, quantization_config=quantization,
-                                                     device_map={"": device})
+                                                     device_map={"": device}, **kwargs)
     keep_4bit_layout(model)  # grpo.eval loads through here too: the same numbers as evaluation during training
     return model
 

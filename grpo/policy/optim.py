@@ -1,4 +1,4 @@
-"""The optimizer (8-bit or torch AdamW) and the warmup + decay learning-rate schedule."""
+"""The optimizer (8-bit or torch AdamW) and transformers' learning-rate schedules."""
 from __future__ import annotations
 
 import math
@@ -86,18 +86,25 @@ def _sliced_adamw_8bit():
     return SlicedAdamW8bit
 
 
-def lr_multiplier(step: int, total_steps: int, warmup_steps: int, schedule: str) -> float:
-    """Linear warmup from 0, then cosine or linear decay to 0 (or constant) over the remaining steps."""
+def schedule_of(total_steps: int, warmup_steps: int, schedule: str, kwargs: dict | None = None):
+    """transformers' learning-rate schedule `schedule` (get_scheduler's name; `kwargs` its
+    scheduler_specific_kwargs, TRL's lr_scheduler_kwargs) as a function of the step: the multiplier of the peak
+    rate. ConfigError when transformers refuses the kwargs."""
+    from transformers import get_scheduler
+
     if schedule not in SCHEDULES:
-        raise ValueError(f"unknown lr_scheduler_type {schedule!r}; valid: {', '.join(SCHEDULES)}")
-    if step < warmup_steps:
-        return step / max(1, warmup_steps)
-    if schedule == "constant":
-        return 1.0
-    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
-    if schedule == "linear":
-        return max(0.0, 1.0 - progress)
-    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+        raise ConfigError(f"unknown lr_scheduler_type {schedule!r}; valid: {', '.join(SCHEDULES)}")
+    probe = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    try:
+        return get_scheduler(schedule, probe, num_warmup_steps=warmup_steps, num_training_steps=total_steps,
+                             scheduler_specific_kwargs=dict(kwargs or {})).lr_lambdas[0]
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"lr_scheduler_type={schedule!r} with lr_scheduler_kwargs={kwargs or {}}: {e}") from None
+
+
+def lr_multiplier(step: int, total_steps: int, warmup_steps: int, schedule: str, kwargs: dict | None = None) -> float:
+    """The multiplier of the peak rate at `step` (`schedule_of`)."""
+    return schedule_of(total_steps, warmup_steps, schedule, kwargs)(step)
 
 
 def set_hyperparameters(optimizer, scheduler, lr: float, betas: tuple[float, float], weight_decay: float) -> None:
@@ -114,21 +121,18 @@ def warmup_of(total_steps: int, warmup_ratio: float, warmup_steps: float) -> int
     return int(warmup_steps) if warmup_steps >= 1 else math.ceil(total_steps * (warmup_steps or warmup_ratio))
 
 
-def build_scheduler(optimizer, total_steps: int, warmup_steps: int, schedule: str):
-    lr_multiplier(0, total_steps, warmup_steps, schedule)  # fail fast on an unknown schedule
-    return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: lr_multiplier(step, total_steps, warmup_steps, schedule)
-    )
+def build_scheduler(optimizer, total_steps: int, warmup_steps: int, schedule: str, kwargs: dict | None = None):
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, schedule_of(total_steps, warmup_steps, schedule, kwargs))
 
 
 def rescheduled(saved_total: int, total_steps: int, step: int, lr: float, warmup_steps: int,
-                schedule: str) -> str:
+                schedule: str, kwargs: dict | None = None) -> str:
     """What a resume into another number of optimizer steps does to the learning rate: the schedule is the new
     total's (warmup included), continued from the restored step, not the saved run's ended one."""
     if step >= total_steps:
         return f"resuming a run of {saved_total} steps as one of {total_steps}: step {step} is past its end, so " \
                f"no step is trained"
-    now = lr * lr_multiplier(step, total_steps, warmup_steps, schedule)
+    now = lr * lr_multiplier(step, total_steps, warmup_steps, schedule, kwargs)
     return (f"resuming a run of {saved_total} steps as one of {total_steps}: the {schedule} learning-rate "
             f"schedule is now that of {total_steps} steps, from step {step} on "
             f"(lr {now:.3g} for step {step + 1})")
@@ -162,7 +166,8 @@ class Updates:
         self.params = [p for p in params if p.requires_grad]
         self.optimizer = build_optimizer(self.params, s.name, s.learning_rate, s.betas, s.weight_decay)
         self.warmup_steps = warmup_of(total_steps, s.warmup_ratio, s.warmup_steps)
-        self.scheduler = build_scheduler(self.optimizer, total_steps, self.warmup_steps, s.lr_scheduler_type)
+        self.scheduler = build_scheduler(self.optimizer, total_steps, self.warmup_steps, s.lr_scheduler_type,
+                                         s.lr_scheduler_kwargs)
         self.max_grad_norm, self.max_nonfinite_steps = s.max_grad_norm, s.max_nonfinite_steps
         self.nonfinite = (0, 0)
 

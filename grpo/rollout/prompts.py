@@ -48,16 +48,19 @@ def check_chat_template(tokenizer, datasets: dict) -> None:
 
 
 class PromptStream:
-    """Yields batches of dataset rows in a seeded order; a new permutation every epoch."""
+    """Yields batches of dataset rows in a seeded order, a new permutation every epoch; with `shuffle` False, in
+    the dataset's own order (TRL's shuffle_dataset=False)."""
 
-    def __init__(self, dataset, seed: int):
+    def __init__(self, dataset, seed: int, shuffle: bool = True):
         self.dataset = dataset
-        self.seed = seed
+        self.seed, self.shuffle = seed, shuffle
         self.epoch = 0
         self.position = 0
         self.order = self._permutation()
 
     def _permutation(self) -> list[int]:
+        if not self.shuffle:
+            return list(range(len(self.dataset)))
         generator = torch.Generator().manual_seed(self.seed + self.epoch)
         return torch.randperm(len(self.dataset), generator=generator).tolist()
 

@@ -36,7 +36,7 @@ class PromptEncoder:
     (rollout/tools.Tools) when the model calls some in chat turns), cutting overlong ones from the left (the end
     of a prompt matters most)."""
 
-    def __init__(self, tokenizer, max_prompt_length: int, chat_template_kwargs: dict | None = None, tools=None):
+    def __init__(self, tokenizer, max_prompt_length: int | None, chat_template_kwargs: dict | None = None, tools=None):
         self.tokenizer = tokenizer
         self.max_prompt_length = max_prompt_length
         self.chat_template_kwargs = chat_template_kwargs
@@ -54,7 +54,7 @@ class PromptEncoder:
         # A chat template already writes any BOS it wants; plain text gets the tokenizer's default.
         special = not is_chat(prompts[0])
         rows = [self.tokenizer(t, add_special_tokens=special)["input_ids"] for t in texts]
-        if any(len(r) > self.max_prompt_length for r in rows):
+        if self.max_prompt_length is not None and any(len(r) > self.max_prompt_length for r in rows):
             if not self.warned:
                 longest = max(len(r) for r in rows)
                 warnings.warn(f"a prompt of {longest} tokens is longer than max_prompt_length="

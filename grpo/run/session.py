@@ -53,14 +53,15 @@ class SessionSettings:
     betas: tuple[float, float]
     weight_decay: float
     lr_scheduler_type: str
+    lr_scheduler_kwargs: dict | None
     total_steps: int
     warmup_steps: int
 
     @classmethod
     def of(cls, c: Config, total_steps: int, warmup_steps: int) -> SessionSettings:
         return cls(asdict(c), c.save_strategy, c.save_total_limit, c.seed, c.num_generations,
-                   c.learning_rate, (c.adam_beta1, c.adam_beta2), c.weight_decay, c.lr_scheduler_type, total_steps,
-                   warmup_steps)
+                   c.learning_rate, (c.adam_beta1, c.adam_beta2), c.weight_decay, c.lr_scheduler_type,
+                   c.lr_scheduler_kwargs, total_steps, warmup_steps)
 
 
 class Session:
@@ -172,7 +173,7 @@ class Session:
             notes += elastic.rank_change_notes(checkpoint.saved_config(path), state, s.record, self.dist.world_size)
             if state.get("total_steps", s.total_steps) != s.total_steps:  # e.g. a finished run extended
                 notes.append(rescheduled(state["total_steps"], s.total_steps, state["step"], s.learning_rate,
-                                         s.warmup_steps, s.lr_scheduler_type))                 # policy/optim
+                                         s.warmup_steps, s.lr_scheduler_type, s.lr_scheduler_kwargs))  # policy/optim
             if notes and self.dist.is_main:
                 print("\n".join(notes), file=sys.stderr)
             self.parallel.load_weights(path)

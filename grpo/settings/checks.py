@@ -40,7 +40,7 @@ RULES: dict[str, tuple[typing.Callable, str]] = {
                                           "prompt, so a group of one has no signal"),
     "num_train_epochs": (lambda v: v > 0, "> 0"),
     "max_steps": (lambda v: v > 0 or v == -1, "> 0, or -1 to train for num_train_epochs"),
-    "max_prompt_length": (lambda v: v >= 1, ">= 1"),
+    "max_prompt_length": (lambda v: v >= 1, ">= 1, or None to leave prompts whole"),
     "max_completion_length": (lambda v: v >= 1, ">= 1"),
     "max_tool_calling_iterations": (lambda v: v >= 1, ">= 1, or None for no limit"),
     "temperature": (lambda v: v > 0, "> 0"),
@@ -141,6 +141,7 @@ def check_config(config) -> None:
     schedule's included: the run plan resolved on the ranks torchrun announces, as the trainer resolves it."""
     for name in field_types(type(config)):
         setattr(config, name, checked_field(type(config), name, getattr(config, name)))
+    config.bf16 = _bf16_of_dtype(config.model_init_kwargs, config.bf16)
     check_combinations(config)
     RunPlan.resolve(config, ranks_from_env())
 
@@ -157,6 +158,8 @@ def checked_field(cls, name: str, value):
         value = value.strip().lower() == "true"  # --resume_from_checkpoint=true: transformers' True
     if name == "lora_target_modules":
         value = _module_names(value)
+    if name == "model_init_kwargs" and isinstance(value, dict):
+        value = _init_kwargs(value)
     types = field_types(cls)
     value = _checked_value(name, name, value, types[name])
     if name == "generation_kwargs" and value:
@@ -172,6 +175,40 @@ def _module_names(value):
     if isinstance(value, (set, frozenset)):
         return sorted(value)
     return list(value) if isinstance(value, tuple) else value
+
+
+# model_init_kwargs' dtypes -> bf16 (policy/precision.py plans each tensor's dtype from it); "auto": bf16's choice
+DTYPES = {"bfloat16": True, "float32": False, "auto": None}
+
+
+def _init_kwargs(kwargs: dict) -> dict:
+    """model_init_kwargs as stored: TRL's older torch_dtype named dtype (transformers 5's), a torch.dtype by
+    its name (the config is saved as JSON); the loading keys the trainer sets itself refused."""
+    kwargs = dict(kwargs)
+    if "torch_dtype" in kwargs:
+        if "dtype" in kwargs:
+            raise ConfigError("model_init_kwargs sets both dtype and torch_dtype: keep dtype (transformers 5's)")
+        kwargs["dtype"] = kwargs.pop("torch_dtype")
+    if type(kwargs.get("dtype")).__name__ == "dtype":  # a torch.dtype, without importing torch here
+        kwargs["dtype"] = str(kwargs["dtype"]).removeprefix("torch.")
+    if kwargs.get("dtype", "auto") not in DTYPES:
+        raise ConfigError(f"model_init_kwargs dtype must be one of {', '.join(DTYPES)} (fp16 is not supported "
+                          f"here: bf16 or float32), got {kwargs['dtype']!r}")
+    for key in ("quantization_config", "device_map"):
+        if key in kwargs:
+            raise ConfigError(f"model_init_kwargs {key} is set by the trainer: use load_in_4bit=True for 4-bit "
+                              f"(QLoRA) loading; the device is the GPU when there is one")
+    return kwargs
+
+
+def _bf16_of_dtype(kwargs: dict | None, bf16: bool | None) -> bool | None:
+    """`bf16` as model_init_kwargs' dtype sets it; ConfigError when the two say different things."""
+    wanted = DTYPES[(kwargs or {}).get("dtype", "auto")]
+    if wanted is None or bf16 == wanted:
+        return bf16
+    if bf16 is not None:
+        raise ConfigError(f"model_init_kwargs dtype={kwargs['dtype']!r} and bf16={bf16} disagree: set one of them")
+    return wanted
 
 
 def check_combinations(config) -> None:

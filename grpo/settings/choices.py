@@ -7,10 +7,14 @@ from __future__ import annotations
 OPTIMIZERS = ("adamw_8bit", "adamw")  # policy/optim.build_optimizer
 # transformers' names (TRL configs use them) for the same optimizers; Config stores ours in their place.
 OPTIMIZER_ALIASES = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw", "adamw_bnb_8bit": "adamw_8bit"}
-SCHEDULES = ("cosine", "linear", "constant")  # policy/optim.build_scheduler
+# transformers' schedules (get_scheduler's names) but those that step on an evaluation metric
+# (reduce_lr_on_plateau, greedy): policy/optim.build_scheduler
+SCHEDULES = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
+             "inverse_sqrt", "cosine_with_min_lr", "cosine_warmup_with_min_lr", "warmup_stable_decay")
 TRACKERS = ("tensorboard", "trackio", "wandb")  # run/trackers.Trackers
 SAVE_STRATEGIES = ("steps", "epoch", "no")  # settings/plan.interval_due; transformers' "best": not implemented
 EVAL_STRATEGIES = ("no", "steps", "epoch")  # settings/plan.interval_due: transformers' IntervalStrategy
+PLANNED_PROMPT_TOKENS = 512  # max_prompt_length=None (prompts whole): the length the memory plan counts them at
 ALL_LINEAR = "all-linear"  # peft's lora target: every linear layer but the output head (policy/lora.py)
 
 
@@ -23,3 +27,9 @@ def tracker_names(report_to) -> list[str] | None:
     if names == ["none"] or not names:
         return []
     return names if all(n in TRACKERS for n in names) and len(set(names)) == len(names) else None
+
+
+def planned_prompt_length(config) -> int:
+    """The prompt length the memory plan counts: max_prompt_length, or PLANNED_PROMPT_TOKENS when prompts are
+    left whole (None)."""
+    return config.max_prompt_length or PLANNED_PROMPT_TOKENS

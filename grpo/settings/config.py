@@ -31,6 +31,11 @@ class Config(metaclass=_CheckedKeywords):
     bf16: bool | None = None
     """bf16 mixed precision (bf16 LoRA base, bf16 autocast, bf16 reference copy; policy/precision.py). None: on
     CUDA only (TRL's None means True everywhere; CPUs are slower in bf16), True: also on CPU, False: float32."""
+    model_init_kwargs: dict | None = None
+    """Keyword arguments of `from_pretrained` when the trainer loads `model` itself (TRL's), a dict or its JSON
+    text, e.g. {"attn_implementation": "sdpa", "revision": "main"}. "dtype" (or the older "torch_dtype"):
+    "bfloat16" is bf16=True, "float32" is bf16=False, "auto" leaves `bf16` to decide; set it or `bf16`, not
+    two different ones. "quantization_config" and "device_map" are the trainer's (load_in_4bit)."""
     bf16_weights: bool = False
     """Full fine-tuning keeps bf16 weights and gradients (half of float32's memory, CUDA or CPU); each update is
     computed in float32 and written back with stochastic rounding, so updates far below bf16's precision still
@@ -48,7 +53,12 @@ class Config(metaclass=_CheckedKeywords):
     max_grad_norm: float = 1.0
     """Clip the global gradient norm to this value (0 disables clipping)."""
     lr_scheduler_type: str = "linear"
-    """Learning-rate schedule after warmup: "cosine", "linear" or "constant"."""
+    """transformers' learning-rate schedule, with its meaning: "linear", "cosine", "cosine_with_restarts",
+    "polynomial", "constant" (no warmup, as in transformers), "constant_with_warmup", "inverse_sqrt",
+    "cosine_with_min_lr", "cosine_warmup_with_min_lr" or "warmup_stable_decay"."""
+    lr_scheduler_kwargs: dict | None = None
+    """The schedule's own keyword arguments (transformers' scheduler_specific_kwargs), a dict or its JSON text,
+    e.g. {"min_lr_rate": 0.1} for "cosine_with_min_lr" or {"num_cycles": 2} for "cosine_with_restarts"."""
     warmup_ratio: float = 0.0  # not TRL 1.16's (transformers 5 folded it into warmup_steps)
     """Fraction of the optimizer steps spent warming the learning rate up linearly from 0."""
     warmup_steps: float = 0.0
@@ -79,10 +89,16 @@ class Config(metaclass=_CheckedKeywords):
     """Number of optimizer steps; when > 0 it overrides num_train_epochs."""
     seed: int = 42
     """Seed for data order, sampling and initialisation."""
+    data_seed: int | None = None
+    """Seed of the order the training prompts are drawn in (transformers' data_seed); None: `seed`."""
+    shuffle_dataset: bool = True
+    """Draw the training prompts in a seeded shuffled order, a new one each epoch (TRL's); False: in the
+    dataset's own order."""
 
     # --- sampling ---
-    max_prompt_length: int = 512  # TRL 1.16 has none (it leaves prompts whole): a bound on memory here
-    """Prompts longer than this (in tokens) are cut from the left, with a one-time warning."""
+    max_prompt_length: int | None = 512  # TRL 1.16 has none (it leaves prompts whole): a bound on memory here
+    """Prompts longer than this (in tokens) are cut from the left, with a one-time warning. None leaves them
+    whole (older TRL's None); the memory plan then counts prompts at 512 tokens."""
     max_completion_length: int = 512
     """Most tokens generated per completion."""
     temperature: float = 1.0

@@ -35,6 +35,7 @@ class OptimSettings:
     betas: tuple[float, float]
     weight_decay: float
     lr_scheduler_type: str
+    lr_scheduler_kwargs: Mapping | None
     warmup_ratio: float
     warmup_steps: float
     max_grad_norm: float
@@ -43,7 +44,7 @@ class OptimSettings:
     @classmethod
     def of(cls, c) -> OptimSettings:
         return cls(c.optim, c.learning_rate, (c.adam_beta1, c.adam_beta2), c.weight_decay, c.lr_scheduler_type,
-                   c.warmup_ratio, c.warmup_steps, c.max_grad_norm, c.max_nonfinite_steps)
+                   c.lr_scheduler_kwargs, c.warmup_ratio, c.warmup_steps, c.max_grad_norm, c.max_nonfinite_steps)
 
 
 def interval_due(strategy: str, every: int, step: int, total: int, epoch_ended: bool) -> bool:
@@ -62,7 +63,7 @@ class SamplingSettings:
     stream, and a micro-batch's prompts (the smallest decode)."""
 
     num_generations: int
-    max_prompt_length: int
+    max_prompt_length: int | None  # None: prompts whole
     max_completion_length: int
     knobs: Mapping  # temperature, top_p, top_k, min_p, repetition_penalty
     stop_at_eos: bool

@@ -6,7 +6,7 @@ when it changes nothing here, is accepted with a warning saying why. Data only: 
 TRL_ONLY = frozenset("""
     accelerator_config activation_checkpointing activation_checkpointing_kwargs adam_epsilon
     auto_find_batch_size average_tokens_across_devices batch_eval_metrics bf16_full_eval cache_implementation
-    cast_lm_head_to_fp32 data_seed dataloader_drop_last dataloader_in_order
+    cast_lm_head_to_fp32 dataloader_drop_last dataloader_in_order
     dataloader_multiprocessing_context dataloader_num_workers dataloader_persistent_workers
     dataloader_pin_memory dataloader_prefetch_factor ddp_backend ddp_broadcast_buffers ddp_bucket_cap_mb
     ddp_find_unused_parameters ddp_static_graph ddp_timeout debug deepspeed disable_tqdm do_eval
@@ -18,13 +18,13 @@ TRL_ONLY = frozenset("""
     include_num_input_tokens_seen label_names label_smoothing_factor length_column_name liger_kernel_config
     load_best_model_at_end local_rank log_completions_hub_repo log_level log_level_replica
     log_multimodal log_on_each_node log_unique_prompts logging_first_step logging_nan_inf_filter
-    logging_strategy lr_scheduler_kwargs metric_for_best_model
-    model_init_kwargs multi_objective_aggregation neftune_noise_alpha
+    logging_strategy metric_for_best_model
+    multi_objective_aggregation neftune_noise_alpha
     num_generations_eval optim_args optim_target_modules pad_to_multiple_of
     parallelism_config per_device_eval_batch_size prediction_loss_only project push_to_hub ref_model_mixup_alpha
     ref_model_sync_steps remove_unused_columns
     restore_callback_states_from_checkpoint router_aux_loss_coef run_name save_on_each_node save_only_model
-    shuffle_dataset skip_memory_metrics sync_ref_model tf32 torch_compile
+    skip_memory_metrics sync_ref_model tf32 torch_compile
     torch_compile_backend torch_compile_mode torch_empty_cache_steps trackio_bucket_id trackio_space_id
     trackio_static_space_id train_sampling_strategy transformers_continuous_batching_config trust_remote_code
     use_adaptive_entropy use_cache use_cpu use_liger_kernel use_transformers_continuous_batching
@@ -53,16 +53,68 @@ TRL_REASONS = {
     "per_device_eval_batch_size": "set eval_batch_size (prompts per batch of greedy decoding)",
     "fp16": "bf16 (CUDA) or float32 only",
     "push_to_hub": "checkpoints are written to output_dir only",
-    "model_init_kwargs": "load the model yourself and pass it to Trainer(model=...), or use build_model",
-    "shuffle_dataset": "prompts are always drawn in a seeded shuffled order (rollout/prompts.py)",
     "multi_objective_aggregation": "rewards are summed with reward_weights, then normalized (TRL's default)",
     "vespo_k_pos": "loss_type='vespo' is not implemented", "vespo_k_neg": "loss_type='vespo' is not implemented",
     "vespo_lambda_pos": "loss_type='vespo' is not implemented",
     "vespo_lambda_neg": "loss_type='vespo' is not implemented",
     **{k: _ADAPTIVE_ENTROPY for k in ("use_adaptive_entropy", "entropy_coef_min", "entropy_coef_max",
                                       "entropy_coef_delta", "entropy_target")},
-    "sync_ref_model": _LATER, "num_generations_eval": _LATER,
+    "sync_ref_model": _LATER,
+    "cast_lm_head_to_fp32": "not implemented: the head's log-probs are float32 from a matmul in the weights' "
+                            "dtype; bf16=False keeps the whole model, its head included, in float32",
+    "ddp_find_unused_parameters": "every trainable parameter gets a gradient each step here (DDP's default)",
 }
+
+_DDP = "DDP is set up by the trainer under torchrun with its defaults (infra/distributed.py)"
+_COMPILE = "torch.compile is not used: the step is eager PyTorch"
+_BEST = "no best-checkpoint tracking: each checkpoint is kept by save_total_limit, newest first"
+_SFT = "a supervised-training setting: GRPO's loss is the policy loss on sampled completions"
+_EVAL_LOOP = ("evaluation is our own greedy decode over eval_dataset (eval_batch_size, eval_limit), not "
+              "transformers' evaluation loop")
+_HUB = "nothing is pushed to the Hub: logs and checkpoints stay in output_dir"
+_TRACKIO_HUB = "report_to=trackio logs to the local Trackio store only (TRACKIO_DIR); no Space or bucket"
+_ONE_DEVICE = "one process per GPU under torchrun, each on its own device; no device mesh settings"
+_REF_SYNC = "the reference is the frozen start (the adapter off under LoRA): sync_ref_model is not implemented"
+# Why the rest are refused, by kind (each said in the one line a refusal prints).
+TRL_REASONS.update({
+    **dict.fromkeys(("ddp_broadcast_buffers", "ddp_bucket_cap_mb", "ddp_static_graph", "ddp_timeout",
+                     "local_rank", "accelerator_config", "average_tokens_across_devices"), _DDP),
+    **dict.fromkeys(("torch_compile", "torch_compile_backend", "torch_compile_mode", "enable_jit_checkpoint"),
+                    _COMPILE),
+    **dict.fromkeys(("load_best_model_at_end", "metric_for_best_model", "greater_is_better"), _BEST),
+    **dict.fromkeys(("label_names", "label_smoothing_factor", "neftune_noise_alpha", "length_column_name",
+                     "train_sampling_strategy", "pad_to_multiple_of", "include_for_metrics"), _SFT),
+    **dict.fromkeys(("batch_eval_metrics", "bf16_full_eval", "fp16_full_eval", "eval_accumulation_steps",
+                     "eval_delay", "eval_do_concat_batches", "eval_use_gather_object", "prediction_loss_only"),
+                    _EVAL_LOOP),
+    **dict.fromkeys(("log_completions_hub_repo",), _HUB),
+    **dict.fromkeys(("trackio_bucket_id", "trackio_space_id", "trackio_static_space_id", "project"), _TRACKIO_HUB),
+    **dict.fromkeys(("parallelism_config",), _ONE_DEVICE),
+    **dict.fromkeys(("ref_model_mixup_alpha", "ref_model_sync_steps"), _REF_SYNC),
+    "activation_checkpointing_kwargs": "checkpointing is always non-reentrant here (gradient_checkpointing)",
+    "adam_epsilon": "AdamW's eps is fixed at 1e-8 (transformers' default)",
+    "auto_find_batch_size": "the memory plan sizes decodes and says what fits before loading (python -m grpo.plan)",
+    "dataloader_in_order": "prompts are drawn in the trainer's own process: there is no DataLoader",
+    "dataloader_multiprocessing_context": "prompts are drawn in the trainer's own process: there is no DataLoader",
+    "debug": "transformers' debug options (underflow/overflow, TPU metrics) are not wired in",
+    "full_determinism": "seed makes runs reproducible; torch.use_deterministic_algorithms is not set here",
+    "ignore_data_skip": "a resumed run continues the data stream exactly where the checkpoint left it",
+    "include_num_input_tokens_seen": "the running count of tokens seen is not kept",
+    "liger_kernel_config": "Liger kernels are not used: log-probs are chunked (logprob_chunk_size)",
+    "use_liger_kernel": "Liger kernels are not used: log-probs are chunked (logprob_chunk_size)",
+    "log_multimodal": "text-only: images are not supported",
+    "log_unique_prompts": "completions.jsonl and --log_completions show every prompt with its completions",
+    "logging_nan_inf_filter": "NaN/inf losses are logged as they are and their updates skipped (max_nonfinite_steps)",
+    "optim_args": "the optimizers are AdamW with adam_beta1, adam_beta2 and weight_decay",
+    "optim_target_modules": "the optimizers are AdamW over every trainable parameter (GaLore is not supported)",
+    "restore_callback_states_from_checkpoint": "callbacks are not saved in checkpoints",
+    "router_aux_loss_coef": "no router auxiliary loss: mixture-of-experts balancing is not implemented",
+    "save_on_each_node": "rank 0 writes every checkpoint; other nodes read it from a shared output_dir",
+    "tf32": "left as PyTorch sets it (set torch.backends.cuda.matmul.allow_tf32 yourself)",
+    "torch_empty_cache_steps": "torch.cuda.empty_cache() is not called on a schedule here",
+    "trust_remote_code": 'set it through model_init_kwargs={"trust_remote_code": true}',
+    "use_cache": "decoding here always uses its own KV cache, training forwards never",
+})
 
 # Our own settings that were renamed to TRL's: what to write now.
 RENAMED = {
@@ -83,6 +135,9 @@ NO_EFFECT = {
     "run_name": "trackers name the run after output_dir and its start time",
     "log_level": _LOGGING, "log_level_replica": _LOGGING, "log_on_each_node": _LOGGING,
     "skip_memory_metrics": "memory/peak_gb is logged every step",
+    "num_generations_eval": "an evaluation decodes one greedy completion per prompt (pass@1), not sampled groups",
+    "save_only_model": "a checkpoint always holds the optimizer and RNG states, so that it resumes exactly; "
+                       "trainer.save_model() writes the model alone",
     "ddp_backend": "the backend is chosen automatically: NCCL between GPUs, gloo between CPU processes",
     "do_train": "Trainer.train() trains; transformers leaves these to scripts too", "do_eval": "as do_train",
     "do_predict": "as do_train",
@@ -99,7 +154,7 @@ OFF_VALUES = {
     "use_vllm": (False,), "use_transformers_paged": (False,), "use_liger_kernel": (False,), "fp16": (False,),
     "push_to_hub": (False,), "deepspeed": (None,), "fsdp_config": (None,), "torch_compile": (False,),
     "sync_ref_model": (False,), "use_adaptive_entropy": (False,), "tf32": (None,),
-    "shuffle_dataset": (True,), "model_init_kwargs": (None,), "full_determinism": (False,),
+    "full_determinism": (False,), "cast_lm_head_to_fp32": (False,), "ddp_find_unused_parameters": (None, False),
     "gradient_checkpointing_kwargs": (None, {"use_reentrant": False}),
 }
 

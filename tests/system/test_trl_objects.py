@@ -66,8 +66,6 @@ def test_peft_config_sets_our_lora_settings(tmp_path):
      "implement (bias: biases trained beside LoRA would stay on when the adapter is switched off for the "
      "reference; modules_to_save: only the adapters train here (no fully trained module copies); use_dora: DoRA "
      "is not implemented here): it trains plain LoRA from r, lora_alpha, lora_dropout and target_modules"),
-    (LoraConfig(r=4), "peft_config has target_modules=None, peft's default for the model's architecture, which is "
-                      "not read here: name them"),
     (LoraConfig(r=4, target_modules=r".*\.q_proj"), "lora_target_modules must be module names"),
     ({"r": 4}, "peft_config must be a peft LoraConfig (this trainer trains LoRA adapters), got dict"),
 ])

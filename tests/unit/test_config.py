@@ -144,7 +144,8 @@ def test_entropy_coef_and_off_policy_mask_reach_the_loss():
     ("use_adaptive_entropy", "TRL's `use_adaptive_entropy` is not supported here: adaptive entropy control is "
                              "not implemented; entropy_coef is static here"),
     ("entropy_target", "TRL's `entropy_target` is not supported here: adaptive entropy control is not"),
-    ("neftune_noise_alpha", "TRL's `neftune_noise_alpha` is not supported here: this trainer does not"),
+    ("neftune_noise_alpha", "TRL's `neftune_noise_alpha` is not supported here: a supervised-training setting"),
+    ("cast_lm_head_to_fp32", "TRL's `cast_lm_head_to_fp32` is not supported here: not implemented: the head's"),
     ("loss_aggregation", "'loss_aggregation' is gone: use TRL's loss_type: 'token' is 'dapo'"),
     ("epsilon_low", "'epsilon_low' is gone: use TRL's epsilon"),
 ])
@@ -172,7 +173,7 @@ def test_every_setting_not_accepted_is_named_in_one_error():
     message = ("3 settings are not accepted: unknown setting 'learning_rat' (did you mean "
                "'learning_rate'?); TRL's `use_vllm` is not supported here: sampling runs on the policy "
                "itself (KV-cached decoding in grpo.rollout); TRL's `torch_compile` is not supported here: "
-               "this trainer does not implement it")
+               "torch.compile is not used: the step is eager PyTorch")
     with pytest.raises(ConfigError) as info:
         Config(learning_rat=1e-5, use_vllm=True, torch_compile=True, seed=1)
     assert str(info.value) == message
@@ -264,6 +265,10 @@ def test_trl_settings_list_matches_trl():
     theirs = {f.name for f in dataclasses.fields(trl.GRPOConfig)}
     assert TRL_ONLY == theirs - ours  # exactly TRL's settings we lack (TRL 1.16 with this transformers)
     assert set(TRL_REASONS) <= TRL_ONLY and not set(RENAMED) & (ours | theirs)
+    # Every one of them is accepted with a warning saying why it changes nothing, or refused saying why.
+    from grpo.settings.trl_names import NO_EFFECT
+
+    assert not TRL_ONLY - set(TRL_REASONS) - set(NO_EFFECT), "say why each TRL setting is refused"
     # Their defaults are ours but where a comment beside the field says why not.
     args, config = trl.GRPOConfig(output_dir="unused", use_cpu=True), Config()
     differ = {k for k in ours & theirs if getattr(args, k) != getattr(config, k)}
@@ -530,8 +535,10 @@ def test_recipe_runtime_error_keeps_its_traceback(tmp_path):
     (dict(importance_sampling_level="seq"), "importance_sampling_level must be one of token, sequence, got 'seq'"),
     (dict(top_entropy_quantile=1.5), "top_entropy_quantile must be in [0, 1], got 1.5"),
     (dict(delta=0), "delta must be > 0, or None for one-sided clipping, got 0.0"),
-    (dict(lr_scheduler_type="cosine_with_restarts"),
-     "lr_scheduler_type must be one of cosine, linear, constant, got 'cosine_with_restarts'"),
+    (dict(lr_scheduler_type="reduce_lr_on_plateau"),
+     "lr_scheduler_type must be one of linear, cosine, cosine_with_restarts, polynomial, constant, "
+     "constant_with_warmup, inverse_sqrt, cosine_with_min_lr, cosine_warmup_with_min_lr, warmup_stable_decay, "
+     "got 'reduce_lr_on_plateau'"),
     (dict(scale_rewards="std"), "scale_rewards must be one of group, batch, none, got 'std'"),
     (dict(num_generations="4"), "num_generations must be an int, got str '4'"),
     (dict(max_steps=True), "max_steps must be an int, got bool True"),
