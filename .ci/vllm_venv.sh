@@ -42,6 +42,7 @@ serve)
     VLLM_ALLOW_RUNTIME_LORA_UPDATING=True VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1} \
         setsid "$venv/bin/python" -m vllm.entrypoints.openai.api_server --model "$folder" --port "$port" \
         --host 127.0.0.1 --enable-lora --max-lora-rank "${VLLM_MAX_LORA_RANK:-16}" --dtype float32 \
+        --logprobs-mode processed_logprobs \
         --max-model-len "${VLLM_MAX_MODEL_LEN:-2048}" "$@" >"$log" 2>&1 &
     pid=$!
     for _ in $(seq 1 ${VLLM_START_S:-300}); do

@@ -24,6 +24,7 @@ from .rollout.prompts import PromptStream, check_chat_template
 from .rollout.reward_models import place_reward_models, reward_callables
 from .rollout.rewards import NoSignalWatch, RewardContext, TrainerState, reward_func_names
 from .rollout.sampling import Sampler
+from .rollout.server import server_sampler
 from .rollout.source import RolloutSource
 from .rollout.tools import Tools
 from .run import lock
@@ -76,6 +77,9 @@ class Trainer:
         # On a CPU freed activations and logits go back to the OS (infra/allocator), decodes aside.
         self.threshold_set = self.policy.device.type == "cpu" and return_freed_memory()
         place_reward_models(self.reward_funcs, self.policy.device)  # reward models next to the policy
+        if self.plan.server is not None:  # use_vllm: a vLLM server samples with the run's adapter  rollout/server
+            sampler = server_sampler(sampler or rollout_func, self.model, self.tokenizer, self.plan, self.tools,
+                                     Path(config.output_dir) / "vllm-adapters")
         if sampler is None:  # our decoder, as many prompts per decode as fit (memory/), or TRL's rollout_func
             sampler = Sampler(self.policy, self.tokenizer, self.plan.sampling,
                               sampling_prompts_per_decode(config, self.model, self.policy.device.type), self.tools) \
@@ -205,6 +209,8 @@ class Trainer:
         generation = Generation(batch, self.cut, metrics, scored)  # cut into micro-batches          rollout/batches
         generation.fix_logprobs(lambda micro: self.policy.fixed_logprobs(                       # policy/forwards
             micro, old=self.plan.keeps_old_logprobs, reference=self.plan.has_reference))
+        if self.plan.sampling_correction is not None:  # a server's samples reweighted        rollout/server
+            generation.metrics.update(self.sampler.corrected(generation, self.plan.sampling_correction))
         return generation
 
     def check_head(self, rollout) -> None:
@@ -243,7 +249,8 @@ class Trainer:
                 loss, metrics = policy_loss(                                                   # algo/loss
                     logprobs, old_logprobs, b.ref_logprobs, b.advantages, b.loss_mask, entropies=entropies,
                     **self.plan.loss, num_tokens=counts.divisor, num_sequences=m.rows,
-                    micro_batch_tokens=m.tokens, num_micro_batches=counts.micro_batches)
+                    micro_batch_tokens=m.tokens, num_micro_batches=counts.micro_batches,
+                    sampling_weights=b.sampling_weights)
                 self.policy.parallel.backward(loss)
             add_metrics(totals, metrics, share=m.trained_tokens / max(1, counts.trained))  # rows trained  algo/loss
             totals["loss"] += loss.item()

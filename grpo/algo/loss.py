@@ -17,6 +17,8 @@ Per completion token t of sequence i (m the completion mask, A_i the advantage, 
     l     = l * [H >= q-quantile of H over this call's tokens]    only when top_entropy_quantile q < 1
     kl    = exp(ref - lp) - (ref - lp) - 1   (k3, >= 0);  kl * w when use_bias_correction_kl
     l     = l + beta * kl
+    l     = l * rho                          only with `sampling_weights` rho (algo/sampling_correction: TRL's
+                                             vllm_importance_sampling_correction for an engine's samples)
 
 Aggregation: what one call (one micro-batch) contributes, such that the calls of a step summed over
 micro-batches and ranks give the step's loss (ranks' gradients add up). K = ``num_micro_batches``, the
@@ -153,7 +155,7 @@ def aggregate(per_token: Tensor, completion_mask: Tensor, loss_type: str = "dapo
 def policy_loss(logprobs: Tensor, old_logprobs: Tensor | None, ref_logprobs: Tensor | None, advantages: Tensor,
                 completion_mask: Tensor, *, entropies: Tensor | None = None, num_tokens: float | None = None,
                 num_micro_batches: int = 1, num_sequences: int | None = None, micro_batch_tokens: float | None = None,
-                **settings) -> tuple[Tensor, dict[str, float]]:
+                sampling_weights: Tensor | None = None, **settings) -> tuple[Tensor, dict[str, float]]:
     """The loss of one micro-batch, as written in the module docstring.
 
     Args:
@@ -171,6 +173,8 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor | None, ref_logprobs: Ten
         num_micro_batches: K of the module docstring (default 1: this call is the whole step).
         num_sequences, micro_batch_tokens: the micro-batch's rows (grpo, sapo, dr_grpo, luspo) and completion
             tokens (bnpo), counted before rows with exactly zero gradient were left out (default: this call's).
+        sampling_weights: ``[B, T]`` the importance-sampling correction of completions another engine sampled
+            (algo/sampling_correction), multiplying the per-token loss; None: none.
         settings: `LossSettings`'s fields as keywords (``loss_type``, ``epsilon_low``, ``beta``, ...); TRL's
             defaults for those not given.
 
@@ -209,6 +213,8 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor | None, ref_logprobs: Ten
         kl = k3_kl(logprobs, ref_logprobs, on, ratio if s.use_bias_correction_kl else None)  # [B, T]
         per_token = policy + s.beta * kl  # [B, T]
         metrics["kl"] = masked_mean(kl.detach(), on)
+    if sampling_weights is not None:
+        per_token = per_token * sampling_weights.to(per_token.dtype)  # [B, T]
     loss = aggregate(per_token, completion_mask, **agg)
     if entropies is not None:
         metrics["entropy"] = masked_mean(entropies.detach().to(ratio.dtype), on)

@@ -9,10 +9,12 @@ from dataclasses import dataclass
 import torch
 
 from ..algo.advantages import zero_std_fraction
+from ..algo.sampling_correction import correction_metrics, sampling_correction
 from .rewards import RewardContext, reward_metrics
 
 PROMPT_SIDE = ("prompt_ids", "prompt_mask")  # [N, P], left-padded
-COMPLETION_SIDE = ("completion_ids", "completion_mask", "loss_mask", "old_logprobs", "ref_logprobs")  # [N, C]
+COMPLETION_SIDE = ("completion_ids", "completion_mask", "loss_mask", "old_logprobs", "ref_logprobs",
+                   "sampling_logprobs", "sampling_weights")  # [N, C]
 PER_ROW = ("truncated", "advantages", "tool_calls", "tool_failures")  # [N]
 IDS = ("prompt_ids", "completion_ids")  # padded with the pad token, the rest with 0
 
@@ -37,6 +39,10 @@ class Rollout:
     ref_logprobs: torch.Tensor | None = None  # [N, C], only with a reference
     tool_calls: torch.Tensor | None = None  # [N] the tool calls each completion made, when it could make some
     tool_failures: torch.Tensor | None = None  # [N] those that failed (raised, timed out, unknown, malformed)
+    # [N, C] the log-probs an inference server gave its sampled tokens (NaN where it gave none), and the
+    # importance-sampling correction the loss multiplies by (Generation.correct_sampling); None: our own samples
+    sampling_logprobs: torch.Tensor | None = None
+    sampling_weights: torch.Tensor | None = None
 
     def __post_init__(self):
         if self.loss_mask is None:
@@ -214,6 +220,24 @@ class Generation:
                 if getattr(self.batch, name) is None:
                     setattr(self.batch, name, values.new_zeros(self.batch.completion_ids.shape))  # [N, C]
                 getattr(self.batch, name)[m.index, :values.shape[1]] = values
+
+    def correct_sampling(self, settings) -> dict[str, float]:
+        """TRL's importance-sampling correction of a server's samples (algo/sampling_correction, `settings` its
+        keywords): each micro-batch's weights from its old and sampled log-probs, kept beside them as
+        `sampling_weights` (and in the whole batch's [N, C] for a checkpoint); returns the batch's metrics, over the
+        rows trained on."""
+        differences, ratios = [], []
+        for m in (m for m in self.micro_batches if not m.empty):
+            r = m.rollout
+            weights, d, ratio = sampling_correction(r.old_logprobs, r.sampling_logprobs, r.loss_mask, **settings)
+            r.sampling_weights = weights.contiguous()  # [n, c]
+            if self.batch.sampling_weights is None:
+                self.batch.sampling_weights = torch.ones_like(self.batch.sampling_logprobs)  # [N, C]
+            self.batch.sampling_weights[m.index, :weights.shape[1]] = weights
+            differences.append(d)
+            ratios.append(ratio)
+        return correction_metrics(torch.cat(differences).float().cpu() if differences else torch.zeros(0),
+                                  torch.cat(ratios).float().cpu() if ratios else torch.zeros(0))
 
     def step_counts(self, step: list[MicroBatch], reduce) -> StepCounts:
         """The counts of an optimizer step on micro-batches `step`, summed over ranks by `reduce`."""

@@ -10,7 +10,7 @@ import re
 import sys
 import typing
 
-from ..algo import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, SCALES
+from ..algo import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, SAMPLING_CORRECTION_MODES, SCALES
 from ..errors import ConfigError
 from .choices import (ALL_LINEAR, EVAL_STRATEGIES, OPTIMIZER_ALIASES, OPTIMIZERS, SAVE_STRATEGIES, SCHEDULES, TRACKERS,
                       tracker_names)
@@ -48,6 +48,14 @@ RULES: dict[str, tuple[typing.Callable, str]] = {
     "top_k": (lambda v: v >= 0, ">= 0 (0 disables it)"),
     "min_p": (lambda v: 0 <= v <= 1, "in [0, 1], or None to disable it"),
     "repetition_penalty": (lambda v: v > 0, "> 0 (1.0 disables it)"),
+    "vllm_mode": (lambda v: v in ("server", "colocate"), 'one of server, colocate'),
+    "vllm_server_port": (lambda v: 0 < v < 65536, "a port number (1-65535)"),
+    "vllm_server_timeout": (lambda v: v > 0, "> 0 (seconds)"),
+    "vllm_server_base_url": (lambda v: v.startswith(("http://", "https://")), "an http:// or https:// URL"),
+    "vllm_importance_sampling_mode": (lambda v: v in SAMPLING_CORRECTION_MODES,
+                                      f"one of {', '.join(SAMPLING_CORRECTION_MODES)}"),
+    "vllm_importance_sampling_clip_max": (lambda v: v > 0, "> 0, or None for no upper bound"),
+    "vllm_importance_sampling_clip_min": (lambda v: v >= 0, ">= 0, or None for no lower bound"),
     "beta": (lambda v: v >= 0, ">= 0"),
     "epsilon": (lambda v: 0 <= v < 1, "in [0, 1)"),
     "epsilon_high": (lambda v: v >= 0, ">= 0"),
@@ -220,9 +228,29 @@ def check_combinations(config) -> None:
     if config.bf16_weights and (config.use_lora or config.fsdp):
         raise ConfigError("bf16_weights=True is for full fine-tuning without FSDP: set use_lora=false and "
                           "fsdp=false (LoRA keeps a bf16 base on CUDA already; FSDP keeps float32 shards)")
+    if config.use_vllm:
+        check_vllm(config)
     if config.warmup_ratio and config.warmup_steps:
         raise ConfigError(f"set warmup_steps or warmup_ratio, not both (got {config.warmup_steps:g} and "
                           f"{config.warmup_ratio:g})")
+
+
+def check_vllm(config) -> None:
+    """use_vllm=True: server mode, the settings a server sampler can honour (docs/inference-engines.md)."""
+    if config.vllm_mode != "server":
+        raise ConfigError('vllm_mode="colocate" is not supported: vLLM runs in its own environment (it pins its own '
+                          'torch and transformers) and is never imported by grpo; start a server and set '
+                          'vllm_mode="server"')
+    if not config.use_lora:
+        raise ConfigError("use_vllm=True needs use_lora=True: the server samples with the run's LoRA adapter, "
+                          "loaded after each optimizer step; vLLM 0.32's server has no weight-update endpoint for "
+                          "full fine-tuning without NCCL (TRL's vllm-serve)")
+    if config.async_generation:
+        raise ConfigError("use_vllm=True with async_generation=True is not supported yet: set async_generation=False")
+    low, high = config.vllm_importance_sampling_clip_min, config.vllm_importance_sampling_clip_max
+    if low is not None and high is not None and low > high:
+        raise ConfigError(f"vllm_importance_sampling_clip_min ({low:g}) must not exceed "
+                          f"vllm_importance_sampling_clip_max ({high:g})")
 
 
 def _checked_value(name: str, field: str, value, tp: FieldType):

@@ -127,6 +127,32 @@ class Config(metaclass=_CheckedKeywords):
     """With tools (`Trainer(tools=..., environment_factory=...)`): the rounds of tool calls a completion may make
     (None: no limit but max_completion_length, which bounds the whole completion, tool output included; TRL's)."""
 
+    # --- sampling on a vLLM server (TRL's names, meanings and defaults; docs/inference-engines.md) ---
+    use_vllm: bool = False
+    """Sample the completions on a vLLM server (`vllm_mode="server"`) instead of our decode loop on the policy."""
+    vllm_mode: str = "colocate"
+    """TRL's: "server" (a vLLM server started apart, `vllm_server_*`) or "colocate" (vLLM inside the trainer's
+    process, which is refused here: vLLM runs in its own environment, never imported by grpo)."""
+    vllm_server_base_url: str | None = None
+    """The server's base URL (e.g. "http://localhost:8000"); when set, vllm_server_host and _port are ignored."""
+    vllm_server_host: str = "0.0.0.0"
+    """The server's host, when vllm_server_base_url is not set."""
+    vllm_server_port: int = 8000
+    """The server's port, when vllm_server_base_url is not set."""
+    vllm_server_timeout: float = 240.0
+    """Seconds to wait for the server to be up at the start (TRL's meaning); here also the longest a request may
+    go unanswered mid-run before the run stops (one line, a checkpoint saved)."""
+    vllm_importance_sampling_correction: bool = True
+    """Reweight the loss by the ratio of the trainer's and the server's log-probs of the sampled tokens
+    (TRL's importance-sampling correction; algo/sampling_correction.py)."""
+    vllm_importance_sampling_mode: str = "sequence_mask"
+    """token_truncate, token_mask, sequence_truncate or sequence_mask: per-token or per-sequence ratios, clipped
+    to [clip_min, clip_max] (truncate) or set to 0 outside it (mask)."""
+    vllm_importance_sampling_clip_max: float | None = 3.0
+    """The ratios' upper bound C_max (None: none)."""
+    vllm_importance_sampling_clip_min: float | None = None
+    """The ratios' lower bound C_min (None: none)."""
+
     # --- algorithm ---
     beta: float = 0.0
     """Weight of the k3 KL penalty to the reference model (0: no reference model, no reference forward)."""

@@ -81,6 +81,30 @@ class SamplingSettings:
 
 
 @dataclass(frozen=True)
+class ServerSettings:
+    """Where an inference server samples the completions (use_vllm, vllm_mode="server"): its base URL, and how
+    long it may take to come up or to answer a request."""
+
+    base_url: str
+    timeout: float
+
+    @classmethod
+    def of(cls, c) -> ServerSettings | None:
+        if not c.use_vllm:
+            return None
+        url = c.vllm_server_base_url or f"http://{c.vllm_server_host}:{c.vllm_server_port}"
+        return cls(url.rstrip("/"), c.vllm_server_timeout)
+
+
+def sampling_correction_of(c) -> Mapping | None:
+    """The keyword arguments of algo/sampling_correction.sampling_correction a run applies, or None."""
+    if not (c.use_vllm and c.vllm_importance_sampling_correction):
+        return None
+    return MappingProxyType(dict(mode=c.vllm_importance_sampling_mode, clip_min=c.vllm_importance_sampling_clip_min,
+                                 clip_max=c.vllm_importance_sampling_clip_max))
+
+
+@dataclass(frozen=True)
 class Cadence:
     """When a run writes a metrics line (every `logging_steps` and at the last step), evaluates (eval_strategy)
     and saves a checkpoint (save_strategy), each strategy as transformers reads it (`interval_due`)."""
@@ -110,12 +134,15 @@ class RunPlan:
     loss: Mapping  # the keyword arguments of algo.loss.policy_loss that settings decide (Config.loss_settings)
     # Old log-probs are taken once per generation batch only when optimizer steps train on it off-policy: later
     # steps of the batch, or a batch sampled ahead (async_generation, max_staleness > 0) with older weights; on
-    # policy, the loss's own detached log-probs are the old ones.
+    # policy, the loss's own detached log-probs are the old ones. With a server's samples corrected
+    # (sampling_correction), always: the correction compares them with the server's.
     keeps_old_logprobs: bool
     reference: str  # reference_kind: "none", "adapter" or "copy"
     optim: OptimSettings
     sampling: SamplingSettings
     cadence: Cadence
+    server: ServerSettings | None = None  # sampling on an inference server (use_vllm)
+    sampling_correction: Mapping | None = None  # TRL's importance-sampling correction of the server's samples
 
     @classmethod
     def resolve(cls, config, world_size: int) -> RunPlan:
@@ -126,10 +153,11 @@ class RunPlan:
             raise ConfigError(f"async_generation=True runs one trainer process and its sampler; under torchrun "
                               f"({world_size} ranks) set async_generation=False")
         ahead = config.async_generation and config.max_staleness > 0
+        correction = sampling_correction_of(config)
         return cls(schedule, MappingProxyType(config.loss_settings()),
-                   schedule.optimizer_steps_per_generation > 1 or ahead,
+                   schedule.optimizer_steps_per_generation > 1 or ahead or correction is not None,
                    reference_kind(config.use_lora, config.beta), OptimSettings.of(config), SamplingSettings.of(config),
-                   Cadence.of(config))
+                   Cadence.of(config), ServerSettings.of(config), correction)
 
     @property
     def has_reference(self) -> bool:

@@ -28,23 +28,23 @@ TRL_ONLY = frozenset("""
     torch_compile_backend torch_compile_mode torch_empty_cache_steps trackio_bucket_id trackio_space_id
     trackio_static_space_id train_sampling_strategy transformers_continuous_batching_config trust_remote_code
     use_adaptive_entropy use_cache use_cpu use_liger_kernel use_transformers_continuous_batching
-    use_transformers_paged use_vllm vespo_k_neg vespo_k_pos vespo_lambda_neg vespo_lambda_pos
+    use_transformers_paged vespo_k_neg vespo_k_pos vespo_lambda_neg vespo_lambda_pos
     vllm_enable_sleep_mode vllm_gpu_memory_utilization vllm_group_port vllm_importance_sampling_cap
-    vllm_importance_sampling_clip_max vllm_importance_sampling_clip_min vllm_importance_sampling_correction
-    vllm_importance_sampling_mode vllm_max_model_length vllm_mode vllm_model_impl vllm_server_base_url
-    vllm_server_host vllm_server_port vllm_server_timeout vllm_structured_outputs_regex
-    vllm_tensor_parallel_size
+    vllm_max_model_length vllm_model_impl vllm_structured_outputs_regex vllm_tensor_parallel_size
 """.split())
 
 _GENERATION = "sampling runs on the policy itself (KV-cached decoding in grpo.rollout)"
+_SERVER = "vllm_mode=\"server\" only: set it when you start the server (.ci/vllm_venv.sh, docs/inference-engines.md)"
 _LOGGING = "metrics.jsonl and completions.jsonl in output_dir are the logs (python -m grpo.plot draws them)"
 _LATER = "not implemented yet"
 _ADAPTIVE_ENTROPY = "adaptive entropy control is not implemented; entropy_coef is static here"
 
 # Why, or what to use instead, for the settings a TRL user is most likely to bring; others get a generic line.
 TRL_REASONS = {
-    **{k: _GENERATION for k in TRL_ONLY if k.startswith("vllm_") or "continuous_batching" in k},
-    "use_vllm": _GENERATION, "use_transformers_paged": _GENERATION, "cache_implementation": _GENERATION,
+    **{k: _GENERATION for k in TRL_ONLY if "continuous_batching" in k},
+    **{k: _SERVER for k in TRL_ONLY if k.startswith("vllm_")},
+    "vllm_importance_sampling_cap": "TRL's deprecated name of vllm_importance_sampling_clip_max",
+    "use_transformers_paged": _GENERATION, "cache_implementation": _GENERATION,
     "ds3_gather_for_generation": "DeepSpeed is not used here; torchrun with --fsdp=true shards the model",
     "deepspeed": "DeepSpeed is not used here; torchrun with --fsdp=true shards the model",
     "fsdp_config": "--fsdp=true under torchrun is the one FSDP (FSDP2) setting",
@@ -151,7 +151,7 @@ NO_EFFECT = {
 # TRL settings of features this trainer lacks, at the values that leave them off (TRL's defaults): accepted,
 # with the same warning; any other value is refused as above.
 OFF_VALUES = {
-    "use_vllm": (False,), "use_transformers_paged": (False,), "use_liger_kernel": (False,), "fp16": (False,),
+    "use_transformers_paged": (False,), "use_liger_kernel": (False,), "fp16": (False,),
     "push_to_hub": (False,), "deepspeed": (None,), "fsdp_config": (None,), "torch_compile": (False,),
     "sync_ref_model": (False,), "use_adaptive_entropy": (False,), "tf32": (None,),
     "full_determinism": (False,), "cast_lm_head_to_fp32": (False,), "ddp_find_unused_parameters": (None, False),

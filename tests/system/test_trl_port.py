@@ -27,7 +27,7 @@ TRL_SETTINGS = dict(  # noqa: C408 -- keywords, as GRPOConfig(...) is written
     logging_strategy="steps",
 )
 # TRL settings this trainer lacks (grpo/settings/trl_names.py) that change nothing here at these values.
-NO_EFFECT = {"use_vllm", "remove_unused_columns", "logging_strategy"}
+NO_EFFECT = {"remove_unused_columns", "logging_strategy"}
 
 
 def ported(output_dir: str | None = None) -> dict:
@@ -38,14 +38,12 @@ def test_trl_settings_that_change_nothing_here_are_accepted_with_a_warning_each(
     assert set(TRL_SETTINGS) & TRL_ONLY == NO_EFFECT
     Config(**TRL_SETTINGS)
     assert capsys.readouterr().err.splitlines() == [
-        "warning: TRL's `use_vllm=false` has no effect here: sampling runs on the policy itself (KV-cached "
-        "decoding in grpo.rollout)",
         "warning: TRL's `remove_unused_columns` has no effect here: every dataset column reaches the reward "
         "functions",
         "warning: TRL's `logging_strategy` has no effect here: logging_steps sets when a metrics line is "
         "written"]
-    with pytest.raises(ConfigError, match="TRL's `use_vllm` is not supported here"):
-        Config(**{**TRL_SETTINGS, "use_vllm": True})
+    with pytest.raises(ConfigError, match='vllm_mode="colocate" is not supported: vLLM runs in its own'):
+        Config(**{**TRL_SETTINGS, "use_vllm": True})  # TRL's default vllm_mode
 
 
 def test_config_keeps_every_value_with_trls_meaning():

@@ -139,8 +139,9 @@ def test_entropy_coef_and_off_policy_mask_reach_the_loss():
 
 
 @pytest.mark.parametrize("key, message", [
-    ("use_vllm", "TRL's `use_vllm` is not supported here: sampling runs on the policy itself"),
-    ("vllm_gpu_memory_utilization", "TRL's `vllm_gpu_memory_utilization` is not supported here: sampling runs"),
+    ("use_transformers_paged", "TRL's `use_transformers_paged` is not supported here: sampling runs on the policy"),
+    ("vllm_gpu_memory_utilization", "TRL's `vllm_gpu_memory_utilization` is not supported here: vllm_mode=\"server\" "
+                                    "only: set it when you start the server"),
     ("use_adaptive_entropy", "TRL's `use_adaptive_entropy` is not supported here: adaptive entropy control is "
                              "not implemented; entropy_coef is static here"),
     ("entropy_target", "TRL's `entropy_target` is not supported here: adaptive entropy control is not"),
@@ -171,14 +172,15 @@ def test_a_trl_config_dict_ports_verbatim():
 
 def test_every_setting_not_accepted_is_named_in_one_error():
     message = ("3 settings are not accepted: unknown setting 'learning_rat' (did you mean "
-               "'learning_rate'?); TRL's `use_vllm` is not supported here: sampling runs on the policy "
+               "'learning_rate'?); TRL's `use_transformers_paged` is not supported here: sampling runs on the policy "
                "itself (KV-cached decoding in grpo.rollout); TRL's `torch_compile` is not supported here: "
                "torch.compile is not used: the step is eager PyTorch")
     with pytest.raises(ConfigError) as info:
-        Config(learning_rat=1e-5, use_vllm=True, torch_compile=True, seed=1)
+        Config(learning_rat=1e-5, use_transformers_paged=True, torch_compile=True, seed=1)
     assert str(info.value) == message
     with pytest.raises(ConfigError) as info:
-        apply_overrides(Config(), ["--seed=1", "--learning_rat=1e-5", "--use_vllm=true", "--torch_compile"])
+        apply_overrides(Config(), ["--seed=1", "--learning_rat=1e-5", "--use_transformers_paged=true",
+                                   "--torch_compile"])
     assert str(info.value) == message
 
 
@@ -190,10 +192,10 @@ def test_every_setting_not_accepted_is_named_in_one_error():
       "TRL's `logging_first_step` has no effect here: logging_steps sets which steps are logged (every one by "
       "default)"]),
     # A feature this trainer lacks, at the value that leaves it off, as Python or as command-line text.
-    ({"use_vllm": False, "gradient_checkpointing_kwargs": {"use_reentrant": False}},
-     ["--use_vllm=False", '--gradient_checkpointing_kwargs={"use_reentrant":false}'],
-     ["TRL's `use_vllm=false` has no effect here: sampling runs on the policy itself (KV-cached decoding in "
-      "grpo.rollout)",
+    ({"use_transformers_paged": False, "gradient_checkpointing_kwargs": {"use_reentrant": False}},
+     ["--use_transformers_paged=False", '--gradient_checkpointing_kwargs={"use_reentrant":false}'],
+     ["TRL's `use_transformers_paged=false` has no effect here: sampling runs on the policy itself (KV-cached "
+      "decoding in grpo.rollout)",
       "TRL's `gradient_checkpointing_kwargs={\"use_reentrant\": false}` has no effect here: checkpointing is "
       "always non-reentrant here"]),
 ])

@@ -1,0 +1,218 @@
+"""Completions sampled on an inference server (TRL's `use_vllm=True, vllm_mode="server"`): `ServerSampler` keeps
+the trainer's sampler contract (rollout/sampling.Sampler), so the step around it does not change.
+
+Token in, token out: each prompt goes to vLLM's OpenAI-compatible `/v1/completions` as token ids, with `n` =
+num_generations, its own seed (from its random stream: a rerun samples the same), the run's sampling knobs, and
+`return_token_ids`; the completions come back as token ids with each sampled token's log-prob, which the loss's
+importance-sampling correction reads (algo/sampling_correction). The prompts of a generation batch are sent at
+once, so the server batches them.
+
+LoRA: when a generation batch is sampled at an optimizer step the server has not seen, the adapter is written
+into `adapters_dir` (the server must read that folder: same machine or shared storage), loaded under a new name
+(`POST /v1/load_lora_adapter`, the server started with `--enable-lora` and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True),
+the previous one unloaded; every request names the adapter it must sample with.
+
+Failures are one line (`ServerError`): no server at the URL within `vllm_server_timeout`, a server that serves
+another model (its tokenizer, or the first batch's log-probs, differ from the policy's), a server that refuses
+the adapter, dies or stops answering mid-run (the trainer then saves a checkpoint: run/session)."""
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import time
+import urllib.error
+import urllib.request
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from http.client import HTTPException
+from pathlib import Path
+
+import torch
+
+from ..errors import ConfigError, UserError
+from .batches import Rollout
+from .sampling import PromptEncoder, eos_token_ids, is_chat, rollout_of_tokens
+from .streams import PromptStreams
+
+PROBE = "Hello, world! 12 + 30 = 42.\nThe answer: <answer> 42 </answer>"
+MISMATCH_NATS = 0.5  # a first batch whose log-probs differ more per token: the server samples another model
+
+
+class ServerError(UserError):
+    """The inference server cannot be reached, serves another model, or failed mid-run."""
+
+
+class VLLMServer:
+    """JSON over HTTP to one vLLM OpenAI-compatible server (settings/plan.ServerSettings)."""
+
+    def __init__(self, settings):
+        self.url, self.timeout = settings.base_url, settings.timeout
+
+    def request(self, path: str, body: dict | None = None, timeout: float | None = None):
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.url + path, data=data, headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout or self.timeout) as answer:
+                text = answer.read().decode()
+        except urllib.error.HTTPError as e:
+            detail = e.read().decode(errors="replace")[:300]
+            raise ServerError(f"the vLLM server at {self.url} refused {path} (HTTP {e.code}): {detail}") from None
+        except (TimeoutError, socket.timeout):
+            raise ServerError(f"the vLLM server at {self.url} did not answer {path} within vllm_server_timeout="
+                              f"{self.timeout:g} s") from None
+        except (urllib.error.URLError, ConnectionError, HTTPException, OSError) as e:
+            reason = getattr(e, "reason", e)
+            raise ServerError(f"the vLLM server at {self.url} cannot be reached ({reason}): it stopped, or none "
+                              f"runs there (start one: docs/inference-engines.md)") from None
+        try:
+            return json.loads(text)
+        except ValueError:
+            return text
+
+    def wait_until_up(self) -> None:
+        """Poll /health until it answers, for up to the timeout (TRL's vllm_server_timeout)."""
+        deadline = time.monotonic() + self.timeout
+        while True:
+            try:
+                self.request("/health", timeout=min(5.0, self.timeout))
+                return
+            except ServerError as e:
+                if time.monotonic() >= deadline:
+                    raise ServerError(f"no vLLM server answered at {self.url} within vllm_server_timeout="
+                                      f"{self.timeout:g} s ({e}); start one (docs/inference-engines.md) or set "
+                                      f"vllm_server_base_url") from None
+            time.sleep(1.0)
+
+
+class ServerSampler:
+    """The trainer's sampler on a vLLM server (module docstring). `model`: the policy (a peft model: its adapter
+    is what the server loads); `settings`: settings/plan.SamplingSettings; `server`: settings/plan.ServerSettings;
+    `adapters_dir`: where adapters are written for the server to read."""
+
+    def __init__(self, model, tokenizer, settings, server, adapters_dir: Path, tools=None):
+        if tools is not None:
+            raise ConfigError("tools and environments with use_vllm=True are not supported yet: they run in our "
+                              "decode loop (set use_vllm=False)")
+        if not hasattr(model, "peft_config"):
+            raise ConfigError("use_vllm=True samples with the run's LoRA adapter: the policy must be a LoRA model "
+                              "(use_lora=True)")
+        self.model, self.tokenizer, self.settings = model, tokenizer, settings
+        kwargs = None if settings.chat_template_kwargs is None else dict(settings.chat_template_kwargs)
+        self.encode = PromptEncoder(tokenizer, settings.max_prompt_length, kwargs)
+        self.eos_ids = eos_token_ids(tokenizer, model)
+        self.server = VLLMServer(server)
+        self.adapters_dir = Path(adapters_dir).resolve()
+        self.run_id = uuid.uuid4().hex[:8]  # adapter names unique to this run, even resumed on the same server
+        self.adapter: tuple[int, str] | None = None  # (step, name) the server holds
+        self.checked_logprobs = False
+        self.server.wait_until_up()
+        self.base = self.check_model()
+
+    def check_model(self) -> str:
+        """The served model's name, after checking that it tokenizes as the trained model does."""
+        models = self.server.request("/v1/models")
+        name = models["data"][0]["id"]
+        want = self.tokenizer(PROBE, add_special_tokens=False)["input_ids"]
+        got = self.server.request("/tokenize", {"model": name, "prompt": PROBE, "add_special_tokens": False})
+        if got.get("tokens") != want:
+            raise ServerError(f"the vLLM server at {self.server.url} serves {name}, which tokenizes otherwise than "
+                              f"the trained model: start it on the trained model's base")
+        return name
+
+    def push_adapter(self, step: int) -> str:
+        """The adapter name the server samples step `step` with: the policy's adapter written and loaded once per
+        step, the previous one unloaded and deleted."""
+        if self.adapter is not None and self.adapter[0] == step:
+            return self.adapter[1]
+        name = f"grpo-{self.run_id}-step{step}"
+        folder = self.adapters_dir / name
+        tmp = folder.with_name(folder.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        self.model.save_pretrained(tmp)
+        tmp.rename(folder)
+        try:
+            self.server.request("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(folder)})
+        except ServerError as e:
+            raise ServerError(f"{e}; start the server with --enable-lora --max-lora-rank >= lora_r and "
+                              f"VLLM_ALLOW_RUNTIME_LORA_UPDATING=True, reading {self.adapters_dir}") from None
+        if self.adapter is not None:
+            old = self.adapter[1]
+            self.server.request("/v1/unload_lora_adapter", {"lora_name": old})
+            shutil.rmtree(self.adapters_dir / old, ignore_errors=True)
+        self.adapter = (step, name)
+        return name
+
+    def request_body(self, prompt_ids: list[int], seed: int, adapter: str) -> dict:
+        s, knobs = self.settings, self.settings.knobs
+        body = {"model": adapter, "prompt": prompt_ids, "n": s.num_generations, "max_tokens": s.max_completion_length,
+                "temperature": knobs["temperature"], "top_p": knobs["top_p"],
+                "top_k": knobs["top_k"] if knobs["top_k"] > 0 else -1, "min_p": knobs["min_p"] or 0.0,
+                "repetition_penalty": knobs["repetition_penalty"], "seed": seed, "logprobs": 0,
+                "return_token_ids": True}
+        if s.stop_at_eos:
+            body["stop_token_ids"] = self.eos_ids
+        else:
+            body["ignore_eos"] = True
+        return body
+
+    @torch.no_grad()
+    def __call__(self, prompts: list, on_token=None, streams: PromptStreams | None = None,
+                 envs: list | None = None) -> tuple[Rollout, dict[str, list]]:
+        s, G = self.settings, self.settings.num_generations
+        streams = streams if streams is not None else PromptStreams(s.seed)
+        adapter = self.push_adapter(streams.step)
+        prompt_ids, prompt_mask = self.encode(prompts)  # [B, P]
+        rows = [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids, prompt_mask)]
+        seeds = streams.seeds(len(prompts), 1).tolist()  # [B]: one per prompt, its G completions from it
+
+        def sample(i: int) -> list[tuple[list[int], list[float]]]:
+            answer = self.server.request("/v1/completions", self.request_body(rows[i], seeds[i], adapter))
+            choices = sorted(answer["choices"], key=lambda c: c["index"])
+            out = [(c["token_ids"], [float("nan") if v is None else v for v in c["logprobs"]["token_logprobs"]])
+                   for c in choices]
+            if on_token is not None:
+                on_token(sum(len(ids) for ids, _ in out))
+            return out
+
+        with ThreadPoolExecutor(max_workers=min(32, len(rows))) as pool:
+            sampled = [c for group in pool.map(sample, range(len(rows))) for c in group]  # N = B * G
+        return self.rollout(prompt_ids, prompt_mask, sampled, chat=is_chat(prompts[0])), {}
+
+    def rollout(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sampled: list, *, chat: bool) -> Rollout:
+        """The Rollout of the server's completions [(token ids, log-probs)] after their prompts [B, P], on the
+        policy's device, the sampled log-probs kept beside the ids (NaN where none came back)."""
+        G = self.settings.num_generations
+        width = max(1, max(len(ids) for ids, _ in sampled))
+        ids = torch.full((len(sampled), width), self.tokenizer.pad_token_id, dtype=torch.long)  # [N, C]
+        given = torch.zeros((len(sampled), width), dtype=torch.long)  # [N, C]
+        logprobs = torch.full((len(sampled), width), float("nan"))  # [N, C]
+        for i, (row, lps) in enumerate(sampled):
+            ids[i, :len(row)], given[i, :len(row)] = torch.tensor(row, dtype=torch.long), 1
+            logprobs[i, :len(lps)] = torch.tensor(lps, dtype=torch.float32)
+        rollout = rollout_of_tokens(prompt_ids.repeat_interleave(G, dim=0), prompt_mask.repeat_interleave(G, dim=0),
+                                    ids, self.tokenizer, self.eos_ids, chat=chat, given=given)
+        rollout.sampling_logprobs = logprobs.masked_fill(rollout.completion_mask == 0, float("nan"))  # [N, C]
+        return rollout.to(next(self.model.parameters()).device)
+
+    def corrected(self, generation, settings) -> dict[str, float]:
+        """The importance-sampling correction of `generation` (rollout/batches.Generation.correct_sampling) and its
+        metrics; on the first batch, a server whose log-probs are far from the policy's serves another model."""
+        metrics = generation.correct_sampling(settings)
+        difference = metrics["sampling/sampling_logp_difference/mean"]
+        if not self.checked_logprobs and difference > MISMATCH_NATS:
+            raise ServerError(f"the vLLM server at {self.server.url} serves {self.base}, whose log-probs of its own "
+                              f"samples differ from the trained model's by {difference:.2f} nats per token: it "
+                              f"serves another model (or runs without --logprobs-mode processed_logprobs)")
+        self.checked_logprobs = True
+        return metrics
+
+
+def server_sampler(given, model, tokenizer, plan, tools, adapters_dir: Path) -> ServerSampler:
+    """The sampler of a run with use_vllm (`plan`: settings/plan.RunPlan); `given`: a sampler or rollout_func the
+    caller passed, which cannot be used at once."""
+    if given is not None:
+        raise ConfigError("use_vllm=True samples on the vLLM server: pass no sampler or rollout_func with it")
+    if plan.schedule.world_size > 1:
+        raise ConfigError("use_vllm=True runs one trainer process here: under torchrun set use_vllm=False")
+    return ServerSampler(model, tokenizer, plan.sampling, plan.server, adapters_dir, tools)
