@@ -210,13 +210,8 @@ def _generation_bytes(a: Architecture, s, d: _Dtypes, rows: int, prompts: int) -
 
 
 def _sampling_weight_bytes(a: Architecture, s, d: _Dtypes, quantized: bool, device: str) -> float:
-    """While sampling (policy/folding), float32 weights on a CPU run on a oneDNN-packed copy of every body linear
-    (adapters folded in); elsewhere float32 LoRA bases hold a folded copy of every adapted weight."""
-    if quantized or d.base != 4:
-        return 0.0
-    if device == "cpu":
-        return 4.0 * a.linear_params()
-    if not s.use_lora:
+    """While sampling (policy/folding), float32 LoRA bases hold a folded copy of every adapted weight."""
+    if quantized or d.base != 4 or not s.use_lora:
         return 0.0
     targets = lora_targets(s)
     return 4.0 * a.num_layers * sum(i * o for n, (i, o) in a.linear_shapes().items() if targets is None or n in targets)

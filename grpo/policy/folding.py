@@ -1,18 +1,22 @@
-"""The weights sampling decodes with: LoRA adapters folded into their base weights, and on a CPU every body linear
-layer's weight packed for oneDNN, for the length of a decode (`sampling_weights`).
+"""The weights sampling decodes with: LoRA adapters folded into their base weights for the length of a decode, and
+on a CPU the LM head's weight packed for oneDNN (`sampling_weights`).
 
 Folding: each decoding step then runs one matmul per linear layer instead of peft's base matmul, dropout, A, B,
-scaling and sum (about 1,000 small operations a step for SmolLM2-135M with adapters on every linear). The fold
-writes W + scale * B @ A into a separate tensor that stands in for the base weight during the decode; the base
-weight itself is never written, so the reference (the adapter switched off) stays bit for bit what it was.
-Layers are folded only where that is exact enough: float32 base weights (a bf16 sum would round away an update
-smaller than 1/256 of the weight, so sampling would not draw from the trained policy), plain torch linears (not
-4-bit or sharded ones), vanilla LoRA with one active adapter (no DoRA or LoRA bias).
+scaling and sum (about 1,000 small operations a step for SmolLM2-135M with adapters on every linear), and a
+Llama-shaped model's step runs on them directly (policy/decoder). The fold writes W + scale * B @ A into a
+separate tensor, stored transposed ([in, out] in memory: `x @ W.T` with 16-64 rows reads it faster than the
+[out, in] layout, docs/benchmarks.md), that stands in for the base weight during the decode; the base weight
+itself is never written, so the reference (the adapter switched off) stays bit for bit what it was. Layers are
+folded only where that is exact enough: float32 base weights (a bf16 sum would round away an update smaller than
+1/256 of the weight, so sampling would not draw from the trained policy), plain torch linears (not 4-bit or
+sharded ones), vanilla LoRA with one active adapter (no DoRA or LoRA bias).
 
-Packing: oneDNN's float32 matmul on a weight reordered once for it (`to_mkldnn`) takes less time than torch's
-default CPU matmul (docs/benchmarks.md, "Sampling and evaluation speed"), with float32 results (differences of a
-few float32 roundings, as between any two matmul kernels). The packed copies live only during the decode; the LM
-head's is handed to the decode (policy/head's `head_logits`), which reads the head's weight itself."""
+Packing: the body's linears are not packed: at a decoding step's 16-64 rows torch's matmul is as fast as oneDNN's
+on a packed weight, and the conversion of the input in and the output out that oneDNN needs around every call
+cost a tenth of the step (docs/benchmarks.md, "Decoding at the speed of memory"). The LM head's product, one call
+per step over a [V, H] weight, is still faster packed (float32 results: differences of a few float32 roundings,
+as between any two matmul kernels); its packed copy lives only during the decode and is handed to it (policy/head's
+`head_logits`)."""
 from __future__ import annotations
 
 import contextlib
@@ -65,40 +69,26 @@ def _packed_forward(weight: torch.Tensor, bias: torch.Tensor | None):
 @contextlib.contextmanager
 def sampling_weights(model):
     """Within the context, every foldable LoRA layer of `model` (see `foldable_layers`) computes with its base
-    weight plus its adapter's update, held in a new tensor, and skips the adapter; on a CPU every packable
-    linear of the body runs on a oneDNN-packed copy of its (folded) weight. Yields the LM head's product on a
-    packed copy (`hidden -> logits`, for policy/head's `head_logits`), or None where it is not packed. On exit
-    the original weights (the same tensors, never written), forwards and adapters are back."""
+    weight plus its adapter's update, held in a new tensor that stands in for the base weight, and skips the
+    adapter. Yields the LM head's product on a oneDNN-packed copy (`hidden -> logits`, for policy/head's
+    `head_logits`), or None where it is not packed (not a float32 torch linear on a CPU). On exit the original
+    weights (the same tensors, never written) and adapters are back."""
     layers = foldable_layers(model)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    swapped, packed = [], []
+    swapped = []
     try:
         with torch.no_grad():
-            folded = {}
             for layer in layers:
                 name, base = layer.active_adapters[0], layer.get_base_layer()
-                folded[base] = base.weight + layer.get_delta_weight(name)  # [out, in], a new tensor
+                # [out, in], a new tensor stored transposed: the layout a product with few rows reads fastest
+                folded = (base.weight + layer.get_delta_weight(name)).T.contiguous().T
                 layer.merged_adapters = [name]  # peft's forward: the base layer alone
-                swapped.append(layer)
-            adapters = {id(m) for layer in _lora_layers(model) for d in (layer.lora_A, layer.lora_B)
-                        for m in d.values()}  # their own small linears: folded, or left to peft
-            for module in model.modules():
-                if module is head or id(module) in adapters or not isinstance(module, torch.nn.Linear):
-                    continue
-                if packable(module):
-                    module.forward = _packed_forward(folded.pop(module, module.weight), module.bias)
-                    packed.append(module)
-            for base, weight in folded.items():  # not packed (a GPU): the folded weight stands in
-                swapped.append((base, base.weight))
-                base.weight = torch.nn.Parameter(weight, requires_grad=False)
-            # The head's [V, H] product is a fifth of a SmolLM2 decoding step: packed too, used by the decode.
+                swapped.append((layer, base.weight))
+                base.weight = torch.nn.Parameter(folded, requires_grad=False)
+            # The head's [V, H] product is a fifth of a SmolLM2 decoding step: packed, used by the decode.
             head_matmul = _packed_forward(head.weight, head.bias) if head is not None and packable(head) else None
         yield head_matmul
     finally:
-        for module in packed:
-            del module.forward  # the class's forward again
-        for item in swapped:
-            if isinstance(item, tuple):
-                item[0].weight = item[1]
-            else:
-                item.merged_adapters = []
+        for layer, weight in swapped:
+            layer.get_base_layer().weight = weight
+            layer.merged_adapters = []

@@ -7,7 +7,7 @@ Why not `generate`: at a 150k-token vocabulary its per-step overhead rivals the 
 score matrix, and `F.linear(h, W)` with few rows is slower than `W @ h.T` (docs/benchmarks.md). Logits here
 are computed as the loss computes log-probs (hidden states times the LM head, the family's scale or soft cap
 (policy/head), float32 softmax), so the sampling policy is the one being trained; the Sampler's weights
-(policy/folding: LoRA folded in, oneDNN-packed on a CPU) change them by float32 roundings only.
+(policy/folding: LoRA folded in; policy/decoder: a fused step) change them by float32 roundings only.
 """
 from __future__ import annotations
 
@@ -16,8 +16,10 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 
 from ..policy.caches import cache_argument, keeps_recurrent_state
+from ..policy.decoder import fused_decoder
 from ..policy.head import head_logits, positions
 from .compaction import DecodingRows, select_rows
 from .kv_cache import in_place, preallocated_cache
@@ -63,16 +65,33 @@ def penalize_repetitions(logits: torch.Tensor, seen: torch.Tensor, penalty: floa
     return torch.where(seen, penalized, logits)  # [N, V]
 
 
+CDF_BLOCK = 256  # vocabulary entries per block of the two-level inverse CDF
+
+
 def sample_from_logits(logits: torch.Tensor, generator: torch.Generator | None = None,
                        u: torch.Tensor | None = None) -> torch.Tensor:
-    """One token id per row [N], drawn from softmax(logits) by inverse CDF (float64 cumulative sums, so that
-    150k small probabilities still add up exactly enough); -inf logits are never drawn. `u` [N, 1] (float64):
-    the rows' uniforms, drawn here (from `generator`) when not given."""
-    cdf = torch.cumsum(logits.softmax(-1), dim=-1, dtype=torch.float64)  # [N, V]
+    """One token id per row [N], drawn from softmax(logits) by inverse CDF in float64 (so that 150k small
+    probabilities still add up exactly enough); -inf logits are never drawn. `u` [N, 1] (float64): the rows'
+    uniforms, drawn here (from `generator`) when not given.
+
+    The CDF is taken in two levels, so no per-step work runs a float64 cumulative sum over the vocabulary: the
+    cumulative mass of blocks of CDF_BLOCK entries picks the block that holds u, then the cumulative sum inside
+    that block alone picks the token (the same token as one cumulative sum over all V, up to float64 rounding)."""
+    N, V = logits.shape
+    probs = logits.softmax(-1)  # [N, V]
     if u is None:
-        u = torch.rand(cdf.shape[0], 1, dtype=torch.float64, device=cdf.device, generator=generator)  # [N, 1]
-    token = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)  # [N, 1]: first index whose cdf exceeds u
-    return token.clamp_(max=logits.shape[-1] - 1).squeeze(1)  # [N]
+        u = torch.rand(N, 1, dtype=torch.float64, device=logits.device, generator=generator)  # [N, 1]
+    padded = (F.pad(probs, (0, -V % CDF_BLOCK)) if V % CDF_BLOCK else probs).view(N, -1, CDF_BLOCK)  # [N, nb, B]
+    block_mass = padded.double().sum(-1)  # [N, nb]
+    block_cdf = block_mass.cumsum(-1)  # [N, nb]
+    target = u * block_cdf[:, -1:]  # [N, 1]
+    block = torch.searchsorted(block_cdf, target, right=True)  # [N, 1]: first block whose cdf exceeds the target
+    block = torch.minimum(block, (block_cdf < block_cdf[:, -1:]).sum(-1, keepdim=True))  # [N, 1]: one with mass
+    rest = target - (block_cdf.gather(1, block) - block_mass.gather(1, block))  # [N, 1]: the mass left inside it
+    inside = padded.gather(1, block[:, :, None].expand(N, 1, CDF_BLOCK)).squeeze(1).cumsum(-1, dtype=torch.float64)
+    j = torch.searchsorted(inside, rest, right=True)  # [N, 1]
+    j = torch.minimum(j, (inside < inside[:, -1:]).sum(-1, keepdim=True))  # [N, 1]: never a zero-mass entry
+    return (block * CDF_BLOCK + j).squeeze(1)  # [N]
 
 
 MIN_SHARED_PREFIX = 16  # tokens all prompts must share before the prefix is read once for all of them
@@ -221,7 +240,8 @@ def decode(hf_model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, settin
     called after every decoding step with the number of tokens it generated (rows not yet finished), for
     progress bars. Finished rows leave the batch and the cache as they accumulate (rollout/compaction): the n
     rows left decode on. The KV cache and the attention mask are allocated once for P + max_new_tokens
-    positions and written in place (rollout/kv_cache). `head_matmul`, if given, is the LM head's product on a
+    positions and written in place (rollout/kv_cache); a Llama-shaped model's steps run fused (policy/decoder).
+    `head_matmul`, if given, is the LM head's product on a
     packed copy of its weight (policy/folding). `tools` (rollout/tool_loop.ToolLoop), if given, watches what each
     row writes and appends its tools' output (`ForcedTokens`); then a `ToolDecode` is returned, and a row ends at
     an EOS that closes no tool call or where the tools end it."""
@@ -243,6 +263,9 @@ def decode(hf_model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, settin
     hidden, full_mask, position_ids, seen = prefill(forward, cache, prompt_ids, prompt_mask, repeats=repeats,
                                                     max_new_tokens=s.max_new_tokens, stateful=stateful, seen=seen)
     P = full_mask.shape[1] - s.max_new_tokens  # the prompt's columns of the mask
+    # A Llama-shaped model's decoding steps run fused (policy/decoder): the same math in fewer operations.
+    step_forward = (fused_decoder(body, cache) if in_place(cache) else None) or (
+        lambda ids, mask, position_ids: forward(ids, mask, position_ids)[:, -1])  # [n, H]
     if seeds is None and not s.greedy:
         seeds = torch.randint(-2 ** 63, 2 ** 63 - 1, (N,), device=device)  # [N]
     batch = DecodingRows(N, device, compacts=not stateful, seeds=None if s.greedy else seeds)  # rows decoding
@@ -282,7 +305,7 @@ def decode(hf_model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, settin
                 break
             token, full_mask, position_ids, seen = batch.compact(cache, token, full_mask, position_ids, seen)
         position_ids = position_ids + 1  # [n, 1]
-        hidden = forward(token[:, None], full_mask[:, :P + step + 1], position_ids)[:, -1]  # [n, H]; mask a view
+        hidden = step_forward(token[:, None], full_mask[:, :P + step + 1], position_ids)  # [n, H]; mask a view
     completion_ids = torch.stack(tokens, dim=1)  # [N, C]
     if turns is None:
         return completion_ids

@@ -119,7 +119,7 @@ def sample_completions(model, tokenizer, encode: PromptEncoder, prompts: list, *
     # never apply, only the knobs the run sets, as in TRL; and it is faster (see decoding.py). Knobs beyond
     # temperature make sampling off-policy (as in TRL): the loss scores the policy's own distribution.
     # Eval mode: the KV cache on (gradient checkpointing would disable it), dropout off. LoRA folded into copies
-    # of its base weights, oneDNN-packed on a CPU, while decoding (policy/folding).
+    # of its base weights while decoding (policy/folding), the LM head oneDNN-packed on a CPU.
     loop = None if encode.tools is None else ToolLoop(
         encode.tools, tokenizer, [p for p in prompts for _ in range(num_generations)], max_tool_calling_iterations,
         envs, eos_ids, encode.chat_template_kwargs)

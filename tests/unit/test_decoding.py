@@ -23,6 +23,19 @@ def test_draws_follow_the_softmax_and_never_pick_minus_inf():
     assert torch.allclose(freq, probs, atol=0.01), freq
 
 
+@pytest.mark.parametrize("V", [5, 256, 1000, 49152])  # within one block, exactly blocks, a part block, SmolLM2's
+def test_the_two_level_inverse_cdf_draws_the_one_level_ones(V):
+    generator = torch.Generator().manual_seed(V)
+    logits = torch.randn(64, V, generator=generator) * 3  # [64, V]
+    logits[:, ::7] = -torch.inf  # never drawn, also at a block's first or last entry
+    u = torch.rand(64, 1, dtype=torch.float64, generator=generator)  # [64, 1]
+    u[:4] = torch.tensor([[0.0], [1 - 2 ** -53], [0.5], [1e-300]], dtype=torch.float64)  # the ends, a midpoint
+    cdf = torch.cumsum(logits.softmax(-1), dim=-1, dtype=torch.float64)  # [64, V]: over the whole vocabulary
+    want = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp(max=V - 1).squeeze(1)  # [64]
+    got = sample_from_logits(logits, u=u)  # [64]
+    assert torch.equal(got, want) and torch.isfinite(logits.gather(1, got[:, None])).all()
+
+
 def test_top_k_and_top_p_keep_the_expected_tokens():
     logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()
     kept = lambda **kw: torch.isfinite(filter_logits(logits.clone(), **kw)).squeeze(0).tolist()  # noqa: E731
@@ -170,9 +183,8 @@ def lively_model(tokenizer):
 
 def decode_prompts(model, tokenizer, eos_ids, batch_sizes=None, **kwargs):
     ids, mask = left_pad([tokenizer(p)["input_ids"] for p in PROMPTS], tokenizer.pad_token_id)
-    hook = model.base_model.register_forward_pre_hook(
-        lambda _, args, kw: batch_sizes.append(kw["input_ids"].shape[0]) if batch_sizes is not None else None,
-        with_kwargs=True)
+    hook = model.get_input_embeddings().register_forward_pre_hook(  # every forward, fused steps too, embeds its ids
+        lambda _, args: batch_sizes.append(args[0].shape[0]) if batch_sizes is not None else None)
     try:
         return decode(model, ids, mask, DecodeSettings(max_new_tokens=12, temperature=1.0, top_p=1.0, top_k=0,
                                                        eos_ids=eos_ids, pad_id=tokenizer.pad_token_id, **kwargs))
@@ -235,8 +247,7 @@ def test_a_shared_prefill_samples_what_repeated_prompts_sample(penalty):
     settings = DecodeSettings(max_new_tokens=10, temperature=1.0, top_p=1.0, top_k=0, eos_ids=[10**6],
                               pad_id=tokenizer.pad_token_id, repetition_penalty=penalty)
     sizes = []
-    model.base_model.register_forward_pre_hook(lambda _, args, kw: sizes.append(kw["input_ids"].shape),
-                                               with_kwargs=True)
+    model.get_input_embeddings().register_forward_pre_hook(lambda _, args: sizes.append(args[0].shape))
     torch.manual_seed(0)
     shared = decode(model, ids, mask, settings, repeats=4)  # [12, 10]
     assert sizes[0] == ids.shape and sizes[1] == (12, 1), sizes[:2]  # the prompts are read once

@@ -1,4 +1,4 @@
-"""LoRA folded into copies of its base weights, and on a CPU linear weights packed for oneDNN, while sampling
+"""LoRA folded into copies of its base weights, and on a CPU the LM head's weight packed for oneDNN, while sampling
 (policy/folding): the reference (adapter off) and the policy stay bit for bit what they were, and greedy
 tokens are the plain decode's."""
 import contextlib
@@ -68,14 +68,14 @@ def test_layers_are_folded_only_where_exact_enough(tokenizer):
     layer = foldable_layers(model)[0]
     weight = layer.get_base_layer().weight
     x = torch.randn(3, weight.shape[1])  # [3, in]
-    with sampling_weights(model):  # inside: the folded weight, packed for oneDNN; the adapter skipped
-        assert layer.merged and "forward" in vars(layer.get_base_layer())
+    with sampling_weights(model):  # inside: the folded weight stands in for the base one; the adapter skipped
+        assert layer.merged and layer.get_base_layer().weight is not weight
+        assert not any("forward" in vars(m) for m in model.modules()), "the body's linears are not packed"
         folded = torch.nn.functional.linear(x, weight + layer.get_delta_weight("default"))  # [3, out]
         # float32, x @ (W + BA) against x W + x B A: 32 + 4 terms per output of size ~1, rounding
         # <= 36 * 2**-24 = 2e-6 (measured 3.6e-7); a missing or doubled adapter is off by its delta, ~1e-1
         assert torch.allclose(layer(x), folded, atol=1e-5)
     assert not layer.merged and layer.get_base_layer().weight is weight
-    assert not any("forward" in vars(m) for m in model.modules()), "every forward is the class's again"
     assert foldable_layers(lora_model(tokenizer, torch.bfloat16)) == [], "a bf16 sum would round the update away"
     assert foldable_layers(tiny_model(tokenizer)) == []  # no adapters
     bf16 = lora_model(tokenizer, torch.bfloat16)

@@ -94,8 +94,7 @@ def test_rows_leaving_the_decoding_batch_change_no_greedy_token(model_type, monk
     model = tiny_family(model_type)
     ids, mask = left_padded_prompts(8)  # [N, P]
     sizes = []
-    model.base_model.register_forward_pre_hook(lambda _, args, kw: sizes.append(kw["input_ids"].shape[0]),
-                                               with_kwargs=True)
+    model.get_input_embeddings().register_forward_pre_hook(lambda _, args: sizes.append(args[0].shape[0]))
 
     def greedy(eos: int) -> torch.Tensor:
         settings = DecodeSettings(max_new_tokens=12, temperature=1.0, top_p=1.0, top_k=0, eos_ids=[eos], pad_id=0,
@@ -261,7 +260,7 @@ def test_the_preallocated_cache_is_written_in_place():
     model = tiny_family("llama")
     cache = preallocated_cache(model.config, 6 + 10)
     seen = []
-    model.model.register_forward_hook(lambda *_: seen.append([
+    model.model.norm.register_forward_hook(lambda *_: seen.append([  # after every forward, fused steps too
         (layer.key_buffer.data_ptr(), layer.key_buffer.shape) for layer in cache.layers]))
     import grpo.rollout.decoding
 
@@ -292,8 +291,7 @@ def test_a_prefix_all_prompts_share_is_read_once_and_changes_no_greedy_token(mod
         ids[i, 24 - len(row):], mask[i, 24 - len(row):] = row, 1
     assert grpo.rollout.decoding.shared_prefix_length(ids, mask) == 18
     reads = []
-    model.base_model.register_forward_pre_hook(lambda _, args, kw: reads.append(tuple(kw["input_ids"].shape)),
-                                               with_kwargs=True)
+    model.get_input_embeddings().register_forward_pre_hook(lambda _, args: reads.append(tuple(args[0].shape)))
     settings = DecodeSettings(max_new_tokens=8, temperature=1.0, top_p=1.0, top_k=0, eos_ids=[V], pad_id=0,
                               greedy=True, repetition_penalty=1.3)
     shared = decode(model, ids, mask, settings, repeats=2)  # [6, C]

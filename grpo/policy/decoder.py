@@ -1,0 +1,126 @@
+"""One decoding step of a Llama-shaped model (Llama, Mistral and Qwen2 with full attention), written out for the
+few new tokens a decoding step feeds: the same math as transformers' forward with fewer operations.
+
+transformers' forward spends a decoding step of SmolLM2-135M (16 rows) largely outside the matmuls: a mask built
+per step, linear modules called through peft's wrappers, rotary embeddings applied with a copy per tensor, keys and
+values repeated for grouped attention, the attention interface dispatched per layer. Here each layer runs two
+RMSNorms, one `mm` per linear on the weight the module holds (no copy: policy/folding stores the folded weights
+transposed, the layout a product with few rows reads fastest), the rotary product, and attention of each
+key/value head's group of queries over the preallocated cache (rollout/kv_cache) as one
+`scaled_dot_product_attention` call, reading the keys once per group. The weights are read as the modules hold
+them when the decode starts, so a decode within policy/folding's `sampling_weights` runs on the folded ones.
+
+Any other family, a layer that is not a plain linear (an unfolded adapter, 4-bit, sharded), or a layer with
+extras (sliding windows, q/k norms) keeps transformers' forward (`fused_decoder` returns None)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+# The decoder layers whose decoding step `FusedDecoder` computes: their forward is exactly this file's
+# (pre-norm RMSNorm, rotary on all of q and k, grouped-query attention scaled by head_dim ** -0.5, gated MLP).
+LAYERS = {"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer"}
+NORMS = {"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm"}
+
+
+def _plain(module) -> torch.nn.Linear | None:
+    """The torch linear `module` computes with: itself, or a peft LoRA layer's base layer when its adapter is
+    folded into the base weight (peft's `merged`); None for anything else."""
+    if type(module) is torch.nn.Linear:
+        return module
+    if getattr(module, "merged", False) and type(module.get_base_layer()) is torch.nn.Linear:
+        return module.get_base_layer()
+    return None
+
+
+def _product(linear: torch.nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A linear's weight transposed [in, out] (a view, no copy) and its bias [out] or None."""
+    return linear.weight.detach().T, None if linear.bias is None else linear.bias.detach()
+
+
+def _layer_linears(layer) -> list | None:
+    attn, mlp = layer.self_attn, layer.mlp
+    names = [(attn, "q_proj"), (attn, "k_proj"), (attn, "v_proj"), (attn, "o_proj"), (mlp, "gate_proj"),
+             (mlp, "up_proj"), (mlp, "down_proj")]
+    linears = [_plain(getattr(owner, name, None)) for owner, name in names]
+    return None if any(m is None for m in linears) else linears
+
+
+def fused_decoder(body, cache) -> FusedDecoder | None:
+    """A `FusedDecoder` for the decoder `body` (a transformers base model: `embed_tokens`, `layers`, `norm`,
+    `rotary_emb`) writing `cache`'s preallocated layers, or None where `body` is not one it computes exactly or
+    its weights are not float32 on a CPU (elsewhere the copies would cost memory the plan does not hold)."""
+    layers = getattr(body, "layers", None)
+    weight = next(body.parameters(), None)  # float32 on a CPU: what the fused copies are counted for (memory/)
+    if (layers is None or weight is None or weight.device.type != "cpu" or weight.dtype != torch.float32
+            or not all(hasattr(body, a) for a in ("embed_tokens", "norm", "rotary_emb"))):
+        return None
+    if len(cache.layers) != len(layers) or type(body.norm).__name__ not in NORMS:
+        return None
+    plan = []
+    for layer in layers:
+        attn = layer.self_attn
+        if (type(layer).__name__ not in LAYERS or getattr(attn, "sliding_window", None) is not None
+                or type(layer.input_layernorm).__name__ not in NORMS
+                or type(layer.post_attention_layernorm).__name__ not in NORMS
+                or attn.scaling != attn.head_dim ** -0.5):
+            return None
+        linears = _layer_linears(layer)
+        if linears is None:
+            return None
+        plan.append(linears)
+    return FusedDecoder(body, cache, plan)
+
+
+class FusedDecoder:
+    """`step(ids [n, 1], mask [n, T], position_ids [n, 1]) -> last hidden states [n, H]`, as
+    `body(input_ids=ids, attention_mask=mask, position_ids=position_ids, cache=cache).last_hidden_state[:, -1]`
+    computes them, writing the new keys and values into `cache`. It holds the weights the modules hold when it is
+    made: make one per decode."""
+
+    def __init__(self, body, cache, plan: list):
+        config = body.config
+        attn = body.layers[0].self_attn
+        self.embed, self.rotary, self.cache = body.embed_tokens, body.rotary_emb, cache
+        self.norm = body.norm  # the final norm's module: called as transformers' forward calls it
+        self.D, self.Hkv = attn.head_dim, config.num_key_value_heads
+        self.Hq, self.scale = config.num_attention_heads, attn.scaling
+        self.layers = []
+        for layer, (q, k, v, o, gate, up, down) in zip(body.layers, plan):
+            norms = [(n.weight.detach(), n.variance_epsilon)
+                     for n in (layer.input_layernorm, layer.post_attention_layernorm)]
+            self.layers.append((norms, [_product(m) for m in (q, k, v, o, gate, up, down)], layer.mlp.act_fn))
+
+    @staticmethod
+    def _linear(x: torch.Tensor, weight_and_bias) -> torch.Tensor:
+        weight, bias = weight_and_bias
+        return torch.mm(x, weight) if bias is None else torch.addmm(bias, x, weight)  # [n, out]
+
+    @staticmethod
+    def _rms(x: torch.Tensor, weight_and_eps) -> torch.Tensor:
+        weight, eps = weight_and_eps  # transformers' RMSNorm: float32 statistics, the weight after the cast back
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)  # [n, H]
+        return weight * h.to(x.dtype)
+
+    def __call__(self, ids: torch.Tensor, mask: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        n, D, Hq, Hkv = len(ids), self.D, self.Hq, self.Hkv
+        x = self.embed(ids)[:, 0]  # [n, H]
+        cos, sin = self.rotary(x, position_ids)  # [n, 1, D] each: one position per row, broadcast over heads
+        attend = mask.bool()[:, None, None, :]  # [n, 1, 1, T]: padding never attended
+        half = D // 2
+
+        def rotate(t: torch.Tensor) -> torch.Tensor:  # [n, heads, D]: transformers' apply_rotary_pos_emb
+            return t * cos + torch.cat([-t[..., half:], t[..., :half]], -1) * sin
+
+        for ((norm1, norm2), (q, k, v, o, gate, up, down), act), cached in zip(self.layers, self.cache.layers):
+            h = self._rms(x, norm1)  # [n, H]
+            queries = rotate(self._linear(h, q).view(n, Hq, D)).view(n, Hkv, Hq // Hkv, D)  # [n, Hkv, G, D]
+            keys, values = cached.update(rotate(self._linear(h, k).view(n, Hkv, D))[:, :, None],
+                                         self._linear(h, v).view(n, Hkv, 1, D))  # [n, Hkv, T, D] each
+            # each key/value head's G queries as G query positions: the keys are read once per group
+            a = F.scaled_dot_product_attention(queries, keys, values, attn_mask=attend, scale=self.scale)
+            x = x + self._linear(a.reshape(n, Hq * D), o)  # [n, H]
+            h = self._rms(x, norm2)  # [n, H]
+            x = x + self._linear(act(self._linear(h, gate)) * self._linear(h, up), down)  # [n, H]
+        return self.norm(x)  # [n, H]
