@@ -4,8 +4,8 @@ hidden states, the clipped policy loss with its KL penalty. Nothing here knows a
 The choice lists live here, free of torch, so that checking a Config (grpo/settings) stays fast."""
 
 SCALES = ("group", "batch", "none")  # advantages.group_advantages(scale=...)
-# loss.policy_loss(loss_type=...): TRL 1.16's values but "vespo"
-LOSS_TYPES = ("dapo", "grpo", "bnpo", "dr_grpo", "cispo", "sapo", "luspo")
+# loss.policy_loss(loss_type=...): TRL 1.16's values
+LOSS_TYPES = ("dapo", "grpo", "bnpo", "dr_grpo", "cispo", "sapo", "luspo", "vespo")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")  # loss.policy_loss(importance_sampling_level=...)
 # sampling_correction.sampling_correction(mode=...): TRL's vllm_importance_sampling_mode values
 SAMPLING_CORRECTION_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")

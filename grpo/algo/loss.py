@@ -12,6 +12,8 @@ Per completion token t of sequence i (m the completion mask, A_i the advantage, 
             (min(w, delta) only when delta is set: INTELLECT-2's two-sided clipping bounds w for A < 0 too)
     cispo:  l = -stopgrad(min(w, epsilon_high)) * A * lp            (MiniMax-M1: epsilon_high is eps_max)
     sapo:   l = -sigmoid(tau * (w - 1)) * 4 / tau * A,  tau = sapo_temperature_pos if A > 0 else _neg
+    vespo:  l = -stopgrad(phi_i) * A * lp,  phi_i = e^lambda w_i^k e^(-lambda w_i), w_i = exp(sum_t m (lp - old))
+            (k, lambda) = (vespo_k_pos, vespo_lambda_pos) if A >= 0 else the _neg pair (loss_terms.vespo_term)
     l     = l * [A_i >= 0  or  KL_i <= off_policy_mask_threshold]  only when the threshold is set (DeepSeek-V3.2),
             KL_i = sum_t m (old - stopgrad(lp)) / max(1, |o_i|)   0 on-policy (old = lp): nothing is dropped
     l     = l * [H >= q-quantile of H over this call's tokens]    only when top_entropy_quantile q < 1
@@ -28,7 +30,7 @@ B = ``num_sequences`` and the micro-batch's tokens ``micro_batch_tokens`` defaul
     grpo, sapo:   sum_i( sum_t m l / max(1, |o_i|) ) / B / K   each sequence's token mean, then their mean
     bnpo:         sum_{i,t} m l / max(1, micro_batch_tokens) / K   token mean of THIS micro-batch only
     dr_grpo:      sum_{i,t} m l / (B * max_completion_length) / K
-    dapo, cispo:  sum_{i,t} m l / max(1, num_tokens)           num_tokens: the whole step's (all ranks)
+    dapo, cispo, vespo:  sum_{i,t} m l / max(1, num_tokens)    num_tokens: the whole step's (all ranks)
     luspo:        sum_i( sum_t m l ) / B / K                   sums, not means: length-weighted
 
 The entropy bonus (``entropy_coef`` c, when not 0) is then subtracted whatever the loss type, the mean entropy
@@ -53,7 +55,7 @@ from torch import Tensor
 
 from . import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES
 from .loss_terms import (clipped_term, cispo_term, entropy_bonus, high_entropy_mask, importance_ratio, k3_kl,
-                         masked_mean, off_policy_mask, sapo_term)
+                         masked_mean, off_policy_mask, sapo_term, vespo_term)
 
 CLIPPED = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")  # the loss types with PPO's clipped objective
 # Prefixes of the metrics that are this call's share of the step's value, like the loss (the step's calls sum to
@@ -79,6 +81,10 @@ class LossSettings:
     off_policy_mask_threshold: float | None = None
     sapo_temperature_pos: float = 1.0  # SAPO's gate temperatures for A > 0 and A <= 0
     sapo_temperature_neg: float = 1.05
+    vespo_k_pos: float = 2.0  # VESPO's gamma weight's shape k and rate lambda for A >= 0 and A < 0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
     max_completion_length: int | None = None  # the L of "dr_grpo" (required there)
 
     def __post_init__(self) -> None:
@@ -91,12 +97,15 @@ class LossSettings:
             raise ValueError('loss_type "dr_grpo" needs max_completion_length (a positive int)')
 
 
-# loss_type -> its policy term (loss_terms), given (w, A, lp, m, settings): returns ([B, T] terms, its metrics)
+# loss_type -> its policy term (loss_terms), given (w, A, lp, old, m, settings): returns ([B, T] terms, metrics)
 POLICY_TERMS = {
-    **dict.fromkeys(CLIPPED, lambda ratio, adv, lp, on, s: clipped_term(ratio, adv, on, s.epsilon_low,
-                                                                        s.epsilon_high, s.delta)),
-    "cispo": lambda ratio, adv, lp, on, s: cispo_term(ratio, adv, lp, on, s.epsilon_high),
-    "sapo": lambda ratio, adv, lp, on, s: sapo_term(ratio, adv, s.sapo_temperature_pos, s.sapo_temperature_neg),
+    **dict.fromkeys(CLIPPED, lambda ratio, adv, lp, old, on, s: clipped_term(ratio, adv, on, s.epsilon_low,
+                                                                             s.epsilon_high, s.delta)),
+    "cispo": lambda ratio, adv, lp, old, on, s: cispo_term(ratio, adv, lp, on, s.epsilon_high),
+    "sapo": lambda ratio, adv, lp, old, on, s: sapo_term(ratio, adv, s.sapo_temperature_pos,
+                                                         s.sapo_temperature_neg),
+    "vespo": lambda ratio, adv, lp, old, on, s: vespo_term(lp, old, adv, on, s.vespo_k_pos, s.vespo_lambda_pos,
+                                                           s.vespo_k_neg, s.vespo_lambda_neg),
 }
 
 
@@ -122,10 +131,10 @@ def zero_advantage_has_no_gradient(beta: float, top_entropy_quantile: float, ent
     """Whether a completion whose advantage is exactly 0 adds exactly 0 to the gradient (and to the loss), so
     that it needs no forward or backward. Every loss type's policy term is A times a finite factor: clipped
     ``-min(min(w, delta) A, clip(w) A)``, cispo ``-sg(min(w, eps)) A lp``, sapo ``-sigmoid(tau (w - 1)) 4 / tau A``,
-    at token or sequence level (GSPO's w is the row's own), so A = 0 zeroes its value and gradient. Not so with a
-    KL term (beta != 0), which pulls every row towards the reference, nor with the high-entropy mask
-    (top_entropy_quantile < 1): its quantile is over every row's tokens, and leaving some out moves it, nor
-    with the entropy bonus (entropy_coef != 0), which every row's tokens feed."""
+    vespo ``-sg(phi) A lp``, at token or sequence level (GSPO's w is the row's own), so A = 0 zeroes its value
+    and gradient. Not so with a KL term (beta != 0), which pulls every row towards the reference, nor with the
+    high-entropy mask (top_entropy_quantile < 1): its quantile is over every row's tokens, and leaving some out
+    moves it, nor with the entropy bonus (entropy_coef != 0), which every row's tokens feed."""
     return beta == 0 and top_entropy_quantile >= 1.0 and entropy_coef == 0
 
 
@@ -144,7 +153,7 @@ def aggregate(per_token: Tensor, completion_mask: Tensor, loss_type: str = "dapo
         return masked_sum.sum() / n_tok / num_micro_batches
     if loss_type == "dr_grpo":
         return masked_sum.sum() / (max(1, B) * max_completion_length) / num_micro_batches
-    if loss_type in ("dapo", "cispo"):
+    if loss_type in ("dapo", "cispo", "vespo"):
         n_tok = mask.sum().clamp(min=1) if num_tokens is None else max(1.0, float(num_tokens))
         return masked_sum.sum() / n_tok
     if loss_type == "luspo":
@@ -169,7 +178,7 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor | None, ref_logprobs: Ten
             at masked positions are ignored (must only be finite).
         entropies: ``[B, T]`` per-token entropies: the ``entropy`` metric, the high-entropy mask when
             ``top_entropy_quantile < 1``, and the bonus when ``entropy_coef != 0`` (trained through their grad).
-        num_tokens: for ``"dapo"`` / ``"cispo"``, the step's token count (default: this call's).
+        num_tokens: for ``"dapo"`` / ``"cispo"`` / ``"vespo"``, the step's token count (default: this call's).
         num_micro_batches: K of the module docstring (default 1: this call is the whole step).
         num_sequences, micro_batch_tokens: the micro-batch's rows (grpo, sapo, dr_grpo, luspo) and completion
             tokens (bnpo), counted before rows with exactly zero gradient were left out (default: this call's).
@@ -181,7 +190,8 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor | None, ref_logprobs: Ten
     Returns:
         ``(loss, metrics)``: a scalar tensor and detached python floats, TRL's names where TRL logs
         the same thing: ``loss/policy`` (the policy term aggregated like the loss), ``ratio/mean``
-        (w), the policy term's own (``clipped_term``'s clip ratios, ``cispo_term``'s ``cispo_clip_ratio``),
+        (w), the policy term's own (``clipped_term``'s clip ratios, ``cispo_term``'s ``cispo_clip_ratio``,
+        ``vespo_term``'s ``vespo/phi_seq_mean``, a mean over the sequences),
         ``kl`` when the KL term is used, ``entropy`` when entropies are given: masked means over this call's
         completion tokens. Shares of the step like the loss (``STEP_SHARES``): ``loss/entropy`` (the bonus term,
         -c * mean H / K) when ``entropy_coef != 0``, ``off_policy/masked_ratio`` (the sequences dropped,
@@ -194,7 +204,7 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor | None, ref_logprobs: Ten
         old_logprobs = logprobs.detach()
     adv = advantages.to(logprobs.dtype)[:, None]  # [B, 1]
     ratio = importance_ratio(logprobs, old_logprobs, on, s.importance_sampling_level)  # [B, T]
-    policy, term_metrics = POLICY_TERMS[s.loss_type](ratio, adv, logprobs, on, s)  # [B, T]
+    policy, term_metrics = POLICY_TERMS[s.loss_type](ratio, adv, logprobs, old_logprobs, on, s)  # [B, T]
     if s.off_policy_mask_threshold is not None:
         kept = off_policy_mask(logprobs, old_logprobs, advantages, on, s.off_policy_mask_threshold)  # [B]
         policy = policy * kept[:, None].to(policy.dtype)  # [B, T]

@@ -6,6 +6,8 @@ overflow into inf * 0."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -79,6 +81,29 @@ def sapo_term(ratio: Tensor, advantages: Tensor, temperature_pos: float,
     as w leaves 1; a larger tau for A <= 0 fades it faster there, where off-policy tokens destabilize more."""
     tau = torch.full_like(advantages, temperature_neg).masked_fill(advantages > 0, temperature_pos)  # [B, 1]
     return -torch.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau * advantages, {}  # [B, T]
+
+
+def vespo_term(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, completion_mask: Tensor,
+               k_pos: float, lambda_pos: float, k_neg: float, lambda_neg: float) -> tuple[Tensor, dict[str, Tensor]]:
+    """VESPO's objective per token (TRL 1.16's `get_gamma_weights`): a smooth, sequence-level weight of the
+    token's log-prob gradient in place of a clip::
+
+        log_w = clamp(sum_t m * clamp(lp - old, -20, 20), log 1e-8, 20)     the sequence's log-ratio (a sum)
+        phi   = exp(lambda + k * log_w - lambda * exp(log_w))               e^lambda w^k e^(-lambda w): phi(1) = 1
+        l     = -stopgrad(phi) * A * lp,    (k, lambda) = (k_pos, lambda_pos) if A >= 0 else (k_neg, lambda_neg)
+
+    phi is a gamma-shaped weight, 1 on-policy, that fades as w leaves 1 (lambda is clamped to >= 1e-4; a NaN or
+    inf phi counts as 0). The metric (detached): ``vespo/phi_seq_mean``, the mean of phi over the sequences."""
+    on = completion_mask.bool()  # [B, T]
+    with torch.no_grad():
+        log_ratio = torch.where(on, (logprobs - old_logprobs).clamp(-20.0, 20.0), 0.0)  # [B, T]
+        log_w = log_ratio.sum(dim=1, keepdim=True).clamp(math.log(1e-8), 20.0)  # [B, 1]
+        nonneg = advantages >= 0  # [B, 1]
+        k = torch.where(nonneg, k_pos, k_neg)  # [B, 1], the default dtype, as TRL's
+        lam = torch.where(nonneg, lambda_pos, lambda_neg).clamp(min=1e-4)  # [B, 1]
+        phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+    loss = -phi * advantages * torch.where(on, logprobs, 0.0)  # [B, T]
+    return loss, {"vespo/phi_seq_mean": phi.mean() if phi.numel() else phi.sum()}
 
 
 def k3_kl(logprobs: Tensor, ref_logprobs: Tensor, completion_mask: Tensor, ratio: Tensor | None = None) -> Tensor:

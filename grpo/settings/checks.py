@@ -73,6 +73,8 @@ RULES: dict[str, tuple[typing.Callable, str]] = {
                                                                "on-policy completions would drop), or None"),
     "sapo_temperature_neg": (lambda v: v > 0, "> 0"),
     "sapo_temperature_pos": (lambda v: v > 0, "> 0"),
+    **dict.fromkeys(("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"),
+                    (math.isfinite, "finite")),
     "reward_weights": (lambda v: all(math.isfinite(w) for w in v), "finite numbers"),
     "lora_r": (lambda v: v >= 1, ">= 1"),
     "lora_alpha": (lambda v: v > 0, "> 0"),

@@ -185,7 +185,8 @@ class Config(metaclass=_CheckedKeywords):
     loss_type: str = "dapo"
     """How per-token losses are normalized (grpo.algo.loss): "dapo" (by the step's tokens), "grpo" (each
     completion's token mean, then their mean), "bnpo" (by each micro-batch's own tokens), "dr_grpo" (by
-    max_completion_length x completions), "luspo" (completion sums); "cispo" and "sapo" change the objective."""
+    max_completion_length x completions), "luspo" (completion sums); "cispo", "sapo" and "vespo" change the
+    objective (cispo and vespo normalized as dapo)."""
     importance_sampling_level: str = "token"
     """Importance ratio per "token", or per "sequence" (GSPO: exp of the mean log-ratio of the completion)."""
     use_bias_correction_kl: bool = True
@@ -208,6 +209,14 @@ class Config(metaclass=_CheckedKeywords):
     """loss_type="sapo": the gate's temperature for tokens with advantage <= 0."""
     sapo_temperature_pos: float = 1.0
     """loss_type="sapo": the gate's temperature for tokens with advantage > 0."""
+    vespo_k_pos: float = 2.0
+    """loss_type="vespo": the shape k of the gamma weight phi(w) = e^lambda w^k e^(-lambda w) for advantages >= 0."""
+    vespo_lambda_pos: float = 3.0
+    """loss_type="vespo": the rate lambda of the gamma weight for advantages >= 0."""
+    vespo_k_neg: float = 3.0
+    """loss_type="vespo": the shape k of the gamma weight for advantages < 0."""
+    vespo_lambda_neg: float = 2.0
+    """loss_type="vespo": the rate lambda of the gamma weight for advantages < 0."""
     reward_weights: list[float] | None = None
     """One weight per reward function (default: all 1.0)."""
 
@@ -322,5 +331,7 @@ class Config(metaclass=_CheckedKeywords):
                     top_entropy_quantile=self.top_entropy_quantile, entropy_coef=self.entropy_coef,
                     off_policy_mask_threshold=self.off_policy_mask_threshold,
                     sapo_temperature_pos=self.sapo_temperature_pos, sapo_temperature_neg=self.sapo_temperature_neg,
+                    vespo_k_pos=self.vespo_k_pos, vespo_lambda_pos=self.vespo_lambda_pos,
+                    vespo_k_neg=self.vespo_k_neg, vespo_lambda_neg=self.vespo_lambda_neg,
                     max_completion_length=self.max_completion_length)
 

@@ -28,7 +28,7 @@ TRL_ONLY = frozenset("""
     torch_compile_backend torch_compile_mode torch_empty_cache_steps trackio_bucket_id trackio_space_id
     trackio_static_space_id train_sampling_strategy transformers_continuous_batching_config trust_remote_code
     use_adaptive_entropy use_cache use_cpu use_liger_kernel use_transformers_continuous_batching
-    use_transformers_paged vespo_k_neg vespo_k_pos vespo_lambda_neg vespo_lambda_pos
+    use_transformers_paged
     vllm_enable_sleep_mode vllm_gpu_memory_utilization vllm_group_port vllm_importance_sampling_cap
     vllm_max_model_length vllm_model_impl vllm_structured_outputs_regex vllm_tensor_parallel_size
 """.split())
@@ -54,9 +54,6 @@ TRL_REASONS = {
     "fp16": "bf16 (CUDA) or float32 only",
     "push_to_hub": "checkpoints are written to output_dir only",
     "multi_objective_aggregation": "rewards are summed with reward_weights, then normalized (TRL's default)",
-    "vespo_k_pos": "loss_type='vespo' is not implemented", "vespo_k_neg": "loss_type='vespo' is not implemented",
-    "vespo_lambda_pos": "loss_type='vespo' is not implemented",
-    "vespo_lambda_neg": "loss_type='vespo' is not implemented",
     **{k: _ADAPTIVE_ENTROPY for k in ("use_adaptive_entropy", "entropy_coef_min", "entropy_coef_max",
                                       "entropy_coef_delta", "entropy_target")},
     "sync_ref_model": _LATER,

@@ -99,3 +99,20 @@ def test_what_cannot_work_says_so_in_one_line(folder):
     with pytest.raises(ConfigError, match="peft has none for model_type 'my_arch': name them"):
         GRPOTrainer(model=model, processing_class=tokenizer, args=GRPOConfig(output_dir="/nonexistent/unused"),
                     reward_funcs=[digit_share], train_dataset=prompts(), peft_config=LoraConfig(r=4))
+
+
+def test_loss_type_vespo_trains_with_trls_settings(tmp_path):
+    # TRL 1.16's eighth loss type, its four settings by TRL's names; equal to TRL's on identical tensors:
+    # tests/unit/test_loss_vs_trl.py
+    tokenizer = tiny_tokenizer()
+    args = GRPOConfig(output_dir=str(tmp_path / "run"), loss_type="vespo", vespo_k_pos=1.5, vespo_lambda_neg=1.0,
+                      max_steps=2, per_device_train_batch_size=8, num_generations=4, max_completion_length=4,
+                      steps_per_generation=2, learning_rate=1e-2, optim="adamw", report_to="none")
+    trainer = GRPOTrainer(model=tiny_model(tokenizer), processing_class=tokenizer, args=args,
+                          reward_funcs=[digit_share], train_dataset=prompts())
+    assert trainer.plan.loss["loss_type"] == "vespo" and trainer.plan.loss["vespo_k_pos"] == 1.5
+    trainer.train()
+    lines = logged(trainer)
+    # step 2 trains on the batch step 1 sampled, after one update: phi(w) moves off 1 (phi(1) = 1 on-policy)
+    assert lines[0]["vespo/phi_seq_mean"] == pytest.approx(1.0)
+    assert 0 < lines[1]["vespo/phi_seq_mean"] != pytest.approx(1.0, abs=1e-6)

@@ -249,7 +249,7 @@ def test_metrics_match_reference():
     assert all(type(v) is float for v in metrics.values())
 
 
-@pytest.mark.parametrize("loss_type", [t for t in LOSS_TYPES if t != "cispo"])  # cispo: below
+@pytest.mark.parametrize("loss_type", [t for t in LOSS_TYPES if t not in ("cispo", "vespo")])  # those: below
 @pytest.mark.parametrize("level", ["token", "sequence"])
 def test_gradcheck(loss_type, level):
     logp, old, ref, adv, mask = random_inputs(3, 4, torch.float64, seed=9)
@@ -273,6 +273,24 @@ def test_cispo_gradient_is_the_clipped_weight_times_the_advantage():
     assert (w == 1.1).any() and (w < 1.1).any()
     # float64, a product of 3 factors each way: a few ulps (2**-53 = 1.1e-16) of values ~0.1; atol for exact zeros
     torch.testing.assert_close(logp.grad, -w * adv[:, None] * mask / mask.sum(), rtol=1e-12, atol=1e-15)
+
+
+def test_vespo_gradient_is_the_gamma_weight_times_the_advantage():
+    # The weight is detached, as cispo's: by hand, d loss / d logp = -phi_i * A_i / (the step's tokens), with
+    # phi_i = e^lambda w^k e^(-lambda w) of the sequence's w = exp(sum of its log-ratios), (k, lambda) by A's sign.
+    logp, old, _, adv, mask = random_inputs(3, 5, torch.float64, seed=13)
+    adv = adv * torch.tensor([1.0, -1.0, 1.0], dtype=torch.float64)  # both signs
+    logp.requires_grad_()
+    loss, metrics = policy_loss(logp, old, None, adv, mask, loss_type="vespo")
+    loss.backward()
+    w = (((logp - old) * mask).sum(dim=1)).detach().exp()  # [B]
+    k, lam = torch.where(adv >= 0, 2.0, 3.0).double(), torch.where(adv >= 0, 3.0, 2.0).double()
+    phi = lam.exp() * w ** k * (-lam * w).exp()  # [B]
+    assert (adv > 0).any() and (adv < 0).any() and not torch.allclose(phi, torch.ones_like(phi))
+    torch.testing.assert_close(logp.grad, -(phi * adv)[:, None] * mask / mask.sum(), rtol=1e-12, atol=1e-15)
+    assert metrics["vespo/phi_seq_mean"] == pytest.approx(phi.mean().item(), rel=1e-12)
+    on_policy, metrics = policy_loss(logp.detach(), None, None, adv, mask, loss_type="vespo")
+    assert metrics["vespo/phi_seq_mean"] == pytest.approx(1.0)  # phi(1) = 1
 
 
 @pytest.mark.parametrize("loss_type", ["dapo", "bnpo", "grpo", "dr_grpo", "luspo"])

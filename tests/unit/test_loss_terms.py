@@ -152,6 +152,10 @@ def reference_loss(logp, old, ref, adv, mask, entropies, s: LossSettings, num_to
         w = (lp - lo).mean().exp().expand(len(toks)) if s.importance_sampling_level == "sequence" else (lp - lo).exp()
         if s.loss_type == "cispo":
             term = -w.detach().clamp(max=s.epsilon_high) * a * lp
+        elif s.loss_type == "vespo":  # the sequence's summed log-ratio, whatever the importance-sampling level
+            log_w = (lp - lo).detach().clamp(-20, 20).sum().clamp(math.log(1e-8), 20)
+            k, lam = (s.vespo_k_pos, s.vespo_lambda_pos) if a >= 0 else (s.vespo_k_neg, s.vespo_lambda_neg)
+            term = -math.exp(lam + k * log_w - lam * log_w.exp()) * a * lp
         elif s.loss_type == "sapo":
             tau = s.sapo_temperature_pos if a > 0 else s.sapo_temperature_neg
             term = -4 / tau * a / (1 + torch.exp(-tau * (w - 1)))
@@ -170,7 +174,8 @@ def reference_loss(logp, old, ref, adv, mask, entropies, s: LossSettings, num_to
     loss = {"grpo": (sums / counts.clamp(min=1)).sum() / B / K, "sapo": (sums / counts.clamp(min=1)).sum() / B / K,
             "bnpo": sums.sum() / n / K, "dr_grpo": sums.sum() / (B * s.max_completion_length) / K,
             "dapo": sums.sum() / (n if num_tokens is None else num_tokens),
-            "cispo": sums.sum() / (n if num_tokens is None else num_tokens), "luspo": sums.sum() / B / K}[s.loss_type]
+            "cispo": sums.sum() / (n if num_tokens is None else num_tokens), "luspo": sums.sum() / B / K,
+            "vespo": sums.sum() / (n if num_tokens is None else num_tokens)}[s.loss_type]
     if s.entropy_coef:
         loss = loss - s.entropy_coef * entropies[acts_on].sum() / acts_on.sum().clamp(min=1) / K
     return loss

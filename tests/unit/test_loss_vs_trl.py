@@ -24,7 +24,12 @@ CASES = [  # (loss_type, settings) with TRL's names
     ("dapo", dict(entropy_coef=0.05)), ("grpo", dict(entropy_coef=0.1, top_entropy_quantile=0.3)),
     ("luspo", dict(off_policy_mask_threshold=0.0)),
     ("cispo", dict(epsilon_high=1.3, off_policy_mask_threshold=0.05, entropy_coef=0.02)),
+    ("vespo", {}), ("vespo", dict(vespo_k_pos=1.5, vespo_lambda_pos=2.0, vespo_k_neg=2.5, vespo_lambda_neg=1.0)),
+    ("vespo", dict(top_entropy_quantile=0.5, off_policy_mask_threshold=0.05, use_bias_correction_kl=False)),
 ]
+
+
+VESPO = dict(vespo_k_pos=2.0, vespo_lambda_pos=3.0, vespo_k_neg=3.0, vespo_lambda_neg=2.0)  # TRL's defaults
 
 
 def inputs(seed: int):
@@ -43,7 +48,7 @@ def trl_step(trl_trainer, data, loss_type, settings, beta):
     args = types.SimpleNamespace(use_bias_correction_kl=settings.get("use_bias_correction_kl", True),
                                  delta=settings.get("delta"), sapo_temperature_pos=1.0,
                                  sapo_temperature_neg=settings.get("sapo_temperature_neg", 1.05),
-                                 steps_per_generation=K)
+                                 steps_per_generation=K, **{k: settings.get(k, v) for k, v in VESPO.items()})
     accelerator = types.SimpleNamespace(num_processes=1, reduce=lambda t, reduction: t, gather=lambda t: t,
                                         pad_across_processes=lambda t, dim, pad_index: t, sync_gradients=True)
     entropy_coef = settings.get("entropy_coef", 0.0)
@@ -57,6 +62,7 @@ def trl_step(trl_trainer, data, loss_type, settings, beta):
         _entropy_bonus_enabled=entropy_coef != 0, _metrics={"train": __import__("collections").defaultdict(list)})
     fake.get_high_entropy_mask = lambda *a: trl_trainer.get_high_entropy_mask(fake, *a)
     fake.get_off_policy_mask = trl_trainer.get_off_policy_mask
+    fake.get_gamma_weights = trl_trainer.get_gamma_weights
     logp, entropy = data["logp"].clone().requires_grad_(), data["entropy"].clone().requires_grad_()
     total = 0.0
     for k in range(K):
@@ -100,7 +106,7 @@ def compare(loss_type, settings, beta=0.04, seed=0):
     trl_loss, trl_grad, trl_entropy_grad, trl_metrics = trl_step(GRPOTrainer, data, loss_type, settings, beta)
     loss, grad, ent_grad, metrics = our_step(data, loss_type, settings, beta)
     shared = [k for k in ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
-                          "cispo_clip_ratio") if k in trl_metrics]
+                          "cispo_clip_ratio", "vespo/phi_seq_mean") if k in trl_metrics]
     assert all(k in metrics for k in shared), set(shared) - set(metrics)
     return dict(loss=abs(loss - trl_loss), grad=(grad - trl_grad).abs().max().item(),
                 entropy_grad=(ent_grad - trl_entropy_grad).abs().max().item(), trl_entropy_grad=trl_entropy_grad,
