@@ -7,6 +7,9 @@ num_generations, its own seed (from its random stream: a rerun samples the same)
 importance-sampling correction reads (algo/sampling_correction). The prompts of a generation batch are sent at
 once, so the server batches them.
 
+Tools, environments and inline tools: each completion is sampled in segments that stop where a tool may run,
+through the decode loop's own ToolLoop (rollout/server_tools.py); tool tokens stay out of the loss.
+
 LoRA: when a generation batch is sampled at an optimizer step the server has not seen, the adapter is written
 into `adapters_dir` (the server must read that folder: same machine or shared storage), loaded under a new name
 (`POST /v1/load_lora_adapter`, the server started with `--enable-lora` and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True),
@@ -32,8 +35,10 @@ import torch
 
 from ..errors import ConfigError, UserError
 from .batches import Rollout
-from .sampling import PromptEncoder, eos_token_ids, is_chat, rollout_of_tokens
+from .sampling import PromptEncoder, eos_token_ids, is_chat, rollout_of_tokens, tool_rollout
+from .server_tools import NAN, ServerToolRow, tool_decode
 from .streams import PromptStreams
+from .tool_loop import ToolLoop
 
 PROBE = "Hello, world! 12 + 30 = 42.\nThe answer: <answer> 42 </answer>"
 MISMATCH_NATS = 0.5  # a first batch whose log-probs differ more per token: the server samples another model
@@ -91,15 +96,13 @@ class ServerSampler:
     `adapters_dir`: where adapters are written for the server to read."""
 
     def __init__(self, model, tokenizer, settings, server, adapters_dir: Path, tools=None):
-        if tools is not None:
-            raise ConfigError("tools and environments with use_vllm=True are not supported yet: they run in our "
-                              "decode loop (set use_vllm=False)")
         if not hasattr(model, "peft_config"):
             raise ConfigError("use_vllm=True samples with the run's LoRA adapter: the policy must be a LoRA model "
                               "(use_lora=True)")
         self.model, self.tokenizer, self.settings = model, tokenizer, settings
         kwargs = None if settings.chat_template_kwargs is None else dict(settings.chat_template_kwargs)
-        self.encode = PromptEncoder(tokenizer, settings.max_prompt_length, kwargs)
+        self.encode = PromptEncoder(tokenizer, settings.max_prompt_length, kwargs, tools)
+        self.tools = tools
         self.eos_ids = eos_token_ids(tokenizer, model)
         self.server = VLLMServer(server)
         self.adapters_dir = Path(adapters_dir).resolve()
@@ -143,9 +146,9 @@ class ServerSampler:
         self.adapter = (step, name)
         return name
 
-    def request_body(self, prompt_ids: list[int], seed: int, adapter: str) -> dict:
+    def request_body(self, prompt_ids: list[int], seed: int, adapter: str, n: int, max_tokens: int) -> dict:
         s, knobs = self.settings, self.settings.knobs
-        body = {"model": adapter, "prompt": prompt_ids, "n": s.num_generations, "max_tokens": s.max_completion_length,
+        body = {"model": adapter, "prompt": prompt_ids, "n": n, "max_tokens": max_tokens,
                 "temperature": knobs["temperature"], "top_p": knobs["top_p"],
                 "top_k": knobs["top_k"] if knobs["top_k"] > 0 else -1, "min_p": knobs["min_p"] or 0.0,
                 "repetition_penalty": knobs["repetition_penalty"], "seed": seed, "logprobs": 0,
@@ -164,12 +167,15 @@ class ServerSampler:
         adapter = self.push_adapter(streams.step)
         prompt_ids, prompt_mask = self.encode(prompts)  # [B, P]
         rows = [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids, prompt_mask)]
+        if self.tools is not None:  # rows that call tools: sampled in segments (rollout/server_tools)
+            return self.tool_rollout(prompts, prompt_ids, prompt_mask, rows, streams, adapter, envs, on_token), {}
         seeds = streams.seeds(len(prompts), 1).tolist()  # [B]: one per prompt, its G completions from it
 
         def sample(i: int) -> list[tuple[list[int], list[float]]]:
-            answer = self.server.request("/v1/completions", self.request_body(rows[i], seeds[i], adapter))
+            body = self.request_body(rows[i], seeds[i], adapter, G, s.max_completion_length)
+            answer = self.server.request("/v1/completions", body)
             choices = sorted(answer["choices"], key=lambda c: c["index"])
-            out = [(c["token_ids"], [float("nan") if v is None else v for v in c["logprobs"]["token_logprobs"]])
+            out = [(c["token_ids"], [NAN if v is None else v for v in c["logprobs"]["token_logprobs"]])
                    for c in choices]
             if on_token is not None:
                 on_token(sum(len(ids) for ids, _ in out))
@@ -179,6 +185,34 @@ class ServerSampler:
             sampled = [c for group in pool.map(sample, range(len(rows))) for c in group]  # N = B * G
         return self.rollout(prompt_ids, prompt_mask, sampled, chat=is_chat(prompts[0])), {}
 
+    def tool_rollout(self, prompts: list, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, rows: list,
+                     streams: PromptStreams, adapter: str, envs: list | None, on_token) -> Rollout:
+        """With tools: each completion sampled in segments through the run's ToolLoop (rollout/server_tools), its
+        tools' tokens out of the loss mask, as our decode loop's `tool_rollout` builds it."""
+        s, G = self.settings, self.settings.num_generations
+        loop = ToolLoop(self.tools, self.tokenizer, [p for p in prompts for _ in range(G)],
+                        s.max_tool_calling_iterations, envs, self.eos_ids, self.encode.chat_template_kwargs)
+        stops = [t.trigger for t in self.tools.inline]
+        tool_rows = [ServerToolRow(loop, i, s.max_completion_length, self.eos_ids, stops) for i in range(len(rows) * G)]
+        seeds = streams.seeds(len(prompts), G).tolist()  # [N]: one per completion, its segments from it
+
+        def sample(prompt: list[int], seed: int, room: int, stop: list[str]) -> tuple[list[int], list[float]]:
+            body = self.request_body(prompt, seed, adapter, 1, room)
+            if stop:  # the text a tool may run after: the server stops there (and keeps it)
+                body.update(stop=stop, include_stop_str_in_output=True)
+            choice = self.server.request("/v1/completions", body)["choices"][0]
+            if on_token is not None:
+                on_token(len(choice["token_ids"]))
+            return choice["token_ids"], [NAN if v is None else v for v in choice["logprobs"]["token_logprobs"]]
+
+        with ThreadPoolExecutor(max_workers=min(32, len(tool_rows))) as pool:
+            list(pool.map(lambda i: tool_rows[i].run(rows[i // G], seeds[i], sample), range(len(tool_rows))))
+        decoded, logprobs = tool_decode(tool_rows, self.tokenizer.pad_token_id)  # [N, C] each
+        rollout = tool_rollout(prompt_ids.repeat_interleave(G, dim=0), prompt_mask.repeat_interleave(G, dim=0),
+                               decoded, loop, self.tokenizer, self.eos_ids, chat=is_chat(prompts[0]))
+        rollout.sampling_logprobs = logprobs.masked_fill(rollout.loss_mask == 0, NAN)  # [N, C]
+        return rollout.to(next(self.model.parameters()).device)
+
     def rollout(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sampled: list, *, chat: bool) -> Rollout:
         """The Rollout of the server's completions [(token ids, log-probs)] after their prompts [B, P], on the
         policy's device, the sampled log-probs kept beside the ids (NaN where none came back)."""
@@ -186,13 +220,13 @@ class ServerSampler:
         width = max(1, max(len(ids) for ids, _ in sampled))
         ids = torch.full((len(sampled), width), self.tokenizer.pad_token_id, dtype=torch.long)  # [N, C]
         given = torch.zeros((len(sampled), width), dtype=torch.long)  # [N, C]
-        logprobs = torch.full((len(sampled), width), float("nan"))  # [N, C]
+        logprobs = torch.full((len(sampled), width), NAN)  # [N, C]
         for i, (row, lps) in enumerate(sampled):
             ids[i, :len(row)], given[i, :len(row)] = torch.tensor(row, dtype=torch.long), 1
             logprobs[i, :len(lps)] = torch.tensor(lps, dtype=torch.float32)
         rollout = rollout_of_tokens(prompt_ids.repeat_interleave(G, dim=0), prompt_mask.repeat_interleave(G, dim=0),
                                     ids, self.tokenizer, self.eos_ids, chat=chat, given=given)
-        rollout.sampling_logprobs = logprobs.masked_fill(rollout.completion_mask == 0, float("nan"))  # [N, C]
+        rollout.sampling_logprobs = logprobs.masked_fill(rollout.completion_mask == 0, NAN)  # [N, C]
         return rollout.to(next(self.model.parameters()).device)
 
     def corrected(self, generation, settings) -> dict[str, float]:

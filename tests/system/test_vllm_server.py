@@ -180,3 +180,35 @@ def test_a_server_of_another_model_is_one_line(tmp_path):
     trainer = _trainer_on_tiny(tmp_path, URL, build={"seed": 1, "initializer_range": 0.5}, vllm_server_timeout=60)
     with pytest.raises(ServerError, match=r"differ from the trained model's by \d+\.\d\d nats per token"):
         trainer.train()
+
+
+def forty_two(expression):
+    return "42"
+
+
+@needs_server
+@pytest.mark.slow
+def test_an_inline_tool_runs_through_the_server_and_its_tokens_stay_out_of_the_loss(tmp_path):
+    """A row stops where the tool's trigger completes, the tool's output goes back as tokens the model did not
+    write (out of the loss mask, no sampled log-prob), and the row samples on after them; the run trains with the
+    server's log-probs those of the policy. The trigger: a character row 0 samples anyway (same seeds)."""
+    from grpo.rollout.tools import InlineTool
+
+    def trainer(trigger: str, out):
+        return Trainer(Config(**settings(out, max_steps=2, max_completion_length=24)), reward_funcs=[text_length],
+                       train_dataset=digit_prompts(), tools=[InlineTool("", trigger, ">>", forty_two)])
+    prompts = ["Write 3 digits:", "Write 7 digits:"]
+    untouched, _ = trainer("\x00\x00", tmp_path / "a").sampler(prompts, streams=PromptStreams(0, 0))
+    trigger = next(ch for ch in untouched.completions[0][2:] if ch.isalnum())
+    tools = trainer(trigger, tmp_path / "b")
+    rollout, _ = tools.sampler(prompts, streams=PromptStreams(0, 0))
+    before = untouched.completions[0][:untouched.completions[0].index(trigger) + 1]
+    assert rollout.completions[0].startswith(before + "42>>")  # the same sampling up to the call, then its result
+    assert rollout.tool_calls[0] >= 1
+    fed = (rollout.completion_mask - rollout.loss_mask)[0]  # [C]: the tool's tokens
+    assert fed.sum() == len(tools.tokenizer.encode("42>>", add_special_tokens=False))
+    assert torch.isnan(rollout.sampling_logprobs[0][fed == 1]).all()
+    assert not torch.isnan(rollout.sampling_logprobs[rollout.loss_mask == 1]).any()
+    tools.train()
+    for line in logged(tools):
+        assert line["tools/call_frequency"] > 0 and line["sampling/sampling_logp_difference/mean"] < 1e-3, line
