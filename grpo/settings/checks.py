@@ -249,6 +249,10 @@ def check_vllm(config) -> None:
                           "full fine-tuning without NCCL (TRL's vllm-serve)")
     if config.async_generation:
         raise ConfigError("use_vllm=True with async_generation=True is not supported yet: set async_generation=False")
+    if config.loss_type == "vespo" and config.vllm_importance_sampling_correction:
+        raise ConfigError('loss_type="vespo" with vllm_importance_sampling_correction=True is not supported yet: '
+                          "TRL folds the correction into VESPO's own weight; set "
+                          "vllm_importance_sampling_correction=False")
     low, high = config.vllm_importance_sampling_clip_min, config.vllm_importance_sampling_clip_max
     if low is not None and high is not None and low > high:
         raise ConfigError(f"vllm_importance_sampling_clip_min ({low:g}) must not exceed "

@@ -94,6 +94,8 @@ def test_the_settings_a_server_run_cannot_honour_are_refused_in_one_line():
         Config(use_vllm=True, vllm_mode="server")
     with pytest.raises(ConfigError, match="vllm_importance_sampling_mode must be one of token_truncate"):
         Config(use_vllm=True, vllm_mode="server", use_lora=True, vllm_importance_sampling_mode="token")
+    with pytest.raises(ConfigError, match='loss_type="vespo" with vllm_importance_sampling_correction=True'):
+        Config(use_vllm=True, vllm_mode="server", use_lora=True, loss_type="vespo")
 
 
 class Proxy:
