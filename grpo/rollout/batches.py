@@ -16,6 +16,7 @@ PROMPT_SIDE = ("prompt_ids", "prompt_mask")  # [N, P], left-padded
 COMPLETION_SIDE = ("completion_ids", "completion_mask", "loss_mask", "old_logprobs", "ref_logprobs",
                    "sampling_logprobs", "sampling_weights")  # [N, C]
 PER_ROW = ("truncated", "advantages", "tool_calls", "tool_failures")  # [N]
+LISTS = ("completions", "tool_notes")  # N Python objects
 IDS = ("prompt_ids", "completion_ids")  # padded with the pad token, the rest with 0
 
 
@@ -43,6 +44,7 @@ class Rollout:
     # importance-sampling correction the loss multiplies by (Generation.correct_sampling); None: our own samples
     sampling_logprobs: torch.Tensor | None = None
     sampling_weights: torch.Tensor | None = None
+    tool_notes: list | None = None  # N lists of lines, what went wrong in each completion's tool calls
 
     def __post_init__(self):
         if self.loss_mask is None:
@@ -81,8 +83,9 @@ class Rollout:
             value = pad_id if name in IDS else 0
             return torch.cat([torch.nn.functional.pad(t, (width - t.shape[1], 0) if left else (0, width - t.shape[1]),
                                                       value=value) for t in tensors])  # [sum N, width]
-        return cls(**{f.name: [c for r in parts for c in r.completions] if f.name == "completions" else joined(f.name)
-                      for f in dataclasses.fields(cls)})
+        def listed(name: str) -> list | None:
+            return None if getattr(parts[0], name) is None else [c for r in parts for c in getattr(r, name)]
+        return cls(**{f.name: listed(f.name) if f.name in LISTS else joined(f.name) for f in dataclasses.fields(cls)})
 
     def select(self, rows: torch.Tensor) -> Rollout:
         """Rows `rows` [n] (indices, in order), with only the padding they need: prompts stay left-padded and
@@ -96,8 +99,8 @@ class Rollout:
 
         def take(name: str):
             value = getattr(self, name)
-            if name == "completions":
-                return [value[i] for i in rows.tolist()]
+            if name in LISTS:
+                return None if value is None else [value[i] for i in rows.tolist()]
             if value is None or name in PER_ROW:
                 return None if value is None else value[rows]  # [n]
             return value[rows, p:] if name in PROMPT_SIDE else value[rows, :c]  # [n, P - p] or [n, c]

@@ -155,7 +155,7 @@ def tool_rollout(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, decoded: T
     return Rollout(prompt_ids, prompt_mask, ids, completion_mask, completions, truncated,
                    loss_mask=completion_mask * (1 - tool_mask),
                    tool_calls=torch.tensor(calls, device=ids.device),
-                   tool_failures=torch.tensor(failures, device=ids.device))
+                   tool_failures=torch.tensor(failures, device=ids.device), tool_notes=loop.row_failures())
 
 
 def rollout_of_tokens(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor, tokenizer,

@@ -51,6 +51,8 @@ class RolloutSource:
         rewards, per_func = compute_rewards(self.reward_funcs, prompts, rollout.completions, columns,
                                             self.reward_weights, context=context,
                                             completion_ids=rollout.completion_id_lists)
+        if rollout.tool_notes is not None:  # each completion's failed tool calls, a completions.jsonl column
+            context.log_extra("tool_failures", rollout.tool_notes)
         return rollout, Scored(prompts, rollout.completions, rewards, per_func, extras=context.extras), seconds
 
     def environments(self, columns: dict[str, list]) -> tuple[list, dict]:

@@ -10,9 +10,9 @@ which the decode loop feeds one per step in place of sampling, in the same KV ca
 - inline tools (`InlineTool`): when the text just completed a trigger inside an open span, its result and
   the span's close are forced, within the same message.
 
-Failures (TRL counts them in `tools/failure_frequency`): a tool that raises or times out returns its error to
-the model as its output; a malformed call or an unknown tool ends the row, as does output longer than the
-room the row has left.
+Failures (TRL counts them in `tools/failure_frequency`, each row's in `row_failures` for completions.jsonl): a
+tool that raises or times out returns its error to the model as its output; a malformed call or an unknown tool
+ends the row, as does output longer than the room the row has left.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import functools
 from dataclasses import dataclass, field
 
 from .tool_prompts import render_tool_prompt, tool_turn_text
-from .tools import InlineTool, MalformedCall, ToolCall, Tools, parse_hermes, run_calls, strip_hermes
+from .tools import InlineTool, MalformedCall, ToolCall, Tools, parse_hermes, strip_hermes
 
 
 @dataclass
@@ -41,6 +41,11 @@ class _Row:
     prompt_text: str | None = None
     calls: int = 0  # tool calls made, and those that failed (TRL's tools/* metrics)
     failures: int = 0
+    notes: list[str] = field(default_factory=list)  # what went wrong, one line per failed call
+
+    def failed(self, note: str, calls: int = 1) -> None:
+        self.failures += calls
+        self.notes.append(note)
 
 
 @dataclass
@@ -92,7 +97,7 @@ class ToolLoop:
                     ended[r] = None
             elif self._trigger_chars and self._may_trigger(token):
                 self._inline_call(r, space, pending)
-        outcomes = run_calls([p.thunks for p in pending], self.tools.timeout_s)
+        outcomes = self.tools.runner.run([p.thunks for p in pending])  # rollout/tool_runner
         forced = {p.row: self._finish(p, o) for p, o in zip(pending, outcomes)}
         return {**forced, **ended}
 
@@ -103,15 +108,17 @@ class ToolLoop:
         message = self._text(row.ids[row.start:-1])
         try:
             calls = parse_hermes(message)
-        except MalformedCall:
-            row.calls, row.failures = row.calls + 1, row.failures + 1
+        except MalformedCall as error:
+            row.calls += 1
+            row.failed(f"malformed call, the row ended: {error}")
             return False
         if not calls:
             return True
         functions = [self.tools.resolve(c.name, row.env) for c in calls]
         row.calls += len(calls)
         if None in functions:
-            row.failures += functions.count(None)
+            unknown = [c.name for c, f in zip(calls, functions) if f is None]
+            row.failed(f"unknown tool {', '.join(map(repr, unknown))}, the row ended", calls=len(unknown))
             return False
         thunks = [functools.partial(f, **c.arguments) for f, c in zip(functions, calls)]
         pending.append(_Pending(r, space, thunks, calls=calls, message=message))
@@ -131,11 +138,15 @@ class ToolLoop:
     def _finish(self, p: _Pending, outcomes: list) -> list[int] | None:
         """The tokens row `p.row` is fed after its calls' `outcomes` (None: they do not fit its room)."""
         row = self.rows[p.row]
-        row.failures += sum(o.failed for o in outcomes)
+        names = [getattr(p.inline.fn, "__name__", "inline tool") if p.inline is not None else c.name
+                 for c in p.calls or [None]]
+        for name, o in zip(names, outcomes):
+            if o.failed:
+                row.failed(f"{name} {o.why}")
         if p.inline is not None:
             ids = self.tokenizer.encode(outcomes[0].text + p.inline.close, add_special_tokens=False)
             if len(ids) > p.room:
-                return None
+                return self._no_room(row, names, outcomes, len(ids), p.room)
             row.span_end = len(p.message) + len(self._text(ids))
             row.events.append(None)
             row.ids += ids
@@ -151,7 +162,7 @@ class ToolLoop:
                                              held, self.tools.schemas, self.chat_template_kwargs)
             ids = self.tokenizer.encode(text, add_special_tokens=False)
             if len(ids) > p.room:
-                return None
+                return self._no_room(row, names, outcomes, len(ids), p.room)
             row.history += [assistant, *tool_messages]
             row.events.append([{"role": "assistant", "content": strip_hermes(p.message), "tool_calls": tool_calls},
                                *tool_messages])
@@ -160,6 +171,15 @@ class ToolLoop:
             row.start = len(row.ids)
         row.rounds += 1
         return ids
+
+    @staticmethod
+    def _no_room(row: _Row, names: list[str], outcomes: list, needed: int, room: int) -> None:
+        """A tool turn longer than the room the row has left ends the row: each of its calls that had not failed
+        already fails now (None: the row ends)."""
+        ok = [name for name, o in zip(names, outcomes) if not o.failed]
+        row.failed(f"the result of {', '.join(names)} ({needed} tokens) did not fit in the {room} tokens left, "
+                   f"the row ended", calls=len(ok))
+        return None
 
     def completion_messages(self, row: int, completion_ids: list[int], tool_mask: list[int]) -> list[dict]:
         """Row `row`'s completion as TRL gives it to reward functions when tools are used: assistant and tool
@@ -193,6 +213,10 @@ class ToolLoop:
     def row_counts(self) -> tuple[list[int], list[int]]:
         """Each row's tool calls and failed calls."""
         return [row.calls for row in self.rows], [row.failures for row in self.rows]
+
+    def row_failures(self) -> list[list[str]]:
+        """Each row's failed calls, a line each: what completions.jsonl shows as `tool_failures`."""
+        return [list(row.notes) for row in self.rows]
 
     def metrics(self) -> dict[str, float]:
         """TRL's tool metrics: calls per completion and failed calls per call (0 when none were made)."""

@@ -5,17 +5,15 @@
   into the prompt (`rollout/tool_prompts.py`); inline tools (`InlineTool`, e.g. GSM8K's `<<12+7=19>>`) run
   inside the text instead.
 - `parse_hermes`: Hermes / Qwen calls, `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`.
-- `run_calls`: one decode step's calls, the rows' at once and each row's in order (async ones on an event
-  loop, plain ones in threads), each with a timeout. A call that raises or times out returns TRL's error
-  text, `{'error': '...'}`.
+- `rollout/tool_runner.ToolRunner` (`Tools.runner`, one per run): one decode step's calls, the rows' at once
+  and each row's in order, each in a process that its timeout kills. A call that raises or times out returns
+  TRL's error text, `{'error': '...'}`.
 - `make_envs`: one environment per completion, reset with its dataset row, as TRL does.
 
 The per-row state machine that uses these is `rollout/tool_loop.py`.
 """
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import inspect
 import json
 import re
@@ -24,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..errors import ConfigError, UserError
+from .tool_runner import ToolRunner
 
 PARSERS = ("hermes",)
 NOT_TOOLS = ("reset", "get_reward")  # an environment's methods that the model may not call
@@ -101,7 +100,8 @@ class InlineTool:
 class Tools:
     """What a decode may call: `functions` by name, an `environment_factory` whose instances' public
     methods (`methods`) are tools of their row, their JSON `schemas` (for the chat template) and the
-    `inline` tools; the call `parser`, and each call's `timeout_s`."""
+    `inline` tools; the call `parser`, each call's `timeout_s`, and the `runner` that runs the calls (made
+    with the Tools, once per run: its worker processes serve every step)."""
 
     functions: dict
     environment_factory: type | None
@@ -110,6 +110,7 @@ class Tools:
     inline: tuple[InlineTool, ...]
     parser: str
     timeout_s: float
+    runner: ToolRunner
 
     @classmethod
     def of(cls, tools=(), environment_factory=None, parser: str = "hermes", inline=(),
@@ -135,7 +136,8 @@ class Tools:
             raise ConfigError("no tools: give tools=[...], environment_factory= or inline=[...]")
         functions = dict(zip(named, tools))
         schemas = [schema_of(f) for f in tools] + list(methods.values())
-        return cls(functions, environment_factory, tuple(methods), schemas, inline, parser, timeout_s)
+        return cls(functions, environment_factory, tuple(methods), schemas, inline, parser, timeout_s,
+                   ToolRunner(timeout_s))
 
     @property
     def chat(self) -> bool:
@@ -229,56 +231,3 @@ def _one_line(error: BaseException, limit: int = 300) -> str:
 def _short(value, limit: int = 200) -> str:
     text = " ".join(repr(value).split())
     return text if len(text) <= limit else text[:limit] + "..."
-
-
-def error_text(message: str) -> str:
-    """What the model reads for a failed call: TRL's tool content for an error, `str({"error": message})`."""
-    return str({"error": message})
-
-
-@dataclass(frozen=True)
-class Outcome:
-    """A call's result as the model reads it, and whether the call failed."""
-
-    text: str
-    failed: bool
-
-
-def run_calls(groups: list[list[Callable[[], object]]], timeout_s: float) -> list[list[Outcome]]:
-    """Run the calls and return their outcomes, group by group. `groups`: one list per row of argument-less
-    callables (e.g. `functools.partial(fn, **arguments)`); the groups run at once, a group's calls one after
-    another in order (a row's environment sees them as the model wrote them). Async calls run on an event
-    loop, plain ones in a thread per group; each call gets `timeout_s`. A raised exception or a timeout becomes
-    `error_text` and a failure. A timed-out plain call cannot be stopped: its thread runs on, unwaited for, and
-    its result is dropped."""
-    if not any(groups):
-        return [[] for _ in groups]
-    pool = concurrent.futures.ThreadPoolExecutor(max_workers=len(groups), thread_name_prefix="grpo-tool")
-
-    async def one(thunk) -> Outcome:
-        try:
-            if inspect.iscoroutinefunction(thunk):
-                value = await asyncio.wait_for(thunk(), timeout_s)
-            else:
-                value = await asyncio.wait_for(asyncio.get_running_loop().run_in_executor(pool, thunk), timeout_s)
-        except TimeoutError:
-            return Outcome(error_text(f"timed out after {timeout_s:g} s"), failed=True)
-        except Exception as e:  # the model reads the error, as TRL feeds it back
-            return Outcome(error_text(str(e)), failed=True)
-        return Outcome(str(value), failed=False)
-
-    async def in_order(thunks) -> list[Outcome]:
-        return [await one(t) for t in thunks]
-
-    async def every():
-        return await asyncio.gather(*(in_order(g) for g in groups))
-
-    try:
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:
-            return asyncio.run(every())
-        with concurrent.futures.ThreadPoolExecutor(1) as runner:  # the caller runs a loop (a notebook)
-            return runner.submit(asyncio.run, every()).result()
-    finally:
-        pool.shutdown(wait=False, cancel_futures=True)

@@ -4,6 +4,8 @@ one per step, as the decode loop will drive it. A tokenizer trained in code on a
 tools template of tasks/calculator.py."""
 import asyncio
 import functools
+import os
+import threading
 import time
 
 import pytest
@@ -11,8 +13,9 @@ import pytest
 from grpo.errors import ConfigError
 from grpo.rollout.tool_loop import ToolLoop
 from grpo.rollout.tool_prompts import check_tool_template, render_tool_prompt
+from grpo.rollout.tool_runner import ToolRunner
 from grpo.rollout.tools import (InlineTool, MalformedCall, ToolCall, Tools, environment_reward, make_envs,
-                                parse_hermes, run_calls, strip_hermes)
+                                parse_hermes, strip_hermes)
 from grpo.tasks.calculator import CHATML_TOOLS, calculate
 from grpo.tasks.tiny import CHAT_TEMPLATE, train_tokenizer
 
@@ -176,6 +179,10 @@ def test_hermes_calls_one_two_malformed():
 # --- running calls --------------------------------------------------------------------------------------------
 
 
+def run_calls(groups, timeout_s):
+    return ToolRunner(timeout_s).run(groups)
+
+
 def test_a_raising_tool_returns_trls_error_text_and_fails():
     [[ok, error]] = run_calls([[functools.partial(divide, 1, 4), functools.partial(divide, 1, 0)]], timeout_s=5)
     assert (ok.text, ok.failed) == ("0.25", False)
@@ -195,16 +202,112 @@ def test_the_rows_calls_run_at_once_each_with_a_timeout():
     assert took < 2.0, f"{took:.2f} s: the calls did not run at once (one after another: 30.8 s)"
 
 
-def test_a_rows_calls_run_in_the_order_written():
-    written = []
+def test_a_rows_calls_run_in_the_order_written(tmp_path):
+    written = tmp_path / "written"  # each call runs in a process of its own: what they share is on disk
 
     def log(word: str, wait: float) -> int:
         time.sleep(wait)
-        written.append(word)
-        return len(written)
+        with open(written, "a") as f:
+            f.write(word + "\n")
+        return len(written.read_text().split())
 
     outcomes = run_calls([[functools.partial(log, "first", 0.2), functools.partial(log, "second", 0.0)]], 5)
-    assert written == ["first", "second"] and [o.text for o in outcomes[0]] == ["1", "2"]
+    assert written.read_text().split() == ["first", "second"] and [o.text for o in outcomes[0]] == ["1", "2"]
+
+
+def spin(seconds: float) -> str:
+    """Busy-loops (a code-execution tool stuck in `while True`) for `seconds`."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        pass
+    return "done"
+
+
+@pytest.mark.parametrize("kind", ["pool", "closure"])
+def test_a_call_that_times_out_is_killed_and_its_cpu_freed(kind):
+    runner = ToolRunner(timeout_s=0.3)
+    thunk = functools.partial(spin, 60) if kind == "pool" else (lambda: spin(60))
+    before = children(os.getpid())
+    [[outcome]] = runner.run([[thunk]])
+    assert outcome.failed and outcome.text == "{'error': 'timed out after 0.3 s'}"
+    assert outcome.why == "timed out after 0.3 s"
+    assert not runner.workers and not runner.idle, "the worker that ran it is gone"
+    assert not [c for c in children(os.getpid()) - before if is_alive(c)], "nothing it started runs on"
+    [[again]] = runner.run([[functools.partial(multiply, 6, 7)]])  # a new worker for the next call
+    assert again.text == "42" and len(runner.workers) == 1
+
+
+def children(pid: int) -> set[int]:
+    found = set()
+    for task in os.scandir(f"/proc/{pid}/task"):
+        with open(f"{task.path}/children") as f:
+            found |= {int(c) for c in f.read().split()}
+    return found
+
+
+def is_alive(pid: int) -> bool:
+    try:
+        return open(f"/proc/{pid}/stat").read().rpartition(")")[2].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+def test_the_workers_are_made_once_and_serve_every_step():
+    runner = ToolRunner(timeout_s=5)
+    for _ in range(3):
+        runner.run([[functools.partial(multiply, i, 2)] for i in range(4)])
+    assert len(runner.workers) <= 4 and len(runner.idle) == len(runner.workers)
+    first = list(runner.workers)
+    runner.run([[functools.partial(multiply, 1, 2)]])
+    assert set(runner.workers) == set(first), "no worker made anew for a later step"
+
+
+def test_an_async_tool_keeps_its_timeout():
+    async def stuck() -> str:
+        await asyncio.sleep(60)
+        return "never"
+    start = time.perf_counter()
+    [[outcome]] = ToolRunner(timeout_s=0.3).run([[stuck]])
+    assert outcome.failed and "timed out" in outcome.text and time.perf_counter() - start < 5
+
+
+class Tally:
+    """A stateful environment: its calls count."""
+
+    def __init__(self):
+        self.seen = []
+
+    def add(self, x: int) -> int:
+        """Adds one.
+
+        Args:
+            x: The number.
+        """
+        self.seen.append(x)
+        return len(self.seen)
+
+
+@pytest.mark.parametrize("where", ["worker", "forked for the call"])
+def test_an_environment_method_runs_in_another_process_and_its_state_comes_back(where):
+    class Local(Tally):  # a class defined in a function does not pickle: a process is forked for each call
+        pass
+    env, runner = (Tally() if where == "worker" else Local()), ToolRunner(timeout_s=5)
+    outcomes = runner.run([[functools.partial(env.add, 1), functools.partial(env.add, 2)]])
+    assert [o.text for o in outcomes[0]] == ["1", "2"] and env.seen == [1, 2]
+    assert len(runner.workers) == (1 if where == "worker" else 0)
+
+
+class Locked(Tally):
+    def __init__(self):
+        super().__init__()
+        self.lock = threading.Lock()
+
+
+def test_an_environment_whose_state_cannot_be_pickled_runs_in_the_trainers_process(capsys):
+    env = Locked()
+    [[outcome]] = ToolRunner(timeout_s=5).run([[functools.partial(env.add, 1)]])
+    assert outcome.text == "1" and env.seen == [1]
+    assert "warning: the state of Locked cannot be pickled" in capsys.readouterr().err
 
 
 # --- the loop, chat tools -------------------------------------------------------------------------------------

@@ -1,0 +1,301 @@
+"""Running tool calls where a timeout can stop them. Each call runs in a process of its own, killed (SIGKILL)
+when its `timeout_s` is up: its CPU is freed at once, nothing is left running, and the trainer can always exit.
+The model reads TRL's error text, `{'error': 'timed out after 10 s'}`, as for a call that raises.
+
+Where a call runs (`ToolRunner.run`), by what it is:
+- a call that pickles (a module's function, a `functools.partial` of one, our calculator, a method of an object
+  whose class is a module's and whose state pickles): in one of the run's worker processes, forked when first
+  needed and kept for the whole run (a worker whose call timed out is killed, another forked when next needed);
+- a closure, a lambda, a method of a class defined in a function: in a process forked for that call, which
+  inherits it as it is (a fork costs tens of milliseconds from a trainer holding a model: docs/tools.md);
+- either way, a bound method's object (an environment) has its state after the call (`vars(obj)`, pickled)
+  copied back into the trainer's object, so the next call, the reward functions and `get_reward` see what the
+  call did. An object whose state cannot be pickled (a lock, a socket, an open file) cannot be copied back: its
+  calls run in a thread of the trainer's process instead, said once per class, where a timeout answers the
+  model on time but cannot stop the call (a daemon thread: it never holds up the exit).
+
+A call's other effects on the trainer's memory (a closure appending to a list, a global) stay in its process.
+Async tools run to completion on an event loop in their process, under the same timeout. Every process is forked
+from the process that runs the decode (the trainer, or the async_generation sampler, which has its own workers)
+and dies with it (infra/children)."""
+from __future__ import annotations
+
+import asyncio
+import inspect
+import multiprocessing
+import multiprocessing.connection
+import os
+import pickle
+import signal
+import sys
+import threading
+import time
+import weakref
+from collections import deque
+from dataclasses import dataclass
+
+from ..infra.children import die_with_parent
+
+
+def error_text(message: str) -> str:
+    """What the model reads for a failed call: TRL's tool content for an error, `str({"error": message})`."""
+    return str({"error": message})
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """A call's result as the model reads it, whether the call failed, and why (for completions.jsonl)."""
+
+    text: str
+    failed: bool
+    why: str | None = None
+
+
+def _outcome(thunk) -> Outcome:
+    """Run `thunk` (awaiting what it returns, for an async tool) and say how it went."""
+    try:
+        value = thunk()
+        if inspect.isawaitable(value):
+            value = asyncio.run(_awaited(value))
+    except Exception as e:  # the model reads the error, as TRL feeds it back
+        return Outcome(error_text(str(e)), failed=True, why=f"raised {type(e).__name__}: {e}")
+    return Outcome(str(value), failed=False)
+
+
+async def _awaited(awaitable):
+    return await awaitable
+
+
+def _owner(thunk):
+    """The object whose bound method `thunk` calls (an environment), or None (functions, classmethods, builtins)."""
+    fn = getattr(thunk, "func", thunk)
+    owner = getattr(fn, "__self__", None)
+    return None if owner is None or inspect.ismodule(owner) or inspect.isclass(owner) else owner
+
+
+def _in_child(parent: int) -> None:
+    """First thing in a forked call or worker: die with `parent`; Ctrl-C is the trainer's to handle."""
+    die_with_parent(parent)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def _fork(body) -> tuple[int, multiprocessing.connection.Connection]:
+    """Fork a child that runs `body(conn)` and exits; (its pid, the parent's end of their pipe)."""
+    parent_end, child_end = multiprocessing.Pipe()
+    parent = os.getpid()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into the trainer's code
+        code = 0
+        try:
+            parent_end.close()
+            _in_child(parent)
+            body(child_end)
+        except BaseException:  # noqa: BLE001 -- the parent sees the pipe close and says so
+            code = 1
+        finally:
+            os._exit(code)
+    child_end.close()
+    return pid, parent_end
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    except (ProcessLookupError, ChildProcessError):
+        pass
+
+
+def _reap(pid: int) -> None:
+    try:
+        os.waitpid(pid, 0)
+    except ChildProcessError:
+        pass
+
+
+def _answer(thunk, owner) -> tuple[Outcome, bytes | None]:
+    """`thunk`'s outcome, and when it is a bound method (`owner`: its object) that object's state after it."""
+    outcome = _outcome(thunk)
+    if owner is None:
+        return outcome, None
+    try:
+        return outcome, pickle.dumps(vars(owner))
+    except Exception as e:  # noqa: BLE001 -- the call made its object's state unpicklable
+        return Outcome(error_text(f"state not kept: {e}"), failed=True,
+                       why=f"left {type(owner).__name__}'s state unpicklable ({e})"), None
+
+
+def _serve(conn) -> None:
+    """A worker's loop: run each pickled call it is sent, answer as `_answer` does."""
+    while True:
+        try:
+            message = conn.recv_bytes()
+        except EOFError:
+            return
+        try:
+            thunk = pickle.loads(message)
+        except Exception as e:  # noqa: BLE001 -- e.g. a module this worker cannot import
+            conn.send((Outcome(error_text(str(e)), failed=True, why=f"could not be sent to its process ({e})"),
+                       None))
+            continue
+        conn.send(_answer(thunk, _owner(thunk)))
+
+
+class _Job:
+    """One call running: where its answer comes (`conn`), until when, and how to stop it."""
+
+    def __init__(self, conn, deadline: float, pid: int | None = None, owner=None, worker=None):
+        self.conn, self.deadline, self.pid, self.owner, self.worker = conn, deadline, pid, owner, worker
+        self.ended = False  # its process ended without answering
+
+    def answer(self) -> Outcome:
+        """The call's outcome; an object's state it sends back is copied into the trainer's object."""
+        try:
+            outcome, state = self.conn.recv()
+        except (EOFError, OSError):
+            self.ended = True
+            return Outcome(error_text("the tool's process ended without an answer"), failed=True,
+                           why="ended its process without an answer")
+        if self.worker is None:
+            self.conn.close()
+            if self.pid is not None:
+                _reap(self.pid)
+        if state is not None:
+            vars(self.owner).clear()
+            vars(self.owner).update(pickle.loads(state))
+        return outcome
+
+    def stop(self) -> None:
+        """Kill the call's process (a thread is left to end on its own; its answer is never read)."""
+        self.conn.close()
+        if self.pid is not None:
+            _kill(self.pid)
+
+
+class ToolRunner:
+    """Runs a decode step's tool calls, each under `timeout_s`, at most `max_workers` at once. Made once per
+    run (rollout/tools.Tools holds it); its worker processes are forked as they are first needed and killed
+    when it is garbage-collected or the process exits."""
+
+    def __init__(self, timeout_s: float, max_workers: int | None = None):
+        self.timeout_s = timeout_s
+        self.max_workers = max_workers or max(8, os.cpu_count() or 1)
+        self.pid = os.getpid()
+        self.idle: list[tuple[int, multiprocessing.connection.Connection]] = []  # workers: (pid, conn)
+        self.workers: list[int] = []  # every live worker's pid, for the finalizer
+        self._warned: set[type] = set()
+        weakref.finalize(self, _kill_all, self.workers, self.pid)
+
+    def run(self, groups: list[list]) -> list[list[Outcome]]:
+        """Run the calls and return their outcomes, group by group. `groups`: one list per row of argument-less
+        callables (e.g. `functools.partial(fn, **arguments)`); the groups run at once, a group's calls one after
+        another in order (a row's environment sees them as the model wrote them). A raised exception, a timeout
+        or a process that dies becomes `error_text` and a failure."""
+        self._adopt()
+        outcomes = [[None] * len(g) for g in groups]
+        waiting = deque((g, 0) for g in range(len(groups)) if groups[g])
+        running: dict = {}  # conn -> (job, group, index)
+        try:
+            while waiting or running:
+                while waiting and len(running) < self.max_workers:
+                    g, i = waiting.popleft()
+                    job = self._start(groups[g][i])
+                    running[job.conn] = (job, g, i)
+                soonest = min(job.deadline for job, _, _ in running.values())
+                for conn in multiprocessing.connection.wait(list(running), max(0.0, soonest - time.monotonic())):
+                    job, g, i = running.pop(conn)
+                    outcomes[g][i] = job.answer()
+                    self._done(job, timed_out=False)
+                    if i + 1 < len(groups[g]):
+                        waiting.append((g, i + 1))
+                now = time.monotonic()
+                for conn, (job, g, i) in list(running.items()):
+                    if job.deadline <= now:
+                        del running[conn]
+                        outcomes[g][i] = Outcome(error_text(f"timed out after {self.timeout_s:g} s"), failed=True,
+                                                 why=f"timed out after {self.timeout_s:g} s")
+                        self._done(job, timed_out=True)
+                        if i + 1 < len(groups[g]):
+                            waiting.append((g, i + 1))
+        finally:  # an interrupt or an error here: nothing it started goes on
+            for job, _, _ in running.values():
+                self._done(job, timed_out=True)
+        return outcomes
+
+    def _start(self, thunk) -> _Job:
+        """Start `thunk` where it can run: a worker when it pickles (a bound method's object with it), else a
+        process forked for it (a bound method's object's state coming back), else a thread (that state does not
+        pickle)."""
+        deadline = time.monotonic() + self.timeout_s
+        owner = _owner(thunk)
+        try:
+            payload = pickle.dumps(thunk)
+        except Exception:  # noqa: BLE001 -- a closure, a lambda, a class defined in a function
+            payload = None
+        if payload is not None:
+            pid, conn = self.idle.pop() if self.idle else self._spawn()
+            conn.send_bytes(payload)
+            return _Job(conn, deadline, pid=pid, owner=owner, worker=(pid, conn))
+        if owner is not None and (problem := _unpicklable(lambda: vars(owner))) is not None:
+            self._warn(owner, problem)
+            return self._in_thread(thunk, deadline)
+        pid, conn = _fork(lambda conn: conn.send(_answer(thunk, owner)))
+        return _Job(conn, deadline, pid=pid, owner=owner)
+
+    def _done(self, job: _Job, timed_out: bool) -> None:
+        """After a call's answer (or its timeout): its process killed if it still runs, a worker kept for the
+        next call if it answered."""
+        if timed_out or job.ended:
+            job.stop()
+            if job.worker is not None:
+                self.workers.remove(job.pid)
+        elif job.worker is not None:
+            self.idle.append(job.worker)
+
+    def _spawn(self) -> tuple[int, multiprocessing.connection.Connection]:
+        pid, conn = _fork(_serve)
+        self.workers.append(pid)
+        return pid, conn
+
+    def _in_thread(self, thunk, deadline: float) -> _Job:
+        answer, send = multiprocessing.Pipe(duplex=False)
+
+        def body():
+            outcome = _outcome(thunk)
+            try:
+                send.send((outcome, None))
+            except OSError:  # timed out: nobody reads it
+                pass
+        threading.Thread(target=body, name="grpo-tool", daemon=True).start()
+        return _Job(answer, deadline)
+
+    def _warn(self, owner, problem: str) -> None:
+        if type(owner) not in self._warned:
+            self._warned.add(type(owner))
+            print(f"warning: the state of {type(owner).__name__} cannot be pickled ({problem}), so its tools run in "
+                  f"the trainer's process, where a timeout answers the model but cannot stop the call",
+                  file=sys.stderr)
+
+    def _adopt(self) -> None:
+        """In a process forked from the one that made this runner (the sampler), let go of that one's workers."""
+        if os.getpid() != self.pid:
+            for _, conn in self.idle:
+                conn.close()
+            self.idle, self.pid = [], os.getpid()
+            self.workers[:] = []
+
+
+def _unpicklable(state) -> str | None:
+    try:
+        pickle.dumps(state())
+    except Exception as e:  # noqa: BLE001 -- TypeError, PicklingError, AttributeError (no __dict__), ...
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def _kill_all(pids: list[int], parent: int) -> None:
+    if os.getpid() == parent:  # a forked copy of the runner has no workers of its own to kill
+        for pid in list(pids):
+            _kill(pid)
+        pids.clear()
