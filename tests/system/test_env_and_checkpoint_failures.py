@@ -160,3 +160,28 @@ def test_a_checkpoint_folder_turned_read_only_is_one_line_and_the_state_is_rescu
     reference.train()
     for a, b in zip(resumed.model.parameters(), reference.model.parameters()):
         assert torch.equal(a, b), "the rescued state continues exactly as the uninterrupted run"
+
+
+def test_when_the_folder_beside_it_refuses_too_the_checkpoint_goes_to_the_temporary_folder(tmp_path, monkeypatch):
+    import tempfile
+
+    from grpo.run.checkpoint import damage, save_or_rescue
+
+    tokenizer = tiny_tokenizer()
+    parent, spare = tmp_path / "runs", tmp_path / "tmp"
+    out = parent / "a"
+    out.mkdir(parents=True)
+    spare.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(spare))
+    freeze(out)
+    try:
+        freeze(parent)  # no runs/a.rescue either: a full disk
+        try:
+            path, line = save_or_rescue(str(out), 3, tiny_model(tokenizer), tokenizer, {"seed": 0}, {"step": 3})
+        finally:
+            thaw(parent)
+    finally:
+        thaw(out)
+    assert path == spare / "grpo-rescue-a" / "checkpoint-3" and damage(path, weights_only=True) is None
+    assert line.startswith(f"checkpoint-3 cannot be written into {out} (")
+    assert f", nor into {parent / 'a.rescue'} (" in line and f"the state after step 3 is saved in {path} instead" in line

