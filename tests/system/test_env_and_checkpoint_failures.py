@@ -184,4 +184,5 @@ def test_when_the_folder_beside_it_refuses_too_the_checkpoint_goes_to_the_tempor
         thaw(out)
     assert path == spare / "grpo-rescue-a" / "checkpoint-3" and damage(path, weights_only=True) is None
     assert line.startswith(f"checkpoint-3 cannot be written into {out} (")
-    assert f", nor into {parent / 'a.rescue'} (" in line and f"the state after step 3 is saved in {path} instead" in line
+    assert f", nor into {parent / 'a.rescue'} (" in line
+    assert f"the state after step 3 is saved in {path} instead" in line
