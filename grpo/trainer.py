@@ -32,6 +32,7 @@ from .run.ahead import Ahead, Worker, check_async
 from .infra.allocator import decoding_allocations, return_freed_memory
 from .infra.distributed import setup as setup_distributed
 from .infra.interrupts import StopSignals
+from .infra.progress import progress_bar
 from .run.logs import logged_lines, peak_memory_gb
 from .run.callbacks import Callbacks
 from .run.report import Report, TrainOutput
@@ -241,19 +242,22 @@ class Trainer:
         counts = self.generation.step_counts(micro_batches, self.dist.reduce)  # over all ranks  rollout/batches
         totals: dict[str, float] = {"kl": 0.0, "loss": 0.0}  # kl: logged as 0 when there is no reference
         trained = [m for m in micro_batches if not m.empty]  # one process: no forward where no row is left
-        for i, m in enumerate(trained):
-            b = m.rollout
-            with self.policy.parallel.sync_gradients(i == len(trained) - 1):
-                logprobs, entropies = self.policy.logprobs(b, with_entropy=True)  # [n, C] each      policy
-                old_logprobs = b.old_logprobs if b.old_logprobs is not None else logprobs.detach()
-                loss, metrics = policy_loss(                                                   # algo/loss
-                    logprobs, old_logprobs, b.ref_logprobs, b.advantages, b.loss_mask, entropies=entropies,
-                    **self.plan.loss, num_tokens=counts.divisor, num_sequences=m.rows,
-                    micro_batch_tokens=m.tokens, num_micro_batches=counts.micro_batches,
-                    sampling_weights=b.sampling_weights)
-                self.policy.parallel.backward(loss)
-            add_metrics(totals, metrics, share=m.trained_tokens / max(1, counts.trained))  # rows trained  algo/loss
-            totals["loss"] += loss.item()
+        with progress_bar(f"training step {self.step + 1}", total=len(trained), unit="micro-batch",
+                          enabled=self.dist.is_main, leave=False) as bar:  # the step's second half  infra/progress
+            for i, m in enumerate(trained):
+                b = m.rollout
+                with self.policy.parallel.sync_gradients(i == len(trained) - 1):
+                    logprobs, entropies = self.policy.logprobs(b, with_entropy=True)  # [n, C] each      policy
+                    old_logprobs = b.old_logprobs if b.old_logprobs is not None else logprobs.detach()
+                    loss, metrics = policy_loss(                                                   # algo/loss
+                        logprobs, old_logprobs, b.ref_logprobs, b.advantages, b.loss_mask, entropies=entropies,
+                        **self.plan.loss, num_tokens=counts.divisor, num_sequences=m.rows,
+                        micro_batch_tokens=m.tokens, num_micro_batches=counts.micro_batches,
+                        sampling_weights=b.sampling_weights)
+                    self.policy.parallel.backward(loss)
+                add_metrics(totals, metrics, share=m.trained_tokens / max(1, counts.trained))  # rows trained  algo/loss
+                totals["loss"] += loss.item()
+                bar.update(1)
         # Per-token metrics (entropy, ratio, clip ratios) are the rows trained's; 0 where no row was trained.
         totals = {**no_token_metrics(**self.plan.loss), **self.dist.reduce(totals)}  # algo/loss
         return {**totals, "skipped/zero_gradient": counts.skipped / counts.rows}

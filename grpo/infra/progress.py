@@ -19,13 +19,21 @@ def interactive() -> bool:
 
 
 def progress_bar(desc: str, total: int | None = None, initial: int = 0, unit: str = "it",
-                 enabled: bool = True, leave: bool = True):
+                 enabled: bool = True, leave: bool = True, smoothing: float = 0.3):
     """A tqdm bar on a terminal, else a `LineProgress`; either takes `update`, `set_postfix(_str)`,
-    `close`."""
+    `close`. `smoothing` 0: the rate is the average since the start (LineProgress's always is)."""
     if interactive() or not enabled:
         return tqdm(desc=desc, total=total, initial=initial, unit=unit, leave=leave, dynamic_ncols=True,
-                    mininterval=1.0, disable=not enabled)
+                    mininterval=1.0, disable=not enabled, smoothing=smoothing)
     return LineProgress(desc, total, initial, unit)
+
+
+def exclude_time(bar, seconds: float) -> None:
+    """Leave `seconds` out of `bar`'s elapsed time and average rate (work timed apart, inside its run)."""
+    if isinstance(bar, LineProgress):
+        bar.start += seconds
+    elif getattr(bar, "start_t", None) is not None:
+        bar.start_t += seconds
 
 
 class LineProgress:

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
-from ..infra.progress import progress_bar
+from ..infra.progress import exclude_time, progress_bar
 from ..rollout.rewards import TrainerState
 from .callbacks import Callbacks
 from .logs import log_completions, log_eval, log_metrics
@@ -55,15 +55,15 @@ class Report:
     def steps_bar(self):
         """The bar of the steps (to enter once the steps begin, after any evaluation at the start)."""
         self.bar = progress_bar("grpo", total=self.state.max_steps, initial=self.state.global_step, unit="step",
-                                enabled=self.dist.is_main)
+                                enabled=self.dist.is_main, smoothing=0)  # s/step: the steps' average
         return self.bar
 
     def step(self, metrics: dict) -> dict:
-        """A step is done: its loss counted, the bar advanced with its reward and KL."""
+        """A step is done: its loss counted, the bar advanced with its reward, KL and peak memory."""
         self.losses.append(metrics["loss"])
-        self.bar.update(1)
         reward = f"{metrics['reward']:.3f}" if "reward" in metrics else "none scored"
-        self.bar.set_postfix(reward=reward, kl=f"{metrics['kl']:.4f}")
+        self.bar.set_postfix(reward=reward, kl=f"{metrics['kl']:.4f}", peak_mem=f"{metrics['memory/peak_gb']:.2f}GB")
+        self.bar.update(1)
         return metrics
 
     def log(self, metrics: dict, scored, with_completions: bool) -> dict:
@@ -79,6 +79,8 @@ class Report:
         """An evaluation's metrics.jsonl line (printed too), then the callbacks' on_log and on_evaluate."""
         line = self._logged(log_eval(self.output_dir, self.state.global_step, metrics, self.dist.is_main,
                                      self.trackers))
+        if self.bar is not None:  # the bar's s/step is the steps' own
+            exclude_time(self.bar, metrics.get("eval/seconds", 0.0))
         self.callbacks.on_evaluate(metrics)
         return line
 

@@ -174,19 +174,28 @@ class Trackers:
 
 
 def print_completions(step: int, rows: list[dict]) -> None:
-    """The sample as a table: rich's when it is installed, plain text otherwise."""
+    """The sample as a table: rich's when it is installed, plain text otherwise. Chat prompts and completions
+    show as their turns, one `role: content` line each (a tool call as `name(arguments)`)."""
     columns = [c for c in rows[0] if c != "step"]
     try:
         from rich.console import Console
         from rich.table import Table
     except ImportError:
         lines = [f"completions at step {step}:"]
-        lines += ["  " + "  ".join(f"{c}={_cell(row[c])}" for c in columns) for row in rows]
+        for row in rows:
+            lines += ["  " + "  ".join(f"{c}={_cell(row[c])}" for c in columns if not _is_chat(row[c]))]
+            lines += [f"    {c}:\n" + "\n".join(f"      {t}" for t in _cell(row[c]).splitlines())
+                      for c in columns if _is_chat(row[c])]
         tqdm.write("\n".join(lines))
         return
-    table = Table(*columns, title=f"completions at step {step}", show_lines=True)
+    texts = [c for c in columns if c in ("prompt", "completion")]
+    table = Table(title=f"completions at step {step}", show_lines=True, expand=True)
+    for c in texts:  # the texts take the width; the scores, one per line, keep theirs
+        table.add_column(c, ratio=1, overflow="fold")
+    table.add_column("scores", no_wrap=True)
     for row in rows:
-        table.add_row(*(_cell(row[c]) for c in columns))
+        table.add_row(*(_cell(row[c]) for c in texts),
+                      "\n".join(f"{c} {_cell(row[c])}" for c in columns if c not in texts))
     with tqdm.external_write_mode():  # keeps the progress bar below the table
         Console().print(table)
 
@@ -201,7 +210,21 @@ def _table(rows: list[dict]) -> tuple[list[str], list[list]]:
 def _cell(value) -> str:
     if isinstance(value, float):
         return f"{value:.3f}"
+    if _is_chat(value):
+        return "\n".join(_turn(message) for message in value)
     return "-" if value is None else str(value)
+
+
+def _is_chat(value) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(m, dict) and "role" in m for m in value)
+
+
+def _turn(message: dict) -> str:
+    """One chat message as a line: `role: content`, its tool calls as `name(arguments)`."""
+    calls = [c.get("function", c) for c in message.get("tool_calls") or []]
+    said = [str(message.get("content") or "")] + [f"{c.get('name')}({json.dumps(c.get('arguments'))})"
+                                                   for c in calls]
+    return f"{message['role']}: " + " ".join(part for part in said if part)
 
 
 def _wandb_logged_in() -> bool:
