@@ -88,11 +88,18 @@ def sampler(args, model, tokenizer):
     """One decode of `prompts` x `generations` rows, as the trainer samples them (no EOS: equal work)."""
     import grpo.rollout.sampling as sampling
 
+    import inspect
+
     encode = sampling.PromptEncoder(tokenizer, 256)
     batch = prompts(args.prompts)
+    knobs = dict(temperature=0.7, top_p=1.0, top_k=0)
+    if "knobs" in inspect.signature(sampling.sample_completions).parameters:  # this tree: the knobs as one value
+        from grpo.settings.plan import SamplingKnobs
+
+        knobs = {"knobs": SamplingKnobs(**knobs)}
     return lambda: sampling.sample_completions(
         model, tokenizer, encode, batch, num_generations=args.generations, max_completion_length=args.max_new,
-        temperature=0.7, top_p=1.0, top_k=0, stop_at_eos=False)
+        stop_at_eos=False, **knobs)
 
 
 def count_steps(model) -> list:

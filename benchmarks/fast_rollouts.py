@@ -93,13 +93,13 @@ def sampling_run(config, model, tokenizer, prompts):
     if hasattr(sampling, "Sampler"):  # this tree: the trainer's sampler, decodes as the memory plan says
         from types import SimpleNamespace
 
-        from grpo.memory.fit import sampling_prompts_per_decode
+        from grpo.memory.fit import decode_sizes
 
         policy = SimpleNamespace(parallel=SimpleNamespace(unsharded=lambda fn: fn(model)))
         from grpo.settings.plan import SamplingSettings
 
         sampler = sampling.Sampler(policy, tokenizer, SamplingSettings.of(config),
-                                   sampling_prompts_per_decode(config, model, "cpu"))
+                                   decode_sizes(config, model, "cpu").sampling)
         return lambda: sampler(prompts) and None
     encode = sampling.PromptEncoder(tokenizer, config.max_prompt_length)  # one decode per micro-batch (1 prompt)
     knobs = dict(num_generations=8, max_completion_length=config.max_completion_length, temperature=0.7, top_p=1.0,
@@ -126,10 +126,19 @@ def eval_run(config, model, tokenizer, held_out, n: int):
         batch = 50  # the recipe's
     options = dict(accuracy_func="answer_accuracy_reward", format_func="xml_format_reward", max_prompt_length=256,
                    max_completion_length=128, batch_size=batch, progress=False)
+    settings = ()
+    if "settings" in inspect.signature(evaluate).parameters:  # this tree: the settings as the run plan has them
+        from grpo.settings.plan import EvalSettings
+
+        settings = (EvalSettings.of(dataclasses.replace(
+            config, eval_accuracy_func=options.pop("accuracy_func"), eval_format_func=options.pop("format_func"),
+            max_prompt_length=options.pop("max_prompt_length"),
+            max_completion_length=options.pop("max_completion_length"))),)
     options = {k: v for k, v in options.items() if k in inspect.signature(evaluate).parameters}
 
     def run():
-        metrics, _ = evaluate(model, tokenizer, dataset, [xml_format_reward, answer_accuracy_reward], **options)
+        metrics, _ = evaluate(model, tokenizer, dataset, [xml_format_reward, answer_accuracy_reward], *settings,
+                              **options)
         return metrics["eval/length_mean"] * metrics["eval/num_examples"]
     return run
 

@@ -218,7 +218,8 @@ def step(tiny: bool = False, root: str = "") -> dict:
         return run
 
     policy = trainer.policy
-    trainer.source.sampler = timed("generate", trainer.source.sampler, after=lambda: generation_peak.append(peak_gb()))
+    source = trainer.pipeline.source
+    source.sampler = timed("generate", source.sampler, after=lambda: generation_peak.append(peak_gb()))
     policy.reference_logprobs = timed("reference log-probs", policy.reference_logprobs)
     policy.logprobs = timed("log-probs", policy.logprobs)
     policy.parallel.backward = timed("backward", policy.parallel.backward)

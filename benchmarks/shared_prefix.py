@@ -62,6 +62,7 @@ def build(shape: str, layers: int, side: str):
     from grpo.policy.forwards import Policy
     from grpo.policy.models import load_model, prepare_for_training
     from grpo.policy.precision import Precision
+    from grpo.settings.plan import LogprobSettings
 
     s = SHAPES[shape]
     main = shape == "main"
@@ -81,7 +82,8 @@ def build(shape: str, layers: int, side: str):
             intermediate_size=8192, vocab_size=128256, tie_word_embeddings=True, rope_theta=500000.0,
             max_position_embeddings=131072))
     model = prepare_for_training(model, config)
-    policy = Policy(model, config, world_size=1, precision=Precision.plan(False, True, device="cpu"), is_main=True)
+    policy = Policy(model, LogprobSettings.of(config), world_size=1,
+                    precision=Precision.plan(False, True, device="cpu"), is_main=True)
     return policy, micro_batches(s, model.config.vocab_size)
 
 

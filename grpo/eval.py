@@ -7,6 +7,7 @@ right after it). The JSON (default: DIR/eval.json, or OUTPUT_DIR/eval.json) hold
 prompt, completion and reward."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -82,10 +83,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def evaluate_recipe(argv: list[str]) -> int:
-    from .rollout.evaluate import check_eval_inputs, eval_options, evaluate, summary_lines
+    from .rollout.evaluate import check_eval_inputs, evaluate, summary_lines
     from .rollout.reward_models import place_reward_models, reward_callables
     from .run.checkpoint import check_output_dir
     from .settings.cli import BUILT_MODEL, format_help
+    from .settings.plan import EvalSettings
     from .settings.recipe import load_with_overrides, resolve_dataset
 
     try:
@@ -127,9 +129,11 @@ def evaluate_recipe(argv: list[str]) -> int:
     from .memory.fit import eval_batch_size
 
     batch_size = eval_batch_size(config, model, device_of(model).type)
-    options = eval_options(config, batch_size) | ({"limit": limit} if limit is not None else {})
+    settings = EvalSettings.of(config)
+    settings = dataclasses.replace(settings, limit=limit) if limit is not None else settings
     tools = Tools.of(recipe.tools, recipe.environment_factory) if recipe.tools or recipe.environment_factory else None
-    metrics, samples = evaluate(model, tokenizer, dataset, reward_funcs, **options, tools=tools)
+    metrics, samples = evaluate(model, tokenizer, dataset, reward_funcs, settings, batch_size=batch_size,
+                                tools=tools)
     first, *groups = summary_lines(metrics)
     print("\n".join([f"greedy pass@1 on {int(metrics['eval/num_examples'])} prompts: {first}", *groups]))
     output.parent.mkdir(parents=True, exist_ok=True)

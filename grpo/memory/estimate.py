@@ -36,13 +36,11 @@ from ..algo import HEAD_GRAD_BLOCK
 from ..policy import prompt_once
 from ..policy.lora import lora_targets
 from ..policy.optim import BNB_CPU_SLICE
-from ..policy.precision import Precision
 from ..settings.choices import planned_prompt_length
 from ..settings.plan import RunPlan
+from .parts import Dtypes, dtypes, generation_bytes, layer_activations, optimizer_bytes, sampling_weight_bytes
 
 GB = 1e9
-BNB_8BIT_MIN_SIZE = 4096  # bitsandbytes keeps 32-bit states for smaller tensors
-BNB_BLOCK = 256  # 8-bit optimizer states: one float32 absmax per block
 NF4_BLOCK = 64  # 4-bit weights: one float32 absmax per block
 KEPT = ("weights", "optimizer states", "reference model", "rollouts")  # parts every moment holds
 
@@ -142,88 +140,13 @@ class Estimate:
         return self.total(self.peak_moment)
 
 
-@dataclass(frozen=True)
-class _Dtypes:
-    base: int  # bytes per frozen or trained base weight element
-    compute: int  # activations inside the layers (bf16 under autocast)
-    residual: int  # the residual stream between layers
-    autocast: bool  # float32 weights under bf16 autocast: each linear keeps a bf16 copy of its weight
-    reference: int  # bytes per element of full fine-tuning's frozen reference copy
-    dropout_mask: int
-
-
-def _dtypes(s, device: str) -> _Dtypes:
-    """Bytes per element under the trainer's dtype plan (policy/precision.Precision.plan, the one plan)."""
-    plan = Precision.plan(s.bf16, s.use_lora, device, s.bf16_weights)
-    base = plan.base_dtype.itemsize
-    bf16_trained = base == 2 and not s.use_lora  # bf16 weights: no autocast copies, everything flows in bf16
-    # CUDA dropout keeps a bool mask; CPU dropout keeps a noise tensor, float32 unless the weights are bf16.
-    mask = 1 if device == "cuda" else 2 if bf16_trained else 4
-    return _Dtypes(base=base, compute=2 if plan.bf16 or base == 2 else 4, residual=base,
-                   autocast=plan.bf16 and base == 4, reference=plan.reference_dtype.itemsize, dropout_mask=mask)
-
-
-def _layer_activations(a: Architecture, s, d: _Dtypes) -> float:
-    """Bytes one decoder layer keeps for backward, per token."""
-    targets = lora_targets(s)
-    H, I, q, c = a.hidden_size, a.intermediate_size, a.q_dim, d.compute
-    # SDPA keeps q, k, v and its output; under a padding mask transformers repeats k and v to all heads.
-    kv = q if a.num_kv_heads < a.num_heads else a.kv_dim
-    attention = c * (2 * q + 2 * kv)
-    if not s.use_lora:
-        norms = 2 * (d.residual * H + 4 * H)  # each RMSNorm keeps its input and its float32 normalized value
-        if d.autocast:
-            inputs = c * (5 * H + q)  # each linear keeps its own bf16 cast of its input (q, k, v, gate, up, o)
-        else:
-            inputs = c * (2 * H + q)  # each norm's output (shared by the linears reading it), o_proj's input
-        return norms + attention + inputs + 4 * c * I  # MLP: gate, silu(gate), up, their product
-    # Frozen linears keep no inputs; the frozen norms keep only their float32 input.
-    norms = 2 * 4 * H
-    shapes = {n: sh for n, sh in a.linear_shapes().items() if targets is None or n in targets}
-    lora = c * s.lora_r * len(shapes)  # A's output, kept by B
-    if s.lora_dropout > 0 and not s.disable_dropout:  # p = 0 dropout returns its input: nothing kept
-        lora += sum((c + d.dropout_mask) * i for i, _ in shapes.values())  # each adapter's dropout output and mask
-    else:  # A keeps its input, shared by the adapters reading the same tensor
-        lora += c * sum(dict((sh[0] if n not in ("o_proj", "down_proj") else n, sh[0])
-                             for n, sh in shapes.items()).values())
-    return norms + attention + 3 * c * I + lora  # MLP: gate (silu's input), silu(gate), up
-
-
-def _optimizer_bytes(tensors: list[int], optim: str) -> float:
-    if optim == "adamw":
-        return 8 * sum(tensors)
-    big = sum(n for n in tensors if n >= BNB_8BIT_MIN_SIZE)
-    return 2 * big * (1 + 4 / BNB_BLOCK) + 8 * (sum(tensors) - big)
-
-
-def _generation_bytes(a: Architecture, s, d: _Dtypes, rows: int, prompts: int) -> tuple[float, float]:
-    """The KV cache and the buffers of a decode of `rows` completions of `prompts` prompts (each prefilled
-    once): the cache, allocated for every position at once (rollout/kv_cache), in the weights' dtype (no
-    autocast; 4-bit layers compute in the same dtype as the rest),
-    one step's logits, their row-major copy, softmax and float64 cumulative sum, and a layer's prefill
-    intermediates."""
-    T, kv_bytes = planned_prompt_length(s) + s.max_completion_length, d.base
-    # + a layer's copy while compaction or a prompt's copies rewrite the buffers (or a dynamic cache grows)
-    kv = 2 * a.num_layers * rows * T * a.kv_dim * kv_bytes * (1 + 1 / a.num_layers)
-    prefill = prompts * planned_prompt_length(s) * (3 * a.intermediate_size + 4 * a.hidden_size) * kv_bytes
-    return kv, 20 * rows * a.vocab_size + prefill
-
-
-def _sampling_weight_bytes(a: Architecture, s, d: _Dtypes, quantized: bool, device: str) -> float:
-    """While sampling (policy/folding), float32 LoRA bases hold a folded copy of every adapted weight."""
-    if quantized or d.base != 4 or not s.use_lora:
-        return 0.0
-    targets = lora_targets(s)
-    return 4.0 * a.num_layers * sum(i * o for n, (i, o) in a.linear_shapes().items() if targets is None or n in targets)
-
-
 def eval_prompts_per_batch(a: Architecture, s, device: str = "cuda") -> int:
     """Prompts one greedy evaluation decode may take (one completion each, counted at max_prompt_length +
     max_completion_length): as many as fit beside what training keeps (weights, optimizer states, reference,
     rollouts) within the training peak that the run needs anyway, at least one."""
-    e, d = estimate(a, s, device), _dtypes(s, device)
+    e, d = estimate(a, s, device), dtypes(s, device)
     free = e.peak - sum(e.parts[p] for p in KEPT) - e.parts["sampling weight copies"]
-    kv, buffers = _generation_bytes(a, s, d, 1, 1)
+    kv, buffers = generation_bytes(a, s, d, 1, 1)
     return max(1, int(free // (kv + buffers)))
 
 
@@ -237,38 +160,55 @@ def prompts_in_micro_batch(micro_batch: int, num_generations: int) -> int:
 def estimate(a: Architecture, s, device: str = "cuda") -> Estimate:
     """Peak memory of training `a` with the settings of `s` (a `grpo.Config`) on `device` ("cuda" or "cpu"),
     prompts counted at max_prompt_length (the worst case); see the module docstring."""
-    d = _dtypes(s, device)
-    V, H, L = a.vocab_size, a.hidden_size, a.num_layers
+    d = dtypes(s, device)
     plan = RunPlan.resolve(s, world_size=1)  # the trainer's plan, for one rank's share: ranks are not known here
-    schedule = plan.schedule
-    N = schedule.micro_batch  # sequences per micro-batch (TRL 1.16: completions)
-    P, C = planned_prompt_length(s), s.max_completion_length
-    T = P + C
     quantized = s.use_lora and s.load_in_4bit
     trainable = a.lora_tensors(s.lora_r, lora_targets(s)) if s.use_lora else a.trainable_tensors()
-    n_trainable = sum(trainable)
-    parts: dict[str, float] = {}
+    parts = {**_resident(a, s, d, plan, trainable, quantized), **_micro_batch(a, s, d, plan.schedule),
+             **_optimizer_step(s, d, trainable, device)}
+    moments = _moments(s, low_precision_head=parts["LM-head float32 accumulator"] > 0)
+    parts["sampling weight copies"] = sampling_weight_bytes(a, s, d, quantized, device)
+    prompts = _decode_prompts(a, s, d, plan.schedule, parts, moments)
+    parts["KV cache"], parts["sampling buffers"] = generation_bytes(a, s, d, prompts * s.num_generations, prompts)
+    # async_generation: the sampler process decodes while the trainer trains (run/ahead.py), so every training
+    # moment holds a decode too, and the trainable weights' copy the two share; the frozen weights are the
+    # trainer's own pages (forked, never written).
+    parts["sampler's weight copy"] = (4 if s.use_lora else d.base) * sum(trainable) if s.async_generation else 0.0
+    if s.async_generation:
+        decoding = ("KV cache", "sampling buffers", "sampling weight copies", "sampler's weight copy")
+        moments = {name: held + (decoding if name != "generation" else ("sampler's weight copy",))
+                   for name, held in moments.items()}
+    return Estimate(parts, moments, prompts)
 
-    # --- always there ---
+
+def _resident(a: Architecture, s, d: Dtypes, plan: RunPlan, trainable: list[int], quantized: bool) -> dict:
+    """What every moment holds: weights, optimizer states, the reference copy, the generation batch."""
+    C, T = s.max_completion_length, planned_prompt_length(s) + s.max_completion_length
     linear_bytes = a.linear_params() * (0.5 + 4 / NF4_BLOCK) if quantized else a.linear_params() * d.base
-    parts["weights"] = linear_bytes + (a.embedding_params() + a.other_params()) * d.base
+    weights = linear_bytes + (a.embedding_params() + a.other_params()) * d.base
     if s.use_lora:
-        parts["weights"] += 4 * n_trainable  # float32 adapters
-    parts["optimizer states"] = _optimizer_bytes(trainable, s.optim)
-    parts["reference model"] = a.num_params() * d.reference if plan.reference == "copy" else 0.0
-    rollout_rows = schedule.completions_per_generation  # a generation batch's rows
+        weights += 4 * sum(trainable)  # float32 adapters
+    rollout_rows = plan.schedule.completions_per_generation  # a generation batch's rows
     logprobs = plan.keeps_old_logprobs + plan.has_reference  # [C] float32 each, kept for the whole batch
-    parts["rollouts"] = rollout_rows * (T * 8 * 2 + C * 4 * logprobs)  # ids and masks, log-probs
+    return {"weights": weights, "optimizer states": optimizer_bytes(trainable, s.optim),
+            "reference model": a.num_params() * d.reference if plan.reference == "copy" else 0.0,
+            "rollouts": rollout_rows * (T * 8 * 2 + C * 4 * logprobs)}  # ids and masks, log-probs
 
-    # --- a micro-batch's forward and backward ---
+
+def _micro_batch(a: Architecture, s, d: Dtypes, schedule) -> dict:
+    """A micro-batch's forward and backward: activations, the log-prob chunk, the LM head's gradient, the
+    gradients."""
+    V, H, L = a.vocab_size, a.hidden_size, a.num_layers
+    N, P, C = schedule.micro_batch, planned_prompt_length(s), s.max_completion_length  # N: sequences
+    parts = {}
     # Whole rows forward N x (P + C) tokens; the shared-prompt forward (policy/prefix.py) each of the micro-batch's
     # prompts once and the N completions against its keys and values: B x P + N x C tokens.
     once = prompt_once(s.shared_prompt_forward, s.gradient_checkpointing)  # policy/prefix.py
     B = prompts_in_micro_batch(N, s.num_generations) if once else N
     tokens = B * P + N * C
-    per_token = _layer_activations(a, s, d)
+    per_token = layer_activations(a, s, d)
     # The shared forward's completions attend to their prompt's keys and values, expanded to their rows: SDPA keeps
-    # them with the completions' own (repeated to all heads under a padding mask, as in _layer_activations).
+    # them with the completions' own (repeated to all heads under a padding mask, as in layer_activations).
     kv = a.q_dim if a.num_kv_heads < a.num_heads else a.kv_dim
     prompt_keys = N * P * 2 * kv * d.compute if once else 0.0
     per_layer = per_token * tokens + prompt_keys
@@ -299,20 +239,28 @@ def estimate(a: Architecture, s, device: str = "cuda") -> Estimate:
     block = min(V, HEAD_GRAD_BLOCK)
     parts["LM-head gradient block"] = block * (6 * H + 2 * rows) if low_precision_head else 0.0
     parts["autocast weight copies"] = 2 * a.linear_params() if d.autocast and not s.use_lora else 0.0
-    parts["gradients"] = grad_bytes * n_trainable
-    parts["earlier micro-batches' gradients"] = parts["gradients"] if s.gradient_accumulation_steps > 1 else 0.0
+    trainable = a.lora_tensors(s.lora_r, lora_targets(s)) if s.use_lora else a.trainable_tensors()
+    parts["gradients"] = grad_bytes * sum(trainable)
+    accumulating = s.gradient_accumulation_steps > 1
+    parts["earlier micro-batches' gradients"] = parts["gradients"] if accumulating else 0.0
     # After the first micro-batch, a new [V, H] gradient (the head's, or an untied embedding's) waits to be added
     # to the stored one when backward ends. (A tied embedding's lookup adds a sparse gradient into the head's.)
-    accumulating = s.gradient_accumulation_steps > 1
     parts["pending embedding gradients"] = grad_bytes * V * H if head_trained and accumulating else 0.0
+    return parts
 
-    # --- optimizer step: torch AdamW runs fused (in place); bitsandbytes' CPU kernel works on float32 copies
-    # of a slice's states, gradient and denominator (about six at once), its CUDA kernel in place. bf16 weights
-    # add a slice's float32 weight, gradient and rounding noise (torch AdamW: weight, gradient, two temporaries).
+
+def _optimizer_step(s, d: Dtypes, trainable: list[int], device: str) -> dict:
+    """The optimizer step's temporaries: torch AdamW runs fused (in place); bitsandbytes' CPU kernel works on
+    float32 copies of a slice's states, gradient and denominator (about six at once), its CUDA kernel in place.
+    bf16 weights add a slice's float32 weight, gradient and rounding noise (torch AdamW: weight, gradient, two
+    temporaries)."""
     on_cpu_8bit = s.optim != "adamw" and device != "cuda"
     float32_slices = (4 if s.optim == "adamw" else 3) if d.base == 2 and not s.use_lora else 0
-    parts["optimizer step temporaries"] = (6 * on_cpu_8bit + float32_slices) * 4 * min(max(trainable), BNB_CPU_SLICE)
+    return {"optimizer step temporaries": (6 * on_cpu_8bit + float32_slices) * 4 * min(max(trainable), BNB_CPU_SLICE)}
 
+
+def _moments(s, low_precision_head: bool) -> dict[str, tuple[str, ...]]:
+    """The parts each moment holds."""
     kept = KEPT
     # Autocast keeps its weight copies until the forward ends; for backward too, unless checkpointing
     # recomputes them layer by layer.
@@ -320,7 +268,7 @@ def estimate(a: Architecture, s, device: str = "cuda") -> Estimate:
     # While the log-prob backward runs, the head's gradient grows in the float32 accumulator, when there is one.
     head_accumulating = (("LM-head float32 accumulator", "LM-head gradient block") if low_precision_head
                          else ("LM-head gradient",))
-    moments = {
+    return {
         "generation": kept + ("KV cache", "sampling buffers", "sampling weight copies"),
         "forward end": kept + ("activations", "autocast weight copies", "log-prob chunk", "log-prob jacobian",
                                "earlier micro-batches' gradients"),
@@ -333,22 +281,16 @@ def estimate(a: Architecture, s, device: str = "cuda") -> Estimate:
         "backward end": kept + ("gradients", "pending embedding gradients"),
         "optimizer step": kept + ("gradients", "optimizer step temporaries"),
     }
-    # --- generation: the whole generation batch in one decode when it fits within the other moments' peak ---
-    parts["sampling weight copies"] = _sampling_weight_bytes(a, s, d, quantized, device)
+
+
+def _decode_prompts(a: Architecture, s, d: Dtypes, schedule, parts: dict, moments: dict) -> int:
+    """Prompts one sampling decode takes: the whole generation batch (this rank's share) when it fits within the
+    other moments' peak, else whole micro-batches' worth, at least one."""
     G, chunk = s.num_generations, schedule.prompts_per_micro_batch
     prompts = -(-schedule.completions_per_generation // G)  # this rank's share of the generation batch
-    free = max(sum(parts.get(p, 0.0) for p in m) for m in moments.values()) - sum(parts[p] for p in kept) \
+    free = max(sum(parts.get(p, 0.0) for p in m) for m in moments.values()) - sum(parts[p] for p in KEPT) \
         - parts["sampling weight copies"]
-    kv, buffers = _generation_bytes(a, s, d, G, 1)  # one prompt's
-    if prompts * (kv + buffers) > free:  # whole micro-batches' worth, at least one
+    kv, buffers = generation_bytes(a, s, d, G, 1)  # one prompt's
+    if prompts * (kv + buffers) > free:
         prompts = min(prompts, max(chunk, int(free // (kv + buffers)) // chunk * chunk))
-    parts["KV cache"], parts["sampling buffers"] = _generation_bytes(a, s, d, prompts * G, prompts)
-    # async_generation: the sampler process decodes while the trainer trains (run/ahead.py), so every training
-    # moment holds a decode too, and the trainable weights' copy the two share; the frozen weights are the
-    # trainer's own pages (forked, never written).
-    parts["sampler's weight copy"] = (4 if s.use_lora else d.base) * n_trainable if s.async_generation else 0.0
-    if s.async_generation:
-        decoding = ("KV cache", "sampling buffers", "sampling weight copies", "sampler's weight copy")
-        moments = {name: held + (decoding if name != "generation" else ("sampler's weight copy",))
-                   for name, held in moments.items()}
-    return Estimate(parts, moments, prompts)
+    return prompts

@@ -7,6 +7,7 @@ import dataclasses
 from ..settings import Config
 from ..settings.choices import planned_prompt_length
 from ..settings.cli import format_value
+from ..settings.plan import DecodeSizes
 from ..policy import prompt_once
 from .estimate import GB, Architecture, Estimate, estimate, eval_prompts_per_batch, prompts_in_micro_batch
 from .known_models import architecture_of
@@ -63,25 +64,29 @@ def memory_savings(c: Config, every_micro_batch: bool = False) -> list[tuple[dic
     return changes
 
 
-def sampling_prompts_per_decode(config: Config, model=None, device: str = "cuda") -> int | None:
-    """Prompts one sampling decode takes: the memory plan's (`Estimate.decode_prompts`: the whole generation
-    batch when it fits within the training peak), None (a micro-batch's) where the architecture cannot be
-    read."""
+def decode_sizes(config: Config, model=None, device: str = "cuda") -> DecodeSizes:
+    """Prompts per decode, read before loading from the architecture (of `model` when given, else of
+    config.model). Sampling: the memory plan's (`Estimate.decode_prompts`: the whole generation batch when it
+    fits within the training peak), None (a micro-batch's) where the architecture cannot be read. Evaluation:
+    `eval_batch_size`'s."""
     arch = architecture_of(config, model)
-    if isinstance(arch, str):
-        return None
-    return estimate(arch, config, "cuda" if device == "cuda" else "cpu").decode_prompts
+    sampling = None if isinstance(arch, str) else estimate(arch, config, _kind(device)).decode_prompts
+    return DecodeSizes(sampling, eval_batch_size(config, model, device, arch))
 
 
-def eval_batch_size(config: Config, model=None, device: str = "cuda") -> int:
+def eval_batch_size(config: Config, model=None, device: str = "cuda", arch=None) -> int:
     """Prompts per greedy evaluation decode: `config.eval_batch_size` when set, else as many as the memory plan
-    fits (`eval_prompts_per_batch`), else EVAL_BATCH_WITHOUT_PLAN."""
+    fits (`eval_prompts_per_batch`), else EVAL_BATCH_WITHOUT_PLAN. `arch`: the architecture when already read."""
     if config.eval_batch_size is not None:
         return config.eval_batch_size
-    arch = architecture_of(config, model)
+    arch = architecture_of(config, model) if arch is None else arch
     if isinstance(arch, str):
         return EVAL_BATCH_WITHOUT_PLAN
-    return eval_prompts_per_batch(arch, config, "cuda" if device == "cuda" else "cpu")
+    return eval_prompts_per_batch(arch, config, _kind(device))
+
+
+def _kind(device: str) -> str:
+    return "cuda" if device == "cuda" else "cpu"
 
 
 def flags(change: dict) -> str:

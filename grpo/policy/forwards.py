@@ -16,19 +16,20 @@ from .prefix import CacheDropped, check_shared_prompt_forward, refusal, shared_p
 
 
 class Policy:
-    """`model` (prepared for training) with its reference, wrapped for `world_size` ranks; `config` gives the
+    """`model` (prepared for training) with its reference, wrapped for `world_size` ranks; `settings`
+    (settings/plan.LogprobSettings) gives the
     log-prob settings; `is_main`: this rank says what every rank does (infra/distributed.Distributed.is_main). Trains
     on `model`; `parallel` saves and loads it."""
 
-    def __init__(self, model, config, world_size: int, precision: Precision, *, is_main: bool):
-        self.model, self.config, self.precision, self.is_main = model, config, precision, is_main
-        self.reference = make_reference(model, config.use_lora, config.beta, precision.reference_dtype)
+    def __init__(self, model, settings, world_size: int, precision: Precision, *, is_main: bool):
+        self.model, self.settings, self.precision, self.is_main = model, settings, precision, is_main
+        self.reference = make_reference(model, settings.use_lora, settings.beta, precision.reference_dtype)
         # Before the optimizer exists: FSDP replaces the parameters by their shards.
-        self.parallel = ParallelPolicy(model, world_size, fsdp=config.fsdp, bf16=precision.bf16)
+        self.parallel = ParallelPolicy(model, world_size, fsdp=settings.fsdp, bf16=precision.bf16)
         self.device = device_of(model)
         self.head_checked = False
         # Each distinct prompt forwarded once (policy/prefix.py), unless the model's cache cannot serve it.
-        asked = prompt_once(config.shared_prompt_forward, config.gradient_checkpointing)
+        asked = prompt_once(settings.shared_prompt_forward, settings.gradient_checkpointing)
         why = refusal(unwrap(model)) if asked else None
         self.shared_prompt = asked and why is None
         if why is not None:
@@ -62,7 +63,7 @@ class Policy:
         Then the shared-prompt forward against whole rows (prefix.check_shared_prompt_forward): a difference
         turns it off, with one line. `agree(x)` is the largest x over the ranks, so that they act together."""
         if not self.head_checked:
-            c = self.config
+            c = self.settings
             self.parallel(lambda model: check_logprobs_match_forward(
                 model, rollout.input_ids, rollout.attention_mask, rollout.prompt_ids.shape[1],
                 temperature=c.temperature, chunk_size=c.logprob_chunk_size, agree=agree))
@@ -80,7 +81,7 @@ class Policy:
             print(f"grpo: shared_prompt_forward is off: {why}; log-probs forward whole rows", file=sys.stderr)
 
     def _logprobs(self, model, rollout, with_entropy: bool = False):
-        c, ro = self.config, rollout
+        c, ro = self.settings, rollout
         # Taken even where no row shares its prompt: under FSDP every rank must run as many forwards.
         if self.shared_prompt:
             try:

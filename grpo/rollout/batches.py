@@ -1,6 +1,7 @@
-"""The generation batch, the one type a step carries from the sampler to the loss (`Rollout`), and the one place
-it is cut into micro-batches (`Rollout.micro_batches`); the generation batch that `num_iterations` steps reuse
-(`Generation`), with its checkpoint form by field name; its scores and metrics."""
+"""The experience, the one type a step carries from the sampler to the loss (`Rollout`: ids, masks, rewards,
+advantages, fixed log-probs, row by row), and the one place it is cut into micro-batches
+(`Rollout.micro_batches`); the generation batch that `num_iterations` steps reuse (`Generation`), with its
+checkpoint form by field name; its metrics."""
 from __future__ import annotations
 
 import dataclasses
@@ -15,8 +16,8 @@ from .rewards import RewardContext, reward_metrics
 PROMPT_SIDE = ("prompt_ids", "prompt_mask")  # [N, P], left-padded
 COMPLETION_SIDE = ("completion_ids", "completion_mask", "loss_mask", "old_logprobs", "ref_logprobs",
                    "sampling_logprobs", "sampling_weights")  # [N, C]
-PER_ROW = ("truncated", "advantages", "tool_calls", "tool_failures")  # [N]
-LISTS = ("completions", "tool_notes")  # N Python objects
+PER_ROW = ("truncated", "advantages", "tool_calls", "tool_failures", "rewards", "per_func")  # [N] or [N, F]
+LISTS = ("completions", "prompts", "tool_notes")  # N Python objects
 IDS = ("prompt_ids", "completion_ids")  # padded with the pad token, the rest with 0
 
 
@@ -24,7 +25,8 @@ IDS = ("prompt_ids", "completion_ids")  # padded with the pad token, the rest wi
 class Rollout:
     """Rows of sampled completions and what GRPO attaches to them: this rank's generation batch, or a
     micro-batch of it. Row i belongs to prompt i // num_generations. A sampler fills the ids, masks, texts and
-    truncation flags; the advantages and the log-probs fixed for the generation batch come later."""
+    truncation flags; the scores (rollout/source), advantages and the log-probs fixed for the generation batch
+    come later, each a per-row field of the same rows."""
 
     prompt_ids: torch.Tensor  # [N, P] left-padded
     prompt_mask: torch.Tensor  # [N, P]
@@ -45,6 +47,10 @@ class Rollout:
     sampling_logprobs: torch.Tensor | None = None
     sampling_weights: torch.Tensor | None = None
     tool_notes: list | None = None  # N lists of lines, what went wrong in each completion's tool calls
+    prompts: list | None = None  # N prompts as the reward functions saw them, once scored
+    rewards: torch.Tensor | None = None  # [N] weighted sum over the reward functions
+    per_func: torch.Tensor | None = None  # [N, F] each function's reward, NaN where it returned None
+    extras: dict | None = None  # the reward functions' log_extra columns, N values each (None where not logged)
 
     def __post_init__(self):
         if self.loss_mask is None:
@@ -63,6 +69,11 @@ class Rollout:
         """Each completion's token ids up to and including EOS (reward functions' `completion_ids`)."""
         return [row[mask.bool()].tolist() for row, mask in zip(self.completion_ids, self.completion_mask)]
 
+    @property
+    def applied(self) -> torch.Tensor:
+        """[N] False where every reward function returned None: such a completion has no score."""
+        return ~self.per_func.isnan().all(dim=1)
+
     def to(self, device: torch.device) -> Rollout:
         return Rollout(**{f.name: v.to(device) if isinstance(v := getattr(self, f.name), torch.Tensor) else v
                           for f in dataclasses.fields(self)})
@@ -75,17 +86,22 @@ class Rollout:
             return parts[0]
         widths = {"P": max(r.prompt_ids.shape[1] for r in parts), "C": max(r.completion_ids.shape[1] for r in parts)}
 
-        def joined(name: str) -> torch.Tensor | None:
+        def joined(name: str):
             tensors = [getattr(r, name) for r in parts]
+            if name in LISTS:
+                return None if tensors[0] is None else [x for t in tensors for x in t]
+            if name == "extras":  # a column one part did not log is None there
+                columns = dict.fromkeys(c for r in parts for c in r.extras or {})
+                return None if tensors[0] is None else {
+                    c: [x for r in parts for x in (r.extras or {}).get(c, [None] * len(r.completions))]
+                    for c in columns}
             if tensors[0] is None or name in PER_ROW:
                 return None if tensors[0] is None else torch.cat(tensors)  # [sum N]
             width, left = (widths["P"], True) if name in PROMPT_SIDE else (widths["C"], False)
             value = pad_id if name in IDS else 0
             return torch.cat([torch.nn.functional.pad(t, (width - t.shape[1], 0) if left else (0, width - t.shape[1]),
                                                       value=value) for t in tensors])  # [sum N, width]
-        def listed(name: str) -> list | None:
-            return None if getattr(parts[0], name) is None else [c for r in parts for c in getattr(r, name)]
-        return cls(**{f.name: listed(f.name) if f.name in LISTS else joined(f.name) for f in dataclasses.fields(cls)})
+        return cls(**{f.name: joined(f.name) for f in dataclasses.fields(cls)})
 
     def select(self, rows: torch.Tensor) -> Rollout:
         """Rows `rows` [n] (indices, in order), with only the padding they need: prompts stay left-padded and
@@ -99,8 +115,10 @@ class Rollout:
 
         def take(name: str):
             value = getattr(self, name)
-            if name in LISTS:
-                return None if value is None else [value[i] for i in rows.tolist()]
+            if name in LISTS and value is not None:
+                return [value[i] for i in rows.tolist()]
+            if name == "extras" and value is not None:
+                return {c: [v[i] for i in rows.tolist()] for c, v in value.items()}
             if value is None or name in PER_ROW:
                 return None if value is None else value[rows]  # [n]
             return value[rows, p:] if name in PROMPT_SIDE else value[rows, :c]  # [n, P - p] or [n, c]
@@ -179,28 +197,6 @@ class StepCounts:
 
 
 @dataclass
-class Scored:
-    """A generation batch's completions and their scores, as completions.jsonl records them. Row i belongs to
-    prompt i // num_generations; under torchrun the tensors hold every rank's rows (rank-major)."""
-
-    prompts: list  # this rank's, one per completion
-    completions: list  # this rank's
-    rewards: torch.Tensor  # [W*N] weighted sum over the reward functions
-    per_func: torch.Tensor  # [W*N, F] each function's reward, NaN where it returned None
-    advantages: torch.Tensor | None = None  # [W*N], once computed from the rewards
-    extras: dict = dataclasses.field(default_factory=dict)  # this rank's reward functions' log_extra columns
-
-    def gathered(self, dist) -> Scored:
-        """With every rank's rewards [W*N] and per function [W*N, F], rank-major (`dist`: infra/distributed's)."""
-        return dataclasses.replace(self, rewards=dist.gather(self.rewards), per_func=dist.gather(self.per_func))
-
-    @property
-    def applied(self) -> torch.Tensor:
-        """[W*N] False where every reward function returned None: such a completion has no score."""
-        return ~self.per_func.isnan().all(dim=1)
-
-
-@dataclass
 class Generation:
     """One generation batch, used by `num_iterations` optimizer steps: `batch` whole, and cut by `cut` into
     `micro_batches` on creation."""
@@ -208,7 +204,6 @@ class Generation:
     batch: Rollout  # this rank's
     cut: Cut
     metrics: dict
-    scored: Scored
 
     def __post_init__(self):
         self.micro_batches = self.batch.micro_batches(self.cut)
@@ -250,15 +245,15 @@ class Generation:
         return StepCounts(**counts, divisor=counts["tokens"] * len(step) / len(self.micro_batches))
 
     def state_dict(self) -> dict:
-        """The checkpoint's form: the batch's tensors by field name, the cut, metrics and scores."""
+        """The checkpoint's form: the batch's fields by name, the cut and metrics."""
         return {"batch": {f.name: getattr(self.batch, f.name) for f in dataclasses.fields(self.batch)},
-                "cut": dataclasses.asdict(self.cut), "metrics": self.metrics, "scored": dataclasses.asdict(self.scored)}
+                "cut": dataclasses.asdict(self.cut), "metrics": self.metrics}
 
     @classmethod
     def from_state_dict(cls, saved: dict, device: torch.device) -> Generation:
         """The inverse of `state_dict`, the batch's tensors moved (back) to `device` and cut again."""
         batch = Rollout(**saved["batch"]).to(device)
-        return cls(batch, Cut(**saved["cut"]), saved["metrics"], Scored(**saved["scored"]))
+        return cls(batch, Cut(**saved["cut"]), saved["metrics"])
 
 
 def with_advantages(rollout: Rollout, advantages: torch.Tensor, mask_truncated: bool) -> Rollout:
@@ -293,16 +288,18 @@ def tool_metrics(calls: torch.Tensor, failures: torch.Tensor) -> dict[str, float
             "tools/failure_frequency": (failures.sum() / calls.sum().clamp(min=1)).item()}
 
 
-def generation_metrics(rollout: Rollout, scored: Scored, context: RewardContext, generate_s: float,
-                       reward_names: list[str], num_generations: int, dist) -> dict[str, float]:
-    """A generation batch's metrics over all ranks (`dist`: infra/distributed's): rewards, lengths, groups
-    without signal, what the reward functions logged, timing."""
+def generation_metrics(rollout: Rollout, rewards: torch.Tensor, per_func: torch.Tensor, context: RewardContext,
+                       generate_s: float, reward_names: list[str], num_generations: int, dist) -> dict[str, float]:
+    """A generation batch's metrics over all ranks (`dist`: infra/distributed's): rewards (every rank's,
+    `rewards` [W*N] and `per_func` [W*N, F]), lengths, groups without signal, what the reward functions logged,
+    timing."""
     lengths = dist.gather(rollout.completion_mask.sum(1).float())  # [W*N]
     truncated = dist.gather(rollout.truncated.float())  # [W*N]
     tools = {} if rollout.tool_calls is None else tool_metrics(dist.gather(rollout.tool_calls.float()),
                                                                dist.gather(rollout.tool_failures.float()))
-    return {**reward_metrics(scored.rewards, scored.per_func, reward_names), **length_metrics(lengths, truncated),
+    applied = ~per_func.isnan().all(dim=1)  # [W*N]
+    return {**reward_metrics(rewards, per_func, reward_names), **length_metrics(lengths, truncated),
             **tools,
-            "frac_reward_zero_std": zero_std_fraction(scored.rewards, num_generations, scored.applied),
+            "frac_reward_zero_std": zero_std_fraction(rewards, num_generations, applied),
             **context.metrics_over(dist), "perf/generate_s": generate_s,
             "perf/tokens_per_s": lengths.sum().item() / generate_s}

@@ -241,10 +241,9 @@ def decode(hf_model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, settin
     progress bars. Finished rows leave the batch and the cache as they accumulate (rollout/compaction): the n
     rows left decode on. The KV cache and the attention mask are allocated once for P + max_new_tokens
     positions and written in place (rollout/kv_cache); a Llama-shaped model's steps run fused (policy/decoder).
-    `head_matmul`, if given, is the LM head's product on a
-    packed copy of its weight (policy/folding). `tools` (rollout/tool_loop.ToolLoop), if given, watches what each
-    row writes and appends its tools' output (`ForcedTokens`); then a `ToolDecode` is returned, and a row ends at
-    an EOS that closes no tool call or where the tools end it."""
+    `head_matmul`: the LM head's product on a packed copy of its weight (policy/folding). `tools` (tool_loop's
+    ToolLoop) watches what each row writes and appends its tools' output (`ForcedTokens`); then a `ToolDecode` is
+    returned, a row ending at an EOS that closes no tool call or where the tools end it."""
     s, N, device = settings, len(prompt_ids) * repeats, prompt_ids.device
     if s.max_new_tokens == 0:
         return prompt_ids.new_empty(N, 0)

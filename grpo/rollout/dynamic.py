@@ -8,8 +8,7 @@ from collections.abc import Callable
 import torch
 
 from ..algo.advantages import has_signal
-from .batches import Rollout, Scored
-from .rewards import RewardContext
+from .batches import Rollout
 
 
 def kept_groups(signal: torch.Tensor, need: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -28,33 +27,27 @@ class DynamicSampling:
     def __init__(self, num_generations: int, max_rounds: int, dist, pad_id: int):
         self.G, self.max_rounds, self.dist, self.pad_id = num_generations, max_rounds, dist, pad_id
 
-    def __call__(self, rollout: Rollout, scored: Scored, context: RewardContext, seconds: float,
-                 sample: Callable[[int], tuple[Rollout, Scored, float]]) -> tuple[Rollout, Scored, dict, float]:
-        """Keep the groups with signal of `rollout` and `scored` (this rank's), calling `sample(prompts over all
+    def __call__(self, rollout: Rollout, seconds: float,
+                 sample: Callable[[int], tuple[Rollout, float]]) -> tuple[Rollout, dict, float]:
+        """Keep the groups with signal of `rollout` (this rank's, scored), calling `sample(prompts over all
         ranks)` for as many prompts per rank as the rank shortest of groups lacks, while one lacks any and rounds
         are left; a rank still short tops up with groups it dropped (they train nothing). Returns the kept
-        rows and scores, the `dynamic_sampling/*` metrics and `seconds` plus those the rounds took."""
+        rows, the `dynamic_sampling/*` metrics and `seconds` plus those the rounds took."""
         G = self.G
-        need = len(scored.completions) // G  # this rank's groups in a generation batch
-        parts, rounds = [(rollout, scored)], 0
-        signal = has_signal(scored.rewards, G, scored.applied)  # [n] per group sampled so far
+        need = len(rollout.completions) // G  # this rank's groups in a generation batch
+        parts, rounds = [rollout], 0
+        signal = has_signal(rollout.rewards, G, rollout.applied)  # [n] per group sampled so far
         while rounds < self.max_rounds:
             missing = int(self.dist.reduce({"value": float(max(0, need - int(signal.sum())))}, "max")["value"])
             if missing == 0:
                 break
-            more, more_scored, more_seconds = sample(missing * self.dist.world_size)
-            parts.append((more, more_scored))
-            signal = torch.cat([signal, has_signal(more_scored.rewards, G, more_scored.applied)])  # [n]
+            more, more_seconds = sample(missing * self.dist.world_size)
+            parts.append(more)
+            signal = torch.cat([signal, has_signal(more.rewards, G, more.applied)])  # [n]
             seconds, rounds = seconds + more_seconds, rounds + 1
         keep, rows = kept_groups(signal, need, G)  # [need], [need * G]
-        index = rows.tolist()
-        prompts = [p for _, s in parts for p in s.prompts]
-        completions = [c for _, s in parts for c in s.completions]
-        kept = Scored([prompts[i] for i in index], [completions[i] for i in index],
-                      torch.cat([s.rewards for _, s in parts])[rows], torch.cat([s.per_func for _, s in parts])[rows],
-                      extras={k: [v[i] for i in index if i < len(v)] for k, v in context.extras.items()})
-        whole = Rollout.cat([r for r, _ in parts], self.pad_id)
+        whole = Rollout.cat(parts, self.pad_id)
         counts = self.dist.reduce({"dropped": float(len(signal) - need), "filler": float(need - signal[keep].sum())})
         metrics = {"dynamic_sampling/rounds": float(rounds), "dynamic_sampling/dropped_groups": counts["dropped"],
                    "dynamic_sampling/filler_groups": counts["filler"]}
-        return whole.select(rows), kept, metrics, seconds
+        return whole.select(rows), metrics, seconds

@@ -18,23 +18,12 @@ import torch
 
 from ..errors import ConfigError
 from ..infra.progress import TokenProgress
-from .rewards import compute_rewards, required_columns, reward_func_names, reward_metrics
+from ..settings.plan import EvalSettings
+from .rewards import RewardContext, compute_rewards, required_columns, reward_func_names, reward_metrics
 from .sampling import PromptEncoder, sample_completions
 from .tools import make_envs
 
 MAX_BREAKDOWN_VALUES = 50  # metrics for each value: a column of ids would flood metrics.jsonl
-
-
-def eval_options(config, batch_size: int) -> dict:
-    """The keyword arguments of `evaluate` that the Config sets; `batch_size`: prompts per decode, the
-    config's eval_batch_size or the memory plan's (memory/fit.eval_batch_size)."""
-    return dict(accuracy_func=config.eval_accuracy_func, free_accuracy_func=config.eval_free_accuracy_func,
-                format_func=config.eval_format_func, breakdown_column=config.eval_breakdown_column,
-                reward_weights=config.reward_weights,
-                max_prompt_length=config.max_prompt_length,
-                max_completion_length=config.max_completion_length, batch_size=batch_size,
-                limit=config.eval_limit, chat_template_kwargs=config.chat_template_kwargs,
-                max_tool_calling_iterations=config.max_tool_calling_iterations)
 
 
 def check_eval_setup(config, eval_dataset, reward_funcs) -> None:
@@ -158,31 +147,64 @@ def summary_lines(metrics: dict[str, float]) -> list[str]:
 
 
 @torch.no_grad()
-def evaluate(model, tokenizer, dataset, reward_funcs, *, accuracy_func: str | None = None,
-             free_accuracy_func: str | None = None, format_func: str | None = None,
-             breakdown_column: str | None = None, reward_weights: list[float] | None = None,
-             max_prompt_length: int, max_completion_length: int,
-             batch_size: int = 64, limit: int | None = None, progress: bool = True, unsharded=None,
-             chat_template_kwargs: dict | None = None, tools=None,
-             max_tool_calling_iterations: int | None = None) -> tuple[dict[str, float], list[dict]]:
-    """Greedy-decode one completion per prompt of `dataset` (its first `limit` rows), chat prompts rendered
-    with `chat_template_kwargs` as in training, and score it. With `tools` (rollout/tools.Tools) the rows call
-    them in the decode as in training (an environment_factory's environments reset on each row).
+def evaluate(model, tokenizer, dataset, reward_funcs, settings: EvalSettings, *, batch_size: int = 64,
+             progress: bool = True, unsharded=None, tools=None,
+             trainer_state=None) -> tuple[dict[str, float], list[dict]]:
+    """Greedy-decode one completion per prompt of `dataset` (its first `settings.limit` rows) in decodes of
+    `batch_size` prompts, chat prompts rendered as in training, and score it (`settings`:
+    settings/plan.EvalSettings). With `tools` (rollout/tools.Tools) the rows call them in the decode as in
+    training (an environment_factory's environments reset on each row); `trainer_state`: the run's
+    (run/state.TrainerState), which the reward functions get.
 
     `unsharded(fn)` runs `fn(model)` for each batch (default: directly); the Trainer passes its parallel
     wrapper, so that FSDP ranks generate together. Returns `(metrics, samples)`: `eval/*` metrics and one
     dict per row (prompt, completion, each reward, and `free_accuracy` when no reward function gives it)."""
     if dataset is None:
         raise ConfigError("evaluating needs an eval_dataset: pass Trainer(eval_dataset=...)")
-    unsharded = unsharded or (lambda fn: fn(model))
-    names = reward_func_names(reward_funcs)
-    if limit is not None:
-        dataset = dataset.select(range(min(limit, len(dataset))))
-    funcs = eval_funcs(reward_funcs, accuracy_func, free_accuracy_func, format_func, dataset.column_names)
-    groups = check_breakdown_column(dataset, breakdown_column)
-    encode = PromptEncoder(tokenizer, max_prompt_length, chat_template_kwargs, tools)
-    completions, completion_ids, lengths, environments = [], [], [], []
+    s, names = settings, reward_func_names(reward_funcs)
+    if s.limit is not None:
+        dataset = dataset.select(range(min(s.limit, len(dataset))))
+    funcs = eval_funcs(reward_funcs, s.accuracy_func, s.free_accuracy_func, s.format_func, dataset.column_names)
+    groups = check_breakdown_column(dataset, s.breakdown_column)
     t0 = time.perf_counter()
+    completions, completion_ids, lengths, environments = _greedy(model, tokenizer, dataset, s, batch_size,
+                                                                 progress, unsharded, tools)
+    columns = {k: dataset[k] for k in dataset.column_names if k != "prompt"}
+    if environments:
+        columns["environments"] = environments
+    prompts = dataset["prompt"]
+    rewards, per_func = compute_rewards(reward_funcs, prompts, completions, columns, s.reward_weights,
+                                        completion_ids=completion_ids,
+                                        context=RewardContext(trainer_state))  # [N], [N, F]
+    means = reward_metrics(rewards, per_func, names)
+    # A function that is not a reward function (an imported format-free accuracy) scores apart.
+    extra = [m for m, (name, _) in funcs.items() if name not in names]
+    extra_values = torch.empty(len(completions), 0)  # [N, E]
+    if extra:
+        _, extra_values = compute_rewards([funcs[m][1] for m in extra], prompts, completions, columns,
+                                          completion_ids=completion_ids)  # [N, E]
+    scores = {m: extra_values[:, extra.index(m)] if m in extra else per_func[:, names.index(name)]
+              for m, (name, _) in funcs.items()}  # metric: [N]
+    metrics = summarize(scores, lengths)
+    # TRL's names; a function that scored no completion, or a set none scored, has no mean.
+    metrics.update({f"eval_{k}": v for k, v in means.items()})
+    if groups is not None:
+        metrics.update(breakdown(scores, lengths, s.breakdown_column, groups))
+    metrics["eval/seconds"] = time.perf_counter() - t0
+    # The dataset's other columns (the expected answer, say) sit next to each completion.
+    samples = [{"prompt": p, "completion": c, **{k: v[i] for k, v in columns.items()},
+                **{f"reward/{n}": (None if v != v else v) for n, v in zip(names, per_func[i].tolist())},
+                **{m: (None if v != v else v) for m, v in zip(extra, extra_values[i].tolist())}}
+               for i, (p, c) in enumerate(zip(prompts, completions))]
+    return metrics, samples
+
+
+def _greedy(model, tokenizer, dataset, s: EvalSettings, batch_size: int, progress: bool, unsharded, tools):
+    """Each row's greedy completion, its token ids, the lengths [N] and the environments the rows ran in."""
+    unsharded = unsharded or (lambda fn: fn(model))
+    encode = PromptEncoder(tokenizer, s.max_prompt_length,
+                           None if s.chat_template_kwargs is None else dict(s.chat_template_kwargs), tools)
+    completions, completion_ids, lengths, environments = [], [], [], []
     with TokenProgress("eval", enabled=progress) as bar:
         for start in range(0, len(dataset), batch_size):
             prompts, envs = dataset[start:start + batch_size]["prompt"], None
@@ -193,36 +215,9 @@ def evaluate(model, tokenizer, dataset, reward_funcs, *, accuracy_func: str | No
             bar.batch(start, len(prompts), len(dataset))  # prompts done / total as rows finish, tokens/s
             rollout = unsharded(lambda m: sample_completions(
                 m, tokenizer, encode, prompts, num_generations=1, greedy=True, on_token=bar,
-                max_completion_length=max_completion_length, temperature=1.0, top_p=1.0, top_k=0,
-                max_tool_calling_iterations=max_tool_calling_iterations, envs=envs))
+                max_completion_length=s.max_completion_length,
+                max_tool_calling_iterations=s.max_tool_calling_iterations, envs=envs))
             completions += rollout.completions
             completion_ids += rollout.completion_id_lists
             lengths.append(rollout.completion_mask.sum(dim=1).float())  # [b]
-    columns = {k: dataset[k] for k in dataset.column_names if k != "prompt"}
-    if environments:
-        columns["environments"] = environments
-    prompts = dataset["prompt"]
-    rewards, per_func = compute_rewards(reward_funcs, prompts, completions, columns, reward_weights,
-                                        completion_ids=completion_ids)  # [N], [N, F]
-    means = reward_metrics(rewards, per_func, names)
-    # A function that is not a reward function (an imported format-free accuracy) scores apart.
-    extra = [m for m, (name, _) in funcs.items() if name not in names]
-    extra_values = torch.empty(len(completions), 0)  # [N, E]
-    if extra:
-        _, extra_values = compute_rewards([funcs[m][1] for m in extra], prompts, completions, columns,
-                                          completion_ids=completion_ids)  # [N, E]
-    scores = {m: extra_values[:, extra.index(m)] if m in extra else per_func[:, names.index(name)]
-              for m, (name, _) in funcs.items()}  # metric: [N]
-    lengths = torch.cat(lengths)  # [N]
-    metrics = summarize(scores, lengths)
-    # TRL's names; a function that scored no completion, or a set none scored, has no mean.
-    metrics.update({f"eval_{k}": v for k, v in means.items()})
-    if groups is not None:
-        metrics.update(breakdown(scores, lengths, breakdown_column, groups))
-    metrics["eval/seconds"] = time.perf_counter() - t0
-    # The dataset's other columns (the expected answer, say) sit next to each completion.
-    samples = [{"prompt": p, "completion": c, **{k: v[i] for k, v in columns.items()},
-                **{f"reward/{n}": (None if v != v else v) for n, v in zip(names, per_func[i].tolist())},
-                **{m: (None if v != v else v) for m, v in zip(extra, extra_values[i].tolist())}}
-               for i, (p, c) in enumerate(zip(prompts, completions))]
-    return metrics, samples
+    return completions, completion_ids, torch.cat(lengths), environments  # lengths [N]

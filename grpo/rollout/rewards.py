@@ -21,11 +21,9 @@ import numbers
 import os
 import sys
 import traceback
-from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
-from tqdm.auto import tqdm
 
 from ..errors import ConfigError, UserError
 from ..infra.interrupts import StepAbandoned
@@ -61,24 +59,12 @@ def reward_func_names(funcs) -> list[str]:
     return names
 
 
-@dataclass
-class TrainerState:
-    """transformers' TrainerState, the fields of it most read: the Trainer's `trainer.state`, which reward
-    functions get as `trainer_state` and callbacks as `state`, as in TRL."""
-
-    global_step: int = 0  # optimizer steps done
-    max_steps: int = 0  # optimizer steps of the run
-    epoch: float = 0.0  # passes over the training prompts done, a fraction within one (Schedule.epoch)
-    log_history: list[dict] = field(default_factory=list)  # every logged line (run/report.py)
-    is_world_process_zero: bool = True  # rank 0 of all, the one that writes
-    is_local_process_zero: bool = True  # rank 0 of this machine
-
-
 class RewardContext:
-    """TRL's per-call reward arguments besides the batch, and what the functions log through them."""
+    """TRL's per-call reward arguments besides the batch, and what the functions log through them.
+    `trainer_state`: the run's (run/state.TrainerState), None outside a run."""
 
-    def __init__(self, trainer_state: TrainerState | None = None):
-        self.trainer_state = trainer_state if trainer_state is not None else TrainerState()
+    def __init__(self, trainer_state=None):
+        self.trainer_state = trainer_state
         self.metrics: dict[str, list[float]] = {}
         self.extras: dict[str, list] = {}  # column: one value per completion
 
@@ -87,6 +73,12 @@ class RewardContext:
 
     def log_extra(self, column: str, values: list) -> None:
         self.extras.setdefault(column, []).extend(values)
+
+    def take_extras(self, n: int) -> dict[str, list]:
+        """The log_extra columns logged since the last call, as `n` values each (None where none was logged),
+        emptied for the next draw."""
+        extras, self.extras = self.extras, {}
+        return {c: (values + [None] * n)[:n] for c, values in extras.items()}
 
     def kwargs(self) -> dict:
         return {"trainer_state": self.trainer_state, "log_metric": self.log_metric, "log_extra": self.log_extra}
@@ -124,7 +116,8 @@ def compute_rewards(reward_funcs, prompts, completions, columns: dict[str, list]
         out = _call(f, names[j], batch, context)
         (pending if inspect.isawaitable(out) else values)[j] = out
     for j, out in zip(pending, _await_all(list(pending.values()))):  # async functions, concurrently
-        values[j] = out if not isinstance(out, BaseException) else _raise(reward_funcs[j], names[j], out, batch)
+        values[j] = out if not isinstance(out, BaseException) else _raise(reward_funcs[j], names[j], out, batch,
+                                                                          context)
     per_func = torch.full((n, len(reward_funcs)), math.nan)
     for j, name in enumerate(names):
         per_func[:, j] = torch.tensor(_to_floats(values[j], name, n), dtype=torch.float32)
@@ -177,7 +170,7 @@ def _call(f, name: str, batch: dict, context: RewardContext):
     try:
         return f(**_accepted(f, {**batch, **context.kwargs()}))
     except Exception as batch_error:
-        _raise(f, name, batch_error, batch)
+        _raise(f, name, batch_error, batch, context)
 
 
 def _plural(word: str, items: list) -> str:
@@ -221,7 +214,7 @@ def _await_all(coroutines: list) -> list:
         return pool.submit(asyncio.run, gather()).result()
 
 
-def _raise(f, name: str, batch_error: BaseException, batch: dict):
+def _raise(f, name: str, batch_error: BaseException, batch: dict, context: RewardContext):
     """Raise a RewardError for `f` failing on `batch`, naming the first item it fails on alone (an error path,
     so retrying item by item is affordable; what the retries log is dropped). A stop signal that arrived while
     it ran (StepAbandoned) is no fault of the function: it goes on, and the step stops."""
@@ -230,7 +223,8 @@ def _raise(f, name: str, batch_error: BaseException, batch: dict):
     i, error, note = 0, batch_error, " (fails on the whole batch only; showing its first item)"
     for k in range(len(batch["completions"])):
         try:
-            out = f(**_accepted(f, {**{key: v[k:k + 1] for key, v in batch.items()}, **RewardContext().kwargs()}))
+            item = {key: v[k:k + 1] for key, v in batch.items()}
+            out = f(**_accepted(f, {**item, **RewardContext(context.trainer_state).kwargs()}))
             if inspect.isawaitable(out) and isinstance(err := _await_all([out])[0], BaseException):
                 raise err
         except StepAbandoned:
@@ -285,25 +279,3 @@ def _preview(x, limit: int = 200) -> str:
         x = x[-1]["content"]
     text = repr(x)
     return text if len(text) <= limit else text[:limit] + "..."
-
-
-class NoSignalWatch:
-    """Says once, on stderr, when `patience` steps in a row had no group with unequal rewards: every advantage
-    was 0 and the policy could not change. `update` takes each step's frac_reward_zero_std."""
-
-    def __init__(self, patience: int = 3):
-        self.patience, self.streak, self.warned = patience, 0, False
-
-    def update(self, frac_zero_std: float, show: bool = True) -> str | None:
-        self.streak = self.streak + 1 if frac_zero_std >= 1.0 else 0
-        if self.warned or self.streak < self.patience:
-            return None
-        self.warned = True
-        message = (f"warning: no learning signal for {self.streak} steps in a row: in every group all completions got "
-                   f"the same reward, so every advantage is 0 and the policy does not change (frac_reward_zero_std = "
-                   f"1). What usually fixes it: a worked example turn in the prompt showing the expected format, a "
-                   f"higher --temperature or more --num_generations (more varied completions), or partial-credit "
-                   f"rewards (e.g. 0.5 for a near-miss) so that some completions score differently. (warned once)")
-        if show:
-            tqdm.write(message, file=sys.stderr)
-        return message

@@ -3,12 +3,14 @@ trainer's sampler over our KV-cached decoder (rollout/decoding.py); a TRL `rollo
 interface (rollout/custom.py)."""
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import torch
 
 from ..policy.folding import sampling_weights
 from ..policy.models import eval_mode, unwrap
+from ..settings.plan import SamplingKnobs
 from .batches import Rollout
 from .decoding import DecodeSettings, ToolDecode, decode
 from .streams import PromptStreams
@@ -93,12 +95,11 @@ def eos_token_ids(tokenizer, model) -> list[int]:
 
 @torch.no_grad()
 def sample_completions(model, tokenizer, encode: PromptEncoder, prompts: list, *, num_generations: int,
-           max_completion_length: int, temperature: float, top_p: float, top_k: int, min_p: float | None = None,
-           repetition_penalty: float = 1.0, stop_at_eos: bool = True, greedy: bool = False,
-           streams: PromptStreams | None = None, on_token=None, max_tool_calling_iterations: int | None = None,
-           envs: list | None = None) -> Rollout:
-    """Sample `num_generations` completions per prompt with KV-cached generation (`Config.sampling_settings()`
-    gives the sampling knobs).
+           max_completion_length: int, knobs: SamplingKnobs = SamplingKnobs(), stop_at_eos: bool = True,
+           greedy: bool = False, streams: PromptStreams | None = None, on_token=None,
+           max_tool_calling_iterations: int | None = None, envs: list | None = None) -> Rollout:
+    """Sample `num_generations` completions per prompt with KV-cached generation, with the sampling `knobs`
+    (a run's: `Config.sampling_knobs()`; the default filters nothing).
 
     `stop_at_eos=False` forces full-length completions (benchmarks compare equal work that way);
     `greedy=True` decodes the most likely token each step instead (evaluation), ignoring the sampling filters;
@@ -111,8 +112,7 @@ def sample_completions(model, tokenizer, encode: PromptEncoder, prompts: list, *
     device = next(model.parameters()).device
     prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)  # [B, P]
     eos_ids = eos_token_ids(tokenizer, model)
-    settings = DecodeSettings(max_completion_length, eos_ids, tokenizer.pad_token_id, temperature=temperature,
-                              top_p=top_p, top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty,
+    settings = DecodeSettings(max_completion_length, eos_ids, tokenizer.pad_token_id, **dataclasses.asdict(knobs),
                               stop_at_eos=stop_at_eos, greedy=greedy)
     seeds = None if streams is None else streams.seeds(len(prompts), num_generations, device)  # [N]
     # Our own loop, not model.generate: a checkpoint's generation-config defaults (a repetition_penalty, say)
@@ -202,7 +202,7 @@ class Sampler:
         streams = streams if streams is not None else PromptStreams(s.seed)
         decodes = [self.policy.parallel.unsharded(lambda model: sample_completions(
             model, self.tokenizer, self.encode, prompts[start:start + k], num_generations=G,
-            max_completion_length=s.max_completion_length, **s.knobs, stop_at_eos=s.stop_at_eos,
+            max_completion_length=s.max_completion_length, knobs=s.knobs, stop_at_eos=s.stop_at_eos,
             streams=streams.after(start), on_token=on_token, max_tool_calling_iterations=s.max_tool_calling_iterations,
             envs=None if envs is None else envs[start * G:(start + k) * G]))
             for start in range(0, len(prompts), k)]

@@ -149,9 +149,9 @@ class ServerSampler:
     def request_body(self, prompt_ids: list[int], seed: int, adapter: str, n: int, max_tokens: int) -> dict:
         s, knobs = self.settings, self.settings.knobs
         body = {"model": adapter, "prompt": prompt_ids, "n": n, "max_tokens": max_tokens,
-                "temperature": knobs["temperature"], "top_p": knobs["top_p"],
-                "top_k": knobs["top_k"] if knobs["top_k"] > 0 else -1, "min_p": knobs["min_p"] or 0.0,
-                "repetition_penalty": knobs["repetition_penalty"], "seed": seed, "logprobs": 0,
+                "temperature": knobs.temperature, "top_p": knobs.top_p,
+                "top_k": knobs.top_k if knobs.top_k > 0 else -1, "min_p": knobs.min_p or 0.0,
+                "repetition_penalty": knobs.repetition_penalty, "seed": seed, "logprobs": 0,
                 "return_token_ids": True}
         if s.stop_at_eos:
             body["stop_token_ids"] = self.eos_ids

@@ -3,12 +3,13 @@ sampler (our decoder or a rollout_func) from each prompt's own random stream, an
 functions (`RolloutSource.draw`)."""
 from __future__ import annotations
 
+import dataclasses
 import time
 
 from ..errors import ConfigError
 from ..infra.allocator import decoding_allocations
 from ..infra.progress import TokenProgress
-from .batches import Rollout, Scored
+from .batches import Rollout
 from .prompts import PromptStream, per_completion
 from .rewards import RewardContext, compute_rewards
 from .streams import PromptStreams
@@ -28,10 +29,10 @@ class RolloutSource:
         self.dist, self.seed, self.num_generations, self.release_memory = dist, seed, num_generations, release_memory
         self.show_progress = dist.is_main  # off in a sampler process (run/ahead.py): the trainer's bar is shown
 
-    def draw(self, num_prompts: int, step: int, context: RewardContext) -> tuple[Rollout, Scored, float]:
+    def draw(self, num_prompts: int, step: int, context: RewardContext) -> tuple[Rollout, float]:
         """`num_prompts` new prompts over all ranks, this rank's share sampled and scored at optimizer step `step`:
-        its rollout (the sampler's, whole), its scores (this rank's rows: rewards [N], per_func [N, F]) and the
-        seconds sampling took."""
+        its rollout (the sampler's rows with their prompts, rewards [N], per_func [N, F] and the reward functions'
+        log_extra columns) and the seconds sampling took."""
         t0 = time.perf_counter()
         # Every rank draws the same global prompts and keeps its own share of whole prompts; each prompt's
         # random numbers come from its place in the generation batch, whichever rank samples it.
@@ -53,7 +54,9 @@ class RolloutSource:
                                             completion_ids=rollout.completion_id_lists)
         if rollout.tool_notes is not None:  # each completion's failed tool calls, a completions.jsonl column
             context.log_extra("tool_failures", rollout.tool_notes)
-        return rollout, Scored(prompts, rollout.completions, rewards, per_func, extras=context.extras), seconds
+        n = len(rollout.completions)
+        return dataclasses.replace(rollout, prompts=prompts, rewards=rewards, per_func=per_func,
+                                   extras=context.take_extras(n)), seconds
 
     def environments(self, columns: dict[str, list]) -> tuple[list, dict]:
         """The prompts (one per group) and `{"envs": [one environment per completion]}` of a generation batch's

@@ -1,9 +1,10 @@
-"""Sampling ahead (`async_generation`): the next generation batch is made by a forked copy of the trainer, its own
-process and thread, while the current one trains, with weights at most `max_staleness` optimizer steps old
-(`Ahead`). The copy runs the trainer's own `generate` (prompts, sampling with tools and environments, rewards,
-advantages, the log-probs fixed for the batch), so a batch it makes is the one the trainer would have made with
-those weights; the old log-probs are taken with the weights it sampled with, and the loss's ratio to them
-corrects for the lag. `max_staleness=0` waits for every batch: the synchronous step, bit for bit."""
+"""Sampling ahead (`async_generation`): the next generation batch is made by a sampler process while the current
+one trains, with weights at most `max_staleness` optimizer steps old (`Ahead`, the other implementation of
+rollout/pipeline's "the batch of step s"). The process is handed the generation pipeline (rollout/pipeline.Pipeline:
+prompts, sampling with tools and environments, rewards, advantages, the log-probs fixed for the batch) and
+runs it, so a batch it makes is the one the trainer would have made with those weights; the old log-probs are
+taken with the weights it sampled with, and the loss's ratio to them corrects for the lag. `max_staleness=0`
+waits for every batch: the synchronous step, bit for bit."""
 from __future__ import annotations
 
 import io
@@ -13,11 +14,12 @@ import pickle
 import signal
 import time
 import traceback
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
-from ..errors import ConfigError, TrainingStopped, resume_hint
+from ..errors import TrainingStopped, resume_hint
 from ..infra.children import die_with_parent
 from ..infra.interrupts import StepAbandoned
 from ..rollout.batches import Generation
@@ -50,33 +52,35 @@ class Sampled:
 
 
 class Worker:
-    """The forked sampler: `produce(step)` (the trainer's generate at optimizer step `step`) run on request with
-    the trainable `params` that the trainer publishes into shared memory before each request (LoRA: its
-    adapters; full fine-tuning: every weight, one shared copy), on half the CPU threads; `prompts` is the
-    trainer's PromptStream, whose copy in the worker draws from the position each request names."""
+    """The forked sampler: `pipeline.make(step, state)` (rollout/pipeline.Pipeline) run on request with the
+    trainable `params` that the trainer publishes into shared memory before each request (LoRA: its adapters;
+    full fine-tuning: every weight, one shared copy), on half the CPU threads (the trainer's own restored on
+    `close`); `prompts` is the pipeline's PromptStream, whose copy in the worker draws from the position each
+    request names; `release` frees what the sampler does not need (the optimizer's state)."""
 
-    def __init__(self, produce, params: list[torch.Tensor], prompts, device: torch.device, release=lambda: None):
+    def __init__(self, pipeline, params: list[torch.Tensor], prompts, device: torch.device, release=lambda: None):
         self.params, self.device = params, device
         # The CPU's threads split between trainer and sampler, which now run at once.
-        threads = torch.get_num_threads()
-        sampler_threads = max(1, threads // 2)
-        torch.set_num_threads(max(1, threads - sampler_threads))
+        self.threads = torch.get_num_threads()
+        sampler_threads = max(1, self.threads // 2)
+        torch.set_num_threads(max(1, self.threads - sampler_threads))
         self.shared = [p.detach().clone().share_memory_() for p in params]  # [*p.shape] each
         self.conn, child = multiprocessing.Pipe()
         # fork: the worker starts with the trainer's model, tools, rewards and environments, no pickling; the
         # frozen weights stay shared (copy-on-write, never written).
         self.process = multiprocessing.get_context("fork").Process(
-            target=_serve, args=(child, self.conn, os.getpid(), produce, params, self.shared, prompts, sampler_threads,
-                                 release), daemon=True)
+            target=_serve, args=(child, self.conn, os.getpid(), pipeline, params, self.shared, prompts,
+                                 sampler_threads, release), daemon=True)
         self.process.start()
         child.close()
 
-    def request(self, step: int, prompts: dict) -> None:
-        """Sample the batch of optimizer step `step` from prompt position `prompts` with the current weights."""
+    def request(self, step: int, prompts: dict, state) -> None:
+        """Sample the batch of optimizer step `step` from prompt position `prompts` with the current weights;
+        `state`: the run's TrainerState as the reward functions see it at that step."""
         with torch.no_grad():
             for p, s in zip(self.params, self.shared):
                 s.copy_(p)
-        self.conn.send({"step": step, "prompts": prompts, "rng": torch.get_rng_state()})
+        self.conn.send({"step": step, "prompts": prompts, "rng": torch.get_rng_state(), "state": state})
 
     def receive(self, step: int) -> tuple[Generation, dict, torch.Tensor]:
         """The requested batch (for optimizer step `step`), its prompt position after and its RNG state after,
@@ -111,9 +115,10 @@ class Worker:
         if self.process.is_alive():
             self.process.kill()
         self.process.join()
+        torch.set_num_threads(self.threads)
 
 
-def _serve(conn, trainers_end, trainer_pid: int, produce, params, shared, prompts, threads: int, release) -> None:
+def _serve(conn, trainers_end, trainer_pid: int, pipeline, params, shared, prompts, threads: int, release) -> None:
     """The worker's loop: answer each request with the batch, or with the error that made it fail. It ends with
     the trainer, whatever ends that (infra/children), and holds neither the trainer's end of the pipe (so the
     trainer's end closing is an end of file here) nor the run's lock (run/lock drops it at the fork)."""
@@ -123,6 +128,7 @@ def _serve(conn, trainers_end, trainer_pid: int, produce, params, shared, prompt
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     torch.set_num_threads(threads)
+    pipeline.quiet()  # the trainer's bar is shown
     release()
     for p, s in zip(params, shared):
         p.data = s  # the weights the trainer publishes
@@ -134,17 +140,19 @@ def _serve(conn, trainers_end, trainer_pid: int, produce, params, shared, prompt
         try:
             torch.set_rng_state(asked["rng"])
             prompts.load_state_dict(asked["prompts"])
-            generation = produce(asked["step"])
+            generation = pipeline.make(asked["step"], asked["state"])
             buffer = io.BytesIO()
             torch.save({"generation": generation.state_dict(), "prompts": prompts.state_dict(),
                         "rng": torch.get_rng_state()}, buffer)
             answer = ("generation", buffer.getvalue())
-        except Exception as error:  # noqa: BLE001 -- raised again in the trainer
+        except Exception as error:  # noqa: BLE001 -- raised again in the trainer, with where it happened here
+            where = f"in the sampler process:\n{traceback.format_exc().rstrip()}"
+            error.add_note(where)
             answer = ("error", error)
         try:
             message = pickle.dumps(answer)
         except Exception:  # noqa: BLE001 -- an error that cannot be pickled goes as its traceback
-            message = pickle.dumps(("error", RuntimeError(f"in the sampler process:\n{traceback.format_exc()}")))
+            message = pickle.dumps(("error", RuntimeError(where)))
         try:
             conn.send_bytes(message)
         except (BrokenPipeError, OSError):
@@ -152,37 +160,37 @@ def _serve(conn, trainers_end, trainer_pid: int, produce, params, shared, prompt
 
 
 class Ahead:
-    """Which generation batch the sampler makes when: the one training starts on at optimizer step s is asked
-    for at step s - max_staleness (not before the batch in training started: one is sampled at a time), with the
-    weights after that step's update; `schedule` (settings/schedule.Schedule) says where batches start. `take`
-    hands the trainer each batch, `ask_ahead` asks for the next one, `for_checkpoint` is what a checkpoint keeps
-    so that a resumed run trains on what the uninterrupted one did. The worker is forked at the first request."""
+    """The batch of step s (rollout/pipeline's interface, `take`) made ahead: the one training starts on at
+    optimizer step s is asked for at step s - max_staleness (not before the batch in training started: one is
+    sampled at a time), with the weights after that step's update; `schedule` (settings/schedule.Schedule) says
+    where batches start. `pipeline` (rollout/pipeline.Pipeline) is what the sampler process runs, `state` the
+    run's TrainerState, `release` what it frees on start;
+    `for_checkpoint` is what a checkpoint keeps so that a resumed run trains on what the uninterrupted one did.
+    The worker (`make_worker`, a Worker's signature) is started at the first request."""
 
-    def __init__(self, start_worker, prompts, schedule, total_steps: int, max_staleness: int):
-        self.start_worker, self.prompts, self.schedule = start_worker, prompts, schedule
-        self.total_steps, self.max_staleness = total_steps, max_staleness
+    def __init__(self, pipeline, state, schedule, total_steps: int, max_staleness: int, release=lambda: None,
+                 make_worker=None):
+        self.pipeline, self.state, self.release = pipeline, state, release
+        # What the sampler process samples with: the trainable weights (LoRA: its adapters).
+        self.params = [p for p in pipeline.policy.model.parameters() if p.requires_grad]
+        self.prompts = pipeline.source.prompts
+        self.schedule, self.total_steps, self.max_staleness = schedule, total_steps, max_staleness
+        self.make_worker = make_worker or Worker
         self.worker: Worker | None = None
         self.requested: tuple[int, int] | None = None  # (step, version) of the batch being sampled
         self.ready: Sampled | None = None  # received (or restored), not yet taken
-        self.taken: Sampled | None = None  # the batch in training
+        self.taken: Sampled | None = None  # the batch in training, as sampled
+        self.current: Generation | None = None  # the batch in training (None: none yet, or resumed elastically)
 
     def take(self, step: int) -> Generation:
-        """The generation batch training starts on at optimizer step `step`: sampled ahead, or asked for now
-        (with the current weights) and waited for; its metrics say how stale it is and how long the wait was."""
-        t0 = time.perf_counter()
-        if self.ready is None or self.ready.step != step:
-            self.ready = None
-            if self.requested is None or self.requested[0] != step:
-                self._request(step, version=step)
-            self._receive()
-        sampled, self.ready = self.ready, None
-        self.taken = sampled
-        self.prompts.load_state_dict(sampled.prompts_after)
-        if sampled.version == step and sampled.rng_after is not None:  # waited for: the synchronous generate's
-            torch.set_rng_state(sampled.rng_after)
-        sampled.generation.metrics.update({"async/staleness": step - sampled.version,
-                                           "async/wait_s": time.perf_counter() - t0})
-        return sampled.generation
+        """The batch of optimizer step `step`: where a generation batch starts (or none is in training), the one
+        sampled ahead, or asked for now (with the current weights) and waited for, its metrics saying how stale
+        it is and how long the wait was; then the next one asked for if it is due (`ask_ahead`)."""
+        if self.current is None or self.schedule.starts_generation(step):
+            self.current = self._next(step)
+            self.pipeline.check_head(self.current.batch)  # the trainer's own policy, before it trains
+        self.ask_ahead(step)  # sampled while this step trains
+        return self.current
 
     def ask_ahead(self, step: int) -> None:
         """At optimizer step `step` (its update not yet done: the weights are `step`'s), ask for the next batch
@@ -205,25 +213,45 @@ class Ahead:
                 return None
         return self.ready if self.ready is not None and self.ready.version < step else None
 
+    def restore(self, current: Generation | None, ahead: Sampled | None = None) -> None:
+        """A resumed run's batch in training and its batch sampled ahead (Session.resume)."""
+        self.current, self.ready = current, ahead
+
     def __enter__(self) -> Ahead:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def restore(self, sampled: Sampled | None) -> None:
-        """A resumed run's batch sampled ahead (Session.resume)."""
-        self.ready = sampled
-
     def close(self) -> None:
         if self.worker is not None:
             self.worker.close()
             self.worker, self.requested = None, None
 
+    def _next(self, step: int) -> Generation:
+        t0 = time.perf_counter()
+        if self.ready is None or self.ready.step != step:
+            self.ready = None
+            if self.requested is None or self.requested[0] != step:
+                self._request(step, version=step)
+            self._receive()
+        sampled, self.ready = self.ready, None
+        self.taken = sampled
+        self.prompts.load_state_dict(sampled.prompts_after)
+        if sampled.version == step and sampled.rng_after is not None:  # waited for: the synchronous batch's
+            torch.set_rng_state(sampled.rng_after)
+        sampled.generation.metrics.update({"async/staleness": step - sampled.version,
+                                           "async/wait_s": time.perf_counter() - t0})
+        return sampled.generation
+
     def _request(self, step: int, version: int) -> None:
         if self.worker is None:
-            self.worker = self.start_worker()
-        self.worker.request(step, self.prompts.state_dict())
+            self.worker = self.make_worker(self.pipeline, self.params, self.prompts, self.pipeline.policy.device,
+                                           self.release)
+        # The reward functions' trainer_state at that step, as the synchronous run's would be.
+        state = dataclasses.replace(self.state, global_step=step,
+                                    epoch=self.schedule.epoch(step, len(self.prompts.dataset)))
+        self.worker.request(step, self.prompts.state_dict(), state)
         self.requested = (step, version)
 
     def _receive(self) -> None:
@@ -237,14 +265,3 @@ class Ahead:
             raise
         self.requested = None
         self.ready = Sampled(step, version, generation, prompts_after, rng_after)
-
-
-def check_async(device: torch.device, custom_sampler: bool) -> None:
-    """ConfigError where async_generation cannot run: the sampler is a fork of this process, which CUDA does not
-    survive, running our own decoder."""
-    if device.type != "cpu":
-        raise ConfigError(f"async_generation=True samples in a forked process, which runs on the CPU only; the "
-                          f"model is on {device.type}: set async_generation=False")
-    if custom_sampler:
-        raise ConfigError("async_generation=True samples with our own decoder: it cannot run a rollout_func or a "
-                          "sampler passed to the Trainer; set async_generation=False")

@@ -5,22 +5,20 @@ completion marker, so a crash mid-save never leaves a checkpoint that looks comp
 neither loaded nor counted by `save_total_limit`. A checkpoint damaged after its save (a full disk, a node
 lost mid-write on a network filesystem) is recognised from its files' own headers and sizes before anything
 is loaded, and so is one whose bytes changed (a flipped bit) from the sha256 of each file, written beside them:
-`latest` passes over it to the newest loadable one. Resuming drops the lines of the run's .jsonl logs written
-after the checkpoint's step, so the metrics stream has no duplicated or missing lines. A checkpoint the output
+`latest` passes over it to the newest loadable one (resuming drops the lines of the run's .jsonl logs written
+after the checkpoint's step: run/logs.drop_log_lines_after). A checkpoint the output
 folder cannot take (read-only, full) is written into a rescue folder instead (`save_or_rescue`)."""
 from __future__ import annotations
 
 import hashlib
 import json
 import os
-import random
 import re
 import shutil
 import tempfile
 import zipfile
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from ..errors import ConfigError, resume_hint, setting
@@ -326,41 +324,3 @@ def saved_config(checkpoint: Path) -> dict:
 
 def load_state(checkpoint: Path) -> dict:
     return torch.load(checkpoint / STATE, map_location="cpu", weights_only=True)
-
-
-def drop_log_lines_after(output_dir: str, step: int) -> None:
-    """Keep the lines of every .jsonl log in `output_dir` up to `step`: later ones were written after
-    the checkpoint, and a torn last line by a crash mid-write."""
-    for path in Path(output_dir).glob("*.jsonl"):
-        tmp = path.with_name(path.name + ".tmp")
-        with open(path) as src, open(tmp, "w") as dst:
-            for line in src:
-                try:
-                    keep = json.loads(line).get("step", 0) <= step
-                except (ValueError, AttributeError, TypeError):
-                    keep = False
-                if keep:
-                    dst.write(line.rstrip("\n") + "\n")
-            dst.flush()
-            os.fsync(dst.fileno())
-        os.replace(tmp, path)
-
-
-# --- random number generators ---
-
-
-def rng_state() -> dict:
-    """Every generator sampling, dropout or a reward function may draw from."""
-    name, keys, pos, has_gauss, gauss = np.random.get_state()
-    return {"python": random.getstate(), "numpy": (name, keys.tolist(), pos, has_gauss, gauss),
-            "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
-
-
-def set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    name, keys, pos, has_gauss, gauss = state["numpy"]
-    np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, gauss))
-    torch.set_rng_state(state["torch"])
-    if state["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"][:torch.cuda.device_count()])

@@ -33,7 +33,7 @@ def unfinished_prompts(state: dict, num_generations: int) -> int:
     """Prompts (over all saved ranks) of the generation batch a checkpoint holds for later steps to reuse; 0
     when it holds none. Resuming on another number of ranks rewinds the prompt stream by this many."""
     ranks = state.get("ranks", [state])
-    return sum(len(r["generation"]["scored"]["prompts"]) for r in ranks if r["generation"]) // num_generations
+    return sum(len(r["generation"]["batch"]["prompts"]) for r in ranks if r["generation"]) // num_generations
 
 
 def seed_rank(seed: int, rank: int, step: int) -> None:

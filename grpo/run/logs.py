@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import resource
 import sys
 from pathlib import Path
@@ -74,13 +75,15 @@ def logged_lines(output_dir: Path, up_to: int) -> list[dict]:
     return lines
 
 
-def log_completions(output_dir: Path, step: int, scored, reward_names: list[str], dist, trackers) -> None:
-    """Every completion of a generation batch (`rollout.batches.Scored`, every rank's) with its rewards."""
-    prompts, completions = dist.gather_objects(scored.prompts), dist.gather_objects(scored.completions)
-    rewards, per_func, advantages = scored.rewards, scored.per_func, scored.advantages
+def log_completions(output_dir: Path, step: int, batch, reward_names: list[str], dist, trackers) -> None:
+    """Every completion of a generation batch (`batch`: rollout/batches.Rollout, this rank's; every rank's
+    written) with its prompt, rewards and advantage."""
+    prompts, completions = dist.gather_objects(batch.prompts), dist.gather_objects(batch.completions)
+    rewards, per_func = dist.gather(batch.rewards), dist.gather(batch.per_func)  # [W*N], [W*N, F]
+    advantages = dist.gather(batch.advantages)  # [W*N]
     # Reward functions' log_extra columns, one value per completion (None where a rank logged none).
-    names = sorted(set(dist.gather_objects(list(scored.extras))))
-    extras = {c: dist.gather_objects(list(scored.extras.get(c, [None] * len(scored.completions)))) for c in names}
+    names = sorted(set(dist.gather_objects(list(batch.extras))))
+    extras = {c: dist.gather_objects(list(batch.extras.get(c, [None] * len(batch.completions)))) for c in names}
     if not dist.is_main:
         return
     rows = []
@@ -100,3 +103,21 @@ def log_completions(output_dir: Path, step: int, scored, reward_names: list[str]
 def _append_line(path: Path, line: dict) -> None:
     with open(path, "a") as f:
         f.write(json.dumps(line) + "\n")
+
+
+def drop_log_lines_after(output_dir: str, step: int) -> None:
+    """Keep the lines of every .jsonl log in `output_dir` up to `step`: later ones were written after
+    the checkpoint, and a torn last line by a crash mid-write."""
+    for path in Path(output_dir).glob("*.jsonl"):
+        tmp = path.with_name(path.name + ".tmp")
+        with open(path) as src, open(tmp, "w") as dst:
+            for line in src:
+                try:
+                    keep = json.loads(line).get("step", 0) <= step
+                except (ValueError, AttributeError, TypeError):
+                    keep = False
+                if keep:
+                    dst.write(line.rstrip("\n") + "\n")
+            dst.flush()
+            os.fsync(dst.fileno())
+        os.replace(tmp, path)

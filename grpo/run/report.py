@@ -9,9 +9,9 @@ from pathlib import Path
 from typing import NamedTuple
 
 from ..infra.progress import exclude_time, progress_bar
-from ..rollout.rewards import TrainerState
 from .callbacks import Callbacks
 from .logs import log_completions, log_eval, log_metrics
+from .state import TrainerState
 
 
 class TrainOutput(NamedTuple):
@@ -66,12 +66,12 @@ class Report:
         self.bar.update(1)
         return metrics
 
-    def log(self, metrics: dict, scored, with_completions: bool) -> dict:
-        """The step's metrics.jsonl line; `with_completions`, its generation batch's completions too (`scored`,
-        rollout/batches.Scored). Timings and memory are the slowest / largest rank's."""
+    def log(self, metrics: dict, batch, with_completions: bool) -> dict:
+        """The step's metrics.jsonl line; `with_completions`, its generation batch's completions too (`batch`,
+        rollout/batches.Rollout). Timings and memory are the slowest / largest rank's."""
         line = log_metrics(self.output_dir, self.state.global_step, metrics, self.dist, self.trackers)
         if with_completions:
-            log_completions(self.output_dir, self.state.global_step, scored, self.reward_names, self.dist,
+            log_completions(self.output_dir, self.state.global_step, batch, self.reward_names, self.dist,
                             self.trackers)
         return self._logged(line)
 

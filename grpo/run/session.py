@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import TrainingStopped, UserError
@@ -16,10 +16,12 @@ from ..policy.optim import Updates, rescheduled, set_hyperparameters
 from ..infra.progress import quiet_library_bars
 from ..rollout.batches import Generation
 from ..rollout.prompts import PromptStream
-from ..settings import Config
+from ..settings.plan import SessionSettings
 from ..settings.schedule import Schedule
 from . import checkpoint, elastic
 from .ahead import Sampled
+from .logs import drop_log_lines_after
+from .state import rng_state, set_rng_state
 from ..infra.distributed import Distributed
 from ..infra.interrupts import StepAbandoned, StopSignals, TrainingInterrupted
 
@@ -40,42 +42,18 @@ class Progress:
     ahead: Sampled | None = None  # resumed: a batch sampled ahead with older weights (run/ahead.py)
 
 
-@dataclass(frozen=True)
-class SessionSettings:
-    """What saving and resuming read of the settings."""
-
-    record: dict  # the Config as a checkpoint records it, and as resuming compares it with the saved one
-    save_strategy: str  # when to save is the plan's Cadence; "no" here: no checkpoint on a signal or an error either
-    save_total_limit: int | None
-    seed: int
-    num_generations: int
-    learning_rate: float
-    betas: tuple[float, float]
-    weight_decay: float
-    lr_scheduler_type: str
-    lr_scheduler_kwargs: dict | None
-    total_steps: int
-    warmup_steps: int
-
-    @classmethod
-    def of(cls, c: Config, total_steps: int, warmup_steps: int) -> SessionSettings:
-        return cls(asdict(c), c.save_strategy, c.save_total_limit, c.seed, c.num_generations,
-                   c.learning_rate, (c.adam_beta1, c.adam_beta2), c.weight_decay, c.lr_scheduler_type,
-                   c.lr_scheduler_kwargs, total_steps, warmup_steps)
-
-
 class Session:
     """Checkpoints of one run in `output_dir`. Under torchrun every rank calls every method (gathering and
     saving are collective) and rank 0 writes."""
 
     def __init__(self, output_dir: Path, dist: Distributed, policy: Policy, tokenizer, updates: Updates,
-                 prompts: PromptStream, schedule: Schedule, config: Config, total_steps: int, on_save=lambda: None,
-                 sampled_ahead=lambda step: None):
+                 prompts: PromptStream, schedule: Schedule, settings: SessionSettings, total_steps: int,
+                 on_save=lambda: None, sampled_ahead=lambda step: None):
         self.output_dir, self.dist, self.parallel, self.device = output_dir, dist, policy.parallel, policy.device
         self.model, self.tokenizer, self.optimizer, self.scheduler = (policy.model, tokenizer, updates.optimizer,
                                                                       updates.scheduler)
         self.prompts, self.schedule = prompts, schedule
-        self.settings = SessionSettings.of(config, total_steps, updates.warmup_steps)
+        self.settings, self.total_steps, self.warmup_steps = settings, total_steps, updates.warmup_steps
         self.on_save = on_save  # called after each checkpoint written (the callbacks' on_save)
         self.sampled_ahead = sampled_ahead  # step -> the Sampled batch a checkpoint keeps (run/ahead.Ahead), or None
         self.last_checkpoint: Path | None = None  # the newest checkpoint, written or resumed from
@@ -87,9 +65,9 @@ class Session:
         gets the whole."""
         mid_batch = not self.schedule.starts_generation(progress.step)
         ahead = self.sampled_ahead(progress.step)
-        own = {"rng": checkpoint.rng_state(), "generation": progress.generation.state_dict() if mid_batch else None,
+        own = {"rng": rng_state(), "generation": progress.generation.state_dict() if mid_batch else None,
                "ahead": ahead.state_dict() if ahead is not None else None}
-        return {"step": progress.step, "total_steps": self.settings.total_steps,
+        return {"step": progress.step, "total_steps": self.total_steps,
                 "optimizer": self.parallel.optimizer_state(self.optimizer),
                 "scheduler": self.scheduler.state_dict(), "prompts": self.prompts.state_dict(),
                 "nonfinite": progress.nonfinite,
@@ -97,11 +75,11 @@ class Session:
 
     def load_state_dict(self, state: dict) -> Progress:
         """The inverse of `state_dict`; the current settings (learning rate, betas) win over the saved ones."""
-        s = self.settings
+        s, o = self.settings, self.settings.optim
         own = elastic.rank_state(state, self.dist.rank, self.dist.world_size)  # None: saved by another rank count
         self.parallel.load_optimizer_state(self.optimizer, state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
-        set_hyperparameters(self.optimizer, self.scheduler, s.learning_rate, s.betas, s.weight_decay)
+        set_hyperparameters(self.optimizer, self.scheduler, o.learning_rate, o.betas, o.weight_decay)
         self.prompts.load_state_dict(state["prompts"])
         generation = ahead = None
         if own is None:  # run/elastic.py: sample anew what later steps would have reused, seeded per rank
@@ -112,7 +90,7 @@ class Session:
                 generation = Generation.from_state_dict(own["generation"], self.device)
             if own.get("ahead") is not None:  # not in a checkpoint of a synchronous run
                 ahead = Sampled.from_state_dict(own["ahead"], self.device)
-            checkpoint.set_rng_state(own["rng"])
+            set_rng_state(own["rng"])
         streak, total = state["nonfinite"]
         return Progress(state["step"], generation, (streak, total), ahead)
 
@@ -171,16 +149,17 @@ class Session:
             state = checkpoint.load_state(path)
             notes = [f"resuming with a changed setting: {c}" for c in checkpoint.changed_settings(path, s.record)]
             notes += elastic.rank_change_notes(checkpoint.saved_config(path), state, s.record, self.dist.world_size)
-            if state.get("total_steps", s.total_steps) != s.total_steps:  # e.g. a finished run extended
-                notes.append(rescheduled(state["total_steps"], s.total_steps, state["step"], s.learning_rate,
-                                         s.warmup_steps, s.lr_scheduler_type, s.lr_scheduler_kwargs))  # policy/optim
+            if state.get("total_steps", self.total_steps) != self.total_steps:  # e.g. a finished run extended
+                o = s.optim
+                notes.append(rescheduled(state["total_steps"], self.total_steps, state["step"], o.learning_rate,
+                                         self.warmup_steps, o.lr_scheduler_type, o.lr_scheduler_kwargs))
             if notes and self.dist.is_main:
                 print("\n".join(notes), file=sys.stderr)
             self.parallel.load_weights(path)
             progress = self.load_state_dict(state)
             self.last_checkpoint, self.saved_step = path, progress.step
         if self.dist.is_main:  # the one writer; with no checkpoint even step 0's evaluation is done again
-            checkpoint.drop_log_lines_after(str(self.output_dir), progress.step if progress is not None else -1)
+            drop_log_lines_after(str(self.output_dir), progress.step if progress is not None else -1)
         return progress
 
     def stop_on_signal(self, received: int | None, progress: Progress) -> None:
@@ -200,13 +179,13 @@ class Session:
         """A stop signal or an error inside rolls the step back (data position, RNG states, gradients) and saves
         `progress`, the steps done, so that only this one is lost and resuming repeats it exactly. The caller
         restores its own generation batch."""
-        rng, prompts = checkpoint.rng_state(), self.prompts.state_dict()
+        rng, prompts = rng_state(), self.prompts.state_dict()
         try:
             # Ranks cannot abandon a step alone: the others would wait for them in a collective.
             with signals.abandonable() if self.dist.world_size == 1 else contextlib.nullcontext():
                 yield
         except Exception as error:
-            checkpoint.set_rng_state(rng)
+            set_rng_state(rng)
             self.prompts.load_state_dict(prompts)
             self.optimizer.zero_grad(set_to_none=True)
             if isinstance(error, StepAbandoned):

@@ -1,13 +1,21 @@
-"""What a run checks before it loads anything: every setting that depends on what the caller passed (datasets,
-reward functions, a model object) or on the machine (the output folder, the ranks), so that a mistake costs a
-line, not a model load. Settings alone are checked when the Config is made (settings/checks.py)."""
+"""What a run decides and checks before it loads anything: every setting that depends on what the caller passed
+(datasets, reward functions, a model object, a sampler) or on the machine (the output folder, the ranks, the
+device), so that a mistake costs a line, not a model load; and the run plan finished with the decode sizes the
+memory planner reads from the architecture (`prepare`). Settings alone are checked when the Config is made
+(settings/checks.py)."""
 from __future__ import annotations
 
-from ..policy.models import check_load_options
+import dataclasses
+
+from ..errors import ConfigError
+from ..memory.fit import decode_sizes
+from ..policy.models import check_load_options, device_of
 from ..policy.parallel import check_settings as check_parallel_settings
+from ..policy.precision import Precision
 from ..rollout.evaluate import check_eval_setup
 from ..rollout.prompts import check_dataset
 from ..rollout.rewards import check_reward_weights, reward_func_names
+from ..settings.plan import RunPlan
 from . import checkpoint, lock
 
 
@@ -21,3 +29,32 @@ def check_before_loading(config, dist, train_dataset, eval_dataset, reward_funcs
     checkpoint.check_output_dir(config.output_dir)
     lock.check_free(config.output_dir, dist)  # taken when training starts
     check_parallel_settings(dist.world_size, config.fsdp, config.optim, config.use_lora)
+
+
+def check_async(world_size: int, device_type: str, own_sampler: bool) -> None:
+    """ConfigError where async_generation cannot run: the sampler is a fork of the one trainer process, which
+    CUDA does not survive, running our own decoder."""
+    if world_size > 1:
+        raise ConfigError(f"async_generation=True runs one trainer process and its sampler; under torchrun "
+                          f"({world_size} ranks) set async_generation=False")
+    if device_type != "cpu":
+        raise ConfigError(f"async_generation=True samples in a forked process, which runs on the CPU only; the "
+                          f"model is on {device_type}: set async_generation=False")
+    if not own_sampler:
+        raise ConfigError("async_generation=True samples with our own decoder: it cannot run a rollout_func or a "
+                          "sampler passed to the Trainer; set async_generation=False")
+
+
+def prepare(config, world_size: int, num_prompts: int, model=None,
+            own_sampler: bool = True) -> tuple[RunPlan, Precision]:
+    """The run plan of `config` on `world_size` ranks over `num_prompts` training prompts, with its length and
+    decode sizes, and the precision plan, both before the model (`model`: the caller's, or None) loads;
+    ConfigError for a plan that cannot run."""
+    precision = Precision.plan(config.bf16, config.use_lora, device_of(model) if model is not None else None,
+                               config.bf16_weights)
+    if config.async_generation:
+        check_async(world_size, precision.device_type, own_sampler)
+    plan = RunPlan.resolve(config, world_size)
+    total_steps = plan.schedule.total_steps(num_prompts, config.num_train_epochs, config.max_steps)
+    return dataclasses.replace(plan, total_steps=total_steps,
+                               decode=decode_sizes(config, model, precision.device_type)), precision

@@ -18,8 +18,9 @@ from tqdm.auto import tqdm
 
 from ..errors import ConfigError
 from ..settings.choices import tracker_names
+from ..settings.plan import TrackerSettings
 
-STATE = "trackers.json"
+TRACKER_RUNS = "trackers.json"  # the tracker runs a resumed run continues
 PROJECT = "grpo"  # the W&B / Trackio project (WANDB_PROJECT overrides it for W&B)
 
 
@@ -126,8 +127,8 @@ class Trackers:
     """The run's trackers and the console's sample of completions: rank 0 reports, other ranks do nothing.
     A context manager around the training loop, which finishes the trackers however it ends."""
 
-    def __init__(self, config, is_main: bool):
-        self.names, self.config, self.is_main = tracker_names(config.report_to), config, is_main
+    def __init__(self, settings: TrackerSettings, is_main: bool):
+        self.names, self.settings, self.is_main = tracker_names(settings.report_to), settings, is_main
         for name in self.names:
             if importlib.util.find_spec(TRACKER_CLASSES[name].package) is None:
                 package = TRACKER_CLASSES[name].package
@@ -139,8 +140,8 @@ class Trackers:
         `step`) continues their runs."""
         if not self.is_main or not self.names:
             return
-        output_dir = Path(self.config.output_dir)
-        path = output_dir / STATE
+        output_dir = Path(self.settings.output_dir)
+        path = output_dir / TRACKER_RUNS
         resume_step = step if config_dict["resume_from_checkpoint"] and path.exists() else None
         run = json.loads(path.read_text()) if resume_step is not None else {}
         run.setdefault("name", f"{output_dir.resolve().name}-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -157,9 +158,9 @@ class Trackers:
 
     def log_completions(self, step: int, rows: list[dict]) -> None:
         """With `log_completions`: print a sample of completions.jsonl's rows and send it to the trackers."""
-        if not self.config.log_completions or not self.is_main or not rows:
+        if not self.settings.log_completions or not self.is_main or not rows:
             return
-        sample = rows[:self.config.num_completions_to_print]  # None: all of them
+        sample = rows[:self.settings.num_completions_to_print]  # None: all of them
         print_completions(step, sample)
         for tracker in self.trackers:
             tracker.log_completions(step, sample)

@@ -269,7 +269,7 @@ def _checked_value(name: str, field: str, value, tp: FieldType):
     return value
 
 
-# The generation_kwargs our decoder implements: each overrides the Config field of its name (Config.sampling_settings).
+# The generation_kwargs our decoder implements: each overrides the Config field of its name (Config.sampling_knobs).
 GENERATION_KWARGS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 def _generation_kwarg(key: str, value, types: dict[str, FieldType]):
     """One generation_kwargs entry, checked as the field it overrides; do_sample=true (TRL's own) is allowed and

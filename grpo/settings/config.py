@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from ..algo import LOGPROB_CHUNK_SIZE
 from .checks import check_config, check_keys, warn_no_effect
+from .plan import SamplingKnobs
 
 
 class _CheckedKeywords(type):
@@ -311,14 +312,13 @@ class Config(metaclass=_CheckedKeywords):
     def __post_init__(self):
         check_config(self)  # each field, then the settings that cannot work together (checks.py)
 
-    def sampling_settings(self) -> dict:
-        """The sampling keyword arguments of `grpo.rollout.sampling.sample_completions`: the sampling fields, each
-        overridden by its generation_kwargs entry if any (checked on creation), so every caller samples alike. They
-        shape sampling only, as in TRL: the loss scores the policy's own distribution at `temperature`."""
-        settings = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p,
-                    "repetition_penalty": self.repetition_penalty}
+    def sampling_knobs(self) -> SamplingKnobs:
+        """The sampling knobs of every decode that samples: the sampling fields, each overridden by its
+        generation_kwargs entry if any (checked on creation), so every caller samples alike. They shape sampling
+        only, as in TRL: the loss scores the policy's own distribution at `temperature`."""
         overrides = self.generation_kwargs or {}
-        return {key: overrides.get(key, value) for key, value in settings.items()}
+        return SamplingKnobs(**{f.name: overrides.get(f.name, getattr(self, f.name))
+                                for f in dataclasses.fields(SamplingKnobs)})
 
     def loss_settings(self) -> dict:
         """The keyword arguments of `grpo.algo.loss.policy_loss` that settings decide (`LossSettings`'s fields).

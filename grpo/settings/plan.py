@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from types import MappingProxyType
 
-from ..errors import ConfigError
 from .schedule import Schedule
 
 
@@ -47,6 +46,80 @@ class OptimSettings:
                    c.lr_scheduler_kwargs, c.warmup_ratio, c.warmup_steps, c.max_grad_norm, c.max_nonfinite_steps)
 
 
+@dataclass(frozen=True)
+class SessionSettings:
+    """What saving and resuming read of the settings (run/session)."""
+
+    record: dict  # the Config as a checkpoint records it, and as resuming compares it with the saved one
+    save_strategy: str  # when to save is the plan's Cadence; "no" here: no checkpoint on a signal or an error either
+    save_total_limit: int | None
+    seed: int
+    num_generations: int
+    optim: OptimSettings  # the hyperparameters a resumed run sets again
+
+    @classmethod
+    def of(cls, c) -> SessionSettings:
+        return cls(asdict(c), c.save_strategy, c.save_total_limit, c.seed, c.num_generations,
+                   OptimSettings.of(c))
+
+
+@dataclass(frozen=True)
+class TrackerSettings:
+    """What the experiment trackers (run/trackers) read of the settings."""
+
+    output_dir: str
+    report_to: str | list[str]
+    log_completions: bool
+    num_completions_to_print: int | None
+
+    @classmethod
+    def of(cls, c) -> TrackerSettings:
+        return cls(c.output_dir, c.report_to, c.log_completions, c.num_completions_to_print)
+
+
+@dataclass(frozen=True)
+class LogprobSettings:
+    """What the policy's forwards (policy/forwards.Policy) read of the settings: the temperature the loss
+    scores at, the LM head's chunk, the reference (use_lora, beta), FSDP, and the shared-prompt forward."""
+
+    temperature: float
+    logprob_chunk_size: int
+    use_lora: bool
+    beta: float
+    fsdp: bool
+    shared_prompt_forward: bool | None
+    gradient_checkpointing: bool
+
+    @classmethod
+    def of(cls, c) -> LogprobSettings:
+        return cls(c.temperature, c.logprob_chunk_size, c.use_lora, c.beta, c.fsdp, c.shared_prompt_forward,
+                   c.gradient_checkpointing)
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    """What the greedy evaluation (rollout/evaluate.evaluate) reads of the settings."""
+
+    accuracy_func: str | None
+    free_accuracy_func: str | None
+    format_func: str | None
+    breakdown_column: str | None
+    limit: int | None  # the first rows of the eval dataset only
+    reward_weights: tuple[float, ...] | None
+    max_prompt_length: int | None
+    max_completion_length: int
+    chat_template_kwargs: Mapping | None
+    max_tool_calling_iterations: int | None
+
+    @classmethod
+    def of(cls, c) -> EvalSettings:
+        weights = None if c.reward_weights is None else tuple(c.reward_weights)
+        kwargs = None if c.chat_template_kwargs is None else MappingProxyType(dict(c.chat_template_kwargs))
+        return cls(c.eval_accuracy_func, c.eval_free_accuracy_func, c.eval_format_func, c.eval_breakdown_column,
+                   c.eval_limit, weights, c.max_prompt_length, c.max_completion_length, kwargs,
+                   c.max_tool_calling_iterations)
+
+
 def interval_due(strategy: str, every: int, step: int, total: int, epoch_ended: bool) -> bool:
     """transformers' IntervalStrategy once optimizer step `step` (1-based) of `total` is done, as its
     DefaultFlowCallback reads it: "steps" every `every` steps and at the last, "epoch" at a step that ended a pass
@@ -57,15 +130,27 @@ def interval_due(strategy: str, every: int, step: int, total: int, epoch_ended: 
 
 
 @dataclass(frozen=True)
+class SamplingKnobs:
+    """The sampling knobs, as a decode applies them (rollout/decoding.DecodeSettings); the defaults filter
+    nothing, a greedy decode's. A run's are Config.sampling_knobs(): its fields, generation_kwargs applied."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float | None = None
+    repetition_penalty: float = 1.0
+
+
+@dataclass(frozen=True)
 class SamplingSettings:
     """What the trainer's sampler reads of the settings: prompts and completions' lengths, the sampling knobs
-    (Config.sampling_settings: generation_kwargs applied), the tool rounds, the seed of every prompt's random
+    (Config.sampling_knobs: generation_kwargs applied), the tool rounds, the seed of every prompt's random
     stream, and a micro-batch's prompts (the smallest decode)."""
 
     num_generations: int
     max_prompt_length: int | None  # None: prompts whole
     max_completion_length: int
-    knobs: Mapping  # temperature, top_p, top_k, min_p, repetition_penalty
+    knobs: SamplingKnobs
     stop_at_eos: bool
     chat_template_kwargs: Mapping | None
     max_tool_calling_iterations: int | None
@@ -76,7 +161,7 @@ class SamplingSettings:
     def of(cls, c) -> SamplingSettings:
         kwargs = None if c.chat_template_kwargs is None else MappingProxyType(dict(c.chat_template_kwargs))
         return cls(c.num_generations, c.max_prompt_length, c.max_completion_length,
-                   MappingProxyType(c.sampling_settings()), c.stop_at_eos, kwargs, c.max_tool_calling_iterations,
+                   c.sampling_knobs(), c.stop_at_eos, kwargs, c.max_tool_calling_iterations,
                    c.seed, max(1, c.per_device_train_batch_size // c.num_generations))
 
 
@@ -102,6 +187,49 @@ def sampling_correction_of(c) -> Mapping | None:
         return None
     return MappingProxyType(dict(mode=c.vllm_importance_sampling_mode, clip_min=c.vllm_importance_sampling_clip_min,
                                  clip_max=c.vllm_importance_sampling_clip_max))
+
+
+@dataclass(frozen=True)
+class GenerationSettings:
+    """What the generation pipeline (rollout/pipeline) reads of the settings: the prompts of a generation batch
+    over all ranks and their random streams' seed, the rewards' weights, dynamic sampling's rounds, how
+    advantages are scaled and truncated rows masked, how the batch is cut, which log-probs it fixes, and
+    whether a sampler process makes it ahead."""
+
+    num_generations: int
+    prompts_per_generation: int
+    seed: int  # of every prompt's random stream
+    data_seed: int  # of the prompts' order (data_seed, else seed)
+    shuffle_dataset: bool
+    reward_weights: tuple[float, ...] | None
+    refill_rounds: int | None  # dynamic_sampling_max_rounds; None: no dynamic sampling
+    scale_rewards: str
+    mask_truncated_completions: bool
+    micro_batch: int  # rows per micro-batch
+    old_logprobs: bool  # RunPlan.keeps_old_logprobs
+    ref_logprobs: bool  # RunPlan.has_reference
+    max_staleness: int | None  # async_generation's; None: made when the step needs it
+    sampling_correction: Mapping | None  # a server's samples reweighted (RunPlan.sampling_correction)
+
+    @classmethod
+    def of(cls, c, schedule: Schedule, old_logprobs: bool, ref_logprobs: bool,
+           sampling_correction: Mapping | None) -> GenerationSettings:
+        return cls(c.num_generations, schedule.prompts_per_generation, c.seed,
+                   c.seed if c.data_seed is None else c.data_seed, c.shuffle_dataset,
+                   None if c.reward_weights is None else tuple(c.reward_weights),
+                   c.dynamic_sampling_max_rounds if c.dynamic_sampling else None, c.scale_rewards,
+                   c.mask_truncated_completions, schedule.micro_batch, old_logprobs, ref_logprobs,
+                   c.max_staleness if c.async_generation else None, sampling_correction)
+
+
+@dataclass(frozen=True)
+class DecodeSizes:
+    """Prompts per decode, resolved before loading from the memory plan (memory/fit.decode_sizes) or the
+    settings: `sampling` for our sampler (None: a micro-batch's prompts), `evaluation` for the greedy
+    evaluation (Config.eval_batch_size when set)."""
+
+    sampling: int | None
+    evaluation: int
 
 
 @dataclass(frozen=True)
@@ -141,23 +269,31 @@ class RunPlan:
     optim: OptimSettings
     sampling: SamplingSettings
     cadence: Cadence
+    generation: GenerationSettings
+    session: SessionSettings
+    trackers: TrackerSettings
+    logprobs: LogprobSettings
+    evaluation: EvalSettings
     server: ServerSettings | None = None  # sampling on an inference server (use_vllm)
     sampling_correction: Mapping | None = None  # TRL's importance-sampling correction of the server's samples
+    # Known once the run's data and model are (run/startup.prepare), before the model loads:
+    total_steps: int | None = None  # optimizer steps of the run
+    decode: DecodeSizes | None = None  # prompts per decode, the memory planner's
 
     @classmethod
     def resolve(cls, config, world_size: int) -> RunPlan:
         """The plan of `config` on `world_size` ranks; ConfigError for a schedule that cannot work
         (Schedule.resolve)."""
         schedule = Schedule.resolve(config, world_size)
-        if config.async_generation and world_size > 1:
-            raise ConfigError(f"async_generation=True runs one trainer process and its sampler; under torchrun "
-                              f"({world_size} ranks) set async_generation=False")
         ahead = config.async_generation and config.max_staleness > 0
         correction = sampling_correction_of(config)
-        return cls(schedule, MappingProxyType(config.loss_settings()),
-                   schedule.optimizer_steps_per_generation > 1 or ahead or correction is not None,
-                   reference_kind(config.use_lora, config.beta), OptimSettings.of(config), SamplingSettings.of(config),
-                   Cadence.of(config), ServerSettings.of(config), correction)
+        old = schedule.optimizer_steps_per_generation > 1 or ahead or correction is not None
+        reference = reference_kind(config.use_lora, config.beta)
+        generation = GenerationSettings.of(config, schedule, old, reference != "none", correction)
+        return cls(schedule, MappingProxyType(config.loss_settings()), old, reference, OptimSettings.of(config),
+                   SamplingSettings.of(config), Cadence.of(config), generation, SessionSettings.of(config),
+                   TrackerSettings.of(config), LogprobSettings.of(config), EvalSettings.of(config),
+                   ServerSettings.of(config), correction)
 
     @property
     def has_reference(self) -> bool:

@@ -127,7 +127,7 @@ def test_ctrl_c_saves_the_steps_done_and_stops_the_sampler(tmp_path, tokenizer):
 
     def ctrl_c_in_step_3(*args):
         if trainer.step == 2:
-            sampler.append(trainer.ahead.worker.process)  # sampling step 4's batch now
+            sampler.append(trainer.batches.worker.process)  # sampling step 4's batch now
             os.kill(os.getpid(), signal.SIGINT)  # a terminal's Ctrl-C reaches both; the sampler ignores it
         return original(*args)
 
@@ -135,7 +135,7 @@ def test_ctrl_c_saves_the_steps_done_and_stops_the_sampler(tmp_path, tokenizer):
     with pytest.raises(KeyboardInterrupt, match=r"interrupted by SIGINT after step 2: saved .*checkpoint-2"):
         trainer.train()
     assert [p.name for p in complete_checkpoints(out)] == ["checkpoint-2"]
-    assert sampler and not sampler[0].is_alive() and trainer.ahead.worker is None
+    assert sampler and not sampler[0].is_alive() and trainer.batches.worker is None
 
 
 def test_settings_it_cannot_run_with_are_one_line(tokenizer):

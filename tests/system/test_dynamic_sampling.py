@@ -36,7 +36,7 @@ def test_groups_without_signal_are_replaced_and_the_batch_stays_full(tmp_path, t
     lines = logged(trainer)
     # 4 prompts a generation batch (2 micro-batches of 8 = 16 completions): every one of them odd.
     assert [len(b.rollout.completions) for b in trainer.generation.micro_batches] == [8, 8]
-    digits = [int(p.split()[1]) for p in trainer.generation.scored.prompts]
+    digits = [int(p.split()[1]) for p in trainer.generation.batch.prompts]
     assert len(digits) == 16 and all(n % 2 for n in digits), digits
     assert all(line["frac_reward_zero_std"] == 0.0 for line in lines if "frac_reward_zero_std" in line)
     dropped = [line["dynamic_sampling/dropped_groups"] for line in lines if "dynamic_sampling/rounds" in line]

@@ -6,6 +6,7 @@ import pytest
 import torch
 from tiny_setup import digit_prompts, tiny_model, tiny_tokenizer
 
+from grpo.settings.plan import EvalSettings
 from grpo import Config, Trainer
 from grpo.eval import main as eval_main
 from grpo.plot import main as plot_main
@@ -43,10 +44,12 @@ def test_unknown_eval_func_names_the_reward_functions():
 
 def test_evaluate_is_greedy_and_scores_every_prompt(tokenizer):
     model = tiny_model(tokenizer).train()
-    kwargs = dict(accuracy_func="first_is_digit", format_func="half", max_prompt_length=16,
-                  max_completion_length=6, batch_size=3, limit=7, progress=False)
-    metrics, samples = evaluate(model, tokenizer, digit_prompts(10), [half, first_is_digit], **kwargs)
-    again, _ = evaluate(model, tokenizer, digit_prompts(10), [half, first_is_digit], **kwargs)
+    settings = EvalSettings.of(Config(eval_accuracy_func="first_is_digit", eval_format_func="half",
+                                      max_prompt_length=16, max_completion_length=6, eval_limit=7))
+    metrics, samples = evaluate(model, tokenizer, digit_prompts(10), [half, first_is_digit], settings, batch_size=3,
+                                progress=False)
+    again, _ = evaluate(model, tokenizer, digit_prompts(10), [half, first_is_digit], settings, batch_size=3,
+                        progress=False)
     assert model.training, "evaluate leaves the model in the mode it found it in"
     assert len(samples) == 7 and metrics["eval/num_examples"] == 7
     assert metrics["eval/accuracy"] == pytest.approx(sum(s["reward/first_is_digit"] for s in samples) / 7)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import grpo.trainer
+import grpo.rollout.pipeline
 from grpo import Trainer
 from grpo.settings.recipe import load_recipe, resolve_dataset
 
@@ -30,8 +30,8 @@ def sabotage(monkeypatch):
     if name:
         if name not in SABOTAGES:
             raise ValueError(f"GRPO_SABOTAGE={name!r}; valid: {', '.join(SABOTAGES)}")
-        original = grpo.trainer.with_advantages  # where the advantages join the generation batch
-        monkeypatch.setattr(grpo.trainer, "with_advantages",
+        original = grpo.rollout.pipeline.with_advantages  # where the advantages join the generation batch
+        monkeypatch.setattr(grpo.rollout.pipeline, "with_advantages",
                             lambda rollout, advantages, mask: original(rollout, SABOTAGES[name](advantages), mask))
     return name
 

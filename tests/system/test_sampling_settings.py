@@ -8,6 +8,7 @@ from datasets import Dataset
 from jinja2.exceptions import TemplateError
 from tiny_setup import tiny_model, tiny_tokenizer
 
+from grpo.settings.plan import EvalSettings
 from grpo import Config, Trainer
 from grpo.rollout import decoding
 from grpo.rollout.evaluate import evaluate
@@ -43,13 +44,13 @@ def test_chat_template_kwargs_reach_the_template(tokenizer):
         PromptEncoder(tokenizer, 64)(prompts)
 
     model = tiny_model(tokenizer)
-    kwargs = {"accuracy_func": "content_length", "max_prompt_length": 64, "max_completion_length": 3,
-              "progress": False}
-    metrics, _ = evaluate(model, tokenizer, chat_prompts(3), [content_length], chat_template_kwargs={"greeting": "hi"},
-                          **kwargs)
+    settings = {"eval_accuracy_func": "content_length", "max_prompt_length": 64, "max_completion_length": 3}
+    greeting = EvalSettings.of(Config(**settings, chat_template_kwargs={"greeting": "hi"}))
+    metrics, _ = evaluate(model, tokenizer, chat_prompts(3), [content_length], greeting, progress=False)
     assert metrics["eval/num_examples"] == 3
     with pytest.raises(TemplateError, match="no greeting given"):
-        evaluate(model, tokenizer, chat_prompts(3), [content_length], **kwargs)
+        evaluate(model, tokenizer, chat_prompts(3), [content_length], EvalSettings.of(Config(**settings)),
+                 progress=False)
 
 
 def test_a_run_samples_with_min_p_repetition_penalty_and_generation_kwargs(tmp_path, tokenizer, monkeypatch):

@@ -58,7 +58,7 @@ def test_ctrl_c_while_a_reward_function_runs_stops_the_step_not_the_function(tmp
 
     out = tmp_path / "run"
     trainer = make_trainer(out, tokenizer, {}, optim="adamw", max_steps=4, save_steps=10)
-    trainer.source.reward_funcs = [slow_judge if kind == "def" else async_judge]
+    trainer.pipeline.source.reward_funcs = [slow_judge if kind == "def" else async_judge]
     with pytest.raises(KeyboardInterrupt, match=r"interrupted by SIGINT after step 1: saved .*checkpoint-1"):
         trainer.train()
 

@@ -31,14 +31,13 @@ def make_trainer(tmp_path, tokenizer, name, reward=odd_digit_share, **overrides)
 
 
 def step_gradients(trainer: Trainer) -> tuple[dict, dict]:
-    trainer.generation = trainer.generate()
-    totals = trainer.accumulate(trainer.generation.micro_batches)
+    totals = trainer.accumulate(trainer.batches.take(trainer.step).micro_batches)
     return {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}, totals
 
 
 def no_skipping(trainer: Trainer) -> Trainer:
     """`trainer` training every row with a completion token, zero-advantage rows included."""
-    trainer.cut = dataclasses.replace(trainer.cut, skip_zero_advantage=False)
+    trainer.pipeline.cut = dataclasses.replace(trainer.pipeline.cut, skip_zero_advantage=False)
     return trainer
 
 
@@ -58,7 +57,7 @@ def test_skipping_zero_advantage_rows_leaves_the_gradient_unchanged(tmp_path, to
     grads, totals = step_gradients(skipped)
     full_grads, full_totals = step_gradients(no_skipping(make_trainer(tmp_path, tokenizer, "full", **settings)))
 
-    advantages = skipped.generation.scored.advantages  # [N]
+    advantages = skipped.generation.batch.advantages  # [N]
     assert 0 < (advantages == 0).sum() < len(advantages), "some groups must have equal rewards, not all"
     assert totals["skipped/zero_gradient"] == pytest.approx((advantages == 0).float().mean().item())
     assert full_totals["skipped/zero_gradient"] == 0.0

@@ -103,9 +103,9 @@ def test_a_resumed_run_continues_the_tracker_run_with_each_step_once(tmp_path, t
     with pytest.raises(Crash):  # dies after logging step 3, with checkpoint-2 the newest
         first.train()
     assert [s for s, _ in read(out)[0]["loss"]] == [1, 2, 3]
-    names = json.loads((out / trackers.STATE).read_text())
+    names = json.loads((out / trackers.TRACKER_RUNS).read_text())
     make_trainer(out, tokenizer, report_to=tracker, save_steps=2, resume_from_checkpoint="latest").train()
-    assert json.loads((out / trackers.STATE).read_text()) == names  # the same tracker run, continued
+    assert json.loads((out / trackers.TRACKER_RUNS).read_text()) == names  # the same tracker run, continued
     points = read(out)[0]
     assert [s for s, _ in points["loss"]] == [1, 2, 3] and [s for s, _ in points["eval/accuracy"]] == [2, 3]
     # TensorBoard holds the resumed run's step 3, Trackio the first run's: timings differ, nothing else.
@@ -116,7 +116,7 @@ def test_a_resumed_run_continues_the_tracker_run_with_each_step_once(tmp_path, t
 
 def trackio_points(out):
     from trackio.sqlite_storage import SQLiteStorage
-    name = json.loads((out / trackers.STATE).read_text())["name"]
+    name = json.loads((out / trackers.TRACKER_RUNS).read_text())["name"]
     logs = SQLiteStorage.get_logs(trackers.PROJECT, name)
     points: dict[str, list] = {}
     for log in logs:
@@ -189,7 +189,7 @@ def test_wandb_offline_run_folder_holds_metrics_jsonl(tmp_path, tokenizer):
     # The table's own fields share its "completions/" prefix with TRL's completions/* metrics.
     metrics = {k: v for k, v in history.items() if k in expected or not k.startswith("completions/")}
     assert_same_points(metrics, expected)  # a step's train and eval lines share one row
-    run_id = json.loads((out / trackers.STATE).read_text())["wandb_id"]
+    run_id = json.loads((out / trackers.TRACKER_RUNS).read_text())["wandb_id"]
     assert run_dir.name.endswith(run_id)
 
 

@@ -21,10 +21,10 @@ from grpo.run.checkpoint import (
     STATE,
     complete_checkpoints,
     damage,
-    drop_log_lines_after,
     find_checkpoint,
     save_checkpoint,
 )
+from grpo.run.logs import drop_log_lines_after
 from grpo.train import main
 
 ROOT = Path(__file__).resolve().parents[2]

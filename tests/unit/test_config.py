@@ -320,11 +320,11 @@ def test_generation_kwargs_override_the_sampling_fields():
     config = Config(temperature=0.9, top_k=0, min_p=0.05,
                     generation_kwargs={"top_k": 5, "min_p": None, "do_sample": True})
     defaults = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": None, "repetition_penalty": 1.0}
-    assert config.sampling_settings() == {**defaults, "temperature": 0.9, "top_k": 5}
+    assert dataclasses.asdict(config.sampling_knobs()) == {**defaults, "temperature": 0.9, "top_k": 5}
     assert (config.top_k, config.min_p) == (0, 0.05), "the fields themselves keep their values"
-    assert Config().sampling_settings() == defaults
+    assert dataclasses.asdict(Config().sampling_knobs()) == defaults
     # As in TRL: JSON text is accepted from Python too, and ints become floats where the field is a float.
-    assert Config(generation_kwargs='{"repetition_penalty": 2}').sampling_settings()["repetition_penalty"] == 2.0
+    assert Config(generation_kwargs='{"repetition_penalty": 2}').sampling_knobs().repetition_penalty == 2.0
 
 
 UNSUPPORTED = ("its own loop, not model.generate, and takes temperature, top_p, top_k, min_p, repetition_penalty "

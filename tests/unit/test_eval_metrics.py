@@ -8,6 +8,7 @@ import torch
 from datasets import Dataset
 from tiny_setup import digit_share, tiny_tokenizer
 
+from grpo.settings.plan import EvalSettings
 from grpo import Config
 from grpo.errors import ConfigError
 from grpo.plot import panels
@@ -114,12 +115,15 @@ def scripted(completions: list[str]):
     return generate
 
 
+def eval_settings(**settings) -> EvalSettings:
+    return EvalSettings.of(Config(max_prompt_length=16, max_completion_length=8, **settings))
+
+
 def test_evaluate_reports_format_free_accuracy_and_the_breakdown():
-    metrics, samples = evaluate(None, tiny_tokenizer(), ROWS, [xml_format_reward, answer_accuracy_reward],
-                                accuracy_func="answer_accuracy_reward", free_accuracy_func=FREE,
-                                format_func="xml_format_reward", breakdown_column="operations",
-                                max_prompt_length=16, max_completion_length=8, batch_size=2, progress=False,
-                                unsharded=scripted(COMPLETIONS))
+    settings = eval_settings(eval_accuracy_func="answer_accuracy_reward", eval_free_accuracy_func=FREE,
+                             eval_format_func="xml_format_reward", eval_breakdown_column="operations")
+    metrics, samples = evaluate(None, tiny_tokenizer(), ROWS, [xml_format_reward, answer_accuracy_reward], settings,
+                                batch_size=2, progress=False, unsharded=scripted(COMPLETIONS))
     expected = {
         "eval/accuracy": 1 / 5, "eval/free_accuracy": 3 / 5, "eval/format": 2 / 5,
         "eval/length_mean": 3.0, "eval/num_examples": 5.0,  # lengths 1..5
@@ -141,11 +145,10 @@ def test_evaluate_reports_format_free_accuracy_and_the_breakdown():
 
     # A reward function may serve as the format-free one too (its scores are not repeated in the samples);
     # without a breakdown column there are no per-value metrics.
-    metrics, samples = evaluate(None, tiny_tokenizer(), ROWS, [answer_accuracy_reward],
-                                accuracy_func="answer_accuracy_reward",
-                                free_accuracy_func="answer_accuracy_reward",
-                                max_prompt_length=16, max_completion_length=8, batch_size=2, progress=False,
-                                unsharded=scripted(COMPLETIONS))
+    settings = eval_settings(eval_accuracy_func="answer_accuracy_reward",
+                             eval_free_accuracy_func="answer_accuracy_reward")
+    metrics, samples = evaluate(None, tiny_tokenizer(), ROWS, [answer_accuracy_reward], settings, batch_size=2,
+                                progress=False, unsharded=scripted(COMPLETIONS))
     assert metrics["eval/free_accuracy"] == metrics["eval/accuracy"] == pytest.approx(1 / 5)
     assert "free_accuracy" not in samples[0]
     assert not any("=" in k for k in metrics)
@@ -154,8 +157,8 @@ def test_evaluate_reports_format_free_accuracy_and_the_breakdown():
 def test_without_eval_functions_an_evaluation_logs_the_rewards_as_trl_names_them():
     # No eval_*_func (the defaults): each reward function's mean and the weighted reward's, TRL's eval keys.
     metrics, _ = evaluate(None, tiny_tokenizer(), ROWS, [xml_format_reward, answer_accuracy_reward],
-                          reward_weights=[0.5, 2.0], max_prompt_length=16, max_completion_length=8, batch_size=2,
-                          progress=False, unsharded=scripted(COMPLETIONS))
+                          eval_settings(reward_weights=[0.5, 2.0]), batch_size=2, progress=False,
+                          unsharded=scripted(COMPLETIONS))
     assert {k: v for k, v in metrics.items() if k != "eval/seconds"} == pytest.approx({
         "eval_rewards/xml_format_reward/mean": 2 / 5, "eval_rewards/answer_accuracy_reward/mean": 1 / 5,
         "eval_reward": (0.5 + 2.0 + 0.5) / 5, "eval/length_mean": 3.0, "eval/num_examples": 5.0,

@@ -41,7 +41,7 @@ def test_the_reference_and_the_policy_are_bit_for_bit_the_same_after_sampling(to
     before = {"reference": logits(False), "policy": logits(True)}
     weights = {n: p.clone() for n, p in model.named_parameters()}
     sample_completions(model, tokenizer, PromptEncoder(tokenizer, 64), ["Write 3 digits:"], num_generations=4,
-                       max_completion_length=6, temperature=1.0, top_p=1.0, top_k=0)
+                       max_completion_length=6)
     assert torch.equal(logits(False), before["reference"]) and torch.equal(logits(True), before["policy"])
     assert not torch.equal(before["reference"], before["policy"])
     assert all(torch.equal(p, weights[n]) for n, p in model.named_parameters())
@@ -55,8 +55,7 @@ def test_greedy_tokens_are_the_plain_decodes(tokenizer, monkeypatch, lora):
 
     def greedy() -> torch.Tensor:
         return sample_completions(model, tokenizer, PromptEncoder(tokenizer, 64), prompts, num_generations=1,
-                                  greedy=True, max_completion_length=12, temperature=1.0, top_p=1.0,
-                                  top_k=0).completion_ids  # [3, C]
+                                  greedy=True, max_completion_length=12).completion_ids  # [3, C]
 
     folded = greedy()
     monkeypatch.setattr(grpo.rollout.sampling, "sampling_weights", lambda _: contextlib.nullcontext())

@@ -61,8 +61,10 @@ def test_the_math_and_the_engine_keep_their_distance():
 
 
 # Each package may import only from packages of a lower rank (and itself), lazy imports included.
+# The memory planner sits beside rollout/: it reads the settings and the policy's facts, and run/startup asks it
+# for the decode sizes before anything loads; the runtime never calls it.
 RANKS = {"grpo.errors": 0, "grpo.algo": 0, "grpo.settings": 1, "grpo.infra": 2, "grpo.policy": 3, "grpo.rollout": 4,
-         "grpo.run": 5, "grpo.memory": 6, "grpo.trl_call": 6, "grpo.trainer": 7, "grpo.train": 8, "grpo.eval": 8,
+         "grpo.memory": 4, "grpo.run": 5, "grpo.trl_call": 6, "grpo.trainer": 7, "grpo.train": 8, "grpo.eval": 8,
          "grpo.export": 8, "grpo.plan": 8, "grpo.plot": 8, "grpo": 8, "grpo.tasks": 9}
 
 
@@ -85,3 +87,28 @@ def test_lines_stay_within_the_configured_length():
             for folder in ("grpo", "tests", "benchmarks", "recipes") for path in sorted((ROOT / folder).rglob("*.py"))
             for number, line in enumerate(path.read_text().splitlines(), 1) if len(line) > limit]
     assert not long, f"lines longer than {limit}: " + ", ".join(long)
+
+
+# Sizes that keep a module readable in one sitting: a module holding two jobs is split before it grows past
+# MODULE_LINES, a function before FUNCTION_LINES; the trainer only orchestrates.
+MODULE_LINES, FUNCTION_LINES, TRAINER_LINES = 350, 80, 200
+
+
+def test_modules_and_functions_stay_small():
+    large = [f"{p.relative_to(ROOT)}: {n} lines" for p in sorted(PACKAGE.rglob("*.py"))
+             if (n := len(p.read_text().splitlines())) > MODULE_LINES]
+    long = [f"{p.relative_to(ROOT)}:{node.lineno} {node.name}: {node.end_lineno - node.lineno + 1} lines"
+            for p in sorted(PACKAGE.rglob("*.py")) for node in ast.walk(ast.parse(p.read_text()))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and node.end_lineno - node.lineno + 1 > FUNCTION_LINES]
+    trainer = len((PACKAGE / "trainer.py").read_text().splitlines())
+    assert not large and not long and trainer <= TRAINER_LINES, (large, long, trainer)
+
+
+def test_the_trainer_neither_generates_nor_plans():
+    """The trainer loops over batches it does not make (rollout/pipeline, run/ahead) and never calls the memory
+    planner (run/startup does, before loading)."""
+    deps = imports()["grpo.trainer"]
+    assert not any(d.startswith("grpo.memory") for d in deps), deps
+    source = (PACKAGE / "trainer.py").read_text()
+    assert "sample_completions" not in source and "group_advantages" not in source

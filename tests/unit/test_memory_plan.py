@@ -405,8 +405,9 @@ def test_a_model_whose_architecture_cannot_be_read_decodes_without_a_plan():
     at a time and evaluation takes its fixed batch, instead of the trainer failing on the planner."""
     from transformers import GPT2Config
 
-    from grpo.memory.fit import EVAL_BATCH_WITHOUT_PLAN, eval_batch_size, sampling_prompts_per_decode
+    from grpo.memory.fit import EVAL_BATCH_WITHOUT_PLAN, decode_sizes
 
     gpt2 = GPT2Config(n_embd=8, n_layer=1, n_head=2, vocab_size=50)
-    assert sampling_prompts_per_decode(Config(), gpt2, "cpu") is None
-    assert eval_batch_size(Config(), gpt2, "cpu") == EVAL_BATCH_WITHOUT_PLAN
+    sizes = decode_sizes(Config(), gpt2, "cpu")
+    assert sizes.sampling is None
+    assert sizes.evaluation == EVAL_BATCH_WITHOUT_PLAN

@@ -78,7 +78,7 @@ def test_8bit_adamw_in_slices_on_cpu_matches_bitsandbytes(monkeypatch):
 
 
 def test_cpu_slices_end_on_a_bitsandbytes_block():
-    from grpo.memory.estimate import BNB_BLOCK
+    from grpo.memory.parts import BNB_BLOCK
     from grpo.policy.optim import BNB_CPU_SLICE
 
     assert BNB_CPU_SLICE % BNB_BLOCK == 0  # a slice ending mid-block would split one absmax over two updates

@@ -218,11 +218,11 @@ def test_the_trainer_runs_the_check_on_its_first_generation(tmp_path):
     trainer = Trainer(config, model=model, tokenizer=tokenizer, reward_funcs=[digit_share],
                       train_dataset=digit_prompts(4))
     with pytest.raises(ConfigError, match="ScaledLlama"):
-        trainer.generate()
+        trainer.batches.take(0)
     cohere = AutoModelForCausalLM.from_config(AutoConfig.for_model("cohere", **settings, logit_scale=0.25))
     trainer = Trainer(config, model=cohere, tokenizer=tokenizer, reward_funcs=[digit_share],
                       train_dataset=digit_prompts(4))
-    trainer.generate()
+    trainer.batches.take(0)
     assert trainer.policy.head_checked
 
 

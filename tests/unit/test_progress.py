@@ -4,6 +4,8 @@ import re
 
 import torch
 
+from grpo import Config
+from grpo.settings.plan import EvalSettings
 from grpo.rollout.decoding import DecodeSettings, decode
 from grpo.rollout.evaluate import evaluate
 from grpo.infra.progress import LINE_EVERY_S, LineProgress, TokenProgress, progress_bar
@@ -36,8 +38,9 @@ def test_on_token_counts_every_generated_token_until_eos():
 def test_eval_rows_carry_the_reference_columns():
     tokenizer = tiny_tokenizer()
     seen = []
-    _, samples = evaluate(tiny_model(tokenizer), tokenizer, digit_prompts(4), [half], accuracy_func="half",
-                          max_prompt_length=16, max_completion_length=3, batch_size=2, progress=True,
+    settings = EvalSettings.of(Config(eval_accuracy_func="half", max_prompt_length=16, max_completion_length=3))
+    _, samples = evaluate(tiny_model(tokenizer), tokenizer, digit_prompts(4), [half], settings, batch_size=2,
+                          progress=True,
                           unsharded=lambda fn: seen.append(1) or fn(tiny_model(tokenizer)))
     assert [s["num_digits"] for s in samples] == [1, 2, 3, 4] and len(seen) == 2
     assert {"prompt", "completion", "reward/half", "num_digits"} <= samples[0].keys()

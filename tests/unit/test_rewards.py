@@ -9,12 +9,12 @@ from grpo.errors import ConfigError
 from grpo.rollout.rewards import (
     RewardContext,
     RewardError,
-    TrainerState,
     compute_rewards,
     reward_func_name,
     reward_func_names,
     reward_metrics,
 )
+from grpo.run.state import TrainerState
 from grpo.tasks.gsm8k import (
     SYSTEM_PROMPT,
     answer_accuracy_reward,

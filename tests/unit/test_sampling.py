@@ -61,7 +61,7 @@ def test_sample_shapes_masks_and_chat_completions():
     torch.manual_seed(0)
     prompts = [[{"role": "user", "content": "Write 3 digits:"}], [{"role": "user", "content": "Write 1 digits:"}]]
     ro = sample_completions(model, tokenizer, PromptEncoder(tokenizer, 64), prompts, num_generations=3,
-                max_completion_length=6, temperature=1.0, top_p=1.0, top_k=0)
+                max_completion_length=6)
     assert ro.prompt_ids.shape[0] == 6 and ro.completion_ids.shape == (6, ro.completion_mask.shape[1])
     assert torch.equal(ro.prompt_ids[0], ro.prompt_ids[2]) and not torch.equal(ro.prompt_ids[0], ro.prompt_ids[3])
     assert all(c[0]["role"] == "assistant" for c in ro.completions)
@@ -72,7 +72,7 @@ def test_full_length_when_eos_is_disabled():
     tokenizer = tiny_tokenizer()
     model = tiny_model(tokenizer)
     ro = sample_completions(model, tokenizer, PromptEncoder(tokenizer, 64), ["Write 3 digits:"], num_generations=4,
-                max_completion_length=5, temperature=1.0, top_p=1.0, top_k=0, stop_at_eos=False)
+                max_completion_length=5, stop_at_eos=False)
     assert ro.completion_mask.sum().item() == 4 * 5 and ro.truncated.all()
 
 
@@ -121,7 +121,7 @@ def test_each_rows_stream_draws_tokens_as_torchs_generator_does(monkeypatch):
     with torch.no_grad():  # logits 8x larger: a random model's next token is nearly uniform over 260
         model.model.norm.weight.mul_(8)
     encode, prompts = PromptEncoder(tokenizer, 64), ["Write 3 digits:", "Write 12 digits"]
-    settings = dict(num_generations=300, max_completion_length=4, temperature=1.0, top_p=1.0, top_k=0,
+    settings = dict(num_generations=300, max_completion_length=4,
                     stop_at_eos=False)
     streams = sample_completions(model, tokenizer, encode, prompts, streams=PromptStreams(seed=0),
                                  **settings).completion_ids  # [600, 4]

@@ -14,6 +14,7 @@ from grpo.policy.precision import Precision
 from grpo.policy.packing import packed_mask, packing_pays, packing_refusal
 from grpo.policy.prefix import CacheDropped, refusal, shared_prompt_logprobs, shared_prompts
 from grpo.rollout.batches import Rollout
+from grpo.settings.plan import LogprobSettings
 
 V, P, C = 96, 20, 9
 SMALL = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -217,8 +218,8 @@ def policy_and_rollout(shared_prompt_forward=True, model_type="llama", is_main=T
     config = Config(use_lora=False, beta=0.0, temperature=0.7, logprob_chunk_size=7, disable_dropout=True,
                     shared_prompt_forward=shared_prompt_forward)
     model = prepare_for_training(tiny(model_type), config)
-    policy = Policy(model, config, world_size=1, precision=Precision.plan(False, False, device="cpu"),
-                    is_main=is_main)
+    policy = Policy(model, LogprobSettings.of(config), world_size=1,
+                    precision=Precision.plan(False, False, device="cpu"), is_main=is_main)
     prompt_ids, prompt_mask, completion_ids, completion_mask = grouped_rows()
     rollout = Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, [""] * len(prompt_ids),
                       torch.zeros(len(prompt_ids), dtype=torch.bool))
@@ -272,7 +273,8 @@ def test_a_model_dropping_the_cache_falls_back_once(capsys):
     config = Config(use_lora=False, beta=0.0, temperature=0.7, logprob_chunk_size=7, disable_dropout=True,
                     gradient_checkpointing=True, shared_prompt_forward=True)
     model = prepare_for_training(tiny("gpt2"), config)
-    policy = Policy(model, config, world_size=1, precision=Precision.plan(False, False, device="cpu"), is_main=True)
+    policy = Policy(model, LogprobSettings.of(config), world_size=1,
+                    precision=Precision.plan(False, False, device="cpu"), is_main=True)
     rows = grouped_rows()
     rollout = Rollout(*rows, [""] * len(rows[0]), torch.zeros(len(rows[0]), dtype=torch.bool))
     first = policy.logprobs(rollout)

@@ -69,8 +69,8 @@ def test_the_trainer_gives_each_rank_the_streams_of_its_share(tmp_path):
 
     def sampled(rank: int, world_size: int) -> list[list[int]]:
         trainer.prompts.load_state_dict(start)
-        trainer.source.dist = Distributed(rank=rank, world_size=world_size)
-        rollout, _, _ = trainer.source.draw(4, trainer.step, context)
+        trainer.pipeline.source.dist = Distributed(rank=rank, world_size=world_size)
+        rollout, _ = trainer.pipeline.source.draw(4, trainer.step, context)
         return rollout.completion_id_lists
 
     one = sampled(0, 1)

@@ -8,7 +8,7 @@ import torch
 
 from grpo.tasks import word_problems as wp
 from grpo.algo.advantages import zero_std_fraction
-from grpo.rollout.rewards import NoSignalWatch
+from grpo.run.state import NoSignalWatch
 from grpo.tasks.gsm8k import SYSTEM_PROMPT, answer_accuracy_reward, xml_format_reward
 
 

@@ -9,7 +9,7 @@ import torch
 from grpo.algo import LOSS_TYPES
 from grpo.algo.loss import policy_loss, zero_advantage_has_no_gradient
 from grpo.policy.optim import optimizer_step
-from grpo.rollout.batches import Cut, Generation, MicroBatch, Rollout, Scored, StepCounts
+from grpo.rollout.batches import Cut, Generation, MicroBatch, Rollout, StepCounts
 
 SETTINGS = [{}, {"importance_sampling_level": "sequence"}, {"delta": 1.3}, {"epsilon_high": 0.28}]
 
@@ -130,8 +130,7 @@ def test_a_micro_batch_with_no_row_left_is_empty_or_keeps_one_inert_row():
 def test_step_counts_are_from_before_the_cut():
     # Two micro-batches of 4 rows: the first with two rows of advantage 0, the second all trained.
     r = dataclasses.replace(rollout([2] * 6, [3, 1, 2, 4, 5, 5]), advantages=torch.tensor([0.0, 1.0, 0.0, -1.0, 1, 1]))
-    generation = Generation(r, Cut(4, skip_zero_advantage=True, keep_one=False), {},
-                            Scored([], [], torch.zeros(0), torch.zeros(0, 1), torch.zeros(0)))
+    generation = Generation(r, Cut(4, skip_zero_advantage=True, keep_one=False), {})
     counts = generation.step_counts(generation.micro_batches[:1], lambda values: values)
     assert counts == StepCounts(tokens=20, trained=5, micro_batches=1, rows=4, skipped=2, divisor=10.0)
 

@@ -1,0 +1,38 @@
+"""One optimizer step's gradients: the GRPO loss (algo/loss) of each of its micro-batches back-propagated
+through the policy, normalized with the step's counts over all ranks."""
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from ..algo.loss import add_metrics, no_token_metrics, policy_loss
+from ..infra.progress import progress_bar
+
+
+def accumulate(policy, micro_batches: list, counts, loss: Mapping, reduce, *, step: int = 0,
+               show: bool = False) -> dict:
+    """Back-propagate the loss of every micro-batch (rollout/batches.MicroBatch), each normalized as
+    `loss_type` says with `counts` (rollout/batches.StepCounts, over all ranks; `reduce` sums over ranks), so
+    that the ranks' summed gradients are those of the step's loss; `loss`: policy_loss's keyword arguments
+    from the settings; `show`: a bar of optimizer step `step`'s micro-batches. Returns the step's metrics.
+    Micro-batches without a row left (rows whose gradient is exactly 0 were cut out) run no forward, but
+    count."""
+    totals: dict[str, float] = {"kl": 0.0, "loss": 0.0}  # kl: logged as 0 when there is no reference
+    trained = [m for m in micro_batches if not m.empty]  # one process: no forward where no row is left
+    with progress_bar(f"training step {step + 1}", total=len(trained), unit="micro-batch", enabled=show,
+                      leave=False) as bar:  # the step's second half, after sampling's bar
+        for i, m in enumerate(trained):
+            b = m.rollout
+            with policy.parallel.sync_gradients(i == len(trained) - 1):
+                logprobs, entropies = policy.logprobs(b, with_entropy=True)  # [n, C] each
+                # old_logprobs None: on policy, the loss's own detached log-probs are the old ones (algo/loss)
+                step_loss, metrics = policy_loss(
+                    logprobs, b.old_logprobs, b.ref_logprobs, b.advantages, b.loss_mask, entropies=entropies,
+                    **loss, num_tokens=counts.divisor, num_sequences=m.rows, micro_batch_tokens=m.tokens,
+                    num_micro_batches=counts.micro_batches, sampling_weights=b.sampling_weights)
+                policy.parallel.backward(step_loss)
+            add_metrics(totals, metrics, share=m.trained_tokens / max(1, counts.trained))  # the rows trained's
+            totals["loss"] += step_loss.item()
+            bar.update(1)
+    # Per-token metrics (entropy, ratio, clip ratios) are the rows trained's; 0 where no row was trained.
+    totals = {**no_token_metrics(**loss), **reduce(totals)}
+    return {**totals, "skipped/zero_gradient": counts.skipped / counts.rows}

@@ -1,0 +1,132 @@
+"""The generation pipeline: what makes the batch of optimizer step s (`Pipeline.make`: draw, score, refill,
+advantages, cut, fixed log-probs), and "the batch of step s" behind one interface, `take(step)`, made here
+when the step needs it (`Synchronous`) or by a sampler process one step earlier (run/ahead.Ahead). The engine
+that turns prompts into completions (our decoder, a rollout_func, a server) is the source's sampler: the
+pipeline does not depend on which."""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+
+from ..algo.advantages import group_advantages
+from ..algo.loss import zero_advantage_has_no_gradient
+from .batches import Cut, Generation, Rollout, generation_metrics, with_advantages
+from .custom import CustomRollouts
+from .dynamic import DynamicSampling
+from .prompts import PromptStream
+from .rewards import RewardContext, reward_func_names
+from .sampling import Sampler
+from .server import server_sampler
+from .source import RolloutSource
+
+
+class Pipeline:
+    """Makes generation batches: `source` (rollout/source) draws and scores this rank's share of the prompts,
+    `refill` (DAPO's dynamic sampling, or None) replaces groups without signal, `policy` (policy/forwards)
+    takes the log-probs fixed for the batch, `dist` (infra/distributed) spans the ranks; `settings`:
+    settings/plan.GenerationSettings; `cut` how the batch is cut into micro-batches."""
+
+    def __init__(self, source: RolloutSource, policy, dist, settings, cut: Cut, reward_names: list[str],
+                 refill: DynamicSampling | None = None):
+        self.source, self.policy, self.dist, self.settings = source, policy, dist, settings
+        self.cut, self.reward_names, self.refill = cut, reward_names, refill
+
+    @classmethod
+    def build(cls, sampler, prompts: PromptStream, reward_funcs: list, policy, dist, settings, loss: Mapping, *,
+              pad_id: int, release_memory: bool, environment_factory=None) -> Pipeline:
+        """The pipeline of `sampler` (the engine: our decoder, a rollout_func, a server) over `prompts`, rewarded
+        by `reward_funcs`, with `settings` (settings/plan.GenerationSettings); `loss`: policy_loss's settings,
+        which say whether rows of advantage 0 can be cut out (algo/loss.zero_advantage_has_no_gradient);
+        `pad_id` pads the refilled rows; `release_memory` and `environment_factory` go to the source."""
+        s = settings
+        source = RolloutSource(sampler, prompts, reward_funcs, s.reward_weights, dist=dist, seed=s.seed,
+                               num_generations=s.num_generations, release_memory=release_memory,
+                               environment_factory=environment_factory)
+        refill = None if s.refill_rounds is None else DynamicSampling(s.num_generations, s.refill_rounds, dist,
+                                                                      pad_id)
+        skip = zero_advantage_has_no_gradient(loss["beta"], loss["top_entropy_quantile"], loss["entropy_coef"])
+        cut = Cut(s.micro_batch, skip_zero_advantage=skip, keep_one=dist.world_size > 1)
+        return cls(source, policy, dist, s, cut, reward_func_names(reward_funcs), refill)
+
+    @torch.no_grad()
+    def make(self, step: int, trainer_state) -> Generation:
+        """The generation batch training starts on at optimizer step `step` (`trainer_state`: run/state's, as
+        the reward functions get it): sampled and scored, refilled, given advantages over every rank's rewards,
+        cut into micro-batches, with the log-probs fixed for the whole of it."""
+        s, context = self.settings, RewardContext(trainer_state)  # TRL's trainer_state, log_metric, log_extra
+        rollout, seconds = self.source.draw(s.prompts_per_generation, step, context)
+        self.check_head(rollout)
+        refilled = {}
+        if self.refill is not None:  # DAPO: only groups with signal, while rounds are left  rollout/dynamic
+            rollout, refilled, seconds = self.refill(rollout, seconds,
+                                                     lambda n: self.source.draw(n, step, context))
+        generate_s = self.dist.reduce({"s": seconds}, "max")["s"]  # the slowest rank's
+        # Every rank's rewards [W*N], [W*N, F]: a group's advantages may span ranks.
+        rewards, per_func = self.dist.gather(rollout.rewards), self.dist.gather(rollout.per_func)
+        advantages = group_advantages(rewards, s.num_generations, scale=s.scale_rewards,  # algo/advantages
+                                      scored=~per_func.isnan().all(dim=1))  # [W*N]
+        batch = with_advantages(rollout, self.dist.local(advantages), s.mask_truncated_completions)
+        metrics = {**generation_metrics(batch, rewards, per_func, context, generate_s, self.reward_names,
+                                        s.num_generations, self.dist), **refilled}
+        generation = Generation(batch, self.cut, metrics)  # cut into micro-batches
+        generation.fix_logprobs(lambda micro: self.policy.fixed_logprobs(
+            micro, old=s.old_logprobs, reference=s.ref_logprobs))
+        if s.sampling_correction is not None:  # a server's samples reweighted (rollout/server)
+            generation.metrics.update(self.source.sampler.corrected(generation, s.sampling_correction))
+        return generation
+
+    def check_head(self, rollout: Rollout) -> None:
+        """Before this process's policy takes log-probs: on its first batch, its log-probs against the model's own
+        forward, ranks agreeing (policy/forwards.Policy.check_head_once)."""
+        first = torch.arange(min(self.cut.size, len(rollout.completions)))  # a micro-batch's rows
+        self.policy.check_head_once(rollout.select(first),
+                                    agree=lambda value: self.dist.reduce({"value": value}, "max")["value"])
+
+    def quiet(self) -> None:
+        """No sampling bar (a sampler process: the trainer's bar is shown)."""
+        self.source.show_progress = False
+
+
+def engine(sampler, rollout_func, trainer):
+    """What turns a generation batch's prompts into completions: a vLLM server (use_vllm), the caller's
+    `sampler`, TRL's `rollout_func` (which gets the `trainer`, TRL's contract), or our decoder with as many
+    prompts per decode as the run plan says."""
+    plan = trainer.plan
+    if plan.server is not None:  # with the run's adapter, published each step
+        return server_sampler(sampler or rollout_func, trainer.model, trainer.tokenizer, plan, trainer.tools,
+                              Path(trainer.config.output_dir) / "vllm-adapters")
+    if sampler is not None:
+        return sampler
+    if rollout_func is not None:
+        return CustomRollouts(rollout_func, trainer)
+    return Sampler(trainer.policy, trainer.tokenizer, plan.sampling, plan.decode.sampling, trainer.tools)
+
+
+class Synchronous:
+    """The batch of step s made in this process when step s needs it: a new one where `schedule`
+    (settings/schedule) starts a generation batch, else the one in training. `state`: the run's TrainerState."""
+
+    def __init__(self, pipeline: Pipeline, schedule, state):
+        self.pipeline, self.schedule, self.state = pipeline, schedule, state
+        self.current: Generation | None = None  # the batch in training (None: none yet, or resumed elastically)
+
+    def take(self, step: int) -> Generation:
+        if self.current is None or self.schedule.starts_generation(step):
+            self.current = self.pipeline.make(step, self.state)
+        return self.current
+
+    def for_checkpoint(self, step: int) -> None:
+        """Nothing made ahead for a checkpoint to keep."""
+        return None
+
+    def restore(self, current: Generation | None, ahead=None) -> None:
+        """A resumed run's batch in training (Session.resume)."""
+        self.current = current
+
+    def __enter__(self) -> Synchronous:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None
