@@ -36,7 +36,7 @@ import torch
 from ..errors import ConfigError, UserError
 from .batches import Rollout
 from .sampling import PromptEncoder, eos_token_ids, is_chat, rollout_of_tokens, tool_rollout
-from .server_tools import NAN, ServerToolRow, tool_decode
+from .server_tools import NAN, ServerToolRow, sample_rows, tool_decode
 from .streams import PromptStreams
 from .tool_loop import ToolLoop
 
@@ -193,8 +193,9 @@ class ServerSampler:
         loop = ToolLoop(self.tools, self.tokenizer, [p for p in prompts for _ in range(G)],
                         s.max_tool_calling_iterations, envs, self.eos_ids, self.encode.chat_template_kwargs)
         stops = [t.trigger for t in self.tools.inline]
-        tool_rows = [ServerToolRow(loop, i, s.max_completion_length, self.eos_ids, stops) for i in range(len(rows) * G)]
         seeds = streams.seeds(len(prompts), G).tolist()  # [N]: one per completion, its segments from it
+        tool_rows = [ServerToolRow(loop, i, rows[i // G], seeds[i], s.max_completion_length, self.eos_ids, stops)
+                     for i in range(len(rows) * G)]
 
         def sample(prompt: list[int], seed: int, room: int, stop: list[str]) -> tuple[list[int], list[float]]:
             body = self.request_body(prompt, seed, adapter, 1, room)
@@ -205,8 +206,7 @@ class ServerSampler:
                 on_token(len(choice["token_ids"]))
             return choice["token_ids"], [NAN if v is None else v for v in choice["logprobs"]["token_logprobs"]]
 
-        with ThreadPoolExecutor(max_workers=min(32, len(tool_rows))) as pool:
-            list(pool.map(lambda i: tool_rows[i].run(rows[i // G], seeds[i], sample), range(len(tool_rows))))
+        sample_rows(tool_rows, sample)
         decoded, logprobs = tool_decode(tool_rows, self.tokenizer.pad_token_id)  # [N, C] each
         rollout = tool_rollout(prompt_ids.repeat_interleave(G, dim=0), prompt_mask.repeat_interleave(G, dim=0),
                                decoded, loop, self.tokenizer, self.eos_ids, chat=is_chat(prompts[0]))

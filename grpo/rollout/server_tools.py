@@ -5,6 +5,8 @@ headers around it) is appended as tokens the model did not write, out of the los
 prompt is the prompt and everything so far (the server's prefix cache keeps that cheap)."""
 from __future__ import annotations
 
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+
 import torch
 
 from .decoding import ToolDecode
@@ -14,39 +16,62 @@ NAN = float("nan")
 
 
 class ServerToolRow:
-    """One completion row `row` of `loop` (a ToolLoop) sampled on `sample(prompt_ids, seed, max_tokens, stop)`,
-    which returns (token ids, log-probs) of one segment; `width`: the completion's length bound."""
+    """One completion row `row` of `loop` (a ToolLoop), sampled one segment at a time: `request()` says what to
+    sample next (prompt ids, seed, room, stop strings; None once the row is done), `take(tokens, logprobs)` runs the
+    segment's tokens through the tool loop. Requests may run in threads; `take` runs where the caller runs the
+    tool loop (its tool runner forks its workers from the caller's thread)."""
 
-    def __init__(self, loop, row: int, width: int, eos_ids: list[int], stops: list[str]):
-        self.loop, self.row, self.width, self.eos, self.stops = loop, row, width, set(eos_ids), stops
+    def __init__(self, loop, row: int, prompt: list[int], seed: int, width: int, eos_ids: list[int],
+                 stops: list[str]):
+        self.loop, self.row, self.prompt, self.seed = loop, row, prompt, seed
+        self.width, self.eos, self.stops = width, set(eos_ids), stops
         self.ids: list[int] = []
         self.own: list[int] = []  # 1: sampled by the model, 0: fed by a tool
         self.logprobs: list[float] = []
+        self.segments, self.done = 0, False
 
-    def run(self, prompt: list[int], seed: int, sample) -> None:
-        for segment in range(self.width):  # each segment adds at least one token, or the row ends
-            room = self.width - len(self.ids)
-            if room <= 0:
+    def request(self) -> tuple[list[int], int, int, list[str]] | None:
+        room = self.width - len(self.ids)
+        if self.done or room <= 0:
+            self.done = True
+            return None
+        self.segments += 1
+        return self.prompt + self.ids, int64(self.seed + self.segments - 1), room, self.stops
+
+    def take(self, tokens: list[int], logprobs: list[float]) -> None:
+        """The segment's tokens, up to the first a tool reacts to (its output appended) or that ends the row."""
+        if not tokens:
+            self.done = True
+            return
+        for token, logprob in zip(tokens, logprobs):
+            self.ids.append(token), self.own.append(1), self.logprobs.append(logprob)
+            out = self.loop.after_tokens([self.row], [token], [self.width - len(self.ids)])
+            if self.row in out:
+                if out[self.row] is None:  # the tools end the row
+                    self.done = True
+                else:
+                    self.ids += out[self.row]
+                    self.own += [0] * len(out[self.row])
+                    self.logprobs += [NAN] * len(out[self.row])
                 return
-            tokens, logprobs = sample(prompt + self.ids, int64(seed + segment), room, self.stops)
-            if not tokens:
+            if token in self.eos:
+                self.done = True
                 return
-            reaction, ended = None, False
-            for token, logprob in zip(tokens, logprobs):
-                self.ids.append(token), self.own.append(1), self.logprobs.append(logprob)
-                out = self.loop.after_tokens([self.row], [token], [self.width - len(self.ids)])
-                if self.row in out:
-                    reaction = out[self.row]
-                    ended = reaction is None
-                    break
-                if token in self.eos:
-                    return
-            if ended:
-                return
-            if reaction:
-                self.ids += reaction
-                self.own += [0] * len(reaction)
-                self.logprobs += [NAN] * len(reaction)
+
+
+def sample_rows(rows: list[ServerToolRow], sample, workers: int = 32) -> None:
+    """Sample every row to its end: each row's segments in order, the rows' requests at once (threads), their
+    tokens taken in this thread as the answers come."""
+    with ThreadPoolExecutor(max_workers=max(1, min(workers, len(rows)))) as pool:
+        pending = {pool.submit(sample, *r.request()): r for r in rows}
+        while pending:
+            done, _ = wait(pending, return_when=FIRST_COMPLETED)
+            for future in done:
+                row = pending.pop(future)
+                row.take(*future.result())
+                nxt = row.request()
+                if nxt is not None:
+                    pending[pool.submit(sample, *nxt)] = row
 
 
 def tool_decode(rows: list[ServerToolRow], pad_id: int) -> tuple[ToolDecode, torch.Tensor]:
