@@ -50,7 +50,7 @@ class Trainer:
         self._setup_plan(config, model, reward_funcs, reward_processing_classes, train_dataset,
                          eval_dataset, own_sampler=sampler is None and rollout_func is None)
         self._setup_policy(config, model, tokenizer, train_dataset, eval_dataset)
-        self._setup_generation(config, sampler, rollout_func, train_dataset, environment_factory)
+        self._setup_generation(config, sampler, rollout_func, train_dataset)
         self._setup_run(config, callbacks)
 
     def _setup_plan(self, config, model, reward_funcs, reward_processing_classes, train_dataset,
@@ -78,7 +78,7 @@ class Trainer:
         self.updates = Updates(self.model.parameters(), self.plan.optim, self.total_steps)
         self.optimizer, self.scheduler = self.updates.optimizer, self.updates.scheduler  # TRL's names
 
-    def _setup_generation(self, config, sampler, rollout_func, train_dataset, environment_factory):
+    def _setup_generation(self, config, sampler, rollout_func, train_dataset):
         """The generation pipeline and the batches it makes, now (synchronous) or ahead (run/ahead)."""
         self.state = TrainerState.of(self.total_steps, self.dist)  # its global_step is `step`
         self.no_signal = NoSignalWatch(patience=3)  # steps in a row where every group's rewards were equal
@@ -87,7 +87,7 @@ class Trainer:
         self.sampler, self.prompts = sampler, PromptStream(train_dataset, s.data_seed, shuffle=s.shuffle_dataset)
         self.pipeline = Pipeline.build(sampler, self.prompts, self.reward_funcs, self.policy, self.dist, s,
                                        self.plan.loss, pad_id=self.tokenizer.pad_token_id,
-                                       release_memory=self.threshold_set, environment_factory=environment_factory)
+                                       release_memory=self.threshold_set, tools=self.tools)
         self.batches = Synchronous(self.pipeline, self.schedule, self.state) if s.max_staleness is None else \
             Ahead(self.pipeline, self.state, self.schedule, self.total_steps, s.max_staleness,
                   release=self.optimizer.state.clear)

@@ -35,15 +35,15 @@ class Pipeline:
 
     @classmethod
     def build(cls, sampler, prompts: PromptStream, reward_funcs: list, policy, dist, settings, loss: Mapping, *,
-              pad_id: int, release_memory: bool, environment_factory=None) -> Pipeline:
+              pad_id: int, release_memory: bool, tools=None) -> Pipeline:
         """The pipeline of `sampler` (the engine: our decoder, a rollout_func, a server) over `prompts`, rewarded
         by `reward_funcs`, with `settings` (settings/plan.GenerationSettings); `loss`: policy_loss's settings,
         which say whether rows of advantage 0 can be cut out (algo/loss.zero_advantage_has_no_gradient);
-        `pad_id` pads the refilled rows; `release_memory` and `environment_factory` go to the source."""
+        `pad_id` pads the refilled rows; `release_memory` and `tools` (their environments) go to the source."""
         s = settings
         source = RolloutSource(sampler, prompts, reward_funcs, s.reward_weights, dist=dist, seed=s.seed,
                                num_generations=s.num_generations, release_memory=release_memory,
-                               environment_factory=environment_factory)
+                               tools=tools)
         refill = None if s.refill_rounds is None else DynamicSampling(s.num_generations, s.refill_rounds, dist,
                                                                       pad_id)
         skip = zero_advantage_has_no_gradient(loss["beta"], loss["top_entropy_quantile"], loss["entropy_coef"])

@@ -20,12 +20,14 @@ class RolloutSource:
     """`sampler` (the Trainer's contract) over the prompts of `prompts`, rewarded by `reward_funcs` weighted by
     `reward_weights`; `dist` (infra/distributed) shards the prompts over the ranks; `seed` starts the prompts'
     random streams; `release_memory`: a CPU run whose allocator returns freed memory to the OS
-    (infra/allocator), which decodes suspend."""
+    (infra/allocator), which decodes suspend; `tools` (rollout/tools.Tools, or None): the run's, whose
+    environment_factory makes each completion's environment, as evaluation's do."""
 
     def __init__(self, sampler, prompts: PromptStream, reward_funcs: list, reward_weights: list[float] | None, *,
-                 dist, seed: int, num_generations: int, release_memory: bool, environment_factory=None):
+                 dist, seed: int, num_generations: int, release_memory: bool, tools=None):
         self.sampler, self.prompts, self.reward_funcs = sampler, prompts, reward_funcs
-        self.reward_weights, self.environment_factory = reward_weights, environment_factory
+        self.reward_weights = reward_weights
+        self.environment_factory = tools.environment_factory if tools is not None else None
         self.dist, self.seed, self.num_generations, self.release_memory = dist, seed, num_generations, release_memory
         self.show_progress = dist.is_main  # off in a sampler process (run/ahead.py): the trainer's bar is shown
 

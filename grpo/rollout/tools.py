@@ -118,7 +118,11 @@ class Tools:
         """Tools from TRL's arguments (`tools=[fn, ...]`, `environment_factory=`) plus `inline` ones (also
         accepted within `tools`); a
         ConfigError naming the tool that has no schema, a clash of names, an unknown parser."""
-        if isinstance(tools, Tools):  # already made, with its own parser and timeout
+        if isinstance(tools, Tools):  # already made, with its own parser, timeout and environments
+            if environment_factory is not None and environment_factory is not tools.environment_factory:
+                raise ConfigError("pass the environment_factory inside the Tools made "
+                                  "(Tools.of(tools, environment_factory)), not beside it: its environments' methods "
+                                  "are tools the decode must know")
             return tools
         if parser not in PARSERS:
             raise ConfigError(f"tool parser {parser!r} is not known; known: {', '.join(PARSERS)}")

@@ -458,3 +458,11 @@ def test_an_inline_trigger_forces_the_result_and_the_close(tok):
     assert loop.completion_messages(0, ids, mask) == [
         {"role": "assistant", "content": " <<12+7=19>> apples, then <<19*2=38>> in all."}]
     assert loop.metrics() == {"tools/call_frequency": 2.0, "tools/failure_frequency": 0.0}
+
+
+def test_a_made_tools_carries_its_environments_and_refuses_another_beside_it():
+    # One carrier for the environments: training's source and evaluation read them from the run's Tools.
+    made = Tools.of(tools=[multiply])
+    assert Tools.of(made) is made
+    with pytest.raises(ConfigError, match="inside the Tools"):
+        Tools.of(made, environment_factory=lambda: None)
