@@ -27,6 +27,7 @@ from torch import Tensor
 
 from ..errors import ConfigError, UserError
 from ..infra.interrupts import StepAbandoned
+from .tools import environment_in, get_reward_failed
 
 
 # What every reward function may take besides the dataset's columns.
@@ -233,6 +234,9 @@ def _raise(f, name: str, batch_error: BaseException, batch: dict, context: Rewar
             i, error, note = k, item_error, ""
             break
     prompts, completions = batch["prompts"], batch["completions"]
+    environment = environment_in(error)
+    if environment is not None:  # the function asked an environment for its reward: that one failed
+        raise get_reward_failed(environment, error, i, prompts[i], f", in reward function '{name}'") from error
     raise RewardError(
         f"reward function '{name}' raised {type(error).__name__}: {error}{note}\n"
         f"  at {_where(error)}\n"

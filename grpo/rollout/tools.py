@@ -217,10 +217,27 @@ def environment_reward(environments, prompts=None, **kwargs) -> list[float | Non
         try:
             rewards.append(env.get_reward() if callable(getattr(env, "get_reward", None)) else None)
         except Exception as error:
-            prompt = f" (prompt {_short(prompts[i])})" if prompts is not None else ""
-            raise EnvironmentFailed(f"environment {type(env).__name__}.get_reward raised {_one_line(error)} for "
-                                    f"completion {i} of the batch{prompt}") from error
+            raise get_reward_failed(env, error, i, None if prompts is None else prompts[i]) from error
     return rewards
+
+
+def get_reward_failed(env, error: BaseException, i: int, prompt=None, where: str = "") -> EnvironmentFailed:
+    """The one line for `env.get_reward()` raising `error` on completion `i` of the batch (its `prompt`)."""
+    shown = f" (prompt {_short(prompt)})" if prompt is not None else ""
+    return EnvironmentFailed(f"environment {type(env).__name__}.get_reward raised {_one_line(error)} for completion "
+                             f"{i} of the batch{shown}{where}")
+
+
+def environment_in(error: BaseException):
+    """The environment whose `get_reward` raised `error` (the `self` of a `get_reward` frame in its traceback,
+    innermost first), or None."""
+    tb, found = error.__traceback__, None
+    while tb is not None:
+        frame = tb.tb_frame
+        if frame.f_code.co_name == "get_reward" and "self" in frame.f_locals:
+            found = frame.f_locals["self"]
+        tb = tb.tb_next
+    return found
 
 
 class EnvironmentFailed(UserError):

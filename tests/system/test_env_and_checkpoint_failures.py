@@ -72,6 +72,19 @@ def test_a_raising_get_reward_is_one_line_naming_the_environment_the_completion_
                               "completion 0 of the batch (prompt ")
 
 
+def test_a_raising_get_reward_in_a_reward_function_of_ones_own_is_the_same_line(tmp_path):
+    def mine(environments, **kwargs):
+        return [env.get_reward() for env in environments]
+    trainer = calling_trainer(tmp_path, ["12"], mine)
+    with pytest.raises(UserError) as info:
+        trainer.train()
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.startswith("environment Broken.get_reward raised ValueError: the episode never finished for "
+                              "completion 0 of the batch (prompt ")
+    assert message.endswith(", in reward function 'mine'")
+
+
 def test_a_raising_reset_on_the_command_line_is_one_error_line(tmp_path, capsys):
     recipe = tmp_path / "recipe.py"
     recipe.write_text(textwrap.dedent(f"""
