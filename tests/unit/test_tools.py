@@ -362,7 +362,9 @@ def test_errors_are_read_by_the_model_unknown_and_malformed_calls_end_the_row(to
 
 
 def test_async_tools_of_rows_that_call_in_one_step_run_at_once(tok):
-    loop = ToolLoop(Tools.of(tools=[async_add]), tok, [QUESTION] * 3)
+    tools = Tools.of(tools=[async_add])
+    tools.runner.run([[functools.partial(multiply, 1, 1)]] * 3)  # its workers, made once per run, are made
+    loop = ToolLoop(tools, tok, [QUESTION] * 3)
     call = '<tool_call>\n{"name": "async_add", "arguments": {"a": 3, "b": 4}}\n</tool_call><|im_end|>'
     start = time.perf_counter()
     _, answers = drive(loop, tok, [[call, "7.<|im_end|>"]] * 3)  # the rows reach EOS on the same step
