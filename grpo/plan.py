@@ -50,7 +50,8 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("recipe", nargs="?", help="a recipe file (see README)")
     parser.add_argument("--gpu-memory", type=float, help="GB on the card; default: this machine's GPU, if any")
-    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="predict for this device")
+    parser.add_argument("--device", choices=["cuda", "cpu"], default=None,
+                        help="predict for this device; default: cuda with --gpu-memory or a GPU here, else cpu")
     parser.add_argument("--table", action="store_true", help="the write-up's table for well-known models")
     args, overrides = parser.parse_known_args(argv)
     if args.table:
@@ -77,6 +78,11 @@ def main(argv: list[str] | None = None) -> int:
     if isinstance(arch, str):
         print(f"error: {arch}", file=sys.stderr)
         return 1
+    if args.device is None:  # this machine's, unless a card's memory is given
+        args.device = "cuda" if args.gpu_memory is not None or cuda_memory_gb() is not None else "cpu"
+        if args.device == "cpu":
+            print("no GPU here: planning for this CPU (--device=cuda --gpu-memory=GB plans for a card)",
+                  file=sys.stderr)
     budget = args.gpu_memory if args.gpu_memory is not None else (cuda_memory_gb() if args.device == "cuda" else None)
     print(describe(arch, config, args.device))
     if args.device == "cuda":

@@ -18,9 +18,17 @@ USAGE = "usage: python -m grpo.train RECIPE [--key=value ...] [--help]"
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] in ("-h", "--help"):
-        print(USAGE)
-        return 0 if argv else 2
+    if not argv or argv[0] in ("-h", "--help"):  # no recipe: every setting at its default
+        if not argv:
+            print(USAGE)
+            return 2
+        from .settings import Config
+        from .settings.cli import format_help
+
+        print(f"{USAGE}\n\nA recipe is a Python file defining `config` (a grpo.Config), `reward_funcs` and "
+              f"`train_dataset` (recipes/ holds examples; README). The settings at their defaults:\n"
+              f"{format_help(Config())}")
+        return 0
     with command_line():  # every message's hint names settings as --key=value
         return _main(argv)
 

@@ -93,7 +93,7 @@ def build_model(config, warm_start_steps: int = WARM_START["steps"]):
     settings = {**WARM_START, "steps": warm_start_steps, **MODEL, "seed": config.seed, "digits": DIGITS}
     model, tokenizer = warm_start_once(Path(config.output_dir) / "warm_start", settings,
                                        lambda: warm_start(config, warm_start_steps))
-    print(f"stage 2/2: GRPO, {config.max_steps} steps")
+    print("stage 1/2 done: the warm-started model")  # grpo.eval builds it too: no claim that GRPO follows
     return model, tokenizer
 
 

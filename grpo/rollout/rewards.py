@@ -174,6 +174,20 @@ def _call(f, name: str, batch: dict, context: RewardContext):
         _raise(f, name, batch_error, batch, context)
 
 
+def check_reward_columns(funcs: list, dataset) -> None:
+    """The RewardError `_call` would raise at the first generation batch, before anything loads: a reward function
+    that takes a column `dataset` (a datasets.Dataset; a factory is checked when called) does not have."""
+    names = getattr(dataset, "column_names", None)
+    if names is None:
+        return
+    available = (set(names) - {"prompt"}) | {"environments"}  # environment_factory's, passed beside the columns
+    for f, name in zip(funcs, reward_func_names(funcs)):
+        missing = sorted(required_columns(f) - available)
+        if missing:
+            raise RewardError(f"reward function '{name}' takes {_plural('column', missing)} the dataset does not "
+                              f"have: {', '.join(missing)} (its columns: {', '.join(names)})")
+
+
 def _plural(word: str, items: list) -> str:
     return f"a {word}" if len(items) == 1 else f"{len(items)} {word}s"
 

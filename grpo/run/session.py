@@ -144,7 +144,12 @@ class Session:
             print("\n".join(passed_over), file=sys.stderr)
         progress = None
         if path is None:
-            print(f"no checkpoint in {self.output_dir} yet: starting from step 0", file=sys.stderr)
+            unfinished = [p.name for p in sorted(self.output_dir.glob("checkpoint-*"))
+                          if p.is_dir() and not (p / checkpoint.COMPLETE).exists()]
+            said = (f"no complete checkpoint in {self.output_dir} ({', '.join(unfinished)}: no {checkpoint.COMPLETE} "
+                    f"marker, its save was interrupted, so it cannot be resumed and a save of its step replaces it)"
+                    if unfinished else f"no checkpoint in {self.output_dir} yet")
+            print(f"{said}: starting from step 0", file=sys.stderr)
         else:
             state = checkpoint.load_state(path)
             notes = [f"resuming with a changed setting: {c}" for c in checkpoint.changed_settings(path, s.record)]

@@ -14,7 +14,7 @@ from ..policy.parallel import check_settings as check_parallel_settings
 from ..policy.precision import Precision
 from ..rollout.evaluate import check_eval_setup
 from ..rollout.prompts import check_dataset
-from ..rollout.rewards import check_reward_weights, reward_func_names
+from ..rollout.rewards import check_reward_columns, check_reward_weights, reward_func_names
 from ..settings.plan import RunPlan
 from . import checkpoint, lock
 
@@ -24,6 +24,7 @@ def check_before_loading(config, dist, train_dataset, eval_dataset, reward_funcs
     infra/distributed's, whose rank 0 looks at the output folder's lock."""
     check_dataset(train_dataset)
     check_reward_weights(config.reward_weights, reward_func_names(reward_funcs))
+    check_reward_columns(reward_funcs, train_dataset)  # not after the first generation batch
     check_eval_setup(config, eval_dataset, reward_funcs)
     check_load_options(config, model_given=model_given)
     checkpoint.check_output_dir(config.output_dir)

@@ -51,3 +51,17 @@ def test_the_tools_page_example_runs_as_written(tmp_path, monkeypatch):
     exec(script.replace("max_completion_length=48", "max_completion_length=16"), namespace)  # noqa: S102
     line = namespace["trainer"].state.log_history[0]
     assert 0 <= line["tools/call_frequency"] and "rewards/says_the_product/mean" in line
+
+
+def test_a_saved_adapter_of_the_shipped_model_names_its_hub_id(tmp_path):
+    import json
+
+    from datasets import Dataset
+
+    trainer = Trainer(model="smollm2-135m-instruct", args=Config(output_dir=str(tmp_path / "run"), use_lora=True,
+                                                                 max_steps=1),
+                      reward_funcs=[lambda completions, **kw: [0.0] * len(completions)],
+                      train_dataset=Dataset.from_list([{"prompt": "hi"}]))
+    trainer.save_model(str(tmp_path / "adapter"))
+    saved = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert saved["base_model_name_or_path"] == "HuggingFaceTB/SmolLM2-135M-Instruct"  # not this machine's cache
