@@ -1,8 +1,10 @@
 import dataclasses
 import json
 import math
+import re
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -659,3 +661,22 @@ def test_the_run_plan_says_which_log_probs_a_generation_batch_keeps(settings, ol
     plan = RunPlan.resolve(Config(per_device_train_batch_size=8, num_generations=4, **settings), world_size=1)
     assert (plan.keeps_old_logprobs, plan.reference, plan.has_reference) == (old, reference, reference != "none")
     assert dict(plan.loss) == Config(**settings).loss_settings()
+
+
+def test_the_docs_name_every_default_that_differs_from_trls():
+    # README and docs/coming-from-trl.md promise TRL's default for every setting but those they name: the names
+    # must be exactly the settings whose default differs (checked against TRL itself when it is installed).
+    root = Path(__file__).resolve().parents[2]
+    intro = (root / "docs" / "coming-from-trl.md").read_text().split("TRL reward functions")[0]
+    readme = (root / "README.md").read_text().split("**TRL-compatible.**")[1].split("reward functions")[0]
+    named = set(re.findall(r"`(\w+)=", intro))
+    assert named == {"optim", "num_train_epochs", "logging_steps", "max_prompt_length", "bf16"}, named
+    assert all(f"`{name}`" in readme for name in named) and "five" in readme
+    trl = pytest.importorskip("trl")
+    args, config = trl.GRPOConfig(output_dir="unused", use_cpu=True), Config()
+    differ = {k for k in {f.name for f in dataclasses.fields(Config)} & {f.name for f in dataclasses.fields(
+        trl.GRPOConfig)} if getattr(args, k) != getattr(config, k)}
+    # output_dir is the run's; report_to's "none" and fsdp's switch are TRL's values in another form; the
+    # generation batch's two are resolved alike (test_trl_settings_list_matches_trl); max_prompt_length is not TRL's
+    assert differ - {"output_dir", "report_to", "fsdp", "steps_per_generation", "generation_batch_size"} == \
+        named - {"max_prompt_length"}
