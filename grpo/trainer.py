@@ -59,7 +59,7 @@ class Trainer:
         self.dist = setup_distributed()  # world size 1 without torchrun
         self.reward_funcs = reward_callables(reward_funcs, reward_processing_classes, config.chat_template_kwargs)
         check_before_loading(config, self.dist, train_dataset, eval_dataset, self.reward_funcs,
-                             model_given=model is not None)
+                             model_given=model is not None, columns_known=own_sampler)
         self.plan, self.precision = prepare(config, self.dist.world_size, len(train_dataset), model, own_sampler)
         self.schedule, self.total_steps = self.plan.schedule, self.plan.total_steps
         self.trackers = Trackers(self.plan.trackers, self.dist.is_main)  # a missing package fails here

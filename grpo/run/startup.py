@@ -19,12 +19,15 @@ from ..settings.plan import RunPlan
 from . import checkpoint, lock
 
 
-def check_before_loading(config, dist, train_dataset, eval_dataset, reward_funcs: list, *, model_given: bool) -> None:
+def check_before_loading(config, dist, train_dataset, eval_dataset, reward_funcs: list, *, model_given: bool,
+                         columns_known: bool = True) -> None:
     """ConfigError (or the dataset's, reward's error) for a run of `config` that cannot start; `dist`:
-    infra/distributed's, whose rank 0 looks at the output folder's lock."""
+    infra/distributed's, whose rank 0 looks at the output folder's lock. `columns_known`: the reward functions
+    get the dataset's columns only (a rollout_func's or sampler's fields may add some)."""
     check_dataset(train_dataset)
     check_reward_weights(config.reward_weights, reward_func_names(reward_funcs))
-    check_reward_columns(reward_funcs, train_dataset)  # not after the first generation batch
+    if columns_known:
+        check_reward_columns(reward_funcs, train_dataset)  # not after the first generation batch
     check_eval_setup(config, eval_dataset, reward_funcs)
     check_load_options(config, model_given=model_given)
     checkpoint.check_output_dir(config.output_dir)
