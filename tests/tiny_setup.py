@@ -1,6 +1,10 @@
 """A tiny offline model, tokenizer and dataset shared by the integration tests."""
+import torch
 from datasets import Dataset
 
+from grpo.rollout.batches import tool_metrics
+from grpo.rollout.decoding import DecodeSettings
+from grpo.settings.plan import SamplingKnobs
 from grpo.tasks.tiny import model_for, train_tokenizer
 
 CORPUS = [f"Write {k} digits: " + "0123456789"[:k] for k in range(1, 10)] * 20 + [
@@ -20,6 +24,17 @@ def tiny_4bit_model(tokenizer, seed: int = 0):
     (the 4-bit block), out_features multiples of 32 (tiny_model's are 32 and 16)."""
     return model_for(tokenizer, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=2, num_kv_heads=1,
                      seed=seed)
+
+
+def decode_settings(max_new_tokens: int, eos_ids, pad_id: int, *, stop_at_eos: bool = True, greedy: bool = False,
+                    **knobs) -> DecodeSettings:
+    """rollout/decoding.DecodeSettings with the sampling knobs (settings/plan.SamplingKnobs) as keywords."""
+    return DecodeSettings(max_new_tokens, eos_ids, pad_id, SamplingKnobs(**knobs), stop_at_eos, greedy)
+
+
+def loop_metrics(loop) -> dict[str, float]:
+    """TRL's tool metrics of a rollout/tool_loop.ToolLoop's rows, as a generation batch computes them."""
+    return tool_metrics(*(torch.tensor(counts, dtype=torch.float32) for counts in loop.row_counts()))
 
 
 def digit_prompts(n: int = 8) -> Dataset:

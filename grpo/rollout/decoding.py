@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from ..policy.caches import cache_argument, keeps_recurrent_state
 from ..policy.decoder import fused_decoder
 from ..policy.head import head_logits, positions
+from ..settings.plan import SamplingKnobs
 from .compaction import DecodingRows, select_rows
 from .kv_cache import in_place, preallocated_cache
 
@@ -122,7 +123,8 @@ def suffixes(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, k: int) -> tup
 
 @dataclass(frozen=True)
 class DecodeSettings:
-    """What a decode samples: up to `max_new_tokens` tokens per row. With `stop_at_eos`, rows that sampled one
+    """What a decode samples: up to `max_new_tokens` tokens per row, with the sampling `knobs` (a run's:
+    settings/plan.SamplingSettings.knobs; the default filters nothing). With `stop_at_eos`, rows that sampled one
     of `eos_ids` continue with `pad_id` and the decode ends when all have; without it, EOS is never sampled and
     every row gets `max_new_tokens` tokens. `greedy` takes the most likely token instead of sampling
     (evaluation): the filters (`filter_logits`) are skipped, a repetition penalty still applies (as in
@@ -131,11 +133,7 @@ class DecodeSettings:
     max_new_tokens: int
     eos_ids: Sequence[int]
     pad_id: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float | None = None
-    repetition_penalty: float = 1.0
+    knobs: SamplingKnobs = SamplingKnobs()
     stop_at_eos: bool = True
     greedy: bool = False
 
@@ -244,7 +242,7 @@ def decode(hf_model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, settin
     `head_matmul`: the LM head's product on a packed copy of its weight (policy/folding). `tools` (tool_loop's
     ToolLoop) watches what each row writes and appends its tools' output (`ForcedTokens`); then a `ToolDecode` is
     returned, a row ending at an EOS that closes no tool call or where the tools end it."""
-    s, N, device = settings, len(prompt_ids) * repeats, prompt_ids.device
+    s, k, N, device = settings, settings.knobs, len(prompt_ids) * repeats, prompt_ids.device
     if s.max_new_tokens == 0:
         return prompt_ids.new_empty(N, 0)
     body, logits_of = hf_model.base_model, head_logits(hf_model, head_matmul)
@@ -257,7 +255,7 @@ def decode(hf_model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, settin
 
     stateful = keeps_recurrent_state(hf_model, cache)  # its rows can neither leave nor be repeated
     # Tokens seen so far, kept only when penalized: the default path does no extra work per step.
-    seen = None if s.repetition_penalty == 1.0 else seen_tokens(
+    seen = None if k.repetition_penalty == 1.0 else seen_tokens(
         prompt_ids, prompt_mask, hf_model.get_output_embeddings().weight.shape[0])  # [B, V]
     hidden, full_mask, position_ids, seen = prefill(forward, cache, prompt_ids, prompt_mask, repeats=repeats,
                                                     max_new_tokens=s.max_new_tokens, stateful=stateful, seen=seen)
@@ -274,13 +272,13 @@ def decode(hf_model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, settin
     for step in range(s.max_new_tokens):
         logits = logits_of(hidden)  # [n, V]
         if seen is not None:
-            logits = penalize_repetitions(logits, seen, s.repetition_penalty)  # [n, V]
+            logits = penalize_repetitions(logits, seen, k.repetition_penalty)  # [n, V]
         if not s.stop_at_eos:
             logits[:, eos] = -torch.inf
         if s.greedy:
             token = logits.argmax(dim=-1)  # [n]
         else:
-            token = sample_from_logits(filter_logits(logits, s.temperature, s.top_k, s.top_p, s.min_p),
+            token = sample_from_logits(filter_logits(logits, k.temperature, k.top_k, k.top_p, k.min_p),
                                        u=batch.uniforms(step))  # [n]
         forced = None if turns is None else turns.apply(token, batch.rows, step)  # [n] a tool's tokens
         if seen is not None:  # before padding: a finished row's mark does not matter, and pad may be past V

@@ -3,7 +3,6 @@ trainer's sampler over our KV-cached decoder (rollout/decoding.py); a TRL `rollo
 interface (rollout/custom.py)."""
 from __future__ import annotations
 
-import dataclasses
 import warnings
 
 import torch
@@ -112,8 +111,7 @@ def sample_completions(model, tokenizer, encode: PromptEncoder, prompts: list, *
     device = next(model.parameters()).device
     prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)  # [B, P]
     eos_ids = eos_token_ids(tokenizer, model)
-    settings = DecodeSettings(max_completion_length, eos_ids, tokenizer.pad_token_id, **dataclasses.asdict(knobs),
-                              stop_at_eos=stop_at_eos, greedy=greedy)
+    settings = DecodeSettings(max_completion_length, eos_ids, tokenizer.pad_token_id, knobs, stop_at_eos, greedy)
     seeds = None if streams is None else streams.seeds(len(prompts), num_generations, device)  # [N]
     # Our own loop, not model.generate: a checkpoint's generation-config defaults (a repetition_penalty, say)
     # never apply, only the knobs the run sets, as in TRL; and it is faster (see decoding.py). Knobs beyond

@@ -202,26 +202,13 @@ class ToolLoop:
                 messages, text, own_since = messages + event, "", False
         return messages + [{"role": "assistant", "content": text}] if own_since else messages
 
-    @property
-    def calls(self) -> int:
-        return sum(row.calls for row in self.rows)
-
-    @property
-    def failures(self) -> int:
-        return sum(row.failures for row in self.rows)
-
     def row_counts(self) -> tuple[list[int], list[int]]:
-        """Each row's tool calls and failed calls."""
+        """Each row's tool calls and failed calls (TRL's tools/* metrics: rollout/batches.tool_metrics)."""
         return [row.calls for row in self.rows], [row.failures for row in self.rows]
 
     def row_failures(self) -> list[list[str]]:
         """Each row's failed calls, a line each: what completions.jsonl shows as `tool_failures`."""
         return [list(row.notes) for row in self.rows]
-
-    def metrics(self) -> dict[str, float]:
-        """TRL's tool metrics: calls per completion and failed calls per call (0 when none were made)."""
-        return {"tools/call_frequency": self.calls / max(1, len(self.rows)),
-                "tools/failure_frequency": self.failures / self.calls if self.calls else 0.0}
 
     def _text(self, ids: list[int], skip_special: bool = False) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special, clean_up_tokenization_spaces=False)

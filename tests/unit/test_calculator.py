@@ -4,6 +4,7 @@ GGUF), through a whole tool round of `ToolLoop`."""
 import importlib.util
 
 import pytest
+from tiny_setup import loop_metrics
 
 from grpo.rollout.tool_loop import ToolLoop
 from grpo.rollout.tool_prompts import render_tool_prompt
@@ -86,7 +87,7 @@ def test_a_calculator_round_with_smollm2s_tokenizer(smollm2):
     whole = render_tool_prompt(smollm2, prompt, tools.schemas) + call
     assert whole.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging "
                             "Face\n\n# Tools\n\n")
-    assert loop.metrics() == {"tools/call_frequency": 2.0, "tools/failure_frequency": 0.0}
+    assert loop_metrics(loop) == {"tools/call_frequency": 2.0, "tools/failure_frequency": 0.0}
 
 
 def test_last_result_reward_asks_the_answer_to_be_the_last_result():

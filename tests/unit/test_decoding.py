@@ -5,10 +5,10 @@ import math
 
 import pytest
 import torch
-from tiny_setup import tiny_model, tiny_tokenizer
+from tiny_setup import decode_settings, tiny_model, tiny_tokenizer
 
 from grpo.rollout.compaction import DecodingRows
-from grpo.rollout.decoding import (DecodeSettings, decode, filter_logits, penalize_repetitions, sample_from_logits,
+from grpo.rollout.decoding import (decode, filter_logits, penalize_repetitions, sample_from_logits,
                                    seen_tokens)
 from grpo.rollout.sampling import left_pad
 
@@ -52,7 +52,7 @@ def test_cached_decoding_of_padded_prompts_matches_uncached_greedy():
     model = tiny_model(tokenizer).eval()
     rows = [tokenizer("Write 3 digits:")["input_ids"], tokenizer("Write 12345 digits: 0")["input_ids"]]
     ids, mask = left_pad(rows, tokenizer.pad_token_id)
-    out = decode(model, ids, mask, DecodeSettings(max_new_tokens=6, temperature=1.0, top_p=1.0, top_k=1,
+    out = decode(model, ids, mask, decode_settings(max_new_tokens=6, temperature=1.0, top_p=1.0, top_k=1,
                                                   eos_ids=[10**6], pad_id=tokenizer.pad_token_id))
     for row, completion in zip(rows, out.tolist()):
         seq = list(row)
@@ -69,10 +69,10 @@ def test_rows_stop_at_eos_and_are_padded_after_it():
     with torch.no_grad():
         first = int(model(ids[:1]).logits[0, -1].argmax())
     # Greedy decoding whose first token is declared EOS: every row ends at once, and the loop with it.
-    out = decode(model, ids, mask, DecodeSettings(max_new_tokens=5, temperature=1.0, top_p=1.0, top_k=1,
+    out = decode(model, ids, mask, decode_settings(max_new_tokens=5, temperature=1.0, top_p=1.0, top_k=1,
                                                   eos_ids=[first], pad_id=tokenizer.pad_token_id))
     assert out.tolist() == [[first]] * 4
-    full = decode(model, ids, mask, DecodeSettings(max_new_tokens=5, temperature=1.0, top_p=1.0, top_k=0,
+    full = decode(model, ids, mask, decode_settings(max_new_tokens=5, temperature=1.0, top_p=1.0, top_k=0,
                                                    eos_ids=[first], pad_id=tokenizer.pad_token_id, stop_at_eos=False))
     assert full.shape == (4, 5) and not (full == first).any()
     assert math.isfinite(float(full.float().mean()))
@@ -128,8 +128,8 @@ def test_greedy_with_a_repetition_penalty_matches_model_generate():
     ids, mask = decode_inputs(tokenizer)
     kwargs = {"max_new_tokens": 10, "temperature": 1.0, "top_p": 1.0, "top_k": 0, "eos_ids": [10**6],
               "pad_id": tokenizer.pad_token_id, "greedy": True}
-    plain = decode(model, ids, mask, DecodeSettings(**kwargs))
-    ours = decode(model, ids, mask, DecodeSettings(repetition_penalty=3.0, **kwargs))
+    plain = decode(model, ids, mask, decode_settings(**kwargs))
+    ours = decode(model, ids, mask, decode_settings(repetition_penalty=3.0, **kwargs))
     assert not torch.equal(ours, plain), "the penalty should change this greedy decode"
     theirs = model.generate(ids, attention_mask=mask, do_sample=False, repetition_penalty=3.0, max_new_tokens=10,
                             min_new_tokens=10, pad_token_id=tokenizer.pad_token_id)[:, ids.shape[1]:]
@@ -151,7 +151,7 @@ def test_sampling_draws_from_the_distribution_model_generate_would(monkeypatch):
     # A random tiny model's logits are close together: a low temperature and a high min_p make min_p bite.
     settings = {"temperature": 0.5, "top_k": 0, "top_p": 1.0, "min_p": 0.6, "repetition_penalty": 1.5}
     torch.manual_seed(0)
-    out = decode(model, ids, mask, DecodeSettings(max_new_tokens=6, eos_ids=[10**6], pad_id=tokenizer.pad_token_id,
+    out = decode(model, ids, mask, decode_settings(max_new_tokens=6, eos_ids=[10**6], pad_id=tokenizer.pad_token_id,
                                                   **settings))
     for t, ours in enumerate(recorded):
         prefix = torch.cat([ids, out[:, :t]], dim=1)  # [N, P+t]
@@ -186,7 +186,7 @@ def decode_prompts(model, tokenizer, eos_ids, batch_sizes=None, **kwargs):
     hook = model.get_input_embeddings().register_forward_pre_hook(  # every forward, fused steps too, embeds its ids
         lambda _, args: batch_sizes.append(args[0].shape[0]) if batch_sizes is not None else None)
     try:
-        return decode(model, ids, mask, DecodeSettings(max_new_tokens=12, temperature=1.0, top_p=1.0, top_k=0,
+        return decode(model, ids, mask, decode_settings(max_new_tokens=12, temperature=1.0, top_p=1.0, top_k=0,
                                                        eos_ids=eos_ids, pad_id=tokenizer.pad_token_id, **kwargs))
     finally:
         hook.remove()
@@ -244,7 +244,7 @@ def test_a_shared_prefill_samples_what_repeated_prompts_sample(penalty):
     tokenizer = tiny_tokenizer()
     model = lively_model(tokenizer)
     ids, mask = left_pad([tokenizer(p)["input_ids"] for p in PROMPTS[:3]], tokenizer.pad_token_id)  # [3, P]
-    settings = DecodeSettings(max_new_tokens=10, temperature=1.0, top_p=1.0, top_k=0, eos_ids=[10**6],
+    settings = decode_settings(max_new_tokens=10, temperature=1.0, top_p=1.0, top_k=0, eos_ids=[10**6],
                               pad_id=tokenizer.pad_token_id, repetition_penalty=penalty)
     sizes = []
     model.get_input_embeddings().register_forward_pre_hook(lambda _, args: sizes.append(args[0].shape))

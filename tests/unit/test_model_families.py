@@ -3,7 +3,7 @@ apply to the LM head's output (Cohere's logit scale, Granite's logits scaling, G
 tiny random configs; transforms grpo does not know are refused, and the start-up check catches the rest."""
 import pytest
 import torch
-from tiny_setup import digit_prompts, digit_share, tiny_tokenizer
+from tiny_setup import decode_settings, digit_prompts, digit_share, tiny_tokenizer
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaForCausalLM
 
 from grpo import Config, Trainer
@@ -13,7 +13,7 @@ from grpo.policy.head import HeadTransform, head_transform
 from grpo.policy.models import check_logprobs_match_forward, completion_logprobs
 from grpo.rollout.compaction import DecodingRows
 from grpo.policy.head import head_logits, positions
-from grpo.rollout.decoding import DecodeSettings, decode
+from grpo.rollout.decoding import decode
 
 V = 96
 SMALL = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
@@ -97,7 +97,7 @@ def test_rows_leaving_the_decoding_batch_change_no_greedy_token(model_type, monk
     model.get_input_embeddings().register_forward_pre_hook(lambda _, args: sizes.append(args[0].shape[0]))
 
     def greedy(eos: int) -> torch.Tensor:
-        settings = DecodeSettings(max_new_tokens=12, temperature=1.0, top_p=1.0, top_k=0, eos_ids=[eos], pad_id=0,
+        settings = decode_settings(max_new_tokens=12, eos_ids=[eos], pad_id=0,
                                   greedy=True)
         return decode(model, ids, mask, settings)  # [N, C]
 
@@ -119,7 +119,7 @@ def test_a_shared_prefill_changes_no_greedy_token(model_type):
     # 4 prompts read once and their cache (every layer kind) repeated twice = the 8 repeated prompts read row by row.
     model = tiny_family(model_type)
     ids, mask = left_padded_prompts(4)  # [B, P]
-    settings = DecodeSettings(max_new_tokens=8, temperature=1.0, top_p=1.0, top_k=0, eos_ids=[V], pad_id=0, greedy=True)
+    settings = decode_settings(max_new_tokens=8, eos_ids=[V], pad_id=0, greedy=True)
     shared = decode(model, ids, mask, settings, repeats=2)  # [8, C]
     assert torch.equal(shared, decode(model, ids.repeat_interleave(2, 0), mask.repeat_interleave(2, 0), settings))
 
@@ -133,7 +133,7 @@ def test_a_model_keeping_its_own_state_decodes_transformers_greedy_tokens():
     theirs = model.generate(ids.repeat_interleave(2, 0), attention_mask=mask.repeat_interleave(2, 0),
                             do_sample=False, max_new_tokens=10, pad_token_id=0, eos_token_id=75)[:, ids.shape[1]:]
     assert (theirs == 75).any(1).sum() == 2 and theirs.shape[1] == 10, "some rows end, others decode on"
-    ours = decode(model, ids, mask, DecodeSettings(max_new_tokens=10, temperature=1.0, top_p=1.0, top_k=0, eos_ids=[75],
+    ours = decode(model, ids, mask, decode_settings(max_new_tokens=10, eos_ids=[75],
                                                    pad_id=0, greedy=True), repeats=2)  # [8, C]
     assert torch.equal(ours, theirs)
 
@@ -243,7 +243,7 @@ def test_the_preallocated_cache_decodes_what_the_dynamic_cache_decodes(model_typ
 
     def run(**settings) -> torch.Tensor:
         torch.manual_seed(0)
-        return decode(model, ids, mask, DecodeSettings(max_new_tokens=10, top_p=1.0, top_k=0, eos_ids=[5, 7], pad_id=0,
+        return decode(model, ids, mask, decode_settings(max_new_tokens=10, top_p=1.0, top_k=0, eos_ids=[5, 7], pad_id=0,
                                                        **settings), repeats=2)  # [8, C]
 
     cases = [dict(temperature=1.0, greedy=True), dict(temperature=1.0, repetition_penalty=1.5, greedy=True),
@@ -267,7 +267,7 @@ def test_the_preallocated_cache_is_written_in_place():
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(grpo.rollout.decoding, "preallocated_cache", lambda *_: cache)
         ids = torch.randint(1, V, (4, 6), generator=torch.Generator().manual_seed(0))  # [B, P]
-        decode(model, ids, torch.ones_like(ids), DecodeSettings(max_new_tokens=10, temperature=1.0, top_p=1.0, top_k=0,
+        decode(model, ids, torch.ones_like(ids), decode_settings(max_new_tokens=10, temperature=1.0, top_p=1.0, top_k=0,
                                                                 eos_ids=[V], pad_id=0, greedy=True), repeats=2)
     # The prefill's 4 rows, then their 8 copies (one copy of the buffers), then the same buffers every step.
     assert seen[0][0][1] == (4, 2, 16, 8) and len(seen) == 10
@@ -292,7 +292,7 @@ def test_a_prefix_all_prompts_share_is_read_once_and_changes_no_greedy_token(mod
     assert grpo.rollout.decoding.shared_prefix_length(ids, mask) == 18
     reads = []
     model.get_input_embeddings().register_forward_pre_hook(lambda _, args: reads.append(tuple(args[0].shape)))
-    settings = DecodeSettings(max_new_tokens=8, temperature=1.0, top_p=1.0, top_k=0, eos_ids=[V], pad_id=0,
+    settings = decode_settings(max_new_tokens=8, eos_ids=[V], pad_id=0,
                               greedy=True, repetition_penalty=1.3)
     shared = decode(model, ids, mask, settings, repeats=2)  # [6, C]
     stays_whole = model_type in ("cohere2", "gemma2", "gemma3_text", "mistral", "recurrent_gemma", "vaultgemma")

@@ -6,11 +6,11 @@ import torch
 
 from grpo import Config
 from grpo.settings.plan import EvalSettings
-from grpo.rollout.decoding import DecodeSettings, decode
+from grpo.rollout.decoding import decode
 from grpo.rollout.evaluate import evaluate
 from grpo.infra.progress import LINE_EVERY_S, LineProgress, TokenProgress, progress_bar
 from grpo.rollout.sampling import left_pad
-from tiny_setup import digit_prompts, tiny_model, tiny_tokenizer
+from tiny_setup import decode_settings, digit_prompts, tiny_model, tiny_tokenizer
 
 
 def half(completions, **kwargs):
@@ -25,7 +25,7 @@ def test_on_token_counts_every_generated_token_until_eos():
     with torch.no_grad():
         first = int(model(ids[:1], attention_mask=mask[:1]).logits[0, -1].argmax())
     counts = []
-    settings = DecodeSettings(max_new_tokens=6, temperature=1.0, top_p=1.0, top_k=1, eos_ids=[first],
+    settings = decode_settings(max_new_tokens=6, temperature=1.0, top_p=1.0, top_k=1, eos_ids=[first],
                               pad_id=tokenizer.pad_token_id)
     out = decode(model, ids, mask, settings, on_token=counts.append)
     assert counts[0] == 2 and counts == sorted(counts, reverse=True)

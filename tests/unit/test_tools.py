@@ -9,6 +9,7 @@ import threading
 import time
 
 import pytest
+from tiny_setup import loop_metrics
 
 from grpo.errors import ConfigError
 from grpo.rollout.tool_loop import ToolLoop
@@ -329,7 +330,7 @@ def test_a_call_at_eos_feeds_the_tool_turn_and_the_next_header(tok, call):
         {"role": "tool", "name": "multiply", "content": "12"},
         {"role": "assistant", "content": "The answer is 12."}]
     assert loop.completion_messages(1, *rows[1]) == [{"role": "assistant", "content": "The answer is 12."}]
-    assert loop.metrics() == {"tools/call_frequency": 0.5, "tools/failure_frequency": 0.0}  # 1 call, 2 rows
+    assert loop_metrics(loop) == {"tools/call_frequency": 0.5, "tools/failure_frequency": 0.0}  # 1 call, 2 rows
 
 
 def test_the_fed_text_continues_the_prompt_as_one_rendering_of_the_whole_conversation(tok):
@@ -346,7 +347,7 @@ def test_the_fed_text_continues_the_prompt_as_one_rendering_of_the_whole_convers
                                {"role": "assistant", "content": "12."}]
     whole = tok.apply_chat_template(conversation, tools=tools.schemas, tokenize=False)
     assert render_tool_prompt(tok, QUESTION, tools.schemas) + tok.decode(rows[0][0]) + "\n" == whole
-    assert loop.metrics()["tools/call_frequency"] == 2.0
+    assert loop_metrics(loop)["tools/call_frequency"] == 2.0
 
 
 def test_errors_are_read_by_the_model_unknown_and_malformed_calls_end_the_row(tok):
@@ -358,7 +359,7 @@ def test_errors_are_read_by_the_model_unknown_and_malformed_calls_end_the_row(to
     (forced,) = fed(answers, 0)
     assert "<tool_response>\n{'error': 'division by zero'}\n</tool_response>" in tok.decode(forced)
     assert fed(answers, 1) == [None] and fed(answers, 2) == [None]
-    assert loop.metrics() == {"tools/call_frequency": 1.0, "tools/failure_frequency": 1.0}  # 3 calls, 3 failed
+    assert loop_metrics(loop) == {"tools/call_frequency": 1.0, "tools/failure_frequency": 1.0}  # 3 calls, 3 failed
 
 
 def test_async_tools_of_rows_that_call_in_one_step_run_at_once(tok):
@@ -459,7 +460,7 @@ def test_an_inline_trigger_forces_the_result_and_the_close(tok):
     assert tok.decode(ids) == " <<12+7=19>> apples, then <<19*2=38>> in all.<|im_end|>"
     assert loop.completion_messages(0, ids, mask) == [
         {"role": "assistant", "content": " <<12+7=19>> apples, then <<19*2=38>> in all."}]
-    assert loop.metrics() == {"tools/call_frequency": 2.0, "tools/failure_frequency": 0.0}
+    assert loop_metrics(loop) == {"tools/call_frequency": 2.0, "tools/failure_frequency": 0.0}
 
 
 def test_a_made_tools_carries_its_environments_and_refuses_another_beside_it():
