@@ -13,7 +13,8 @@ import torch
 from ..errors import UserError
 from .batches import Rollout
 from .rewards import REWARD_ARGUMENTS
-from .sampling import eos_token_ids, is_chat, left_pad, rollout_of_tokens
+from .chat import is_chat
+from .sampling import eos_token_ids, left_pad, rollout_of_tokens
 
 REQUIRED = ("prompt_ids", "completion_ids")
 USED = (*REQUIRED, "logprobs", "env_mask")  # TRL's own keys; every other one is a field for the reward functions

@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 
 from ..errors import ConfigError
+from .chat import is_chat
 from .rewards import RewardError
-from .sampling import is_chat
 
 
 class RewardModel:

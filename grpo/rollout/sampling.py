@@ -11,25 +11,10 @@ from ..policy.folding import sampling_weights
 from ..policy.models import eval_mode, unwrap
 from ..settings.plan import SamplingKnobs
 from .batches import Rollout
+from .chat import check_tool_template, is_chat, render
 from .decoding import DecodeSettings, ToolDecode, decode
 from .streams import PromptStreams
 from .tool_loop import ToolLoop
-from .tool_prompts import check_tool_template, render_tool_prompt
-
-
-def is_chat(prompt) -> bool:
-    return isinstance(prompt, list)
-
-
-def render_prompt(tokenizer, prompt, chat_template_kwargs: dict | None = None) -> str:
-    """A chat prompt (list of messages) goes through the chat template with a generation prompt and the run's
-    `chat_template_kwargs` (e.g. Qwen3's enable_thinking=False), which the template reads as variables."""
-    if is_chat(prompt):
-        return tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False,
-                                             **(chat_template_kwargs or {}))
-    if isinstance(prompt, str):
-        return prompt
-    raise TypeError(f"a prompt must be a string or a list of chat messages, got {type(prompt).__name__}")
 
 
 class PromptEncoder:
@@ -47,11 +32,8 @@ class PromptEncoder:
             check_tool_template(tokenizer, chat_template_kwargs)
 
     def __call__(self, prompts: list) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.tools is not None and self.tools.chat:
-            texts = [render_tool_prompt(self.tokenizer, p, self.tools.schemas, self.chat_template_kwargs)
-                     for p in prompts]
-        else:
-            texts = [render_prompt(self.tokenizer, p, self.chat_template_kwargs) for p in prompts]
+        schemas = self.tools.schemas if self.tools is not None and self.tools.chat else None
+        texts = [render(self.tokenizer, p, self.chat_template_kwargs, schemas) for p in prompts]
         # A chat template already writes any BOS it wants; plain text gets the tokenizer's default.
         special = not is_chat(prompts[0])
         rows = [self.tokenizer(t, add_special_tokens=special)["input_ids"] for t in texts]

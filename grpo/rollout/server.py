@@ -35,7 +35,8 @@ import torch
 
 from ..errors import ConfigError, UserError
 from .batches import Rollout
-from .sampling import PromptEncoder, eos_token_ids, is_chat, rollout_of_tokens, tool_rollout
+from .chat import is_chat
+from .sampling import PromptEncoder, eos_token_ids, rollout_of_tokens, tool_rollout
 from .server_tools import NAN, ServerToolRow, sample_rows, tool_decode
 from .streams import PromptStreams
 from .tool_loop import ToolLoop

@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field
 
-from .tool_prompts import render_tool_prompt, tool_turn_text
+from .chat import render, tool_turn_text
 from .tools import InlineTool, MalformedCall, ToolCall, Tools, parse_hermes, strip_hermes
 
 
@@ -215,8 +215,7 @@ class ToolLoop:
 
     def _prompt_text(self, row: _Row) -> str:
         if row.prompt_text is None:
-            row.prompt_text = render_tool_prompt(self.tokenizer, row.prompt, self.tools.schemas,
-                                                 self.chat_template_kwargs)
+            row.prompt_text = render(self.tokenizer, row.prompt, self.chat_template_kwargs, self.tools.schemas)
         return row.prompt_text
 
     def _may_trigger(self, token: int) -> bool:

@@ -2,7 +2,7 @@
 
 - `Tools.of(...)`: plain functions and an environment class's public methods become JSON schemas
   (transformers' `get_json_schema`: type hints and a Google-style docstring), which the chat template renders
-  into the prompt (`rollout/tool_prompts.py`); inline tools (`InlineTool`, e.g. GSM8K's `<<12+7=19>>`) run
+  into the prompt (`rollout/chat.py`); inline tools (`InlineTool`, e.g. GSM8K's `<<12+7=19>>`) run
   inside the text instead.
 - `parse_hermes`: Hermes / Qwen calls, `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`.
 - `rollout/tool_runner.ToolRunner` (`Tools.runner`, one per run): one decode step's calls, the rows' at once

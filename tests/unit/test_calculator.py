@@ -7,7 +7,7 @@ import pytest
 from tiny_setup import loop_metrics
 
 from grpo.rollout.tool_loop import ToolLoop
-from grpo.rollout.tool_prompts import render_tool_prompt
+from grpo.rollout.chat import render
 from grpo.rollout.tools import Tools
 from grpo.tasks.calculator import CHATML_TOOLS, INLINE_CALCULATOR, calculate
 
@@ -84,7 +84,7 @@ def test_a_calculator_round_with_smollm2s_tokenizer(smollm2):
         answer = loop.after_tokens([0], [token], [200])
         text += smollm2.decode(answer.get(0) or [])
     assert text == "38>>"
-    whole = render_tool_prompt(smollm2, prompt, tools.schemas) + call
+    whole = render(smollm2, prompt, schemas=tools.schemas) + call
     assert whole.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging "
                             "Face\n\n# Tools\n\n")
     assert loop_metrics(loop) == {"tools/call_frequency": 2.0, "tools/failure_frequency": 0.0}

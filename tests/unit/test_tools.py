@@ -1,4 +1,4 @@
-"""Tool calling inside the decode (rollout/tools.py, tool_prompts.py, tool_loop.py): schemas, Hermes parsing,
+"""Tool calling inside the decode (rollout/tools.py, chat.py, tool_loop.py): schemas, Hermes parsing,
 running calls (errors, timeouts, async), environments, inline tools, and `ToolLoop` driven by scripted tokens
 one per step, as the decode loop will drive it. A tokenizer trained in code on a few lines, with the ChatML
 tools template of tasks/calculator.py."""
@@ -13,7 +13,7 @@ from tiny_setup import loop_metrics
 
 from grpo.errors import ConfigError
 from grpo.rollout.tool_loop import ToolLoop
-from grpo.rollout.tool_prompts import check_tool_template, render_tool_prompt
+from grpo.rollout.chat import check_tool_template, render
 from grpo.rollout.tool_runner import ToolRunner
 from grpo.rollout.tools import (InlineTool, MalformedCall, ToolCall, Tools, environment_reward, make_envs,
                                 parse_hermes, strip_hermes)
@@ -143,7 +143,7 @@ def test_a_tool_without_hints_or_docstring_a_clash_or_no_tool_is_a_config_error(
 
 
 def test_the_prompt_holds_the_schemas_and_a_template_without_tools_is_refused(tok):
-    text = render_tool_prompt(tok, QUESTION, Tools.of(tools=[multiply]).schemas)
+    text = render(tok, QUESTION, schemas=Tools.of(tools=[multiply]).schemas)
     assert '<tools>\n{"type": "function", "function": {"name": "multiply"' in text
     assert text.endswith("<|im_start|>user\nWhat is 3 times 4?<|im_end|>\n<|im_start|>assistant\n")
     check_tool_template(tok)
@@ -346,7 +346,7 @@ def test_the_fed_text_continues_the_prompt_as_one_rendering_of_the_whole_convers
                                {"role": "tool", "name": "multiply", "content": "12"},
                                {"role": "assistant", "content": "12."}]
     whole = tok.apply_chat_template(conversation, tools=tools.schemas, tokenize=False)
-    assert render_tool_prompt(tok, QUESTION, tools.schemas) + tok.decode(rows[0][0]) + "\n" == whole
+    assert render(tok, QUESTION, schemas=tools.schemas) + tok.decode(rows[0][0]) + "\n" == whole
     assert loop_metrics(loop)["tools/call_frequency"] == 2.0
 
 

@@ -1,4 +1,6 @@
-"""Chat prompts with tools, and the text a tool call appends to a row.
+"""The chat template, used in one place: a prompt as the model sees it (`render`: with the tools' schemas when the
+model calls some), the checks a template passes before it is used with tools, and the text a tool call appends
+to a row.
 
 The prompt renders the tools' JSON schemas through the chat template (`tools=`). After a call, what the row
 is fed is the template's own rendering of the conversation with the tool turn(s) and the next assistant
@@ -16,15 +18,25 @@ PROBE_TOOL = {"type": "function", "function": {
 PROBE_RESULT = "probe result 7391"
 
 
-def render(tokenizer, messages: list, schemas: list, chat_template_kwargs: dict | None,
-           add_generation_prompt: bool) -> str:
-    """`messages` through the tokenizer's chat template, with the tools' `schemas`; a ConfigError for a
-    template that raises."""
+def is_chat(prompt) -> bool:
+    return isinstance(prompt, list)
+
+
+def render(tokenizer, prompt, chat_template_kwargs: dict | None = None, schemas: list | None = None) -> str:
+    """A prompt as the model sees it: a string unchanged; chat messages through the tokenizer's chat template with
+    a generation prompt, the run's `chat_template_kwargs` (e.g. Qwen3's enable_thinking=False, which the template
+    reads as variables) and, when the model calls tools in chat turns, the tools' `schemas`; then a template that
+    raises is a ConfigError (without tools, its own error)."""
+    if isinstance(prompt, str):
+        return prompt
+    if not is_chat(prompt):
+        raise TypeError(f"a prompt must be a string or a list of chat messages, got {type(prompt).__name__}")
     try:
-        return tokenizer.apply_chat_template(messages, tools=schemas or None, tokenize=False,
-                                             add_generation_prompt=add_generation_prompt,
+        return tokenizer.apply_chat_template(prompt, tools=schemas or None, tokenize=False, add_generation_prompt=True,
                                              **(chat_template_kwargs or {}))
     except Exception as e:  # jinja2's TemplateError, or a template's raise_exception(...)
+        if not schemas:
+            raise
         raise ConfigError(f"the chat template cannot render a conversation with tools: {e}") from None
 
 
@@ -39,7 +51,7 @@ def check_tool_template(tokenizer, chat_template_kwargs: dict | None = None) -> 
     messages = [{"role": "user", "content": "Call the probe."},
                 {"role": "assistant", "content": "", "tool_calls": [call]},
                 {"role": "tool", "name": "probe_tool_7391", "content": PROBE_RESULT}]
-    text = render(tokenizer, messages, [PROBE_TOOL], chat_template_kwargs, add_generation_prompt=True)
+    text = render(tokenizer, messages, chat_template_kwargs, [PROBE_TOOL])
     if PROBE_TOOL["function"]["description"] not in text:  # only the schema holds it, not the call
         raise ConfigError("the tokenizer's chat template ignores `tools`: the model would never see the tools' "
                           "schemas; set tokenizer.chat_template to one that renders them (e.g. Qwen2.5's, or "
@@ -48,14 +60,6 @@ def check_tool_template(tokenizer, chat_template_kwargs: dict | None = None) -> 
     if PROBE_RESULT not in text:
         raise ConfigError("the tokenizer's chat template does not render tool messages (role 'tool'); set "
                           "tokenizer.chat_template to one that does (e.g. grpo.tasks.calculator.CHATML_TOOLS)")
-
-
-def render_tool_prompt(tokenizer, prompt, schemas: list, chat_template_kwargs: dict | None = None) -> str:
-    """A prompt as the model sees it with tools: chat messages through the template with the tools' schemas
-    and a generation prompt; a text prompt (inline tools only) unchanged."""
-    if isinstance(prompt, str):
-        return prompt
-    return render(tokenizer, prompt, schemas, chat_template_kwargs, add_generation_prompt=True)
 
 
 def tool_turn_text(tokenizer, conversation: list, assistant_forms: list[dict], tool_messages: list[dict],
@@ -67,8 +71,7 @@ def tool_turn_text(tokenizer, conversation: list, assistant_forms: list[dict], t
     rendering starts with `held` is returned with the text. A ConfigError when none does: this template does
     not render a conversation's history as it rendered it while the row was written."""
     for assistant in assistant_forms:
-        text = render(tokenizer, conversation + [assistant, *tool_messages], schemas, chat_template_kwargs,
-                      add_generation_prompt=True)
+        text = render(tokenizer, conversation + [assistant, *tool_messages], chat_template_kwargs, schemas)
         if text.startswith(held):
             return text[len(held):], assistant
     position = next((i for i, (a, b) in enumerate(zip(text, held)) if a != b), min(len(text), len(held)))
