@@ -95,11 +95,18 @@ def sampling_run(config, model, tokenizer, prompts):
 
         from grpo.memory.fit import decode_sizes
 
+        try:  # the planner's own settings (this tree)
+            from grpo.memory.estimate import settings_of
+            from grpo.memory.known_models import architecture_of
+
+            m, precision = settings_of(config, "cpu")
+            decode = decode_sizes(m, architecture_of(config.model, model), precision).sampling
+        except ImportError:  # earlier trees read the Config
+            decode = decode_sizes(config, model, "cpu").sampling
         policy = SimpleNamespace(parallel=SimpleNamespace(unsharded=lambda fn: fn(model)))
         from grpo.settings.plan import SamplingSettings
 
-        sampler = sampling.Sampler(policy, tokenizer, SamplingSettings.of(config),
-                                   decode_sizes(config, model, "cpu").sampling)
+        sampler = sampling.Sampler(policy, tokenizer, SamplingSettings.of(config), decode)
         return lambda: sampler(prompts) and None
     encode = sampling.PromptEncoder(tokenizer, config.max_prompt_length)  # one decode per micro-batch (1 prompt)
     knobs = dict(num_generations=8, max_completion_length=config.max_completion_length, temperature=0.7, top_p=1.0,

@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {args.recipe}'s build_model does more than build a model ({type(e).__name__} on the meta "
               f"device, where no weights exist), so no memory plan", file=sys.stderr)
         return 1
-    arch = architecture_of(config, model_config, download=True)
+    arch = architecture_of(config.model, model_config, download=True)
     if isinstance(arch, str):
         print(f"error: {arch}", file=sys.stderr)
         return 1

@@ -33,11 +33,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..algo import HEAD_GRAD_BLOCK
-from ..policy import prompt_once
-from ..policy.lora import lora_targets
 from ..policy.optim import BNB_CPU_SLICE
-from ..settings.choices import planned_prompt_length
-from ..settings.plan import RunPlan
+from ..policy.precision import Precision
+from ..settings.plan import MemorySettings, RunPlan
 from .parts import Dtypes, dtypes, generation_bytes, layer_activations, optimizer_bytes, sampling_weight_bytes
 
 GB = 1e9
@@ -140,13 +138,13 @@ class Estimate:
         return self.total(self.peak_moment)
 
 
-def eval_prompts_per_batch(a: Architecture, s, device: str = "cuda") -> int:
+def eval_prompts_per_batch(a: Architecture, m: MemorySettings, d: Dtypes) -> int:
     """Prompts one greedy evaluation decode may take (one completion each, counted at max_prompt_length +
     max_completion_length): as many as fit beside what training keeps (weights, optimizer states, reference,
     rollouts) within the training peak that the run needs anyway, at least one."""
-    e, d = estimate(a, s, device), dtypes(s, device)
+    e = plan_peak(a, m, d)
     free = e.peak - sum(e.parts[p] for p in KEPT) - e.parts["sampling weight copies"]
-    kv, buffers = generation_bytes(a, s, d, 1, 1)
+    kv, buffers = generation_bytes(a, m, d, 1, 1)
     return max(1, int(free // (kv + buffers)))
 
 
@@ -157,56 +155,66 @@ def prompts_in_micro_batch(micro_batch: int, num_generations: int) -> int:
     return max((k * N + N - 1) // G - k * N // G + 1 for k in range(G))
 
 
-def estimate(a: Architecture, s, device: str = "cuda") -> Estimate:
-    """Peak memory of training `a` with the settings of `s` (a `grpo.Config`) on `device` ("cuda" or "cpu"),
-    prompts counted at max_prompt_length (the worst case); see the module docstring."""
-    d = dtypes(s, device)
-    plan = RunPlan.resolve(s, world_size=1)  # the trainer's plan, for one rank's share: ranks are not known here
-    quantized = s.use_lora and s.load_in_4bit
-    trainable = a.lora_tensors(s.lora_r, lora_targets(s)) if s.use_lora else a.trainable_tensors()
-    parts = {**_resident(a, s, d, plan, trainable, quantized), **_micro_batch(a, s, d, plan.schedule),
-             **_optimizer_step(s, d, trainable, device)}
-    moments = _moments(s, low_precision_head=parts["LM-head float32 accumulator"] > 0)
-    parts["sampling weight copies"] = sampling_weight_bytes(a, s, d, quantized, device)
-    prompts = _decode_prompts(a, s, d, plan.schedule, parts, moments)
-    parts["KV cache"], parts["sampling buffers"] = generation_bytes(a, s, d, prompts * s.num_generations, prompts)
+def settings_of(config, device: str = "cuda") -> tuple[MemorySettings, Precision]:
+    """What the planner reads of a `grpo.Config` on `device` ("cuda" or "cpu"): the settings as the run plan
+    resolves them for one rank (the ranks are not known here), and the dtype plan."""
+    precision = Precision.plan(config.bf16, config.use_lora, device, config.bf16_weights)
+    return RunPlan.resolve(config, world_size=1).memory, precision
+
+
+def estimate(a: Architecture, config, device: str = "cuda") -> Estimate:
+    """Peak memory of training `a` with the settings of `config` (a `grpo.Config`) on `device` ("cuda" or
+    "cpu"): `plan_peak` of `settings_of`."""
+    m, precision = settings_of(config, device)
+    return plan_peak(a, m, dtypes(precision, m.use_lora))
+
+
+def plan_peak(a: Architecture, m: MemorySettings, d: Dtypes) -> Estimate:
+    """Peak memory of training `a` with the planner's settings `m` under the dtype plan `d`, prompts counted at
+    max_prompt_length (the worst case); see the module docstring."""
+    trainable = a.lora_tensors(m.lora_r, m.lora_targets) if m.use_lora else a.trainable_tensors()
+    parts = {**_resident(a, m, d, trainable), **_micro_batch(a, m, d, trainable), **_optimizer_step(m, d, trainable)}
+    moments = _moments(m, low_precision_head=parts["LM-head float32 accumulator"] > 0)
+    parts["sampling weight copies"] = sampling_weight_bytes(a, m, d)
+    prompts = _decode_prompts(a, m, d, parts, moments)
+    parts["KV cache"], parts["sampling buffers"] = generation_bytes(a, m, d, prompts * m.num_generations, prompts)
     # async_generation: the sampler process decodes while the trainer trains (run/ahead.py), so every training
     # moment holds a decode too, and the trainable weights' copy the two share; the frozen weights are the
     # trainer's own pages (forked, never written).
-    parts["sampler's weight copy"] = (4 if s.use_lora else d.base) * sum(trainable) if s.async_generation else 0.0
-    if s.async_generation:
+    parts["sampler's weight copy"] = (4 if m.use_lora else d.base) * sum(trainable) if m.async_generation else 0.0
+    if m.async_generation:
         decoding = ("KV cache", "sampling buffers", "sampling weight copies", "sampler's weight copy")
         moments = {name: held + (decoding if name != "generation" else ("sampler's weight copy",))
                    for name, held in moments.items()}
     return Estimate(parts, moments, prompts)
 
 
-def _resident(a: Architecture, s, d: Dtypes, plan: RunPlan, trainable: list[int], quantized: bool) -> dict:
+def _resident(a: Architecture, m: MemorySettings, d: Dtypes, trainable: list[int]) -> dict:
     """What every moment holds: weights, optimizer states, the reference copy, the generation batch."""
-    C, T = s.max_completion_length, planned_prompt_length(s) + s.max_completion_length
-    linear_bytes = a.linear_params() * (0.5 + 4 / NF4_BLOCK) if quantized else a.linear_params() * d.base
+    C, T = m.completion_length, m.prompt_length + m.completion_length
+    linear_bytes = a.linear_params() * (0.5 + 4 / NF4_BLOCK) if m.quantized else a.linear_params() * d.base
     weights = linear_bytes + (a.embedding_params() + a.other_params()) * d.base
-    if s.use_lora:
+    if m.use_lora:
         weights += 4 * sum(trainable)  # float32 adapters
-    rollout_rows = plan.schedule.completions_per_generation  # a generation batch's rows
-    logprobs = plan.keeps_old_logprobs + plan.has_reference  # [C] float32 each, kept for the whole batch
-    return {"weights": weights, "optimizer states": optimizer_bytes(trainable, s.optim),
-            "reference model": a.num_params() * d.reference if plan.reference == "copy" else 0.0,
-            "rollouts": rollout_rows * (T * 8 * 2 + C * 4 * logprobs)}  # ids and masks, log-probs
+    rollout_rows = m.schedule.completions_per_generation  # a generation batch's rows
+    return {"weights": weights, "optimizer states": optimizer_bytes(trainable, m.optim),
+            "reference model": a.num_params() * d.reference if m.reference_copy else 0.0,
+            # ids and masks; the [C] float32 log-probs kept for the whole batch (old, reference)
+            "rollouts": rollout_rows * (T * 8 * 2 + C * 4 * m.logprobs_kept)}
 
 
-def _micro_batch(a: Architecture, s, d: Dtypes, schedule) -> dict:
+def _micro_batch(a: Architecture, m: MemorySettings, d: Dtypes, trainable: list[int]) -> dict:
     """A micro-batch's forward and backward: activations, the log-prob chunk, the LM head's gradient, the
     gradients."""
     V, H, L = a.vocab_size, a.hidden_size, a.num_layers
-    N, P, C = schedule.micro_batch, planned_prompt_length(s), s.max_completion_length  # N: sequences
+    N, P, C = m.schedule.micro_batch, m.prompt_length, m.completion_length  # N: sequences
     parts = {}
     # Whole rows forward N x (P + C) tokens; the shared-prompt forward (policy/prefix.py) each of the micro-batch's
     # prompts once and the N completions against its keys and values: B x P + N x C tokens.
-    once = prompt_once(s.shared_prompt_forward, s.gradient_checkpointing)  # policy/prefix.py
-    B = prompts_in_micro_batch(N, s.num_generations) if once else N
+    once = m.prompt_once  # policy/prefix.py
+    B = prompts_in_micro_batch(N, m.num_generations) if once else N
     tokens = B * P + N * C
-    per_token = layer_activations(a, s, d)
+    per_token = layer_activations(a, m, d)
     # The shared forward's completions attend to their prompt's keys and values, expanded to their rows: SDPA keeps
     # them with the completions' own (repeated to all heads under a padding mask, as in layer_activations).
     kv = a.q_dim if a.num_kv_heads < a.num_heads else a.kv_dim
@@ -217,16 +225,16 @@ def _micro_batch(a: Architecture, s, d: Dtypes, schedule) -> dict:
     # of its activations, about a third more (measured on CPU). The shared forward checkpoints the prompts' and
     # the completions' layers apart, and keeps the prompts' keys and values [B, P] of every layer.
     kept_keys = B * P * 2 * a.kv_dim * d.compute if once else 0.0
-    parts["activations"] = L * (d.residual * H * tokens + kept_keys if s.gradient_checkpointing else per_layer)
+    parts["activations"] = L * (d.residual * H * tokens + kept_keys if m.gradient_checkpointing else per_layer)
     replayed = per_token * max(B * P, N * C) + prompt_keys if once else per_layer
-    parts["recomputed layer"] = 1.35 * replayed if s.gradient_checkpointing else 0.0
+    parts["recomputed layer"] = 1.35 * replayed if m.gradient_checkpointing else 0.0
     # Final norm, and the completion hidden states the log-prob function keeps (a copy: a strided slice).
     parts["activations"] += tokens * (d.residual + 4) * H + N * C * H * d.residual
-    rows = min(s.logprob_chunk_size, N * C)
+    rows = min(m.logprob_chunk_size, N * C)
     # float32 logits, a bf16 head's matmul output
     parts["log-prob chunk"] = rows * V * 4 + (rows * V * 2 if d.base == 2 else 0)
     parts["log-prob chunk"] += N * C * H * d.residual  # the gradient of the hidden states
-    head_trained = not s.use_lora
+    head_trained = not m.use_lora
     # A frozen head's d logp / d hidden, kept from the forward for the backward (float32, [N*C, H]).
     parts["log-prob jacobian"] = 0.0 if head_trained else N * C * H * 4
     grad_bytes = d.base if head_trained else 4  # trained weights' gradients in their dtype; adapters float32
@@ -238,10 +246,9 @@ def _micro_batch(a: Architecture, s, d: Dtypes, schedule) -> dict:
     # on CPU; tens of MB).
     block = min(V, HEAD_GRAD_BLOCK)
     parts["LM-head gradient block"] = block * (6 * H + 2 * rows) if low_precision_head else 0.0
-    parts["autocast weight copies"] = 2 * a.linear_params() if d.autocast and not s.use_lora else 0.0
-    trainable = a.lora_tensors(s.lora_r, lora_targets(s)) if s.use_lora else a.trainable_tensors()
+    parts["autocast weight copies"] = 2 * a.linear_params() if d.autocast and not m.use_lora else 0.0
     parts["gradients"] = grad_bytes * sum(trainable)
-    accumulating = s.gradient_accumulation_steps > 1
+    accumulating = m.accumulating
     parts["earlier micro-batches' gradients"] = parts["gradients"] if accumulating else 0.0
     # After the first micro-batch, a new [V, H] gradient (the head's, or an untied embedding's) waits to be added
     # to the stored one when backward ends. (A tied embedding's lookup adds a sparse gradient into the head's.)
@@ -249,22 +256,22 @@ def _micro_batch(a: Architecture, s, d: Dtypes, schedule) -> dict:
     return parts
 
 
-def _optimizer_step(s, d: Dtypes, trainable: list[int], device: str) -> dict:
+def _optimizer_step(m: MemorySettings, d: Dtypes, trainable: list[int]) -> dict:
     """The optimizer step's temporaries: torch AdamW runs fused (in place); bitsandbytes' CPU kernel works on
     float32 copies of a slice's states, gradient and denominator (about six at once), its CUDA kernel in place.
     bf16 weights add a slice's float32 weight, gradient and rounding noise (torch AdamW: weight, gradient, two
     temporaries)."""
-    on_cpu_8bit = s.optim != "adamw" and device != "cuda"
-    float32_slices = (4 if s.optim == "adamw" else 3) if d.base == 2 and not s.use_lora else 0
+    on_cpu_8bit = m.optim != "adamw" and d.device != "cuda"
+    float32_slices = (4 if m.optim == "adamw" else 3) if d.base == 2 and not m.use_lora else 0
     return {"optimizer step temporaries": (6 * on_cpu_8bit + float32_slices) * 4 * min(max(trainable), BNB_CPU_SLICE)}
 
 
-def _moments(s, low_precision_head: bool) -> dict[str, tuple[str, ...]]:
+def _moments(m: MemorySettings, low_precision_head: bool) -> dict[str, tuple[str, ...]]:
     """The parts each moment holds."""
     kept = KEPT
     # Autocast keeps its weight copies until the forward ends; for backward too, unless checkpointing
     # recomputes them layer by layer.
-    copies = () if s.gradient_checkpointing else ("autocast weight copies",)
+    copies = () if m.gradient_checkpointing else ("autocast weight copies",)
     # While the log-prob backward runs, the head's gradient grows in the float32 accumulator, when there is one.
     head_accumulating = (("LM-head float32 accumulator", "LM-head gradient block") if low_precision_head
                          else ("LM-head gradient",))
@@ -283,14 +290,14 @@ def _moments(s, low_precision_head: bool) -> dict[str, tuple[str, ...]]:
     }
 
 
-def _decode_prompts(a: Architecture, s, d: Dtypes, schedule, parts: dict, moments: dict) -> int:
+def _decode_prompts(a: Architecture, m: MemorySettings, d: Dtypes, parts: dict, moments: dict) -> int:
     """Prompts one sampling decode takes: the whole generation batch (this rank's share) when it fits within the
     other moments' peak, else whole micro-batches' worth, at least one."""
-    G, chunk = s.num_generations, schedule.prompts_per_micro_batch
-    prompts = -(-schedule.completions_per_generation // G)  # this rank's share of the generation batch
+    G, chunk = m.num_generations, m.schedule.prompts_per_micro_batch
+    prompts = -(-m.schedule.completions_per_generation // G)  # this rank's share of the generation batch
     free = max(sum(parts.get(p, 0.0) for p in m) for m in moments.values()) - sum(parts[p] for p in KEPT) \
         - parts["sampling weight copies"]
-    kv, buffers = generation_bytes(a, s, d, G, 1)  # one prompt's
+    kv, buffers = generation_bytes(a, m, d, G, 1)  # one prompt's
     if prompts * (kv + buffers) > free:
         prompts = min(prompts, max(chunk, int(free // (kv + buffers)) // chunk * chunk))
     return prompts

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 
+from ..policy.precision import Precision
 from ..settings import Config
-from ..settings.choices import planned_prompt_length
+from ..settings.choices import planned_prompt_length, prompt_once
 from ..settings.cli import format_value
-from ..settings.plan import DecodeSizes
-from ..policy import prompt_once
-from .estimate import GB, Architecture, Estimate, estimate, eval_prompts_per_batch, prompts_in_micro_batch
+from ..settings.plan import DecodeSizes, MemorySettings
+from .estimate import (GB, Architecture, Estimate, estimate, eval_prompts_per_batch, plan_peak, prompts_in_micro_batch,
+                       settings_of)
 from .known_models import architecture_of
+from .parts import dtypes
 
 EVAL_BATCH_WITHOUT_PLAN = 64  # prompts per evaluation decode when the model's architecture cannot be read
 CUDA_CONTEXT_GB = 0.5  # the CUDA context and kernels: outside the allocator, still on the card
@@ -64,29 +66,24 @@ def memory_savings(c: Config, every_micro_batch: bool = False) -> list[tuple[dic
     return changes
 
 
-def decode_sizes(config: Config, model=None, device: str = "cuda") -> DecodeSizes:
-    """Prompts per decode, read before loading from the architecture (of `model` when given, else of
-    config.model). Sampling: the memory plan's (`Estimate.decode_prompts`: the whole generation batch when it
-    fits within the training peak), None (a micro-batch's) where the architecture cannot be read. Evaluation:
-    `eval_batch_size`'s."""
-    arch = architecture_of(config, model)
-    sampling = None if isinstance(arch, str) else estimate(arch, config, _kind(device)).decode_prompts
-    return DecodeSizes(sampling, eval_batch_size(config, model, device, arch))
-
-
-def eval_batch_size(config: Config, model=None, device: str = "cuda", arch=None) -> int:
-    """Prompts per greedy evaluation decode: `config.eval_batch_size` when set, else as many as the memory plan
-    fits (`eval_prompts_per_batch`), else EVAL_BATCH_WITHOUT_PLAN. `arch`: the architecture when already read."""
-    if config.eval_batch_size is not None:
-        return config.eval_batch_size
-    arch = architecture_of(config, model) if arch is None else arch
+def decode_sizes(m: MemorySettings, arch: Architecture | str, precision: Precision) -> DecodeSizes:
+    """Prompts per decode, read before loading from the architecture `arch` (a string: why it could not be
+    read), the planner's settings `m` and the dtype plan. Sampling: the memory plan's (`Estimate.decode_prompts`:
+    the whole generation batch when it fits within the training peak), None (a micro-batch's) where the
+    architecture cannot be read. Evaluation: `m.eval_batch_size` when set, else as many as the memory plan fits
+    (`eval_prompts_per_batch`), else EVAL_BATCH_WITHOUT_PLAN."""
     if isinstance(arch, str):
-        return EVAL_BATCH_WITHOUT_PLAN
-    return eval_prompts_per_batch(arch, config, _kind(device))
+        return DecodeSizes(None, EVAL_BATCH_WITHOUT_PLAN if m.eval_batch_size is None else m.eval_batch_size)
+    d = dtypes(precision, m.use_lora)
+    evaluation = eval_prompts_per_batch(arch, m, d) if m.eval_batch_size is None else m.eval_batch_size
+    return DecodeSizes(plan_peak(arch, m, d).decode_prompts, evaluation)
 
 
-def _kind(device: str) -> str:
-    return "cuda" if device == "cuda" else "cpu"
+def eval_batch_size(config: Config, model=None, device: str = "cuda") -> int:
+    """Prompts per greedy evaluation decode of `config`'s model (`model` when given) on `device`: `decode_sizes`'
+    evaluation."""
+    m, precision = settings_of(config, device)
+    return decode_sizes(m, architecture_of(config.model, model), precision).evaluation
 
 
 def flags(change: dict) -> str:
@@ -173,7 +170,7 @@ def plan_summary(config: Config, model=None, gpu_memory_gb: float | None = None)
     (default: the current GPU's memory, when there is one). Never raises: printed when training runs out of
     memory."""
     try:
-        arch = architecture_of(config, model)
+        arch = architecture_of(config.model, model)
         if isinstance(arch, str):
             return arch
         if gpu_memory_gb is None:

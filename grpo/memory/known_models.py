@@ -42,27 +42,26 @@ TABLE_COLUMNS = {  # cumulative, as the write-up's columns
 }
 
 
-def architecture_of(config: Config, model=None, download: bool = False) -> Architecture | str:
+def architecture_of(name: str, model=None, download: bool = False) -> Architecture | str:
     """The model's architecture: from `model` (a model or its HF config) when given, the built-in facts for
-    well-known hub ids, else the config.json of `config.model` (a local path, the HF cache, or the hub when
+    well-known hub ids, else the config.json of `name` (Config.model: a local path, the HF cache, or the hub when
     `download`). A string says why it could not be read."""
     if model is not None:
         hf_config = getattr(model, "config", model)
-        name = getattr(hf_config, "name_or_path", "") or "the given model"
+        given = getattr(hf_config, "name_or_path", "") or "the given model"
         try:
-            return Architecture.from_hf_config(hf_config, name=name)
+            return Architecture.from_hf_config(hf_config, name=given)
         except (AttributeError, KeyError, TypeError, ValueError) as error:  # a config without the usual fields
-            return f"the architecture of {name} ({type(hf_config).__name__}) could not be read: {error}"
-    if config.model in KNOWN:
-        return KNOWN[config.model]
+            return f"the architecture of {given} ({type(hf_config).__name__}) could not be read: {error}"
+    if name in KNOWN:
+        return KNOWN[name]
     try:
         from transformers import AutoConfig
 
         from ..policy.gguf import resolve_model_path
 
-        path = resolve_model_path(config.model)  # a .gguf file or the packaged short name: its converted folder
+        path = resolve_model_path(name)  # a .gguf file or the packaged short name: its converted folder
         local = os.path.isdir(path) or not download
-        return Architecture.from_hf_config(AutoConfig.from_pretrained(path, local_files_only=local),
-                                           name=config.model)
+        return Architecture.from_hf_config(AutoConfig.from_pretrained(path, local_files_only=local), name=name)
     except Exception as e:  # noqa: BLE001 -- any failure to read a config is reported, never raised
-        return f"cannot read the config of {config.model!r} ({type(e).__name__}), so no memory plan"
+        return f"cannot read the config of {name!r} ({type(e).__name__}), so no memory plan"

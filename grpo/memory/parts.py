@@ -4,9 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..policy.lora import lora_targets
 from ..policy.precision import Precision
-from ..settings.choices import planned_prompt_length
 
 BNB_8BIT_MIN_SIZE = 4096  # bitsandbytes keeps 32-bit states for smaller tensors
 BNB_BLOCK = 256  # 8-bit optimizer states: one float32 absmax per block
@@ -22,27 +20,29 @@ class Dtypes:
     autocast: bool  # float32 weights under bf16 autocast: each linear keeps a bf16 copy of its weight
     reference: int  # bytes per element of full fine-tuning's frozen reference copy
     dropout_mask: int
+    device: str  # "cuda" or "cpu": where they live
 
 
-def dtypes(s, device: str) -> Dtypes:
+def dtypes(plan: Precision, use_lora: bool) -> Dtypes:
     """Bytes per element under the trainer's dtype plan (policy/precision.Precision.plan, the one plan)."""
-    plan = Precision.plan(s.bf16, s.use_lora, device, s.bf16_weights)
     base = plan.base_dtype.itemsize
-    bf16_trained = base == 2 and not s.use_lora  # bf16 weights: no autocast copies, everything flows in bf16
+    bf16_trained = base == 2 and not use_lora  # bf16 weights: no autocast copies, everything flows in bf16
     # CUDA dropout keeps a bool mask; CPU dropout keeps a noise tensor, float32 unless the weights are bf16.
+    device = "cuda" if plan.device_type == "cuda" else "cpu"
     mask = 1 if device == "cuda" else 2 if bf16_trained else 4
     return Dtypes(base=base, compute=2 if plan.bf16 or base == 2 else 4, residual=base,
-                   autocast=plan.bf16 and base == 4, reference=plan.reference_dtype.itemsize, dropout_mask=mask)
+                  autocast=plan.bf16 and base == 4, reference=plan.reference_dtype.itemsize, dropout_mask=mask,
+                  device=device)
 
 
-def layer_activations(a, s, d: Dtypes) -> float:
-    """Bytes one decoder layer keeps for backward, per token."""
-    targets = lora_targets(s)
+def layer_activations(a, m, d: Dtypes) -> float:
+    """Bytes one decoder layer keeps for backward, per token (`m`: settings/plan.MemorySettings)."""
+    targets = m.lora_targets
     H, I, q, c = a.hidden_size, a.intermediate_size, a.q_dim, d.compute
     # SDPA keeps q, k, v and its output; under a padding mask transformers repeats k and v to all heads.
     kv = q if a.num_kv_heads < a.num_heads else a.kv_dim
     attention = c * (2 * q + 2 * kv)
-    if not s.use_lora:
+    if not m.use_lora:
         norms = 2 * (d.residual * H + 4 * H)  # each RMSNorm keeps its input and its float32 normalized value
         if d.autocast:
             inputs = c * (5 * H + q)  # each linear keeps its own bf16 cast of its input (q, k, v, gate, up, o)
@@ -52,8 +52,8 @@ def layer_activations(a, s, d: Dtypes) -> float:
     # Frozen linears keep no inputs; the frozen norms keep only their float32 input.
     norms = 2 * 4 * H
     shapes = {n: sh for n, sh in a.linear_shapes().items() if targets is None or n in targets}
-    lora = c * s.lora_r * len(shapes)  # A's output, kept by B
-    if s.lora_dropout > 0 and not s.disable_dropout:  # p = 0 dropout returns its input: nothing kept
+    lora = c * m.lora_r * len(shapes)  # A's output, kept by B
+    if m.lora_dropout:  # p = 0 dropout returns its input: nothing kept
         lora += sum((c + d.dropout_mask) * i for i, _ in shapes.values())  # each adapter's dropout output and mask
     else:  # A keeps its input, shared by the adapters reading the same tensor
         lora += c * sum(dict((sh[0] if n not in ("o_proj", "down_proj") else n, sh[0])
@@ -68,22 +68,22 @@ def optimizer_bytes(tensors: list[int], optim: str) -> float:
     return 2 * big * (1 + 4 / BNB_BLOCK) + 8 * (sum(tensors) - big)
 
 
-def generation_bytes(a, s, d: Dtypes, rows: int, prompts: int) -> tuple[float, float]:
+def generation_bytes(a, m, d: Dtypes, rows: int, prompts: int) -> tuple[float, float]:
     """The KV cache and the buffers of a decode of `rows` completions of `prompts` prompts (each prefilled
     once): the cache, allocated for every position at once (rollout/kv_cache), in the weights' dtype (no
     autocast; 4-bit layers compute in the same dtype as the rest),
     one step's logits, their row-major copy, softmax and float64 cumulative sum, and a layer's prefill
     intermediates."""
-    T, kv_bytes = planned_prompt_length(s) + s.max_completion_length, d.base
+    T, kv_bytes = m.prompt_length + m.completion_length, d.base
     # + a layer's copy while compaction or a prompt's copies rewrite the buffers (or a dynamic cache grows)
     kv = 2 * a.num_layers * rows * T * a.kv_dim * kv_bytes * (1 + 1 / a.num_layers)
-    prefill = prompts * planned_prompt_length(s) * (3 * a.intermediate_size + 4 * a.hidden_size) * kv_bytes
+    prefill = prompts * m.prompt_length * (3 * a.intermediate_size + 4 * a.hidden_size) * kv_bytes
     return kv, 20 * rows * a.vocab_size + prefill
 
 
-def sampling_weight_bytes(a, s, d: Dtypes, quantized: bool, device: str) -> float:
+def sampling_weight_bytes(a, m, d: Dtypes) -> float:
     """While sampling (policy/folding), float32 LoRA bases hold a folded copy of every adapted weight."""
-    if quantized or d.base != 4 or not s.use_lora:
+    if m.quantized or d.base != 4 or not m.use_lora:
         return 0.0
-    targets = lora_targets(s)
+    targets = m.lora_targets
     return 4.0 * a.num_layers * sum(i * o for n, (i, o) in a.linear_shapes().items() if targets is None or n in targets)

@@ -7,7 +7,7 @@ import sys
 
 import torch
 
-from . import prompt_once
+from ..settings.choices import prompt_once
 from .models import (check_logprobs_match_forward, completion_logprobs, device_of, make_reference, reference_context,
                      unwrap)
 from .parallel import ParallelPolicy

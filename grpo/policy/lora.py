@@ -71,13 +71,6 @@ def _target_modules(target_modules, source: str, model_type):
     return target_modules if isinstance(target_modules, str) else sorted(target_modules)
 
 
-def lora_targets(config) -> tuple[str, ...] | None:
-    """The linear layers' own names (q_proj, ...) that the Config's lora_target_modules adapts, a full name counting
-    as its last part, for the memory planner; None: every one ("all-linear")."""
-    names = config.lora_target_modules
-    return None if not names or names == ALL_LINEAR else tuple(sorted({n.rsplit(".", 1)[-1] for n in names}))
-
-
 def adapter_settings(model) -> dict:
     """`lora_settings` of the active adapter of the PeftModel `model`, the one that trains."""
     return lora_settings(model.peft_config[model.active_adapter], "the PeftModel's adapter")

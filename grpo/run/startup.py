@@ -9,6 +9,7 @@ import dataclasses
 
 from ..errors import ConfigError
 from ..memory.fit import decode_sizes
+from ..memory.known_models import architecture_of
 from ..policy.models import check_load_options, device_of
 from ..policy.parallel import check_settings as check_parallel_settings
 from ..policy.precision import Precision
@@ -60,5 +61,5 @@ def prepare(config, world_size: int, num_prompts: int, model=None,
         check_async(world_size, precision.device_type, own_sampler)
     plan = RunPlan.resolve(config, world_size)
     total_steps = plan.schedule.total_steps(num_prompts, config.num_train_epochs, config.max_steps)
-    return dataclasses.replace(plan, total_steps=total_steps,
-                               decode=decode_sizes(config, model, precision.device_type)), precision
+    decode = decode_sizes(plan.memory, architecture_of(config.model, model), precision)
+    return dataclasses.replace(plan, total_steps=total_steps, decode=decode), precision

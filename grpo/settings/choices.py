@@ -33,3 +33,18 @@ def planned_prompt_length(config) -> int:
     """The prompt length the memory plan counts: max_prompt_length, or PLANNED_PROMPT_TOKENS when prompts are
     left whole (None)."""
     return config.max_prompt_length or PLANNED_PROMPT_TOKENS
+
+
+def lora_targets(names) -> tuple[str, ...] | None:
+    """The linear layers' own names (q_proj, ...) that lora_target_modules `names` adapts, a full name counting
+    as its last part, for the memory planner; None: every one ("all-linear")."""
+    return None if not names or names == ALL_LINEAR else tuple(sorted({n.rsplit(".", 1)[-1] for n in names}))
+
+
+def prompt_once(shared_prompt_forward: bool | None, gradient_checkpointing: bool) -> bool:
+    """Whether the training forwards run each distinct prompt once (policy/prefix.py): as asked, and when not
+    asked (None) only without gradient checkpointing. Exact under checkpointing too, but there its measured
+    peaks were higher than whole rows' on some shapes (docs/benchmarks.md, "Each prompt once in the training
+    forwards"), for a reason not found and which the memory plan does not predict; and a run that checkpoints
+    is short of memory."""
+    return not gradient_checkpointing if shared_prompt_forward is None else shared_prompt_forward

@@ -136,12 +136,17 @@ def test_each_memory_setting_moves_the_prediction_the_right_way():
 
 
 def test_evaluation_decodes_as_many_prompts_as_fit_within_the_training_peak():
-    from grpo.memory.estimate import eval_prompts_per_batch
+    from grpo.memory.estimate import eval_prompts_per_batch, settings_of
     from grpo.memory.fit import eval_batch_size
+    from grpo.memory.parts import dtypes
+
+    def eval_prompts(config, device):
+        m, precision = settings_of(config, device)
+        return eval_prompts_per_batch(LLAMA_1B, m, dtypes(precision, m.use_lora))
 
     s = Config(per_device_train_batch_size=8, num_generations=8, max_prompt_length=256, max_completion_length=128,
                use_lora=True, gradient_checkpointing=False)
-    n = eval_prompts_per_batch(LLAMA_1B, s, "cpu")
+    n = eval_prompts(s, "cpu")
     e = estimate(LLAMA_1B, s, "cpu")  # sampling: 8 rows of one prompt, prefilled once
     V = LLAMA_1B.vocab_size
     per_prompt = e.parts["KV cache"] / 8 + 20 * V + (e.parts["sampling buffers"] - 8 * 20 * V)  # greedy: 1 row
@@ -158,7 +163,7 @@ def test_evaluation_decodes_as_many_prompts_as_fit_within_the_training_peak():
     assert n * per_prompt <= free < (n + 1) * per_prompt
     assert n > 8  # far more prompts than the 8 completions sampling decodes at once
     checkpointed = dataclasses.replace(s, gradient_checkpointing=True)  # a lower peak: fewer prompts fit
-    assert 1 <= eval_prompts_per_batch(LLAMA_1B, checkpointed, "cpu") < n
+    assert 1 <= eval_prompts(checkpointed, "cpu") < n
     assert eval_batch_size(dataclasses.replace(s, eval_batch_size=5)) == 5  # a set size is honoured
     assert eval_batch_size(dataclasses.replace(s, model="no/such-model-here")) == 64  # no plan without a config
 
@@ -405,9 +410,12 @@ def test_a_model_whose_architecture_cannot_be_read_decodes_without_a_plan():
     at a time and evaluation takes its fixed batch, instead of the trainer failing on the planner."""
     from transformers import GPT2Config
 
+    from grpo.memory.estimate import settings_of
     from grpo.memory.fit import EVAL_BATCH_WITHOUT_PLAN, decode_sizes
+    from grpo.memory.known_models import architecture_of
 
     gpt2 = GPT2Config(n_embd=8, n_layer=1, n_head=2, vocab_size=50)
-    sizes = decode_sizes(Config(), gpt2, "cpu")
+    m, precision = settings_of(Config(), "cpu")
+    sizes = decode_sizes(m, architecture_of(Config().model, gpt2), precision)
     assert sizes.sampling is None
     assert sizes.evaluation == EVAL_BATCH_WITHOUT_PLAN
