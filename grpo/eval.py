@@ -4,7 +4,11 @@ rate (those the recipe sets) and mean length (and them by `eval_breakdown_column
 
 Without --checkpoint it evaluates the model the recipe starts from (for a recipe with a warm start, the model
 right after it). The JSON (default: DIR/eval.json, or OUTPUT_DIR/eval.json) holds the metrics and every
-prompt, completion and reward."""
+prompt, completion and reward.
+
+A run made from Python has no recipe: `python -m grpo.eval --checkpoint DIR --eval_dataset DATA
+--reward_funcs module.f[,module.g]` takes the settings the run saved in DIR (grpo_config.json), the
+dataset and the reward functions from the command line."""
 from __future__ import annotations
 
 import dataclasses
@@ -15,7 +19,8 @@ from pathlib import Path
 from .errors import ConfigError, UserError, command_line
 
 USAGE = ("usage: python -m grpo.eval RECIPE [--checkpoint DIR] [--limit N] [--output FILE] [--key=value ...] "
-         "[--help]")
+         "[--help]\n   or: python -m grpo.eval --checkpoint DIR --eval_dataset DATA --reward_funcs module.f[,...] "
+         "[--limit N] [--output FILE] [--key=value ...]")
 OPTIONS = """Greedy pass@1 of a model on RECIPE's eval_dataset: prints the mean reward, accuracy, format rate and
 mean length, and writes them with every prompt, completion and reward (and the dataset's other columns) to JSON.
 
@@ -23,16 +28,25 @@ mean length, and writes them with every prompt, completion and reward (and the d
                     onto the recipe's base model); default: the model the recipe starts from
   --limit N         the first N prompts only (default: the recipe's eval_limit, else every prompt)
   --output FILE     where the JSON goes (default: DIR/eval.json, or OUTPUT_DIR/eval.json)
-  --key=value       any setting of the recipe; python -m grpo.eval RECIPE --help lists them"""
+  --key=value       any setting of the recipe; python -m grpo.eval RECIPE --help lists them
+
+Without a recipe (a run made from Python), the settings are those the run saved in DIR/grpo_config.json
+(--key=value still overrides them), and:
+  --eval_dataset DATA   a .json/.jsonl/.csv/.parquet file, a folder Dataset.save_to_disk wrote, or an
+                        importable module.name of a datasets.Dataset (or a function returning one); it needs
+                        a `prompt` column
+  --reward_funcs LIST   comma-separated importable module.function names, the run's reward functions (the
+                        current folder is importable: train.accuracy for a function in ./train.py)"""
 OWN_OPTIONS = ("checkpoint", "limit", "output")
+RUN_OPTIONS = (*OWN_OPTIONS, "eval_dataset", "reward_funcs")
 
 
-def split_options(args: list[str]) -> tuple[dict[str, str], list[str]]:
+def split_options(args: list[str], names: tuple[str, ...] = OWN_OPTIONS) -> tuple[dict[str, str], list[str]]:
     """This command's own options (`--name=value` or `--name value`) apart from Config overrides."""
     own, rest, i = {}, [], 0
     while i < len(args):
         key, has_value, value = args[i][2:].partition("=") if args[i].startswith("--") else ("", False, "")
-        if key in OWN_OPTIONS:
+        if key in names:
             if not has_value:
                 if i + 1 == len(args):
                     raise ConfigError(f"--{key} needs a value")
@@ -44,8 +58,23 @@ def split_options(args: list[str]) -> tuple[dict[str, str], list[str]]:
     return own, rest
 
 
-def load_checkpoint(path: Path, recipe, config):
-    """(model, tokenizer) from a checkpoint-STEP folder: full weights, or a LoRA adapter on the recipe's base."""
+@dataclasses.dataclass
+class Job:
+    """One evaluation, its inputs checked: what the recipe form and the run form both come to."""
+
+    source: str  # the recipe's path, or the checkpoint's for a run made from Python
+    config: object
+    reward_funcs: list
+    dataset: object
+    checkpoint: Path | None
+    output: Path
+    limit: int | None
+    base_model: object  # () -> (model, tokenizer), either None to load config.model
+    tools: object = None
+
+
+def load_checkpoint(path: Path, base_model, config):
+    """(model, tokenizer) from a checkpoint-STEP folder: full weights, or a LoRA adapter on `base_model()`'s."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from .policy.models import load_model, load_tokenizer
@@ -59,7 +88,7 @@ def load_checkpoint(path: Path, recipe, config):
     if (path / "adapter_config.json").exists():
         from peft import PeftModel
 
-        base, tokenizer = recipe.resolve_model(config)
+        base, tokenizer = base_model()
         model = PeftModel.from_pretrained(base if base is not None else load_model(config), path)
     else:
         import torch
@@ -79,67 +108,138 @@ def main(argv: list[str] | None = None) -> int:
     from .infra.progress import quiet_library_bars
 
     with command_line(), quiet_library_bars():  # hints as --key=value; transformers' loading bars, in a log file
-        return evaluate_recipe(argv)
+        try:
+            job = run_job(argv) if argv[0].startswith("--") else recipe_job(argv)
+            if job is None:  # --help was printed
+                return 0
+            model, tokenizer = (load_checkpoint(job.checkpoint, job.base_model, job.config)
+                                if job.checkpoint is not None else job.base_model())
+        except UserError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return e.exit_code
+        return evaluate_job(job, model, tokenizer)
 
 
-def evaluate_recipe(argv: list[str]) -> int:
-    from .rollout.evaluate import check_eval_inputs, evaluate, summary_lines
-    from .rollout.reward_models import place_reward_models, reward_callables
+def _limit(own: dict) -> int | None:
+    if "limit" in own and not (own["limit"].isdigit() and int(own["limit"]) >= 1):
+        raise ConfigError(f"--limit must be a positive integer, got {own['limit']!r}")
+    return int(own["limit"]) if "limit" in own else None
+
+
+def _output(own: dict, default_dir: Path) -> Path:
     from .run.checkpoint import check_output_dir
+
+    output = Path(own.get("output") or default_dir / "eval.json")
+    if output.is_dir():
+        raise ConfigError(f"--output={output} is a folder: name a file in it, such as {output / 'eval.json'}")
+    check_output_dir(str(output.parent), "output")
+    return output
+
+
+def recipe_job(argv: list[str]) -> Job | None:
+    """`grpo.eval RECIPE ...`: the recipe's settings, eval dataset, reward functions, tools and model."""
+    from .rollout.evaluate import check_eval_inputs
+    from .rollout.reward_models import reward_callables
+    from .rollout.tools import Tools
     from .settings.cli import BUILT_MODEL, format_help
-    from .settings.plan import EvalSettings
     from .settings.recipe import load_with_overrides, resolve_dataset
 
-    try:
-        own, overrides = split_options([a for a in argv[1:] if a not in ("-h", "--help")])
-        if "limit" in own and not (own["limit"].isdigit() and int(own["limit"]) >= 1):
-            raise ConfigError(f"--limit must be a positive integer, got {own['limit']!r}")
-        limit = int(own["limit"]) if "limit" in own else None
-        recipe, config = load_with_overrides(argv[0], overrides)
-        if any(a in ("-h", "--help") for a in argv[1:]):
-            unused = BUILT_MODEL if recipe.build_model else None
-            print(f"{USAGE}\n\n{OPTIONS}\n\nsettings of {argv[0]}:\n{format_help(config, unused)}")
-            return 0
-        if recipe.eval_dataset is None:  # said before anything about the functions that would score it
-            raise ConfigError(f"recipe {argv[0]} defines no eval_dataset: grpo.eval evaluates on it")
-        checkpoint = Path(own["checkpoint"]) if "checkpoint" in own else None
-        output = Path(own.get("output") or (checkpoint or Path(config.output_dir)) / "eval.json")
-        if output.is_dir():
-            raise ConfigError(f"--output={output} is a folder: name a file in it, such as "
-                              f"{output / 'eval.json'}")
-        check_output_dir(str(output.parent), "output")
-        reward_funcs = reward_callables(recipe.reward_funcs, recipe.reward_processing_classes,
-                                        config.chat_template_kwargs)  # reward models become functions
-        dataset = resolve_dataset(recipe.eval_dataset, "eval_dataset")
-        check_eval_inputs(config, dataset, reward_funcs)
-        if checkpoint is not None:
-            model, tokenizer = load_checkpoint(checkpoint, recipe, config)
-        else:
-            model, tokenizer = recipe.resolve_model(config)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return e.exit_code
-
-    from .policy.models import device_of, load_model, load_tokenizer
-    from .rollout.tools import Tools
-
-    model = model if model is not None else load_model(config)
-    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model)
-    place_reward_models(reward_funcs, device_of(model))
-    from .memory.fit import eval_batch_size
-
-    batch_size = eval_batch_size(config, model, device_of(model).type)
-    settings = EvalSettings.of(config)
-    settings = dataclasses.replace(settings, limit=limit) if limit is not None else settings
+    own, overrides = split_options([a for a in argv[1:] if a not in ("-h", "--help")])
+    limit = _limit(own)
+    recipe, config = load_with_overrides(argv[0], overrides)
+    if any(a in ("-h", "--help") for a in argv[1:]):
+        unused = BUILT_MODEL if recipe.build_model else None
+        print(f"{USAGE}\n\n{OPTIONS}\n\nsettings of {argv[0]}:\n{format_help(config, unused)}")
+        return None
+    if recipe.eval_dataset is None:  # said before anything about the functions that would score it
+        raise ConfigError(f"recipe {argv[0]} defines no eval_dataset: grpo.eval evaluates on it")
+    checkpoint = Path(own["checkpoint"]) if "checkpoint" in own else None
+    output = _output(own, checkpoint or Path(config.output_dir))
+    reward_funcs = reward_callables(recipe.reward_funcs, recipe.reward_processing_classes,
+                                    config.chat_template_kwargs)  # reward models become functions
+    dataset = resolve_dataset(recipe.eval_dataset, "eval_dataset")
+    check_eval_inputs(config, dataset, reward_funcs)
     tools = Tools.of(recipe.tools, recipe.environment_factory) if recipe.tools or recipe.environment_factory else None
-    metrics, samples = evaluate(model, tokenizer, dataset, reward_funcs, settings, batch_size=batch_size,
-                                tools=tools)
+    return Job(argv[0], config, reward_funcs, dataset, checkpoint, output, limit,
+               lambda: recipe.resolve_model(config), tools)
+
+
+def run_job(argv: list[str]) -> Job:
+    """`grpo.eval --checkpoint DIR --eval_dataset DATA --reward_funcs ...`: a run made from Python, its
+    settings read from the checkpoint (grpo_config.json), a LoRA adapter on the base model it names."""
+    from .rollout.evaluate import check_eval_inputs, import_named
+    from .run.checkpoint import saved_config
+    from .settings.cli import apply_overrides, config_of_record
+
+    own, overrides = split_options(argv, RUN_OPTIONS)
+    missing = [f"--{k}" for k in ("checkpoint", "eval_dataset", "reward_funcs") if not own.get(k)]
+    if missing:
+        raise ConfigError(f"without a recipe, grpo.eval needs --checkpoint (the run's checkpoint-STEP folder), "
+                          f"--eval_dataset and --reward_funcs; missing {', '.join(missing)} (or give a recipe "
+                          f"first: python -m grpo.eval RECIPE ...)")
+    limit, checkpoint = _limit(own), Path(own["checkpoint"])
+    if not (checkpoint / "grpo_config.json").exists():
+        raise ConfigError(f"{checkpoint} has no grpo_config.json, the settings a run saves in each "
+                          f"checkpoint-STEP folder: name one of those, or evaluate with the run's recipe")
+    config = apply_overrides(config_of_record(saved_config(checkpoint)), overrides)
+    output = _output(own, checkpoint)
+    reward_funcs = [import_named("--reward_funcs", name.strip()) for name in own["reward_funcs"].split(",")]
+    dataset = read_dataset(own["eval_dataset"])
+    check_eval_inputs(config, dataset, reward_funcs)
+    adapter = checkpoint / "adapter_config.json"
+    base = json.loads(adapter.read_text()).get("base_model_name_or_path") if adapter.exists() else None
+    return Job(str(checkpoint), config, reward_funcs, dataset, checkpoint, output, limit,
+               lambda: (_base_model(config, base), None))
+
+
+def _base_model(config, name: str | None):
+    """The base model a LoRA checkpoint names (the run's `model` setting when it names none)."""
+    from .policy.models import load_model
+
+    return load_model(dataclasses.replace(config, model=name) if name else config)
+
+
+def read_dataset(text: str):
+    """--eval_dataset: a data file, a save_to_disk folder, or an importable module.name of a Dataset."""
+    import datasets
+
+    from .rollout.evaluate import import_named
+    from .settings.recipe import resolve_dataset
+
+    path = Path(text)
+    kinds = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet"}
+    if path.is_file() and path.suffix in kinds:
+        return datasets.load_dataset(kinds[path.suffix], data_files=str(path), split="train")
+    if path.is_dir():
+        return datasets.load_from_disk(str(path))
+    if path.exists() or "." not in text or "/" in text:
+        raise ConfigError(f"--eval_dataset={text!r} is not a .json/.jsonl/.csv/.parquet file, a folder "
+                          f"Dataset.save_to_disk wrote, or an importable module.name of a dataset")
+    return resolve_dataset(import_named("--eval_dataset", text), "--eval_dataset")
+
+
+def evaluate_job(job: Job, model, tokenizer) -> int:
+    from .memory.fit import eval_batch_size
+    from .policy.models import device_of, load_model, load_tokenizer
+    from .rollout.evaluate import evaluate, summary_lines
+    from .rollout.reward_models import place_reward_models
+    from .settings.plan import EvalSettings
+
+    model = model if model is not None else load_model(job.config)
+    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(job.config.model)
+    place_reward_models(job.reward_funcs, device_of(model))
+    batch_size = eval_batch_size(job.config, model, device_of(model).type)
+    settings = EvalSettings.of(job.config)
+    settings = dataclasses.replace(settings, limit=job.limit) if job.limit is not None else settings
+    metrics, samples = evaluate(model, tokenizer, job.dataset, job.reward_funcs, settings, batch_size=batch_size,
+                                tools=job.tools)
     first, *groups = summary_lines(metrics)
     print("\n".join([f"greedy pass@1 on {int(metrics['eval/num_examples'])} prompts: {first}", *groups]))
-    output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(json.dumps({"recipe": argv[0], "checkpoint": str(checkpoint) if checkpoint else None,
-                                  "decoding": "greedy", "metrics": metrics, "samples": samples}, indent=1))
-    print(f"wrote {output}")
+    job.output.parent.mkdir(parents=True, exist_ok=True)
+    key = "run" if job.checkpoint is not None and job.source == str(job.checkpoint) else "recipe"
+    job.output.write_text(json.dumps({key: job.source, "checkpoint": str(job.checkpoint) if job.checkpoint else None,
+                                      "decoding": "greedy", "metrics": metrics, "samples": samples}, indent=1))
+    print(f"wrote {job.output}")
     return 0
 
 

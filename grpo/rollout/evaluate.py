@@ -60,7 +60,7 @@ def eval_funcs(reward_funcs, accuracy_func: str | None, free_accuracy_func: str 
         if name is None:
             continue
         if metric == "free_accuracy" and "." in name:
-            found[metric] = (name, _import(setting, name))
+            found[metric] = (name, import_named(setting, name))
         elif name in reward_names:
             found[metric] = (name, reward_funcs[reward_names.index(name)])
         else:
@@ -74,7 +74,8 @@ def eval_funcs(reward_funcs, accuracy_func: str | None, free_accuracy_func: str 
     return found
 
 
-def _import(setting: str, path: str):
+def import_named(setting: str, path: str):
+    """The object at an importable `module.name` (ConfigError naming `setting` when it cannot be had)."""
     module, _, attr = path.rpartition(".")
     try:
         return getattr(importlib.import_module(module), attr)

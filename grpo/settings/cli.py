@@ -47,6 +47,13 @@ _SCALARS = {int: ("an integer", "integers"), float: ("a float", "floats"),
 _BOOLS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
 
 
+def config_of_record(record: dict) -> Config:
+    """The Config a checkpoint's grpo_config.json records (fields added since it was written keep their
+    defaults; keys no longer settings are dropped)."""
+    names = {f.name for f in dataclasses.fields(Config)}
+    return Config(**{k: v for k, v in record.items() if k in names})
+
+
 def parse_value(key: str, text: str, tp: FieldType):
     """Parse the text of `--key=text` into a value of the field type `tp` (fieldtypes.py)."""
     if tp.optional and text.strip().lower() == "none":

@@ -143,3 +143,35 @@ def test_plot_writes_pngs(tmp_path, capsys, monkeypatch):
 
 def test_moving_average_by_hand():
     assert moving_average([1.0, 3.0, 5.0, 7.0], 2) == [1.0, 2.0, 4.0, 6.0]
+
+
+def test_eval_cli_evaluates_a_run_made_from_python_without_a_recipe(tmp_path, tokenizer, capsys, monkeypatch):
+    (tmp_path / "my_rewards.py").write_text(
+        "def has_digit(completions, **kwargs):\n"
+        "    return [float(any(ch.isdigit() for ch in c)) for c in completions]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    data = tmp_path / "held_out.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in digit_prompts(5)))
+    config = Config(output_dir=str(tmp_path / "run"), max_steps=1, per_device_train_batch_size=4,
+                    num_generations=2, max_prompt_length=16, max_completion_length=5, optim="adamw",
+                    eval_accuracy_func="has_digit", eval_format_func=None, eval_free_accuracy_func=None)
+    Trainer(config, model=tiny_model(tokenizer), tokenizer=tokenizer, reward_funcs=[always_one],
+            train_dataset=digit_prompts()).train()
+    checkpoint = tmp_path / "run" / "checkpoint-1"
+    run = ["--checkpoint", str(checkpoint), f"--eval_dataset={data}", "--reward_funcs=my_rewards.has_digit"]
+    assert eval_main(run) == 0
+    result = json.loads((checkpoint / "eval.json").read_text())
+    metrics = result["metrics"]
+    assert result["run"] == str(checkpoint) and metrics["eval/num_examples"] == 5
+    assert "eval/accuracy" in metrics and 1 <= metrics["eval/length_mean"] <= 5  # the run's own settings
+    assert eval_main([*run, "--max_completion_length=2", "--limit=3", f"--output={tmp_path / 'e.json'}"]) == 0
+    metrics = json.loads((tmp_path / "e.json").read_text())["metrics"]
+    assert metrics["eval/num_examples"] == 3 and metrics["eval/length_mean"] <= 2
+    capsys.readouterr()
+
+    assert eval_main(run[:3]) == 2
+    assert "missing --reward_funcs" in capsys.readouterr().err
+    assert eval_main([*run[:3], "--reward_funcs=my_rewards.nope"]) == 2
+    assert "--reward_funcs='my_rewards.nope' cannot be imported" in capsys.readouterr().err
+    assert eval_main(["--checkpoint", str(tmp_path), *run[2:]]) == 2
+    assert "no grpo_config.json" in capsys.readouterr().err
