@@ -1,16 +1,12 @@
-"""`Trainer`: the GRPO loop. Each step takes the batch of that step from the generation pipeline
-(rollout/pipeline: made now, or ahead by a sampler process, run/ahead) and updates the policy on it
-(policy/gradients, policy/optim); run/ logs and saves."""
+"""`Trainer`: the GRPO loop. Each step takes its batch from the generation pipeline
+(rollout/pipeline; ahead: run/ahead) and updates the policy on it (policy/); run/ logs and saves."""
 from __future__ import annotations
 
 import time
 from dataclasses import asdict
 from pathlib import Path
 
-import torch
-
 from .infra.allocator import decoding_allocations, return_freed_memory
-from .infra.distributed import setup as setup_distributed
 from .infra.interrupts import StopSignals
 from .policy.forwards import Policy
 from .policy.gradients import accumulate
@@ -19,7 +15,7 @@ from .policy.optim import Updates
 from .rollout.evaluate import evaluate
 from .rollout.pipeline import Pipeline, Synchronous, engine
 from .rollout.prompts import PromptStream, check_chat_template
-from .rollout.reward_models import place_reward_models, reward_callables
+from .rollout.reward_models import place_reward_models
 from .rollout.tools import Tools
 from .run import lock
 from .run.ahead import Ahead
@@ -27,7 +23,7 @@ from .run.callbacks import Callbacks
 from .run.logs import logged_lines, peak_memory_gb
 from .run.report import Report, TrainOutput
 from .run.session import Progress, Session
-from .run.startup import check_before_loading, prepare
+from .run.startup import prepare
 from .run.state import NoSignalWatch, TrainerState
 from .run.trackers import Trackers
 from .settings import Config
@@ -35,72 +31,72 @@ from .trl_call import default_tokenizer, trl_call
 
 
 class Trainer:
-    """GRPO on `model` (or `config.model`), rewarded by `reward_funcs`, over `train_dataset` prompts; TRL's
-    GRPOTrainer call works too (trl_call.py). `sampler` replaces our decoder, with rollout/sampling.Sampler's
-    contract: `sampler(prompts, on_token, streams) -> (rollout, fields)`."""
+    """GRPO on `model` (or `config.model`), rewarded by `reward_funcs`, over `train_dataset`; TRL's
+    call works too (trl_call.py). `sampler` replaces our decoder (rollout/sampling.Sampler)."""
 
     def __init__(self, config: Config | None = None, model=None, tokenizer=None, reward_funcs=(),
-                 train_dataset=None, eval_dataset=None, rollout_func=None, reward_processing_classes=None,
-                 *, args: Config | None = None, processing_class=None, callbacks=None, sampler=None,
-                 tools=None, environment_factory=None, **trl_only):
-        config, model, tokenizer = trl_call(config, args, model, tokenizer, processing_class, trl_only,
-                                            (sampler, rollout_func, tools or environment_factory))
+                 train_dataset=None, eval_dataset=None, rollout_func=None,
+                 reward_processing_classes=None, *, args: Config | None = None,
+                 processing_class=None, callbacks=None, sampler=None, tools=None,
+                 environment_factory=None, **trl_only):
+        engines = (sampler, rollout_func, tools or environment_factory)  # one at most
+        config, model, tokenizer = trl_call(config, args, model, tokenizer, processing_class,
+                                            trl_only, engines)
         self.config, self.eval_dataset = config, eval_dataset
         self.tools = Tools.of(tools, environment_factory) if tools or environment_factory else None
-        self._setup_plan(config, model, reward_funcs, reward_processing_classes, train_dataset,
-                         eval_dataset, own_sampler=sampler is None and rollout_func is None)
-        self._setup_policy(config, model, tokenizer, train_dataset, eval_dataset)
-        self._setup_generation(config, sampler, rollout_func, train_dataset)
-        self._setup_run(config, callbacks)
+        self._setup_plan(config, model, (reward_funcs, reward_processing_classes), train_dataset,
+                         own_sampler=sampler is None and rollout_func is None)
+        self._setup_policy(config, model, tokenizer, train_dataset)
+        self._setup_generation(sampler, rollout_func, train_dataset)
+        self._setup_run(callbacks)
 
-    def _setup_plan(self, config, model, reward_funcs, reward_processing_classes, train_dataset,
-                    eval_dataset, own_sampler: bool) -> None:
-        """All decided and checked before a model loads (run/startup): plan, precision, rewards."""
-        self.dist = setup_distributed()  # world size 1 without torchrun
-        self.reward_funcs = reward_callables(reward_funcs, reward_processing_classes, config.chat_template_kwargs)
-        check_before_loading(config, self.dist, train_dataset, eval_dataset, self.reward_funcs,
-                             model_given=model is not None, columns_known=own_sampler)
-        self.plan, self.precision = prepare(config, self.dist.world_size, len(train_dataset), model, own_sampler)
+    def _setup_plan(self, config, model, rewards: tuple, train_dataset, own_sampler: bool) -> None:
+        """Ranks, seed, checks and plan before a model loads (run/startup), then the trackers."""
+        self.dist, self.plan, self.precision, self.reward_funcs = prepare(
+            config, train_dataset, self.eval_dataset, *rewards, model, own_sampler)
         self.schedule, self.total_steps = self.plan.schedule, self.plan.total_steps
-        self.trackers = Trackers(self.plan.trackers, self.dist.is_main)  # a missing package fails here
-        torch.manual_seed(config.seed + self.dist.rank)  # dropout differs by rank; sampling: streams
+        self.trackers = Trackers(self.plan.trackers, self.dist.is_main)  # a missing package fails
 
-    def _setup_policy(self, config, model, tokenizer, train_dataset, eval_dataset) -> None:
-        """The tokenizer, the model prepared for training, the policy that forwards it, its updates."""
+    def _setup_policy(self, config, model, tokenizer, train_dataset) -> None:
+        """The tokenizer, the model prepared for training, the policy forwarding it, its updates."""
         self.tokenizer = tokenizer if tokenizer is not None else default_tokenizer(config, model)
-        check_chat_template(self.tokenizer, {"train_dataset": train_dataset, "eval_dataset": eval_dataset})
+        check_chat_template(self.tokenizer, {"train_dataset": train_dataset,
+                                             "eval_dataset": self.eval_dataset})
         model = model if model is not None else load_model(config, self.precision)
         self.model = prepare_for_training(model, config, self.dist.world_size)
         self.policy = Policy(self.model, self.plan.logprobs, self.dist.world_size, self.precision,
                              is_main=self.dist.is_main)
-        self.threshold_set = self.policy.device.type == "cpu" and return_freed_memory()  # infra/allocator
-        place_reward_models(self.reward_funcs, self.policy.device)  # next to the policy
+        self.threshold_set = self.policy.device.type == "cpu" and return_freed_memory()
         self.updates = Updates(self.model.parameters(), self.plan.optim, self.total_steps)
-        self.optimizer, self.scheduler = self.updates.optimizer, self.updates.scheduler  # TRL's names
+        self.optimizer, self.scheduler = self.updates.optimizer, self.updates.scheduler  # TRL's
 
-    def _setup_generation(self, config, sampler, rollout_func, train_dataset):
-        """The generation pipeline and the batches it makes, now (synchronous) or ahead (run/ahead)."""
+    def _setup_generation(self, sampler, rollout_func, train_dataset) -> None:
+        """The generation pipeline and the batches it makes, now or ahead (run/ahead)."""
         self.state = TrainerState.of(self.total_steps, self.dist)  # its global_step is `step`
-        self.no_signal = NoSignalWatch(patience=3)  # steps in a row where every group's rewards were equal
-        sampler = engine(sampler, rollout_func, self)  # ours, a vLLM server, a rollout_func or the caller's
+        self.no_signal = NoSignalWatch(patience=3)  # steps in a row where all rewards were equal
+        self.sampler = engine(sampler, rollout_func, self)  # ours, a server's, a rollout_func...
         s = self.plan.generation
-        self.sampler, self.prompts = sampler, PromptStream(train_dataset, s.data_seed, shuffle=s.shuffle_dataset)
-        self.pipeline = Pipeline.build(sampler, self.prompts, self.reward_funcs, self.policy, self.dist, s,
-                                       self.plan.loss, pad_id=self.tokenizer.pad_token_id,
-                                       release_memory=self.threshold_set, tools=self.tools)
-        self.batches = Synchronous(self.pipeline, self.schedule, self.state) if s.max_staleness is None else \
-            Ahead(self.pipeline, self.state, self.schedule, self.total_steps, s.max_staleness,
-                  release=self.optimizer.state.clear)
+        self.prompts = PromptStream(train_dataset, s.data_seed, shuffle=s.shuffle_dataset)
+        place_reward_models(self.reward_funcs, self.policy.device)  # next to the policy
+        self.pipeline = Pipeline.build(self.sampler, self.prompts, self.reward_funcs, self.policy,
+                                       self.dist, s, self.plan.loss, self.tokenizer.pad_token_id,
+                                       self.threshold_set, self.tools)
+        self.batches = Synchronous(self.pipeline, self.schedule, self.state) \
+            if s.max_staleness is None else Ahead(self.pipeline, self.state, self.schedule,
+                                                  self.total_steps, s.max_staleness,
+                                                  release=self.optimizer.state.clear)
 
-    def _setup_run(self, config, callbacks) -> None:  # callbacks, what is logged, checkpoints (run/)
-        self.callbacks = Callbacks(callbacks, config, self.state, self.model, self.tokenizer, self.optimizer,
-                                   self.scheduler)
-        self.output_dir = Path(config.output_dir)
+    def _setup_run(self, callbacks) -> None:
+        """The callbacks, the report of what is logged, the session that saves (run/)."""
+        self.callbacks = Callbacks(callbacks, self.config, self.state, self.model, self.tokenizer,
+                                   self.optimizer, self.scheduler)
+        self.output_dir = Path(self.config.output_dir)
         self.report = Report(self.output_dir, self.dist, self.trackers, self.state, self.callbacks,
                              self.pipeline.reward_names, self.schedule.global_batch)
-        self.session = Session(self.output_dir, self.dist, self.policy, self.tokenizer, self.updates,
-                               self.prompts, self.schedule, self.plan.session, self.total_steps,
-                               on_save=self.callbacks.on_save, sampled_ahead=self.batches.for_checkpoint)
+        self.session = Session(self.output_dir, self.dist, self.policy, self.tokenizer,
+                               self.updates, self.prompts, self.schedule, self.plan.session,
+                               self.total_steps, on_save=self.callbacks.on_save,
+                               sampled_ahead=self.batches.for_checkpoint)
 
     @property
     def args(self) -> Config:  # TRL's name
@@ -112,29 +108,31 @@ class Trainer:
 
     @step.setter
     def step(self, step: int) -> None:
-        self.state.global_step, self.state.epoch = step, self.schedule.epoch(step, len(self.prompts.dataset))
+        self.state.global_step = step
+        self.state.epoch = self.schedule.epoch(step, len(self.prompts.dataset))
 
     @property
-    def generation(self):  # the generation batch in training (rollout/batches), None before the first
+    def generation(self):  # the generation batch in training (rollout/batches); None before one
         return self.batches.current
 
-    def save_model(self, output_dir: str | None = None) -> None:  # transformers': no optimizer state
-        self.session.save_model(Path(output_dir if output_dir is not None else self.config.output_dir))
+    def save_model(self, output_dir: str | None = None) -> None:  # transformers': no optimizer
+        self.session.save_model(Path(output_dir if output_dir is not None else self.output_dir))
 
     def train(self, resume_from_checkpoint: str | bool | None = None) -> TrainOutput:
-        """Run to `total_steps`, resumed from `resume_from_checkpoint` (else config's) when set; SIGINT
-        and SIGTERM save a checkpoint and raise TrainingInterrupted. Returns transformers' TrainOutput."""
+        """Run to `total_steps`, resumed as `resume_from_checkpoint` (else config's) says; SIGINT
+        and SIGTERM save a checkpoint and raise TrainingInterrupted. transformers' TrainOutput."""
         resume = resume_from_checkpoint
         resume = self.config.resume_from_checkpoint if resume is None else resume
         with lock.hold(self.output_dir, self.dist), self.batches:  # a sampler process ends with it
-            if self.step == 0:  # resumed, or a fresh run that must not append to an earlier one's logs
+            if self.step == 0:  # resumed, or a fresh run that must not append to earlier logs
                 self.resume(resume)
             self.report.begin({**asdict(self.config), "resume_from_checkpoint": resume})
             if self.config.eval_on_start and self.step == 0:
                 self.evaluate()
             with StopSignals() as signals, self.report.steps_bar(), self.trackers:
-                while self.step < self.total_steps and not self.after_step(signals, self.run_step(signals)):
-                    pass
+                while self.step < self.total_steps:
+                    if self.after_step(signals, self.run_step(signals)):
+                        break
             return self.report.output()  # then on_train_end
 
     def run_step(self, signals: StopSignals) -> dict:
@@ -142,26 +140,31 @@ class Trainer:
         self.callbacks.on_step_begin()
         start, t0 = self.progress(), time.perf_counter()
         try:
-            with self.session.undone_on_failure(signals, start):  # saves `start` if the step fails
+            with self.session.undone_on_failure(signals, start):  # saves `start` if it fails
                 generation = self.batches.take(self.step)
                 if generation is not start.generation:  # says once what fixes a run without signal
-                    self.no_signal.update(generation.metrics["frac_reward_zero_std"], show=self.dist.is_main)
-                totals = self.accumulate(generation.micro_batches[self.schedule.micro_batches_of(self.step)])
+                    zero_std = generation.metrics["frac_reward_zero_std"]
+                    self.no_signal.update(zero_std, show=self.dist.is_main)
+                micro_batches = generation.micro_batches[self.schedule.micro_batches_of(self.step)]
+                totals = self.accumulate(micro_batches)
         except BaseException:  # TrainingInterrupted too, a KeyboardInterrupt
             self.batches.current = start.generation
             raise
         metrics = {**generation.metrics, **totals, **self.updates.apply(totals["loss"], self.step),
-                   "step_time": time.perf_counter() - t0, "memory/peak_gb": peak_memory_gb(self.policy.device)}
+                   "step_time": time.perf_counter() - t0,
+                   "memory/peak_gb": peak_memory_gb(self.policy.device)}
         self.step += 1
-        return self.report.step({**metrics, "epoch": self.state.epoch})  # its loss counted, the bar on
+        return self.report.step({**metrics, "epoch": self.state.epoch})  # its loss counted
 
     def after_step(self, signals: StopSignals, metrics: dict) -> bool:
-        """What the callbacks and the cadence ask once a step is done: log, evaluate, save; True to stop."""
+        """What the callbacks and the cadence ask after a step: log, evaluate, save; True: stop."""
         ended = self.schedule.ends_epoch(self.step, len(self.prompts.dataset))
-        control = self.callbacks.on_step_end(*self.plan.cadence.due(self.step, self.total_steps, ended))
+        due = self.plan.cadence.due(self.step, self.total_steps, ended)
+        control = self.callbacks.on_step_end(*due)
         if control.should_log:  # with its batch's completions once, not per pass over it
-            self.report.log(metrics, self.generation.batch, self.schedule.starts_generation(self.step - 1))
-        self.updates.check(self.step, self.session.last_checkpoint)  # too many NaN/inf steps in a row
+            first = self.schedule.starts_generation(self.step - 1)
+            self.report.log(metrics, self.generation.batch, first)
+        self.updates.check(self.step, self.session.last_checkpoint)  # too many NaN/inf steps
         if control.should_evaluate:
             self.evaluate()
         if control.should_save or control.should_training_stop:  # a stop saves as the end does
@@ -169,29 +172,29 @@ class Trainer:
         self.session.stop_on_signal(signals.received, self.progress())  # saved first
         return control.should_training_stop
 
-    def accumulate(self, micro_batches: list) -> dict:  # the step's gradients on them (policy/gradients)
+    def accumulate(self, micro_batches: list) -> dict:  # the step's gradients (policy/gradients)
         counts = self.generation.step_counts(micro_batches, self.dist.reduce)  # over all ranks
-        return accumulate(self.policy, micro_batches, counts, self.plan.loss, self.dist.reduce, step=self.step,
-                          show=self.dist.is_main)
+        return accumulate(self.policy, micro_batches, counts, self.plan.loss, self.dist.reduce,
+                          step=self.step, show=self.dist.is_main)
 
     def evaluate(self) -> dict:
-        """Greedy pass@1 on the eval dataset (rollout/evaluate), logged as its own metrics.jsonl line."""
+        """Greedy pass@1 on the eval dataset (rollout/evaluate), logged as its own line."""
         with decoding_allocations(self.threshold_set):
             metrics, _ = evaluate(self.model, self.tokenizer, self.eval_dataset, self.reward_funcs,
                                   self.plan.evaluation, batch_size=self.plan.decode.evaluation,
-                                  progress=self.dist.is_main, unsharded=self.policy.parallel.unsharded,
-                                  tools=self.tools, trainer_state=self.state)
+                                  progress=self.dist.is_main, trainer_state=self.state,
+                                  unsharded=self.policy.parallel.unsharded, tools=self.tools)
         return self.report.evaluation(metrics)
 
     def progress(self) -> Progress:
         return Progress(self.step, self.generation, self.updates.nonfinite)
 
-    def save(self, asked: bool = False) -> Path | None:  # checkpoint-STEP once; "no": only if `asked`
+    def save(self, asked: bool = False) -> Path | None:  # checkpoint-STEP; "no": only if `asked`
         return self.session.save(self.progress(), asked)
 
-    def resume(self, spec: str | bool | None) -> None:  # as resume_from_checkpoint says (run/session)
+    def resume(self, spec: str | bool | None) -> None:  # as resume_from_checkpoint says
         resumed = self.session.resume(spec)
         if resumed is not None:
             self.step, self.updates.nonfinite = resumed.step, resumed.nonfinite
             self.batches.restore(resumed.generation, resumed.ahead)
-            self.state.log_history = logged_lines(self.output_dir, self.step)  # as transformers does
+            self.state.log_history = logged_lines(self.output_dir, self.step)  # as transformers

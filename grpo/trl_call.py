@@ -8,9 +8,8 @@ import dataclasses
 
 from .errors import ConfigError
 from .policy.lora import adapter_settings, is_peft_model, lora_settings
-from .policy.gguf import resolve_model_path
 from .policy.models import load_tokenizer, with_pad_token
-from .policy.sources import loading, locate
+from .policy.sources import model_type
 from .settings import Config
 from .settings.trl_names import TRAINER_ONLY
 
@@ -58,19 +57,8 @@ def _lora(peft_config, model, config: Config) -> dict:
                           "its adapter and pass the base model with peft_config, or pass the PeftModel alone to "
                           "train its adapter")
     if peft_config is not None:
-        return lora_settings(peft_config, model_type=lambda: _model_type(model, config))
+        return lora_settings(peft_config, model_type=lambda: model_type(model, config.model))
     return adapter_settings(model) if is_peft_model(model) else {}
-
-
-def _model_type(model, config: Config) -> str | None:
-    """The policy's config.model_type: the model object's, or read from config.model's config.json."""
-    if model is not None:
-        return getattr(getattr(model, "config", None), "model_type", None)
-    from transformers import AutoConfig
-
-    name = locate(resolve_model_path(config.model))
-    with loading(name):
-        return AutoConfig.from_pretrained(name).model_type
 
 
 def default_tokenizer(config: Config, model):

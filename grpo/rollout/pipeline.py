@@ -34,7 +34,7 @@ class Pipeline:
         self.cut, self.reward_names, self.refill = cut, reward_names, refill
 
     @classmethod
-    def build(cls, sampler, prompts: PromptStream, reward_funcs: list, policy, dist, settings, loss: Mapping, *,
+    def build(cls, sampler, prompts: PromptStream, reward_funcs: list, policy, dist, settings, loss: Mapping,
               pad_id: int, release_memory: bool, tools=None) -> Pipeline:
         """The pipeline of `sampler` (the engine: our decoder, a rollout_func, a server) over `prompts`, rewarded
         by `reward_funcs`, with `settings` (settings/plan.GenerationSettings); `loss`: policy_loss's settings,

@@ -6,8 +6,13 @@ memory planner reads from the architecture (`prepare`). Settings alone are check
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
+
+import torch
 
 from ..errors import ConfigError
+from ..infra.distributed import Distributed
+from ..infra.distributed import setup as setup_distributed
 from ..memory.fit import decode_sizes
 from ..memory.known_models import architecture_of
 from ..policy.models import check_load_options, device_of
@@ -15,25 +20,10 @@ from ..policy.parallel import check_settings as check_parallel_settings
 from ..policy.precision import Precision
 from ..rollout.evaluate import check_eval_setup
 from ..rollout.prompts import check_dataset
+from ..rollout.reward_models import reward_callables
 from ..rollout.rewards import check_reward_columns, check_reward_weights, reward_func_names
 from ..settings.plan import RunPlan
 from . import checkpoint, lock
-
-
-def check_before_loading(config, dist, train_dataset, eval_dataset, reward_funcs: list, *, model_given: bool,
-                         columns_known: bool = True) -> None:
-    """ConfigError (or the dataset's, reward's error) for a run of `config` that cannot start; `dist`:
-    infra/distributed's, whose rank 0 looks at the output folder's lock. `columns_known`: the reward functions
-    get the dataset's columns only (a rollout_func's or sampler's fields may add some)."""
-    check_dataset(train_dataset)
-    check_reward_weights(config.reward_weights, reward_func_names(reward_funcs))
-    if columns_known:
-        check_reward_columns(reward_funcs, train_dataset)  # not after the first generation batch
-    check_eval_setup(config, eval_dataset, reward_funcs)
-    check_load_options(config, model_given=model_given)
-    checkpoint.check_output_dir(config.output_dir)
-    lock.check_free(config.output_dir, dist)  # taken when training starts
-    check_parallel_settings(dist.world_size, config.fsdp, config.optim, config.use_lora)
 
 
 def check_async(world_size: int, device_type: str, own_sampler: bool) -> None:
@@ -50,16 +40,41 @@ def check_async(world_size: int, device_type: str, own_sampler: bool) -> None:
                           "sampler passed to the Trainer; set async_generation=False")
 
 
-def prepare(config, world_size: int, num_prompts: int, model=None,
-            own_sampler: bool = True) -> tuple[RunPlan, Precision]:
-    """The run plan of `config` on `world_size` ranks over `num_prompts` training prompts, with its length and
-    decode sizes, and the precision plan, both before the model (`model`: the caller's, or None) loads;
-    ConfigError for a plan that cannot run."""
+class Prepared(NamedTuple):
+    """What a run knows before its model loads: its ranks, the plan finished, the dtype plan, the reward
+    callables."""
+
+    dist: Distributed
+    plan: RunPlan
+    precision: Precision
+    reward_funcs: list  # rollout/reward_models.reward_callables: reward models wrapped
+
+
+def prepare(config, train_dataset, eval_dataset, reward_funcs, reward_processing_classes=None, model=None,
+            own_sampler: bool = True) -> Prepared:
+    """The run of `config` set up on its ranks (infra/distributed: world size 1 without torchrun; torch seeded
+    by rank: dropout differs by rank, sampling has its own streams), checked and planned before its model
+    (`model`: the caller's, or None) loads. ConfigError (or the dataset's, a reward's error) for a run that
+    cannot start. `own_sampler`: our decoder samples, so the reward functions get the dataset's columns only (a
+    rollout_func's or sampler's fields may add some). The plan is on the process group's ranks, with the run's
+    length and decode sizes, and the precision plan."""
+    dist = setup_distributed()
+    checkpoint.check_output_dir(config.output_dir)
+    lock.check_free(config.output_dir, dist)  # taken when training starts
+    funcs = reward_callables(reward_funcs, reward_processing_classes, config.chat_template_kwargs)
+    check_dataset(train_dataset)
+    check_reward_weights(config.reward_weights, reward_func_names(funcs))
+    if own_sampler:
+        check_reward_columns(funcs, train_dataset)  # not after the first generation batch
+    check_eval_setup(config, eval_dataset, funcs)
+    check_load_options(config, model_given=model is not None)
+    check_parallel_settings(dist.world_size, config.fsdp, config.optim, config.use_lora)
     precision = Precision.plan(config.bf16, config.use_lora, device_of(model) if model is not None else None,
                                config.bf16_weights)
     if config.async_generation:
-        check_async(world_size, precision.device_type, own_sampler)
-    plan = RunPlan.resolve(config, world_size)
-    total_steps = plan.schedule.total_steps(num_prompts, config.num_train_epochs, config.max_steps)
+        check_async(dist.world_size, precision.device_type, own_sampler)
+    plan = RunPlan.resolve(config, dist.world_size)
+    total_steps = plan.schedule.total_steps(len(train_dataset), config.num_train_epochs, config.max_steps)
     decode = decode_sizes(plan.memory, architecture_of(config.model, model), precision)
-    return dataclasses.replace(plan, total_steps=total_steps, decode=decode), precision
+    torch.manual_seed(config.seed + dist.rank)  # last: reward models loaded above draw from it
+    return Prepared(dist, dataclasses.replace(plan, total_steps=total_steps, decode=decode), precision, funcs)
