@@ -73,7 +73,7 @@ def run(recipe, config, argv: list[str]) -> int:
         trainer = Trainer(config, model=model, tokenizer=tokenizer, reward_funcs=recipe.reward_funcs,
                           train_dataset=train_dataset, eval_dataset=eval_dataset, rollout_func=recipe.rollout_func,
                           reward_processing_classes=recipe.reward_processing_classes, tools=recipe.tools,
-                          environment_factory=recipe.environment_factory)
+                          environment_factory=recipe.environment_factory, callbacks=recipe.callbacks)
         trainer.train()
     except TrainingInterrupted as e:
         saved = f"saved {e.checkpoint}\n{resume_hint(argv, e.checkpoint)}" if e.checkpoint else e.unsaved

@@ -35,6 +35,8 @@ class Recipe:
     """Optional, as in TRL: functions the model may call (and our inline tools, rollout/tools.InlineTool)."""
     environment_factory: object = None
     """Optional, as in TRL: a class, one instance per completion, whose public methods are tools."""
+    callbacks: list | None = None
+    """Optional, as in TRL: transformers TrainerCallbacks (run/callbacks.py)."""
 
     def resolve_model(self, config: Config) -> tuple:
         """(model, tokenizer) from the recipe's `build_model`, or (None, None) to load `config.model`."""
@@ -45,7 +47,7 @@ RECIPE_CONTRACT = (
     "a recipe must define `config` (a grpo.Config), `reward_funcs` (a list of reward "
     "functions, reward models or reward model paths) and `train_dataset` (a datasets.Dataset or a function "
     "returning one); `eval_dataset`, `build_model(config) -> (model, tokenizer)`, `rollout_func`, "
-    "`reward_processing_classes`, `tools` and `environment_factory` are optional"
+    "`reward_processing_classes`, `tools`, `environment_factory` and `callbacks` are optional"
 )
 _recipe_ids = itertools.count()
 
@@ -73,6 +75,7 @@ def load_recipe(path: str) -> Recipe:
         reward_processing_classes=getattr(module, "reward_processing_classes", None),
         tools=getattr(module, "tools", None),
         environment_factory=getattr(module, "environment_factory", None),
+        callbacks=getattr(module, "callbacks", None),
     )
 
 

@@ -6,11 +6,10 @@ import os
 import signal
 
 import pytest
-from test_errors import run
+from test_errors import GOOD_BODY, run
 from test_resume import make_trainer, read_jsonl, stop_when
 from tiny_setup import logged, text_length
 
-import grpo.trainer
 from grpo.errors import ConfigError
 
 
@@ -63,16 +62,22 @@ def test_ctrl_c_while_a_reward_function_runs_stops_the_step_not_the_function(tmp
         trainer.train()
 
 
-def test_ctrl_c_on_the_command_line_prints_the_resume_command_and_exits_130(tmp_path, capsys, monkeypatch):
-    accumulate = grpo.trainer.Trainer.accumulate
+CTRL_C_IN_STEP_2 = GOOD_BODY + """
+import os
+import signal
+from transformers import TrainerCallback
 
-    def interrupted_in_step_2(self, micro_batches):
-        if self.step == 1:
-            sigint()
-        return accumulate(self, micro_batches)
+class CtrlCInStep2(TrainerCallback):  # the user's Ctrl-C, injected through TRL's callbacks=
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step == 1:
+            os.kill(os.getpid(), signal.SIGINT)
 
-    monkeypatch.setattr(grpo.trainer.Trainer, "accumulate", interrupted_in_step_2)
-    code, err = run(tmp_path, capsys, "--save_steps=10")
+callbacks = [CtrlCInStep2()]
+"""
+
+
+def test_ctrl_c_on_the_command_line_prints_the_resume_command_and_exits_130(tmp_path, capsys):
+    code, err = run(tmp_path, capsys, "--save_steps=10", body=CTRL_C_IN_STEP_2)
     saved = tmp_path / "run" / "checkpoint-1"
     assert code == 130
     lines = err.splitlines()

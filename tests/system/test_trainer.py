@@ -228,21 +228,16 @@ def test_trl_loss_settings_and_unscored_completions(tmp_path, tokenizer):
 
 
 @pytest.mark.parametrize("model_given", [False, True])
-def test_a_schedule_error_comes_before_any_model_loads(tmp_path, tokenizer, monkeypatch, model_given):
-    import sys
-
-    import grpo.policy.models
-
+def test_a_schedule_error_comes_before_any_model_loads(tmp_path, tokenizer, model_given):
     def must_not_run(*args, **kwargs):
-        raise AssertionError("a model was loaded or prepared before the schedule was checked")
+        raise AssertionError("the model was prepared for training before the schedule was checked")
 
-    for name in ("load_model", "prepare_for_training"):  # where it is defined, and every module importing it
-        original = getattr(grpo.policy.models, name)
-        for module in [m for m in sys.modules.values() if getattr(m, name, None) is original]:
-            monkeypatch.setattr(module, name, must_not_run)
-    config = make_config(tmp_path)
+    # A model to load that is not there: loading it first would be another error than the schedule's.
+    config = make_config(tmp_path, model=str(tmp_path / "no-model-here"))
     config.steps_per_generation = 3  # changed after the Config checked it: the Trainer checks it again
     model = tiny_model(tokenizer) if model_given else None
+    if model is not None:
+        model.train = must_not_run  # preparing a model for training ends in train mode
     with pytest.raises(ConfigError, match="steps_per_generation=3 must be a multiple of gradient_accumulation_steps=2"):
         Trainer(config, model=model, tokenizer=tokenizer, reward_funcs=[digit_share], train_dataset=digit_prompts())
     assert not (tmp_path / "run").exists()
