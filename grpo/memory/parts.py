@@ -82,8 +82,12 @@ def generation_bytes(a, m, d: Dtypes, rows: int, prompts: int) -> tuple[float, f
 
 
 def sampling_weight_bytes(a, m, d: Dtypes) -> float:
-    """While sampling (policy/folding), float32 LoRA bases hold a folded copy of every adapted weight."""
+    """While sampling (policy/folding), float32 LoRA bases hold a folded copy of every adapted weight; with
+    int8_sampling_weights, every linear and the LM head an int8 copy as well (policy/int8: fbgemm keeps the
+    quantized weight beside its packed one, 2 bytes a weight)."""
+    int8 = 2.0 * (a.linear_params() + a.vocab_size * a.hidden_size) if m.int8_sampling else 0.0
     if m.quantized or d.base != 4 or not m.use_lora:
-        return 0.0
+        return int8
     targets = m.lora_targets
-    return 4.0 * a.num_layers * sum(i * o for n, (i, o) in a.linear_shapes().items() if targets is None or n in targets)
+    return int8 + 4.0 * a.num_layers * sum(i * o for n, (i, o) in a.linear_shapes().items()
+                                           if targets is None or n in targets)

@@ -8,7 +8,9 @@ RMSNorms, one `mm` per linear on the weight the module holds (no copy: policy/fo
 transposed, the layout a product with few rows reads fastest), the rotary product, and attention of each
 key/value head's group of queries over the preallocated cache (rollout/kv_cache) as one
 `scaled_dot_product_attention` call, reading the keys once per group. The weights are read as the modules hold
-them when the decode starts, so a decode within policy/folding's `sampling_weights` runs on the folded ones.
+them when the decode starts, so a decode within policy/folding's `sampling_weights` runs on the folded ones; with
+`int8` (Config.int8_sampling_weights) on int8 copies of them made then (policy/int8), q/k/v and gate/up each
+stacked into one product.
 
 Any other family, a layer that is not a plain linear (an unfolded adapter, 4-bit, sharded), or a layer with
 extras (sliding windows, q/k norms) keeps transformers' forward (`fused_decoder` returns None)."""
@@ -16,6 +18,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from .int8 import Int8Linear
 
 # The decoder layers whose decoding step `FusedDecoder` computes: their forward is exactly this file's
 # (pre-norm RMSNorm, rotary on all of q and k, grouped-query attention scaled by head_dim ** -0.5, gated MLP).
@@ -38,6 +42,25 @@ def _product(linear: torch.nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None
     return linear.weight.detach().T, None if linear.bias is None else linear.bias.detach()
 
 
+def _linear(weight_and_bias):
+    """`x [n, in] -> [n, out]`: one `mm` (or `addmm`) on the weight as the module holds it."""
+    weight, bias = weight_and_bias
+    if bias is None:
+        return lambda x: torch.mm(x, weight)
+    return lambda x: torch.addmm(bias, x, weight)
+
+
+def _products(q, k, v, o, gate, up, down) -> tuple:
+    """A layer's products on its modules' own weights: (h -> (q, k, v), a -> o, h -> (gate, up), m -> down)."""
+    fq, fk, fv, fo, fg, fu, fd = (_linear(_product(m)) for m in (q, k, v, o, gate, up, down))
+    return lambda h: (fq(h), fk(h), fv(h)), fo, lambda h: (fg(h), fu(h)), fd
+
+
+def _int8_products(q, k, v, o, gate, up, down) -> tuple:
+    """`_products` on int8 copies (policy/int8), q/k/v and gate/up each stacked into one product."""
+    return Int8Linear([q, k, v]).split, Int8Linear([o]), Int8Linear([gate, up]).split, Int8Linear([down])
+
+
 def _layer_linears(layer) -> list | None:
     attn, mlp = layer.self_attn, layer.mlp
     names = [(attn, "q_proj"), (attn, "k_proj"), (attn, "v_proj"), (attn, "o_proj"), (mlp, "gate_proj"),
@@ -46,10 +69,11 @@ def _layer_linears(layer) -> list | None:
     return None if any(m is None for m in linears) else linears
 
 
-def fused_decoder(body, cache) -> FusedDecoder | None:
+def fused_decoder(body, cache, int8: bool = False) -> FusedDecoder | None:
     """A `FusedDecoder` for the decoder `body` (a transformers base model: `embed_tokens`, `layers`, `norm`,
     `rotary_emb`) writing `cache`'s preallocated layers, or None where `body` is not one it computes exactly or
-    its weights are not float32 on a CPU (elsewhere the copies would cost memory the plan does not hold)."""
+    its weights are not float32 on a CPU (elsewhere the copies would cost memory the plan does not hold).
+    `int8`: its linears run on int8 copies of their weights (policy/int8)."""
     layers = getattr(body, "layers", None)
     weight = next(body.parameters(), None)  # float32 on a CPU: what the fused copies are counted for (memory/)
     if (layers is None or weight is None or weight.device.type != "cpu" or weight.dtype != torch.float32
@@ -69,7 +93,7 @@ def fused_decoder(body, cache) -> FusedDecoder | None:
         if linears is None:
             return None
         plan.append(linears)
-    return FusedDecoder(body, cache, plan)
+    return FusedDecoder(body, cache, plan, int8)
 
 
 class FusedDecoder:
@@ -78,7 +102,7 @@ class FusedDecoder:
     computes them, writing the new keys and values into `cache`. It holds the weights the modules hold when it is
     made: make one per decode."""
 
-    def __init__(self, body, cache, plan: list):
+    def __init__(self, body, cache, plan: list, int8: bool = False):
         config = body.config
         attn = body.layers[0].self_attn
         self.embed, self.rotary, self.cache = body.embed_tokens, body.rotary_emb, cache
@@ -89,12 +113,8 @@ class FusedDecoder:
         for layer, (q, k, v, o, gate, up, down) in zip(body.layers, plan):
             norms = [(n.weight.detach(), n.variance_epsilon)
                      for n in (layer.input_layernorm, layer.post_attention_layernorm)]
-            self.layers.append((norms, [_product(m) for m in (q, k, v, o, gate, up, down)], layer.mlp.act_fn))
-
-    @staticmethod
-    def _linear(x: torch.Tensor, weight_and_bias) -> torch.Tensor:
-        weight, bias = weight_and_bias
-        return torch.mm(x, weight) if bias is None else torch.addmm(bias, x, weight)  # [n, out]
+            products = _int8_products(q, k, v, o, gate, up, down) if int8 else _products(q, k, v, o, gate, up, down)
+            self.layers.append((norms, products, layer.mlp.act_fn))
 
     @staticmethod
     def _rms(x: torch.Tensor, weight_and_eps) -> torch.Tensor:
@@ -113,14 +133,14 @@ class FusedDecoder:
         def rotate(t: torch.Tensor) -> torch.Tensor:  # [n, heads, D]: transformers' apply_rotary_pos_emb
             return t * cos + torch.cat([-t[..., half:], t[..., :half]], -1) * sin
 
-        for ((norm1, norm2), (q, k, v, o, gate, up, down), act), cached in zip(self.layers, self.cache.layers):
-            h = self._rms(x, norm1)  # [n, H]
-            queries = rotate(self._linear(h, q).view(n, Hq, D)).view(n, Hkv, Hq // Hkv, D)  # [n, Hkv, G, D]
-            keys, values = cached.update(rotate(self._linear(h, k).view(n, Hkv, D))[:, :, None],
-                                         self._linear(h, v).view(n, Hkv, 1, D))  # [n, Hkv, T, D] each
+        for ((norm1, norm2), (qkv, o, gate_up, down), act), cached in zip(self.layers, self.cache.layers):
+            q, k, v = qkv(self._rms(x, norm1))  # [n, Hq*D], [n, Hkv*D] x 2
+            queries = rotate(q.view(n, Hq, D)).view(n, Hkv, Hq // Hkv, D)  # [n, Hkv, G, D]
+            keys, values = cached.update(rotate(k.view(n, Hkv, D))[:, :, None],
+                                         v.view(n, Hkv, 1, D))  # [n, Hkv, T, D] each
             # each key/value head's G queries as G query positions: the keys are read once per group
             a = F.scaled_dot_product_attention(queries, keys, values, attn_mask=attend, scale=self.scale)
-            x = x + self._linear(a.reshape(n, Hq * D), o)  # [n, H]
-            h = self._rms(x, norm2)  # [n, H]
-            x = x + self._linear(act(self._linear(h, gate)) * self._linear(h, up), down)  # [n, H]
+            x = x + o(a.reshape(n, Hq * D))  # [n, H]
+            gate, up = gate_up(self._rms(x, norm2))  # [n, I] each
+            x = x + down(act(gate) * up)  # [n, H]
         return self.norm(x)  # [n, H]

@@ -24,6 +24,8 @@ import sys
 
 import torch
 
+from .int8 import Int8Linear
+
 
 def foldable_layers(model) -> list:
     """The peft LoRA layers of `model` that `sampling_weights` folds; empty when any LoRA layer cannot be
@@ -67,12 +69,13 @@ def _packed_forward(weight: torch.Tensor, bias: torch.Tensor | None):
 
 
 @contextlib.contextmanager
-def sampling_weights(model):
+def sampling_weights(model, int8: bool = False):
     """Within the context, every foldable LoRA layer of `model` (see `foldable_layers`) computes with its base
     weight plus its adapter's update, held in a new tensor that stands in for the base weight, and skips the
     adapter. Yields the LM head's product on a oneDNN-packed copy (`hidden -> logits`, for policy/head's
-    `head_logits`), or None where it is not packed (not a float32 torch linear on a CPU). On exit the original
-    weights (the same tensors, never written) and adapters are back."""
+    `head_logits`), or None where it is not packed (not a float32 torch linear on a CPU); with `int8`, on an
+    int8 copy (policy/int8; the decoding steps make theirs from the folded weights, policy/decoder). On exit the
+    original weights (the same tensors, never written) and adapters are back."""
     layers = foldable_layers(model)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     swapped = []
@@ -86,7 +89,10 @@ def sampling_weights(model):
                 swapped.append((layer, base.weight))
                 base.weight = torch.nn.Parameter(folded, requires_grad=False)
             # The head's [V, H] product is a fifth of a SmolLM2 decoding step: packed, used by the decode.
-            head_matmul = _packed_forward(head.weight, head.bias) if head is not None and packable(head) else None
+            if int8 and head is not None and packable(head):
+                head_matmul = Int8Linear([head])
+            else:
+                head_matmul = _packed_forward(head.weight, head.bias) if head is not None and packable(head) else None
         yield head_matmul
     finally:
         for layer, weight in swapped:

@@ -18,6 +18,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from ..errors import ConfigError
 from ..policy.caches import cache_argument, keeps_recurrent_state
 from ..policy.decoder import fused_decoder
 from ..policy.head import head_logits, positions
@@ -227,10 +228,41 @@ class ForcedTokens:
         self.lengths[rows[newly]] = step + 1
 
 
+def next_tokens(logits: torch.Tensor, s: DecodeSettings, seen: torch.Tensor | None, eos: torch.Tensor,
+                u: torch.Tensor | None, with_logprobs: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A decoding step's tokens [n] from its logits [n, V] (`seen` [n, V]: the tokens a repetition penalty
+    counts; `u` [n, 1]: the rows' uniforms, None when greedy) and, `with_logprobs`, each one's log-prob [n]
+    under the distribution it was drawn from (None without)."""
+    k = s.knobs
+    if seen is not None:
+        logits = penalize_repetitions(logits, seen, k.repetition_penalty)  # [n, V]
+    if not s.stop_at_eos:
+        logits[:, eos] = -torch.inf
+    if s.greedy:
+        token = logits.argmax(dim=-1)  # [n]
+    else:
+        token = sample_from_logits(filter_logits(logits, k.temperature, k.top_k, k.top_p, k.min_p), u=u)  # [n]
+    if not with_logprobs:
+        return token, None
+    return token, logits.gather(1, token[:, None]).squeeze(1) - logits.logsumexp(-1)  # [n], [n]
+
+
+def decoding_step(hf_model, cache, forward, int8: bool):
+    """`step(ids [n, 1], mask [n, T], position_ids [n, 1]) -> hidden [n, H]`: a Llama-shaped model's fused step
+    (policy/decoder: the same math in fewer operations), on int8 weights with `int8`; else the last position of
+    `forward`, the body's forward."""
+    fused = fused_decoder(hf_model.base_model, cache, int8) if in_place(cache) else None
+    if int8 and fused is None:
+        raise ConfigError("int8_sampling_weights=True needs decoding steps that run fused (policy/decoder): a "
+                          "Llama, Mistral or Qwen2 model with full attention and float32 weights on a CPU, LoRA "
+                          f"folded; this {type(hf_model).__name__} is not one: set int8_sampling_weights=false")
+    return fused or (lambda ids, mask, position_ids: forward(ids, mask, position_ids)[:, -1])  # [n, H]
+
+
 @torch.no_grad()
 def decode(hf_model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, settings: DecodeSettings, *,
            repeats: int = 1, seeds: torch.Tensor | None = None, on_token=None, head_matmul=None,
-           tools=None) -> torch.Tensor | ToolDecode:
+           tools=None, int8: bool = False, with_logprobs: bool = False):
     """Completion ids [N, C] sampled after left-padded prompts [B, P] as `settings` say, each prompt `repeats`
     times in a row (N = B * repeats), by a transformers causal LM (adapters, if any, injected in place); the
     prompts are read by `prefill`. `seeds` [N] (int64): where each row's random stream starts
@@ -241,7 +273,11 @@ def decode(hf_model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, settin
     positions and written in place (rollout/kv_cache); a Llama-shaped model's steps run fused (policy/decoder).
     `head_matmul`: the LM head's product on a packed copy of its weight (policy/folding). `tools` (tool_loop's
     ToolLoop) watches what each row writes and appends its tools' output (`ForcedTokens`); then a `ToolDecode` is
-    returned, a row ending at an EOS that closes no tool call or where the tools end it."""
+    returned, a row ending at an EOS that closes no tool call or where the tools end it. `int8`: the decoding
+    steps' linears run on int8 copies of their weights (policy/int8; a model whose steps do not run fused is
+    refused). `with_logprobs`: `(that, logprobs [N, C])`, each sampled token's log-prob under the distribution
+    it was drawn from (logits after the penalty, temperature and filters: vLLM's processed log-probs), NaN where
+    no token was sampled (padding, a tool's tokens)."""
     s, k, N, device = settings, settings.knobs, len(prompt_ids) * repeats, prompt_ids.device
     if s.max_new_tokens == 0:
         return prompt_ids.new_empty(N, 0)
@@ -260,27 +296,20 @@ def decode(hf_model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, settin
     hidden, full_mask, position_ids, seen = prefill(forward, cache, prompt_ids, prompt_mask, repeats=repeats,
                                                     max_new_tokens=s.max_new_tokens, stateful=stateful, seen=seen)
     P = full_mask.shape[1] - s.max_new_tokens  # the prompt's columns of the mask
-    # A Llama-shaped model's decoding steps run fused (policy/decoder): the same math in fewer operations.
-    step_forward = (fused_decoder(body, cache) if in_place(cache) else None) or (
-        lambda ids, mask, position_ids: forward(ids, mask, position_ids)[:, -1])  # [n, H]
+    step_forward = decoding_step(hf_model, cache, forward, int8)
     if seeds is None and not s.greedy:
         seeds = torch.randint(-2 ** 63, 2 ** 63 - 1, (N,), device=device)  # [N]
     batch = DecodingRows(N, device, compacts=not stateful, seeds=None if s.greedy else seeds)  # rows decoding
     eos = torch.tensor(list(s.eos_ids), device=device)
     turns = None if tools is None else ForcedTokens(tools, N, s.max_new_tokens, device)
-    tokens = []
+    tokens, logprobs = [], [] if with_logprobs else None
     for step in range(s.max_new_tokens):
-        logits = logits_of(hidden)  # [n, V]
-        if seen is not None:
-            logits = penalize_repetitions(logits, seen, k.repetition_penalty)  # [n, V]
-        if not s.stop_at_eos:
-            logits[:, eos] = -torch.inf
-        if s.greedy:
-            token = logits.argmax(dim=-1)  # [n]
-        else:
-            token = sample_from_logits(filter_logits(logits, k.temperature, k.top_k, k.top_p, k.min_p),
-                                       u=batch.uniforms(step))  # [n]
+        token, sampled = next_tokens(logits_of(hidden), s, seen, eos, None if s.greedy else batch.uniforms(step),
+                                     with_logprobs)  # [n], [n] or None
         forced = None if turns is None else turns.apply(token, batch.rows, step)  # [n] a tool's tokens
+        if logprobs is not None:  # [n]: NaN where the row had finished or a tool wrote the token
+            unsampled = batch.finished if forced is None else batch.finished | forced
+            logprobs.append(batch.scatter(sampled.masked_fill(unsampled, torch.nan), torch.nan))  # [N]
         if seen is not None:  # before padding: a finished row's mark does not matter, and pad may be past V
             seen.scatter_(1, token[:, None], True)
         token = token.masked_fill(batch.finished, s.pad_id)
@@ -304,7 +333,7 @@ def decode(hf_model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, settin
         position_ids = position_ids + 1  # [n, 1]
         hidden = step_forward(token[:, None], full_mask[:, :P + step + 1], position_ids)  # [n, H]; mask a view
     completion_ids = torch.stack(tokens, dim=1)  # [N, C]
-    if turns is None:
-        return completion_ids
     C = completion_ids.shape[1]
-    return ToolDecode(completion_ids, turns.mask[:, :C], turns.lengths.clamp(max=C))
+    decoded = completion_ids if turns is None else ToolDecode(completion_ids, turns.mask[:, :C],
+                                                              turns.lengths.clamp(max=C))
+    return decoded if logprobs is None else (decoded, torch.stack(logprobs, dim=1))  # [N, C]

@@ -12,6 +12,7 @@ import torch
 
 from ..algo.advantages import group_advantages
 from ..algo.loss import zero_advantage_has_no_gradient
+from ..errors import ConfigError
 from .batches import Cut, Generation, Rollout, generation_metrics, with_advantages
 from .custom import CustomRollouts
 from .dynamic import DynamicSampling
@@ -97,6 +98,9 @@ def engine(sampler, rollout_func, trainer):
     if plan.server is not None:  # with the run's adapter, published each step
         return server_sampler(sampler or rollout_func, trainer.model, trainer.tokenizer, plan, trainer.tools,
                               Path(trainer.config.output_dir) / "vllm-adapters")
+    if plan.sampling.int8 and (sampler is not None or rollout_func is not None):
+        raise ConfigError("int8_sampling_weights=True samples with our own decode loop: pass no sampler or "
+                          "rollout_func with it")
     if sampler is not None:
         return sampler
     if rollout_func is not None:

@@ -7,7 +7,9 @@ import warnings
 
 import torch
 
+from ..errors import ConfigError
 from ..policy.folding import sampling_weights
+from ..policy.int8 import int8_refusal
 from ..policy.models import eval_mode, unwrap
 from ..settings.plan import SamplingKnobs
 from .batches import Rollout
@@ -78,7 +80,7 @@ def eos_token_ids(tokenizer, model) -> list[int]:
 def sample_completions(model, tokenizer, encode: PromptEncoder, prompts: list, *, num_generations: int,
            max_completion_length: int, knobs: SamplingKnobs = SamplingKnobs(), stop_at_eos: bool = True,
            greedy: bool = False, streams: PromptStreams | None = None, on_token=None,
-           max_tool_calling_iterations: int | None = None, envs: list | None = None) -> Rollout:
+           max_tool_calling_iterations: int | None = None, envs: list | None = None, int8: bool = False) -> Rollout:
     """Sample `num_generations` completions per prompt with KV-cached generation, with the sampling `knobs`
     (a run's: `Config.sampling_knobs()`; the default filters nothing).
 
@@ -88,7 +90,9 @@ def sample_completions(model, tokenizer, encode: PromptEncoder, prompts: list, *
     `on_token(n)` is called after each decoding step with the tokens it generated (progress bars). With the
     tools of `encode` (rollout/tools.Tools), rows call them within the decode (rollout/tool_loop.ToolLoop), up
     to `max_tool_calling_iterations` rounds each (None: no limit, TRL's default); `envs`: one environment per
-    completion when the tools include an environment's methods."""
+    completion when the tools include an environment's methods. `int8`: decoding steps on int8 weights
+    (policy/int8), each sampled token's log-prob kept as the rollout's `sampling_logprobs` for the
+    importance-sampling correction (NaN on tokens out of the loss mask)."""
     prompt_ids, prompt_mask = encode(prompts)  # [B, P]
     device = next(model.parameters()).device
     prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)  # [B, P]
@@ -103,14 +107,20 @@ def sample_completions(model, tokenizer, encode: PromptEncoder, prompts: list, *
     loop = None if encode.tools is None else ToolLoop(
         encode.tools, tokenizer, [p for p in prompts for _ in range(num_generations)], max_tool_calling_iterations,
         envs, eos_ids, encode.chat_template_kwargs)
-    with eval_mode(model), sampling_weights(model) as head_matmul:
+    with eval_mode(model), sampling_weights(model, int8) as head_matmul:
         decoded = decode(unwrap(model), prompt_ids, prompt_mask, settings, repeats=num_generations, seeds=seeds,
-                         on_token=on_token, head_matmul=head_matmul, tools=loop)  # [N, C], or with the tool mask
+                         on_token=on_token, head_matmul=head_matmul, tools=loop, int8=int8,
+                         with_logprobs=int8)  # [N, C], or with the tool mask; with the log-probs [N, C]
+    decoded, logprobs = decoded if int8 else (decoded, None)
     prompt_ids = prompt_ids.repeat_interleave(num_generations, dim=0)  # [N, P]
     prompt_mask = prompt_mask.repeat_interleave(num_generations, dim=0)  # [N, P]
     if loop is None:
-        return rollout_of_tokens(prompt_ids, prompt_mask, decoded, tokenizer, eos_ids, chat=is_chat(prompts[0]))
-    return tool_rollout(prompt_ids, prompt_mask, decoded, loop, tokenizer, eos_ids, chat=is_chat(prompts[0]))
+        rollout = rollout_of_tokens(prompt_ids, prompt_mask, decoded, tokenizer, eos_ids, chat=is_chat(prompts[0]))
+    else:
+        rollout = tool_rollout(prompt_ids, prompt_mask, decoded, loop, tokenizer, eos_ids, chat=is_chat(prompts[0]))
+    if logprobs is not None:
+        rollout.sampling_logprobs = logprobs.masked_fill(rollout.loss_mask == 0, torch.nan)  # [N, C]
+    return rollout
 
 
 def tool_rollout(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, decoded: ToolDecode, loop: ToolLoop,
@@ -173,6 +183,9 @@ class Sampler:
         self.encode = PromptEncoder(tokenizer, settings.max_prompt_length, kwargs, tools)
         k = settings.micro_batch_prompts
         self.prompts_per_decode = k if prompts_per_decode is None else max(k, prompts_per_decode // k * k)
+        refusal = int8_refusal() if settings.int8 else None
+        if refusal is not None:
+            raise ConfigError(refusal)
 
     @torch.no_grad()
     def __call__(self, prompts: list, on_token=None, streams: PromptStreams | None = None,
@@ -184,6 +197,12 @@ class Sampler:
             model, self.tokenizer, self.encode, prompts[start:start + k], num_generations=G,
             max_completion_length=s.max_completion_length, knobs=s.knobs, stop_at_eos=s.stop_at_eos,
             streams=streams.after(start), on_token=on_token, max_tool_calling_iterations=s.max_tool_calling_iterations,
-            envs=None if envs is None else envs[start * G:(start + k) * G]))
+            envs=None if envs is None else envs[start * G:(start + k) * G], int8=s.int8))
             for start in range(0, len(prompts), k)]
         return Rollout.cat(decodes, self.tokenizer.pad_token_id), {}
+
+    @staticmethod
+    def corrected(generation, settings) -> dict[str, float]:
+        """The importance-sampling correction of int8 samples (rollout/batches.Generation.correct_sampling) and
+        its metrics."""
+        return generation.correct_sampling(settings)

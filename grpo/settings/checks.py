@@ -232,9 +232,26 @@ def check_combinations(config) -> None:
                           "fsdp=false (LoRA keeps a bf16 base on CUDA already; FSDP keeps float32 shards)")
     if config.use_vllm:
         check_vllm(config)
+    if config.int8_sampling_weights:
+        check_int8(config)
     if config.warmup_ratio and config.warmup_steps:
         raise ConfigError(f"set warmup_steps or warmup_ratio, not both (got {config.warmup_steps:g} and "
                           f"{config.warmup_ratio:g})")
+
+
+def check_int8(config) -> None:
+    """int8_sampling_weights=True: our decode loop on float32 weights (policy/int8 checks the CPU, policy/decoder
+    the model)."""
+    other = ("use_vllm=True (the server samples)" if config.use_vllm else
+             "load_in_4bit=True (4-bit weights)" if config.load_in_4bit else
+             "bf16=True (a bf16 base)" if config.bf16 else "bf16_weights=True" if config.bf16_weights else None)
+    if other is not None:
+        raise ConfigError(f"int8_sampling_weights=True makes int8 copies of float32 weights for our own decode "
+                          f"loop on a CPU, which {other} does not have: set one of them off")
+    if config.loss_type == "vespo" and config.vllm_importance_sampling_correction:
+        raise ConfigError('loss_type="vespo" with int8_sampling_weights=True corrects the int8 samples '
+                          "(vllm_importance_sampling_correction=True), which is not supported yet for VESPO: set "
+                          "vllm_importance_sampling_correction=False")
 
 
 def check_vllm(config) -> None:

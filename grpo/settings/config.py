@@ -128,6 +128,14 @@ class Config(metaclass=_CheckedKeywords):
     """With tools (`Trainer(tools=..., environment_factory=...)`): the rounds of tool calls a completion may make
     (None: no limit but max_completion_length, which bounds the whole completion, tool output included; TRL's)."""
 
+    int8_sampling_weights: bool = False
+    """Sample with int8 copies of the weights (grpo's own; TRL has none): after each optimizer step the LoRA-folded
+    linears and the LM head are quantized per output channel and packed for fbgemm, and every decoding step
+    after the prompt runs on them, 1.5-4x faster per linear on an AVX2 CPU (docs/benchmarks.md). The sampler's
+    own log-probs are kept and TRL's importance-sampling correction (`vllm_importance_sampling_*`, on by
+    default) reweights the loss as for a vLLM server's samples. CPU, float32, Llama/Mistral/Qwen2 models only;
+    refused elsewhere."""
+
     # --- sampling on a vLLM server (TRL's names, meanings and defaults; docs/inference-engines.md) ---
     use_vllm: bool = False
     """Sample the completions on a vLLM server (`vllm_mode="server"`) instead of our decode loop on the policy."""
@@ -145,7 +153,8 @@ class Config(metaclass=_CheckedKeywords):
     go unanswered mid-run before the run stops (one line, a checkpoint saved)."""
     vllm_importance_sampling_correction: bool = True
     """Reweight the loss by the ratio of the trainer's and the server's log-probs of the sampled tokens
-    (TRL's importance-sampling correction; algo/sampling_correction.py)."""
+    (TRL's importance-sampling correction; algo/sampling_correction.py); with int8_sampling_weights, the int8
+    sampler's log-probs."""
     vllm_importance_sampling_mode: str = "sequence_mask"
     """token_truncate, token_mask, sequence_truncate or sequence_mask: per-token or per-sequence ratios, clipped
     to [clip_min, clip_max] (truncate) or set to 0 outside it (mask)."""

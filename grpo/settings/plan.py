@@ -157,13 +157,14 @@ class SamplingSettings:
     max_tool_calling_iterations: int | None
     seed: int
     micro_batch_prompts: int
+    int8: bool = False  # int8_sampling_weights: int8 decoding steps, the sampler's log-probs kept
 
     @classmethod
     def of(cls, c) -> SamplingSettings:
         kwargs = None if c.chat_template_kwargs is None else MappingProxyType(dict(c.chat_template_kwargs))
         return cls(c.num_generations, c.max_prompt_length, c.max_completion_length,
                    c.sampling_knobs(), c.stop_at_eos, kwargs, c.max_tool_calling_iterations,
-                   c.seed, max(1, c.per_device_train_batch_size // c.num_generations))
+                   c.seed, max(1, c.per_device_train_batch_size // c.num_generations), c.int8_sampling_weights)
 
 
 @dataclass(frozen=True)
@@ -183,8 +184,10 @@ class ServerSettings:
 
 
 def sampling_correction_of(c) -> Mapping | None:
-    """The keyword arguments of algo/sampling_correction.sampling_correction a run applies, or None."""
-    if not (c.use_vllm and c.vllm_importance_sampling_correction):
+    """The keyword arguments of algo/sampling_correction.sampling_correction a run applies, or None: samples of
+    another engine than the trained policy (a vLLM server, or our decode on int8 weights), corrected unless
+    vllm_importance_sampling_correction is off (TRL's default: on)."""
+    if not ((c.use_vllm or c.int8_sampling_weights) and c.vllm_importance_sampling_correction):
         return None
     return MappingProxyType(dict(mode=c.vllm_importance_sampling_mode, clip_min=c.vllm_importance_sampling_clip_min,
                                  clip_max=c.vllm_importance_sampling_clip_max))
@@ -247,6 +250,7 @@ class MemorySettings:
     logprobs_kept: int  # per-token log-prob rows kept for the generation batch: old, reference
     reference_copy: bool  # full fine-tuning's frozen reference copy
     eval_batch_size: int | None
+    int8_sampling: bool  # int8_sampling_weights: int8 copies while sampling
 
     @classmethod
     def of(cls, c, schedule: Schedule, old_logprobs: bool, reference: str) -> MemorySettings:
@@ -255,7 +259,8 @@ class MemorySettings:
                    planned_prompt_length(c), c.max_completion_length, c.gradient_checkpointing,
                    prompt_once(c.shared_prompt_forward, c.gradient_checkpointing), c.logprob_chunk_size,
                    c.gradient_accumulation_steps > 1, c.async_generation, schedule,
-                   old_logprobs + (reference != "none"), reference == "copy", c.eval_batch_size)
+                   old_logprobs + (reference != "none"), reference == "copy", c.eval_batch_size,
+                   c.int8_sampling_weights)
 
 
 @dataclass(frozen=True)
@@ -312,7 +317,7 @@ class RunPlan:
     evaluation: EvalSettings
     memory: MemorySettings
     server: ServerSettings | None = None  # sampling on an inference server (use_vllm)
-    sampling_correction: Mapping | None = None  # TRL's importance-sampling correction of the server's samples
+    sampling_correction: Mapping | None = None  # TRL's importance-sampling correction of a server's (int8) samples
     # Known once the run's data and model are (run/startup.prepare), before the model loads:
     total_steps: int | None = None  # optimizer steps of the run
     decode: DecodeSizes | None = None  # prompts per decode, the memory planner's

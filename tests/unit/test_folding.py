@@ -58,7 +58,7 @@ def test_greedy_tokens_are_the_plain_decodes(tokenizer, monkeypatch, lora):
                                   greedy=True, max_completion_length=12).completion_ids  # [3, C]
 
     folded = greedy()
-    monkeypatch.setattr(grpo.rollout.sampling, "sampling_weights", lambda _: contextlib.nullcontext())
+    monkeypatch.setattr(grpo.rollout.sampling, "sampling_weights", lambda *_: contextlib.nullcontext())
     assert torch.equal(folded, greedy())
 
 

@@ -1,0 +1,72 @@
+"""Int8 copies of linear weights for sampling on a CPU (Config.int8_sampling_weights): each output channel
+quantized to int8 with its own scale (symmetric, 127 steps each side), packed for fbgemm's int8 GEMM. On AVX2's
+integer instructions a decoding step's 16-64 rows then multiply 1.5-4x faster than in float32, where such a step
+is compute-bound (docs/benchmarks.md, "Decoding at the speed of memory").
+
+fbgemm quantizes the activations itself, per call (`quantized::linear_dynamic`), to 7 bits and a sign
+(`reduce_range`: AVX2 sums pairs of u8 x s8 products in 16 bits, which 8 bits could overflow) with one scale for
+all the rows. Both are too coarse here: a row's result would depend on the other rows of the batch (a seed would
+not sample the same whatever the batch plan), and 7 bits lose a small model's activations, whose largest value is
+10-35x their root mean square (SmolLM2-135M: 3-12% error per product, a KL of 0.01-0.3 nats per token between
+the int8 and float32 samplers). So each row is divided by its own largest magnitude, rounded to the 127-step
+grid of [-1, 1] and its remainder rounded again to that grid, the two passes stacked as rows of one product
+(about 14 bits), with a guard row [1, -1, 0, ..] that pins every call's range to [-1, 1]: fbgemm then reads
+every value exactly, each row's output is the same whatever the batch, and the weights' 8 bits are what is
+left (0.6-1.4% per product, about 0.005 nats per token for SmolLM2-135M, docs/benchmarks.md)."""
+from __future__ import annotations
+
+import torch
+
+ENGINES = ("x86", "fbgemm")  # torch's quantized engines whose linear_dynamic is fbgemm's
+TINY = 1e-30  # the scale of an all-zero row or channel (its values stay 0)
+STEP = 2 / 127  # the activations' grid: fbgemm quantizes the range [-1, 1] to 0..127 (reduce_range), zero at 64
+
+
+def int8_refusal() -> str | None:
+    """Why int8 sampling weights cannot run with this torch on this CPU (one line), or None."""
+    engine = torch.backends.quantized.engine
+    if engine not in ENGINES or not any(e in torch.backends.quantized.supported_engines for e in ENGINES):
+        return (f"int8_sampling_weights=True needs torch's fbgemm (x86) quantized engine, and this torch's is "
+                f"{engine!r} (supported: {', '.join(torch.backends.quantized.supported_engines) or 'none'})")
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability not in ("AVX2", "AVX512"):
+        return (f"int8_sampling_weights=True needs an x86 CPU with AVX2 for fbgemm's int8 products; this one "
+                f"offers {capability}")
+    return None
+
+
+class Int8Linear:
+    """`x [n, in] -> x @ W.T + b [n, out]` on int8 copies of the weights of one or more linears sharing their
+    input, stacked by output (q, k and v as one product), made when constructed (module docstring)."""
+
+    def __init__(self, linears: list[torch.nn.Linear]):
+        with torch.no_grad():
+            weight = torch.cat([m.weight.detach() for m in linears]).float()  # [out, in]
+            scales = weight.abs().amax(1).clamp(min=TINY) / 127  # [out]
+            zero = torch.zeros(len(weight), dtype=torch.long)
+            quantized = torch.quantize_per_channel(weight, scales.double(), zero, 0, torch.qint8)  # [out, in]
+            del weight
+            self.packed = torch.ops.quantized.linear_prepack(quantized, None)
+            biases = [m.bias.detach().float() if m.bias is not None else torch.zeros(m.out_features)
+                      for m in linears]
+            self.bias = torch.cat(biases) if any(m.bias is not None for m in linears) else None  # [out]
+            self.guard = torch.zeros(1, linears[0].in_features)  # [1, in]: the range every call quantizes
+            self.guard[0, :2] = torch.tensor([1.0, -1.0])
+        self.sizes = [m.out_features for m in linears]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        n = len(x)
+        a = x.abs().amax(-1, keepdim=True).clamp(min=TINY)  # [n, 1]: each row's own scale
+        v = x / (a * STEP)  # [n, in]: in steps of the grid, within [-63.5, 63.5]
+        # Both passes on the grid (fbgemm's rounding never decides), inside the guard's range (-64 steps would
+        # widen it, and the grid would depend on the batch): x = a * STEP * (k + r / 127) to 1/127 of a step.
+        k = v.round().clamp_(-63, 63)  # [n, in]
+        r = (v - k).mul_(127).round_().clamp_(-63, 63)  # [n, in]: what k missed, in 127ths of a step
+        y = torch.ops.quantized.linear_dynamic(torch.cat([k.mul_(STEP), r.mul_(STEP), self.guard]), self.packed,
+                                               True)  # [2n+1, out]
+        y = torch.add(y[:n], y[n:2 * n], alpha=1 / 127).mul_(a)  # [n, out]
+        return y if self.bias is None else y + self.bias
+
+    def split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The product's outputs of each stacked linear: views [n, out_i]."""
+        return self(x).split(self.sizes, -1)
