@@ -169,7 +169,7 @@ def test_int8_with_settings_it_cannot_serve_is_refused_in_one_line(settings, say
 
 def test_a_model_whose_steps_do_not_run_fused_is_refused_in_one_line():
     model = tiny_family("gemma")  # a scaled embedding: transformers' forward, not the fused step
-    ids, mask = left_padded_prompts(2)
+    ids, mask = left_padded_prompts(4)
     with pytest.raises(ConfigError, match="int8_sampling_weights=True needs decoding steps that run fused") as e:
         with torch.no_grad(), sampling_weights(model, int8=True) as head:
             decode(model, ids, mask, DecodeSettings(max_new_tokens=2, eos_ids=[1], pad_id=0), head_matmul=head,
