@@ -1,5 +1,4 @@
-"""`Trainer`: the GRPO loop. Each step takes its batch from the generation pipeline
-(rollout/pipeline; ahead: run/ahead) and updates the policy on it (policy/); run/ logs and saves."""
+"""`Trainer`: the GRPO loop: each step takes its batch (rollout/pipeline) and updates the policy."""
 from __future__ import annotations
 
 import time
@@ -46,7 +45,7 @@ class Trainer:
         self.tools = Tools.of(tools, environment_factory) if tools or environment_factory else None
         self._setup_plan(config, model, (reward_funcs, reward_processing_classes), train_dataset,
                          own_sampler=sampler is None and rollout_func is None)
-        self._setup_policy(config, model, tokenizer, train_dataset)
+        self._setup_policy(model, tokenizer, train_dataset)
         self._setup_generation(sampler, rollout_func, train_dataset)
         self._setup_run(callbacks)
 
@@ -57,13 +56,14 @@ class Trainer:
         self.schedule, self.total_steps = self.plan.schedule, self.plan.total_steps
         self.trackers = Trackers(self.plan.trackers, self.dist.is_main)  # a missing package fails
 
-    def _setup_policy(self, config, model, tokenizer, train_dataset) -> None:
-        """The tokenizer, the model prepared for training, the policy forwarding it, its updates."""
-        self.tokenizer = tokenizer if tokenizer is not None else default_tokenizer(config, model)
+    def _setup_policy(self, model, tokenizer, train_dataset) -> None:
+        """The tokenizer, the model loaded and prepared as the plan says, its policy and updates."""
+        s = self.plan.loading
+        self.tokenizer = tokenizer if tokenizer is not None else default_tokenizer(s.model, model)
         check_chat_template(self.tokenizer, {"train_dataset": train_dataset,
                                              "eval_dataset": self.eval_dataset})
-        model = model if model is not None else load_model(config, self.precision)
-        self.model = prepare_for_training(model, config, self.dist.world_size)
+        model = model if model is not None else load_model(s, self.precision)
+        self.model = prepare_for_training(model, s, self.dist.world_size)
         self.policy = Policy(self.model, self.plan.logprobs, self.dist.world_size, self.precision,
                              is_main=self.dist.is_main)
         self.threshold_set = self.policy.device.type == "cpu" and return_freed_memory()
@@ -81,13 +81,13 @@ class Trainer:
         self.pipeline = Pipeline.build(self.sampler, self.prompts, self.reward_funcs, self.policy,
                                        self.dist, s, self.plan.loss, self.tokenizer.pad_token_id,
                                        self.threshold_set, self.tools)
-        self.batches = Synchronous(self.pipeline, self.schedule, self.state) \
-            if s.max_staleness is None else Ahead(self.pipeline, self.state, self.schedule,
-                                                  self.total_steps, s.max_staleness,
-                                                  release=self.optimizer.state.clear)
+        if s.max_staleness is None:  # made when the step needs it
+            self.batches = Synchronous(self.pipeline, self.schedule, self.state)
+        else:  # ahead, by a sampler process
+            self.batches = Ahead(self.pipeline, self.state, self.schedule, self.total_steps,
+                                 s.max_staleness, release=self.optimizer.state.clear)
 
-    def _setup_run(self, callbacks) -> None:
-        """The callbacks, the report of what is logged, the session that saves (run/)."""
+    def _setup_run(self, callbacks) -> None:  # the callbacks, the report, the session that saves
         self.callbacks = Callbacks(callbacks, self.config, self.state, self.model, self.tokenizer,
                                    self.optimizer, self.scheduler)
         self.output_dir = Path(self.config.output_dir)

@@ -61,12 +61,12 @@ def _lora(peft_config, model, config: Config) -> dict:
     return adapter_settings(model) if is_peft_model(model) else {}
 
 
-def default_tokenizer(config: Config, model):
-    """The tokenizer when none is given: `config.model`'s, or for a model object the one of the folder or
-    hub id its config names (TRL's choice). A model built in code names none, and the default model is not
-    its."""
+def default_tokenizer(name: str, model):
+    """The tokenizer when none is given: that of `name` (Config.model), or for a model object the one of the
+    folder or hub id its config names (TRL's choice). A model built in code names none, and the default model
+    is not its."""
     if model is None:
-        return load_tokenizer(config.model)
+        return load_tokenizer(name)
     source = getattr(getattr(model, "config", None), "_name_or_path", "") or ""
     if not source:
         raise ConfigError("a model passed to Trainer needs its tokenizer: pass processing_class=tokenizer "

@@ -35,7 +35,8 @@ from dataclasses import dataclass
 from ..algo import HEAD_GRAD_BLOCK
 from ..policy.optim import BNB_CPU_SLICE
 from ..policy.precision import Precision
-from ..settings.plan import MemorySettings, RunPlan
+from ..settings.plan import RunPlan
+from ..settings.planner import MemorySettings
 from .parts import Dtypes, dtypes, generation_bytes, layer_activations, optimizer_bytes, sampling_weight_bytes
 
 GB = 1e9

@@ -8,7 +8,8 @@ from ..policy.precision import Precision
 from ..settings import Config
 from ..settings.choices import planned_prompt_length, prompt_once
 from ..settings.cli import format_value
-from ..settings.plan import DecodeSizes, MemorySettings
+from ..settings.plan import DecodeSizes
+from ..settings.planner import MemorySettings
 from .estimate import (GB, Architecture, Estimate, estimate, eval_prompts_per_batch, plan_peak, prompts_in_micro_batch,
                        settings_of)
 from .known_models import architecture_of

@@ -55,23 +55,23 @@ def check_load_options(config, model_given: bool) -> None:
                          "used as built (load it with a transformers BitsAndBytesConfig, or pass config.model)")
 
 
-def load_model(config, precision: Precision | None = None):
-    """The policy from `config.model` (`config` a Config, or a model's name as `load_tokenizer` takes it) on
-    `precision`'s device (default: the GPU when there is one), in its base dtype; with `load_in_4bit`, its
-    decoder's linear layers are stored as 4-bit NF4 (QLoRA), computing in that dtype. `model_init_kwargs` go to
-    from_pretrained (its dtype is the precision plan's: bf16)."""
+def load_model(settings, precision: Precision | None = None):
+    """The policy from `settings.model` (`settings`: the run plan's settings/plan.LoadSettings, a Config, or a
+    model's name as `load_tokenizer` takes it) on `precision`'s device (default: the GPU when there is one), in
+    its base dtype; with `load_in_4bit`, its decoder's linear layers are stored as 4-bit NF4 (QLoRA), computing
+    in that dtype. `model_init_kwargs` go to from_pretrained (its dtype is the precision plan's: bf16)."""
     from transformers import AutoModelForCausalLM
 
-    if isinstance(config, str):
+    if isinstance(settings, str):
         from ..settings import Config
 
-        config = Config(model=config)
-    precision = precision or Precision.plan(config.bf16, config.use_lora, bf16_weights=config.bf16_weights)
+        settings = Config(model=settings)
+    precision = precision or Precision.plan(settings.bf16, settings.use_lora, bf16_weights=settings.bf16_weights)
     device, dtype = precision.device_type, precision.base_dtype
-    path = resolve_model_path(config.model)  # a .gguf or the packaged short name: its converted folder
+    path = resolve_model_path(settings.model)  # a .gguf or the packaged short name: its converted folder
     name = locate(path)
-    kwargs = {k: v for k, v in (config.model_init_kwargs or {}).items() if k != "dtype"}  # settings/checks
-    if not config.load_in_4bit:
+    kwargs = {k: v for k, v in (settings.model_init_kwargs or {}).items() if k != "dtype"}  # settings/checks
+    if not settings.load_in_4bit:
         with loading(name):
             return AutoModelForCausalLM.from_pretrained(name, dtype=dtype, **kwargs).to(device)
     import_bitsandbytes()  # transformers' 4-bit layers import it: without the line it logs
@@ -109,7 +109,8 @@ def keep_4bit_layout(model) -> None:
 
 def prepare_for_training(model, config, world_size: int = 1):
     """bf16 weights when asked for, gradient checkpointing, LoRA adapters when asked for (policy/lora.py), then no
-    dropout when asked for (after LoRA: its lora_dropout too). Returns the model to train."""
+    dropout when asked for (after LoRA: its lora_dropout too), as `config` (the run plan's LoadSettings, or a
+    Config) says. Returns the model to train."""
     keep_4bit_layout(model)  # a 4-bit model passed in, too
     if config.bf16_weights:  # a model built or passed in float32, as load_model would have loaded it
         model = model.to(torch.bfloat16)

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from types import MappingProxyType
 
-from .choices import lora_targets, planned_prompt_length, prompt_once
+from .planner import MemorySettings
 from .schedule import Schedule
 
 
@@ -227,40 +227,28 @@ class GenerationSettings:
 
 
 @dataclass(frozen=True)
-class MemorySettings:
-    """What the memory planner (memory/estimate) reads of the settings and the plan, resolved: the kind of
-    training, the lengths it counts, a micro-batch and a generation batch of this rank, the log-probs the run
-    keeps, and `eval_batch_size` (set: evaluation decodes that many, the planner is not asked)."""
+class LoadSettings:
+    """What loading the policy and preparing it for training (policy/models: load_model, prepare_for_training,
+    and policy/lora.with_adapter) read of the settings; the Config's own names, so a Config reads the same."""
 
-    use_lora: bool
-    quantized: bool  # QLoRA: the body's linear weights in 4 bits
-    lora_r: int
-    lora_targets: tuple[str, ...] | None  # settings/choices.lora_targets; None: every linear layer
-    lora_dropout: bool  # an adapter's dropout runs (lora_dropout > 0, dropout not disabled)
-    optim: str
-    num_generations: int
-    prompt_length: int  # settings/choices.planned_prompt_length
-    completion_length: int  # max_completion_length
+    model: str
+    model_init_kwargs: Mapping | None
+    bf16: bool | None  # the precision plan when none is given (load_model)
+    bf16_weights: bool
+    load_in_4bit: bool
     gradient_checkpointing: bool
-    prompt_once: bool  # settings/choices.prompt_once
-    logprob_chunk_size: int
-    accumulating: bool  # gradient_accumulation_steps > 1
-    async_generation: bool
-    schedule: Schedule
-    logprobs_kept: int  # per-token log-prob rows kept for the generation batch: old, reference
-    reference_copy: bool  # full fine-tuning's frozen reference copy
-    eval_batch_size: int | None
-    int8_sampling: bool  # int8_sampling_weights: int8 copies while sampling
+    use_lora: bool
+    lora_r: int
+    lora_alpha: int
+    lora_dropout: float
+    lora_target_modules: list[str] | str | None  # as peft's LoraConfig takes them
+    disable_dropout: bool
 
     @classmethod
-    def of(cls, c, schedule: Schedule, old_logprobs: bool, reference: str) -> MemorySettings:
-        return cls(c.use_lora, c.use_lora and c.load_in_4bit, c.lora_r, lora_targets(c.lora_target_modules),
-                   c.lora_dropout > 0 and not c.disable_dropout, c.optim, c.num_generations,
-                   planned_prompt_length(c), c.max_completion_length, c.gradient_checkpointing,
-                   prompt_once(c.shared_prompt_forward, c.gradient_checkpointing), c.logprob_chunk_size,
-                   c.gradient_accumulation_steps > 1, c.async_generation, schedule,
-                   old_logprobs + (reference != "none"), reference == "copy", c.eval_batch_size,
-                   c.int8_sampling_weights)
+    def of(cls, c) -> LoadSettings:
+        kwargs = None if c.model_init_kwargs is None else MappingProxyType(dict(c.model_init_kwargs))
+        return cls(c.model, kwargs, c.bf16, c.bf16_weights, c.load_in_4bit, c.gradient_checkpointing, c.use_lora,
+                   c.lora_r, c.lora_alpha, c.lora_dropout, c.lora_target_modules, c.disable_dropout)
 
 
 @dataclass(frozen=True)
@@ -315,6 +303,7 @@ class RunPlan:
     trackers: TrackerSettings
     logprobs: LogprobSettings
     evaluation: EvalSettings
+    loading: LoadSettings
     memory: MemorySettings
     server: ServerSettings | None = None  # sampling on an inference server (use_vllm)
     sampling_correction: Mapping | None = None  # TRL's importance-sampling correction of a server's (int8) samples
@@ -335,7 +324,8 @@ class RunPlan:
         return cls(schedule, MappingProxyType(config.loss_settings()), old, reference, OptimSettings.of(config),
                    SamplingSettings.of(config), Cadence.of(config), generation, SessionSettings.of(config),
                    TrackerSettings.of(config), LogprobSettings.of(config), EvalSettings.of(config),
-                   MemorySettings.of(config, schedule, old, reference), ServerSettings.of(config), correction)
+                   LoadSettings.of(config), MemorySettings.of(config, schedule, old, reference),
+                   ServerSettings.of(config), correction)
 
     @property
     def has_reference(self) -> bool:
