@@ -7,6 +7,7 @@ subprocess pinned to `--core` with OMP_NUM_THREADS=1; wall and CPU seconds, min 
 
     python benchmarks/decode_floor.py                                   # the main job's shapes, this tree
     python benchmarks/decode_floor.py --trees /tmp/53/base . --repeats 3 --core 1 --no-profile
+    python benchmarks/decode_floor.py --trees /tmp/53/base . --repeats 2 --core 0 --no-profile --int8
 
 Main job's shapes (the defaults): SmolLM2-135M-Instruct, LoRA r16 alpha 32 on every linear, 2 word-problem chat
 prompts (~200 tokens) x 8 completions of exactly `--max-new` 128 tokens (EOS never sampled), temperature 0.7.
@@ -97,6 +98,8 @@ def sampler(args, model, tokenizer):
         from grpo.settings.plan import SamplingKnobs
 
         knobs = {"knobs": SamplingKnobs(**knobs)}
+    if args.int8:  # a tree with int8_sampling_weights (policy/int8)
+        knobs["int8"] = True
     return lambda: sampling.sample_completions(
         model, tokenizer, encode, batch, num_generations=args.generations, max_completion_length=args.max_new,
         stop_at_eos=False, **knobs)
@@ -177,15 +180,24 @@ def worker_args(args) -> list[str]:
             "--generations", str(args.generations), "--max-new", str(args.max_new)]
 
 
-def run_worker(tree: Path, job: str, args) -> dict:
+def variants(args) -> list[tuple[Path, bool]]:
+    """(tree, int8) pairs to time: each tree in float32, and with `--int8` also on int8 weights where the tree
+    has them (grpo/policy/int8.py)."""
+    out = [(tree, False) for tree in args.trees]
+    if args.int8:
+        out += [(tree, True) for tree in args.trees if (tree / "grpo" / "policy" / "int8.py").exists()]
+    return out
+
+
+def run_worker(tree: Path, job: str, args, int8: bool = False) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONPATH": str(tree.resolve())}
     cmd = ["taskset", "-c", str(args.core), sys.executable, str(Path(__file__).resolve()), "--worker", job,
-           *worker_args(args)]
+           *worker_args(args), *(["--int8"] if int8 else [])]
     out = subprocess.run(cmd, env=env, cwd=tree, capture_output=True, text=True)
     if out.returncode:
         raise SystemExit(f"{job} in {tree} failed:\n{out.stderr[-3000:]}")
     result = json.loads(out.stdout.strip().splitlines()[-1])
-    print(f"{job} in {tree}: {result}", file=sys.stderr, flush=True)
+    print(f"{job} in {tree}{' int8' if int8 else ''}: {result}", file=sys.stderr, flush=True)
     return result
 
 
@@ -200,6 +212,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--core", type=int, default=0)
     parser.add_argument("--no-profile", action="store_true")
+    parser.add_argument("--int8", action="store_true",
+                        help="also time each tree that has them with int8 sampling weights (int8_sampling_weights)")
     parser.add_argument("--output", type=Path, default=ROOT / "runs" / "decode_floor.json")
     parser.add_argument("--worker")
     args = parser.parse_args()
@@ -207,17 +221,17 @@ def main() -> None:
         print(json.dumps(dict(timed=timed, profiled=profiled, floor=floor)[args.worker](args)))
         return
     result = dict(shapes=worker_args(args), floor=run_worker(args.trees[-1], "floor", args), trees={})
-    runs = {str(t): [] for t in args.trees}
+    name = {(tree, int8): f"{tree}{' int8' if int8 else ''}" for tree, int8 in variants(args)}
+    runs = {v: [] for v in name}
     for _ in range(args.repeats):  # the trees alternate, so a busy machine slows them alike
-        for tree in args.trees:
-            runs[str(tree)].append(run_worker(tree, "timed", args))
-    for tree in args.trees:
-        rs = runs[str(tree)]
+        for tree, int8 in runs:
+            runs[tree, int8].append(run_worker(tree, "timed", args, int8))
+    for (tree, int8), rs in runs.items():
         entry = dict(runs=rs, **{f"{k}_{f.__name__}": f(r[k] for r in rs) for k in ("wall_s", "cpu_s")
                                  for f in (min, statistics.median)})
         if not args.no_profile:
-            entry["profile"] = run_worker(tree, "profiled", args)
-        result["trees"][str(tree)] = entry
+            entry["profile"] = run_worker(tree, "profiled", args, int8)
+        result["trees"][name[tree, int8]] = entry
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(result, indent=1))
     report(result)

@@ -24,7 +24,7 @@ import sys
 
 import torch
 
-from .int8 import Int8Linear
+from .int8 import int8_copy
 
 
 def foldable_layers(model) -> list:
@@ -90,7 +90,7 @@ def sampling_weights(model, int8: bool = False):
                 base.weight = torch.nn.Parameter(folded, requires_grad=False)
             # The head's [V, H] product is a fifth of a SmolLM2 decoding step: packed, used by the decode.
             if int8 and head is not None and packable(head):
-                head_matmul = Int8Linear([head])
+                head_matmul = int8_copy(head)
             else:
                 head_matmul = _packed_forward(head.weight, head.bias) if head is not None and packable(head) else None
         yield head_matmul

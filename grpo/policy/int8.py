@@ -15,6 +15,8 @@ every value exactly, each row's output is the same whatever the batch, and the w
 left (0.6-1.4% per product, about 0.005 nats per token for SmolLM2-135M, docs/benchmarks.md)."""
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 ENGINES = ("x86", "fbgemm")  # torch's quantized engines whose linear_dynamic is fbgemm's
@@ -70,3 +72,18 @@ class Int8Linear:
     def split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The product's outputs of each stacked linear: views [n, out_i]."""
         return self(x).split(self.sizes, -1)
+
+
+_kept: list = []  # [(a frozen weight, its version, its copy)]: the last frozen linear quantized (a run's LM head)
+
+
+def int8_copy(linear: torch.nn.Linear) -> Int8Linear:
+    """`Int8Linear([linear])`, kept from one decode to the next while `linear`'s weight is frozen and unchanged
+    (the same tensor, its version counter not moved by an in-place write): a LoRA run's LM head is quantized
+    once; a trained weight is quantized at every decode."""
+    weight = linear.weight
+    if weight.requires_grad:
+        return Int8Linear([linear])
+    if not (_kept and _kept[0][0]() is weight and _kept[0][1] == weight._version):
+        _kept[:] = [(weakref.ref(weight), weight._version, Int8Linear([linear]))]
+    return _kept[0][2]

@@ -13,7 +13,7 @@ from grpo.errors import ConfigError
 from grpo.policy.decoder import fused_decoder
 from grpo.policy.folding import sampling_weights
 from grpo.policy.head import positions
-from grpo.policy.int8 import int8_refusal
+from grpo.policy.int8 import int8_copy, int8_refusal
 from grpo.policy.models import prepare_for_training, unwrap
 from grpo.rollout.decoding import DecodeSettings, decode
 from grpo.rollout.kv_cache import preallocated_cache
@@ -190,3 +190,17 @@ def test_a_torch_without_fbgemm_is_refused_in_one_line(monkeypatch):
     finally:
         torch.backends.quantized.engine = previous
     assert int8_refusal() is None
+
+
+def test_a_frozen_heads_int8_copy_is_made_once_and_again_when_its_weight_changes():
+    head = torch.nn.Linear(16, 32).requires_grad_(False)
+    first = int8_copy(head)
+    assert int8_copy(head) is first
+    with torch.no_grad():
+        head.weight.mul_(2)  # an in-place write: the copy is stale
+    second = int8_copy(head)
+    assert second is not first and int8_copy(head) is second
+    x = torch.randn(3, 16)
+    assert torch.allclose(second(x), head(x), rtol=0.02, atol=0.02)
+    head.weight.requires_grad_(True)  # trained: a new copy at every use
+    assert int8_copy(head) is not int8_copy(head)
