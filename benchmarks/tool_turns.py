@@ -93,7 +93,7 @@ def main() -> None:
         times["multi-turn"].append(timed(lambda: out.update(d=decode(model, prompts, mask, settings,
                                                                      repeats=repeats, seeds=seeds, tools=scripted))))
         rounds = scripted.rounds
-        fed = int(out["d"].tool_mask.sum())
+        fed = int(out["d"].fed.sum())
     best = {k: min(v) for k, v in times.items()}  # (cpu, wall) of the fastest repeat
     ratio = best["multi-turn"][0] / best["single-turn"][0]
     load = os.getloadavg()[0]

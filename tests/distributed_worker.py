@@ -24,7 +24,7 @@ from grpo import Config, Trainer
 from grpo.settings.cli import apply_overrides
 from grpo.infra.distributed import setup
 from grpo.rollout.batches import Rollout
-from grpo.rollout.sampling import PromptEncoder, completion_mask_after_eos, eos_token_ids
+from grpo.rollout.sampling import PromptEncoder, decoded_rows, eos_token_ids, rollout_of
 from grpo.tasks.tiny import model_for
 
 # The 2-rank runs use per_device_train_batch_size=4: one prompt's 4 completions per rank per micro-batch. The
@@ -92,13 +92,10 @@ def fixed_sample(model, tokenizer, encode, prompts, *, num_generations, max_comp
             length = int(torch.randint(1, max_completion_length + 3, (), generator=generator))
             tokens = torch.randint(4, len(tokenizer), (max_completion_length,), generator=generator)  # [C]
             completion_ids[i * num_generations + j, :length] = tokens[:length]
-    completion_mask, truncated = completion_mask_after_eos(completion_ids, [eos])
-    completion_ids = completion_ids.masked_fill(completion_mask == 0, tokenizer.pad_token_id)
-    device = next(model.parameters()).device
-    return Rollout(prompt_ids.repeat_interleave(num_generations, 0).to(device),
-                   prompt_mask.repeat_interleave(num_generations, 0).to(device), completion_ids.to(device),
-                   completion_mask.to(device), tokenizer.batch_decode(completion_ids, skip_special_tokens=True),
-                   truncated)
+    decoded = decoded_rows(completion_ids.tolist(), tokenizer.pad_token_id, [eos])
+    rollout = rollout_of(prompt_ids.repeat_interleave(num_generations, 0),
+                         prompt_mask.repeat_interleave(num_generations, 0), decoded, tokenizer, [eos], chat=False)
+    return rollout.to(next(model.parameters()).device)
 
 
 class FixedSampler:

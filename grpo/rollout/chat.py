@@ -9,6 +9,8 @@ conversation would, and nothing is prefilled twice.
 """
 from __future__ import annotations
 
+import functools
+
 from ..errors import ConfigError
 
 PROBE_TOOL = {"type": "function", "function": {
@@ -16,6 +18,10 @@ PROBE_TOOL = {"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"x": {"type": "integer", "description": "A number."}},
                    "required": ["x"]}}}
 PROBE_RESULT = "probe result 7391"
+PROBE_PROMPT = [{"role": "user", "content": "Call the probe."}]
+PROBE_CALL = {"type": "function", "function": {"name": "probe_tool_7391", "arguments": {"x": 1}}}
+PROBE_MESSAGE = '<tool_call>\n{"name": "probe_tool_7391", "arguments": {"x": 1}}\n</tool_call>'  # as a model writes it
+PROBE_TURN = {"role": "tool", "name": "probe_tool_7391", "content": PROBE_RESULT}
 
 
 def is_chat(prompt) -> bool:
@@ -40,17 +46,15 @@ def render(tokenizer, prompt, chat_template_kwargs: dict | None = None, schemas:
         raise ConfigError(f"the chat template cannot render a conversation with tools: {e}") from None
 
 
-def check_tool_template(tokenizer, chat_template_kwargs: dict | None = None) -> None:
-    """A ConfigError, one line, unless the tokenizer's chat template renders the tools' schemas into the prompt
-    and renders tool messages (a probe conversation, rendered once)."""
+def check_tool_template(tokenizer, chat_template_kwargs: dict | None = None, eos_ids: list[int] | None = None) -> None:
+    """A ConfigError, one line, unless the tokenizer's chat template renders the tools' schemas into the prompt,
+    renders tool messages, and renders a conversation's earlier turns as a row holds them (`check_tool_history`;
+    `eos_ids`: the model's, default the tokenizer's): probe conversations, rendered once, before any decode."""
     if not getattr(tokenizer, "chat_template", None):
         raise ConfigError("tools need a chat template, and the tokenizer has none: set tokenizer.chat_template "
                           "to one that renders `tools` and tool messages (e.g. grpo.tasks.calculator.CHATML_TOOLS "
                           "for a ChatML model; the tokenizer: grpo.load_tokenizer(name))")
-    call = {"type": "function", "function": {"name": "probe_tool_7391", "arguments": {"x": 1}}}
-    messages = [{"role": "user", "content": "Call the probe."},
-                {"role": "assistant", "content": "", "tool_calls": [call]},
-                {"role": "tool", "name": "probe_tool_7391", "content": PROBE_RESULT}]
+    messages = [*PROBE_PROMPT, {"role": "assistant", "content": "", "tool_calls": [PROBE_CALL]}, PROBE_TURN]
     text = render(tokenizer, messages, chat_template_kwargs, [PROBE_TOOL])
     if PROBE_TOOL["function"]["description"] not in text:  # only the schema holds it, not the call
         raise ConfigError("the tokenizer's chat template ignores `tools`: the model would never see the tools' "
@@ -60,23 +64,69 @@ def check_tool_template(tokenizer, chat_template_kwargs: dict | None = None) -> 
     if PROBE_RESULT not in text:
         raise ConfigError("the tokenizer's chat template does not render tool messages (role 'tool'); set "
                           "tokenizer.chat_template to one that does (e.g. grpo.tasks.calculator.CHATML_TOOLS)")
+    check_tool_history(tokenizer, chat_template_kwargs, eos_ids)
 
 
-def tool_turn_text(tokenizer, conversation: list, assistant_forms: list[dict], tool_messages: list[dict],
-                   held: str, schemas: list, chat_template_kwargs: dict | None = None) -> tuple[str, dict]:
-    """The text to append to a row that holds `held` (its prompt and everything decoded so far, the EOS
-    included) after its assistant message made calls: the tool turn(s) and the next assistant header, as the
-    template renders `conversation + [assistant, *tool_messages]`. `assistant_forms`: the ways to pass the
-    assistant message, tried in order (its parsed `tool_calls`, then its text verbatim); the first whose
-    rendering starts with `held` is returned with the text. A ConfigError when none does: this template does
-    not render a conversation's history as it rendered it while the row was written."""
-    for assistant in assistant_forms:
+def check_tool_history(tokenizer, chat_template_kwargs: dict | None = None, eos_ids: list[int] | None = None) -> None:
+    """A ConfigError, one line, unless the template has the property a tool round relies on (`tool_turn_text`):
+    the rendering of a conversation extended by a tool turn starts with the text the row held before it. Probed
+    as a row holds it: the prompt, a call written as the Hermes parser reads it, and one of `eos_ids` (the
+    template must end its turns with one of them)."""
+    eos_ids = [i for i in (eos_ids if eos_ids is not None else [tokenizer.eos_token_id]) if i is not None]
+    start = render(tokenizer, PROBE_PROMPT, chat_template_kwargs, [PROBE_TOOL])
+    ids = tokenizer.encode(PROBE_MESSAGE, add_special_tokens=False)
+    text = functools.partial(tokenizer.decode, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    forms, parted = _forms(text(ids), [PROBE_CALL]), ""
+    for eos in eos_ids:
+        rest, parted = _continuation(tokenizer, PROBE_PROMPT, forms, [PROBE_TURN], start + text(ids + [eos]),
+                                     [PROBE_TOOL], chat_template_kwargs)
+        if rest is not None:
+            return
+    if eos_ids:
+        name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
+        ends = ", ".join(repr(tokenizer.decode([i])) for i in eos_ids)
+        raise ConfigError(f"the chat template of the tokenizer {name!r} does not render a conversation's earlier turns "
+                          f"as the model wrote them (after a tool call ended by {ends}, {parted}): a tool's output "
+                          f"could not be appended to a row; set tokenizer.chat_template to one that renders past "
+                          f"turns as written (e.g. no reasoning dropped from them, no other generation prompt) and "
+                          f"ends its turns with one of the model's EOS tokens (e.g. grpo.tasks.calculator.CHATML_TOOLS "
+                          f"for a ChatML model), or adjust chat_template_kwargs")
+
+
+def _forms(message: str, tool_calls: list[dict]) -> list[dict]:
+    """The ways to pass an assistant message that made calls, tried in order: with its parsed `tool_calls` (the
+    text before the first call as its content), then its text verbatim."""
+    before = message[:message.find("<tool_call>")].rstrip()
+    return [{"role": "assistant", "content": before, "tool_calls": tool_calls},
+            {"role": "assistant", "content": message}]
+
+
+def _continuation(tokenizer, conversation: list, forms: list[dict], tool_messages: list[dict], held: str,
+                  schemas: list, chat_template_kwargs: dict | None) -> tuple[str | None, dict | str]:
+    """(the text after `held`, the form used) for the first assistant form whose rendering of the conversation
+    with the tool turn starts with `held`; (None, where the last rendering and `held` part) when none does."""
+    for assistant in forms:
         text = render(tokenizer, conversation + [assistant, *tool_messages], chat_template_kwargs, schemas)
         if text.startswith(held):
             return text[len(held):], assistant
     position = next((i for i, (a, b) in enumerate(zip(text, held)) if a != b), min(len(text), len(held)))
-    raise ConfigError(f"the chat template renders the conversation with its tool turn otherwise than the row "
-                      f"holds it (they part at character {position}: {held[position:position + 40]!r} held, "
-                      f"{text[position:position + 40]!r} rendered), so the tool's output cannot be appended to "
-                      f"the row; use a template that renders earlier turns as they were written (e.g. no "
-                      f"reasoning dropped from past turns), and EOS tokens the template ends its turns with")
+    return None, (f"they part at character {position}: {held[position:position + 40]!r} held, "
+                  f"{text[position:position + 40]!r} rendered")
+
+
+def tool_turn_text(tokenizer, conversation: list, message: str, tool_calls: list[dict], tool_messages: list[dict],
+                   held: str, schemas: list, chat_template_kwargs: dict | None = None) -> tuple[str, dict]:
+    """The text to append to a row that holds `held` (its prompt and everything decoded so far, the EOS
+    included) after its assistant `message` made calls (`tool_calls`, parsed): the tool turn(s) and the next
+    assistant header, as the template renders `conversation + [assistant, *tool_messages]`, and the assistant
+    message as passed (`_forms`: the first whose rendering starts with `held`). A ConfigError when none does: the
+    template does not render the conversation's history as it rendered it while the row was written (checked at
+    start-up by `check_tool_history`; a row may still end its call with another EOS than the template's)."""
+    rest, assistant = _continuation(tokenizer, conversation, _forms(message, tool_calls), tool_messages, held, schemas,
+                                    chat_template_kwargs)
+    if rest is None:
+        raise ConfigError(f"the chat template renders the conversation with its tool turn otherwise than the row "
+                          f"holds it ({assistant}), so the tool's output cannot be appended to the row; use a "
+                          f"template that renders earlier turns as they were written (e.g. no reasoning dropped "
+                          f"from past turns), and EOS tokens the template ends its turns with")
+    return rest, assistant

@@ -12,9 +12,9 @@ import torch
 
 from ..errors import UserError
 from .batches import Rollout
-from .rewards import REWARD_ARGUMENTS
 from .chat import is_chat
-from .sampling import eos_token_ids, left_pad, rollout_of_tokens
+from .rewards import REWARD_ARGUMENTS
+from .sampling import decoded_rows, eos_token_ids, left_pad, rollout_of
 
 REQUIRED = ("prompt_ids", "completion_ids")
 USED = (*REQUIRED, "logprobs", "env_mask")  # TRL's own keys; every other one is a field for the reward functions
@@ -84,17 +84,12 @@ class CustomRollouts:
                 env_mask: list[list[int]] | None) -> Rollout:
         """The rows as our own samples are made; TRL's `env_mask` (1 on the model's tokens, 0 on what an
         environment wrote) takes the tokens it marks 0 out of the loss mask, which attention still sees."""
-        pad = self.tokenizer.pad_token_id
-        prompt_ids, prompt_mask = left_pad(prompt_rows, pad)  # [N, P]
-        width = max(1, max(len(r) for r in completion_rows))
-        completion_ids = torch.full((len(completion_rows), width), pad, dtype=torch.long)  # [N, C]
-        given = torch.zeros_like(completion_ids)  # [N, C] 1 where the function returned a token
-        own = torch.ones_like(completion_ids)  # [N, C] 0 where env_mask says an environment wrote the token
-        for i, r in enumerate(completion_rows):
-            completion_ids[i, :len(r)], given[i, :len(r)] = torch.tensor(r, dtype=torch.long), 1
-            if env_mask is not None:
-                own[i, :len(r)] = torch.tensor([int(bool(v)) for v in env_mask[i]], dtype=torch.long)
-        rollout = rollout_of_tokens(prompt_ids, prompt_mask, completion_ids, self.tokenizer, self.eos_ids,
-                                    chat=is_chat(prompts[0]), given=given)  # as our own samples are made
-        rollout.loss_mask = rollout.completion_mask * own  # [N, C]
+        prompt_ids, prompt_mask = left_pad(prompt_rows, self.tokenizer.pad_token_id)  # [N, P]
+        decoded = decoded_rows(completion_rows, self.tokenizer.pad_token_id, self.eos_ids)  # as our decode's
+        rollout = rollout_of(prompt_ids, prompt_mask, decoded, self.tokenizer, self.eos_ids, chat=is_chat(prompts[0]))
+        if env_mask is not None:
+            own = torch.ones_like(decoded.completion_ids)  # [N, C]: 0 where an environment wrote the token
+            for i, m in enumerate(env_mask):
+                own[i, :len(m)] = torch.tensor([int(bool(v)) for v in m], dtype=torch.long)
+            rollout.loss_mask = rollout.completion_mask * own  # [N, C]
         return rollout.to(self.device)  # on the policy's device, as our own sampler returns them

@@ -175,13 +175,16 @@ def prefill(forward, cache, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
     return hidden, full_mask, position_ids, seen
 
 
-class ToolDecode(NamedTuple):
-    """What a decode with tools returns: the completions [N, C], which of their tokens the tools wrote [N, C]
-    (1: tool output and the turn headers around it, never the model's) and each row's length [N]."""
+class Decoded(NamedTuple):
+    """What a decode returns, with or without tools: the completions [N, C] (`pad_id` after each row's end), which
+    of their tokens were fed rather than sampled [N, C] (1: a tool's output and the turn headers around it; all 0
+    without tools) and each row's length [N], up to and including the token that ended it (an EOS that closed no
+    tool call, or the token after which the tools ended the row; C for a row nothing ended)."""
 
     completion_ids: torch.Tensor
-    tool_mask: torch.Tensor
+    fed: torch.Tensor
     lengths: torch.Tensor
+    logprobs: torch.Tensor | None = None  # [N, C] the sampled tokens' log-probs (NaN elsewhere), when asked for
 
 
 class ForcedTokens:
@@ -193,7 +196,6 @@ class ForcedTokens:
     def __init__(self, tools, N: int, C: int, device: torch.device):
         self.tools, self.queued = tools, {}  # original row -> its tokens still to feed
         self.mask = torch.zeros(N, C, dtype=torch.long, device=device)  # [N, C]
-        self.lengths = torch.full((N,), C, dtype=torch.long, device=device)  # [N]
 
     def apply(self, token: torch.Tensor, rows: torch.Tensor, step: int) -> torch.Tensor:
         """This step's tokens [n] of batch rows `rows` [n] (original indices) with queued ones in place of
@@ -222,10 +224,6 @@ class ForcedTokens:
                 if reaction[r]:
                     self.queued[r] = list(reaction[r])
                 finished[position] = reaction[r] is None
-
-    def ended(self, newly: torch.Tensor, rows: torch.Tensor, step: int) -> None:
-        """Rows `newly` [n] (bool) finished at `step`: their length is step + 1."""
-        self.lengths[rows[newly]] = step + 1
 
 
 def next_tokens(logits: torch.Tensor, s: DecodeSettings, seen: torch.Tensor | None, eos: torch.Tensor,
@@ -262,9 +260,9 @@ def decoding_step(hf_model, cache, forward, int8: bool):
 @torch.no_grad()
 def decode(hf_model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, settings: DecodeSettings, *,
            repeats: int = 1, seeds: torch.Tensor | None = None, on_token=None, head_matmul=None,
-           tools=None, int8: bool = False, with_logprobs: bool = False):
-    """Completion ids [N, C] sampled after left-padded prompts [B, P] as `settings` say, each prompt `repeats`
-    times in a row (N = B * repeats), by a transformers causal LM (adapters, if any, injected in place); the
+           tools=None, int8: bool = False, with_logprobs: bool = False) -> Decoded:
+    """Completions [N, C] (`Decoded`) sampled after left-padded prompts [B, P] as `settings` say, each prompt
+    `repeats` times in a row (N = B * repeats), by a transformers causal LM (adapters, if any, injected in place); the
     prompts are read by `prefill`. `seeds` [N] (int64): where each row's random stream starts
     (rollout/streams.PromptStreams.seeds); None draws them from torch's generator. `on_token(n)`, if given, is
     called after every decoding step with the number of tokens it generated (rows not yet finished), for
@@ -272,15 +270,15 @@ def decode(hf_model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, settin
     rows left decode on. The KV cache and the attention mask are allocated once for P + max_new_tokens
     positions and written in place (rollout/kv_cache); a Llama-shaped model's steps run fused (policy/decoder).
     `head_matmul`: the LM head's product on a packed copy of its weight (policy/folding). `tools` (tool_loop's
-    ToolLoop) watches what each row writes and appends its tools' output (`ForcedTokens`); then a `ToolDecode` is
-    returned, a row ending at an EOS that closes no tool call or where the tools end it. `int8`: the decoding
-    steps' linears run on int8 copies of their weights (policy/int8; a model whose steps do not run fused is
-    refused). `with_logprobs`: `(that, logprobs [N, C])`, each sampled token's log-prob under the distribution
-    it was drawn from (logits after the penalty, temperature and filters: vLLM's processed log-probs), NaN where
-    no token was sampled (padding, a tool's tokens)."""
+    ToolLoop) watches what each row writes and appends its tools' output (`ForcedTokens`), a row ending at an
+    EOS that closes no tool call or where the tools end it. `int8`: the decoding steps' linears run on int8
+    copies of their weights (policy/int8; a model whose steps do not run fused is refused). `with_logprobs`: each
+    sampled token's log-prob under the distribution it was drawn from (logits after the penalty, temperature and
+    filters: vLLM's processed log-probs) kept as `Decoded.logprobs` [N, C], NaN where no token was sampled
+    (padding, a tool's tokens)."""
     s, k, N, device = settings, settings.knobs, len(prompt_ids) * repeats, prompt_ids.device
     if s.max_new_tokens == 0:
-        return prompt_ids.new_empty(N, 0)
+        return Decoded(prompt_ids.new_empty(N, 0), prompt_ids.new_empty(N, 0), prompt_ids.new_zeros(N))
     body, logits_of = hf_model.base_model, head_logits(hf_model, head_matmul)
     argument = cache_argument(body) or "past_key_values"  # the model's own error if it takes no cache
     cache = preallocated_cache(hf_model.config, prompt_ids.shape[1] + s.max_new_tokens)
@@ -302,6 +300,7 @@ def decode(hf_model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, settin
     batch = DecodingRows(N, device, compacts=not stateful, seeds=None if s.greedy else seeds)  # rows decoding
     eos = torch.tensor(list(s.eos_ids), device=device)
     turns = None if tools is None else ForcedTokens(tools, N, s.max_new_tokens, device)
+    lengths = torch.full((N,), s.max_new_tokens, dtype=torch.long, device=device)  # [N]: as long as the decode
     tokens, logprobs = [], [] if with_logprobs else None
     for step in range(s.max_new_tokens):
         token, sampled = next_tokens(logits_of(hidden), s, seen, eos, None if s.greedy else batch.uniforms(step),
@@ -316,17 +315,15 @@ def decode(hf_model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, settin
         tokens.append(batch.scatter(token, s.pad_id))  # [N]
         if on_token is not None:
             on_token(int((~batch.finished).sum()))
-        if turns is not None:  # a sampled EOS ends a row unless it closed a tool call; the tools may end one
-            was = batch.finished.clone()  # [n]
-            if s.stop_at_eos:
-                batch.finished |= torch.isin(token, eos) & ~forced
+        was = batch.finished.clone()  # [n]
+        if s.stop_at_eos:  # a sampled EOS ends a row, unless it closed a tool call
+            batch.finished |= torch.isin(token, eos) if forced is None else torch.isin(token, eos) & ~forced
+        if turns is not None:  # the tools may end a row, or take it on past its EOS
             turns.react(token, batch.rows, forced, was, batch.finished, s.max_new_tokens - step - 1)
-            turns.ended(batch.finished & ~was, batch.rows, step)
+        lengths[batch.rows[batch.finished & ~was]] = step + 1
         if step + 1 == s.max_new_tokens:
             break
         if s.stop_at_eos:
-            if turns is None:
-                batch.finished |= torch.isin(token, eos)
             if batch.finished.all():
                 break
             token, full_mask, position_ids, seen = batch.compact(cache, token, full_mask, position_ids, seen)
@@ -334,6 +331,5 @@ def decode(hf_model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, settin
         hidden = step_forward(token[:, None], full_mask[:, :P + step + 1], position_ids)  # [n, H]; mask a view
     completion_ids = torch.stack(tokens, dim=1)  # [N, C]
     C = completion_ids.shape[1]
-    decoded = completion_ids if turns is None else ToolDecode(completion_ids, turns.mask[:, :C],
-                                                              turns.lengths.clamp(max=C))
-    return decoded if logprobs is None else (decoded, torch.stack(logprobs, dim=1))  # [N, C]
+    fed = turns.mask[:, :C] if turns is not None else torch.zeros_like(completion_ids)  # [N, C]
+    return Decoded(completion_ids, fed, lengths.clamp(max=C), None if logprobs is None else torch.stack(logprobs, 1))

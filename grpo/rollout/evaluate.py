@@ -20,7 +20,7 @@ from ..errors import ConfigError
 from ..infra.progress import TokenProgress
 from ..settings.plan import EvalSettings
 from .rewards import RewardContext, compute_rewards, required_columns, reward_func_names, reward_metrics
-from .sampling import PromptEncoder, sample_completions
+from .sampling import PromptEncoder, eos_token_ids, sample_completions
 from .tools import make_envs
 
 MAX_BREAKDOWN_VALUES = 50  # metrics for each value: a column of ids would flood metrics.jsonl
@@ -204,7 +204,8 @@ def _greedy(model, tokenizer, dataset, s: EvalSettings, batch_size: int, progres
     """Each row's greedy completion, its token ids, the lengths [N] and the environments the rows ran in."""
     unsharded = unsharded or (lambda fn: fn(model))
     encode = PromptEncoder(tokenizer, s.max_prompt_length,
-                           None if s.chat_template_kwargs is None else dict(s.chat_template_kwargs), tools)
+                           None if s.chat_template_kwargs is None else dict(s.chat_template_kwargs), tools,
+                           None if tools is None else eos_token_ids(tokenizer, model))
     completions, completion_ids, lengths, environments = [], [], [], []
     with TokenProgress("eval", enabled=progress) as bar:
         for start in range(0, len(dataset), batch_size):

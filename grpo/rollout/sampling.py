@@ -14,7 +14,7 @@ from ..policy.models import eval_mode, unwrap
 from ..settings.plan import SamplingKnobs
 from .batches import Rollout
 from .chat import check_tool_template, is_chat, render
-from .decoding import DecodeSettings, ToolDecode, decode
+from .decoding import Decoded, DecodeSettings, decode
 from .streams import PromptStreams
 from .tool_loop import ToolLoop
 
@@ -24,14 +24,17 @@ class PromptEncoder:
     (rollout/tools.Tools) when the model calls some in chat turns), cutting overlong ones from the left (the end
     of a prompt matters most)."""
 
-    def __init__(self, tokenizer, max_prompt_length: int | None, chat_template_kwargs: dict | None = None, tools=None):
+    def __init__(self, tokenizer, max_prompt_length: int | None, chat_template_kwargs: dict | None = None, tools=None,
+                 eos_ids: list[int] | None = None):
+        """`eos_ids`: the ids that end the model's turns (`eos_token_ids`), which a template for tools is
+        checked with."""
         self.tokenizer = tokenizer
         self.max_prompt_length = max_prompt_length
         self.chat_template_kwargs = chat_template_kwargs
         self.tools = tools
         self.warned = False
-        if tools is not None and tools.chat:  # a template that cannot show the model its tools: said once, up front
-            check_tool_template(tokenizer, chat_template_kwargs)
+        if tools is not None and tools.chat:  # a template that cannot serve the tools: said once, up front
+            check_tool_template(tokenizer, chat_template_kwargs, eos_ids)
 
     def __call__(self, prompts: list) -> tuple[torch.Tensor, torch.Tensor]:
         schemas = self.tools.schemas if self.tools is not None and self.tools.chat else None
@@ -58,16 +61,6 @@ def left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Te
             ids[i, width - len(r):] = torch.tensor(r)
             mask[i, width - len(r):] = 1
     return ids, mask
-
-
-def completion_mask_after_eos(completion_ids: torch.Tensor, eos_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """1 for every token up to and including the first EOS, 0 after it; and which rows never hit EOS."""
-    is_eos = torch.isin(completion_ids, torch.tensor(eos_ids, device=completion_ids.device))  # [N, C]
-    # Tokens strictly after the first EOS have seen at least one EOS before them.
-    eos_before = is_eos.long().cumsum(dim=1) - is_eos.long()  # [N, C]
-    mask = (eos_before == 0).long()  # [N, C]
-    truncated = ~is_eos.any(dim=1)  # [N]
-    return mask, truncated
 
 
 def eos_token_ids(tokenizer, model) -> list[int]:
@@ -109,60 +102,58 @@ def sample_completions(model, tokenizer, encode: PromptEncoder, prompts: list, *
         envs, eos_ids, encode.chat_template_kwargs)
     with eval_mode(model), sampling_weights(model, int8) as head_matmul:
         decoded = decode(unwrap(model), prompt_ids, prompt_mask, settings, repeats=num_generations, seeds=seeds,
-                         on_token=on_token, head_matmul=head_matmul, tools=loop, int8=int8,
-                         with_logprobs=int8)  # [N, C], or with the tool mask; with the log-probs [N, C]
-    decoded, logprobs = decoded if int8 else (decoded, None)
+                         on_token=on_token, head_matmul=head_matmul, tools=loop, int8=int8, with_logprobs=int8)
     prompt_ids = prompt_ids.repeat_interleave(num_generations, dim=0)  # [N, P]
     prompt_mask = prompt_mask.repeat_interleave(num_generations, dim=0)  # [N, P]
-    if loop is None:
-        rollout = rollout_of_tokens(prompt_ids, prompt_mask, decoded, tokenizer, eos_ids, chat=is_chat(prompts[0]))
+    return rollout_of(prompt_ids, prompt_mask, decoded, tokenizer, eos_ids, chat=is_chat(prompts[0]), loop=loop)
+
+
+def rollout_of(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, decoded: Decoded, tokenizer, eos_ids: list[int],
+               *, chat: bool, loop: ToolLoop | None = None) -> Rollout:
+    """The Rollout of completions after their prompts [N, P], however they were made (our decoder, a server, a
+    rollout_func: `decoded_rows`): each completion its first `decoded.lengths` tokens, the ids after them padded;
+    "truncated" unless the model's own EOS ended it (its last token an EOS it sampled, not one it was fed); the
+    fed tokens attended to but out of the loss mask. The completions as TRL gives them to rewards: texts decoded
+    without special tokens, as chat messages [{"role": "assistant", ...}] after chat prompts (`chat`); with the
+    tool loop `loop` that ran in the decode, its assistant and tool messages, and each row's tool calls and
+    failures counted; the sampled tokens' log-probs, when the sampler kept them (`sampling_logprobs`)."""
+    ids, fed, lengths = decoded.completion_ids, decoded.fed, decoded.lengths  # [N, C], [N, C], [N]
+    N, C = ids.shape
+    completion_mask = (torch.arange(C, device=ids.device)[None] < lengths[:, None]).long()  # [N, C]
+    last = (lengths - 1).clamp(min=0)[:, None]  # [N, 1]
+    own_eos = torch.zeros(N, dtype=torch.bool, device=ids.device) if C == 0 else (  # [N]
+        torch.isin(ids.gather(1, last), torch.tensor(eos_ids, device=ids.device)) & (fed.gather(1, last) == 0))[:, 0]
+    truncated = ~(own_eos & (lengths > 0))  # [N]
+    ids = ids.masked_fill(completion_mask == 0, tokenizer.pad_token_id)  # [N, C]
+    if chat and loop is not None:
+        completions = [loop.completion_messages(i, row[:n].tolist(), (1 - f[:n]).tolist())
+                       for i, (row, f, n) in enumerate(zip(ids, fed, lengths.tolist()))]
     else:
-        rollout = tool_rollout(prompt_ids, prompt_mask, decoded, loop, tokenizer, eos_ids, chat=is_chat(prompts[0]))
-    if logprobs is not None:
-        rollout.sampling_logprobs = logprobs.masked_fill(rollout.loss_mask == 0, torch.nan)  # [N, C]
+        texts = tokenizer.batch_decode(ids, skip_special_tokens=True)
+        completions = [[{"role": "assistant", "content": t}] for t in texts] if chat else texts
+    rollout = Rollout(prompt_ids, prompt_mask, ids, completion_mask, completions, truncated,
+                      loss_mask=completion_mask * (1 - fed))
+    if decoded.logprobs is not None:  # for the importance-sampling correction: NaN on tokens out of the loss
+        rollout.sampling_logprobs = decoded.logprobs.masked_fill(rollout.loss_mask == 0, torch.nan)  # [N, C]
+    if loop is not None:
+        calls, failures = loop.row_counts()
+        rollout.tool_calls = torch.tensor(calls, device=ids.device)  # [N]
+        rollout.tool_failures = torch.tensor(failures, device=ids.device)  # [N]
+        rollout.tool_notes = loop.row_failures()
     return rollout
 
 
-def tool_rollout(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, decoded: ToolDecode, loop: ToolLoop,
-                 tokenizer, eos_ids: list[int], *, chat: bool) -> Rollout:
-    """The Rollout of a decode with tools: each completion as long as the decode ran it (an EOS within it closed
-    a tool call), "truncated" unless the model's own EOS ended it; the tools' tokens attended to but out of the
-    loss mask; the completions as TRL gives them to rewards (assistant and tool messages after chat prompts); each
-    row's tool calls and failures counted."""
-    ids, tool_mask, lengths = decoded  # [N, C], [N, C], [N]
-    N, C = ids.shape
-    completion_mask = (torch.arange(C, device=ids.device)[None] < lengths[:, None]).long()  # [N, C]
-    last = ids.gather(1, (lengths - 1).clamp(min=0)[:, None]).squeeze(1)  # [N]
-    own_last = tool_mask.gather(1, (lengths - 1).clamp(min=0)[:, None]).squeeze(1) == 0  # [N]
-    truncated = ~(torch.isin(last, torch.tensor(eos_ids, device=ids.device)) & own_last & (lengths > 0))  # [N]
-    ids = ids.masked_fill(completion_mask == 0, tokenizer.pad_token_id)  # [N, C]
-    rows = [(row[:n].tolist(), (1 - mask[:n]).tolist()) for row, mask, n in zip(ids, tool_mask, lengths.tolist())]
-    if chat:
-        completions = [loop.completion_messages(i, r, own) for i, (r, own) in enumerate(rows)]
-    else:
-        completions = tokenizer.batch_decode(ids, skip_special_tokens=True)
-    calls, failures = loop.row_counts()
-    return Rollout(prompt_ids, prompt_mask, ids, completion_mask, completions, truncated,
-                   loss_mask=completion_mask * (1 - tool_mask),
-                   tool_calls=torch.tensor(calls, device=ids.device),
-                   tool_failures=torch.tensor(failures, device=ids.device), tool_notes=loop.row_failures())
-
-
-def rollout_of_tokens(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, completion_ids: torch.Tensor, tokenizer,
-                      eos_ids: list[int], *, chat: bool, given: torch.Tensor | None = None) -> Rollout:
-    """The Rollout of completions [N, C] after their prompts [N, P], however they were made (our decoder, a
-    rollout_func): each completion runs up to and including its first EOS ("truncated" without one), the ids
-    after it padded; `given` [N, C]: 1 where a token was made (None: everywhere). The texts are decoded without
-    special tokens, as chat messages [{"role": "assistant", ...}] after chat prompts (`chat`)."""
-    if given is not None:  # a position nothing was made at is neither a token nor an EOS
-        completion_ids = completion_ids.masked_fill(given == 0, -1)  # [N, C]
-    completion_mask, truncated = completion_mask_after_eos(completion_ids, eos_ids)  # [N, C], [N]
-    if given is not None:
-        completion_mask = completion_mask * given  # [N, C]
-    completion_ids = completion_ids.masked_fill(completion_mask == 0, tokenizer.pad_token_id)  # [N, C]
-    texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-    completions = [[{"role": "assistant", "content": t}] for t in texts] if chat else texts
-    return Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, completions, truncated)
+def decoded_rows(rows: list[list[int]], pad_id: int, eos_ids: list[int]) -> Decoded:
+    """Completions made elsewhere (a server, a rollout_func), as lists of token ids, as our decode returns them: a
+    completion runs up to and including its first EOS, as a decode ends a row there (the ids after it are not
+    the completion's); none of its tokens fed."""
+    width = max(1, max(len(r) for r in rows))
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)  # [N, C]
+    eos = set(eos_ids)
+    lengths = [next((i + 1 for i, t in enumerate(r) if t in eos), len(r)) for r in rows]
+    for i, r in enumerate(rows):
+        ids[i, :len(r)] = torch.tensor(r, dtype=torch.long)
+    return Decoded(ids, torch.zeros_like(ids), torch.tensor(lengths, dtype=torch.long))
 
 
 class Sampler:
@@ -180,7 +171,8 @@ class Sampler:
         """`settings`: settings/plan.SamplingSettings (a Config's plan's `sampling`)."""
         self.policy, self.tokenizer, self.settings = policy, tokenizer, settings
         kwargs = None if settings.chat_template_kwargs is None else dict(settings.chat_template_kwargs)
-        self.encode = PromptEncoder(tokenizer, settings.max_prompt_length, kwargs, tools)
+        eos_ids = None if tools is None else eos_token_ids(tokenizer, policy.model)  # a template for tools is checked
+        self.encode = PromptEncoder(tokenizer, settings.max_prompt_length, kwargs, tools, eos_ids)
         k = settings.micro_batch_prompts
         self.prompts_per_decode = k if prompts_per_decode is None else max(k, prompts_per_decode // k * k)
         refusal = int8_refusal() if settings.int8 else None

@@ -36,7 +36,7 @@ import torch
 from ..errors import ConfigError, UserError
 from .batches import Rollout
 from .chat import is_chat
-from .sampling import PromptEncoder, eos_token_ids, rollout_of_tokens, tool_rollout
+from .sampling import PromptEncoder, decoded_rows, eos_token_ids, rollout_of
 from .server_tools import NAN, ServerToolRow, sample_rows, tool_decode
 from .streams import PromptStreams
 from .tool_loop import ToolLoop
@@ -102,9 +102,9 @@ class ServerSampler:
                               "(use_lora=True)")
         self.model, self.tokenizer, self.settings = model, tokenizer, settings
         kwargs = None if settings.chat_template_kwargs is None else dict(settings.chat_template_kwargs)
-        self.encode = PromptEncoder(tokenizer, settings.max_prompt_length, kwargs, tools)
-        self.tools = tools
         self.eos_ids = eos_token_ids(tokenizer, model)
+        self.encode = PromptEncoder(tokenizer, settings.max_prompt_length, kwargs, tools, self.eos_ids)
+        self.tools = tools
         self.server = VLLMServer(server)
         self.adapters_dir = Path(adapters_dir).resolve()
         self.run_id = uuid.uuid4().hex[:8]  # adapter names unique to this run, even resumed on the same server
@@ -189,7 +189,7 @@ class ServerSampler:
     def tool_rollout(self, prompts: list, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, rows: list,
                      streams: PromptStreams, adapter: str, envs: list | None, on_token) -> Rollout:
         """With tools: each completion sampled in segments through the run's ToolLoop (rollout/server_tools), its
-        tools' tokens out of the loss mask, as our decode loop's `tool_rollout` builds it."""
+        tools' tokens out of the loss mask, as the Rollout of our own decode is built (sampling.rollout_of)."""
         s, G = self.settings, self.settings.num_generations
         loop = ToolLoop(self.tools, self.tokenizer, [p for p in prompts for _ in range(G)],
                         s.max_tool_calling_iterations, envs, self.eos_ids, self.encode.chat_template_kwargs)
@@ -208,26 +208,21 @@ class ServerSampler:
             return choice["token_ids"], [NAN if v is None else v for v in choice["logprobs"]["token_logprobs"]]
 
         sample_rows(tool_rows, sample)
-        decoded, logprobs = tool_decode(tool_rows, self.tokenizer.pad_token_id)  # [N, C] each
-        rollout = tool_rollout(prompt_ids.repeat_interleave(G, dim=0), prompt_mask.repeat_interleave(G, dim=0),
-                               decoded, loop, self.tokenizer, self.eos_ids, chat=is_chat(prompts[0]))
-        rollout.sampling_logprobs = logprobs.masked_fill(rollout.loss_mask == 0, NAN)  # [N, C]
+        decoded = tool_decode(tool_rows, self.tokenizer.pad_token_id)  # with the sampled log-probs
+        rollout = rollout_of(prompt_ids.repeat_interleave(G, dim=0), prompt_mask.repeat_interleave(G, dim=0),
+                             decoded, self.tokenizer, self.eos_ids, chat=is_chat(prompts[0]), loop=loop)
         return rollout.to(next(self.model.parameters()).device)
 
     def rollout(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sampled: list, *, chat: bool) -> Rollout:
         """The Rollout of the server's completions [(token ids, log-probs)] after their prompts [B, P], on the
         policy's device, the sampled log-probs kept beside the ids (NaN where none came back)."""
         G = self.settings.num_generations
-        width = max(1, max(len(ids) for ids, _ in sampled))
-        ids = torch.full((len(sampled), width), self.tokenizer.pad_token_id, dtype=torch.long)  # [N, C]
-        given = torch.zeros((len(sampled), width), dtype=torch.long)  # [N, C]
-        logprobs = torch.full((len(sampled), width), NAN)  # [N, C]
-        for i, (row, lps) in enumerate(sampled):
-            ids[i, :len(row)], given[i, :len(row)] = torch.tensor(row, dtype=torch.long), 1
+        decoded = decoded_rows([ids for ids, _ in sampled], self.tokenizer.pad_token_id, self.eos_ids)
+        logprobs = torch.full(decoded.completion_ids.shape, NAN)  # [N, C]
+        for i, (_, lps) in enumerate(sampled):
             logprobs[i, :len(lps)] = torch.tensor(lps, dtype=torch.float32)
-        rollout = rollout_of_tokens(prompt_ids.repeat_interleave(G, dim=0), prompt_mask.repeat_interleave(G, dim=0),
-                                    ids, self.tokenizer, self.eos_ids, chat=chat, given=given)
-        rollout.sampling_logprobs = logprobs.masked_fill(rollout.completion_mask == 0, NAN)  # [N, C]
+        rollout = rollout_of(prompt_ids.repeat_interleave(G, dim=0), prompt_mask.repeat_interleave(G, dim=0),
+                             decoded._replace(logprobs=logprobs), self.tokenizer, self.eos_ids, chat=chat)
         return rollout.to(next(self.model.parameters()).device)
 
     def corrected(self, generation, settings) -> dict[str, float]:

@@ -9,7 +9,7 @@ from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 
 import torch
 
-from .decoding import ToolDecode
+from .decoding import Decoded
 from .streams import int64
 
 NAN = float("nan")
@@ -74,9 +74,9 @@ def sample_rows(rows: list[ServerToolRow], sample, workers: int = 32) -> None:
                     pending[pool.submit(sample, *nxt)] = row
 
 
-def tool_decode(rows: list[ServerToolRow], pad_id: int) -> tuple[ToolDecode, torch.Tensor]:
-    """The rows as our decode loop returns them with tools (ids [N, C], tool mask [N, C], lengths [N]), and their
-    sampled log-probs [N, C] (NaN on fed tokens and padding)."""
+def tool_decode(rows: list[ServerToolRow], pad_id: int) -> Decoded:
+    """The rows as our decode loop returns them (ids [N, C], fed [N, C], lengths [N]: where the tool loop ended
+    them), with their sampled log-probs [N, C] (NaN on fed tokens and padding)."""
     width = max(1, max(len(r.ids) for r in rows))
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)  # [N, C]
     fed = torch.zeros((len(rows), width), dtype=torch.long)  # [N, C]
@@ -87,4 +87,4 @@ def tool_decode(rows: list[ServerToolRow], pad_id: int) -> tuple[ToolDecode, tor
         fed[i, :n] = 1 - torch.tensor(r.own, dtype=torch.long)
         logprobs[i, :n] = torch.tensor(r.logprobs, dtype=torch.float32)
     lengths = torch.tensor([len(r.ids) for r in rows], dtype=torch.long)  # [N]
-    return ToolDecode(ids, fed, lengths), logprobs
+    return Decoded(ids, fed, lengths, logprobs)

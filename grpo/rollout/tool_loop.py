@@ -154,12 +154,9 @@ class ToolLoop:
             tool_calls = [{"type": "function", "function": {"name": c.name, "arguments": c.arguments}}
                           for c in p.calls]
             tool_messages = [{"role": "tool", "name": c.name, "content": o.text} for c, o in zip(p.calls, outcomes)]
-            before = p.message[:p.message.find("<tool_call>")].rstrip()
-            forms = [{"role": "assistant", "content": before, "tool_calls": tool_calls},
-                     {"role": "assistant", "content": p.message}]  # as parsed, else as written
             held = self._prompt_text(row) + self._text(row.ids)
-            text, assistant = tool_turn_text(self.tokenizer, [*row.prompt, *row.history], forms, tool_messages,
-                                             held, self.tools.schemas, self.chat_template_kwargs)
+            text, assistant = tool_turn_text(self.tokenizer, [*row.prompt, *row.history], p.message, tool_calls,
+                                             tool_messages, held, self.tools.schemas, self.chat_template_kwargs)
             ids = self.tokenizer.encode(text, add_special_tokens=False)
             if len(ids) > p.room:
                 return self._no_room(row, names, outcomes, len(ids), p.room)

@@ -215,3 +215,17 @@ def test_a_tool_needs_a_template_that_renders_tools(tmp_path, tokenizer):
         Trainer(config(tmp_path), model=calling_model(tokenizer), tokenizer=tokenizer,
                 reward_funcs=[lambda completions, **kw: [0.0] * len(completions)],
                 train_dataset=Dataset.from_list([{"prompt": QUESTION}] * 4), tools=[multiply])
+
+
+def test_a_template_that_renders_past_turns_otherwise_is_refused_at_start_up(tmp_path, tokenizer):
+    """The property a tool round relies on (the conversation with its tool turn renders as an extension of what
+    the row holds), checked before the first generation, not when a row first calls a tool."""
+    from grpo.errors import ConfigError
+    from grpo.tasks.calculator import CHATML_TOOLS
+    model = calling_model(tokenizer)  # its script starts after the generation prompt's last token
+    tokenizer.chat_template = CHATML_TOOLS.replace("{{- '<|im_start|>assistant\\n' }}{%- endif %}",
+                                                   "{{- '<|im_start|>assistant\\n\\n' }}{%- endif %}")
+    with pytest.raises(ConfigError, match="does not render a conversation's earlier turns as the model wrote them"):
+        Trainer(config(tmp_path), model=model, tokenizer=tokenizer,
+                reward_funcs=[lambda completions, **kw: [0.0] * len(completions)],
+                train_dataset=Dataset.from_list([{"prompt": QUESTION}] * 4), tools=[multiply])

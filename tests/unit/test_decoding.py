@@ -10,7 +10,7 @@ from tiny_setup import decode_settings, tiny_model, tiny_tokenizer
 from grpo.rollout.compaction import DecodingRows
 from grpo.rollout.decoding import (decode, filter_logits, penalize_repetitions, sample_from_logits,
                                    seen_tokens)
-from grpo.rollout.sampling import left_pad
+from grpo.rollout.sampling import decoded_rows, left_pad
 
 
 def test_draws_follow_the_softmax_and_never_pick_minus_inf():
@@ -53,7 +53,7 @@ def test_cached_decoding_of_padded_prompts_matches_uncached_greedy():
     rows = [tokenizer("Write 3 digits:")["input_ids"], tokenizer("Write 12345 digits: 0")["input_ids"]]
     ids, mask = left_pad(rows, tokenizer.pad_token_id)
     out = decode(model, ids, mask, decode_settings(max_new_tokens=6, temperature=1.0, top_p=1.0, top_k=1,
-                                                  eos_ids=[10**6], pad_id=tokenizer.pad_token_id))
+                                                  eos_ids=[10**6], pad_id=tokenizer.pad_token_id)).completion_ids
     for row, completion in zip(rows, out.tolist()):
         seq = list(row)
         for _ in range(6):  # the whole sequence, no cache, no padding
@@ -70,10 +70,10 @@ def test_rows_stop_at_eos_and_are_padded_after_it():
         first = int(model(ids[:1]).logits[0, -1].argmax())
     # Greedy decoding whose first token is declared EOS: every row ends at once, and the loop with it.
     out = decode(model, ids, mask, decode_settings(max_new_tokens=5, temperature=1.0, top_p=1.0, top_k=1,
-                                                  eos_ids=[first], pad_id=tokenizer.pad_token_id))
+                                                  eos_ids=[first], pad_id=tokenizer.pad_token_id)).completion_ids
     assert out.tolist() == [[first]] * 4
-    full = decode(model, ids, mask, decode_settings(max_new_tokens=5, temperature=1.0, top_p=1.0, top_k=0,
-                                                   eos_ids=[first], pad_id=tokenizer.pad_token_id, stop_at_eos=False))
+    full = decode(model, ids, mask, decode_settings(max_new_tokens=5, eos_ids=[first], pad_id=tokenizer.pad_token_id,
+                                                   stop_at_eos=False)).completion_ids
     assert full.shape == (4, 5) and not (full == first).any()
     assert math.isfinite(float(full.float().mean()))
 
@@ -128,8 +128,8 @@ def test_greedy_with_a_repetition_penalty_matches_model_generate():
     ids, mask = decode_inputs(tokenizer)
     kwargs = {"max_new_tokens": 10, "temperature": 1.0, "top_p": 1.0, "top_k": 0, "eos_ids": [10**6],
               "pad_id": tokenizer.pad_token_id, "greedy": True}
-    plain = decode(model, ids, mask, decode_settings(**kwargs))
-    ours = decode(model, ids, mask, decode_settings(repetition_penalty=3.0, **kwargs))
+    plain = decode(model, ids, mask, decode_settings(**kwargs)).completion_ids
+    ours = decode(model, ids, mask, decode_settings(repetition_penalty=3.0, **kwargs)).completion_ids
     assert not torch.equal(ours, plain), "the penalty should change this greedy decode"
     theirs = model.generate(ids, attention_mask=mask, do_sample=False, repetition_penalty=3.0, max_new_tokens=10,
                             min_new_tokens=10, pad_token_id=tokenizer.pad_token_id)[:, ids.shape[1]:]
@@ -152,7 +152,7 @@ def test_sampling_draws_from_the_distribution_model_generate_would(monkeypatch):
     settings = {"temperature": 0.5, "top_k": 0, "top_p": 1.0, "min_p": 0.6, "repetition_penalty": 1.5}
     torch.manual_seed(0)
     out = decode(model, ids, mask, decode_settings(max_new_tokens=6, eos_ids=[10**6], pad_id=tokenizer.pad_token_id,
-                                                  **settings))
+                                                  **settings)).completion_ids
     for t, ours in enumerate(recorded):
         prefix = torch.cat([ids, out[:, :t]], dim=1)  # [N, P+t]
         prefix_mask = torch.cat([mask, torch.ones_like(out[:, :t])], dim=1)  # [N, P+t]
@@ -186,8 +186,8 @@ def decode_prompts(model, tokenizer, eos_ids, batch_sizes=None, **kwargs):
     hook = model.get_input_embeddings().register_forward_pre_hook(  # every forward, fused steps too, embeds its ids
         lambda _, args: batch_sizes.append(args[0].shape[0]) if batch_sizes is not None else None)
     try:
-        return decode(model, ids, mask, decode_settings(max_new_tokens=12, temperature=1.0, top_p=1.0, top_k=0,
-                                                       eos_ids=eos_ids, pad_id=tokenizer.pad_token_id, **kwargs))
+        return decode(model, ids, mask, decode_settings(max_new_tokens=12, eos_ids=eos_ids,
+                                                       pad_id=tokenizer.pad_token_id, **kwargs)).completion_ids
     finally:
         hook.remove()
 
@@ -237,6 +237,21 @@ def test_sampling_with_compaction_draws_what_the_uncompacted_loop_draws(monkeypa
     assert not torch.equal(decode_prompts(model, tokenizer, list(range(4, 60))), out)
 
 
+def test_a_row_ends_at_its_first_eos_as_rows_made_elsewhere_do():
+    """The decode's lengths: each row up to and including its first EOS (the whole row without one), the rule
+    rollout/sampling.decoded_rows applies to a server's or a rollout_func's tokens; nothing fed without tools."""
+    tokenizer = tiny_tokenizer()
+    model = lively_model(tokenizer)
+    ids, mask = left_pad([tokenizer(p)["input_ids"] for p in PROMPTS], tokenizer.pad_token_id)
+    eos = list(range(4, 40))  # rows end at 5 different steps, and one runs to the end
+    torch.manual_seed(1)
+    decoded = decode(model, ids, mask, decode_settings(max_new_tokens=12, eos_ids=eos, pad_id=tokenizer.pad_token_id))
+    made_elsewhere = decoded_rows(decoded.completion_ids.tolist(), tokenizer.pad_token_id, eos)
+    assert decoded.lengths.tolist() == made_elsewhere.lengths.tolist()
+    assert len(set(decoded.lengths.tolist())) >= 3 and 12 in decoded.lengths.tolist(), decoded.lengths
+    assert decoded.fed.shape == decoded.completion_ids.shape and not decoded.fed.any()
+
+
 @pytest.mark.parametrize("penalty", [1.0, 1.5])  # the tokens seen are repeated with the rows
 def test_a_shared_prefill_samples_what_repeated_prompts_sample(penalty):
     # 3 prompts x 4 copies: one prefill of 3 rows, its cache repeated to 12, then 12 rows decode; the same seed
@@ -249,10 +264,10 @@ def test_a_shared_prefill_samples_what_repeated_prompts_sample(penalty):
     sizes = []
     model.get_input_embeddings().register_forward_pre_hook(lambda _, args: sizes.append(args[0].shape))
     torch.manual_seed(0)
-    shared = decode(model, ids, mask, settings, repeats=4)  # [12, 10]
+    shared = decode(model, ids, mask, settings, repeats=4).completion_ids  # [12, 10]
     assert sizes[0] == ids.shape and sizes[1] == (12, 1), sizes[:2]  # the prompts are read once
     torch.manual_seed(0)
-    repeated = decode(model, ids.repeat_interleave(4, 0), mask.repeat_interleave(4, 0), settings)
+    repeated = decode(model, ids.repeat_interleave(4, 0), mask.repeat_interleave(4, 0), settings).completion_ids
     assert shared.shape == (12, 10) and torch.equal(shared, repeated)
     assert len({tuple(r) for r in shared.tolist()}) > 3  # the copies drew different completions
 

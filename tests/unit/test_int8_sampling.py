@@ -90,8 +90,8 @@ def test_the_decode_records_each_tokens_log_prob_under_the_int8_sampler():
     settings = DecodeSettings(max_new_tokens=8, eos_ids=eos, pad_id=0, knobs=SamplingKnobs(temperature=T))
     torch.manual_seed(0)
     with torch.no_grad(), sampling_weights(model, int8=True) as int8_head:
-        completions, recorded = decode(hf, ids, mask, settings, repeats=2, head_matmul=int8_head, int8=True,
-                                       with_logprobs=True)  # [8, C] each
+        decoded = decode(hf, ids, mask, settings, repeats=2, head_matmul=int8_head, int8=True, with_logprobs=True)
+        completions, recorded = decoded.completion_ids, decoded.logprobs  # [8, C] each
         is_eos = torch.isin(completions, torch.tensor(eos)).long()  # [8, C]
         sampled = is_eos.cumsum(1) - is_eos == 0  # [8, C]: up to and including the first EOS
         assert (~sampled).any() and sampled[:, -1].any(), "rows end at different steps, some never"

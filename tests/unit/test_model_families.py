@@ -99,7 +99,7 @@ def test_rows_leaving_the_decoding_batch_change_no_greedy_token(model_type, monk
     def greedy(eos: int) -> torch.Tensor:
         settings = decode_settings(max_new_tokens=12, eos_ids=[eos], pad_id=0,
                                   greedy=True)
-        return decode(model, ids, mask, settings)  # [N, C]
+        return decode(model, ids, mask, settings).completion_ids  # [N, C]
 
     def ends(t: int) -> list:
         return [int((row == t).nonzero()[0]) if (row == t).any() else None for row in free]
@@ -120,8 +120,9 @@ def test_a_shared_prefill_changes_no_greedy_token(model_type):
     model = tiny_family(model_type)
     ids, mask = left_padded_prompts(4)  # [B, P]
     settings = decode_settings(max_new_tokens=8, eos_ids=[V], pad_id=0, greedy=True)
-    shared = decode(model, ids, mask, settings, repeats=2)  # [8, C]
-    assert torch.equal(shared, decode(model, ids.repeat_interleave(2, 0), mask.repeat_interleave(2, 0), settings))
+    shared = decode(model, ids, mask, settings, repeats=2).completion_ids  # [8, C]
+    repeated = decode(model, ids.repeat_interleave(2, 0), mask.repeat_interleave(2, 0), settings)
+    assert torch.equal(shared, repeated.completion_ids)
 
 
 def test_a_model_keeping_its_own_state_decodes_transformers_greedy_tokens():
@@ -134,7 +135,7 @@ def test_a_model_keeping_its_own_state_decodes_transformers_greedy_tokens():
                             do_sample=False, max_new_tokens=10, pad_token_id=0, eos_token_id=75)[:, ids.shape[1]:]
     assert (theirs == 75).any(1).sum() == 2 and theirs.shape[1] == 10, "some rows end, others decode on"
     ours = decode(model, ids, mask, decode_settings(max_new_tokens=10, eos_ids=[75],
-                                                   pad_id=0, greedy=True), repeats=2)  # [8, C]
+                                                   pad_id=0, greedy=True), repeats=2).completion_ids  # [8, C]
     assert torch.equal(ours, theirs)
 
 
@@ -244,7 +245,7 @@ def test_the_preallocated_cache_decodes_what_the_dynamic_cache_decodes(model_typ
     def run(**settings) -> torch.Tensor:
         torch.manual_seed(0)
         return decode(model, ids, mask, decode_settings(max_new_tokens=10, top_p=1.0, top_k=0, eos_ids=[5, 7], pad_id=0,
-                                                       **settings), repeats=2)  # [8, C]
+                                                       **settings), repeats=2).completion_ids  # [8, C]
 
     cases = [dict(temperature=1.0, greedy=True), dict(temperature=1.0, repetition_penalty=1.5, greedy=True),
              dict(temperature=2.0, min_p=0.05), dict(temperature=2.0, repetition_penalty=1.3)]
@@ -267,8 +268,8 @@ def test_the_preallocated_cache_is_written_in_place():
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(grpo.rollout.decoding, "preallocated_cache", lambda *_: cache)
         ids = torch.randint(1, V, (4, 6), generator=torch.Generator().manual_seed(0))  # [B, P]
-        decode(model, ids, torch.ones_like(ids), decode_settings(max_new_tokens=10, temperature=1.0, top_p=1.0, top_k=0,
-                                                                eos_ids=[V], pad_id=0, greedy=True), repeats=2)
+        decode(model, ids, torch.ones_like(ids), decode_settings(max_new_tokens=10, eos_ids=[V], pad_id=0, greedy=True),
+               repeats=2)
     # The prefill's 4 rows, then their 8 copies (one copy of the buffers), then the same buffers every step.
     assert seen[0][0][1] == (4, 2, 16, 8) and len(seen) == 10
     assert all(step == seen[1] for step in seen[2:]) and seen[1][0][1] == (8, 2, 16, 8)
@@ -294,9 +295,9 @@ def test_a_prefix_all_prompts_share_is_read_once_and_changes_no_greedy_token(mod
     model.get_input_embeddings().register_forward_pre_hook(lambda _, args: reads.append(tuple(args[0].shape)))
     settings = decode_settings(max_new_tokens=8, eos_ids=[V], pad_id=0,
                               greedy=True, repetition_penalty=1.3)
-    shared = decode(model, ids, mask, settings, repeats=2)  # [6, C]
+    shared = decode(model, ids, mask, settings, repeats=2).completion_ids  # [6, C]
     stays_whole = model_type in ("cohere2", "gemma2", "gemma3_text", "mistral", "recurrent_gemma", "vaultgemma")
     whole = [(6 if model_type == "recurrent_gemma" else 3, 24), (6, 1)]  # its own state: prefilled row by row
     assert reads[:2] == (whole if stays_whole else [(1, 18), (3, 6)]), reads[:2]
     monkeypatch.setattr(grpo.rollout.decoding, "MIN_SHARED_PREFIX", 10**6)
-    assert torch.equal(shared, decode(model, ids, mask, settings, repeats=2))
+    assert torch.equal(shared, decode(model, ids, mask, settings, repeats=2).completion_ids)

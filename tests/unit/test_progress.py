@@ -27,7 +27,7 @@ def test_on_token_counts_every_generated_token_until_eos():
     counts = []
     settings = decode_settings(max_new_tokens=6, temperature=1.0, top_p=1.0, top_k=1, eos_ids=[first],
                               pad_id=tokenizer.pad_token_id)
-    out = decode(model, ids, mask, settings, on_token=counts.append)
+    out = decode(model, ids, mask, settings, on_token=counts.append).completion_ids
     assert counts[0] == 2 and counts == sorted(counts, reverse=True)
     # Tokens up to and including each row's EOS are counted; padding after it is not.
     is_eos = out == first

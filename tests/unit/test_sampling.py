@@ -10,11 +10,13 @@ from tiny_setup import tiny_model, tiny_tokenizer
 from grpo import Config
 from grpo.settings.plan import SamplingSettings
 from grpo.rollout.compaction import DecodingRows
+from grpo.rollout.decoding import Decoded
 from grpo.rollout.sampling import (
     PromptEncoder,
     Sampler,
-    completion_mask_after_eos,
+    decoded_rows,
     left_pad,
+    rollout_of,
     sample_completions,
 )
 from grpo.rollout.streams import PromptStreams
@@ -22,18 +24,39 @@ from grpo.rollout.streams import PromptStreams
 EOS = 9
 
 
-def test_mask_keeps_tokens_through_the_first_eos():
-    ids = torch.tensor([[5, 6, EOS, 7, EOS],   # EOS at 2: keep 0..2
-                        [5, 6, 7, 8, 4],       # never ends: keep all, truncated
-                        [EOS, 5, 5, 5, 5]])    # ends at once: keep only the EOS
-    mask, truncated = completion_mask_after_eos(ids, [EOS])
-    assert mask.tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]]
-    assert truncated.tolist() == [False, True, False]
+def rows_rollout(decoded: Decoded, eos_ids=(EOS,)):
+    tokenizer = tiny_tokenizer()
+    N = len(decoded.completion_ids)
+    prompt_ids, prompt_mask = torch.ones(N, 2, dtype=torch.long), torch.ones(N, 2, dtype=torch.long)  # [N, P]
+    return rollout_of(prompt_ids, prompt_mask, decoded, tokenizer, list(eos_ids), chat=False)
+
+
+def test_a_completion_made_elsewhere_runs_through_its_first_eos():
+    rows = [[5, 6, EOS, 7, EOS],  # EOS at 2: keep 0..2
+            [5, 6, 7, 8, 4],      # never ends: keep all, truncated
+            [EOS, 5, 5, 5, 5],    # ends at once: keep only the EOS
+            [5, 6]]               # shorter, no EOS: truncated
+    rollout = rows_rollout(decoded_rows(rows, pad_id=0, eos_ids=[EOS]))
+    assert rollout.completion_mask.tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0], [1, 1, 0, 0, 0]]
+    assert rollout.truncated.tolist() == [False, True, False, True]
+    pad = tiny_tokenizer().pad_token_id
+    assert rollout.completion_ids[0].tolist() == [5, 6, EOS, pad, pad]  # the ids after the end padded
+    assert torch.equal(rollout.loss_mask, rollout.completion_mask)
 
 
 def test_several_eos_ids():
-    mask, _ = completion_mask_after_eos(torch.tensor([[1, 3, 2, 2]]), [2, 3])
-    assert mask.tolist() == [[1, 1, 0, 0]]
+    assert decoded_rows([[1, 3, 2, 2]], pad_id=0, eos_ids=[2, 3]).lengths.tolist() == [2]
+
+
+def test_a_row_is_truncated_unless_its_own_eos_ended_it():
+    """With tools, an EOS may be fed (a tool turn's header) or close a tool call mid-row: only the model's own
+    EOS as the row's last token ends it; the fed tokens stay out of the loss mask."""
+    ids = torch.tensor([[5, EOS, 7, EOS], [5, EOS, 7, EOS], [5, EOS, 7, 8], [5, 6, 7, 8]])  # [4, 4]
+    fed = torch.tensor([[0, 0, 1, 0], [0, 0, 1, 1], [0, 0, 1, 1], [0, 0, 0, 0]])  # [4, 4]
+    rollout = rows_rollout(Decoded(ids, fed, torch.tensor([4, 4, 4, 0])))
+    assert rollout.truncated.tolist() == [False, True, True, True]  # own EOS; a fed EOS; no EOS; empty
+    assert rollout.loss_mask.tolist() == [[1, 1, 0, 1], [1, 1, 0, 0], [1, 1, 0, 0], [0, 0, 0, 0]]
+    assert rollout.completion_mask.tolist() == [[1] * 4] * 3 + [[0] * 4]
 
 
 def test_left_pad():

@@ -163,6 +163,26 @@ def test_the_prompt_holds_the_schemas_and_a_template_without_tools_is_refused(to
         check_tool_template(plain)
 
 
+# The generation prompt opens an empty reasoning block that past assistant turns are rendered without (Qwen3's
+# enable_thinking=False): a row's text is no prefix of the conversation with its tool turn.
+THINKING_TOOLS = CHATML_TOOLS.replace("{{- '<|im_start|>assistant\\n' }}{%- endif %}",
+                                      "{{- '<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n' }}{%- endif %}")
+
+
+def test_a_template_that_renders_past_turns_otherwise_is_refused_before_any_decode(tok):
+    assert THINKING_TOOLS != CHATML_TOOLS
+    thinking = train_tokenizer(["x"], vocab_size=270)
+    thinking.chat_template = THINKING_TOOLS
+    thinking.name_or_path = "org/thinking-model"
+    with pytest.raises(ConfigError, match=r"chat template of the tokenizer 'org/thinking-model' does not render a "
+                                          r"conversation's earlier turns as the model wrote them.*part at character"):
+        check_tool_template(thinking)
+    im_end, pad = tok.convert_tokens_to_ids("<|im_end|>"), tok.pad_token_id
+    check_tool_template(tok, eos_ids=[pad, im_end])  # the template ends its turns with one of the model's EOS
+    with pytest.raises(ConfigError, match="ends its turns with one of the model's EOS tokens"):
+        check_tool_template(tok, eos_ids=[pad])
+
+
 def test_hermes_calls_one_two_malformed():
     assert parse_hermes("Let me see.\n" + CALL) == [ToolCall("multiply", {"a": 3, "b": 4})]
     two = CALL + "\n" + '<tool_call>\n{"name": "divide", "arguments": "{\\"a\\": 1, \\"b\\": 2}"}\n</tool_call>'
