@@ -26,6 +26,13 @@ REASONS = {
 }
 
 
+def save_options(model) -> dict:
+    """`save_pretrained`'s options for `model`. An adapter is saved without the base model's embeddings: the
+    vocabulary is never resized here, and peft's "auto" would otherwise ask the Hub whether it was (offline, two
+    warnings at the first save; behind a firewall that drops packets, a wait)."""
+    return {"save_embedding_layers": False} if is_peft_model(model) else {}
+
+
 def is_peft_model(model) -> bool:
     """Whether `model` is a peft PeftModel (peft is imported only where one can exist: it was built with it)."""
     peft = sys.modules.get("peft")

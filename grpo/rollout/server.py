@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from ..errors import ConfigError, UserError
+from ..policy.lora import save_options
 from .batches import Rollout
 from .chat import is_chat
 from .sampling import PromptEncoder, decoded_rows, eos_token_ids, rollout_of
@@ -133,7 +134,7 @@ class ServerSampler:
         folder = self.adapters_dir / name
         tmp = folder.with_name(folder.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
-        self.model.save_pretrained(tmp)
+        self.model.save_pretrained(tmp, **save_options(self.model))
         tmp.rename(folder)
         try:
             self.server.request("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(folder)})

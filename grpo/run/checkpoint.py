@@ -23,6 +23,7 @@ import torch
 
 from ..errors import ConfigError, resume_hint, setting
 from ..infra.progress import quiet_library_bars
+from ..policy.lora import save_options
 
 COMPLETE = "COMPLETE"
 STATE = "trainer_state.pt"
@@ -42,7 +43,7 @@ def save_checkpoint(output_dir: str, step: int, model, tokenizer, config_dict: d
         shutil.rmtree(stale, ignore_errors=True)
     tmp.mkdir(parents=True)
     with quiet_library_bars():  # transformers' own, on a log file
-        model.save_pretrained(tmp, safe_serialization=True, state_dict=model_state)
+        model.save_pretrained(tmp, safe_serialization=True, state_dict=model_state, **save_options(model))
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)
     (tmp / "grpo_config.json").write_text(json.dumps(config_dict, indent=2))

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from ..errors import TrainingStopped, UserError
 from ..policy.forwards import Policy
+from ..policy.lora import save_options
 from ..policy.optim import Updates, rescheduled, set_hyperparameters
 from ..infra.progress import quiet_library_bars
 from ..rollout.batches import Generation
@@ -125,7 +126,8 @@ class Session:
         if self.dist.is_main:
             path.mkdir(parents=True, exist_ok=True)
             with quiet_library_bars():
-                self.model.save_pretrained(path, safe_serialization=True, state_dict=weights)
+                self.model.save_pretrained(path, safe_serialization=True, state_dict=weights,
+                                           **save_options(self.model))
             self.tokenizer.save_pretrained(path)
         self.dist.barrier()
 

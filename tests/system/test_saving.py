@@ -2,6 +2,7 @@
 `save_strategy` ("no" writes none), `resume_from_checkpoint=True` (the newest checkpoint), Ctrl-C from Python a
 KeyboardInterrupt raised once the checkpoint is written, hints in the caller's language (Python or the command
 line), and a checkpoint whose bytes changed after its save recognised by its checksums and passed over."""
+import json
 import os
 import signal
 
@@ -168,3 +169,30 @@ def test_a_flipped_bit_in_the_weights_is_passed_over_like_a_truncated_file(tmp_p
     with pytest.raises(ConfigError, match=r"no checkpoint in .* can be loaded \(checkpoint-3: model.safetensors does "
                                           r"not match its sha256"):
         make_trainer(out, tokenizer, {}, optim="adamw", max_steps=4, resume_from_checkpoint="latest").train()
+
+
+def test_a_lora_adapter_of_a_hub_model_is_saved_without_asking_the_hub(tmp_path, tokenizer):
+    # peft's default save asks the Hub whether the base model's vocabulary changed: offline, two warnings at
+    # the first save (and a wait where a firewall drops packets), though the vocabulary is never resized here.
+    import warnings
+
+    from tiny_setup import digit_prompts, tiny_model
+
+    from grpo import Config, Trainer
+
+    model = tiny_model(tokenizer)
+    model.name_or_path = model.config._name_or_path = "HuggingFaceTB/SmolLM2-135M-Instruct"  # a hub model's name
+    config = Config(output_dir=str(tmp_path / "run"), max_steps=1, per_device_train_batch_size=4,
+                    num_generations=2, max_prompt_length=16, max_completion_length=4, optim="adamw",
+                    use_lora=True, lora_r=4)
+    trainer = Trainer(config, model=model, tokenizer=tokenizer, reward_funcs=[text_length],
+                      train_dataset=digit_prompts())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.train()
+        trainer.save_model(str(tmp_path / "adapter"))
+    hub = [str(w.message) for w in caught if "HuggingFaceTB" in str(w.message)]
+    saved = tmp_path / "run" / "checkpoint-1"
+    recorded = json.loads((saved / "adapter_config.json").read_text())["base_model_name_or_path"]
+    assert recorded == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert hub == [] and (saved / "adapter_model.safetensors").exists()
