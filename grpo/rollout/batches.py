@@ -33,7 +33,7 @@ class Rollout:
     completion_ids: torch.Tensor  # [N, C] right-padded
     completion_mask: torch.Tensor  # [N, C] what attention sees: 1 up to and including EOS
     completions: list  # N strings, or N chat lists [{"role": "assistant", "content": ...}]
-    truncated: torch.Tensor  # [N] bool: no EOS within max_completion_length
+    truncated: torch.Tensor  # [N] bool: not ended by an EOS of the model's own within max_completion_length
     # [N, C] the completion tokens trained on, which the loss, its token counts and metrics read (None: the
     # completion mask); 0 on tokens the model did not write and, with mask_truncated_completions, on truncated rows.
     loss_mask: torch.Tensor | None = None

@@ -178,21 +178,21 @@ class ToolLoop:
                    f"the row ended", calls=len(ok))
         return None
 
-    def completion_messages(self, row: int, completion_ids: list[int], tool_mask: list[int]) -> list[dict]:
+    def completion_messages(self, row: int, completion_ids: list[int], own: list[int]) -> list[dict]:
         """Row `row`'s completion as TRL gives it to reward functions when tools are used: assistant and tool
         messages in turn (`[{"role": "assistant", "content": ..., "tool_calls": [...]}, {"role": "tool",
         "name": ..., "content": ...}, ..., {"role": "assistant", "content": ...}]`); an inline tool's results
         stay in their assistant message's content. `completion_ids`: the row's ids without padding;
-        `tool_mask`: 1 on the tokens it sampled, 0 on those it was fed."""
+        `own`: 1 on the tokens it sampled, 0 on those it was fed."""
         events = iter(self.rows[row].events)
         messages, text, own_since = [], "", True
-        for own, ids in _runs(completion_ids, tool_mask):
-            if own:
+        for sampled, ids in _runs(completion_ids, own):
+            if sampled:
                 text, own_since = text + self._text(ids, skip_special=True), True
                 continue
             event = next(events, ())
             if event == ():
-                raise ValueError(f"row {row}'s tool mask has more fed runs than the row had tool rounds")
+                raise ValueError(f"row {row}'s mask has more fed runs than the row had tool rounds")
             if event is None:
                 text += self._text(ids, skip_special=True)
             else:
