@@ -6,8 +6,8 @@ each tree (another commit's grpo, `git archive <commit> | tar -x -C dir`), the t
 subprocess pinned to `--core` with OMP_NUM_THREADS=1; wall and CPU seconds, min and median over `--repeats`.
 
     python benchmarks/decode_floor.py                                   # the main job's shapes, this tree
-    python benchmarks/decode_floor.py --trees /tmp/53/base . --repeats 3 --core 1 --no-profile
-    python benchmarks/decode_floor.py --trees /tmp/53/base . --repeats 2 --core 0 --no-profile --int8
+    python benchmarks/decode_floor.py --trees BASE . --repeats 3 --core 1 --no-profile
+    python benchmarks/decode_floor.py --trees BASE . --repeats 2 --core 0 --no-profile --int8
 
 Main job's shapes (the defaults): SmolLM2-135M-Instruct, LoRA r16 alpha 32 on every linear, 2 word-problem chat
 prompts (~200 tokens) x 8 completions of exactly `--max-new` 128 tokens (EOS never sampled), temperature 0.7.
