@@ -52,36 +52,38 @@ def calling_trainer(tmp_path, answers, reward):
                    environment_factory=Broken)
 
 
-def test_a_raising_reset_is_one_line_naming_the_environment_the_row_and_the_error(tmp_path):
-    trainer = calling_trainer(tmp_path, ["bad"], lambda completions, **kw: [0.0] * len(completions))
+GET_REWARD_RAISED = ("environment Broken.get_reward raised ValueError: the episode never finished for completion 0 "
+                     "of the batch (prompt ")
+
+
+def one_line_error(trainer) -> str:
+    """The message of the UserError `trainer.train()` raises, checked to be one line."""
     with pytest.raises(UserError) as info:
         trainer.train()
     message = str(info.value)
     assert "\n" not in message
+    return message
+
+
+def test_a_raising_reset_is_one_line_naming_the_environment_the_row_and_the_error(tmp_path):
+    trainer = calling_trainer(tmp_path, ["bad"], lambda completions, **kw: [0.0] * len(completions))
+    message = one_line_error(trainer)
     assert message.startswith("environment Broken.reset raised KeyError: 'no such puzzle' on the dataset row ")
     assert "'answer': 'bad'" in message and "What is 3 times 4?" in message
 
 
 def test_a_raising_get_reward_is_one_line_naming_the_environment_the_completion_and_the_error(tmp_path):
     trainer = calling_trainer(tmp_path, ["12"], environment_reward)
-    with pytest.raises(UserError) as info:
-        trainer.train()
-    message = str(info.value)
-    assert "\n" not in message
-    assert message.startswith("environment Broken.get_reward raised ValueError: the episode never finished for "
-                              "completion 0 of the batch (prompt ")
+    message = one_line_error(trainer)
+    assert message.startswith(GET_REWARD_RAISED)
 
 
 def test_a_raising_get_reward_in_a_reward_function_of_ones_own_is_the_same_line(tmp_path):
     def mine(environments, **kwargs):
         return [env.get_reward() for env in environments]
     trainer = calling_trainer(tmp_path, ["12"], mine)
-    with pytest.raises(UserError) as info:
-        trainer.train()
-    message = str(info.value)
-    assert "\n" not in message
-    assert message.startswith("environment Broken.get_reward raised ValueError: the episode never finished for "
-                              "completion 0 of the batch (prompt ")
+    message = one_line_error(trainer)
+    assert message.startswith(GET_REWARD_RAISED)
     assert message.endswith(", in reward function 'mine'")
 
 
