@@ -12,17 +12,17 @@ from .policy.gradients import accumulate
 from .policy.models import load_model, prepare_for_training
 from .policy.optim import Updates
 from .rollout.evaluate import evaluate
-from .rollout.pipeline import Pipeline, Synchronous, engine
+from .rollout.pipeline import Pipeline, engine
 from .rollout.prompts import PromptStream, check_chat_template
 from .rollout.reward_models import place_reward_models
 from .rollout.tools import Tools
 from .run import lock
-from .run.ahead import Ahead
 from .run.callbacks import Callbacks
 from .run.logs import logged_lines, peak_memory_gb
 from .run.report import Report, TrainOutput
 from .run.session import Progress, Session
 from .run.startup import prepare
+from .run.supply import supply
 from .run.state import NoSignalWatch, TrainerState
 from .run.trackers import Trackers
 from .settings import Config
@@ -71,7 +71,7 @@ class Trainer:
         self.optimizer, self.scheduler = self.updates.optimizer, self.updates.scheduler  # TRL's
 
     def _setup_generation(self, sampler, rollout_func, train_dataset) -> None:
-        """The generation pipeline and the batches it makes, now or ahead (run/ahead)."""
+        """The generation pipeline: the engine, the prompts, the rewards next to the policy."""
         self.state = TrainerState.of(self.total_steps, self.dist)  # its global_step is `step`
         self.no_signal = NoSignalWatch(patience=3)  # steps in a row where all rewards were equal
         self.sampler = engine(sampler, rollout_func, self)  # ours, a server's, a rollout_func...
@@ -81,13 +81,11 @@ class Trainer:
         self.pipeline = Pipeline.build(self.sampler, self.prompts, self.reward_funcs, self.policy,
                                        self.dist, s, self.plan.loss, self.tokenizer.pad_token_id,
                                        self.threshold_set, self.tools)
-        if s.max_staleness is None:  # made when the step needs it
-            self.batches = Synchronous(self.pipeline, self.schedule, self.state)
-        else:  # ahead, by a sampler process
-            self.batches = Ahead(self.pipeline, self.state, self.schedule, self.total_steps,
-                                 s.max_staleness, release=self.optimizer.state.clear)
 
-    def _setup_run(self, callbacks) -> None:  # the callbacks, the report, the session that saves
+    def _setup_run(self, callbacks) -> None:
+        """The steps' batches (now or ahead), the callbacks, the report, the session that saves."""
+        self.batches = supply(self.pipeline, self.state, self.schedule, self.total_steps,
+                              self.plan.generation.max_staleness, release=self.optimizer.state.clear)
         self.callbacks = Callbacks(callbacks, self.config, self.state, self.model, self.tokenizer,
                                    self.optimizer, self.scheduler)
         self.output_dir = Path(self.config.output_dir)

@@ -1,4 +1,4 @@
-"""The run's dtype plan, decided once from the device and the `bf16` setting (policy.uses_bf16), so that every
+"""The run's dtype plan, decided once from the device and the `bf16` setting (`uses_bf16`), so that every
 place that casts or autocasts reads the same answer, on CUDA and in the CPU rehearsal of the CUDA plan alike.
 
 Under bf16: a frozen LoRA base (and QLoRA's 4-bit layers' compute) in bf16 with float32 adapters (peft upcasts
@@ -11,8 +11,6 @@ import contextlib
 from dataclasses import dataclass
 
 import torch
-
-from . import uses_bf16
 
 
 @dataclass(frozen=True)
@@ -49,3 +47,9 @@ class Precision:
 def default_device() -> torch.device:
     """Where load_model puts the policy: this rank's GPU when there is one (distributed.setup picks it)."""
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def uses_bf16(bf16: bool | None, device_type: str) -> bool:
+    """Whether a run computes in bf16: `bf16` None means on CUDA only (CPU kernels are slower in bf16, and
+    float32 keeps CPU runs exact); True asks for the CUDA plan on CPU too (a rehearsal), False never."""
+    return device_type == "cuda" if bf16 is None else bf16

@@ -1,8 +1,7 @@
 """The generation pipeline: what makes the batch of optimizer step s (`Pipeline.make`: draw, score, refill,
-advantages, cut, fixed log-probs), and "the batch of step s" behind one interface, `take(step)`, made here
-when the step needs it (`Synchronous`) or by a sampler process one step earlier (run/ahead.Ahead). The engine
-that turns prompts into completions (our decoder, a rollout_func, a server) is the source's sampler: the
-pipeline does not depend on which."""
+advantages, cut, fixed log-probs), when the step needs it or in a sampler process one step earlier
+(run/supply.py). The engine that turns prompts into completions (our decoder, a rollout_func, a server) is the
+source's sampler: the pipeline does not depend on which."""
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -106,31 +105,3 @@ def engine(sampler, rollout_func, trainer):
     if rollout_func is not None:
         return CustomRollouts(rollout_func, trainer)
     return Sampler(trainer.policy, trainer.tokenizer, plan.sampling, plan.decode.sampling, trainer.tools)
-
-
-class Synchronous:
-    """The batch of step s made in this process when step s needs it: a new one where `schedule`
-    (settings/schedule) starts a generation batch, else the one in training. `state`: the run's TrainerState."""
-
-    def __init__(self, pipeline: Pipeline, schedule, state):
-        self.pipeline, self.schedule, self.state = pipeline, schedule, state
-        self.current: Generation | None = None  # the batch in training (None: none yet, or resumed elastically)
-
-    def take(self, step: int) -> Generation:
-        if self.current is None or self.schedule.starts_generation(step):
-            self.current = self.pipeline.make(step, self.state)
-        return self.current
-
-    def for_checkpoint(self, step: int) -> None:
-        """Nothing made ahead for a checkpoint to keep."""
-        return None
-
-    def restore(self, current: Generation | None, ahead=None) -> None:
-        """A resumed run's batch in training (Session.resume)."""
-        self.current = current
-
-    def __enter__(self) -> Synchronous:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        return None

@@ -1,6 +1,6 @@
 """Sampling ahead (`async_generation`): the next generation batch is made by a sampler process while the current
 one trains, with weights at most `max_staleness` optimizer steps old (`Ahead`, the other implementation of
-rollout/pipeline's "the batch of step s"). The process is handed the generation pipeline (rollout/pipeline.Pipeline:
+run/supply's "the batch of step s"). The process is handed the generation pipeline (rollout/pipeline.Pipeline:
 prompts, sampling with tools and environments, rewards, advantages, the log-probs fixed for the batch) and
 runs it, so a batch it makes is the one the trainer would have made with those weights; the old log-probs are
 taken with the weights it sampled with, and the loss's ratio to them corrects for the lag. `max_staleness=0`
@@ -160,7 +160,7 @@ def _serve(conn, trainers_end, trainer_pid: int, pipeline, params, shared, promp
 
 
 class Ahead:
-    """The batch of step s (rollout/pipeline's interface, `take`) made ahead: the one training starts on at
+    """The batch of step s (run/supply's interface, `take`) made ahead: the one training starts on at
     optimizer step s is asked for at step s - max_staleness (not before the batch in training started: one is
     sampled at a time), with the weights after that step's update; `schedule` (settings/schedule.Schedule) says
     where batches start. `pipeline` (rollout/pipeline.Pipeline) is what the sampler process runs, `state` the

@@ -17,7 +17,7 @@ from ..memory.fit import decode_sizes
 from ..memory.known_models import architecture_of
 from ..policy.models import check_load_options, device_of
 from ..policy.parallel import check_settings as check_parallel_settings
-from ..policy.precision import Precision
+from ..policy.precision import Precision, default_device
 from ..rollout.evaluate import check_eval_setup
 from ..rollout.prompts import check_dataset
 from ..rollout.reward_models import reward_callables
@@ -61,6 +61,9 @@ def prepare(config, train_dataset, eval_dataset, reward_funcs, reward_processing
     dist = setup_distributed()
     checkpoint.check_output_dir(config.output_dir)
     lock.check_free(config.output_dir, dist)  # taken when training starts
+    device = device_of(model) if model is not None else default_device()  # where the policy runs
+    if config.async_generation:
+        check_async(dist.world_size, device.type, own_sampler)
     funcs = reward_callables(reward_funcs, reward_processing_classes, config.chat_template_kwargs)
     check_dataset(train_dataset)
     check_reward_weights(config.reward_weights, reward_func_names(funcs))
@@ -69,10 +72,7 @@ def prepare(config, train_dataset, eval_dataset, reward_funcs, reward_processing
     check_eval_setup(config, eval_dataset, funcs)
     check_load_options(config, model_given=model is not None)
     check_parallel_settings(dist.world_size, config.fsdp, config.optim, config.use_lora)
-    precision = Precision.plan(config.bf16, config.use_lora, device_of(model) if model is not None else None,
-                               config.bf16_weights)
-    if config.async_generation:
-        check_async(dist.world_size, precision.device_type, own_sampler)
+    precision = Precision.plan(config.bf16, config.use_lora, device, config.bf16_weights)
     plan = RunPlan.resolve(config, dist.world_size)
     total_steps = plan.schedule.total_steps(len(train_dataset), config.num_train_epochs, config.max_steps)
     decode = decode_sizes(plan.memory, architecture_of(config.model, model), precision)

@@ -315,11 +315,11 @@ class RunPlan:
     def resolve(cls, config, world_size: int) -> RunPlan:
         """The plan of `config` on `world_size` ranks; ConfigError for a schedule that cannot work
         (Schedule.resolve)."""
+        correction = sampling_correction_of(config)
+        reference = reference_kind(config.use_lora, config.beta)
         schedule = Schedule.resolve(config, world_size)
         ahead = config.async_generation and config.max_staleness > 0
-        correction = sampling_correction_of(config)
         old = schedule.optimizer_steps_per_generation > 1 or ahead or correction is not None
-        reference = reference_kind(config.use_lora, config.beta)
         generation = GenerationSettings.of(config, schedule, old, reference != "none", correction)
         return cls(schedule, MappingProxyType(config.loss_settings()), old, reference, OptimSettings.of(config),
                    SamplingSettings.of(config), Cadence.of(config), generation, SessionSettings.of(config),
