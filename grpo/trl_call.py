@@ -1,7 +1,8 @@
 """TRL's GRPOTrainer call shape on our Trainer: `args=` is the Config, `processing_class=` the tokenizer, a
 `model` given as a hub id or folder is `config.model`, `peft_config=` (a peft LoraConfig) and a PeftModel passed
 in set the Config's LoRA settings, a tokenizer without a pad token pads with EOS, and TRL's keywords this Trainer
-lacks are refused with what to do instead (settings/trl_names.py)."""
+lacks are refused with what to do instead (settings/trl_names.py), as is a way of loading that a model passed in
+cannot have (load_in_4bit)."""
 from __future__ import annotations
 
 import dataclasses
@@ -44,6 +45,9 @@ def trl_call(config, args, model, tokenizer, processing_class, trl_only: dict, s
                           f"grpo.Config(...) (TRL's GRPOConfig keywords work there)")
     if isinstance(model, str):  # TRL: a hub id or folder to load
         config, model = dataclasses.replace(config, model=model), None
+    if config.load_in_4bit and model is not None:
+        raise ConfigError("load_in_4bit applies when the trainer loads config.model itself; a model passed in is "
+                          "used as built (load it with a transformers BitsAndBytesConfig, or pass config.model)")
     config = dataclasses.replace(config, **lora) if (lora := _lora(peft_config, model, config)) else config
     tokenizer = tokenizer if tokenizer is not None else processing_class
     return config, model, with_pad_token(tokenizer) if tokenizer is not None else None

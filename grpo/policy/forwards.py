@@ -7,7 +7,6 @@ import sys
 
 import torch
 
-from ..settings.choices import prompt_once
 from .models import (check_logprobs_match_forward, completion_logprobs, device_of, make_reference, reference_context,
                      unwrap)
 from .parallel import ParallelPolicy
@@ -23,15 +22,14 @@ class Policy:
 
     def __init__(self, model, settings, world_size: int, precision: Precision, *, is_main: bool):
         self.model, self.settings, self.precision, self.is_main = model, settings, precision, is_main
-        self.reference = make_reference(model, settings.use_lora, settings.beta, precision.reference_dtype)
+        self.reference = make_reference(model, settings.reference, precision.reference_dtype)
         # Before the optimizer exists: FSDP replaces the parameters by their shards.
         self.parallel = ParallelPolicy(model, world_size, fsdp=settings.fsdp, bf16=precision.bf16)
         self.device = device_of(model)
         self.head_checked = False
         # Each distinct prompt forwarded once (policy/prefix.py), unless the model's cache cannot serve it.
-        asked = prompt_once(settings.shared_prompt_forward, settings.gradient_checkpointing)
-        why = refusal(unwrap(model)) if asked else None
-        self.shared_prompt = asked and why is None
+        why = refusal(unwrap(model)) if settings.prompt_once else None
+        self.shared_prompt = settings.prompt_once and why is None
         if why is not None:
             self._whole_rows(why)
 

@@ -11,7 +11,6 @@ import torch
 from ..algo.logprobs import token_logprobs
 from ..errors import ConfigError
 from ..infra.libraries import import_bitsandbytes
-from ..settings.plan import reference_kind
 from .gguf import resolve_model_path
 from .head import head_logits, head_transform, positions
 from .lora import with_adapter
@@ -45,14 +44,6 @@ def with_pad_token(tokenizer):
                               f"set tokenizer.pad_token (completions end at its EOS token, so set that too)")
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
-
-
-def check_load_options(config, model_given: bool) -> None:
-    """Fail before any loading when `config` asks for a way of loading that a model passed in cannot have
-    (the settings' own combinations are checked when the Config is made: settings/checks.py)."""
-    if config.load_in_4bit and model_given:
-        raise ConfigError("load_in_4bit applies when the trainer loads config.model itself; a model passed in is "
-                         "used as built (load it with a transformers BitsAndBytesConfig, or pass config.model)")
 
 
 def load_model(settings, precision: Precision | None = None):
@@ -157,10 +148,11 @@ def unwrap(model):
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
-def make_reference(model, use_lora: bool, beta: float, dtype: torch.dtype = torch.float32):
-    """A frozen copy for full fine-tuning, in `dtype` (forward-only: bf16 halves its memory); None when the
-    adapter-disabled policy serves (LoRA) or no reference is needed (beta == 0)."""
-    if reference_kind(use_lora, beta) != "copy":
+def make_reference(model, reference: str, dtype: torch.dtype = torch.float32):
+    """A frozen copy for full fine-tuning (`reference`, settings/plan.reference_kind: "copy"), in `dtype`
+    (forward-only: bf16 halves its memory); None when the adapter-disabled policy serves (LoRA) or no reference
+    is needed (beta == 0)."""
+    if reference != "copy":
         return None
     return copy.deepcopy(unwrap(model)).eval().requires_grad_(False).to(dtype)
 

@@ -15,7 +15,7 @@ from ..infra.distributed import Distributed
 from ..infra.distributed import setup as setup_distributed
 from ..memory.fit import decode_sizes
 from ..memory.known_models import architecture_of
-from ..policy.models import check_load_options, device_of
+from ..policy.models import device_of
 from ..policy.parallel import check_settings as check_parallel_settings
 from ..policy.precision import Precision, default_device
 from ..rollout.evaluate import check_eval_setup
@@ -70,7 +70,6 @@ def prepare(config, train_dataset, eval_dataset, reward_funcs, reward_processing
     if own_sampler:
         check_reward_columns(funcs, train_dataset)  # not after the first generation batch
     check_eval_setup(config, eval_dataset, funcs)
-    check_load_options(config, model_given=model is not None)
     check_parallel_settings(dist.world_size, config.fsdp, config.optim, config.use_lora)
     precision = Precision.plan(config.bf16, config.use_lora, device, config.bf16_weights)
     plan = RunPlan.resolve(config, dist.world_size)

@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from types import MappingProxyType
 
+from .choices import prompt_once
 from .planner import MemorySettings
 from .schedule import Schedule
 
@@ -81,20 +82,19 @@ class TrackerSettings:
 @dataclass(frozen=True)
 class LogprobSettings:
     """What the policy's forwards (policy/forwards.Policy) read of the settings: the temperature the loss
-    scores at, the LM head's chunk, the reference (use_lora, beta), FSDP, and the shared-prompt forward."""
+    scores at, the LM head's chunk, where the reference comes from (`reference_kind`), FSDP, and whether each
+    distinct prompt is forwarded once (settings/choices.prompt_once)."""
 
     temperature: float
     logprob_chunk_size: int
-    use_lora: bool
-    beta: float
+    reference: str  # "none", "adapter" or "copy"
     fsdp: bool
-    shared_prompt_forward: bool | None
-    gradient_checkpointing: bool
+    prompt_once: bool
 
     @classmethod
     def of(cls, c) -> LogprobSettings:
-        return cls(c.temperature, c.logprob_chunk_size, c.use_lora, c.beta, c.fsdp, c.shared_prompt_forward,
-                   c.gradient_checkpointing)
+        return cls(c.temperature, c.logprob_chunk_size, reference_kind(c.use_lora, c.beta), c.fsdp,
+                   prompt_once(c.shared_prompt_forward, c.gradient_checkpointing))
 
 
 @dataclass(frozen=True)

@@ -62,8 +62,11 @@ def assert_short_error(code, err, expected_code, *fragments):
     (GOOD_BODY, "", ["--optim=adam"],
      ["optim must be one of adamw_8bit, adamw (or transformers' adamw_torch", "got 'adam'"]),
     (GOOD_BODY, "", ["--load_in_4bit=true", "--use_lora=false"], ["load_in_4bit=True needs use_lora=True"]),
+    (GOOD_BODY, "", ["--load_in_4bit=true", "--use_lora=true"],
+     ["load_in_4bit applies when the trainer loads config.model itself; a model passed in is used as built"]),
 ], ids=["no-dataset", "dataset-type", "reward-type", "config-in-recipe", "config-type", "unknown-key",
-        "override-type", "one-generation", "no-completion", "no-batch", "unknown-optim", "4bit-without-lora"])
+        "override-type", "one-generation", "no-completion", "no-batch", "unknown-optim", "4bit-without-lora",
+        "4bit-with-a-built-model"])
 def test_recipe_and_setting_errors(tmp_path, capsys, body, config, overrides, fragments):
     code, err = run(tmp_path, capsys, *overrides, body=body, config=config)
     assert_short_error(code, err, 2, *fragments)
