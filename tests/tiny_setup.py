@@ -1,6 +1,9 @@
 """A tiny offline model, tokenizer and dataset shared by the integration tests."""
+import math
+
 import torch
 from datasets import Dataset
+from transformers import TrainerCallback
 
 from grpo.rollout.batches import tool_metrics
 from grpo.rollout.decoding import DecodeSettings
@@ -79,3 +82,23 @@ def logged(trainer) -> list[dict]:
     """The lines `trainer`'s run logged, as metrics.jsonl holds them: its state.log_history without the metrics
     each train() call closes it with (transformers' TrainOutput ones)."""
     return [line for line in trainer.state.log_history if "train_runtime" not in line]
+
+
+class NanLoss(TrainerCallback):
+    """A fault injected through TRL's `callbacks=`: NaN embeddings in the training (grad-enabled) forwards of
+    optimizer steps `first`..`last` (1-based), so their loss and gradients are NaN; sampling and the fixed
+    log-probs (no grad) stay finite. `model`: the model the trainer trains; `made`: every one made."""
+    made: list = []
+
+    def __init__(self, first: int, last: int = 10**9):
+        self.steps, self.model, self.bad = range(first, last + 1), None, False
+        NanLoss.made.append(self)
+
+    def on_step_begin(self, args, state, control, model=None, **kwargs):
+        if self.model is None:
+            self.model = model
+            model.get_input_embeddings().register_forward_hook(self.poison)
+        self.bad = state.global_step + 1 in self.steps
+
+    def poison(self, module, inputs, output):
+        return output * math.nan if self.bad and torch.is_grad_enabled() else None

@@ -8,7 +8,6 @@ import textwrap
 import pytest
 import torch
 
-import grpo.trainer
 from grpo.eval import main as eval_main
 from grpo.train import main
 
@@ -151,29 +150,14 @@ def test_a_reward_failing_later_keeps_the_steps_before_it(tmp_path, capsys):
 EVERY_STEP = "--beta=0.04"
 
 
-def nan_loss_from_step(monkeypatch, first_bad_step: int, last_bad_step: int = 10**9):
-    """Every Trainer the CLI builds gets NaN log-probs in the training forwards of steps first..last."""
-    real_train, trainers = grpo.trainer.Trainer.train, []
-
-    def train(self):
-        trainers.append(self)
-        logprobs = self.policy.logprobs
-
-        def poisoned(rollout, with_entropy=False):
-            out = logprobs(rollout, with_entropy=with_entropy)
-            bad = with_entropy and first_bad_step <= self.step + 1 <= last_bad_step
-            return (out[0] * math.nan, out[1]) if bad else out
-
-        self.policy.logprobs = poisoned
-        return real_train(self)
-
-    monkeypatch.setattr(grpo.trainer.Trainer, "train", train)
-    return trainers
+def nan_loss(first_bad_step: int, last_bad_step: int = 10**9) -> str:
+    """A recipe body whose callback makes the loss NaN in steps first..last (tiny_setup.NanLoss)."""
+    return GOOD_BODY + f"\nfrom tiny_setup import NanLoss\ncallbacks = [NanLoss({first_bad_step}, {last_bad_step})]"
 
 
-def test_nonfinite_loss_stops_after_n_in_a_row_keeping_the_last_good_checkpoint(tmp_path, capsys, monkeypatch):
-    trainers = nan_loss_from_step(monkeypatch, 3)
-    code, err = run(tmp_path, capsys, "--max_steps=10", "--save_steps=2", "--max_nonfinite_steps=2", EVERY_STEP)
+def test_nonfinite_loss_stops_after_n_in_a_row_keeping_the_last_good_checkpoint(tmp_path, capsys):
+    code, err = run(tmp_path, capsys, "--max_steps=10", "--save_steps=2", "--max_nonfinite_steps=2", EVERY_STEP,
+                    body=nan_loss(3))
     assert_short_error(code, err, 1, "step 3: loss nan, grad norm nan: update skipped (1 in a row; stopping at 2)",
                        "error: stopped at step 4: the loss or gradient norm was NaN/inf for 2 steps in a row "
                        "(max_nonfinite_steps=2); their updates were skipped, so the weights are those of step 2. "
@@ -183,13 +167,13 @@ def test_nonfinite_loss_stops_after_n_in_a_row_keeping_the_last_good_checkpoint(
     assert sorted(p.name for p in (tmp_path / "run").glob("checkpoint-*")) == ["checkpoint-2"]
     from safetensors.torch import load_file
     saved = load_file(tmp_path / "run" / "checkpoint-2" / "model.safetensors")
-    for name, p in trainers[-1].model.named_parameters():
+    from tiny_setup import NanLoss
+    for name, p in NanLoss.made[-1].model.named_parameters():
         assert torch.equal(p, saved.get(name, p)), f"{name} moved on a skipped step"
 
 
-def test_one_nonfinite_step_is_skipped_and_training_goes_on(tmp_path, capsys, monkeypatch):
-    nan_loss_from_step(monkeypatch, 2, 2)
-    code, err = run(tmp_path, capsys, EVERY_STEP)
+def test_one_nonfinite_step_is_skipped_and_training_goes_on(tmp_path, capsys):
+    code, err = run(tmp_path, capsys, EVERY_STEP, body=nan_loss(2, 2))
     assert code == 0, err
     assert "step 2: loss nan, grad norm nan: update skipped (1 in a row; stopping at 3)" in err
 
