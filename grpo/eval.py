@@ -127,7 +127,7 @@ def _limit(own: dict) -> int | None:
 
 
 def _output(own: dict, default_dir: Path) -> Path:
-    from .run.checkpoint import check_output_dir
+    from .run.lock import check_output_dir
 
     output = Path(own.get("output") or default_dir / "eval.json")
     if output.is_dir():

@@ -43,18 +43,14 @@ class Trainer:
                                             trl_only, engines)
         self.config, self.eval_dataset = config, eval_dataset
         self.tools = Tools.of(tools, environment_factory) if tools or environment_factory else None
-        self._setup_plan(config, model, (reward_funcs, reward_processing_classes), train_dataset,
-                         own_sampler=sampler is None and rollout_func is None)
+        self.dist, self.plan, self.precision, self.reward_funcs = prepare(  # before a model loads
+            config, train_dataset, eval_dataset, reward_funcs, reward_processing_classes, model,
+            own_sampler=sampler is None and rollout_func is None)
+        self.schedule, self.total_steps = self.plan.schedule, self.plan.total_steps
+        self.trackers = Trackers(self.plan.trackers, self.dist.is_main)  # a missing package fails
         self._setup_policy(model, tokenizer, train_dataset)
         self._setup_generation(sampler, rollout_func, train_dataset)
         self._setup_run(callbacks)
-
-    def _setup_plan(self, config, model, rewards: tuple, train_dataset, own_sampler: bool) -> None:
-        """Ranks, seed, checks and plan before a model loads (run/startup), then the trackers."""
-        self.dist, self.plan, self.precision, self.reward_funcs = prepare(
-            config, train_dataset, self.eval_dataset, *rewards, model, own_sampler)
-        self.schedule, self.total_steps = self.plan.schedule, self.plan.total_steps
-        self.trackers = Trackers(self.plan.trackers, self.dist.is_main)  # a missing package fails
 
     def _setup_policy(self, model, tokenizer, train_dataset) -> None:
         """The tokenizer, the model loaded and prepared as the plan says, its policy and updates."""

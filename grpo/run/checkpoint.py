@@ -138,23 +138,6 @@ def check_no_earlier_run(output_dir: str) -> None:
                           f"{resume_hint()}, or pick another {setting('output_dir')}")
 
 
-def check_output_dir(output_dir: str, setting: str = "output_dir") -> None:
-    """Fail before any loading if `output_dir` cannot be created or written: a folder is made and removed
-    again in its nearest existing parent (permissions alone say nothing for root, or on /proc). `setting`: the
-    option the message names (grpo.eval checks its --output's folder)."""
-    path = Path(output_dir).absolute()
-    parent = next(p for p in (path, *path.parents) if p.exists())
-    if not parent.is_dir():
-        raise ConfigError(f"{setting}={output_dir} cannot be created: {parent} is a file, not a folder; "
-                          f"pick another --{setting}")
-    try:
-        os.rmdir(tempfile.mkdtemp(prefix=".grpo-write-test-", dir=parent))
-    except OSError as error:
-        raise ConfigError(f"{setting}={output_dir} cannot be {'written' if parent == path else 'created'}: "
-                          f"making a folder in {parent} fails ({error.strerror}); pick a writable --{setting}"
-                          ) from None
-
-
 def find_checkpoint(spec: str | bool, output_dir: str) -> tuple[Path | None, list[str]]:
     """The checkpoint folder `spec` names, or for "latest" the newest loadable one in `output_dir` (None if
     there is none yet; for True, transformers' spelling, ConfigError then), and a line for each newer one passed

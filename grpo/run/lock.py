@@ -1,4 +1,5 @@
-"""One run at a time in an output folder. A run holds an exclusive lock on `OUTPUT_DIR/.grpo.lock` from its
+"""The output folder a run writes: checked writable before anything loads (`check_output_dir`), and one run at a
+time in it. A run holds an exclusive lock on `OUTPUT_DIR/.grpo.lock` from its
 first step to its end (fresh or resumed), so a second run started into the same folder, even at the same
 moment, refuses in one line instead of interleaving its logs and checkpoints with the first one's.
 
@@ -15,6 +16,7 @@ import fcntl
 import os
 import socket
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -62,6 +64,23 @@ def _raise_on_every_rank(problem: str | None, dist) -> None:
         problem = dist.gather_objects([problem])[0]
     if problem is not None:
         raise ConfigError(problem)
+
+
+def check_output_dir(output_dir: str, setting: str = "output_dir") -> None:
+    """Fail before any loading if `output_dir` cannot be created or written: a folder is made and removed
+    again in its nearest existing parent (permissions alone say nothing for root, or on /proc). `setting`: the
+    option the message names (grpo.eval checks its --output's folder)."""
+    path = Path(output_dir).absolute()
+    parent = next(p for p in (path, *path.parents) if p.exists())
+    if not parent.is_dir():
+        raise ConfigError(f"{setting}={output_dir} cannot be created: {parent} is a file, not a folder; "
+                          f"pick another --{setting}")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".grpo-write-test-", dir=parent))
+    except OSError as error:
+        raise ConfigError(f"{setting}={output_dir} cannot be {'written' if parent == path else 'created'}: "
+                          f"making a folder in {parent} fails ({error.strerror}); pick a writable --{setting}"
+                          ) from None
 
 
 def check_free(output_dir: str, dist) -> None:

@@ -23,7 +23,7 @@ from ..rollout.prompts import check_dataset
 from ..rollout.reward_models import reward_callables
 from ..rollout.rewards import check_reward_columns, check_reward_weights, reward_func_names
 from ..settings.plan import RunPlan
-from . import checkpoint, lock
+from . import lock
 
 
 def check_async(world_size: int, device_type: str, own_sampler: bool) -> None:
@@ -59,7 +59,7 @@ def prepare(config, train_dataset, eval_dataset, reward_funcs, reward_processing
     rollout_func's or sampler's fields may add some). The plan is on the process group's ranks, with the run's
     length and decode sizes, and the precision plan."""
     dist = setup_distributed()
-    checkpoint.check_output_dir(config.output_dir)
+    lock.check_output_dir(config.output_dir)
     lock.check_free(config.output_dir, dist)  # taken when training starts
     device = device_of(model) if model is not None else default_device()  # where the policy runs
     if config.async_generation:
