@@ -10,10 +10,9 @@ from ..settings.choices import planned_prompt_length, prompt_once
 from ..settings.cli import format_value
 from ..settings.plan import DecodeSizes
 from ..settings.planner import MemorySettings
-from .estimate import (GB, Architecture, Estimate, estimate, eval_prompts_per_batch, plan_peak, prompts_in_micro_batch,
-                       settings_of)
+from .estimate import GB, Estimate, estimate, plan_peak, settings_of
 from .known_models import architecture_of
-from .parts import dtypes
+from .parts import Architecture, dtypes, prompts_in_micro_batch
 
 EVAL_BATCH_WITHOUT_PLAN = 64  # prompts per evaluation decode when the model's architecture cannot be read
 CUDA_CONTEXT_GB = 0.5  # the CUDA context and kernels: outside the allocator, still on the card
@@ -69,15 +68,14 @@ def memory_savings(c: Config, every_micro_batch: bool = False) -> list[tuple[dic
 
 def decode_sizes(m: MemorySettings, arch: Architecture | str, precision: Precision) -> DecodeSizes:
     """Prompts per decode, read before loading from the architecture `arch` (a string: why it could not be
-    read), the planner's settings `m` and the dtype plan. Sampling: the memory plan's (`Estimate.decode_prompts`:
-    the whole generation batch when it fits within the training peak), None (a micro-batch's) where the
-    architecture cannot be read. Evaluation: `m.eval_batch_size` when set, else as many as the memory plan fits
-    (`eval_prompts_per_batch`), else EVAL_BATCH_WITHOUT_PLAN."""
+    read), the planner's settings `m` and the dtype plan, both from one memory plan. Sampling: the plan's
+    (`Estimate.decode_prompts`: the whole generation batch when it fits within the training peak), None (a
+    micro-batch's) where the architecture cannot be read. Evaluation: `m.eval_batch_size` when set, else as many as
+    the plan fits (`Estimate.eval_prompts`), else EVAL_BATCH_WITHOUT_PLAN."""
     if isinstance(arch, str):
         return DecodeSizes(None, EVAL_BATCH_WITHOUT_PLAN if m.eval_batch_size is None else m.eval_batch_size)
-    d = dtypes(precision, m.use_lora)
-    evaluation = eval_prompts_per_batch(arch, m, d) if m.eval_batch_size is None else m.eval_batch_size
-    return DecodeSizes(plan_peak(arch, m, d).decode_prompts, evaluation)
+    e = plan_peak(arch, m, dtypes(precision, m.use_lora))
+    return DecodeSizes(e.decode_prompts, e.eval_prompts if m.eval_batch_size is None else m.eval_batch_size)
 
 
 def eval_batch_size(config: Config, model=None, device: str = "cuda") -> int:

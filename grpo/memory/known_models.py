@@ -6,7 +6,7 @@ import dataclasses
 import os
 
 from ..settings import Config
-from .estimate import Architecture
+from .parts import Architecture
 
 # Facts from each model's config.json (hidden, layers, heads, KV heads, intermediate, vocab, tied, head_dim, bias).
 _FACTS = {
@@ -45,39 +45,40 @@ TABLE_COLUMNS = {  # cumulative, as the write-up's columns
 def architecture_of(name: str, model=None, download: bool = False) -> Architecture | str:
     """The model's architecture: from `model` (a model or its HF config) when given, the built-in facts for
     well-known hub ids, else the config.json of `name` (Config.model: a local path, the HF cache, or the hub when
-    `download`). A string says why it could not be read."""
+    `download`; a .gguf file or the packaged short name: its converted folder). A string says why it could not be
+    read."""
     if model is not None:
-        hf_config = getattr(model, "config", model)
-        given = getattr(hf_config, "name_or_path", "") or "the given model"
-        try:
-            return read_architecture(hf_config, name=given)
-        except (AttributeError, KeyError, TypeError, ValueError) as error:  # a config without the usual fields
-            return f"the architecture of {given} ({type(hf_config).__name__}) could not be read: {error}"
-    if name in KNOWN:
+        config = getattr(model, "config", model)
+        label = getattr(config, "name_or_path", "") or "the given model"
+        unreadable = (AttributeError, KeyError, TypeError, ValueError)  # a config without the usual fields
+    elif name in KNOWN:
         return KNOWN[name]
+    else:
+        label, unreadable = name, Exception  # any failure to find or read a config is reported, never raised
     try:
-        from transformers import AutoConfig
+        if model is None:
+            config = _config_file(name, download)
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        heads = text.num_attention_heads
+        return Architecture(
+            hidden_size=text.hidden_size, num_layers=text.num_hidden_layers, num_heads=heads,
+            num_kv_heads=getattr(text, "num_key_value_heads", None) or heads,
+            intermediate_size=text.intermediate_size, vocab_size=text.vocab_size,
+            tie_word_embeddings=bool(getattr(text, "tie_word_embeddings", False)),
+            head_dim=getattr(text, "head_dim", None),
+            # Qwen2 has q/k/v biases without saying so in its config.
+            attention_bias=bool(getattr(text, "attention_bias", False)) or text.model_type == "qwen2", name=label)
+    except unreadable as error:  # noqa: BLE001
+        if model is None:
+            return f"cannot read the config of {name!r} ({type(error).__name__}), so no memory plan"
+        return f"the architecture of {label} ({type(config).__name__}) could not be read: {error}"
 
-        from ..policy.gguf import resolve_model_path
 
-        path = resolve_model_path(name)  # a .gguf file or the packaged short name: its converted folder
-        local = os.path.isdir(path) or not download
-        return read_architecture(AutoConfig.from_pretrained(path, local_files_only=local), name=name)
-    except Exception as e:  # noqa: BLE001 -- any failure to read a config is reported, never raised
-        return f"cannot read the config of {name!r} ({type(e).__name__}), so no memory plan"
+def _config_file(name: str, download: bool):
+    """The transformers config of `name` (Config.model), read from its config.json."""
+    from transformers import AutoConfig
 
+    from ..policy.gguf import resolve_model_path
 
-def read_architecture(config, name: str = "") -> Architecture:
-    """The architecture a transformers config (a model's config.json) describes."""
-    config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    heads = config.num_attention_heads
-    return Architecture(
-        hidden_size=config.hidden_size, num_layers=config.num_hidden_layers, num_heads=heads,
-        num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-        intermediate_size=config.intermediate_size, vocab_size=config.vocab_size,
-        tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-        head_dim=getattr(config, "head_dim", None),
-        # Qwen2 has q/k/v biases without saying so in its config.
-        attention_bias=bool(getattr(config, "attention_bias", False)) or config.model_type == "qwen2",
-        name=name or getattr(config, "name_or_path", "") or getattr(config, "model_type", ""),
-    )
+    path = resolve_model_path(name)  # a .gguf file or the packaged short name: its converted folder
+    return AutoConfig.from_pretrained(path, local_files_only=os.path.isdir(path) or not download)

@@ -9,7 +9,8 @@ import torch
 from tiny_setup import digit_prompts, digit_share, logged, text_length, tiny_tokenizer
 
 from grpo import Config, Trainer
-from grpo.memory.estimate import Architecture, estimate
+from grpo.memory.estimate import estimate
+from grpo.memory.parts import Architecture
 from grpo.settings.cli import apply_overrides
 from grpo.policy.precision import Precision
 from grpo.tasks.tiny import model_for

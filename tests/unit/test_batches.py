@@ -66,7 +66,8 @@ def test_decodes_take_whole_micro_batches_of_prompts_as_the_memory_plan_allows(m
 
 
 def test_the_memory_plan_decodes_the_generation_batch_at_once_only_within_the_training_peak():
-    from grpo.memory.estimate import Architecture, estimate
+    from grpo.memory.estimate import estimate
+    from grpo.memory.parts import Architecture
 
     a = Architecture(hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=2, intermediate_size=128,
                      vocab_size=1000, tie_word_embeddings=True)

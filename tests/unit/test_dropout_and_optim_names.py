@@ -7,7 +7,8 @@ import torch
 
 from grpo.settings import Config
 from grpo.errors import ConfigError
-from grpo.memory.estimate import Architecture, estimate
+from grpo.memory.estimate import estimate
+from grpo.memory.parts import Architecture
 from grpo.memory.fit import memory_savings
 from grpo.memory.known_models import KNOWN
 from grpo.policy.models import prepare_for_training

@@ -12,9 +12,10 @@ from types import SimpleNamespace
 import pytest
 
 from grpo.settings import Config
-from grpo.memory.estimate import Architecture, estimate, prompts_in_micro_batch
+from grpo.memory.estimate import estimate
 from grpo.memory.fit import cheapest_fit, memory_savings, needed_gb, plan_summary, smaller_micro_batches
-from grpo.memory.known_models import KNOWN
+from grpo.memory.known_models import KNOWN, architecture_of
+from grpo.memory.parts import Architecture, prompts_in_micro_batch
 from grpo.plan import main, table
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -33,9 +34,7 @@ def test_architecture_from_a_transformers_config():
 
     hf = Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                      num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True)
-    from grpo.memory.known_models import read_architecture
-
-    arch = read_architecture(hf)
+    arch = architecture_of(Config().model, hf)
     assert arch.num_params() == QWEN_05B.num_params()
     assert (arch.q_dim, arch.kv_dim) == (896, 128)
 
@@ -138,13 +137,10 @@ def test_each_memory_setting_moves_the_prediction_the_right_way():
 
 
 def test_evaluation_decodes_as_many_prompts_as_fit_within_the_training_peak():
-    from grpo.memory.estimate import eval_prompts_per_batch, settings_of
     from grpo.memory.fit import eval_batch_size
-    from grpo.memory.parts import dtypes
 
     def eval_prompts(config, device):
-        m, precision = settings_of(config, device)
-        return eval_prompts_per_batch(LLAMA_1B, m, dtypes(precision, m.use_lora))
+        return estimate(LLAMA_1B, config, device).eval_prompts
 
     s = Config(per_device_train_batch_size=8, num_generations=8, max_prompt_length=256, max_completion_length=128,
                use_lora=True, gradient_checkpointing=False)
@@ -414,7 +410,6 @@ def test_a_model_whose_architecture_cannot_be_read_decodes_without_a_plan():
 
     from grpo.memory.estimate import settings_of
     from grpo.memory.fit import EVAL_BATCH_WITHOUT_PLAN, decode_sizes
-    from grpo.memory.known_models import architecture_of
 
     gpt2 = GPT2Config(n_embd=8, n_layer=1, n_head=2, vocab_size=50)
     m, precision = settings_of(Config(), "cpu")
