@@ -1,6 +1,7 @@
 """Data parallel training under torchrun, on CPU with gloo: 2 ranks (DDP and FSDP2) end with the same weights
 and metrics as 1 process taking the same global batch; rank 0 alone writes; ranks sample differently; a
 2-rank run resumes exactly; a checkpoint of 1 rank resumes on 2 and one of 2 on 1 with what it saved."""
+import ctypes
 import glob
 import json
 import math
@@ -112,6 +113,14 @@ def elastic(tmp_path_factory):
     return out
 
 
+def killed_with_us() -> None:
+    """In the torchrun child before it starts: SIGTERM when this test process dies (Linux's PR_SET_PDEATHSIG),
+    which torchrun passes on to its ranks, so a test killed by a timeout (its SIGTERM runs no `finally`) leaves
+    no rank behind."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
+
+
 def torchrun(out: Path, names: list[str], meanwhile=lambda: None) -> None:
     """distributed_worker.py's runs `names` on 2 ranks, calling `meanwhile()` in this process while they run."""
     env = {**os.environ, "OMP_NUM_THREADS": "1",
@@ -121,7 +130,7 @@ def torchrun(out: Path, names: list[str], meanwhile=lambda: None) -> None:
         launch = subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
              str(TESTS / "distributed_worker.py"), str(out), *names],
-            env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
+            env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=killed_with_us)
     try:
         meanwhile()
         launch.wait(timeout=240)
