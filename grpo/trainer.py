@@ -9,7 +9,7 @@ from .infra.allocator import decoding_allocations, return_freed_memory
 from .infra.interrupts import StopSignals
 from .policy.forwards import Policy
 from .policy.gradients import accumulate
-from .policy.models import load_model, prepare_for_training
+from .policy.models import default_tokenizer, load_model, prepare_for_training
 from .policy.optim import Updates
 from .rollout.evaluate import evaluate
 from .rollout.pipeline import Pipeline, engine
@@ -26,7 +26,7 @@ from .run.supply import supply
 from .run.state import NoSignalWatch, TrainerState
 from .run.trackers import Trackers
 from .settings import Config
-from .trl_call import default_tokenizer, trl_call
+from .trl_call import trl_call
 
 
 class Trainer:

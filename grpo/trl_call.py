@@ -9,7 +9,7 @@ import dataclasses
 
 from .errors import ConfigError
 from .policy.lora import adapter_settings, is_peft_model, lora_settings
-from .policy.models import load_tokenizer, with_pad_token
+from .policy.models import with_pad_token
 from .policy.sources import model_type
 from .settings import Config
 from .settings.trl_names import TRAINER_ONLY
@@ -63,22 +63,3 @@ def _lora(peft_config, model, config: Config) -> dict:
     if peft_config is not None:
         return lora_settings(peft_config, model_type=lambda: model_type(model, config.model))
     return adapter_settings(model) if is_peft_model(model) else {}
-
-
-def default_tokenizer(name: str, model):
-    """The tokenizer when none is given: that of `name` (Config.model), or for a model object the one of the
-    folder or hub id its config names (TRL's choice). A model built in code names none, and the default model
-    is not its."""
-    if model is None:
-        return load_tokenizer(name)
-    source = getattr(getattr(model, "config", None), "_name_or_path", "") or ""
-    if not source:
-        raise ConfigError("a model passed to Trainer needs its tokenizer: pass processing_class=tokenizer "
-                          "(TRL's name; tokenizer= works too); its config names no folder or hub id to load "
-                          "one from")
-    try:
-        return load_tokenizer(source)
-    except ConfigError as error:
-        raise ConfigError(f"a model passed to Trainer without its tokenizer: loading one from {source}, "
-                          f"where its config says it comes from, fails ({error}); pass "
-                          f"processing_class=tokenizer") from None

@@ -46,6 +46,25 @@ def with_pad_token(tokenizer):
     return tokenizer
 
 
+def default_tokenizer(name: str, model):
+    """The tokenizer when none is given: that of `name` (Config.model), or for a model object the one of the
+    folder or hub id its config names (TRL's choice). A model built in code names none, and the default model
+    is not its."""
+    if model is None:
+        return load_tokenizer(name)
+    source = getattr(getattr(model, "config", None), "_name_or_path", "") or ""
+    if not source:
+        raise ConfigError("a model passed to Trainer needs its tokenizer: pass processing_class=tokenizer "
+                          "(TRL's name; tokenizer= works too); its config names no folder or hub id to load "
+                          "one from")
+    try:
+        return load_tokenizer(source)
+    except ConfigError as error:
+        raise ConfigError(f"a model passed to Trainer without its tokenizer: loading one from {source}, "
+                          f"where its config says it comes from, fails ({error}); pass "
+                          f"processing_class=tokenizer") from None
+
+
 def load_model(settings, precision: Precision | None = None):
     """The policy from `settings.model` (`settings`: the run plan's settings/plan.LoadSettings, a Config, or a
     model's name as `load_tokenizer` takes it) on `precision`'s device (default: the GPU when there is one), in
