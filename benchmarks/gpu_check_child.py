@@ -26,7 +26,7 @@ from datasets import Dataset  # noqa: E402
 from gpu_memory import TINY, hf_config  # noqa: E402
 
 from grpo import Config, Trainer  # noqa: E402
-from grpo.memory.estimate import Architecture  # noqa: E402
+from grpo.memory.parts import Architecture  # noqa: E402
 from grpo.memory.known_models import ARTICLE_CONFIG, KNOWN, TABLE_COLUMNS, TABLE_MODELS  # noqa: E402
 from grpo.policy.precision import Precision  # noqa: E402
 from grpo.rollout.batches import Rollout  # noqa: E402

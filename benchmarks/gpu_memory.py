@@ -31,7 +31,8 @@ RESULTS = ROOT / "benchmarks" / "results"
 sys.path.insert(0, str(ROOT))
 
 from grpo.settings import Config  # noqa: E402
-from grpo.memory.estimate import GB, Architecture  # noqa: E402
+from grpo.memory.estimate import GB  # noqa: E402
+from grpo.memory.parts import Architecture  # noqa: E402
 from grpo.memory.fit import needed_gb, predicted_gb  # noqa: E402
 from grpo.memory.known_models import ARTICLE_CONFIG, ARTICLE_GB, KNOWN, TABLE_COLUMNS, TABLE_MODELS  # noqa: E402
 
