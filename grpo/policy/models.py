@@ -11,11 +11,10 @@ import torch
 from ..algo.logprobs import token_logprobs
 from ..errors import ConfigError
 from ..infra.libraries import import_bitsandbytes
-from .gguf import resolve_model_path
 from .head import head_logits, head_transform, positions
 from .lora import with_adapter
 from .precision import Precision
-from .sources import loading, locate
+from .sources import loading, model_folder
 
 
 def device_of(model) -> torch.device:
@@ -28,8 +27,7 @@ def load_tokenizer(name_or_path: str):
     has no pad token; what the trainer loads for `config.model`."""
     from transformers import AutoTokenizer
 
-    path = resolve_model_path(name_or_path)  # a .gguf or the packaged short name: its converted folder
-    name = locate(path)
+    name = model_folder(name_or_path)
     with loading(name):  # a missing model: one line saying whether it was read as a path or a hub id
         tokenizer = AutoTokenizer.from_pretrained(name)
     return with_pad_token(tokenizer)
@@ -78,8 +76,7 @@ def load_model(settings, precision: Precision | None = None):
         settings = Config(model=settings)
     precision = precision or Precision.plan(settings.bf16, settings.use_lora, bf16_weights=settings.bf16_weights)
     device, dtype = precision.device_type, precision.base_dtype
-    path = resolve_model_path(settings.model)  # a .gguf or the packaged short name: its converted folder
-    name = locate(path)
+    name = model_folder(settings.model)
     kwargs = {k: v for k, v in (settings.model_init_kwargs or {}).items() if k != "dtype"}  # settings/checks
     if not settings.load_in_4bit:
         with loading(name):

@@ -51,10 +51,15 @@ def model_type(model, name: str) -> str | None:
         return getattr(getattr(model, "config", None), "model_type", None)
     from transformers import AutoConfig
 
-    path = resolve_model_path(name)  # a .gguf or the packaged short name: its converted folder
-    folder = locate(path)
+    folder = model_folder(name)
     with loading(folder):
         return AutoConfig.from_pretrained(folder).model_type
+
+
+def model_folder(name: str) -> str:
+    """What transformers loads for `name` (Config.model): a .gguf file or the packaged short name as its converted
+    folder (policy/gguf), a hub id offline as its copy in the cache (`locate`)."""
+    return locate(resolve_model_path(name))
 
 
 @contextlib.contextmanager
