@@ -62,6 +62,7 @@ def split_options(args: list[str], names: tuple[str, ...] = OWN_OPTIONS) -> tupl
 class Job:
     """One evaluation, its inputs checked: what the recipe form and the run form both come to."""
 
+    kind: str  # "recipe", or "run" for a run made from Python: the key `source` is written under
     source: str  # the recipe's path, or the checkpoint's for a run made from Python
     config: object
     reward_funcs: list
@@ -160,7 +161,7 @@ def recipe_job(argv: list[str]) -> Job | None:
     dataset = resolve_dataset(recipe.eval_dataset, "eval_dataset")
     check_eval_inputs(config, dataset, reward_funcs)
     tools = Tools.of(recipe.tools, recipe.environment_factory) if recipe.tools or recipe.environment_factory else None
-    return Job(argv[0], config, reward_funcs, dataset, checkpoint, output, limit,
+    return Job("recipe", argv[0], config, reward_funcs, dataset, checkpoint, output, limit,
                lambda: recipe.resolve_model(config), tools)
 
 
@@ -188,7 +189,7 @@ def run_job(argv: list[str]) -> Job:
     check_eval_inputs(config, dataset, reward_funcs)
     adapter = checkpoint / "adapter_config.json"
     base = json.loads(adapter.read_text()).get("base_model_name_or_path") if adapter.exists() else None
-    return Job(str(checkpoint), config, reward_funcs, dataset, checkpoint, output, limit,
+    return Job("run", str(checkpoint), config, reward_funcs, dataset, checkpoint, output, limit,
                lambda: (_base_model(config, base), None))
 
 
@@ -236,9 +237,9 @@ def evaluate_job(job: Job, model, tokenizer) -> int:
     first, *groups = summary_lines(metrics)
     print("\n".join([f"greedy pass@1 on {int(metrics['eval/num_examples'])} prompts: {first}", *groups]))
     job.output.parent.mkdir(parents=True, exist_ok=True)
-    key = "run" if job.checkpoint is not None and job.source == str(job.checkpoint) else "recipe"
-    job.output.write_text(json.dumps({key: job.source, "checkpoint": str(job.checkpoint) if job.checkpoint else None,
-                                      "decoding": "greedy", "metrics": metrics, "samples": samples}, indent=1))
+    checkpoint = str(job.checkpoint) if job.checkpoint else None
+    job.output.write_text(json.dumps({job.kind: job.source, "checkpoint": checkpoint, "decoding": "greedy",
+                                      "metrics": metrics, "samples": samples}, indent=1))
     print(f"wrote {job.output}")
     return 0
 
