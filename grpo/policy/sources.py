@@ -59,7 +59,8 @@ def model_type(model, name: str) -> str | None:
 def model_folder(name: str) -> str:
     """What transformers loads for `name` (Config.model): a .gguf file or the packaged short name as its converted
     folder (policy/gguf), a hub id offline as its copy in the cache (`locate`)."""
-    return locate(resolve_model_path(name))
+    path = resolve_model_path(name)  # a .gguf or the packaged short name: its converted folder
+    return locate(path)
 
 
 @contextlib.contextmanager
