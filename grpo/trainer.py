@@ -45,7 +45,7 @@ class Trainer:
         self.tools = Tools.of(tools, environment_factory) if tools or environment_factory else None
         self.dist, self.plan, self.precision, self.reward_funcs = prepare(  # before a model loads
             config, train_dataset, eval_dataset, reward_funcs, reward_processing_classes, model,
-            own_sampler=sampler is None and rollout_func is None)
+            sampler=sampler is not None, rollout_func=rollout_func is not None)
         self.schedule, self.total_steps = self.plan.schedule, self.plan.total_steps
         self.trackers = Trackers(self.plan.trackers, self.dist.is_main)  # a missing package fails
         self._setup_policy(model, tokenizer, train_dataset)

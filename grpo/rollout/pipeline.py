@@ -11,14 +11,13 @@ import torch
 
 from ..algo.advantages import group_advantages
 from ..algo.loss import zero_advantage_has_no_gradient
-from ..errors import ConfigError
 from .batches import Cut, Generation, Rollout, generation_metrics, with_advantages
 from .custom import CustomRollouts
 from .dynamic import DynamicSampling
 from .prompts import PromptStream
 from .rewards import RewardContext, reward_func_names
 from .sampling import Sampler
-from .server import server_sampler
+from .server import ServerSampler
 from .source import RolloutSource
 
 
@@ -92,14 +91,11 @@ class Pipeline:
 def engine(sampler, rollout_func, trainer):
     """What turns a generation batch's prompts into completions: a vLLM server (use_vllm), the caller's
     `sampler`, TRL's `rollout_func` (which gets the `trainer`, TRL's contract), or our decoder with as many
-    prompts per decode as the run plan says."""
+    prompts per decode as the run plan says; its refusals came before loading (engines/choice)."""
     plan = trainer.plan
     if plan.server is not None:  # with the run's adapter, published each step
-        return server_sampler(sampler or rollout_func, trainer.model, trainer.tokenizer, plan, trainer.tools,
-                              Path(trainer.config.output_dir) / "vllm-adapters")
-    if plan.sampling.int8 and (sampler is not None or rollout_func is not None):
-        raise ConfigError("int8_sampling_weights=True samples with our own decode loop: pass no sampler or "
-                          "rollout_func with it")
+        return ServerSampler(trainer.model, trainer.tokenizer, plan.sampling, plan.server,
+                             Path(trainer.config.output_dir) / "vllm-adapters", trainer.tools)
     if sampler is not None:
         return sampler
     if rollout_func is not None:

@@ -7,9 +7,7 @@ import warnings
 
 import torch
 
-from ..errors import ConfigError
 from ..policy.folding import sampling_weights
-from ..policy.int8 import int8_refusal
 from ..policy.models import eval_mode, unwrap
 from ..settings.plan import SamplingKnobs
 from .batches import Rollout
@@ -175,9 +173,6 @@ class Sampler:
         self.encode = PromptEncoder(tokenizer, settings.max_prompt_length, kwargs, tools, eos_ids)
         k = settings.micro_batch_prompts
         self.prompts_per_decode = k if prompts_per_decode is None else max(k, prompts_per_decode // k * k)
-        refusal = int8_refusal() if settings.int8 else None
-        if refusal is not None:
-            raise ConfigError(refusal)
 
     @torch.no_grad()
     def __call__(self, prompts: list, on_token=None, streams: PromptStreams | None = None,

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import ConfigError, UserError
+from ..errors import UserError
 from ..policy.lora import save_options
 from .batches import Rollout
 from .chat import is_chat
@@ -98,9 +98,6 @@ class ServerSampler:
     `adapters_dir`: where adapters are written for the server to read."""
 
     def __init__(self, model, tokenizer, settings, server, adapters_dir: Path, tools=None):
-        if not hasattr(model, "peft_config"):
-            raise ConfigError("use_vllm=True samples with the run's LoRA adapter: the policy must be a LoRA model "
-                              "(use_lora=True)")
         self.model, self.tokenizer, self.settings = model, tokenizer, settings
         kwargs = None if settings.chat_template_kwargs is None else dict(settings.chat_template_kwargs)
         self.eos_ids = eos_token_ids(tokenizer, model)
@@ -237,13 +234,3 @@ class ServerSampler:
                               f"serves another model (or runs without --logprobs-mode processed_logprobs)")
         self.checked_logprobs = True
         return metrics
-
-
-def server_sampler(given, model, tokenizer, plan, tools, adapters_dir: Path) -> ServerSampler:
-    """The sampler of a run with use_vllm (`plan`: settings/plan.RunPlan); `given`: a sampler or rollout_func the
-    caller passed, which cannot be used at once."""
-    if given is not None:
-        raise ConfigError("use_vllm=True samples on the vLLM server: pass no sampler or rollout_func with it")
-    if plan.schedule.world_size > 1:
-        raise ConfigError("use_vllm=True runs one trainer process here: under torchrun set use_vllm=False")
-    return ServerSampler(model, tokenizer, plan.sampling, plan.server, adapters_dir, tools)

@@ -18,26 +18,13 @@ from ..memory.known_models import architecture_of
 from ..policy.models import device_of
 from ..policy.parallel import check_settings as check_parallel_settings
 from ..policy.precision import Precision, default_device
+from ..rollout.engines.choice import check_engine
 from ..rollout.evaluate import check_eval_setup
 from ..rollout.prompts import check_dataset
 from ..rollout.reward_models import reward_callables
 from ..rollout.rewards import check_reward_columns, check_reward_weights, reward_func_names
 from ..settings.plan import RunPlan
 from . import lock
-
-
-def check_async(world_size: int, device_type: str, own_sampler: bool) -> None:
-    """ConfigError where async_generation cannot run: the sampler is a fork of the one trainer process, which
-    CUDA does not survive, running our own decoder."""
-    if world_size > 1:
-        raise ConfigError(f"async_generation=True runs one trainer process and its sampler; under torchrun "
-                          f"({world_size} ranks) set async_generation=False")
-    if device_type != "cpu":
-        raise ConfigError(f"async_generation=True samples in a forked process, which runs on the CPU only; the "
-                          f"model is on {device_type}: set async_generation=False")
-    if not own_sampler:
-        raise ConfigError("async_generation=True samples with our own decoder: it cannot run a rollout_func or a "
-                          "sampler passed to the Trainer; set async_generation=False")
 
 
 class Prepared(NamedTuple):
@@ -51,28 +38,27 @@ class Prepared(NamedTuple):
 
 
 def prepare(config, train_dataset, eval_dataset, reward_funcs, reward_processing_classes=None, model=None,
-            own_sampler: bool = True) -> Prepared:
+            sampler: bool = False, rollout_func: bool = False) -> Prepared:
     """The run of `config` set up on its ranks (infra/distributed: world size 1 without torchrun; torch seeded
     by rank: dropout differs by rank, sampling has its own streams), checked and planned before its model
     (`model`: the caller's, or None) loads. ConfigError (or the dataset's, a reward's error) for a run that
-    cannot start. `own_sampler`: our decoder samples, so the reward functions get the dataset's columns only (a
-    rollout_func's or sampler's fields may add some). The plan is on the process group's ranks, with the run's
-    length and decode sizes, and the precision plan."""
+    cannot start. `sampler`, `rollout_func`: whether the caller passed one (rollout/engines/choice: the engine's
+    refusals); with neither, the reward functions get the dataset's columns only (theirs may add some). The
+    plan is on the process group's ranks, with the run's length and decode sizes, and the precision plan."""
     dist = setup_distributed()
     lock.check_output_dir(config.output_dir)
     lock.check_free(config.output_dir, dist)  # taken when training starts
     device = device_of(model) if model is not None else default_device()  # where the policy runs
-    if config.async_generation:
-        check_async(dist.world_size, device.type, own_sampler)
     funcs = reward_callables(reward_funcs, reward_processing_classes, config.chat_template_kwargs)
     check_dataset(train_dataset)
     check_reward_weights(config.reward_weights, reward_func_names(funcs))
-    if own_sampler:
+    if not (sampler or rollout_func):
         check_reward_columns(funcs, train_dataset)  # not after the first generation batch
     check_eval_setup(config, eval_dataset, funcs)
     check_parallel_settings(dist.world_size, config.fsdp, config.optim, config.use_lora)
     precision = Precision.plan(config.bf16, config.use_lora, device, config.bf16_weights)
     plan = RunPlan.resolve(config, dist.world_size)
+    check_engine(plan, dist.world_size, device.type, sampler=sampler, rollout_func=rollout_func)
     total_steps = plan.schedule.total_steps(len(train_dataset), config.num_train_epochs, config.max_steps)
     decode = decode_sizes(plan.memory, architecture_of(config.model, model), precision)
     torch.manual_seed(config.seed + dist.rank)  # last: reward models loaded above draw from it

@@ -121,7 +121,7 @@ def test_the_worker_gives_the_trainer_its_threads_back_and_its_error_with_the_ch
 
 def test_what_async_generation_cannot_run_is_refused_in_one_check_before_loading():
     from grpo.errors import ConfigError
-    from grpo.run.startup import check_async
+    from grpo.rollout.engines.choice import check_async
 
     check_async(1, "cpu", own_sampler=True)
     with pytest.raises(ConfigError, match="under torchrun"):

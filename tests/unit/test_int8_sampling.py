@@ -17,7 +17,7 @@ from grpo.policy.int8 import int8_copy, int8_refusal
 from grpo.policy.models import prepare_for_training, unwrap
 from grpo.rollout.decoding import DecodeSettings, decode
 from grpo.rollout.kv_cache import preallocated_cache
-from grpo.settings.plan import RunPlan, SamplingKnobs, SamplingSettings
+from grpo.settings.plan import RunPlan, SamplingKnobs
 
 pytestmark = pytest.mark.skipif(int8_refusal() is not None, reason="no fbgemm int8 engine on this machine")
 
@@ -177,16 +177,12 @@ def test_a_model_whose_steps_do_not_run_fused_is_refused_in_one_line():
     assert "\n" not in str(e.value)
 
 
-def test_a_torch_without_fbgemm_is_refused_in_one_line(monkeypatch):
-    from grpo.rollout.sampling import Sampler
-
+def test_a_torch_without_fbgemm_is_refused_in_one_line():
+    """Through the Trainer, before loading: tests/unit/test_engine_choice.py."""
     previous = torch.backends.quantized.engine
     try:
         torch.backends.quantized.engine = "qnnpack"
         assert "fbgemm" in int8_refusal() and "'qnnpack'" in int8_refusal()
-        settings = SamplingSettings.of(Config(int8_sampling_weights=True))
-        with pytest.raises(ConfigError, match="needs torch's fbgemm"):
-            Sampler(policy=None, tokenizer=tiny_tokenizer(), settings=settings)
     finally:
         torch.backends.quantized.engine = previous
     assert int8_refusal() is None
