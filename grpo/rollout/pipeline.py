@@ -18,7 +18,7 @@ from .dynamic import DynamicSampling
 from .prompts import PromptStream
 from .rewards import RewardContext, reward_func_names
 from .sampling import Sampler
-from .server import server_sampler
+from .server import ServerSampler, server_sampler
 from .source import RolloutSource
 
 
@@ -83,6 +83,11 @@ class Pipeline:
         first = torch.arange(min(self.cut.size, len(rollout.completions)))  # a micro-batch's rows
         self.policy.check_head_once(rollout.select(first),
                                     agree=lambda value: self.dist.reduce({"value": value}, "max")["value"])
+
+    def close(self) -> None:
+        """The run has ended, however: what the engine keeps for it let go (a server's adapters: rollout/server)."""
+        if isinstance(self.source.sampler, ServerSampler):
+            self.source.sampler.close()
 
     def quiet(self) -> None:
         """No sampling bar (a sampler process: the trainer's bar is shown)."""
