@@ -1,7 +1,8 @@
 """Stopping cleanly on SIGINT (Ctrl-C) and SIGTERM (preemption). While a step is still generating or
 back-propagating, nothing has touched the weights, so the step is abandoned (the trainer rolls it back);
 once the optimizer runs, the step is finished. Either way the trainer then saves and raises
-TrainingInterrupted (a KeyboardInterrupt). A second signal stops at once, without saving."""
+TrainingInterrupted (a KeyboardInterrupt). A second signal stops at once, without saving. Inside the abandonable
+part, what a signal must not cut in two (a message read off a pipe and recorded) runs `atomic`."""
 from __future__ import annotations
 
 import contextlib
@@ -11,6 +12,8 @@ import threading
 from pathlib import Path
 
 from ..errors import resume_hint
+
+_installed: StopSignals | None = None  # whose handlers are in force: a process has one handler per signal
 
 
 class StepAbandoned(Exception):
@@ -37,16 +40,21 @@ class StopSignals:
     def __init__(self):
         self.received: int | None = None
         self._abandonable = False
-        self._previous = {}
+        self._previous, self._outer = {}, None
 
     def __enter__(self) -> StopSignals:
+        global _installed
         if threading.current_thread() is threading.main_thread():  # Python only lets it set handlers
             self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+            self._outer, _installed = _installed, self
         return self
 
     def __exit__(self, *exc) -> None:
+        global _installed
         for s, handler in self._previous.items():
             signal.signal(s, handler)
+        if self._previous:
+            _installed = self._outer
 
     @contextlib.contextmanager
     def abandonable(self):
@@ -59,6 +67,21 @@ class StopSignals:
         finally:
             self._abandonable = False
 
+    @contextlib.contextmanager
+    def atomic(self):
+        """A part of the abandonable step that a signal must not cut in two: one arriving inside abandons the
+        step (StepAbandoned) when it has run to its end."""
+        if not self._abandonable:
+            yield
+            return
+        self._abandonable = False
+        try:
+            yield
+        finally:
+            self._abandonable = self.received is None
+        if self.received is not None:
+            raise StepAbandoned
+
     def _handle(self, signum: int, frame) -> None:
         name = signal.Signals(signum).name
         if self.received is not None:
@@ -70,3 +93,8 @@ class StopSignals:
         if self._abandonable:
             self._abandonable = False
             raise StepAbandoned
+
+
+def atomic():
+    """`StopSignals.atomic` of the handlers in force, for code that is not handed them (run/ahead.py)."""
+    return _installed.atomic() if _installed is not None else contextlib.nullcontext()

@@ -83,6 +83,11 @@ class Pipeline:
         self.policy.check_head_once(rollout.select(first),
                                     agree=lambda value: self.dist.reduce({"value": value}, "max")["value"])
 
+    def close(self) -> None:
+        """The run has ended, however: what the engine keeps for it let go (a server's adapters: rollout/server)."""
+        if isinstance(self.source.sampler, ServerSampler):
+            self.source.sampler.close()
+
     def quiet(self) -> None:
         """No sampling bar (a sampler process: the trainer's bar is shown)."""
         self.source.show_progress = False

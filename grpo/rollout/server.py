@@ -13,13 +13,15 @@ through the decode loop's own ToolLoop (rollout/server_tools.py); tool tokens st
 LoRA: when a generation batch is sampled at an optimizer step the server has not seen, the adapter is written
 into `adapters_dir` (the server must read that folder: same machine or shared storage), loaded under a new name
 (`POST /v1/load_lora_adapter`, the server started with `--enable-lora` and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True),
-the previous one unloaded; every request names the adapter it must sample with.
+the previous one unloaded; every request names the adapter it must sample with. When the run ends, however it
+ends, the last one is unloaded and the folder removed (`close`).
 
 Failures are one line (`ServerError`): no server at the URL within `vllm_server_timeout`, a server that serves
 another model (its tokenizer, or the first batch's log-probs, differ from the policy's), a server that refuses
 the adapter, dies or stops answering mid-run (the trainer then saves a checkpoint: run/session)."""
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import socket
@@ -144,6 +146,17 @@ class ServerSampler:
             shutil.rmtree(self.adapters_dir / old, ignore_errors=True)
         self.adapter = (step, name)
         return name
+
+    def close(self) -> None:
+        """The run has ended (or stopped): the adapter the server holds unloaded, unless the server is gone or
+        does not answer within seconds (the run may be ending for that), and `adapters_dir` removed, leftovers of
+        a killed run in it too (a run holds its output_dir alone: run/lock). A later call writes anew."""
+        if self.adapter is not None:
+            with contextlib.suppress(ServerError):
+                self.server.request("/v1/unload_lora_adapter", {"lora_name": self.adapter[1]},
+                                    timeout=min(5.0, self.server.timeout))
+            self.adapter = None
+        shutil.rmtree(self.adapters_dir, ignore_errors=True)
 
     def request_body(self, prompt_ids: list[int], seed: int, adapter: str, n: int, max_tokens: int) -> dict:
         s, knobs = self.settings, self.settings.knobs

@@ -21,7 +21,7 @@ import torch
 
 from ..errors import TrainingStopped, resume_hint
 from ..infra.children import die_with_parent
-from ..infra.interrupts import StepAbandoned
+from ..infra.interrupts import StepAbandoned, atomic
 from ..rollout.batches import Generation
 
 
@@ -82,12 +82,17 @@ class Worker:
                 s.copy_(p)
         self.conn.send({"step": step, "prompts": prompts, "rng": torch.get_rng_state(), "state": state})
 
-    def receive(self, step: int) -> tuple[Generation, dict, torch.Tensor]:
-        """The requested batch (for optimizer step `step`), its prompt position after and its RNG state after,
-        waited for; the worker's error raised here; SamplerDied when it ended without answering."""
+    def wait(self, step: int) -> None:
+        """Until the answer to the request for optimizer step `step` can be read; SamplerDied when the worker
+        ended without answering."""
         while not self.conn.poll(0.5):
             if not self.process.is_alive():
                 raise self.died(step)
+
+    def receive(self, step: int) -> tuple[Generation, dict, torch.Tensor]:
+        """The requested batch (for optimizer step `step`), its prompt position after and its RNG state after,
+        waited for (`wait`); the worker's error raised here; SamplerDied when it ended without answering."""
+        self.wait(step)
         try:
             kind, payload = pickle.loads(self.conn.recv_bytes())
         except (EOFError, OSError):
@@ -235,8 +240,8 @@ class Ahead:
             if self.requested is None or self.requested[0] != step:
                 self._request(step, version=step)
             self._receive()
-        sampled, self.ready = self.ready, None
-        self.taken = sampled
+        sampled = self.taken = self.ready  # held by one of the two at every instant (for_checkpoint)
+        self.ready = None
         self.prompts.load_state_dict(sampled.prompts_after)
         if sampled.version == step and sampled.rng_after is not None:  # waited for: the synchronous batch's
             torch.set_rng_state(sampled.rng_after)
@@ -251,17 +256,21 @@ class Ahead:
         # The reward functions' trainer_state at that step, as the synchronous run's would be.
         state = dataclasses.replace(self.state, global_step=step,
                                     epoch=self.schedule.epoch(step, len(self.prompts.dataset)))
-        self.worker.request(step, self.prompts.state_dict(), state)
-        self.requested = (step, version)
+        with atomic():  # a stop signal cannot leave a request sent but not recorded, or half sent
+            self.worker.request(step, self.prompts.state_dict(), state)
+            self.requested = (step, version)
 
     def _receive(self) -> None:
         step, version = self.requested
         try:
-            generation, prompts_after, rng_after = self.worker.receive(step)
-        except StepAbandoned:  # still being sampled: a checkpoint waits for it
+            self.worker.wait(step)  # a stop signal here leaves it being sampled: a checkpoint waits for it
+            # Nor read but not recorded (a checkpoint would wait for it forever), nor read in part.
+            with atomic():
+                generation, prompts_after, rng_after = self.worker.receive(step)
+                self.requested = None
+                self.ready = Sampled(step, version, generation, prompts_after, rng_after)
+        except StepAbandoned:
             raise
         except Exception:  # the worker's error, or it died: nothing is being sampled any more
             self.requested = None
             raise
-        self.requested = None
-        self.ready = Sampled(step, version, generation, prompts_after, rng_after)

@@ -154,16 +154,17 @@ class Session:
             print(f"{said}: starting from step 0", file=sys.stderr)
         else:
             state = checkpoint.load_state(path)
-            notes = [f"resuming with a changed setting: {c}" for c in checkpoint.changed_settings(path, s.record)]
+            notes = [f"resuming from {path} (step {state['step']} of {self.total_steps})"]
+            notes += [f"resuming with a changed setting: {c}" for c in checkpoint.changed_settings(path, s.record)]
             notes += elastic.rank_change_notes(checkpoint.saved_config(path), state, s.record, self.dist.world_size)
             if state.get("total_steps", self.total_steps) != self.total_steps:  # e.g. a finished run extended
                 o = s.optim
                 notes.append(rescheduled(state["total_steps"], self.total_steps, state["step"], o.learning_rate,
                                          self.warmup_steps, o.lr_scheduler_type, o.lr_scheduler_kwargs))
-            if notes and self.dist.is_main:
-                print("\n".join(notes), file=sys.stderr)
             self.parallel.load_weights(path)
             progress = self.load_state_dict(state)
+            if self.dist.is_main:  # once it loaded: a checkpoint that does not is one error line
+                print("\n".join(notes), file=sys.stderr)
             self.last_checkpoint, self.saved_step = path, progress.step
         if self.dist.is_main:  # the one writer; with no checkpoint even step 0's evaluation is done again
             drop_log_lines_after(str(self.output_dir), progress.step if progress is not None else -1)

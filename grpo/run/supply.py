@@ -41,4 +41,4 @@ class Synchronous:
         return self
 
     def __exit__(self, *exc) -> None:
-        return None
+        self.pipeline.close()  # a server's adapters removed

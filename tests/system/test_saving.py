@@ -77,7 +77,8 @@ callbacks = [CtrlCInStep2()]
 """
 
 
-def test_ctrl_c_on_the_command_line_prints_the_resume_command_and_exits_130(tmp_path, capsys):
+def test_ctrl_c_on_the_command_line_prints_the_resume_command_and_exits_130_and_the_resume_says_from_where(
+        tmp_path, capsys):
     code, err = run(tmp_path, capsys, "--save_steps=10", body=CTRL_C_IN_STEP_2)
     saved = tmp_path / "run" / "checkpoint-1"
     assert code == 130
@@ -85,6 +86,9 @@ def test_ctrl_c_on_the_command_line_prints_the_resume_command_and_exits_130(tmp_
     assert lines[-2:] == [f"interrupted by SIGINT after step 1: saved {saved}",
                           f"resume with: python -m grpo.train {tmp_path / 'recipe.py'} --save_steps=10 "
                           f"--resume_from_checkpoint={saved}"]
+    code, err = run(tmp_path, capsys, "--save_steps=10", f"--resume_from_checkpoint={saved}")  # no Ctrl-C now
+    assert code == 0, err
+    assert err.splitlines()[0] == f"resuming from {saved} (step 1 of 3)"
 
 
 def test_a_rerun_into_the_same_output_dir_says_how_to_continue_in_the_callers_language(tmp_path, tokenizer, capsys):

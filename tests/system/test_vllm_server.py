@@ -4,7 +4,9 @@ and the failures are one line each: no server, a server of another model, a serv
 (a checkpoint saved). Skipped unless a server runs: .ci/run starts one (.ci/vllm_venv.sh) on
 `tests/server_setup.py`'s model and sets GRPO_VLLM_URL and GRPO_VLLM_MODEL (that folder)."""
 import http.server
+import json
 import os
+import signal
 import socket
 import threading
 import time
@@ -13,7 +15,7 @@ import urllib.request
 import pytest
 import torch
 from server_setup import server_model
-from tiny_setup import digit_prompts, logged, text_length
+from tiny_setup import digit_prompts, logged, text_length, tiny_tokenizer
 
 from grpo import Config, Trainer
 from grpo.errors import ConfigError
@@ -45,8 +47,7 @@ def test_the_server_samples_the_current_adapter_every_step(tmp_path):
         assert line["sampling/sampling_logp_difference/mean"] < 1e-3, line
         assert abs(line["sampling/importance_sampling_ratio/mean"] - 1) < 1e-2, line
     assert lines[-1]["skipped/zero_gradient"] < 1  # rows were trained on: the adapter changed
-    left = sorted(p.name for p in (tmp_path / "run" / "vllm-adapters").iterdir())
-    assert len(left) == 1 and left[0].endswith("step2")  # the one the server holds; older ones unloaded, deleted
+    assert not (tmp_path / "run" / "vllm-adapters").exists()  # the last one unloaded, the folder removed
 
 
 @needs_server
@@ -85,6 +86,90 @@ def _trainer_on_tiny(tmp_path, url, **overrides):
     overrides = {"vllm_server_timeout": 2, **overrides}
     return Trainer(Config(**settings(tmp_path / "run", url=url, model=str(folder), **overrides)),
                    reward_funcs=[text_length], train_dataset=digit_prompts())
+
+
+class FakeVLLM:
+    """A stand-in for a vLLM server, without vLLM: it answers what a run asks (health, the model, its tokenizer,
+    loading and unloading adapters, completions of digits with made-up log-probs), noting each adapter loaded with
+    the files its folder held then and each one unloaded; from `fail_at` completions requests on, it answers
+    those with HTTP 500."""
+
+    def __init__(self, tokenizer, fail_at: int | None = None):
+        fake = self
+        self.loaded, self.unloaded, self.completions = [], [], 0
+
+        def answer(body: dict):
+            if body.get("prompt") is not None and "n" not in body:  # /tokenize
+                return {"tokens": tokenizer(body["prompt"], add_special_tokens=False)["input_ids"]}
+            if "lora_path" in body:
+                fake.loaded.append((body["lora_name"], sorted(os.listdir(body["lora_path"]))))
+                return "Success"
+            if "lora_name" in body:
+                fake.unloaded.append(body["lora_name"])
+                return "Success"
+            fake.completions += 1
+            if fail_at is not None and fake.completions >= fail_at:
+                return None
+            ids = tokenizer("1234567", add_special_tokens=False)["input_ids"]
+            return {"choices": [{"index": i, "token_ids": ids[:1 + i % body["max_tokens"]],
+                                 "logprobs": {"token_logprobs": [-1.0] * len(ids[:1 + i % body["max_tokens"]])}}
+                                for i in range(body["n"])]}
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def reply(self, value):
+                data = b"failed" if value is None else json.dumps(value).encode()
+                self.send_response(500 if value is None else 200)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                self.reply({"data": [{"id": "tiny"}]} if self.path == "/v1/models" else "")
+
+            def do_POST(self):
+                self.reply(answer(json.loads(self.rfile.read(int(self.headers["Content-Length"])))))
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def stop(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def ctrl_c_in_step_2(completions, trainer_state, **kwargs):
+    if trainer_state.global_step == 1:
+        os.kill(os.getpid(), signal.SIGINT)
+    return text_length(completions)
+
+
+@pytest.mark.parametrize("how", ["ends", "fails", "is-interrupted"])
+def test_the_adapters_written_for_the_server_are_gone_when_the_run_ends_however_it_ends(tmp_path, how):
+    # 2 prompts a step, one completions request each: the third is step 2's first
+    fake = FakeVLLM(tiny_tokenizer(), fail_at=3 if how == "fails" else None)
+    out = tmp_path / "run"
+    trainer = _trainer_on_tiny(tmp_path, fake.url, max_steps=2, vllm_importance_sampling_correction=False,
+                               save_strategy="steps", save_steps=100)
+    if how == "is-interrupted":
+        trainer.pipeline.source.reward_funcs = [ctrl_c_in_step_2]
+    try:
+        if how == "ends":
+            trainer.train()
+        else:
+            with pytest.raises(ServerError if how == "fails" else KeyboardInterrupt):
+                trainer.train()
+    finally:
+        fake.stop()
+    assert out.exists() and not (out / "vllm-adapters").exists()
+    names = [name for name, _ in fake.loaded]
+    assert all("adapter_config.json" in files for _, files in fake.loaded)  # the server could read each one
+    assert names == [f"grpo-{trainer.sampler.run_id}-step{s}" for s in range(2)]
+    assert fake.unloaded == names  # the step-0 adapter when step 1's came, the last one at the end
 
 
 def test_the_settings_a_server_run_cannot_honour_are_refused_in_one_line():

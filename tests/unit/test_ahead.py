@@ -1,11 +1,16 @@
 """Sampling ahead's scheduling (run/ahead.Ahead) with a fake worker: which batch is asked for when, with which
 weights (the version), what a checkpoint keeps; and the real worker's threads and error text, with a pipeline
-that makes nothing."""
+that makes nothing, and a stop signal landing while a batch is read."""
+import os
+import signal
+import threading
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from grpo.infra.interrupts import StepAbandoned, StopSignals
+from grpo.rollout.batches import Cut, Generation, Rollout
 from grpo.run.ahead import Ahead, Worker
 from grpo.run.state import TrainerState
 from grpo.settings import Config
@@ -34,6 +39,9 @@ class FakeWorker:
     def request(self, step, prompts, state):
         self.asked.append((step, state.global_step))
         self.pending.append((step, prompts))
+
+    def wait(self, step):
+        assert self.pending
 
     def receive(self, step):
         asked, prompts = self.pending.pop(0)
@@ -116,6 +124,57 @@ def test_the_worker_gives_the_trainer_its_threads_back_and_its_error_with_the_ch
         worker.close()
         assert torch.get_num_threads() == 4
     finally:
+        torch.set_num_threads(threads)
+
+
+class CtrlCWhenRead:
+    """In a batch's metrics: decoding the batch in the trainer sends the trainer SIGINT, as a Ctrl-C landing after
+    the answer has left the pipe and before it is recorded would."""
+
+    def __init__(self):
+        self.step = 1
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        os.kill(os.getpid(), signal.SIGINT)
+
+
+class Sampling:
+    """The sampler process's pipeline: a batch of two rows per step, step 1's read with a Ctrl-C."""
+
+    def __init__(self):
+        self.source = SimpleNamespace(prompts=Prompts())
+        self.policy = SimpleNamespace(device=torch.device("cpu"), model=torch.nn.Linear(2, 2))
+
+    def quiet(self):
+        pass
+
+    def check_head(self, batch):
+        pass
+
+    def make(self, step, state):
+        ids, mask = torch.ones(2, 3, dtype=torch.long), torch.ones(2, 3, dtype=torch.long)
+        rollout = Rollout(ids, mask, ids, mask, ["a", "b"], torch.zeros(2, dtype=torch.bool))
+        return Generation(rollout, Cut(2, False, False), {"ctrl_c": CtrlCWhenRead()} if step == 1 else {})
+
+
+def test_a_ctrl_c_while_a_batch_is_read_leaves_it_to_the_checkpoint_instead_of_waiting_for_it_forever():
+    schedule = Schedule.resolve(Config(per_device_train_batch_size=2, num_generations=2))
+    a = Ahead(Sampling(), TrainerState(), schedule, total_steps=4, max_staleness=1)
+    threads = torch.get_num_threads()
+    try:
+        a.take(0)  # step 1's batch is now sampled with step 0's weights
+        with StopSignals() as signals, pytest.raises(StepAbandoned), signals.abandonable():
+            a.take(1)
+        assert signals.received == signal.SIGINT
+        kept = []  # what the checkpoint after step 1 keeps; the old code waited here for a batch already read
+        waiting = threading.Thread(target=lambda: kept.append(a.for_checkpoint(1)), daemon=True)
+        waiting.start()
+        waiting.join(timeout=10)
+        assert kept, "the checkpoint still waits for the batch read when the Ctrl-C landed"
+        assert (kept[0].step, kept[0].version) == (1, 0) and "ctrl_c" in kept[0].generation.metrics
+    finally:
+        a.close()
         torch.set_num_threads(threads)
 
 
