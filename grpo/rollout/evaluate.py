@@ -19,6 +19,7 @@ import torch
 from ..errors import ConfigError
 from ..infra.progress import TokenProgress
 from ..settings.plan import EvalSettings
+from .prompts import check_dataset
 from .rewards import RewardContext, compute_rewards, required_columns, reward_func_names, reward_metrics
 from .sampling import PromptEncoder, eos_token_ids, sample_completions
 from .tools import make_envs
@@ -41,7 +42,8 @@ def check_eval_setup(config, eval_dataset, reward_funcs) -> None:
 
 def check_eval_inputs(config, dataset, reward_funcs) -> None:
     """Before any model is loaded: the config's eval functions exist and find the columns they need in
-    `dataset`, and its breakdown column is one to break metrics down by."""
+    `dataset`, and its breakdown column is one to break metrics down by; its prompts as a training set's."""
+    check_dataset(dataset, "eval_dataset")
     eval_funcs(reward_funcs, config.eval_accuracy_func, config.eval_free_accuracy_func,
                config.eval_format_func, dataset.column_names)
     check_breakdown_column(dataset, config.eval_breakdown_column)

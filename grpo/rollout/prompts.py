@@ -26,14 +26,18 @@ def check_dataset(dataset, name: str = "train_dataset") -> None:
             isinstance(m, dict) and "role" in m and "content" in m for m in first)):
         raise DatasetError(f"{name}['prompt'] must hold strings or lists of {{'role', 'content'}} messages, "
                            f"got {type(first).__name__} {str(first)[:200]!r}")
-    if isinstance(first, list):  # a chat with no messages would render as an empty prompt
-        import pyarrow.compute as pc
+    import pyarrow.compute as pc
 
-        lengths = pc.list_value_length(dataset.with_format("arrow")["prompt"]).to_pylist()
-        empty = [i for i, n in enumerate(lengths) if n == 0]
-        if empty:
-            raise DatasetError(f"{name} has {len(empty)} empty chat prompts (no messages) out of {len(dataset)}, "
-                               f"first at row {empty[0]}: each needs at least one {{'role', 'content'}} message")
+    # An empty prompt has nothing to sample after: with no BOS token it is no tokens at all.
+    column = dataset.with_format("arrow")["prompt"]
+    chat = isinstance(first, list)
+    lengths = (pc.list_value_length(column) if chat else pc.utf8_length(column)).to_pylist()
+    empty = [i for i, n in enumerate(lengths) if n == 0]
+    if empty:
+        what, needs = (("chat prompts (no messages)", "at least one {'role', 'content'} message") if chat else
+                       ("prompts ('')", "some text"))
+        raise DatasetError(f"{name} has {len(empty)} empty {what} out of {len(dataset)}, first at row {empty[0]}: "
+                           f"each needs {needs}; drop them with {name}.filter(lambda row: len(row['prompt']) > 0)")
 
 
 def check_chat_template(tokenizer, datasets: dict) -> None:

@@ -1,7 +1,7 @@
 """Bad inputs a new user tries, each reported by `python -m grpo.train` as one `error:` line, with a non-zero
 exit, no traceback and nothing written: an output folder that cannot be created, a model that cannot be found
 (a local path, or a hub id without a network), `--model` on a recipe that builds its own, a checkpoint of
-another shape, an empty chat prompt, a `config` that is not a Config, a damaged checkpoint."""
+another shape, an empty chat or text prompt, a `config` that is not a Config, a damaged checkpoint."""
 import json
 import os
 import subprocess
@@ -115,6 +115,18 @@ def test_an_empty_chat_prompt(tmp_path, capsys):
     code, err = run(tmp_path, capsys, body=body)
     assert_short_error(code, err, 1, "error: train_dataset has 1 empty chat prompts (no messages) out of 2, first "
                                      "at row 1")
+    assert not (tmp_path / "run").exists()
+
+
+def test_an_empty_text_prompt(tmp_path, capsys):
+    # The tiny tokenizer adds a BOS, so "" would train silently; SmolLM2's adds none, and transformers fails.
+    body = "reward_funcs = [digit_share]\ntrain_dataset = Dataset.from_list([{'prompt': 'Write 3 digits:'}] * 2 + " \
+           "[{'prompt': ''}])"
+    code, err = run(tmp_path, capsys, body=body)
+    assert_short_error(code, err, 1, "error: train_dataset has 1 empty prompts ('') out of 3, first at row 2: each "
+                                     "needs some text; drop them with train_dataset.filter(lambda row: "
+                                     "len(row['prompt']) > 0)")
+    assert len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "run").exists()
 
 
