@@ -10,7 +10,9 @@ column, `eval/<column>=<value>/<metric>` repeats the accuracies, format, mean le
 rows holding each value. Used by the Trainer (eval_strategy) and by `python -m grpo.eval`."""
 from __future__ import annotations
 
+import ast
 import importlib
+import importlib.util
 import sys
 import time
 
@@ -77,12 +79,43 @@ def eval_funcs(reward_funcs, accuracy_func: str | None, free_accuracy_func: str 
 
 
 def import_named(setting: str, path: str):
-    """The object at an importable `module.name` (ConfigError naming `setting` when it cannot be had)."""
+    """The object at an importable `module.name` (ConfigError naming `setting` when it cannot be had, or when
+    importing the module would train: a TRL-style script with its `trainer.train()` at top level)."""
     module, _, attr = path.rpartition(".")
     try:
-        return getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as e:
+        training = _trains_on_import(module)
+        if training is None:
+            return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError, ValueError, SyntaxError) as e:  # ValueError: no module named
         raise ConfigError(f"{setting}={path!r} cannot be imported: {e}") from None
+    file, line = training
+    raise ConfigError(f"{setting}={path!r}: importing {module} would train ({file}:{line} calls .train() at its top "
+                      f"level): put its training under `if __name__ == \"__main__\":`, or {attr} in a module of "
+                      f"its own")
+
+
+def _trains_on_import(module: str) -> tuple[str, int] | None:
+    """(file, line) of a `.train()` call that importing `module` would run, read from its source without running
+    it: one in its top-level statements, outside functions, classes and an `if __name__ == "__main__":` block."""
+    if module in sys.modules:  # imported already: importing it runs nothing more
+        return None
+    spec = importlib.util.find_spec(module)
+    if spec is None or not (spec.origin or "").endswith(".py"):
+        return None
+    with open(spec.origin) as f:
+        tree = ast.parse(f.read(), spec.origin)
+    pending = list(tree.body)
+    while pending:
+        node = pending.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
+            continue
+        if isinstance(node, ast.If) and "__name__" in ast.unparse(node.test):
+            pending += node.orelse
+            continue
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "train":
+            return spec.origin, node.lineno
+        pending += ast.iter_child_nodes(node)
+    return None
 
 
 def check_breakdown_column(dataset, column: str | None) -> list | None:

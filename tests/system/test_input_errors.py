@@ -1,9 +1,11 @@
 """Bad inputs a new user tries, each reported by `python -m grpo.train` as one `error:` line, with a non-zero
 exit, no traceback and nothing written: an output folder that cannot be created, a model that cannot be found
 (a local path, or a hub id without a network), `--model` on a recipe that builds its own, a checkpoint of
-another shape, an empty chat or text prompt, a `config` that is not a Config, a damaged checkpoint."""
+another shape, an empty chat or text prompt, a `config` that is not a Config, a damaged checkpoint; `grpo.eval --reward_funcs` naming a function of a
+TRL-style script that trains when imported."""
 import json
 import os
+import runpy
 import subprocess
 import sys
 import textwrap
@@ -11,6 +13,8 @@ from pathlib import Path
 
 import pytest
 from test_errors import assert_short_error, run
+from test_trl_port import python_example
+from tiny_setup import tiny_model, tiny_tokenizer
 
 from grpo.eval import main as eval_main
 from grpo.run.checkpoint import damage
@@ -165,3 +169,31 @@ def test_a_damaged_newest_checkpoint(tmp_path, capsys):
     assert "Traceback" not in err
     steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3] and damage(newest) is None
+
+
+def test_eval_reward_funcs_from_a_script_that_trains_when_imported(tmp_path, capsys, monkeypatch):
+    # docs/coming-from-trl.md's script as a user saves and runs it (port.py), then evaluates its checkpoint
+    # with its reward function: importing port.py would run its training again.
+    tokenizer = tiny_tokenizer()
+    tiny_model(tokenizer).save_pretrained(tmp_path / "tiny-model")
+    tokenizer.save_pretrained(tmp_path / "tiny-model")
+    script = python_example(ROOT / "docs" / "coming-from-trl.md")
+    script = script.replace('"Qwen/Qwen2.5-0.5B-Instruct"', repr(str(tmp_path / "tiny-model")))
+    (tmp_path / "port.py").write_text(script)
+    (tmp_path / "held_out.jsonl").write_text('{"prompt": "Name a word that rhymes with sun:"}\n')
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    runpy.run_path("port.py", run_name="__main__")  # python port.py
+    capsys.readouterr()
+    run_folder = tmp_path / "Qwen2.5-0.5B-GRPO"
+    logged = (run_folder / "metrics.jsonl").read_text()
+
+    code = eval_main(["--checkpoint", str(run_folder / "checkpoint-4"), "--eval_dataset=held_out.jsonl",
+                      "--reward_funcs=port.reward_len"])
+    err = capsys.readouterr().err
+    assert_short_error(code, err, 2, f"error: --reward_funcs='port.reward_len': importing port would train "
+                                     f"({tmp_path / 'port.py'}:{script[:script.index('trainer.train()')].count(chr(10)) + 1} "
+                                     "calls .train() at its top level): put its training under "
+                                     "`if __name__ == \"__main__\":`, or reward_len in a module of its own")
+    assert len(err.strip().splitlines()) == 1, err
+    assert "port" not in sys.modules and (run_folder / "metrics.jsonl").read_text() == logged, "nothing ran"
