@@ -20,8 +20,9 @@ import torch
 
 from ..errors import ConfigError
 from ..infra.progress import TokenProgress
+from ..policy.models import context_length
 from ..settings.plan import EvalSettings
-from .prompts import check_dataset
+from .prompts import PromptTooLong, check_dataset
 from .rewards import RewardContext, compute_rewards, required_columns, reward_func_names, reward_metrics
 from .sampling import PromptEncoder, eos_token_ids, sample_completions
 from .tools import make_envs
@@ -240,7 +241,8 @@ def _greedy(model, tokenizer, dataset, s: EvalSettings, batch_size: int, progres
     unsharded = unsharded or (lambda fn: fn(model))
     encode = PromptEncoder(tokenizer, s.max_prompt_length,
                            None if s.chat_template_kwargs is None else dict(s.chat_template_kwargs), tools,
-                           None if tools is None else eos_token_ids(tokenizer, model))
+                           None if tools is None else eos_token_ids(tokenizer, model), context_length(model),
+                           s.max_completion_length)
     completions, completion_ids, lengths, environments = [], [], [], []
     with TokenProgress("eval", enabled=progress) as bar:
         for start in range(0, len(dataset), batch_size):
@@ -250,10 +252,13 @@ def _greedy(model, tokenizer, dataset, s: EvalSettings, batch_size: int, progres
                     range(start, min(start + batch_size, len(dataset))))))
                 environments += envs
             bar.batch(start, len(prompts), len(dataset))  # prompts done / total as rows finish, tokens/s
-            rollout = unsharded(lambda m: sample_completions(
-                m, tokenizer, encode, prompts, num_generations=1, greedy=True, on_token=bar,
-                max_completion_length=s.max_completion_length,
-                max_tool_calling_iterations=s.max_tool_calling_iterations, envs=envs))
+            try:
+                rollout = unsharded(lambda m: sample_completions(
+                    m, tokenizer, encode, prompts, num_generations=1, greedy=True, on_token=bar,
+                    max_completion_length=s.max_completion_length,
+                    max_tool_calling_iterations=s.max_tool_calling_iterations, envs=envs))
+            except PromptTooLong as error:
+                raise error.in_dataset(dataset, "eval_dataset") from None
             completions += rollout.completions
             completion_ids += rollout.completion_id_lists
             lengths.append(rollout.completion_mask.sum(dim=1).float())  # [b]

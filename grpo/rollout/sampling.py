@@ -10,11 +10,12 @@ import torch
 from ..errors import ConfigError
 from ..policy.folding import sampling_weights
 from ..policy.int8 import int8_refusal
-from ..policy.models import eval_mode, unwrap
+from ..policy.models import context_length, eval_mode, unwrap
 from ..settings.plan import SamplingKnobs
 from .batches import Rollout
 from .chat import check_tool_template, is_chat, render
 from .decoding import Decoded, DecodeSettings, decode
+from .prompts import PromptTooLong
 from .streams import PromptStreams
 from .tool_loop import ToolLoop
 
@@ -22,14 +23,17 @@ from .tool_loop import ToolLoop
 class PromptEncoder:
     """Tokenizes prompts (chat ones rendered with `chat_template_kwargs`, and with the schemas of `tools`
     (rollout/tools.Tools) when the model calls some in chat turns), cutting overlong ones from the left (the end
-    of a prompt matters most)."""
+    of a prompt matters most); a prompt still longer than the model's context is an error (PromptTooLong), not
+    minutes of decoding past the positions it was made for."""
 
     def __init__(self, tokenizer, max_prompt_length: int | None, chat_template_kwargs: dict | None = None, tools=None,
-                 eos_ids: list[int] | None = None):
+                 eos_ids: list[int] | None = None, context: int | None = None, max_completion_length: int = 0):
         """`eos_ids`: the ids that end the model's turns (`eos_token_ids`), which a template for tools is
-        checked with."""
+        checked with; `context`: the model's positions (policy/models.context_length; None: unchecked), of
+        which a completion of `max_completion_length` tokens needs its share."""
         self.tokenizer = tokenizer
         self.max_prompt_length = max_prompt_length
+        self.context, self.max_completion_length = context, max_completion_length
         self.chat_template_kwargs = chat_template_kwargs
         self.tools = tools
         self.warned = False
@@ -49,6 +53,10 @@ class PromptEncoder:
                               f"{self.max_prompt_length}; prompts are cut from the left (warned once)")
                 self.warned = True
             rows = [r[-self.max_prompt_length:] for r in rows]
+        longest = max(range(len(rows)), key=lambda i: len(rows[i]))
+        if self.context is not None and len(rows[longest]) > self.context:
+            room = max(1, self.context - self.max_completion_length)
+            raise PromptTooLong(prompts[longest], len(rows[longest]), self.context, self.max_prompt_length, room)
         return left_pad(rows, self.tokenizer.pad_token_id)
 
 
@@ -172,7 +180,8 @@ class Sampler:
         self.policy, self.tokenizer, self.settings = policy, tokenizer, settings
         kwargs = None if settings.chat_template_kwargs is None else dict(settings.chat_template_kwargs)
         eos_ids = None if tools is None else eos_token_ids(tokenizer, policy.model)  # a template for tools is checked
-        self.encode = PromptEncoder(tokenizer, settings.max_prompt_length, kwargs, tools, eos_ids)
+        self.encode = PromptEncoder(tokenizer, settings.max_prompt_length, kwargs, tools, eos_ids,
+                                    context_length(policy.model), settings.max_completion_length)
         k = settings.micro_batch_prompts
         self.prompts_per_decode = k if prompts_per_decode is None else max(k, prompts_per_decode // k * k)
         refusal = int8_refusal() if settings.int8 else None

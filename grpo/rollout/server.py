@@ -35,6 +35,7 @@ import torch
 
 from ..errors import ConfigError, UserError
 from ..policy.lora import save_options
+from ..policy.models import context_length
 from .batches import Rollout
 from .chat import is_chat
 from .sampling import PromptEncoder, decoded_rows, eos_token_ids, rollout_of
@@ -104,7 +105,8 @@ class ServerSampler:
         self.model, self.tokenizer, self.settings = model, tokenizer, settings
         kwargs = None if settings.chat_template_kwargs is None else dict(settings.chat_template_kwargs)
         self.eos_ids = eos_token_ids(tokenizer, model)
-        self.encode = PromptEncoder(tokenizer, settings.max_prompt_length, kwargs, tools, self.eos_ids)
+        self.encode = PromptEncoder(tokenizer, settings.max_prompt_length, kwargs, tools, self.eos_ids,
+                                    context_length(model), settings.max_completion_length)
         self.tools = tools
         self.server = VLLMServer(server)
         self.adapters_dir = Path(adapters_dir).resolve()

@@ -1,8 +1,9 @@
 """Bad inputs a new user tries, each reported by `python -m grpo.train` as one `error:` line, with a non-zero
 exit, no traceback and nothing written: an output folder that cannot be created, a model that cannot be found
 (a local path, or a hub id without a network), `--model` on a recipe that builds its own, a checkpoint of
-another shape, an empty chat or text prompt, a `config` that is not a Config, a damaged checkpoint; `grpo.eval --reward_funcs` naming a function of a
-TRL-style script that trains when imported."""
+another shape, an empty chat or text prompt, a prompt longer than the model's context, a `config` that is not
+a Config, a damaged checkpoint; `grpo.eval --reward_funcs` naming a function of a TRL-style script that trains
+when imported."""
 import json
 import os
 import runpy
@@ -132,6 +133,19 @@ def test_an_empty_text_prompt(tmp_path, capsys):
                                      "len(row['prompt']) > 0)")
     assert len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "run").exists()
+
+
+def test_a_prompt_longer_than_the_models_context(tmp_path, capsys):
+    # tiny_model's context is 4,096 positions; with prompts whole the third row would be decoded past them.
+    rows = "[{'prompt': 'Write 3 digits:'}, {'prompt': 'Write 3 digits: ' * 300}]"
+    body = f"reward_funcs = [digit_share]\ntrain_dataset = Dataset.from_list({rows})"
+    code, err = run(tmp_path, capsys, "--max_prompt_length=None", "--shuffle_dataset=false", body=body)
+    assert_short_error(code, err, 1, "error: train_dataset row 1: its prompt is 4,800 tokens, more than the model's "
+                                     "context of 4,096 positions (its max_position_embeddings), and "
+                                     "max_prompt_length=None keeps prompts whole: set --max_prompt_length=4092 to "
+                                     "cut prompts from the left and leave room for the completion, or drop the row")
+    assert err.strip().splitlines()[-1].startswith("error: ") and err.count("error") == 1, err
+    assert not list((tmp_path / "run").glob("*checkpoint*")) and not list((tmp_path / "run").glob("*.jsonl"))
 
 
 def test_a_config_that_is_not_a_config(tmp_path, capsys):
