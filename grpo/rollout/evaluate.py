@@ -20,7 +20,6 @@ import torch
 
 from ..errors import ConfigError
 from ..infra.progress import TokenProgress
-from ..policy.models import context_length
 from ..settings.plan import EvalSettings
 from .prompts import PromptTooLong, check_dataset
 from .rewards import RewardContext, compute_rewards, required_columns, reward_func_names, reward_metrics
@@ -241,8 +240,7 @@ def _greedy(model, tokenizer, dataset, s: EvalSettings, batch_size: int, progres
     unsharded = unsharded or (lambda fn: fn(model))
     encode = PromptEncoder(tokenizer, s.max_prompt_length,
                            None if s.chat_template_kwargs is None else dict(s.chat_template_kwargs), tools,
-                           None if tools is None else eos_token_ids(tokenizer, model), context_length(model),
-                           s.max_completion_length)
+                           None if tools is None else eos_token_ids(tokenizer, model))
     completions, completion_ids, lengths, environments = [], [], [], []
     with TokenProgress("eval", enabled=progress) as bar:
         for start in range(0, len(dataset), batch_size):

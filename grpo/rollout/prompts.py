@@ -54,8 +54,8 @@ class PromptTooLong(DatasetError):
         where = self.where or f"the prompt {str(self.prompt)[:80]!r}..."
         whole = ", and max_prompt_length=None keeps prompts whole" if self.max_prompt_length is None else ""
         return (f"{where} is {self.tokens:,} tokens, more than the model's context of {self.context:,} positions "
-                f"(its max_position_embeddings){whole}: set {setting('max_prompt_length', self.room)} to cut prompts from the left and leave room "
-                f"for the completion, or drop the row")
+                f"(its max_position_embeddings){whole}: set {setting('max_prompt_length', self.room)} to cut prompts "
+                f"from the left and leave room for the completion, or drop the row")
 
     def in_dataset(self, dataset, name: str) -> PromptTooLong:
         """The same error naming the first row of `dataset` (called `name`) that holds the prompt (itself when

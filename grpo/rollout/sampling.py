@@ -27,20 +27,22 @@ class PromptEncoder:
     minutes of decoding past the positions it was made for."""
 
     def __init__(self, tokenizer, max_prompt_length: int | None, chat_template_kwargs: dict | None = None, tools=None,
-                 eos_ids: list[int] | None = None, context: int | None = None, max_completion_length: int = 0):
+                 eos_ids: list[int] | None = None):
         """`eos_ids`: the ids that end the model's turns (`eos_token_ids`), which a template for tools is
-        checked with; `context`: the model's positions (policy/models.context_length; None: unchecked), of
-        which a completion of `max_completion_length` tokens needs its share."""
+        checked with."""
         self.tokenizer = tokenizer
         self.max_prompt_length = max_prompt_length
-        self.context, self.max_completion_length = context, max_completion_length
         self.chat_template_kwargs = chat_template_kwargs
         self.tools = tools
         self.warned = False
         if tools is not None and tools.chat:  # a template that cannot serve the tools: said once, up front
             check_tool_template(tokenizer, chat_template_kwargs, eos_ids)
 
-    def __call__(self, prompts: list) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, prompts: list, context: int | None = None,
+                 max_completion_length: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prompts' ids and mask [B, P], left-padded; `context`: the positions of the model that decodes
+        them (policy/models.context_length; None: unchecked), of which a completion of `max_completion_length`
+        tokens needs its share."""
         schemas = self.tools.schemas if self.tools is not None and self.tools.chat else None
         texts = [render(self.tokenizer, p, self.chat_template_kwargs, schemas) for p in prompts]
         # A chat template already writes any BOS it wants; plain text gets the tokenizer's default.
@@ -54,9 +56,9 @@ class PromptEncoder:
                 self.warned = True
             rows = [r[-self.max_prompt_length:] for r in rows]
         longest = max(range(len(rows)), key=lambda i: len(rows[i]))
-        if self.context is not None and len(rows[longest]) > self.context:
-            room = max(1, self.context - self.max_completion_length)
-            raise PromptTooLong(prompts[longest], len(rows[longest]), self.context, self.max_prompt_length, room)
+        if context is not None and len(rows[longest]) > context:
+            room = max(1, context - max_completion_length)
+            raise PromptTooLong(prompts[longest], len(rows[longest]), context, self.max_prompt_length, room)
         return left_pad(rows, self.tokenizer.pad_token_id)
 
 
@@ -94,7 +96,7 @@ def sample_completions(model, tokenizer, encode: PromptEncoder, prompts: list, *
     completion when the tools include an environment's methods. `int8`: decoding steps on int8 weights
     (policy/int8), each sampled token's log-prob kept as the rollout's `sampling_logprobs` for the
     importance-sampling correction (NaN on tokens out of the loss mask)."""
-    prompt_ids, prompt_mask = encode(prompts)  # [B, P]
+    prompt_ids, prompt_mask = encode(prompts, context_length(model), max_completion_length)  # [B, P]
     device = next(model.parameters()).device
     prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)  # [B, P]
     eos_ids = eos_token_ids(tokenizer, model)
@@ -180,8 +182,7 @@ class Sampler:
         self.policy, self.tokenizer, self.settings = policy, tokenizer, settings
         kwargs = None if settings.chat_template_kwargs is None else dict(settings.chat_template_kwargs)
         eos_ids = None if tools is None else eos_token_ids(tokenizer, policy.model)  # a template for tools is checked
-        self.encode = PromptEncoder(tokenizer, settings.max_prompt_length, kwargs, tools, eos_ids,
-                                    context_length(policy.model), settings.max_completion_length)
+        self.encode = PromptEncoder(tokenizer, settings.max_prompt_length, kwargs, tools, eos_ids)
         k = settings.micro_batch_prompts
         self.prompts_per_decode = k if prompts_per_decode is None else max(k, prompts_per_decode // k * k)
         refusal = int8_refusal() if settings.int8 else None

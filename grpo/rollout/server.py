@@ -105,8 +105,7 @@ class ServerSampler:
         self.model, self.tokenizer, self.settings = model, tokenizer, settings
         kwargs = None if settings.chat_template_kwargs is None else dict(settings.chat_template_kwargs)
         self.eos_ids = eos_token_ids(tokenizer, model)
-        self.encode = PromptEncoder(tokenizer, settings.max_prompt_length, kwargs, tools, self.eos_ids,
-                                    context_length(model), settings.max_completion_length)
+        self.encode = PromptEncoder(tokenizer, settings.max_prompt_length, kwargs, tools, self.eos_ids)
         self.tools = tools
         self.server = VLLMServer(server)
         self.adapters_dir = Path(adapters_dir).resolve()
@@ -169,7 +168,7 @@ class ServerSampler:
         s, G = self.settings, self.settings.num_generations
         streams = streams if streams is not None else PromptStreams(s.seed)
         adapter = self.push_adapter(streams.step)
-        prompt_ids, prompt_mask = self.encode(prompts)  # [B, P]
+        prompt_ids, prompt_mask = self.encode(prompts, context_length(self.model), s.max_completion_length)  # [B, P]
         rows = [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids, prompt_mask)]
         if self.tools is not None:  # rows that call tools: sampled in segments (rollout/server_tools)
             return self.tool_rollout(prompts, prompt_ids, prompt_mask, rows, streams, adapter, envs, on_token), {}

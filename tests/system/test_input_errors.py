@@ -205,9 +205,10 @@ def test_eval_reward_funcs_from_a_script_that_trains_when_imported(tmp_path, cap
     code = eval_main(["--checkpoint", str(run_folder / "checkpoint-4"), "--eval_dataset=held_out.jsonl",
                       "--reward_funcs=port.reward_len"])
     err = capsys.readouterr().err
+    line = script[:script.index("trainer.train()")].count("\n") + 1
     assert_short_error(code, err, 2, f"error: --reward_funcs='port.reward_len': importing port would train "
-                                     f"({tmp_path / 'port.py'}:{script[:script.index('trainer.train()')].count(chr(10)) + 1} "
-                                     "calls .train() at its top level): put its training under "
+                                     f"({tmp_path / 'port.py'}:{line} calls .train() at its top level): put its "
+                                     "training under "
                                      "`if __name__ == \"__main__\":`, or reward_len in a module of its own")
     assert len(err.strip().splitlines()) == 1, err
     assert "port" not in sys.modules and (run_folder / "metrics.jsonl").read_text() == logged, "nothing ran"
