@@ -138,14 +138,20 @@ def test_an_empty_text_prompt(tmp_path, capsys):
 def test_a_prompt_longer_than_the_models_context(tmp_path, capsys):
     # tiny_model's context is 4,096 positions; with prompts whole the third row would be decoded past them.
     rows = "[{'prompt': 'Write 3 digits:'}, {'prompt': 'Write 3 digits: ' * 300}]"
-    body = f"reward_funcs = [digit_share]\ntrain_dataset = Dataset.from_list({rows})"
+    body = f"reward_funcs = [digit_share]\ntrain_dataset = eval_dataset = Dataset.from_list({rows})"
     code, err = run(tmp_path, capsys, "--max_prompt_length=None", "--shuffle_dataset=false", body=body)
-    assert_short_error(code, err, 1, "error: train_dataset row 1: its prompt is 4,800 tokens, more than the model's "
-                                     "context of 4,096 positions (its max_position_embeddings), and "
-                                     "max_prompt_length=None keeps prompts whole: set --max_prompt_length=4092 to "
-                                     "cut prompts from the left and leave room for the completion, or drop the row")
+    said = ("row 1: its prompt is 4,800 tokens, more than the model's context of 4,096 positions (its "
+            "max_position_embeddings), and max_prompt_length=None keeps prompts whole: set --max_prompt_length=4092 "
+            "to cut prompts from the left and leave room for the completion, or drop the row")
+    assert_short_error(code, err, 1, f"error: train_dataset {said}")
     assert err.strip().splitlines()[-1].startswith("error: ") and err.count("error") == 1, err
     assert not list((tmp_path / "run").glob("*checkpoint*")) and not list((tmp_path / "run").glob("*.jsonl"))
+
+    code = eval_main([str(tmp_path / "recipe.py"), "--max_prompt_length=None", "--eval_accuracy_func=digit_share",
+                      "--eval_format_func=None"])
+    err = capsys.readouterr().err
+    assert_short_error(code, err, 1, f"error: eval_dataset {said}")
+    assert err.strip().splitlines()[-1].startswith("error: ") and err.count("error") == 1, err
 
 
 def test_a_config_that_is_not_a_config(tmp_path, capsys):
