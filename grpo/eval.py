@@ -115,10 +115,10 @@ def main(argv: list[str] | None = None) -> int:
                 return 0
             model, tokenizer = (load_checkpoint(job.checkpoint, job.base_model, job.config)
                                 if job.checkpoint is not None else job.base_model())
-        except UserError as e:
+            return evaluate_job(job, model, tokenizer)
+        except UserError as e:  # a bad input found while evaluating too (a prompt longer than the model's context)
             print(f"error: {e}", file=sys.stderr)
             return e.exit_code
-        return evaluate_job(job, model, tokenizer)
 
 
 def _limit(own: dict) -> int | None:

@@ -123,7 +123,8 @@ class Trainer:
             self.report.begin({**asdict(self.config), "resume_from_checkpoint": resume})
             if self.config.eval_on_start and self.step == 0:
                 self.evaluate()
-            with StopSignals() as signals, self.report.steps_bar(), self.trackers:
+            with StopSignals() as signals, self.report.steps_bar(), self.trackers, \
+                    self.session.saved_when_logs_fail(self.progress):
                 while self.step < self.total_steps:
                     if self.after_step(signals, self.run_step(signals)):
                         break

@@ -164,6 +164,14 @@ def unwrap(model):
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
+def context_length(model) -> int | None:
+    """The most positions `model` was made for (its config's max_position_embeddings; GPT-2's n_positions), or
+    None when its config does not say."""
+    config = getattr(unwrap(model), "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return getattr(text, "max_position_embeddings", None)
+
+
 def make_reference(model, reference: str, dtype: torch.dtype = torch.float32):
     """A frozen copy for full fine-tuning (`reference`, settings/plan.reference_kind: "copy"), in `dtype`
     (forward-only: bf16 halves its memory); None when the adapter-disabled policy serves (LoRA) or no reference

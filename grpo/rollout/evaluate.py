@@ -10,7 +10,9 @@ column, `eval/<column>=<value>/<metric>` repeats the accuracies, format, mean le
 rows holding each value. Used by the Trainer (eval_strategy) and by `python -m grpo.eval`."""
 from __future__ import annotations
 
+import ast
 import importlib
+import importlib.util
 import sys
 import time
 
@@ -19,6 +21,7 @@ import torch
 from ..errors import ConfigError
 from ..infra.progress import TokenProgress
 from ..settings.plan import EvalSettings
+from .prompts import PromptTooLong, check_dataset
 from .rewards import RewardContext, compute_rewards, required_columns, reward_func_names, reward_metrics
 from .sampling import PromptEncoder, eos_token_ids, sample_completions
 from .tools import make_envs
@@ -41,7 +44,8 @@ def check_eval_setup(config, eval_dataset, reward_funcs) -> None:
 
 def check_eval_inputs(config, dataset, reward_funcs) -> None:
     """Before any model is loaded: the config's eval functions exist and find the columns they need in
-    `dataset`, and its breakdown column is one to break metrics down by."""
+    `dataset`, and its breakdown column is one to break metrics down by; its prompts as a training set's."""
+    check_dataset(dataset, "eval_dataset")
     eval_funcs(reward_funcs, config.eval_accuracy_func, config.eval_free_accuracy_func,
                config.eval_format_func, dataset.column_names)
     check_breakdown_column(dataset, config.eval_breakdown_column)
@@ -75,12 +79,43 @@ def eval_funcs(reward_funcs, accuracy_func: str | None, free_accuracy_func: str 
 
 
 def import_named(setting: str, path: str):
-    """The object at an importable `module.name` (ConfigError naming `setting` when it cannot be had)."""
+    """The object at an importable `module.name` (ConfigError naming `setting` when it cannot be had, or when
+    importing the module would train: a TRL-style script with its `trainer.train()` at top level)."""
     module, _, attr = path.rpartition(".")
     try:
-        return getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as e:
+        training = _trains_on_import(module)
+        if training is None:
+            return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError, ValueError, SyntaxError) as e:  # ValueError: no module named
         raise ConfigError(f"{setting}={path!r} cannot be imported: {e}") from None
+    file, line = training
+    raise ConfigError(f"{setting}={path!r}: importing {module} would train ({file}:{line} calls .train() at its top "
+                      f"level): put its training under `if __name__ == \"__main__\":`, or {attr} in a module of "
+                      f"its own")
+
+
+def _trains_on_import(module: str) -> tuple[str, int] | None:
+    """(file, line) of a `.train()` call that importing `module` would run, read from its source without running
+    it: one in its top-level statements, outside functions, classes and an `if __name__ == "__main__":` block."""
+    if module in sys.modules:  # imported already: importing it runs nothing more
+        return None
+    spec = importlib.util.find_spec(module)
+    if spec is None or not (spec.origin or "").endswith(".py"):
+        return None
+    with open(spec.origin) as f:
+        tree = ast.parse(f.read(), spec.origin)
+    pending = list(tree.body)
+    while pending:
+        node = pending.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
+            continue
+        if isinstance(node, ast.If) and "__name__" in ast.unparse(node.test):
+            pending += node.orelse
+            continue
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "train":
+            return spec.origin, node.lineno
+        pending += ast.iter_child_nodes(node)
+    return None
 
 
 def check_breakdown_column(dataset, column: str | None) -> list | None:
@@ -215,10 +250,13 @@ def _greedy(model, tokenizer, dataset, s: EvalSettings, batch_size: int, progres
                     range(start, min(start + batch_size, len(dataset))))))
                 environments += envs
             bar.batch(start, len(prompts), len(dataset))  # prompts done / total as rows finish, tokens/s
-            rollout = unsharded(lambda m: sample_completions(
-                m, tokenizer, encode, prompts, num_generations=1, greedy=True, on_token=bar,
-                max_completion_length=s.max_completion_length,
-                max_tool_calling_iterations=s.max_tool_calling_iterations, envs=envs))
+            try:
+                rollout = unsharded(lambda m: sample_completions(
+                    m, tokenizer, encode, prompts, num_generations=1, greedy=True, on_token=bar,
+                    max_completion_length=s.max_completion_length,
+                    max_tool_calling_iterations=s.max_tool_calling_iterations, envs=envs))
+            except PromptTooLong as error:
+                raise error.in_dataset(dataset, "eval_dataset") from None
             completions += rollout.completions
             completion_ids += rollout.completion_id_lists
             lengths.append(rollout.completion_mask.sum(dim=1).float())  # [b]

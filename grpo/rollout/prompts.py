@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import ConfigError, DatasetError
+from ..errors import ConfigError, DatasetError, setting
 
 
 def check_dataset(dataset, name: str = "train_dataset") -> None:
@@ -26,14 +26,45 @@ def check_dataset(dataset, name: str = "train_dataset") -> None:
             isinstance(m, dict) and "role" in m and "content" in m for m in first)):
         raise DatasetError(f"{name}['prompt'] must hold strings or lists of {{'role', 'content'}} messages, "
                            f"got {type(first).__name__} {str(first)[:200]!r}")
-    if isinstance(first, list):  # a chat with no messages would render as an empty prompt
-        import pyarrow.compute as pc
+    import pyarrow.compute as pc
 
-        lengths = pc.list_value_length(dataset.with_format("arrow")["prompt"]).to_pylist()
-        empty = [i for i, n in enumerate(lengths) if n == 0]
-        if empty:
-            raise DatasetError(f"{name} has {len(empty)} empty chat prompts (no messages) out of {len(dataset)}, "
-                               f"first at row {empty[0]}: each needs at least one {{'role', 'content'}} message")
+    # An empty prompt has nothing to sample after: with no BOS token it is no tokens at all.
+    column = dataset.with_format("arrow")["prompt"]
+    chat = isinstance(first, list)
+    lengths = (pc.list_value_length(column) if chat else pc.utf8_length(column)).to_pylist()
+    empty = [i for i, n in enumerate(lengths) if n == 0]
+    if empty:
+        what, needs = (("chat prompts (no messages)", "at least one {'role', 'content'} message") if chat else
+                       ("prompts ('')", "some text"))
+        raise DatasetError(f"{name} has {len(empty)} empty {what} out of {len(dataset)}, first at row {empty[0]}: "
+                           f"each needs {needs}; drop them with {name}.filter(lambda row: len(row['prompt']) > 0)")
+
+
+class PromptTooLong(DatasetError):
+    """A prompt of more tokens than the model's context (`context`), found as it is encoded: said by its text,
+    then by its dataset row once the caller that drew it names the dataset (`in_dataset`). `max_prompt_length`:
+    the run's (None: prompts whole); `room`: the longest prompt that leaves room for a whole completion."""
+
+    def __init__(self, prompt, tokens: int, context: int, max_prompt_length: int | None, room: int,
+                 where: str | None = None):
+        super().__init__(prompt, tokens, context, max_prompt_length, room, where)
+        self.prompt, self.tokens, self.context, self.max_prompt_length, self.room, self.where = self.args
+
+    def __str__(self) -> str:
+        where = self.where or f"the prompt {str(self.prompt)[:80]!r}..."
+        whole = ", and max_prompt_length=None keeps prompts whole" if self.max_prompt_length is None else ""
+        return (f"{where} is {self.tokens:,} tokens, more than the model's context of {self.context:,} positions "
+                f"(its max_position_embeddings){whole}: set {setting('max_prompt_length', self.room)} to cut prompts "
+                f"from the left and leave room for the completion, or drop the row")
+
+    def in_dataset(self, dataset, name: str) -> PromptTooLong:
+        """The same error naming the first row of `dataset` (called `name`) that holds the prompt (itself when
+        none does: a prompt an environment's reset made)."""
+        prompts = dataset["prompt"]
+        if self.prompt not in prompts:
+            return self
+        where = f"{name} row {prompts.index(self.prompt)}: its prompt"
+        return PromptTooLong(*self.args[:-1], where)
 
 
 def check_chat_template(tokenizer, datasets: dict) -> None:

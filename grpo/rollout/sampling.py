@@ -8,11 +8,12 @@ import warnings
 import torch
 
 from ..policy.folding import sampling_weights
-from ..policy.models import eval_mode, unwrap
+from ..policy.models import context_length, eval_mode, unwrap
 from ..settings.plan import SamplingKnobs
 from .batches import Rollout
 from .chat import check_tool_template, is_chat, render
 from .decoding import Decoded, DecodeSettings, decode
+from .prompts import PromptTooLong
 from .streams import PromptStreams
 from .tool_loop import ToolLoop
 
@@ -20,7 +21,8 @@ from .tool_loop import ToolLoop
 class PromptEncoder:
     """Tokenizes prompts (chat ones rendered with `chat_template_kwargs`, and with the schemas of `tools`
     (rollout/tools.Tools) when the model calls some in chat turns), cutting overlong ones from the left (the end
-    of a prompt matters most)."""
+    of a prompt matters most); a prompt still longer than the model's context is an error (PromptTooLong), not
+    minutes of decoding past the positions it was made for."""
 
     def __init__(self, tokenizer, max_prompt_length: int | None, chat_template_kwargs: dict | None = None, tools=None,
                  eos_ids: list[int] | None = None):
@@ -34,7 +36,11 @@ class PromptEncoder:
         if tools is not None and tools.chat:  # a template that cannot serve the tools: said once, up front
             check_tool_template(tokenizer, chat_template_kwargs, eos_ids)
 
-    def __call__(self, prompts: list) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, prompts: list, context: int | None = None,
+                 max_completion_length: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prompts' ids and mask [B, P], left-padded; `context`: the positions of the model that decodes
+        them (policy/models.context_length; None: unchecked), of which a completion of `max_completion_length`
+        tokens needs its share."""
         schemas = self.tools.schemas if self.tools is not None and self.tools.chat else None
         texts = [render(self.tokenizer, p, self.chat_template_kwargs, schemas) for p in prompts]
         # A chat template already writes any BOS it wants; plain text gets the tokenizer's default.
@@ -47,6 +53,10 @@ class PromptEncoder:
                               f"{self.max_prompt_length}; prompts are cut from the left (warned once)")
                 self.warned = True
             rows = [r[-self.max_prompt_length:] for r in rows]
+        longest = max(range(len(rows)), key=lambda i: len(rows[i]))
+        if context is not None and len(rows[longest]) > context:
+            room = max(1, context - max_completion_length)
+            raise PromptTooLong(prompts[longest], len(rows[longest]), context, self.max_prompt_length, room)
         return left_pad(rows, self.tokenizer.pad_token_id)
 
 
@@ -84,7 +94,7 @@ def sample_completions(model, tokenizer, encode: PromptEncoder, prompts: list, *
     completion when the tools include an environment's methods. `int8`: decoding steps on int8 weights
     (policy/int8), each sampled token's log-prob kept as the rollout's `sampling_logprobs` for the
     importance-sampling correction (NaN on tokens out of the loss mask)."""
-    prompt_ids, prompt_mask = encode(prompts)  # [B, P]
+    prompt_ids, prompt_mask = encode(prompts, context_length(model), max_completion_length)  # [B, P]
     device = next(model.parameters()).device
     prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)  # [B, P]
     eos_ids = eos_token_ids(tokenizer, model)

@@ -37,6 +37,7 @@ import torch
 
 from ..errors import UserError
 from ..policy.lora import save_options
+from ..policy.models import context_length
 from .batches import Rollout
 from .chat import is_chat
 from .sampling import PromptEncoder, decoded_rows, eos_token_ids, rollout_of
@@ -177,7 +178,7 @@ class ServerSampler:
         s, G = self.settings, self.settings.num_generations
         streams = streams if streams is not None else PromptStreams(s.seed)
         adapter = self.push_adapter(streams.step)
-        prompt_ids, prompt_mask = self.encode(prompts)  # [B, P]
+        prompt_ids, prompt_mask = self.encode(prompts, context_length(self.model), s.max_completion_length)  # [B, P]
         rows = [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids, prompt_mask)]
         if self.tools is not None:  # rows that call tools: sampled in segments (rollout/server_tools)
             return self.tool_rollout(prompts, prompt_ids, prompt_mask, rows, streams, adapter, envs, on_token), {}

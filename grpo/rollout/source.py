@@ -10,7 +10,7 @@ from ..errors import ConfigError
 from ..infra.allocator import decoding_allocations
 from ..infra.progress import TokenProgress
 from .batches import Rollout
-from .prompts import PromptStream, per_completion
+from .prompts import PromptStream, PromptTooLong, per_completion
 from .rewards import RewardContext, compute_rewards
 from .streams import PromptStreams
 from .tools import make_envs
@@ -47,7 +47,10 @@ class RolloutSource:
             prompts, envs = self.environments(columns)
         with TokenProgress(f"sampling step {step + 1}", enabled=self.show_progress) as on_token:
             with decoding_allocations(self.release_memory):
-                rollout, fields = self.sampler(prompts, on_token, streams, **envs)
+                try:
+                    rollout, fields = self.sampler(prompts, on_token, streams, **envs)
+                except PromptTooLong as error:  # said by its row: the encoder sees prompts alone
+                    raise error.in_dataset(self.prompts.dataset, "train_dataset") from None
         seconds = time.perf_counter() - t0
         columns = {**columns, **fields, **({"environments": envs["envs"]} if envs else {})}  # a rollout_func's win
         prompts = columns.pop("prompt")

@@ -7,7 +7,7 @@ lost mid-write on a network filesystem) is recognised from its files' own header
 is loaded, and so is one whose bytes changed (a flipped bit) from the sha256 of each file, written beside them:
 `latest` passes over it to the newest loadable one (resuming drops the lines of the run's .jsonl logs written
 after the checkpoint's step: run/logs.drop_log_lines_after). A checkpoint the output
-folder cannot take (read-only, full) is written into a rescue folder instead (`save_or_rescue`)."""
+folder cannot take (read-only, full, deleted mid-run) is written into a rescue folder instead (`save_or_rescue`)."""
 from __future__ import annotations
 
 import hashlib
@@ -75,30 +75,37 @@ def rescue_folders(output_dir: str) -> list[Path]:
 
 
 def save_or_rescue(output_dir: str, step: int, *args, **kwargs) -> tuple[Path | None, str | None]:
-    """`save_checkpoint` into `output_dir`, or when that fails (a read-only folder, a full disk) into the first
-    of `rescue_folders` that takes it: (the checkpoint written or None, None or the line that says what
-    happened, naming the folder, the cause and where the state went)."""
-    try:
-        return save_checkpoint(output_dir, step, *args, **kwargs), None
-    except Exception as error:  # noqa: BLE001 -- OSError, and what torch or safetensors raise for a failed write
-        cause = _cause(error)
-        shutil.rmtree(Path(output_dir) / f".checkpoint-{step}.tmp", ignore_errors=True)  # the space it took
+    """`save_checkpoint` into `output_dir`, or when that fails (a read-only folder, a full disk, a folder
+    deleted while the run was going) into the first of `rescue_folders` that takes it: (the checkpoint written
+    or None, None or the line that says what happened, naming the folder, the cause and where the state went)."""
+    gone = not Path(output_dir).is_dir()  # made again, it would hold the run's last checkpoint without the rest
+    if gone:
+        cause = "it was deleted while the run was going"
+    else:
+        try:
+            return save_checkpoint(output_dir, step, *args, **kwargs), None
+        except Exception as error:  # noqa: BLE001 -- OSError, and what torch or safetensors raise for a failed write
+            cause = write_failure(error)
+            shutil.rmtree(Path(output_dir) / f".checkpoint-{step}.tmp", ignore_errors=True)  # the space it took
     failed = f"checkpoint-{step} cannot be written into {output_dir} ({cause})"
+    unwritable = f"make {output_dir} writable (or free space)"
+    fix = "" if gone else f"{unwritable}, then "
     for rescue in rescue_folders(output_dir):
         try:
             path = save_checkpoint(str(rescue), step, *args, **kwargs)
         except Exception as error:  # noqa: BLE001 -- as above; the next folder is tried
-            failed += f", nor into {rescue} ({_cause(error)})"
+            failed += f", nor into {rescue} ({write_failure(error)})"
             shutil.rmtree(rescue / f".checkpoint-{step}.tmp", ignore_errors=True)
             continue
-        return path, (f"{failed}: the state after step {step} is saved in {path} instead; make {output_dir} "
-                      f"writable (or free space), then resume with {setting('resume_from_checkpoint', str(path))}")
+        return path, (f"{failed}: the state after step {step} is saved in {path} instead; {fix}resume with "
+                      f"{setting('resume_from_checkpoint', str(path))}")
     newest = complete_checkpoints(output_dir)
-    return None, (f"{failed}: the steps after {newest[-1] if newest else 'the start'} are lost; make {output_dir} "
-                  f"writable (or free space) and run again")
+    return None, (f"{failed}: the steps after {newest[-1] if newest else 'the start'} are lost; "
+                  f"{'' if gone else f'{unwritable} and '}run again")
 
 
-def _cause(error: BaseException) -> str:
+def write_failure(error: BaseException) -> str:
+    """What made a write fail, in a few words (an OSError's reason and file)."""
     if isinstance(error, OSError) and error.strerror:
         return f"{error.strerror}{f': {error.filename}' if error.filename else ''}"
     return " ".join(str(error).split())[:200] or type(error).__name__

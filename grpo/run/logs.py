@@ -4,6 +4,7 @@ the run's `Trackers` (run/trackers.py). Under torchrun every rank calls these (t
 rank 0 alone writes."""
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -14,7 +15,9 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from ..errors import TrainingStopped
 from ..rollout.evaluate import summary_lines
+from .checkpoint import write_failure
 from .metric_names import trl_names
 
 METRICS = "metrics.jsonl"
@@ -87,7 +90,7 @@ def log_completions(output_dir: Path, step: int, batch, reward_names: list[str],
     if not dist.is_main:
         return
     rows = []
-    with open(output_dir / COMPLETIONS, "a") as f:
+    with appending(output_dir / COMPLETIONS) as f:
         for i in range(len(completions)):
             row = {"step": step, "prompt": prompts[i], "completion": completions[i],
                    "reward": rewards[i].item(), "advantage": advantages[i].item()}
@@ -100,8 +103,23 @@ def log_completions(output_dir: Path, step: int, batch, reward_names: list[str],
     trackers.log_completions(step, rows)
 
 
+class LogNotWritten(TrainingStopped):
+    """A log line output_dir cannot take (the folder deleted or turned read-only mid-run, a full disk): the run
+    stops with its state saved (run/session.Session.saved_when_logs_fail)."""
+
+
+@contextlib.contextmanager
+def appending(path: Path):
+    """`path` open for appending; LogNotWritten, naming the file and the cause, when that or a write fails."""
+    try:
+        with open(path, "a") as f:
+            yield f
+    except OSError as error:
+        raise LogNotWritten(f"{path.name} cannot be written into {path.parent} ({write_failure(error)})") from None
+
+
 def _append_line(path: Path, line: dict) -> None:
-    with open(path, "a") as f:
+    with appending(path) as f:
         f.write(json.dumps(line) + "\n")
 
 

@@ -1,8 +1,9 @@
 """A run's session with its output folder: what a checkpoint holds besides the weights (`state_dict`), writing
 one per step (`save`; none at all under save_strategy="no", unless a callback asks; when is settings/plan's Cadence),
 resuming from one (`resume`), and a step undone when it fails or a stop signal abandons it, the steps done saved
-so that only that one is lost (`undone_on_failure`). run/checkpoint.py writes and finds the folders; a checkpoint
-output_dir cannot take goes to a rescue folder, and the run stops saying where (`CheckpointNotWritten`)."""
+so that only that one is lost (`undone_on_failure`), as they are when a log cannot be written
+(`saved_when_logs_fail`). run/checkpoint.py writes and finds the folders; a checkpoint output_dir cannot take goes
+to a rescue folder, and the run stops saying where (`CheckpointNotWritten`)."""
 from __future__ import annotations
 
 import contextlib
@@ -21,7 +22,7 @@ from ..settings.plan import SessionSettings
 from ..settings.schedule import Schedule
 from . import checkpoint, elastic
 from .ahead import Sampled
-from .logs import drop_log_lines_after
+from .logs import LogNotWritten, drop_log_lines_after
 from .state import rng_state, set_rng_state
 from ..infra.distributed import Distributed
 from ..infra.interrupts import StepAbandoned, StopSignals, TrainingInterrupted
@@ -169,6 +170,20 @@ class Session:
         if self.dist.is_main:  # the one writer; with no checkpoint even step 0's evaluation is done again
             drop_log_lines_after(str(self.output_dir), progress.step if progress is not None else -1)
         return progress
+
+    @contextlib.contextmanager
+    def saved_when_logs_fail(self, progress):
+        """A log line output_dir cannot take stops the run with the steps done saved (`progress()`: where the run
+        stands then), as a checkpoint it cannot take does: into a rescue folder when output_dir cannot take that
+        either (the folder deleted or turned read-only mid-run; `save` says where, CheckpointNotWritten)."""
+        try:
+            yield
+        except LogNotWritten as error:
+            done = progress()
+            if done.step == 0 or self.dist.world_size > 1:  # nothing to save; saving is collective, logging not
+                raise
+            path = self.save(done, asked=True)
+            raise LogNotWritten(f"{error}: the state after step {done.step} is saved in {path}") from None
 
     def stop_on_signal(self, received: int | None, progress: Progress) -> None:
         """Raise `interrupted` when a rank received a stop signal (`received`: this rank's), every rank at the same

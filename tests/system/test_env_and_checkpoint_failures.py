@@ -1,6 +1,7 @@
 """Failures that used to be tracebacks or lost steps: an environment whose `reset` or `get_reward` raises is one
 line naming the class, the row and the error; a checkpoint folder that turns read-only mid-run is one line
-naming the folder and the cause, and the state is saved in a rescue folder that resuming accepts."""
+naming the folder and the cause, and the state is saved in a rescue folder that resuming accepts; so is one deleted
+while the run is going."""
 import subprocess
 import textwrap
 from pathlib import Path
@@ -175,6 +176,59 @@ def test_a_checkpoint_folder_turned_read_only_is_one_line_and_the_state_is_rescu
     reference.train()
     for a, b in zip(resumed.model.parameters(), reference.model.parameters()):
         assert torch.equal(a, b), "the rescued state continues exactly as the uninterrupted run"
+
+
+# A recipe whose callback deletes the output folder after step 2 (before its log line and checkpoint), as a
+# cleanup script or a mistaken `rm -r` does while the run is going.
+DELETES_ITS_FOLDER = """
+import shutil
+from grpo import Config
+from tiny_setup import digit_prompts, digit_share, tiny_model, tiny_tokenizer
+
+config = Config(output_dir={out!r}, max_steps=4, save_steps=1, per_device_train_batch_size=8, num_generations=4,
+                max_prompt_length=16, max_completion_length=8, learning_rate=1e-2, optim="adamw", seed=0)
+reward_funcs = [digit_share]
+train_dataset = digit_prompts
+
+
+class DeleteOutputDir:
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == 2 and {delete}:
+            shutil.rmtree(args.output_dir)
+
+
+callbacks = [DeleteOutputDir()]
+
+
+def build_model(config):
+    tokenizer = tiny_tokenizer()
+    return tiny_model(tokenizer), tokenizer
+"""
+
+
+@pytest.mark.slow  # three short runs
+def test_an_output_folder_deleted_mid_run_is_one_line_and_the_state_is_rescued(tmp_path, capsys):
+    from safetensors.torch import load_file
+
+    out, reference = tmp_path / "run", tmp_path / "reference"
+    (tmp_path / "deletes.py").write_text(DELETES_ITS_FOLDER.format(out=str(out), delete=True))
+    code = main([str(tmp_path / "deletes.py")])
+    err = capsys.readouterr().err
+    rescued = tmp_path / "run.rescue" / "checkpoint-2"
+    assert code == 1 and "Traceback" not in err
+    (line,) = [line for line in err.splitlines() if line.startswith("error:")]
+    assert line == (f"error: checkpoint-2 cannot be written into {out} (it was deleted while the run was going): "
+                    f"the state after step 2 is saved in {rescued} instead; resume with "
+                    f"--resume_from_checkpoint={rescued}")
+    assert not out.exists(), "not made again: it would hold the last checkpoint without the rest of the run"
+
+    assert main([str(tmp_path / "deletes.py"), f"--resume_from_checkpoint={rescued}"]) == 0
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-3", "checkpoint-4"]
+    (tmp_path / "reference.py").write_text(DELETES_ITS_FOLDER.format(out=str(reference), delete=False))
+    assert main([str(tmp_path / "reference.py")]) == 0
+    resumed, uninterrupted = (load_file(run / "checkpoint-4" / "model.safetensors") for run in (out, reference))
+    assert resumed.keys() == uninterrupted.keys()
+    assert all(torch.equal(resumed[k], uninterrupted[k]) for k in resumed), "the rescued state continues exactly"
 
 
 def test_when_the_folder_beside_it_refuses_too_the_checkpoint_goes_to_the_temporary_folder(tmp_path, monkeypatch):

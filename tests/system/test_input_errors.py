@@ -1,9 +1,12 @@
 """Bad inputs a new user tries, each reported by `python -m grpo.train` as one `error:` line, with a non-zero
 exit, no traceback and nothing written: an output folder that cannot be created, a model that cannot be found
 (a local path, or a hub id without a network), `--model` on a recipe that builds its own, a checkpoint of
-another shape, an empty chat prompt, a `config` that is not a Config, a damaged checkpoint."""
+another shape, an empty chat or text prompt, a prompt longer than the model's context, a `config` that is not
+a Config, a damaged checkpoint; `grpo.eval --reward_funcs` naming a function of a TRL-style script that trains
+when imported."""
 import json
 import os
+import runpy
 import subprocess
 import sys
 import textwrap
@@ -11,6 +14,8 @@ from pathlib import Path
 
 import pytest
 from test_errors import assert_short_error, run
+from test_trl_port import python_example
+from tiny_setup import tiny_model, tiny_tokenizer
 
 from grpo.eval import main as eval_main
 from grpo.run.checkpoint import damage
@@ -118,6 +123,37 @@ def test_an_empty_chat_prompt(tmp_path, capsys):
     assert not (tmp_path / "run").exists()
 
 
+def test_an_empty_text_prompt(tmp_path, capsys):
+    # The tiny tokenizer adds a BOS, so "" would train silently; SmolLM2's adds none, and transformers fails.
+    body = "reward_funcs = [digit_share]\ntrain_dataset = Dataset.from_list([{'prompt': 'Write 3 digits:'}] * 2 + " \
+           "[{'prompt': ''}])"
+    code, err = run(tmp_path, capsys, body=body)
+    assert_short_error(code, err, 1, "error: train_dataset has 1 empty prompts ('') out of 3, first at row 2: each "
+                                     "needs some text; drop them with train_dataset.filter(lambda row: "
+                                     "len(row['prompt']) > 0)")
+    assert len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_prompt_longer_than_the_models_context(tmp_path, capsys):
+    # tiny_model's context is 4,096 positions; with prompts whole the third row would be decoded past them.
+    rows = "[{'prompt': 'Write 3 digits:'}, {'prompt': 'Write 3 digits: ' * 300}]"
+    body = f"reward_funcs = [digit_share]\ntrain_dataset = eval_dataset = Dataset.from_list({rows})"
+    code, err = run(tmp_path, capsys, "--max_prompt_length=None", "--shuffle_dataset=false", body=body)
+    said = ("row 1: its prompt is 4,800 tokens, more than the model's context of 4,096 positions (its "
+            "max_position_embeddings), and max_prompt_length=None keeps prompts whole: set --max_prompt_length=4092 "
+            "to cut prompts from the left and leave room for the completion, or drop the row")
+    assert_short_error(code, err, 1, f"error: train_dataset {said}")
+    assert err.strip().splitlines()[-1].startswith("error: ") and err.count("error") == 1, err
+    assert not list((tmp_path / "run").glob("*checkpoint*")) and not list((tmp_path / "run").glob("*.jsonl"))
+
+    code = eval_main([str(tmp_path / "recipe.py"), "--max_prompt_length=None", "--eval_accuracy_func=digit_share",
+                      "--eval_format_func=None"])
+    err = capsys.readouterr().err
+    assert_short_error(code, err, 1, f"error: eval_dataset {said}")
+    assert err.strip().splitlines()[-1].startswith("error: ") and err.count("error") == 1, err
+
+
 def test_a_config_that_is_not_a_config(tmp_path, capsys):
     recipe = tmp_path / "recipe.py"
     recipe.write_text("config = 5\n")
@@ -153,3 +189,32 @@ def test_a_damaged_newest_checkpoint(tmp_path, capsys):
     assert "Traceback" not in err
     steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3] and damage(newest) is None
+
+
+def test_eval_reward_funcs_from_a_script_that_trains_when_imported(tmp_path, capsys, monkeypatch):
+    # docs/coming-from-trl.md's script as a user saves and runs it (port.py), then evaluates its checkpoint
+    # with its reward function: importing port.py would run its training again.
+    tokenizer = tiny_tokenizer()
+    tiny_model(tokenizer).save_pretrained(tmp_path / "tiny-model")
+    tokenizer.save_pretrained(tmp_path / "tiny-model")
+    script = python_example(ROOT / "docs" / "coming-from-trl.md")
+    script = script.replace('"Qwen/Qwen2.5-0.5B-Instruct"', repr(str(tmp_path / "tiny-model")))
+    (tmp_path / "port.py").write_text(script)
+    (tmp_path / "held_out.jsonl").write_text('{"prompt": "Name a word that rhymes with sun:"}\n')
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    runpy.run_path("port.py", run_name="__main__")  # python port.py
+    capsys.readouterr()
+    run_folder = tmp_path / "Qwen2.5-0.5B-GRPO"
+    logged = (run_folder / "metrics.jsonl").read_text()
+
+    code = eval_main(["--checkpoint", str(run_folder / "checkpoint-4"), "--eval_dataset=held_out.jsonl",
+                      "--reward_funcs=port.reward_len"])
+    err = capsys.readouterr().err
+    line = script[:script.index("trainer.train()")].count("\n") + 1
+    assert_short_error(code, err, 2, f"error: --reward_funcs='port.reward_len': importing port would train "
+                                     f"({tmp_path / 'port.py'}:{line} calls .train() at its top level): put its "
+                                     "training under "
+                                     "`if __name__ == \"__main__\":`, or reward_len in a module of its own")
+    assert len(err.strip().splitlines()) == 1, err
+    assert "port" not in sys.modules and (run_folder / "metrics.jsonl").read_text() == logged, "nothing ran"
