@@ -87,10 +87,9 @@ class Trainer:
         self.output_dir = Path(self.config.output_dir)
         self.report = Report(self.output_dir, self.dist, self.trackers, self.state, self.callbacks,
                              self.pipeline.reward_names, self.schedule.global_batch)
-        self.session = Session(self.output_dir, self.dist, self.policy, self.tokenizer,
-                               self.updates, self.prompts, self.schedule, self.plan.session,
-                               self.total_steps, on_save=self.callbacks.on_save,
-                               sampled_ahead=self.batches.for_checkpoint)
+        self.session = Session(self.output_dir, self.dist, self.policy, self.tokenizer, self.updates,
+                               self.prompts, self.batches, self.plan.session, self.total_steps,
+                               on_save=self.callbacks.on_save)
 
     @property
     def args(self) -> Config:  # TRL's name
@@ -133,18 +132,14 @@ class Trainer:
     def run_step(self, signals: StopSignals) -> dict:
         """One optimizer step: the batch of this step, then the update on its next micro-batches."""
         self.callbacks.on_step_begin()
-        start, t0 = self.progress(), time.perf_counter()
-        try:
-            with self.session.undone_on_failure(signals, start):  # saves `start` if it fails
-                generation = self.batches.take(self.step)
-                if generation is not start.generation:  # says once what fixes a run without signal
-                    zero_std = generation.metrics["frac_reward_zero_std"]
-                    self.no_signal.update(zero_std, show=self.dist.is_main)
-                micro_batches = generation.micro_batches[self.schedule.micro_batches_of(self.step)]
-                totals = self.accumulate(micro_batches)
-        except BaseException:  # TrainingInterrupted too, a KeyboardInterrupt
-            self.batches.current = start.generation
-            raise
+        before, t0 = self.generation, time.perf_counter()
+        with self.session.undone_on_failure(signals, self.progress()):  # saves the steps done if it fails
+            generation = self.batches.take(self.step)
+            if generation is not before:  # says once what fixes a run without signal
+                zero_std = generation.metrics["frac_reward_zero_std"]
+                self.no_signal.update(zero_std, show=self.dist.is_main)
+            micro_batches = generation.micro_batches[self.schedule.micro_batches_of(self.step)]
+            totals = self.accumulate(micro_batches)
         metrics = {**generation.metrics, **totals, **self.updates.apply(totals["loss"], self.step),
                    "step_time": time.perf_counter() - t0,
                    "memory/peak_gb": peak_memory_gb(self.policy.device)}
@@ -182,7 +177,7 @@ class Trainer:
         return self.report.evaluation(metrics)
 
     def progress(self) -> Progress:
-        return Progress(self.step, self.generation, self.updates.nonfinite)
+        return Progress(self.step, self.updates.nonfinite)
 
     def save(self, asked: bool = False) -> Path | None:  # checkpoint-STEP; "no": only if `asked`
         return self.session.save(self.progress(), asked)
@@ -191,5 +186,4 @@ class Trainer:
         resumed = self.session.resume(spec)
         if resumed is not None:
             self.step, self.updates.nonfinite = resumed.step, resumed.nonfinite
-            self.batches.restore(resumed.generation, resumed.ahead)
             self.state.log_history = logged_lines(self.output_dir, self.step)  # as transformers

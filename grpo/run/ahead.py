@@ -23,6 +23,7 @@ from ..errors import TrainingStopped, resume_hint
 from ..infra.children import die_with_parent
 from ..infra.interrupts import StepAbandoned, atomic
 from ..rollout.batches import Generation
+from .synchronous import Synchronous
 
 
 class SamplerDied(TrainingStopped):
@@ -165,12 +166,13 @@ def _serve(conn, trainers_end, trainer_pid: int, pipeline, params, shared, promp
 
 
 class Ahead:
-    """The batch of step s (run/supply's interface, `take`) made ahead: the one training starts on at
+    """The batch of step s (run/supply's interface) made ahead: the one training starts on at
     optimizer step s is asked for at step s - max_staleness (not before the batch in training started: one is
     sampled at a time), with the weights after that step's update; `schedule` (settings/schedule.Schedule) says
     where batches start. `pipeline` (rollout/pipeline.Pipeline) is what the sampler process runs, `state` the
-    run's TrainerState, `release` what it frees on start;
-    `for_checkpoint` is what a checkpoint keeps so that a resumed run trains on what the uninterrupted one did.
+    run's TrainerState, `release` what it frees on start. The batch in training is kept as run/synchronous
+    keeps it; `for_checkpoint` is what a checkpoint keeps besides, so that a resumed run trains on what the
+    uninterrupted one did.
     The worker (`make_worker`, a Worker's signature) is started at the first request."""
 
     def __init__(self, pipeline, state, schedule, total_steps: int, max_staleness: int, release=lambda: None,
@@ -185,17 +187,19 @@ class Ahead:
         self.requested: tuple[int, int] | None = None  # (step, version) of the batch being sampled
         self.ready: Sampled | None = None  # received (or restored), not yet taken
         self.taken: Sampled | None = None  # the batch in training, as sampled
-        self.current: Generation | None = None  # the batch in training (None: none yet, or resumed elastically)
+        self.in_training = Synchronous(self._next, schedule, pipeline.policy.device)  # made by _next
 
     def take(self, step: int) -> Generation:
         """The batch of optimizer step `step`: where a generation batch starts (or none is in training), the one
         sampled ahead, or asked for now (with the current weights) and waited for, its metrics saying how stale
         it is and how long the wait was; then the next one asked for if it is due (`ask_ahead`)."""
-        if self.current is None or self.schedule.starts_generation(step):
-            self.current = self._next(step)
-            self.pipeline.check_head(self.current.batch)  # the trainer's own policy, before it trains
+        generation = self.in_training.take(step)
         self.ask_ahead(step)  # sampled while this step trains
-        return self.current
+        return generation
+
+    @property
+    def current(self) -> Generation | None:  # the batch in training
+        return self.in_training.current
 
     def ask_ahead(self, step: int) -> None:
         """At optimizer step `step` (its update not yet done: the weights are `step`'s), ask for the next batch
@@ -218,9 +222,22 @@ class Ahead:
                 return None
         return self.ready if self.ready is not None and self.ready.version < step else None
 
-    def restore(self, current: Generation | None, ahead: Sampled | None = None) -> None:
-        """A resumed run's batch in training and its batch sampled ahead (Session.resume)."""
-        self.current, self.ready = current, ahead
+    def state_dict(self, step: int) -> dict:
+        """What a checkpoint after `step` optimizer steps keeps: the batch in training (run/synchronous) and the
+        one `for_checkpoint` keeps."""
+        ahead = self.for_checkpoint(step)
+        return {**self.in_training.state_dict(step), "ahead": ahead.state_dict() if ahead is not None else None}
+
+    def load_state_dict(self, saved: dict) -> None:
+        """The inverse of `state_dict`: the batch sampled ahead is the next one taken."""
+        self.in_training.load_state_dict(saved)
+        ahead = saved.get("ahead")  # None in a checkpoint of a run that did not sample ahead
+        self.ready = Sampled.from_state_dict(ahead, self.in_training.device) if ahead is not None else None
+
+    def undone_on_failure(self):
+        """A step that fails or is stopped inside leaves the batch in training as it found it; the batch it
+        took stays `taken`, which a checkpoint keeps (`for_checkpoint`)."""
+        return self.in_training.undone_on_failure()
 
     def __enter__(self) -> Ahead:
         return self
@@ -247,6 +264,7 @@ class Ahead:
             torch.set_rng_state(sampled.rng_after)
         sampled.generation.metrics.update({"async/staleness": step - sampled.version,
                                            "async/wait_s": time.perf_counter() - t0})
+        self.pipeline.check_head(sampled.generation.batch)  # the trainer's own policy, before it trains
         return sampled.generation
 
     def _request(self, step: int, version: int) -> None:

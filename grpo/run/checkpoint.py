@@ -314,4 +314,10 @@ def saved_config(checkpoint: Path) -> dict:
 
 
 def load_state(checkpoint: Path) -> dict:
-    return torch.load(checkpoint / STATE, map_location="cpu", weights_only=True)
+    """The trainer state a checkpoint holds (run/session.Session.state_dict), in today's layout: one written
+    before the batch supply kept its own entry ("generation" and "ahead" beside "rng") is read into "batches"."""
+    state = torch.load(checkpoint / STATE, map_location="cpu", weights_only=True)
+    for own in state.get("ranks", [state]):
+        if "batches" not in own:
+            own["batches"] = {"generation": own.pop("generation"), "ahead": own.pop("ahead", None)}
+    return state

@@ -22,7 +22,7 @@ def saved_ranks(state: dict) -> int:
 
 
 def rank_state(state: dict, rank: int, world_size: int) -> dict | None:
-    """This rank's saved sampling state ({"rng", "generation"}), or None when the checkpoint was saved by
+    """This rank's saved sampling state ({"rng", "batches"}: run/supply's), or None when the checkpoint was saved by
     another number of ranks and has none for it."""
     if saved_ranks(state) != world_size:
         return None
@@ -33,7 +33,8 @@ def unfinished_prompts(state: dict, num_generations: int) -> int:
     """Prompts (over all saved ranks) of the generation batch a checkpoint holds for later steps to reuse; 0
     when it holds none. Resuming on another number of ranks rewinds the prompt stream by this many."""
     ranks = state.get("ranks", [state])
-    return sum(len(r["generation"]["batch"]["prompts"]) for r in ranks if r["generation"]) // num_generations
+    kept = [r["batches"]["generation"] for r in ranks]  # the batch in training (run/synchronous)
+    return sum(len(g["batch"]["prompts"]) for g in kept if g) // num_generations
 
 
 def seed_rank(seed: int, rank: int, step: int) -> None:

@@ -16,12 +16,9 @@ from ..policy.forwards import Policy
 from ..policy.lora import save_options
 from ..policy.optim import Updates, rescheduled, set_hyperparameters
 from ..infra.progress import quiet_library_bars
-from ..rollout.batches import Generation
 from ..rollout.prompts import PromptStream
 from ..settings.plan import SessionSettings
-from ..settings.schedule import Schedule
 from . import checkpoint, elastic
-from .ahead import Sampled
 from .logs import LogNotWritten, drop_log_lines_after
 from .state import rng_state, set_rng_state
 from ..infra.distributed import Distributed
@@ -35,40 +32,35 @@ class CheckpointNotWritten(TrainingStopped):
 
 @dataclass(frozen=True)
 class Progress:
-    """Where a run stands besides its weights and optimizer: the optimizer steps done, the generation batch later
-    steps still use, and the steps whose update a NaN/inf loss or gradient skipped (in a row, in all)."""
+    """Where a run stands besides its weights, optimizer and batches: the optimizer steps done and the steps whose
+    update a NaN/inf loss or gradient skipped (in a row, in all)."""
 
     step: int
-    generation: Generation | None
     nonfinite: tuple[int, int]
-    ahead: Sampled | None = None  # resumed: a batch sampled ahead with older weights (run/ahead.py)
 
 
 class Session:
     """Checkpoints of one run in `output_dir`. Under torchrun every rank calls every method (gathering and
-    saving are collective) and rank 0 writes."""
+    saving are collective) and rank 0 writes. `batches`: the run's batch supply (run/supply), which keeps its
+    own checkpoint state and undoes its own part of a failed step."""
 
     def __init__(self, output_dir: Path, dist: Distributed, policy: Policy, tokenizer, updates: Updates,
-                 prompts: PromptStream, schedule: Schedule, settings: SessionSettings, total_steps: int,
-                 on_save=lambda: None, sampled_ahead=lambda step: None):
-        self.output_dir, self.dist, self.parallel, self.device = output_dir, dist, policy.parallel, policy.device
+                 prompts: PromptStream, batches, settings: SessionSettings, total_steps: int,
+                 on_save=lambda: None):
+        self.output_dir, self.dist, self.parallel = output_dir, dist, policy.parallel
         self.model, self.tokenizer, self.optimizer, self.scheduler = (policy.model, tokenizer, updates.optimizer,
                                                                       updates.scheduler)
-        self.prompts, self.schedule = prompts, schedule
+        self.prompts, self.batches = prompts, batches
         self.settings, self.total_steps, self.warmup_steps = settings, total_steps, updates.warmup_steps
         self.on_save = on_save  # called after each checkpoint written (the callbacks' on_save)
-        self.sampled_ahead = sampled_ahead  # step -> the Sampled batch a checkpoint keeps (run/ahead.Ahead), or None
         self.last_checkpoint: Path | None = None  # the newest checkpoint, written or resumed from
         self.saved_step: int | None = None  # its step: saving again at it does nothing
 
     def state_dict(self, progress: Progress) -> dict:
         """Everything besides the weights that resuming needs: optimizer, schedule, data position, step and
-        skipped-step counters, each rank's RNG states and a generation batch later steps still use; rank 0
-        gets the whole."""
-        mid_batch = not self.schedule.starts_generation(progress.step)
-        ahead = self.sampled_ahead(progress.step)
-        own = {"rng": rng_state(), "generation": progress.generation.state_dict() if mid_batch else None,
-               "ahead": ahead.state_dict() if ahead is not None else None}
+        skipped-step counters, and each rank's RNG states and batch supply's state (the batches later steps
+        still train on); rank 0 gets the whole."""
+        own = {"rng": rng_state(), "batches": self.batches.state_dict(progress.step)}
         return {"step": progress.step, "total_steps": self.total_steps,
                 "optimizer": self.parallel.optimizer_state(self.optimizer),
                 "scheduler": self.scheduler.state_dict(), "prompts": self.prompts.state_dict(),
@@ -83,18 +75,14 @@ class Session:
         self.scheduler.load_state_dict(state["scheduler"])
         set_hyperparameters(self.optimizer, self.scheduler, o.learning_rate, o.betas, o.weight_decay)
         self.prompts.load_state_dict(state["prompts"])
-        generation = ahead = None
         if own is None:  # run/elastic.py: sample anew what later steps would have reused, seeded per rank
             self.prompts.rewind(elastic.unfinished_prompts(state, s.num_generations))
             elastic.seed_rank(s.seed, self.dist.rank, state["step"])
         else:
-            if own["generation"] is not None:
-                generation = Generation.from_state_dict(own["generation"], self.device)
-            if own.get("ahead") is not None:  # not in a checkpoint of a synchronous run
-                ahead = Sampled.from_state_dict(own["ahead"], self.device)
+            self.batches.load_state_dict(own["batches"])
             set_rng_state(own["rng"])
         streak, total = state["nonfinite"]
-        return Progress(state["step"], generation, (streak, total), ahead)
+        return Progress(state["step"], (streak, total))
 
     def save(self, progress: Progress, asked: bool = False) -> Path | None:
         """Write checkpoint-STEP (once per step); returns its path, or None under save_strategy="no", which writes
@@ -199,13 +187,15 @@ class Session:
 
     @contextlib.contextmanager
     def undone_on_failure(self, signals: StopSignals, progress: Progress):
-        """A stop signal or an error inside rolls the step back (data position, RNG states, gradients) and saves
-        `progress`, the steps done, so that only this one is lost and resuming repeats it exactly. The caller
-        restores its own generation batch."""
+        """A stop signal or an error inside rolls the step back (batch in training, data position, RNG states,
+        gradients) and saves `progress`, the steps done, so that only this one is lost and resuming repeats it
+        exactly."""
         rng, prompts = rng_state(), self.prompts.state_dict()
         try:
-            # Ranks cannot abandon a step alone: the others would wait for them in a collective.
-            with signals.abandonable() if self.dist.world_size == 1 else contextlib.nullcontext():
+            # Ranks cannot abandon a step alone: the others would wait for them in a collective. The batch is
+            # put back outside the abandonable part, so that no signal cuts that short.
+            with self.batches.undone_on_failure(), \
+                    signals.abandonable() if self.dist.world_size == 1 else contextlib.nullcontext():
                 yield
         except Exception as error:
             set_rng_state(rng)

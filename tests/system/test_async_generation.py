@@ -97,7 +97,8 @@ def test_resuming_trains_on_what_the_uninterrupted_run_did(tmp_path, tokenizer):
         first.train()
     assert [p.name for p in complete_checkpoints(out)] == ["checkpoint-2"]
     saved = torch.load(out / "checkpoint-2" / "trainer_state.pt", weights_only=False)
-    assert saved["ahead"]["step"] == 2 and saved["ahead"]["version"] == 1, "step 3's batch, sampled after step 1"
+    kept = saved["batches"]["ahead"]
+    assert kept["step"] == 2 and kept["version"] == 1, "step 3's batch, sampled after step 1"
     resumed = make_trainer(out, tokenizer, async_generation=True, resume_from_checkpoint="latest")
     resumed.train()
     assert_same_weights(reference, resumed)

@@ -1,5 +1,6 @@
 """Resuming is exact: 6 steps in one run and the same run stopped after step 4 (crash or signal), then
 resumed, end with bit-identical weights and the same metrics and completions lines."""
+import hashlib
 import json
 import os
 import signal
@@ -94,6 +95,30 @@ def test_resume_after_a_crash_is_bit_identical(tmp_path, tmp_path_factory, token
         first.train()
     assert [p.name for p in complete_checkpoints(out)] == ["checkpoint-3"]
     assert read_jsonl(out / "metrics.jsonl")[-1]["step"] == 4, "step 4's lines were written after checkpoint-3"
+
+    resumed = make_trainer(out, tokenizer, SETTINGS[name], resume_from_checkpoint="latest")
+    resumed.train()
+    assert_same_run(resumed, out, reference, reference_out)
+
+
+def test_a_checkpoint_in_the_earlier_layout_resumes_exactly(tmp_path, tmp_path_factory, tokenizer):
+    """Before the batch supply kept one "batches" entry, "generation" and "ahead" sat beside "rng"."""
+    name = "full-adamw-mid-batch"
+    reference, reference_out = uninterrupted(name, tmp_path_factory, tokenizer)
+    out = tmp_path / "run"
+    first = make_trainer(out, tokenizer, SETTINGS[name])
+    stop_when(first, "accumulate", 4, lambda: (_ for _ in ()).throw(Crash()))  # dies inside step 5
+    with pytest.raises(Crash):
+        first.train()
+    saved = out / "checkpoint-3"
+    state = torch.load(saved / "trainer_state.pt", weights_only=True)
+    state.update(state.pop("batches"))  # written before: "generation" (and "ahead") beside "rng"
+    assert state["generation"] is not None, "checkpoint-3 keeps the batch step 4 trains on"
+    torch.save(state, saved / "trainer_state.pt")
+    sums = (saved / "checksums.sha256").read_text().splitlines()
+    digest = hashlib.sha256((saved / "trainer_state.pt").read_bytes()).hexdigest()
+    (saved / "checksums.sha256").write_text("".join(
+        f"{digest}  trainer_state.pt\n" if line.endswith("  trainer_state.pt") else f"{line}\n" for line in sums))
 
     resumed = make_trainer(out, tokenizer, SETTINGS[name], resume_from_checkpoint="latest")
     resumed.train()

@@ -100,6 +100,15 @@ def test_a_checkpoint_keeps_the_batch_sampled_with_older_weights():
     assert b.for_checkpoint(1) is None  # synchronous: a resumed run samples it again
 
 
+def test_a_failed_step_leaves_the_batch_in_training_as_it_found_it():
+    a = ahead(1)
+    first = a.take(0)
+    with pytest.raises(ValueError), a.undone_on_failure():
+        a.take(1)
+        raise ValueError("step 1 failed")
+    assert a.current is first and a.for_checkpoint(1) is a.taken  # resuming starts on step 1's batch again
+
+
 class Failing:
     """A pipeline whose batch fails in the sampler process."""
 
