@@ -141,7 +141,6 @@ def recipe_job(argv: list[str]) -> Job | None:
     """`grpo.eval RECIPE ...`: the recipe's settings, eval dataset, reward functions, tools and model."""
     from .rollout.evaluate import check_eval_inputs
     from .rollout.reward_models import reward_callables
-    from .rollout.tools import Tools
     from .settings.cli import BUILT_MODEL, format_help
     from .settings.recipe import load_with_overrides, resolve_dataset
 
@@ -160,17 +159,21 @@ def recipe_job(argv: list[str]) -> Job | None:
                                     config.chat_template_kwargs)  # reward models become functions
     dataset = resolve_dataset(recipe.eval_dataset, "eval_dataset")
     check_eval_inputs(config, dataset, reward_funcs)
-    tools = Tools.of(recipe.tools, recipe.environment_factory) if recipe.tools or recipe.environment_factory else None
     return Job("recipe", argv[0], config, reward_funcs, dataset, checkpoint, output, limit,
-               lambda: recipe.resolve_model(config), tools)
+               lambda: recipe.resolve_model(config), recipe_tools(recipe))
+
+
+def recipe_tools(recipe):
+    """The recipe's tools (rollout/tools.Tools), None when it has none."""
+    from .rollout.tools import Tools
+
+    return Tools.of(recipe.tools, recipe.environment_factory) if recipe.tools or recipe.environment_factory else None
 
 
 def run_job(argv: list[str]) -> Job:
     """`grpo.eval --checkpoint DIR --eval_dataset DATA --reward_funcs ...`: a run made from Python, its
     settings read from the checkpoint (grpo_config.json), a LoRA adapter on the base model it names."""
     from .rollout.evaluate import check_eval_inputs, import_named
-    from .run.checkpoint import saved_config
-    from .settings.cli import apply_overrides, config_of_record
 
     own, overrides = split_options(argv, RUN_OPTIONS)
     missing = [f"--{k}" for k in ("checkpoint", "eval_dataset", "reward_funcs") if not own.get(k)]
@@ -179,18 +182,30 @@ def run_job(argv: list[str]) -> Job:
                           f"--eval_dataset and --reward_funcs; missing {', '.join(missing)} (or give a recipe "
                           f"first: python -m grpo.eval RECIPE ...)")
     limit, checkpoint = _limit(own), Path(own["checkpoint"])
-    if not (checkpoint / "grpo_config.json").exists():
-        raise ConfigError(f"{checkpoint} has no grpo_config.json, the settings a run saves in each "
-                          f"checkpoint-STEP folder: name one of those, or evaluate with the run's recipe")
-    config = apply_overrides(config_of_record(saved_config(checkpoint)), overrides)
+    config, base_model = run_settings(checkpoint, overrides)
     output = _output(own, checkpoint)
     reward_funcs = [import_named("--reward_funcs", name.strip()) for name in own["reward_funcs"].split(",")]
     dataset = read_dataset(own["eval_dataset"])
     check_eval_inputs(config, dataset, reward_funcs)
-    adapter = checkpoint / "adapter_config.json"
-    base = json.loads(adapter.read_text()).get("base_model_name_or_path") if adapter.exists() else None
-    return Job("run", str(checkpoint), config, reward_funcs, dataset, checkpoint, output, limit,
-               lambda: (_base_model(config, base), None))
+    return Job("run", str(checkpoint), config, reward_funcs, dataset, checkpoint, output, limit, base_model)
+
+
+def run_settings(checkpoint: Path, overrides: list[str]):
+    """(Config, base_model) of a run made from Python: the settings it saved in `checkpoint` (grpo_config.json)
+    with `overrides` (--key=value), and `() -> (model, None)` loading the base model of its LoRA adapter (the
+    run's `model`, as policy/sources.checkpoint_base finds it; --model names another)."""
+    from .policy.sources import checkpoint_base
+    from .run.checkpoint import saved_config
+    from .settings.cli import apply_overrides, config_of_record
+
+    if not (checkpoint / "grpo_config.json").exists():
+        raise ConfigError(f"{checkpoint} has no grpo_config.json, the settings a run saves in each "
+                          f"checkpoint-STEP folder: name one of those, or name the run's recipe")
+    saved = saved_config(checkpoint)
+    config = apply_overrides(config_of_record(saved), overrides)
+    lora = (checkpoint / "adapter_config.json").exists() and config.model == saved.get("model")
+    base = checkpoint_base(checkpoint, "--model") if lora else None
+    return config, lambda: (_base_model(config, base), None)
 
 
 def _base_model(config, name: str | None):

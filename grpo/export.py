@@ -62,17 +62,6 @@ def parse(argv: list[str]) -> tuple[Path, dict[str, str]]:
     return checkpoint, own
 
 
-def portable_name(model: str) -> str:
-    """What a model card may call the base model: the hub id of a packaged short name, a hub id as it is, a
-    file's or folder's name (a path of this machine means nothing elsewhere)."""
-    from .policy.gguf import OFFLINE_MODELS
-
-    if model.lower() in OFFLINE_MODELS:
-        return OFFLINE_MODELS[model.lower()][2]
-    path = Path(model).expanduser()
-    return path.name if path.exists() or model.lower().endswith(".gguf") else model
-
-
 def source_gguf(model: str) -> Path | None:
     from .policy.gguf import OFFLINE_MODELS, packaged_gguf
 
@@ -81,22 +70,21 @@ def source_gguf(model: str) -> Path | None:
     return Path(model).expanduser() if model.lower().endswith(".gguf") else None
 
 
-def base_of(checkpoint: Path, base: str | None) -> str:
-    """The base model of a LoRA checkpoint: `base`, else the run's `model` when the adapter was trained on it,
-    else the folder peft recorded; a ConfigError when neither names a model (one built in code)."""
-    from .policy.gguf import resolve_model_path
-
-    if base is not None:
-        return base
-    recorded = json.loads((checkpoint / "adapter_config.json").read_text()).get("base_model_name_or_path") or ""
+def saved_setting(checkpoint: Path, key: str):
+    """What the run recorded under `key` in the checkpoint's grpo_config.json (None without one)."""
     saved = checkpoint / "grpo_config.json"
-    model = json.loads(saved.read_text()).get("model") if saved.exists() else None
-    if model and (not recorded or resolve_model_path(model) == recorded):
-        return model
-    if recorded and Path(recorded).exists():
-        return recorded
-    raise ConfigError(f"{checkpoint} is a LoRA adapter whose base model was built in code or is not here "
-                      f"(peft recorded {recorded!r}): name it with --base (a folder, hub id or .gguf file)")
+    return json.loads(saved.read_text()).get(key) if saved.exists() else None
+
+
+def tools_note(checkpoint: Path) -> str | None:
+    """One line when the run called tools (grpo_config.json's `tools`): nothing outside grpo runs them."""
+    tools = saved_setting(checkpoint, "tools")
+    if not tools:
+        return None
+    return (f"note: this model was trained calling tools ({', '.join(tools)}), which only grpo's decode loop runs "
+            f"(try it: python -m grpo.generate --checkpoint {checkpoint} --recipe RECIPE --prompt TEXT); in "
+            f"transformers, vLLM, llama.cpp or Ollama nothing answers its calls and it guesses the results "
+            f"(docs/tools.md)")
 
 
 def load_trained(checkpoint: Path, base: str | None = None) -> Trained:
@@ -104,8 +92,7 @@ def load_trained(checkpoint: Path, base: str | None = None) -> Trained:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .policy.gguf import resolve_model_path
-    from .policy.sources import loading
+    from .policy.sources import checkpoint_base, loading, model_folder, portable_name
     from .run.checkpoint import damage, unloadable
 
     if not checkpoint.is_dir():
@@ -119,16 +106,15 @@ def load_trained(checkpoint: Path, base: str | None = None) -> Trained:
     if lora:
         from peft import PeftModel
 
-        name = base_of(checkpoint, base)
-        with loading(resolve_model_path(name)):
-            model = AutoModelForCausalLM.from_pretrained(resolve_model_path(name), dtype=torch.float32)
+        name = base or checkpoint_base(checkpoint, "--base")
+        with loading(model_folder(name)):
+            model = AutoModelForCausalLM.from_pretrained(model_folder(name), dtype=torch.float32)
         model = PeftModel.from_pretrained(model, checkpoint).merge_and_unload()
     else:
-        saved = checkpoint / "grpo_config.json"
-        name = base or (json.loads(saved.read_text()).get("model") if saved.exists() else None) or checkpoint.name
+        name = base or saved_setting(checkpoint, "model") or checkpoint.name
         model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
     has_tokenizer = (checkpoint / "tokenizer_config.json").exists()
-    tokenizer = AutoTokenizer.from_pretrained(checkpoint if has_tokenizer else resolve_model_path(name))
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint if has_tokenizer else model_folder(name))
     return Trained(model.eval(), tokenizer, portable_name(name), source_gguf(name))
 
 
@@ -142,6 +128,8 @@ def write_merged(trained: Trained, folder: Path) -> Path:
         trained.model.config._name_or_path = trained.base_name
         trained.model.save_pretrained(tmp, safe_serialization=True)
         trained.tokenizer.save_pretrained(tmp)
+        for path in tmp.iterdir():  # transformers writes the weights through a private (0600) temporary file
+            path.chmod((tmp / "config.json").stat().st_mode & 0o777)
         (tmp / "README.md").write_text(
             f"---\nbase_model: {trained.base_name}\nlibrary_name: transformers\ntags:\n- grpo\n---\n\n"
             f"{trained.base_name} trained with GRPO (grpo); the LoRA adapter, if any, merged into the weights.\n")
@@ -190,6 +178,9 @@ def main(argv: list[str] | None = None) -> int:
         return e.exit_code
     for path in written:
         print(f"wrote {path}")
+    note = tools_note(checkpoint)
+    if note is not None:
+        print(note)
     return 0
 
 

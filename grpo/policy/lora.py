@@ -10,7 +10,6 @@ import warnings
 from ..errors import ConfigError
 from ..infra.libraries import import_bitsandbytes
 from ..settings.choices import ALL_LINEAR
-from .gguf import OFFLINE_MODELS, resolve_model_path
 
 # LoraConfig fields the Config holds: peft's name -> ours.
 FIELDS = {"r": "lora_r", "lora_alpha": "lora_alpha", "lora_dropout": "lora_dropout",
@@ -97,9 +96,4 @@ def with_adapter(model, config):
     with warnings.catch_warnings():  # peft 0.21 reads transformers 5's deprecated alias: not the user's to fix
         warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
         adapted = get_peft_model(model, lora)
-    saved = adapted.peft_config[adapted.active_adapter]
-    name = config.model if isinstance(config.model, str) else ""
-    if name.lower() in OFFLINE_MODELS and saved.base_model_name_or_path == resolve_model_path(name):
-        # loaded from the shipped model's converted folder in this machine's cache: its hub id loads elsewhere
-        saved.base_model_name_or_path = OFFLINE_MODELS[name.lower()][2]
     return adapted

@@ -14,7 +14,7 @@ from ..infra.libraries import import_bitsandbytes
 from .head import head_logits, head_transform, positions
 from .lora import with_adapter
 from .precision import Precision
-from .sources import loading, model_folder
+from .sources import adapter_base, loading, model_folder, portable_name
 
 
 def device_of(model) -> torch.device:
@@ -80,7 +80,8 @@ def load_model(settings, precision: Precision | None = None):
     kwargs = {k: v for k, v in (settings.model_init_kwargs or {}).items() if k != "dtype"}  # settings/checks
     if not settings.load_in_4bit:
         with loading(name):
-            return AutoModelForCausalLM.from_pretrained(name, dtype=dtype, **kwargs).to(device)
+            model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, **kwargs).to(device)
+        return named(model, settings.model)
     import_bitsandbytes()  # transformers' 4-bit layers import it: without the line it logs
     from transformers import BitsAndBytesConfig
 
@@ -91,6 +92,15 @@ def load_model(settings, precision: Precision | None = None):
         model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, quantization_config=quantization,
                                                      device_map={"": device}, **kwargs)
     keep_4bit_layout(model)  # grpo.eval loads through here too: the same numbers as evaluation during training
+    return named(model, settings.model)
+
+
+def named(model, name: str):
+    """`model`, loaded for Config.model `name`, named as a saved LoRA adapter records its base (`adapter_base`: a
+    hub id rather than the folder in this machine's cache that a packaged model or an offline hub id loads from)
+    and as peft's model card of it says (`portable_name`: never a path of this machine)."""
+    model.name_or_path = adapter_base(name)
+    model.config._name_or_path = portable_name(name)
     return model
 
 

@@ -1,12 +1,16 @@
 """Where `config.model` comes from: a local folder or a Hugging Face Hub id, and a one-line error saying which
 it was read as and what to do when transformers cannot load it (its own OSErrors do not say). Offline, a hub id
 is its copy in the Hugging Face cache, or an error within seconds naming the closest model shipped for offline
-use (`locate`)."""
+use (`locate`). Elsewhere the model goes by its hub id, or a file's or folder's name (`portable_name`): a LoRA
+adapter records the hub id as its base where there is one (`adapter_base`), and export finds the base again from
+what the run was given (`checkpoint_base`)."""
 from __future__ import annotations
 
 import contextlib
 import difflib
+import json
 import os
+from pathlib import Path
 
 from ..errors import ConfigError, setting
 from ..infra import hub
@@ -54,6 +58,42 @@ def model_type(model, name: str) -> str | None:
     folder = model_folder(name)
     with loading(folder):
         return AutoConfig.from_pretrained(folder).model_type
+
+
+def hub_id(name: str) -> str | None:
+    """The Hugging Face Hub id of Config.model `name`: a packaged short name's, a hub id as it is; None for a
+    folder or a .gguf file."""
+    if name.lower() in OFFLINE_MODELS:
+        return OFFLINE_MODELS[name.lower()][2]
+    return None if reads_as_path(name) or name.lower().endswith(".gguf") else name
+
+
+def portable_name(name: str) -> str:
+    """What a model card calls Config.model `name`: its hub id, else the file's or folder's name (a path of this
+    machine means nothing elsewhere)."""
+    return hub_id(name) or os.path.basename(os.path.normpath(os.path.expanduser(name)))
+
+
+def adapter_base(name: str) -> str:
+    """What a LoRA adapter trained on Config.model `name` records as its base model (peft's
+    base_model_name_or_path): the hub id, which loads anywhere, else the folder transformers loaded."""
+    return hub_id(name) or model_folder(name)
+
+
+def checkpoint_base(checkpoint: Path, option: str) -> str:
+    """The base model of the LoRA adapter in `checkpoint`: the run's `model` (grpo_config.json) when the adapter
+    was trained on it (peft recorded its `adapter_base`), else the folder or hub id peft recorded; a ConfigError
+    naming `option`, the setting that names it, when neither does (a model built in code, or not here)."""
+    recorded = json.loads((checkpoint / "adapter_config.json").read_text()).get("base_model_name_or_path") or ""
+    saved = checkpoint / "grpo_config.json"
+    model = json.loads(saved.read_text()).get("model") if saved.exists() else None
+    # peft's own save of a model loaded from the converted folder of a .gguf or packaged name records that folder
+    if model and (not recorded or recorded in (model, adapter_base(model), resolve_model_path(model))):
+        return model
+    if recorded and (os.path.isdir(recorded) or hub_id(recorded) == recorded):
+        return recorded
+    raise ConfigError(f"{checkpoint} is a LoRA adapter whose base model was built in code or is not here (peft "
+                      f"recorded {recorded!r}): name it with {option} (a folder, hub id or .gguf file)")
 
 
 def model_folder(name: str) -> str:

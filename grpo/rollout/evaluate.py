@@ -235,12 +235,16 @@ def evaluate(model, tokenizer, dataset, reward_funcs, settings: EvalSettings, *,
     return metrics, samples
 
 
+def prompt_encoder(model, tokenizer, s: EvalSettings, tools) -> PromptEncoder:
+    """How an evaluation (and grpo.generate) tokenizes its prompts: as in training, with `tools`' schemas."""
+    return PromptEncoder(tokenizer, s.max_prompt_length,
+                         None if s.chat_template_kwargs is None else dict(s.chat_template_kwargs), tools,
+                         None if tools is None else eos_token_ids(tokenizer, model))
+
+
 def _greedy(model, tokenizer, dataset, s: EvalSettings, batch_size: int, progress: bool, unsharded, tools):
     """Each row's greedy completion, its token ids, the lengths [N] and the environments the rows ran in."""
-    unsharded = unsharded or (lambda fn: fn(model))
-    encode = PromptEncoder(tokenizer, s.max_prompt_length,
-                           None if s.chat_template_kwargs is None else dict(s.chat_template_kwargs), tools,
-                           None if tools is None else eos_token_ids(tokenizer, model))
+    unsharded, encode = unsharded or (lambda fn: fn(model)), prompt_encoder(model, tokenizer, s, tools)
     completions, completion_ids, lengths, environments = [], [], [], []
     with TokenProgress("eval", enabled=progress) as bar:
         for start in range(0, len(dataset), batch_size):

@@ -186,7 +186,7 @@ class ToolLoop:
         `own`: 1 on the tokens it sampled, 0 on those it was fed."""
         events = iter(self.rows[row].events)
         messages, text, own_since = [], "", True
-        for sampled, ids in _runs(completion_ids, own):
+        for sampled, ids in mask_runs(completion_ids, own):
             if sampled:
                 text, own_since = text + self._text(ids, skip_special=True), True
                 continue
@@ -223,7 +223,7 @@ class ToolLoop:
         return self._triggering[token]
 
 
-def _runs(ids: list[int], mask: list[int]):
+def mask_runs(ids: list[int], mask: list[int]):
     """(mask value, ids) for each maximal run of equal mask values."""
     start = 0
     for i in range(1, len(ids) + 1):

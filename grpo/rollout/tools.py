@@ -148,6 +148,13 @@ class Tools:
         """Whether the model calls tools in chat turns (schemas in the prompt, calls parsed at EOS)."""
         return bool(self.schemas)
 
+    @property
+    def names(self) -> list[str]:
+        """The tools as a checkpoint records them (grpo_config.json's `tools`): functions and an environment's
+        methods by name, an inline tool by its function's name and the text that calls it."""
+        inline = [f"{getattr(t.fn, '__name__', 'inline')} as {t.open}...{t.trigger}" for t in self.inline]
+        return [*self.functions, *self.methods, *inline]
+
     def resolve(self, name: str, env) -> Callable | None:
         """The callable a row's call of `name` runs (an environment's method on that row's `env`); None for
         a name that is not a tool of that row."""

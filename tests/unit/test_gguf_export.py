@@ -61,8 +61,12 @@ def test_another_architecture_is_refused_in_one_line(tmp_path):
 
 
 def test_the_base_model_is_named_portably():
-    from grpo.export import portable_name
+    from grpo.policy.sources import adapter_base, portable_name
 
     assert portable_name("smollm2-135m-instruct") == "HuggingFaceTB/SmolLM2-135M-Instruct"
     assert portable_name("Qwen/Qwen2.5-0.5B-Instruct") == "Qwen/Qwen2.5-0.5B-Instruct"
     assert portable_name(__file__) == "test_gguf_export.py"  # a path of this machine: its name alone
+    assert portable_name("/models/x/tiny.Q8_0.gguf") == "tiny.Q8_0.gguf"
+    # what an adapter records as its base: the hub id wherever there is one, never the cache folder it loaded
+    assert adapter_base("smollm2-135m-instruct") == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert adapter_base("Qwen/Qwen2.5-0.5B-Instruct") == "Qwen/Qwen2.5-0.5B-Instruct"

@@ -62,10 +62,11 @@ def test_the_math_and_the_engine_keep_their_distance():
 
 # Each package may import only from packages of a lower rank (and itself), lazy imports included.
 # The memory planner sits beside rollout/: it reads the settings and the policy's facts, and run/startup asks it
-# for the decode sizes before anything loads; the runtime never calls it.
+# for the decode sizes before anything loads; the runtime never calls it. grpo.generate is built on grpo.eval.
 RANKS = {"grpo.errors": 0, "grpo.algo": 0, "grpo.settings": 1, "grpo.infra": 2, "grpo.policy": 3, "grpo.rollout": 4,
          "grpo.memory": 4, "grpo.run": 5, "grpo.trl_call": 6, "grpo.trainer": 7, "grpo.train": 8, "grpo.eval": 8,
-         "grpo.export": 8, "grpo.plan": 8, "grpo.plot": 8, "grpo": 8, "grpo.tasks": 9}
+         "grpo.export": 8, "grpo.plan": 8, "grpo.plot": 8, "grpo": 8, "grpo.tasks": 9,
+         "grpo.generate": 9}
 
 
 def package_of(module: str) -> str:
