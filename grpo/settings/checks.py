@@ -96,7 +96,7 @@ RULES: dict[str, tuple[typing.Callable, str]] = {
     # transformers reads 0 as None: refused here, where 0 used to mean "never" (eval_strategy="no" says that now).
     "eval_steps": (lambda v: v >= 1, ">= 1, or None for logging_steps (eval_strategy=\"no\" evaluates never)"),
     "eval_limit": (lambda v: v >= 1, ">= 1, or None to evaluate every prompt"),
-    "eval_batch_size": (lambda v: v >= 1, ">= 1, or None for as many as the memory plan fits"),
+    "per_device_eval_batch_size": (lambda v: v >= 1, ">= 1, or None for as many as the memory plan fits"),
 }
 
 

@@ -300,10 +300,10 @@ class Config(metaclass=_CheckedKeywords):
     GRPO's own gain."""
     eval_limit: int | None = None
     """Evaluate on the first this many eval prompts only (None: all of them)."""
-    eval_batch_size: int | None = None
-    """Prompts per batch of greedy eval generation (None: as many as the memory plan fits beside training
-    within its peak, counted at max_prompt_length + max_completion_length; 64 where the model's architecture
-    cannot be read)."""
+    per_device_eval_batch_size: int | None = None  # TRL: 8; here the memory plan sizes it unless set
+    """Completions per batch of greedy eval generation on each device (TRL's meaning), one per prompt (None: as
+    many as the memory plan fits beside training within its peak, counted at max_prompt_length +
+    max_completion_length; 64 where the model's architecture cannot be read)."""
     eval_accuracy_func: str | None = None
     """Reward function (by name) whose full marks (>= 1.0) count an eval completion as correct, `eval/accuracy`
     (None: skip; each reward function's mean is logged whatever these say); the GSM8K recipes name

@@ -255,7 +255,7 @@ class LoadSettings:
 class DecodeSizes:
     """Prompts per decode, resolved before loading from the memory plan (memory/fit.decode_sizes) or the
     settings: `sampling` for our sampler (None: a micro-batch's prompts), `evaluation` for the greedy
-    evaluation (Config.eval_batch_size when set)."""
+    evaluation (Config.per_device_eval_batch_size when set)."""
 
     sampling: int | None
     evaluation: int
