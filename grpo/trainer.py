@@ -3,12 +3,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict
+from functools import partial
 from pathlib import Path
 
 from .infra.allocator import decoding_allocations, return_freed_memory
 from .infra.interrupts import StopSignals
 from .policy.forwards import Policy
-from .policy.gradients import accumulate
+from .policy.gradients import accumulate, eval_loss
 from .policy.models import default_tokenizer, load_model, prepare_for_training
 from .policy.optim import Updates
 from .rollout.evaluate import evaluate
@@ -171,14 +172,17 @@ class Trainer:
         return accumulate(self.policy, micro_batches, counts, self.plan.loss, self.dist.reduce,
                           step=self.step, show=self.dist.is_main)
 
-    def evaluate(self) -> dict:
-        """Greedy pass@1 on the eval dataset (rollout/evaluate), logged as its own line."""
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict:
+        """Greedy pass@1 and TRL's eval_loss on `eval_dataset` (else the Trainer's; rollout/evaluate), logged as its
+        own line, keys under `metric_key_prefix`; `ignore_keys` (transformers': model outputs) has none to drop."""
+        dataset = self.eval_dataset if eval_dataset is None else eval_dataset
         with decoding_allocations(self.threshold_set):
-            metrics, _ = evaluate(self.model, self.tokenizer, self.eval_dataset, self.reward_funcs,
-                                  self.plan.evaluation, batch_size=self.plan.decode.evaluation,
-                                  progress=self.dist.is_main, trainer_state=self.state,
-                                  unsharded=self.policy.parallel.unsharded, tools=self.tools)
-        return self.report.evaluation(metrics)
+            metrics, _ = evaluate(self.model, self.tokenizer, dataset, self.reward_funcs, self.plan.evaluation,
+                                  batch_size=self.plan.decode.evaluation, progress=self.dist.is_main,
+                                  trainer_state=self.state, unsharded=self.policy.parallel.unsharded,
+                                  tools=self.tools, loss_of=partial(eval_loss, self.policy, self.plan.loss),
+                                  key_prefix=metric_key_prefix)
+        return self.report.evaluation(metrics, metric_key_prefix)
 
     def progress(self) -> Progress:
         return Progress(self.step, self.generation, self.updates.nonfinite)
@@ -187,7 +191,7 @@ class Trainer:
         return self.session.save(self.progress(), asked)
 
     def resume(self, spec: str | bool | None) -> None:  # as resume_from_checkpoint says
-        resumed = self.session.resume(spec)
+        resumed = self.session.resume(spec, logged=bool(self.state.log_history))  # evaluate() came first
         if resumed is not None:
             self.step, self.updates.nonfinite = resumed.step, resumed.nonfinite
             self.batches.restore(resumed.generation, resumed.ahead)

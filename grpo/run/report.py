@@ -75,12 +75,13 @@ class Report:
                             self.trackers)
         return self._logged(line)
 
-    def evaluation(self, metrics: dict) -> dict:
-        """An evaluation's metrics.jsonl line (printed too), then the callbacks' on_log and on_evaluate."""
+    def evaluation(self, metrics: dict, key_prefix: str = "eval") -> dict:
+        """An evaluation's metrics.jsonl line (printed too), then the callbacks' on_log and on_evaluate; its keys
+        begin with `key_prefix` (rollout/evaluate)."""
         line = self._logged(log_eval(self.output_dir, self.state.global_step, metrics, self.dist.is_main,
-                                     self.trackers))
+                                     self.trackers, key_prefix))
         if self.bar is not None:  # the bar's s/step is the steps' own
-            exclude_time(self.bar, metrics.get("eval/seconds", 0.0))
+            exclude_time(self.bar, metrics.get(f"{key_prefix}/seconds", 0.0))
         self.callbacks.on_evaluate(metrics)
         return line
 

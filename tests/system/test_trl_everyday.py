@@ -28,3 +28,18 @@ def test_per_device_eval_batch_size_is_trls_completions_per_eval_batch(tmp_path,
     assert trainer.plan.decode.evaluation == 2, "greedy evaluation: one completion per prompt, 2 per decode"
     evals = [line for line in trainer.state.log_history if "eval_reward" in line]
     assert [line["step"] for line in evals] == [2] and evals[0]["eval/num_examples"] == 5
+
+
+def test_evaluate_takes_trls_arguments_and_logs_its_eval_loss(tmp_path, tokenizer):
+    args = trl_args(tmp_path, max_steps=1, beta=0.04, per_device_eval_batch_size=2)
+    trainer = GRPOTrainer(model=tiny_model(tokenizer), processing_class=tokenizer, reward_funcs=digit_share,
+                          args=args, train_dataset=digit_prompts(6), eval_dataset=digit_prompts(3))
+    metrics = trainer.evaluate(eval_dataset=digit_prompts(5))
+    assert metrics["eval/num_examples"] == 5, "the dataset passed, not the Trainer's"
+    # One greedy completion per prompt: advantage 0, so the loss is beta x KL, and the policy is its reference yet.
+    assert metrics["eval_loss"] == pytest.approx(0.0, abs=1e-6) and "eval_reward" in metrics
+    trainer.train()
+    test = trainer.evaluate(metric_key_prefix="test")
+    assert test["test/num_examples"] == 3 and test["test_loss"] > 0, "the policy has moved off its reference"
+    assert {"test_reward", "test_rewards/digit_share/mean"} <= set(test) and not any(k.startswith("eval") for k in test)
+    assert trainer.state.log_history[-1] == test
