@@ -192,6 +192,9 @@ class Config(metaclass=_CheckedKeywords):
     that trains on it; 0 waits for every batch (the synchronous step, bit for bit)."""
     scale_rewards: str = "group"
     """Advantage scaling: "group" std, "batch" std, or "none" (Dr. GRPO); TRL's True / False are "group" / "none"."""
+    multi_objective_aggregation: str = "sum_then_normalize"
+    """Several reward functions (TRL's): "sum_then_normalize" their weighted sum's advantages as scale_rewards says,
+    "normalize_then_sum" each one's normalized in its group, weighted, summed, then normalized over the batch."""
     loss_type: str = "dapo"
     """How per-token losses are normalized (grpo.algo.loss): "dapo" (by the step's tokens), "grpo" (each
     completion's token mean, then their mean), "bnpo" (by each micro-batch's own tokens), "dr_grpo" (by

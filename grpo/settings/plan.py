@@ -208,6 +208,7 @@ class GenerationSettings:
     reward_weights: tuple[float, ...] | None
     refill_rounds: int | None  # dynamic_sampling_max_rounds; None: no dynamic sampling
     scale_rewards: str
+    multi_objective_aggregation: str
     mask_truncated_completions: bool
     micro_batch: int  # rows per micro-batch
     old_logprobs: bool  # RunPlan.keeps_old_logprobs
@@ -222,7 +223,7 @@ class GenerationSettings:
                    c.seed if c.data_seed is None else c.data_seed, c.shuffle_dataset,
                    None if c.reward_weights is None else tuple(c.reward_weights),
                    c.dynamic_sampling_max_rounds if c.dynamic_sampling else None, c.scale_rewards,
-                   c.mask_truncated_completions, schedule.micro_batch, old_logprobs, ref_logprobs,
+                   c.multi_objective_aggregation, c.mask_truncated_completions, schedule.micro_batch, old_logprobs, ref_logprobs,
                    c.max_staleness if c.async_generation else None, sampling_correction)
 
 

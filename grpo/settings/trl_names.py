@@ -19,7 +19,7 @@ TRL_ONLY = frozenset("""
     load_best_model_at_end local_rank log_completions_hub_repo log_level log_level_replica
     log_multimodal log_on_each_node log_unique_prompts logging_first_step logging_nan_inf_filter
     logging_strategy metric_for_best_model
-    multi_objective_aggregation neftune_noise_alpha
+    neftune_noise_alpha
     num_generations_eval optim_args optim_target_modules pad_to_multiple_of
     parallelism_config prediction_loss_only project push_to_hub ref_model_mixup_alpha
     ref_model_sync_steps remove_unused_columns
@@ -52,7 +52,6 @@ TRL_REASONS = {
     "activation_checkpointing": "it is called gradient_checkpointing here (on by default, as in TRL)",
     "fp16": "bf16 (CUDA) or float32 only",
     "push_to_hub": "checkpoints are written to output_dir only",
-    "multi_objective_aggregation": "rewards are summed with reward_weights, then normalized (TRL's default)",
     **{k: _ADAPTIVE_ENTROPY for k in ("use_adaptive_entropy", "entropy_coef_min", "entropy_coef_max",
                                       "entropy_coef_delta", "entropy_target")},
     "sync_ref_model": _LATER,

@@ -1,11 +1,15 @@
 """What a TRL 1.16 script sets every day, ported by changing its import lines: each test is shaped as TRL's own
 GRPOTrainer tests are (GRPOConfig keywords, GRPOTrainer(model=, reward_funcs=, args=, train_dataset=, ...)), on
 the tiny offline model of tiny_setup in place of TRL's tiny Hub models."""
+import json
+
 import pytest
+import torch
 from tiny_setup import digit_prompts, digit_share, tiny_model, tiny_tokenizer
 
 from grpo import Config as GRPOConfig  # was: from trl import GRPOConfig, GRPOTrainer
 from grpo import Trainer as GRPOTrainer
+from grpo.algo.advantages import group_advantages, normalized_sum_advantages
 
 
 @pytest.fixture(scope="module")
@@ -43,3 +47,28 @@ def test_evaluate_takes_trls_arguments_and_logs_its_eval_loss(tmp_path, tokenize
     assert test["test/num_examples"] == 3 and test["test_loss"] > 0, "the policy has moved off its reference"
     assert {"test_reward", "test_rewards/digit_share/mean"} <= set(test) and not any(k.startswith("eval") for k in test)
     assert trainer.state.log_history[-1] == test
+
+
+def constant_reward_1(completions, **kwargs):
+    return [1.0] * len(completions)
+
+
+def constant_reward_0(completions, **kwargs):
+    return [0.0] * len(completions)
+
+
+@pytest.mark.parametrize("multi_objective_aggregation", ["sum_then_normalize", "normalize_then_sum"])
+def test_multi_objective_aggregation_is_trls(tmp_path, tokenizer, multi_objective_aggregation):
+    args = trl_args(tmp_path, max_steps=1, reward_weights=[0.7, 0.3],
+                    multi_objective_aggregation=multi_objective_aggregation)
+    trainer = GRPOTrainer(model=tiny_model(tokenizer), processing_class=tokenizer,
+                          reward_funcs=[constant_reward_1, digit_share], args=args, train_dataset=digit_prompts(6))
+    trainer.train()
+    step = trainer.state.log_history[-2]
+    assert step["reward"] == pytest.approx(0.7 + 0.3 * step["rewards/digit_share/mean"]), "weighted, as in TRL"
+    rows = [json.loads(line) for line in (tmp_path / "run" / "completions.jsonl").read_text().splitlines()]
+    per_func = torch.tensor([[r["reward/constant_reward_1"], r["reward/digit_share"]] for r in rows])
+    expected = (normalized_sum_advantages(per_func, torch.tensor([0.7, 0.3]), 3)
+                if multi_objective_aggregation == "normalize_then_sum"
+                else group_advantages(torch.tensor([r["reward"] for r in rows]), 3))
+    assert per_func[:, 1].std() > 0 and torch.allclose(torch.tensor([r["advantage"] for r in rows]), expected)
