@@ -43,12 +43,12 @@ class Report:
                  reward_names: list[str], completions_per_step: int):
         self.output_dir, self.dist, self.trackers, self.state = output_dir, dist, trackers, state
         self.callbacks, self.reward_names, self.completions_per_step = callbacks, reward_names, completions_per_step
-        self.start, self.losses, self.bar = time.perf_counter(), [], None
+        self.start, self.losses, self.bar, self.last_step = time.perf_counter(), [], None, {}
 
     def begin(self, config: dict) -> None:
         """A `train()` call starts: its clock and its steps' losses (for its TrainOutput), the trackers (given
         `config`, the Config as a dict with the call's resume_from_checkpoint), then the callbacks' on_train_begin."""
-        self.start, self.losses = time.perf_counter(), []
+        self.start, self.losses, self.last_step = time.perf_counter(), [], {}
         self.trackers.start(config, self.state.global_step)
         self.callbacks.on_train_begin()
 
@@ -61,6 +61,7 @@ class Report:
     def step(self, metrics: dict) -> dict:
         """A step is done: its loss counted, the bar advanced with its reward, KL and peak memory."""
         self.losses.append(metrics["loss"])
+        self.last_step = {k: float(v) for k, v in metrics.items()}
         reward = f"{metrics['reward']:.3f}" if "reward" in metrics else "none scored"
         self.bar.set_postfix(reward=reward, kl=f"{metrics['kl']:.4f}", peak_mem=f"{metrics['memory/peak_gb']:.2f}GB")
         self.bar.update(1)
@@ -88,10 +89,12 @@ class Report:
     def output(self) -> TrainOutput:
         """This `train()` call's TrainOutput, once its metrics are logged as transformers logs them (the last entry
         of log_history, and on_log; not metrics.jsonl, whose lines are the steps' and the evaluations') and the
-        callbacks' on_train_end has run."""
+        callbacks' on_train_end has run. That last entry also holds the call's last step's metrics (`reward`,
+        `rewards/<name>/mean`, ...), as TRL's does with its default logging_steps=10: TRL merges the metrics of
+        the steps since its last log into it."""
         out = train_output(self.state.global_step, self.state.epoch, self.losses, time.perf_counter() - self.start,
                            self.completions_per_step)
-        self.state.log_history.append({**out.metrics, "step": out.global_step})
+        self.state.log_history.append({**self.last_step, **out.metrics, "step": out.global_step})
         self.callbacks.on_log(dict(out.metrics))
         self.callbacks.on_train_end()
         return out

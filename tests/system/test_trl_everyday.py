@@ -72,3 +72,18 @@ def test_multi_objective_aggregation_is_trls(tmp_path, tokenizer, multi_objectiv
                 if multi_objective_aggregation == "normalize_then_sum"
                 else group_advantages(torch.tensor([r["reward"] for r in rows]), 3))
     assert per_func[:, 1].std() > 0 and torch.allclose(torch.tensor([r["advantage"] for r in rows]), expected)
+
+
+def reward_func1(completions, **kwargs):
+    return [float(len(completion)) for completion in completions]
+
+
+def test_the_last_log_history_entry_holds_the_last_steps_metrics(tmp_path, tokenizer):
+    args = trl_args(tmp_path, max_steps=2, reward_weights=[0.7, 0.3])
+    trainer = GRPOTrainer(model=tiny_model(tokenizer), processing_class=tokenizer,
+                          reward_funcs=[reward_func1, digit_share], args=args, train_dataset=digit_prompts(6))
+    trainer.train()
+    last, step = trainer.state.log_history[-1], trainer.state.log_history[-2]
+    assert last["train_loss"] is not None and last["step"] == step["step"] == 2
+    for key in ("rewards/reward_func1/mean", "rewards/reward_func1/std", "rewards/digit_share/mean", "reward", "loss"):
+        assert last[key] == step[key]
