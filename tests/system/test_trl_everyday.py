@@ -87,3 +87,18 @@ def test_the_last_log_history_entry_holds_the_last_steps_metrics(tmp_path, token
     assert last["train_loss"] is not None and last["step"] == step["step"] == 2
     for key in ("rewards/reward_func1/mean", "rewards/reward_func1/std", "rewards/digit_share/mean", "reward", "loss"):
         assert last[key] == step[key]
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+def test_the_entropy_bonus_logs_trls_policy_loss(tmp_path, tokenizer, loss_type):
+    args = trl_args(tmp_path, max_steps=2, entropy_coef=0.5, loss_type=loss_type, logging_steps=1, beta=0.04)
+    trainer = GRPOTrainer(model=tiny_model(tokenizer), processing_class=tokenizer, reward_funcs=digit_share,
+                          args=args, train_dataset=digit_prompts(6))
+    trainer.train()
+    assert trainer.state.log_history[-1]["policy_loss"] is not None
+    assert trainer.state.log_history[-1]["entropy_coef"] == 0.5
+    logs = [h for h in trainer.state.log_history if "policy_loss" in h and "loss" in h and h.get("entropy")]
+    assert len(logs) == 3 and all("loss/policy" in h for h in logs)  # two steps and the last entry; ours kept
+    for h in logs:  # TRL's own check: the bonus is entropy_coef x the mean entropy (one micro-batch a step)
+        assert (h["policy_loss"] - h["loss"]) / h["entropy"] == pytest.approx(0.5, rel=1e-4)
+
