@@ -255,3 +255,18 @@ def add_metrics(totals: dict[str, float], metrics: dict[str, float], share: floa
     for k, v in metrics.items():
         totals[k] = totals.get(k, 0.0) + (v if k.startswith(STEP_SHARES) else v * share)
 
+
+def loss_warnings(loss_type: str, importance_sampling_level: str) -> list[str]:
+    """TRL's warnings (its GRPOTrainer's, in its words) on a loss that runs but is not the paper's it names."""
+    warnings = []
+    if importance_sampling_level == "sequence" and loss_type in ("bnpo", "dr_grpo", "dapo", "cispo"):
+        warnings.append(f"importance_sampling_level='sequence' with loss_type='{loss_type}': the loss sums per-token "
+                        f"contributions, which effectively weights each sequence by its completion length instead of "
+                        f"optimizing the per-sequence objective; to reproduce the GSPO paper's setup, set "
+                        f"loss_type='grpo'")
+    if loss_type == "luspo" and importance_sampling_level != "sequence":
+        warnings.append("loss_type='luspo': set importance_sampling_level='sequence' to mirror the paper's setup")
+    if loss_type == "vespo" and importance_sampling_level != "token":
+        warnings.append("loss_type='vespo' computes sequence-level importance weights internally: "
+                        "importance_sampling_level should be 'token' (the default)")
+    return warnings

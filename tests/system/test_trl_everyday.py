@@ -102,3 +102,15 @@ def test_the_entropy_bonus_logs_trls_policy_loss(tmp_path, tokenizer, loss_type)
     for h in logs:  # TRL's own check: the bonus is entropy_coef x the mean entropy (one micro-batch a step)
         assert (h["policy_loss"] - h["loss"]) / h["entropy"] == pytest.approx(0.5, rel=1e-4)
 
+
+def dummy_reward_func(completions, **kwargs):
+    return [0.0] * len(completions)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "cispo"])
+def test_sequence_level_sampling_with_a_token_summed_loss_warns_as_trl(tmp_path, tokenizer, capsys, loss_type):
+    args = trl_args(tmp_path, importance_sampling_level="sequence", loss_type=loss_type)
+    capsys.readouterr()
+    GRPOTrainer(model=tiny_model(tokenizer), processing_class=tokenizer, reward_funcs=dummy_reward_func, args=args,
+                train_dataset=digit_prompts(6))
+    assert ("weights each sequence by its completion length" in capsys.readouterr().err) == (loss_type != "grpo")
