@@ -12,7 +12,7 @@ from .policy.forwards import Policy
 from .policy.gradients import accumulate, eval_loss
 from .policy.models import default_tokenizer, load_model, prepare_for_training
 from .policy.optim import Updates
-from .rollout.evaluate import evaluate
+from .rollout.evaluate import eval_sets, evaluate
 from .rollout.pipeline import Pipeline, engine
 from .rollout.prompts import PromptStream, check_chat_template
 from .rollout.reward_models import place_reward_models
@@ -57,8 +57,8 @@ class Trainer:
         """The tokenizer, the model loaded and prepared as the plan says, its policy and updates."""
         s = self.plan.loading
         self.tokenizer = tokenizer if tokenizer is not None else default_tokenizer(s.model, model)
-        check_chat_template(self.tokenizer, {"train_dataset": train_dataset,
-                                             "eval_dataset": self.eval_dataset})
+        check_chat_template(self.tokenizer, {"train_dataset": train_dataset, **{
+            f"eval_dataset{name}": d for name, d in eval_sets(self.eval_dataset).items()}})
         model = model if model is not None else load_model(s, self.precision)
         self.model = prepare_for_training(model, s, self.dist.world_size)
         self.policy = Policy(self.model, self.plan.logprobs, self.dist.world_size, self.precision,
@@ -173,16 +173,18 @@ class Trainer:
                           step=self.step, show=self.dist.is_main)
 
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict:
-        """Greedy pass@1 and TRL's eval_loss on `eval_dataset` (else the Trainer's; rollout/evaluate), logged as its
-        own line, keys under `metric_key_prefix`; `ignore_keys` (transformers': model outputs) has none to drop."""
-        dataset = self.eval_dataset if eval_dataset is None else eval_dataset
-        with decoding_allocations(self.threshold_set):
-            metrics, _ = evaluate(self.model, self.tokenizer, dataset, self.reward_funcs, self.plan.evaluation,
-                                  batch_size=self.plan.decode.evaluation, progress=self.dist.is_main,
-                                  trainer_state=self.state, unsharded=self.policy.parallel.unsharded,
-                                  tools=self.tools, loss_of=partial(eval_loss, self.policy, self.plan.loss),
-                                  key_prefix=metric_key_prefix)
-        return self.report.evaluation(metrics, metric_key_prefix)
+        """Greedy pass@1 and TRL's eval_loss on `eval_dataset` (else the Trainer's; each of several) as a logged
+        line, keys under `metric_key_prefix` (rollout/evaluate); `ignore_keys` (model outputs): none here."""
+        lines = {}
+        for suffix, dataset in eval_sets(self.eval_dataset if eval_dataset is None else eval_dataset).items():
+            with decoding_allocations(self.threshold_set):
+                metrics, _ = evaluate(self.model, self.tokenizer, dataset, self.reward_funcs, self.plan.evaluation,
+                                      batch_size=self.plan.decode.evaluation, progress=self.dist.is_main,
+                                      trainer_state=self.state, unsharded=self.policy.parallel.unsharded,
+                                      tools=self.tools, loss_of=partial(eval_loss, self.policy, self.plan.loss),
+                                      key_prefix=metric_key_prefix + suffix)
+            lines.update(self.report.evaluation(metrics, metric_key_prefix + suffix))
+        return lines
 
     def progress(self) -> Progress:
         return Progress(self.step, self.generation, self.updates.nonfinite)

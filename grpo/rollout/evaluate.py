@@ -13,12 +13,14 @@ from __future__ import annotations
 import importlib
 import sys
 import time
+from collections.abc import Mapping
 
 import torch
 
 from ..errors import ConfigError
 from ..infra.progress import TokenProgress
 from ..settings.plan import EvalSettings
+from .prompts import check_not_streaming
 from .rewards import RewardContext, compute_rewards, required_columns, reward_func_names, reward_metrics
 from .sampling import PromptEncoder, eos_token_ids, sample_completions
 from .tools import make_envs
@@ -32,11 +34,22 @@ def check_eval_setup(config, eval_dataset, reward_funcs) -> None:
     if config.eval_strategy != "no" or config.eval_on_start:
         if eval_dataset is None:
             raise ConfigError(f"eval_strategy={config.eval_strategy!r} / eval_on_start need an eval_dataset")
-        check_eval_inputs(config, eval_dataset, reward_funcs)
+        for dataset in eval_sets(eval_dataset).values():
+            check_eval_inputs(config, dataset, reward_funcs)
     if config.eval_strategy == "no" and config.eval_steps is not None:
         print(f'warning: eval_steps={config.eval_steps} has no effect with eval_strategy="no" (transformers\' '
               f'default, as here): set eval_strategy="steps" to evaluate every {config.eval_steps} steps',
               file=sys.stderr)
+
+
+def eval_sets(dataset) -> dict:
+    """{key suffix: dataset} of an eval_dataset: {"": it}, or for several (a dict or a DatasetDict, as transformers
+    takes them) {"_<name>": each}, evaluated apart with the metric key prefix `eval_<name>`, transformers'.
+    DatasetError for a streaming one (rollout/prompts.check_not_streaming)."""
+    sets = {f"_{name}": d for name, d in dataset.items()} if isinstance(dataset, Mapping) else {"": dataset}
+    for suffix, d in sets.items():
+        check_not_streaming(d, f"eval_dataset[{suffix[1:]!r}]" if suffix else "eval_dataset")
+    return sets
 
 
 def check_eval_inputs(config, dataset, reward_funcs) -> None:

@@ -2,14 +2,17 @@
 GRPOTrainer tests are (GRPOConfig keywords, GRPOTrainer(model=, reward_funcs=, args=, train_dataset=, ...)), on
 the tiny offline model of tiny_setup in place of TRL's tiny Hub models."""
 import json
+import re
 
 import pytest
 import torch
+from datasets import DatasetDict, IterableDataset
 from tiny_setup import digit_prompts, digit_share, tiny_model, tiny_tokenizer
 
 from grpo import Config as GRPOConfig  # was: from trl import GRPOConfig, GRPOTrainer
 from grpo import Trainer as GRPOTrainer
 from grpo.algo.advantages import group_advantages, normalized_sum_advantages
+from grpo.errors import DatasetError
 
 
 @pytest.fixture(scope="module")
@@ -114,3 +117,35 @@ def test_sequence_level_sampling_with_a_token_summed_loss_warns_as_trl(tmp_path,
     GRPOTrainer(model=tiny_model(tokenizer), processing_class=tokenizer, reward_funcs=dummy_reward_func, args=args,
                 train_dataset=digit_prompts(6))
     assert ("weights each sequence by its completion length" in capsys.readouterr().err) == (loss_type != "grpo")
+
+
+@pytest.mark.parametrize("kind", ["dict", "DatasetDict"])
+def test_several_eval_sets_are_evaluated_apart_as_in_transformers(tmp_path, tokenizer, kind):
+    sets = {"data1": digit_prompts(3), "data2": digit_prompts(5)}
+    eval_dataset = DatasetDict(sets) if kind == "DatasetDict" else sets
+    args = trl_args(tmp_path, max_steps=1, eval_strategy="steps", eval_steps=1)
+    trainer = GRPOTrainer(model=tiny_model(tokenizer), processing_class=tokenizer, reward_funcs=digit_share,
+                          args=args, train_dataset=digit_prompts(6), eval_dataset=eval_dataset)
+    assert set(trainer.eval_dataset.keys()) == {"data1", "data2"}
+    trainer.train()
+    lines = [line for line in trainer.state.log_history if any(k.startswith("eval_data") for k in line)]
+    assert [(line["step"], line[f"eval_{name}/num_examples"]) for line, name in zip(lines, ("data1", "data2"))] == [
+        (1, 3), (1, 5)]
+    assert {"eval_data1_loss", "eval_data1_reward", "eval_data2_loss"} <= {k for line in lines for k in line}
+
+
+def streamed(dataset):
+    return IterableDataset.from_generator(lambda: (yield from dataset))
+
+
+@pytest.mark.parametrize("which", ["train_dataset", "eval_dataset", "eval_dataset['data2']"])
+def test_a_streaming_dataset_is_refused_in_one_line(tmp_path, tokenizer, which):
+    data = {"train_dataset": digit_prompts(6), "eval_dataset": digit_prompts(3)}
+    if which == "eval_dataset['data2']":
+        data["eval_dataset"] = {"data1": digit_prompts(3), "data2": streamed(digit_prompts(3))}
+    else:
+        data[which] = streamed(data[which])
+    with pytest.raises(DatasetError, match=rf"^{re.escape(which)} is a streaming IterableDataset: .*streaming=False"):
+        GRPOTrainer(model=tiny_model(tokenizer), processing_class=tokenizer, reward_funcs=digit_share,
+                    args=trl_args(tmp_path, max_steps=1), **data)
+
