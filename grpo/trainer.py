@@ -27,7 +27,7 @@ from .run.supply import supply
 from .run.state import NoSignalWatch, TrainerState
 from .run.trackers import Trackers
 from .settings import Config
-from .trl_call import trl_call
+from .trl_call import trl_attributes, trl_call
 
 
 class Trainer:
@@ -52,6 +52,8 @@ class Trainer:
         self._setup_policy(model, tokenizer, train_dataset)
         self._setup_generation(sampler, rollout_func, train_dataset)
         self._setup_run(callbacks)
+        vars(self).update(trl_attributes(self.config, self.tokenizer, self.reward_funcs, self.policy.reference,
+                                         train_dataset))  # TRL's names a script reads
 
     def _setup_policy(self, model, tokenizer, train_dataset) -> None:
         """The tokenizer, the model loaded and prepared as the plan says, its policy and updates."""
@@ -92,10 +94,6 @@ class Trainer:
                                self.updates, self.prompts, self.schedule, self.plan.session,
                                self.total_steps, on_save=self.callbacks.on_save,
                                sampled_ahead=self.batches.for_checkpoint)
-
-    @property
-    def args(self) -> Config:  # TRL's name
-        return self.config
 
     @property
     def step(self) -> int:  # optimizer steps done: state.global_step, which state.epoch follows

@@ -7,7 +7,7 @@ import re
 import pytest
 import torch
 from datasets import DatasetDict, IterableDataset
-from tiny_setup import digit_prompts, digit_share, tiny_model, tiny_tokenizer
+from tiny_setup import digit_prompts, digit_share, tiny_model, tiny_reward_model, tiny_tokenizer
 
 from grpo import Config as GRPOConfig  # was: from trl import GRPOConfig, GRPOTrainer
 from grpo import Trainer as GRPOTrainer
@@ -149,3 +149,18 @@ def test_a_streaming_dataset_is_refused_in_one_line(tmp_path, tokenizer, which):
         GRPOTrainer(model=tiny_model(tokenizer), processing_class=tokenizer, reward_funcs=digit_share,
                     args=trl_args(tmp_path, max_steps=1), **data)
 
+
+def test_the_attributes_a_trl_script_reads(tmp_path, tokenizer):
+    reward_model, dataset = tiny_reward_model(tokenizer), digit_prompts(6)
+    args = trl_args(tmp_path, max_steps=1, reward_weights=[0.5, 1.0], beta=0.04)
+    trainer = GRPOTrainer(model=tiny_model(tokenizer), processing_class=tokenizer,
+                          reward_funcs=[digit_share, reward_model], reward_processing_classes=[None, tokenizer],
+                          args=args, train_dataset=dataset)
+    assert trainer.args is args and trainer.processing_class is tokenizer and trainer.train_dataset is dataset
+    assert trainer.reward_func_names == ["digit_share", "tiny-rm"]
+    assert trainer.reward_processing_classes == [None, tokenizer]
+    assert trainer.reward_weights.tolist() == [0.5, 1.0]
+    assert trainer.ref_model is not None and not any(p.requires_grad for p in trainer.ref_model.parameters())
+    no_kl = GRPOTrainer(model=tiny_model(tokenizer), processing_class=tokenizer, reward_funcs=digit_share,
+                        args=trl_args(tmp_path), train_dataset=dataset)
+    assert no_kl.ref_model is None and no_kl.reward_weights.tolist() == [1.0]
