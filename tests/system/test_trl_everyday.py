@@ -164,3 +164,21 @@ def test_the_attributes_a_trl_script_reads(tmp_path, tokenizer):
     no_kl = GRPOTrainer(model=tiny_model(tokenizer), processing_class=tokenizer, reward_funcs=digit_share,
                         args=trl_args(tmp_path), train_dataset=dataset)
     assert no_kl.ref_model is None and no_kl.reward_weights.tolist() == [1.0]
+
+
+def test_running_the_same_script_again_keeps_the_earlier_run(tmp_path, tokenizer, capsys):
+    def script():  # a TRL script as docs/coming-from-trl.md shows it, run twice (the edit-and-rerun loop)
+        args = trl_args(tmp_path, max_steps=1, save_strategy="steps")
+        trainer = GRPOTrainer(model=tiny_model(tokenizer), processing_class=tokenizer, reward_funcs=digit_share,
+                              args=args, train_dataset=digit_prompts(6))
+        trainer.train()
+        trainer.save_model(args.output_dir)
+
+    script()
+    out = tmp_path / "run"
+    first = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file() and p.name != ".grpo.lock"}
+    script()
+    assert "moved it to" in capsys.readouterr().err
+    kept = out / "previous-run-1"
+    assert {p: (kept / p).read_bytes() for p in first} == first, "every file of the first run, as it was"
+    assert (out / "checkpoint-1").is_dir() and (out / "metrics.jsonl").exists() and (out / "config.json").exists()
