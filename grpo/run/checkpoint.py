@@ -146,10 +146,15 @@ def move_earlier_run(output_dir: str) -> str | None:
     n = 1 + max((int(p.name[len(EARLIER):]) for p in root.glob(f"{EARLIER}*") if p.name[len(EARLIER):].isdigit()),
                 default=0)
     moved_to = root / f"{EARLIER}{n}"
-    moved_to.mkdir()
-    for entry in root.iterdir():
-        if entry.name != LOCK and not entry.name.startswith(EARLIER):
-            entry.rename(moved_to / entry.name)
+    try:
+        moved_to.mkdir()
+        for entry in root.iterdir():
+            if entry.name != LOCK and not entry.name.startswith(EARLIER):
+                entry.rename(moved_to / entry.name)
+    except OSError as e:
+        raise ConfigError(f"{output_dir} holds an earlier run ({', '.join(earlier)}), which could not be moved to "
+                          f"{moved_to} ({e.strerror}): continue it with {resume_hint()}, or pick another "
+                          f"{setting('output_dir')}") from None
     return (f"{output_dir} held an earlier run ({', '.join(earlier)}): moved it to {moved_to} for this fresh run; "
             f"{resume_hint()} continues a run instead")
 
