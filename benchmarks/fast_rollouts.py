@@ -125,7 +125,7 @@ def eval_run(config, model, tokenizer, held_out, n: int):
     from grpo.tasks.gsm8k import answer_accuracy_reward, xml_format_reward
 
     dataset = Dataset.from_list(word_problems.rows(held_out[:n]))
-    try:  # this tree: the memory plan's batch size (eval_batch_size=None)
+    try:  # this tree: the memory plan's batch size (per_device_eval_batch_size=None)
         from grpo.memory.fit import eval_batch_size
 
         batch = eval_batch_size(dataclasses.replace(config, max_completion_length=128), model, "cpu")

@@ -3,15 +3,16 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, replace
+from functools import partial
 from pathlib import Path
 
 from .infra.allocator import decoding_allocations, return_freed_memory
 from .infra.interrupts import StopSignals
 from .policy.forwards import Policy
-from .policy.gradients import accumulate
+from .policy.gradients import accumulate, eval_loss
 from .policy.models import default_tokenizer, load_model, prepare_for_training
 from .policy.optim import Updates
-from .rollout.evaluate import evaluate
+from .rollout.evaluate import eval_sets, evaluate
 from .rollout.pipeline import Pipeline, engine
 from .rollout.prompts import PromptStream, check_chat_template
 from .rollout.reward_models import place_reward_models
@@ -26,7 +27,7 @@ from .run.supply import supply
 from .run.state import NoSignalWatch, TrainerState
 from .run.trackers import Trackers
 from .settings import Config
-from .trl_call import trl_call
+from .trl_call import trl_attributes, trl_call
 
 
 class Trainer:
@@ -51,13 +52,15 @@ class Trainer:
         self._setup_policy(model, tokenizer, train_dataset)
         self._setup_generation(sampler, rollout_func, train_dataset)
         self._setup_run(callbacks)
+        vars(self).update(trl_attributes(self.config, self.tokenizer, self.reward_funcs, self.policy.reference,
+                                         train_dataset))  # TRL's names a script reads
 
     def _setup_policy(self, model, tokenizer, train_dataset) -> None:
         """The tokenizer, the model loaded and prepared as the plan says, its policy and updates."""
         s = self.plan.loading
         self.tokenizer = tokenizer if tokenizer is not None else default_tokenizer(s.model, model)
-        check_chat_template(self.tokenizer, {"train_dataset": train_dataset,
-                                             "eval_dataset": self.eval_dataset})
+        check_chat_template(self.tokenizer, {"train_dataset": train_dataset, **{
+            f"eval_dataset{name}": d for name, d in eval_sets(self.eval_dataset).items()}})
         model = model if model is not None else load_model(s, self.precision)
         self.model = prepare_for_training(model, s, self.dist.world_size)
         self.policy = Policy(self.model, self.plan.logprobs, self.dist.world_size, self.precision,
@@ -92,10 +95,6 @@ class Trainer:
         self.session = Session(self.output_dir, self.dist, self.policy, self.tokenizer, self.updates,
                                self.prompts, self.batches, recorded, self.total_steps,
                                on_save=self.callbacks.on_save)
-
-    @property
-    def args(self) -> Config:  # TRL's name
-        return self.config
 
     @property
     def step(self) -> int:  # optimizer steps done: state.global_step, which state.epoch follows
@@ -169,14 +168,19 @@ class Trainer:
         return accumulate(self.policy, micro_batches, counts, self.plan.loss, self.dist.reduce,
                           step=self.step, show=self.dist.is_main)
 
-    def evaluate(self) -> dict:
-        """Greedy pass@1 on the eval dataset (rollout/evaluate), logged as its own line."""
-        with decoding_allocations(self.threshold_set):
-            metrics, _ = evaluate(self.model, self.tokenizer, self.eval_dataset, self.reward_funcs,
-                                  self.plan.evaluation, batch_size=self.plan.decode.evaluation,
-                                  progress=self.dist.is_main, trainer_state=self.state,
-                                  unsharded=self.policy.parallel.unsharded, tools=self.tools)
-        return self.report.evaluation(metrics)
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict:
+        """Greedy pass@1 and TRL's eval_loss on `eval_dataset` (else the Trainer's; each of several) as a logged
+        line, keys under `metric_key_prefix` (rollout/evaluate); `ignore_keys` (model outputs): none here."""
+        lines = {}
+        for suffix, dataset in eval_sets(self.eval_dataset if eval_dataset is None else eval_dataset).items():
+            with decoding_allocations(self.threshold_set):
+                metrics, _ = evaluate(self.model, self.tokenizer, dataset, self.reward_funcs, self.plan.evaluation,
+                                      batch_size=self.plan.decode.evaluation, progress=self.dist.is_main,
+                                      trainer_state=self.state, unsharded=self.policy.parallel.unsharded,
+                                      tools=self.tools, loss_of=partial(eval_loss, self.policy, self.plan.loss),
+                                      key_prefix=metric_key_prefix + suffix)
+            lines.update(self.report.evaluation(metrics, metric_key_prefix + suffix))
+        return lines
 
     def progress(self) -> Progress:
         return Progress(self.step, self.updates.nonfinite)
@@ -185,7 +189,7 @@ class Trainer:
         return self.session.save(self.progress(), asked)
 
     def resume(self, spec: str | bool | None) -> None:  # as resume_from_checkpoint says
-        resumed = self.session.resume(spec)
+        resumed = self.session.resume(spec, logged=bool(self.state.log_history))  # evaluate() came first
         if resumed is not None:
             self.step, self.updates.nonfinite = resumed.step, resumed.nonfinite
             self.state.log_history = logged_lines(self.output_dir, self.step)  # as transformers

@@ -7,10 +7,14 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
+
 from .errors import ConfigError
 from .policy.lora import adapter_settings, is_peft_model, lora_settings
 from .policy.models import with_pad_token
 from .policy.sources import model_type
+from .rollout.reward_models import RewardModel
+from .rollout.rewards import reward_func_names
 from .settings import Config
 from .settings.trl_names import TRAINER_ONLY
 
@@ -63,3 +67,16 @@ def _lora(peft_config, model, config: Config) -> dict:
     if peft_config is not None:
         return lora_settings(peft_config, model_type=lambda: model_type(model, config.model))
     return adapter_settings(model) if is_peft_model(model) else {}
+
+
+def trl_attributes(config: Config, tokenizer, reward_funcs: list, reference, train_dataset) -> dict:
+    """TRL GRPOTrainer's attributes that a script reads, on ours (docs/coming-from-trl.md says which and why):
+    `args` (the Config), `processing_class` (the tokenizer), `reward_func_names`, `reward_processing_classes` (each
+    reward model's tokenizer, None for a function), `reward_weights` (a tensor, 1.0 each unless set), `ref_model`
+    (the frozen reference copy: None under LoRA, whose reference is the policy with its adapter off, and without
+    a KL term, as in TRL) and `train_dataset`."""
+    weights = config.reward_weights if config.reward_weights is not None else [1.0] * len(reward_funcs)
+    return {"args": config, "processing_class": tokenizer, "reward_func_names": reward_func_names(reward_funcs),
+            "reward_processing_classes": [f.tokenizer if isinstance(f, RewardModel) else None for f in reward_funcs],
+            "reward_weights": torch.tensor(weights, dtype=torch.float32), "ref_model": reference,
+            "train_dataset": train_dataset}

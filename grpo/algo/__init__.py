@@ -4,6 +4,8 @@ hidden states, the clipped policy loss with its KL penalty. Nothing here knows a
 The choice lists live here, free of torch, so that checking a Config (grpo/settings) stays fast."""
 
 SCALES = ("group", "batch", "none")  # advantages.group_advantages(scale=...)
+# TRL's multi_objective_aggregation: group_advantages of the weighted sum, or advantages.normalized_sum_advantages
+AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
 # loss.policy_loss(loss_type=...): TRL 1.16's values
 LOSS_TYPES = ("dapo", "grpo", "bnpo", "dr_grpo", "cispo", "sapo", "luspo", "vespo")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")  # loss.policy_loss(importance_sampling_level=...)

@@ -94,6 +94,44 @@ def group_advantages(
     return (centered / (std + eps)).reshape(-1)  # [N]
 
 
+def normalized_sum_advantages(per_func: Tensor, weights: Tensor, group_size: int, eps: float = 1e-4) -> Tensor:
+    """TRL's ``multi_objective_aggregation="normalize_then_sum"`` (GDPO): each reward function's rewards
+    normalized within each group, ``(r_k - mean_group(r_k)) / (std_group(r_k) + eps)``, summed with ``weights``
+    into one reward per completion, then normalized over the whole batch, ``(s - mean(s)) / (std(s) + eps)``.
+
+    Args:
+        per_func: ``[N, F]`` each reward function's rewards, NaN where it returned None (left out of its means and
+            stds, and of the sum); groups of ``group_size`` consecutive rows as in ``group_advantages``.
+        weights: ``[F]`` reward_weights.
+
+    The stds are unbiased. A completion no function scored stays out of the batch's mean and std and gets
+    advantage 0; a function's group with fewer than two scored rewards has no std and adds nothing (TRL: NaN,
+    which nansum drops). scale_rewards does not apply, as in TRL.
+
+    Returns:
+        ``[N]`` advantages.
+    """
+    if per_func.dim() != 2 or weights.shape != per_func.shape[1:]:
+        raise ValueError(f"per_func must be [N, F] and weights [F], got {tuple(per_func.shape)} and "
+                         f"{tuple(weights.shape)}")
+    _check_rewards(per_func.nan_to_num().sum(dim=1), group_size, "group")
+    grouped = per_func.float().view(-1, group_size, per_func.shape[1])  # [N/G, G, F]
+    normalized = (grouped - grouped.nanmean(dim=1, keepdim=True)) / (_nanstd(grouped, dim=1) + eps)  # [N/G, G, F]
+    sums = (normalized.reshape(per_func.shape) * weights.to(normalized.dtype)).nansum(dim=1)  # [N]
+    scored = ~per_func.isnan().all(dim=1)  # [N]
+    batch = sums[scored]  # [n_scored]
+    if batch.numel() < 2:
+        return torch.zeros_like(sums)
+    return torch.where(scored, (sums - batch.mean()) / (batch.std(correction=1) + eps), 0.0)  # [N]
+
+
+def _nanstd(values: Tensor, dim: int) -> Tensor:
+    """The unbiased std along `dim` (kept) of the values that are not NaN; NaN where fewer than two are."""
+    count = (~values.isnan()).sum(dim=dim, keepdim=True)  # [..., 1, ...]
+    squares = ((values - values.nanmean(dim=dim, keepdim=True)) ** 2).nansum(dim=dim, keepdim=True)
+    return torch.where(count > 1, squares / (count - 1).clamp(min=1), torch.nan).sqrt()
+
+
 def _no_signal(grouped: Tensor, valid: Tensor) -> Tensor:
     """``[N/G, 1]`` True for groups whose scored rewards are all equal (or fewer than two)."""
     high = grouped.masked_fill(~valid, -torch.inf).amax(dim=1, keepdim=True)  # [N/G, 1]

@@ -60,7 +60,7 @@ from .loss_terms import (clipped_term, cispo_term, entropy_bonus, high_entropy_m
 CLIPPED = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")  # the loss types with PPO's clipped objective
 # Prefixes of the metrics that are this call's share of the step's value, like the loss (the step's calls sum to
 # it); every other metric is a mean over this call's completion tokens.
-STEP_SHARES = ("loss/", "off_policy/")
+STEP_SHARES = ("loss/", "off_policy/", "policy_loss")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -194,8 +194,9 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor | None, ref_logprobs: Ten
         ``vespo_term``'s ``vespo/phi_seq_mean``, a mean over the sequences),
         ``kl`` when the KL term is used, ``entropy`` when entropies are given: masked means over this call's
         completion tokens. Shares of the step like the loss (``STEP_SHARES``): ``loss/entropy`` (the bonus term,
-        -c * mean H / K) when ``entropy_coef != 0``, ``off_policy/masked_ratio`` (the sequences dropped,
-        over B, / K) when ``off_policy_mask_threshold`` is set.
+        -c * mean H / K) and TRL's ``policy_loss`` (the loss before it, the KL term included) when
+        ``entropy_coef != 0``, then also TRL's ``entropy_coef`` (the setting), ``off_policy/masked_ratio``
+        (the sequences dropped, over B, / K) when ``off_policy_mask_threshold`` is set.
     """
     s = LossSettings(**settings)
     _check_inputs(logprobs, old_logprobs, ref_logprobs, advantages, completion_mask, entropies, s)
@@ -230,6 +231,7 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor | None, ref_logprobs: Ten
         metrics["entropy"] = masked_mean(entropies.detach().to(ratio.dtype), on)
     if s.entropy_coef != 0:
         bonus = entropy_bonus(entropies.to(logprobs.dtype), acts_on, s.entropy_coef, num_micro_batches)
+        metrics["policy_loss"], metrics["entropy_coef"] = loss.detach(), torch.tensor(s.entropy_coef)  # TRL's
         loss = loss - bonus
         metrics["loss/entropy"] = -bonus.detach()
     metrics = {k: v.item() for k, v in metrics.items()}
@@ -252,3 +254,19 @@ def add_metrics(totals: dict[str, float], metrics: dict[str, float], share: floa
     sums over micro-batches and ranks are the step's means."""
     for k, v in metrics.items():
         totals[k] = totals.get(k, 0.0) + (v if k.startswith(STEP_SHARES) else v * share)
+
+
+def loss_warnings(loss_type: str, importance_sampling_level: str) -> list[str]:
+    """TRL's warnings (its GRPOTrainer's, in its words) on a loss that runs but is not the paper's it names."""
+    warnings = []
+    if importance_sampling_level == "sequence" and loss_type in ("bnpo", "dr_grpo", "dapo", "cispo"):
+        warnings.append(f"importance_sampling_level='sequence' with loss_type='{loss_type}': the loss sums per-token "
+                        f"contributions, which effectively weights each sequence by its completion length instead of "
+                        f"optimizing the per-sequence objective; to reproduce the GSPO paper's setup, set "
+                        f"loss_type='grpo'")
+    if loss_type == "luspo" and importance_sampling_level != "sequence":
+        warnings.append("loss_type='luspo': set importance_sampling_level='sequence' to mirror the paper's setup")
+    if loss_type == "vespo" and importance_sampling_level != "token":
+        warnings.append("loss_type='vespo' computes sequence-level importance weights internally: "
+                        "importance_sampling_level should be 'token' (the default)")
+    return warnings

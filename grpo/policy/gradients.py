@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+import torch
+
 from ..algo.loss import add_metrics, no_token_metrics, policy_loss
 from ..infra.progress import progress_bar
 
@@ -36,3 +38,16 @@ def accumulate(policy, micro_batches: list, counts, loss: Mapping, reduce, *, st
     # Per-token metrics (entropy, ratio, clip ratios) are the rows trained's; 0 where no row was trained.
     totals = {**no_token_metrics(**loss), **reduce(totals)}
     return {**totals, "skipped/zero_gradient": counts.skipped / counts.rows}
+
+
+@torch.no_grad()
+def eval_loss(policy, loss: Mapping, rollout) -> tuple[float, int]:
+    """TRL's eval loss of one batch of greedy completions (rollout/batches.Rollout, one per prompt) and its rows:
+    the loss `loss` sets, each completion the one of its group, so its advantage is 0 as TRL's is with
+    num_generations_eval=1. What is left is beta x the KL to the reference minus the entropy bonus (0 when both
+    are off, as by default)."""
+    logprobs, entropies = policy.logprobs(rollout, with_entropy=True)  # [N, C] each
+    reference = policy.reference_logprobs(rollout) if loss["beta"] != 0 else None  # [N, C]
+    mask = rollout.completion_mask if rollout.loss_mask is None else rollout.loss_mask  # [N, C]
+    value, _ = policy_loss(logprobs, None, reference, torch.zeros(len(logprobs)), mask, entropies=entropies, **loss)
+    return value.item(), len(logprobs)

@@ -15,13 +15,14 @@ import importlib
 import importlib.util
 import sys
 import time
+from collections.abc import Mapping
 
 import torch
 
 from ..errors import ConfigError
 from ..infra.progress import TokenProgress
 from ..settings.plan import EvalSettings
-from .prompts import PromptTooLong, check_dataset
+from .prompts import PromptTooLong, check_dataset, check_not_streaming
 from .rewards import RewardContext, compute_rewards, required_columns, reward_func_names, reward_metrics
 from .sampling import PromptEncoder, eos_token_ids, sample_completions
 from .tools import make_envs
@@ -35,11 +36,22 @@ def check_eval_setup(config, eval_dataset, reward_funcs) -> None:
     if config.eval_strategy != "no" or config.eval_on_start:
         if eval_dataset is None:
             raise ConfigError(f"eval_strategy={config.eval_strategy!r} / eval_on_start need an eval_dataset")
-        check_eval_inputs(config, eval_dataset, reward_funcs)
+        for dataset in eval_sets(eval_dataset).values():
+            check_eval_inputs(config, dataset, reward_funcs)
     if config.eval_strategy == "no" and config.eval_steps is not None:
         print(f'warning: eval_steps={config.eval_steps} has no effect with eval_strategy="no" (transformers\' '
               f'default, as here): set eval_strategy="steps" to evaluate every {config.eval_steps} steps',
               file=sys.stderr)
+
+
+def eval_sets(dataset) -> dict:
+    """{key suffix: dataset} of an eval_dataset: {"": it}, or for several (a dict or a DatasetDict, as transformers
+    takes them) {"_<name>": each}, evaluated apart with the metric key prefix `eval_<name>`, transformers'.
+    DatasetError for a streaming one (rollout/prompts.check_not_streaming)."""
+    sets = {f"_{name}": d for name, d in dataset.items()} if isinstance(dataset, Mapping) else {"": dataset}
+    for suffix, d in sets.items():
+        check_not_streaming(d, f"eval_dataset[{suffix[1:]!r}]" if suffix else "eval_dataset")
+    return sets
 
 
 def check_eval_inputs(config, dataset, reward_funcs) -> None:
@@ -165,27 +177,28 @@ def breakdown(scores: dict[str, torch.Tensor], lengths: torch.Tensor, column: st
     return out
 
 
-def summary_lines(metrics: dict[str, float]) -> list[str]:
-    """An evaluation's metrics as text: the whole set's line, then one line per breakdown value."""
-    prefixes = ["eval/"] + [k.removesuffix("num_examples") for k in metrics
-                            if k.endswith("/num_examples") and k != "eval/num_examples"]
+def summary_lines(metrics: dict[str, float], key_prefix: str = "eval") -> list[str]:
+    """An evaluation's metrics (under `key_prefix`) as text: the whole set's line, then one per breakdown value."""
+    whole = f"{key_prefix}/"
+    prefixes = [whole] + [k.removesuffix("num_examples") for k in metrics
+                          if k.endswith("/num_examples") and k != f"{whole}num_examples"]
     lines = []
     for prefix in prefixes:
         parts = [f"{label} {metrics[prefix + key]:.3f}" for key, label in
                  (("accuracy", "accuracy"), ("free_accuracy", "format-free accuracy"), ("format", "format"))
                  if prefix + key in metrics]
-        if prefix == "eval/" and "eval_reward" in metrics:  # the whole set's reward (absent where none scored)
-            parts.insert(0, f"reward {metrics['eval_reward']:.3f}")
+        if prefix == whole and f"{key_prefix}_reward" in metrics:  # the whole set's (absent where none scored)
+            parts.insert(0, f"reward {metrics[f'{key_prefix}_reward']:.3f}")
         parts.append(f"mean length {metrics[prefix + 'length_mean']:.1f} tokens")
         n = int(metrics[prefix + "num_examples"])
-        lines.append(("" if prefix == "eval/" else f"  {prefix[5:-1]} ({n} prompts): ") + ", ".join(parts))
+        lines.append(("" if prefix == whole else f"  {prefix[len(whole):-1]} ({n} prompts): ") + ", ".join(parts))
     return lines
 
 
 @torch.no_grad()
 def evaluate(model, tokenizer, dataset, reward_funcs, settings: EvalSettings, *, batch_size: int = 64,
-             progress: bool = True, unsharded=None, tools=None,
-             trainer_state=None) -> tuple[dict[str, float], list[dict]]:
+             progress: bool = True, unsharded=None, tools=None, trainer_state=None, loss_of=None,
+             key_prefix: str = "eval") -> tuple[dict[str, float], list[dict]]:
     """Greedy-decode one completion per prompt of `dataset` (its first `settings.limit` rows) in decodes of
     `batch_size` prompts, chat prompts rendered as in training, and score it (`settings`:
     settings/plan.EvalSettings). With `tools` (rollout/tools.Tools) the rows call them in the decode as in
@@ -193,7 +206,9 @@ def evaluate(model, tokenizer, dataset, reward_funcs, settings: EvalSettings, *,
     (run/state.TrainerState), which the reward functions get.
 
     `unsharded(fn)` runs `fn(model)` for each batch (default: directly); the Trainer passes its parallel
-    wrapper, so that FSDP ranks generate together. Returns `(metrics, samples)`: `eval/*` metrics and one
+    wrapper, so that FSDP ranks generate together; `loss_of(rollout)`, each batch's loss and rows (the Trainer's
+    policy/gradients.eval_loss), their mean logged as TRL's `eval_loss`. Returns `(metrics, samples)`: `eval/*`
+    and TRL's `eval_*` metrics, `eval` replaced by `key_prefix` (transformers' metric_key_prefix), and one
     dict per row (prompt, completion, each reward, and `free_accuracy` when no reward function gives it)."""
     if dataset is None:
         raise ConfigError("evaluating needs an eval_dataset: pass Trainer(eval_dataset=...)")
@@ -203,8 +218,8 @@ def evaluate(model, tokenizer, dataset, reward_funcs, settings: EvalSettings, *,
     funcs = eval_funcs(reward_funcs, s.accuracy_func, s.free_accuracy_func, s.format_func, dataset.column_names)
     groups = check_breakdown_column(dataset, s.breakdown_column)
     t0 = time.perf_counter()
-    completions, completion_ids, lengths, environments = _greedy(model, tokenizer, dataset, s, batch_size,
-                                                                 progress, unsharded, tools)
+    completions, completion_ids, lengths, environments, losses = _greedy(model, tokenizer, dataset, s, batch_size,
+                                                                         progress, unsharded, tools, loss_of)
     columns = {k: dataset[k] for k in dataset.column_names if k != "prompt"}
     if environments:
         columns["environments"] = environments
@@ -222,6 +237,8 @@ def evaluate(model, tokenizer, dataset, reward_funcs, settings: EvalSettings, *,
     scores = {m: extra_values[:, extra.index(m)] if m in extra else per_func[:, names.index(name)]
               for m, (name, _) in funcs.items()}  # metric: [N]
     metrics = summarize(scores, lengths)
+    if losses:  # the batches' losses weighted by their rows, as transformers averages them
+        metrics["eval_loss"] = sum(loss * rows for loss, rows in losses) / sum(rows for _, rows in losses)
     # TRL's names; a function that scored no completion, or a set none scored, has no mean.
     metrics.update({f"eval_{k}": v for k, v in means.items()})
     if groups is not None:
@@ -232,7 +249,7 @@ def evaluate(model, tokenizer, dataset, reward_funcs, settings: EvalSettings, *,
                 **{f"reward/{n}": (None if v != v else v) for n, v in zip(names, per_func[i].tolist())},
                 **{m: (None if v != v else v) for m, v in zip(extra, extra_values[i].tolist())}}
                for i, (p, c) in enumerate(zip(prompts, completions))]
-    return metrics, samples
+    return {key_prefix + k[len("eval"):]: v for k, v in metrics.items()}, samples
 
 
 def prompt_encoder(model, tokenizer, s: EvalSettings, tools) -> PromptEncoder:
@@ -242,10 +259,12 @@ def prompt_encoder(model, tokenizer, s: EvalSettings, tools) -> PromptEncoder:
                          None if tools is None else eos_token_ids(tokenizer, model))
 
 
-def _greedy(model, tokenizer, dataset, s: EvalSettings, batch_size: int, progress: bool, unsharded, tools):
-    """Each row's greedy completion, its token ids, the lengths [N] and the environments the rows ran in."""
+def _greedy(model, tokenizer, dataset, s: EvalSettings, batch_size: int, progress: bool, unsharded, tools,
+            loss_of):
+    """Each row's greedy completion, its token ids, the lengths [N], the environments the rows ran in and each
+    batch's `loss_of` (none without it)."""
     unsharded, encode = unsharded or (lambda fn: fn(model)), prompt_encoder(model, tokenizer, s, tools)
-    completions, completion_ids, lengths, environments = [], [], [], []
+    completions, completion_ids, lengths, environments, losses = [], [], [], [], []
     with TokenProgress("eval", enabled=progress) as bar:
         for start in range(0, len(dataset), batch_size):
             prompts, envs = dataset[start:start + batch_size]["prompt"], None
@@ -264,4 +283,5 @@ def _greedy(model, tokenizer, dataset, s: EvalSettings, batch_size: int, progres
             completions += rollout.completions
             completion_ids += rollout.completion_id_lists
             lengths.append(rollout.completion_mask.sum(dim=1).float())  # [b]
-    return completions, completion_ids, torch.cat(lengths), environments  # lengths [N]
+            losses += [loss_of(rollout)] if loss_of is not None else []
+    return completions, completion_ids, torch.cat(lengths), environments, losses  # lengths [N]

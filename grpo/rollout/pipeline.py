@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from ..algo.advantages import group_advantages
+from ..algo.advantages import group_advantages, normalized_sum_advantages
 from ..algo.loss import zero_advantage_has_no_gradient
 from .batches import Cut, Generation, Rollout, generation_metrics, with_advantages
 from .custom import CustomRollouts
@@ -64,8 +64,7 @@ class Pipeline:
         generate_s = self.dist.reduce({"s": seconds}, "max")["s"]  # the slowest rank's
         # Every rank's rewards [W*N], [W*N, F]: a group's advantages may span ranks.
         rewards, per_func = self.dist.gather(rollout.rewards), self.dist.gather(rollout.per_func)
-        advantages = group_advantages(rewards, s.num_generations, scale=s.scale_rewards,  # algo/advantages
-                                      scored=~per_func.isnan().all(dim=1))  # [W*N]
+        advantages = _advantages(rewards, per_func, s)  # [W*N]
         batch = with_advantages(rollout, self.dist.local(advantages), s.mask_truncated_completions)
         metrics = {**generation_metrics(batch, rewards, per_func, context, generate_s, self.reward_names,
                                         s.num_generations, self.dist), **refilled}
@@ -106,3 +105,12 @@ def engine(sampler, rollout_func, trainer):
     if rollout_func is not None:
         return CustomRollouts(rollout_func, trainer)
     return Sampler(trainer.policy, trainer.tokenizer, plan.sampling, plan.decode.sampling, trainer.tools)
+
+
+def _advantages(rewards: torch.Tensor, per_func: torch.Tensor, s) -> torch.Tensor:
+    """[N] advantages of the rewards [N] (weighted sums) and per_func [N, F] as multi_objective_aggregation says
+    (algo/advantages; `s`: settings/plan.GenerationSettings)."""
+    if s.multi_objective_aggregation == "normalize_then_sum":
+        weights = torch.tensor(s.reward_weights) if s.reward_weights is not None else torch.ones(per_func.shape[1])
+        return normalized_sum_advantages(per_func, weights, s.num_generations)
+    return group_advantages(rewards, s.num_generations, scale=s.scale_rewards, scored=~per_func.isnan().all(dim=1))

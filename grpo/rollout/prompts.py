@@ -8,9 +8,18 @@ import torch
 from ..errors import ConfigError, DatasetError, setting
 
 
+def check_not_streaming(dataset, name: str) -> None:
+    """DatasetError for a streaming datasets.IterableDataset, which has no length and no rows by index."""
+    if dataset is not None and not hasattr(dataset, "__len__") and hasattr(dataset, "column_names"):
+        raise DatasetError(f"{name} is a streaming IterableDataset: prompts are read here by index (a seeded shuffle "
+                           f"each epoch, a checkpoint resuming at its row), which a stream has not; load it as a "
+                           f"Dataset (streaming=False), or take its first rows: Dataset.from_list(list(ds.take(N)))")
+
+
 def check_dataset(dataset, name: str = "train_dataset") -> None:
     """Fail early, in one line, on datasets the trainer cannot use. A column has one Arrow type, so the
     first prompt's type is every prompt's type, apart from missing (None) ones, counted separately."""
+    check_not_streaming(dataset, name)
     columns = getattr(dataset, "column_names", None)
     if columns is None:
         raise DatasetError(f"{name} must be a datasets.Dataset, got {type(dataset).__name__}")

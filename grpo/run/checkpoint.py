@@ -24,6 +24,7 @@ import torch
 from ..errors import ConfigError, resume_hint, setting
 from ..infra.progress import quiet_library_bars
 from ..policy.lora import save_options
+from .lock import LOCK
 
 COMPLETE = "COMPLETE"
 STATE = "trainer_state.pt"
@@ -136,13 +137,33 @@ def complete_checkpoints(output_dir: str) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
-def check_no_earlier_run(output_dir: str) -> None:
-    """A fresh run must not append to an earlier run's logs or write over its checkpoints."""
+EARLIER = "previous-run-"  # OUTPUT_DIR/previous-run-N: an earlier run's files, moved there by a fresh run
+
+
+def move_earlier_run(output_dir: str) -> str | None:
+    """A fresh run in a folder that holds an earlier one (its checkpoints or logs) neither appends to its logs nor
+    writes over its checkpoints or saved model, nor refuses the same script run again (TRL writes into the folder
+    again): every entry of `output_dir` but the lock and earlier runs moved there goes into the next
+    OUTPUT_DIR/previous-run-N. Returns the line that says so, None when there was no earlier run."""
+    root = Path(output_dir)
     earlier = [p.name for p in complete_checkpoints(output_dir)]
-    earlier += [p.name for p in Path(output_dir).glob("*.jsonl") if p.stat().st_size]
-    if earlier:
-        raise ConfigError(f"{output_dir} already holds a run ({', '.join(earlier)}): continue it with "
-                          f"{resume_hint()}, or pick another {setting('output_dir')}")
+    earlier += [p.name for p in root.glob("*.jsonl") if p.stat().st_size]
+    if not earlier:
+        return None
+    n = 1 + max((int(p.name[len(EARLIER):]) for p in root.glob(f"{EARLIER}*") if p.name[len(EARLIER):].isdigit()),
+                default=0)
+    moved_to = root / f"{EARLIER}{n}"
+    try:
+        moved_to.mkdir()
+        for entry in root.iterdir():
+            if entry.name != LOCK and not entry.name.startswith(EARLIER):
+                entry.rename(moved_to / entry.name)
+    except OSError as e:
+        raise ConfigError(f"{output_dir} holds an earlier run ({', '.join(earlier)}), which could not be moved to "
+                          f"{moved_to} ({e.strerror}): continue it with {resume_hint()}, or pick another "
+                          f"{setting('output_dir')}") from None
+    return (f"{output_dir} held an earlier run ({', '.join(earlier)}): moved it to {moved_to} for this fresh run; "
+            f"{resume_hint()} continues a run instead")
 
 
 def find_checkpoint(spec: str | bool, output_dir: str) -> tuple[Path | None, list[str]]:

@@ -52,12 +52,12 @@ def log_metrics(output_dir: Path, step: int, metrics: dict, dist, trackers) -> d
     return line
 
 
-def log_eval(output_dir: Path, step: int, metrics: dict, is_main: bool, trackers) -> dict:
-    """Print an evaluation's summary and write its metrics.jsonl line (`eval/*` keys)."""
+def log_eval(output_dir: Path, step: int, metrics: dict, is_main: bool, trackers, key_prefix: str = "eval") -> dict:
+    """Print an evaluation's summary and write its metrics.jsonl line (`eval/*` keys, `eval` as `key_prefix`)."""
     line = {"step": step, **metrics}
     if is_main:
-        first, *groups = summary_lines(metrics)
-        tqdm.write("\n".join([f"eval at step {step}: {first}", *groups]))
+        first, *groups = summary_lines(metrics, key_prefix)
+        tqdm.write("\n".join([f"{key_prefix} at step {step}: {first}", *groups]))
         _append_line(output_dir / METRICS, line)
         trackers.log(step, line)
     return line

@@ -43,12 +43,12 @@ class Report:
                  reward_names: list[str], completions_per_step: int):
         self.output_dir, self.dist, self.trackers, self.state = output_dir, dist, trackers, state
         self.callbacks, self.reward_names, self.completions_per_step = callbacks, reward_names, completions_per_step
-        self.start, self.losses, self.bar = time.perf_counter(), [], None
+        self.start, self.losses, self.bar, self.last_step = time.perf_counter(), [], None, {}
 
     def begin(self, config: dict) -> None:
         """A `train()` call starts: its clock and its steps' losses (for its TrainOutput), the trackers (given
         `config`, the Config as a dict with the call's resume_from_checkpoint), then the callbacks' on_train_begin."""
-        self.start, self.losses = time.perf_counter(), []
+        self.start, self.losses, self.last_step = time.perf_counter(), [], {}
         self.trackers.start(config, self.state.global_step)
         self.callbacks.on_train_begin()
 
@@ -61,6 +61,7 @@ class Report:
     def step(self, metrics: dict) -> dict:
         """A step is done: its loss counted, the bar advanced with its reward, KL and peak memory."""
         self.losses.append(metrics["loss"])
+        self.last_step = {k: float(v) for k, v in metrics.items()}
         reward = f"{metrics['reward']:.3f}" if "reward" in metrics else "none scored"
         self.bar.set_postfix(reward=reward, kl=f"{metrics['kl']:.4f}", peak_mem=f"{metrics['memory/peak_gb']:.2f}GB")
         self.bar.update(1)
@@ -75,22 +76,27 @@ class Report:
                             self.trackers)
         return self._logged(line)
 
-    def evaluation(self, metrics: dict) -> dict:
-        """An evaluation's metrics.jsonl line (printed too), then the callbacks' on_log and on_evaluate."""
+    def evaluation(self, metrics: dict, key_prefix: str = "eval") -> dict:
+        """An evaluation's metrics.jsonl line (printed too), then the callbacks' on_log and on_evaluate; its keys
+        begin with `key_prefix` (rollout/evaluate)."""
+        if self.state.global_step == 0:  # an evaluate() before train() opens the run's folder; later, a folder
+            Path(self.output_dir).mkdir(parents=True, exist_ok=True)  # gone is the run's end (run/logs)
         line = self._logged(log_eval(self.output_dir, self.state.global_step, metrics, self.dist.is_main,
-                                     self.trackers))
+                                     self.trackers, key_prefix))
         if self.bar is not None:  # the bar's s/step is the steps' own
-            exclude_time(self.bar, metrics.get("eval/seconds", 0.0))
+            exclude_time(self.bar, metrics.get(f"{key_prefix}/seconds", 0.0))
         self.callbacks.on_evaluate(metrics)
         return line
 
     def output(self) -> TrainOutput:
         """This `train()` call's TrainOutput, once its metrics are logged as transformers logs them (the last entry
         of log_history, and on_log; not metrics.jsonl, whose lines are the steps' and the evaluations') and the
-        callbacks' on_train_end has run."""
+        callbacks' on_train_end has run. That last entry also holds the call's last step's metrics (`reward`,
+        `rewards/<name>/mean`, ...), as TRL's does with its default logging_steps=10: TRL merges the metrics of
+        the steps since its last log into it."""
         out = train_output(self.state.global_step, self.state.epoch, self.losses, time.perf_counter() - self.start,
                            self.completions_per_step)
-        self.state.log_history.append({**out.metrics, "step": out.global_step})
+        self.state.log_history.append({**self.last_step, **out.metrics, "step": out.global_step})
         self.callbacks.on_log(dict(out.metrics))
         self.callbacks.on_train_end()
         return out

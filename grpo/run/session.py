@@ -120,14 +120,18 @@ class Session:
             self.tokenizer.save_pretrained(path)
         self.dist.barrier()
 
-    def resume(self, spec: str | bool | None) -> Progress | None:
-        """Start as resume_from_checkpoint `spec` says: None or False, a fresh run, which must not append to an
-        earlier run's logs (None returned); a checkpoint folder, "latest" (the newest loadable one in output_dir,
+    def resume(self, spec: str | bool | None, logged: bool = False) -> Progress | None:
+        """Start as resume_from_checkpoint `spec` says: None or False, a fresh run, which moves an earlier run's
+        files aside (checkpoint.move_earlier_run; None returned; `logged`: the logs there are this run's own, an
+        evaluation's before its first step); a checkpoint folder, "latest" (the newest loadable one in output_dir,
         saying which damaged ones it passed over; none yet means step 0, and None is returned) or True (the same,
         an error when there is none). Lines of the logs written after its step are dropped, so they never
         repeat."""
         if not spec:
-            checkpoint.check_no_earlier_run(str(self.output_dir))
+            moved = None if logged or not self.dist.is_main else checkpoint.move_earlier_run(str(self.output_dir))
+            if moved is not None:
+                print(f"warning: {moved}", file=sys.stderr)
+            self.dist.barrier()  # the other ranks read the folder rank 0 has cleared
             return None
         s = self.settings
         path, passed_over = checkpoint.find_checkpoint(spec, str(self.output_dir))

@@ -6,10 +6,12 @@ memory planner reads from the architecture (`prepare`). Settings alone are check
 from __future__ import annotations
 
 import dataclasses
+import sys
 from typing import NamedTuple
 
 import torch
 
+from ..algo.loss import loss_warnings
 from ..errors import ConfigError
 from ..infra.distributed import Distributed
 from ..infra.distributed import setup as setup_distributed
@@ -56,6 +58,8 @@ def prepare(config, train_dataset, eval_dataset, reward_funcs, reward_processing
         check_reward_columns(funcs, train_dataset)  # not after the first generation batch
     check_eval_setup(config, eval_dataset, funcs)
     check_parallel_settings(dist.world_size, config.fsdp, config.optim, config.use_lora)
+    for line in loss_warnings(config.loss_type, config.importance_sampling_level) if dist.is_main else []:
+        print(f"warning: {line}", file=sys.stderr)  # as TRL's GRPOTrainer warns
     precision = Precision.plan(config.bf16, config.use_lora, device, config.bf16_weights)
     plan = RunPlan.resolve(config, dist.world_size)
     check_engine(plan, dist.world_size, device.type, sampler=sampler, rollout_func=rollout_func)

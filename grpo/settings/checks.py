@@ -10,7 +10,7 @@ import re
 import sys
 import typing
 
-from ..algo import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, SAMPLING_CORRECTION_MODES, SCALES
+from ..algo import AGGREGATIONS, IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, SAMPLING_CORRECTION_MODES, SCALES
 from ..errors import ConfigError
 from .choices import (ALL_LINEAR, EVAL_STRATEGIES, OPTIMIZER_ALIASES, OPTIMIZERS, SAVE_STRATEGIES, SCHEDULES, TRACKERS,
                       tracker_names)
@@ -64,6 +64,7 @@ RULES: dict[str, tuple[typing.Callable, str]] = {
     "dynamic_sampling_max_rounds": (lambda v: v >= 1, ">= 1"),
     "max_staleness": (lambda v: v >= 0, ">= 0"),
     "scale_rewards": (lambda v: v in SCALES, f"one of {', '.join(SCALES)}"),
+    "multi_objective_aggregation": (lambda v: v in AGGREGATIONS, f"one of {', '.join(AGGREGATIONS)}"),
     "loss_type": (lambda v: v in LOSS_TYPES, f"one of {', '.join(LOSS_TYPES)}"),
     "importance_sampling_level": (lambda v: v in IMPORTANCE_SAMPLING_LEVELS,
                                   f"one of {', '.join(IMPORTANCE_SAMPLING_LEVELS)}"),
@@ -71,8 +72,7 @@ RULES: dict[str, tuple[typing.Callable, str]] = {
     "entropy_coef": (math.isfinite, "finite (0 disables the entropy bonus)"),
     "off_policy_mask_threshold": (lambda v: 0 <= v < math.inf, ">= 0 and finite (a KL bound, e.g. 0.5: below 0 even "
                                                                "on-policy completions would drop), or None"),
-    "sapo_temperature_neg": (lambda v: v > 0, "> 0"),
-    "sapo_temperature_pos": (lambda v: v > 0, "> 0"),
+    **dict.fromkeys(("sapo_temperature_neg", "sapo_temperature_pos"), (lambda v: v > 0, "> 0")),
     **dict.fromkeys(("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"),
                     (math.isfinite, "finite")),
     "reward_weights": (lambda v: all(math.isfinite(w) for w in v), "finite numbers"),
@@ -96,7 +96,7 @@ RULES: dict[str, tuple[typing.Callable, str]] = {
     # transformers reads 0 as None: refused here, where 0 used to mean "never" (eval_strategy="no" says that now).
     "eval_steps": (lambda v: v >= 1, ">= 1, or None for logging_steps (eval_strategy=\"no\" evaluates never)"),
     "eval_limit": (lambda v: v >= 1, ">= 1, or None to evaluate every prompt"),
-    "eval_batch_size": (lambda v: v >= 1, ">= 1, or None for as many as the memory plan fits"),
+    "per_device_eval_batch_size": (lambda v: v >= 1, ">= 1, or None for as many as the memory plan fits"),
 }
 
 

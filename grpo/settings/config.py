@@ -192,6 +192,9 @@ class Config(metaclass=_CheckedKeywords):
     that trains on it; 0 waits for every batch (the synchronous step, bit for bit)."""
     scale_rewards: str = "group"
     """Advantage scaling: "group" std, "batch" std, or "none" (Dr. GRPO); TRL's True / False are "group" / "none"."""
+    multi_objective_aggregation: str = "sum_then_normalize"
+    """Several reward functions (TRL's): "sum_then_normalize" their weighted sum's advantages as scale_rewards says,
+    "normalize_then_sum" each one's normalized in its group, weighted, summed, then normalized over the batch."""
     loss_type: str = "dapo"
     """How per-token losses are normalized (grpo.algo.loss): "dapo" (by the step's tokens), "grpo" (each
     completion's token mean, then their mean), "bnpo" (by each micro-batch's own tokens), "dr_grpo" (by
@@ -300,10 +303,10 @@ class Config(metaclass=_CheckedKeywords):
     GRPO's own gain."""
     eval_limit: int | None = None
     """Evaluate on the first this many eval prompts only (None: all of them)."""
-    eval_batch_size: int | None = None
-    """Prompts per batch of greedy eval generation (None: as many as the memory plan fits beside training
-    within its peak, counted at max_prompt_length + max_completion_length; 64 where the model's architecture
-    cannot be read)."""
+    per_device_eval_batch_size: int | None = None  # TRL: 8; here the memory plan sizes it unless set
+    """Completions per batch of greedy eval generation on each device (TRL's meaning), one per prompt (None: as
+    many as the memory plan fits beside training within its peak, counted at max_prompt_length +
+    max_completion_length; 64 where the model's architecture cannot be read)."""
     eval_accuracy_func: str | None = None
     """Reward function (by name) whose full marks (>= 1.0) count an eval completion as correct, `eval/accuracy`
     (None: skip; each reward function's mean is logged whatever these say); the GSM8K recipes name

@@ -208,6 +208,7 @@ class GenerationSettings:
     reward_weights: tuple[float, ...] | None
     refill_rounds: int | None  # dynamic_sampling_max_rounds; None: no dynamic sampling
     scale_rewards: str
+    multi_objective_aggregation: str
     mask_truncated_completions: bool
     micro_batch: int  # rows per micro-batch
     old_logprobs: bool  # RunPlan.keeps_old_logprobs
@@ -222,8 +223,8 @@ class GenerationSettings:
                    c.seed if c.data_seed is None else c.data_seed, c.shuffle_dataset,
                    None if c.reward_weights is None else tuple(c.reward_weights),
                    c.dynamic_sampling_max_rounds if c.dynamic_sampling else None, c.scale_rewards,
-                   c.mask_truncated_completions, schedule.micro_batch, old_logprobs, ref_logprobs,
-                   c.max_staleness if c.async_generation else None, sampling_correction)
+                   c.multi_objective_aggregation, c.mask_truncated_completions, schedule.micro_batch, old_logprobs,
+                   ref_logprobs, c.max_staleness if c.async_generation else None, sampling_correction)
 
 
 @dataclass(frozen=True)
@@ -255,7 +256,7 @@ class LoadSettings:
 class DecodeSizes:
     """Prompts per decode, resolved before loading from the memory plan (memory/fit.decode_sizes) or the
     settings: `sampling` for our sampler (None: a micro-batch's prompts), `evaluation` for the greedy
-    evaluation (Config.eval_batch_size when set)."""
+    evaluation (Config.per_device_eval_batch_size when set)."""
 
     sampling: int | None
     evaluation: int

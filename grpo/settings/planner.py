@@ -42,5 +42,5 @@ class MemorySettings:
                    planned_prompt_length(c), c.max_completion_length, c.gradient_checkpointing,
                    prompt_once(c.shared_prompt_forward, c.gradient_checkpointing), c.logprob_chunk_size,
                    c.gradient_accumulation_steps > 1, c.async_generation, schedule,
-                   old_logprobs + (reference != "none"), reference == "copy", c.eval_batch_size,
+                   old_logprobs + (reference != "none"), reference == "copy", c.per_device_eval_batch_size,
                    c.int8_sampling_weights)

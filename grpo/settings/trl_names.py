@@ -19,9 +19,9 @@ TRL_ONLY = frozenset("""
     load_best_model_at_end local_rank log_completions_hub_repo log_level log_level_replica
     log_multimodal log_on_each_node log_unique_prompts logging_first_step logging_nan_inf_filter
     logging_strategy metric_for_best_model
-    multi_objective_aggregation neftune_noise_alpha
+    neftune_noise_alpha
     num_generations_eval optim_args optim_target_modules pad_to_multiple_of
-    parallelism_config per_device_eval_batch_size prediction_loss_only project push_to_hub ref_model_mixup_alpha
+    parallelism_config prediction_loss_only project push_to_hub ref_model_mixup_alpha
     ref_model_sync_steps remove_unused_columns
     restore_callback_states_from_checkpoint router_aux_loss_coef run_name save_on_each_node save_only_model
     skip_memory_metrics sync_ref_model tf32 torch_compile
@@ -50,10 +50,8 @@ TRL_REASONS = {
     "fsdp_config": "--fsdp=true under torchrun is the one FSDP (FSDP2) setting",
     "gradient_checkpointing_kwargs": "checkpointing is always non-reentrant here",
     "activation_checkpointing": "it is called gradient_checkpointing here (on by default, as in TRL)",
-    "per_device_eval_batch_size": "set eval_batch_size (prompts per batch of greedy decoding)",
     "fp16": "bf16 (CUDA) or float32 only",
     "push_to_hub": "checkpoints are written to output_dir only",
-    "multi_objective_aggregation": "rewards are summed with reward_weights, then normalized (TRL's default)",
     **{k: _ADAPTIVE_ENTROPY for k in ("use_adaptive_entropy", "entropy_coef_min", "entropy_coef_max",
                                       "entropy_coef_delta", "entropy_target")},
     "sync_ref_model": _LATER,
@@ -66,7 +64,7 @@ _DDP = "DDP is set up by the trainer under torchrun with its defaults (infra/dis
 _COMPILE = "torch.compile is not used: the step is eager PyTorch"
 _BEST = "no best-checkpoint tracking: each checkpoint is kept by save_total_limit, newest first"
 _SFT = "a supervised-training setting: GRPO's loss is the policy loss on sampled completions"
-_EVAL_LOOP = ("evaluation is our own greedy decode over eval_dataset (eval_batch_size, eval_limit), not "
+_EVAL_LOOP = ("evaluation is our own greedy decode over eval_dataset (per_device_eval_batch_size, eval_limit), not "
               "transformers' evaluation loop")
 _HUB = "nothing is pushed to the Hub: logs and checkpoints stay in output_dir"
 _TRACKIO_HUB = "report_to=trackio logs to the local Trackio store only (TRACKIO_DIR); no Space or bucket"
@@ -117,6 +115,7 @@ TRL_REASONS.update({
 RENAMED = {
     "loss_aggregation": "use TRL's loss_type: 'token' is 'dapo', 'sequence' is 'grpo', 'constant' is 'dr_grpo'",
     "epsilon_low": "use TRL's epsilon (the lower clip bound; epsilon_high defaults to it)",
+    "eval_batch_size": "use TRL's per_device_eval_batch_size (greedy evaluation: one completion per prompt)",
 }
 
 # TRL settings that change nothing here, whatever their value: accepted, with a warning saying why.

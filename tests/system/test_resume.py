@@ -3,6 +3,7 @@ resumed, end with bit-identical weights and the same metrics and completions lin
 import hashlib
 import json
 import os
+import re
 import signal
 
 import pytest
@@ -159,13 +160,16 @@ def test_latest_without_a_checkpoint_starts_afresh_and_drops_unsaved_lines(tmp_p
     assert [line["step"] for line in read_jsonl(out / "metrics.jsonl")] == [1, 2]
 
 
-def test_a_fresh_run_does_not_write_over_an_earlier_one(tmp_path, tokenizer):
+def test_a_fresh_run_does_not_write_over_an_earlier_one(tmp_path, tokenizer, capsys):
     out = tmp_path / "run"
     make_trainer(out, tokenizer, {}, optim="adamw", max_steps=1).train()
     before = (out / "metrics.jsonl").read_text()
-    with pytest.raises(ConfigError, match=r"already holds a run \(checkpoint-1, .*resume_from_checkpoint=True"):
-        make_trainer(out, tokenizer, {}, optim="adamw", max_steps=1).train()
-    assert (out / "metrics.jsonl").read_text() == before
+    make_trainer(out, tokenizer, {}, optim="adamw", max_steps=1).train()
+    assert re.search(r"held an earlier run \(checkpoint-1, .*moved it to .*previous-run-1 for this fresh run; "
+                     r"resume_from_checkpoint=True", capsys.readouterr().err)
+    assert (out / "previous-run-1" / "metrics.jsonl").read_text() == before
+    assert complete_checkpoints(out / "previous-run-1") and [p.name for p in complete_checkpoints(out)] == [
+        "checkpoint-1"]
 
 
 @pytest.mark.parametrize("spec, message", [

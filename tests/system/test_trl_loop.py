@@ -39,8 +39,9 @@ def test_train_returns_a_train_output_and_the_state_keeps_every_logged_line(tmp_
     assert metrics["train_samples_per_second"] == pytest.approx(4 * 3 / metrics["train_runtime"], rel=0.01)
     # 3 steps of 2 prompts (4 completions) over 8 prompts: 0.75 of an epoch.
     assert metrics["epoch"] == trainer.state.epoch == 0.75 and trainer.state.max_steps == 3
-    # log_history: the metrics.jsonl lines, then the TrainOutput's metrics, as transformers appends them.
-    assert trainer.state.log_history == [*lines, {**metrics, "step": 3}]
+    # log_history: the metrics.jsonl lines, then the TrainOutput's metrics, as transformers appends them, with the
+    # last step's metrics (TRL's last entry holds those logged since its last log).
+    assert trainer.state.log_history == [*lines, {**lines[-1], **metrics, "step": 3}]
 
     # Resumed (a longer run), the log_history holds the lines before the checkpoint too.
     longer = GRPOConfig(output_dir=str(tmp_path / "run"), max_steps=4, save_steps=3, **TINY)
@@ -49,7 +50,7 @@ def test_train_returns_a_train_output_and_the_state_keeps_every_logged_line(tmp_
     again = resumed.train(resume_from_checkpoint=True)
     lines = metrics_lines(tmp_path / "run")
     assert [line["step"] for line in lines] == [1, 2, 3, 4]
-    assert resumed.state.log_history == [*lines, {**again.metrics, "step": 4}]
+    assert resumed.state.log_history == [*lines, {**lines[-1], **again.metrics, "step": 4}]
     assert again.training_loss == pytest.approx(lines[-1]["loss"]), "this call's one step"
     assert math.isfinite(again.metrics["train_runtime"]) and resumed.args is longer
 

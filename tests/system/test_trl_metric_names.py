@@ -18,12 +18,11 @@ NOT_LOGGED = {
     "num_tokens": "the running count of tokens seen is not kept",
     "clip_ratio/low_min": "the per-sequence clip shares' min and max are not computed",
     "clip_ratio/high_max": "the per-sequence clip shares' min and max are not computed",
-    "policy_loss": "loss/policy is the policy term alone; TRL's policy_loss holds the KL term too",
-    "entropy_coef": "no adaptive entropy control: the coefficient is the setting's",
     "aux_loss": "no router auxiliary loss (MoE)",
 }
-# Keys TRL logs only with vLLM (issue 55's) or only for some settings: checked where those run.
-ONLY_WITH = ("sampling/", "tools/", "cispo_clip_ratio", "vespo/")
+# Keys TRL logs only with vLLM (issue 55's) or only for some settings (policy_loss and entropy_coef: with
+# entropy_coef, test_trl_everyday.py): checked where those run.
+ONLY_WITH = ("sampling/", "tools/", "cispo_clip_ratio", "vespo/", "policy_loss", "entropy_coef")
 
 
 class Seen:

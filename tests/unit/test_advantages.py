@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from grpo.algo.advantages import group_advantages, zero_std_fraction
+from grpo.algo.advantages import group_advantages, normalized_sum_advantages, zero_std_fraction
 
 
 def reference_advantages(rewards, group_size, scale, eps):
@@ -168,3 +168,25 @@ def test_has_signal_marks_the_groups_dynamic_sampling_keeps():
     assert has_signal(rewards, 3).tolist() == [False, True, True, True]
     assert has_signal(rewards, 3, scored).tolist() == [False, True, False, False]
     assert zero_std_fraction(rewards, 3, scored) == 0.75  # the groups without signal, as TRL counts them
+
+
+def test_normalize_then_sum_by_hand():
+    # Two groups of 2, two functions weighted 1 and 0.5. Group 1: f1 = 1, 3 (mean 2, unbiased std sqrt 2), f2 all 0
+    # (std 0: 0/0 with eps=0, dropped). Group 2: f1 all 0, f2 = 2, 4. Sums: -1/sqrt 2, 1/sqrt 2, -0.5/sqrt 2,
+    # 0.5/sqrt 2; their mean is 0, their unbiased std sqrt((2 x 1/2 + 2 x 1/8) / 3) = sqrt(5/12).
+    per_func = torch.tensor([[1.0, 0.0], [3.0, 0.0], [0.0, 2.0], [0.0, 4.0]])
+    got = normalized_sum_advantages(per_func, torch.tensor([1.0, 0.5]), group_size=2, eps=0.0)
+    a = (1 / math.sqrt(2)) / math.sqrt(5 / 12)  # sqrt(1.2)
+    assert torch.allclose(got, torch.tensor([-a, a, -a / 2, a / 2]))
+
+
+def test_normalize_then_sum_leaves_unscored_completions_out():
+    nan = float("nan")
+    # Row 1 unscored by every function: advantage 0, out of the batch's mean and std; row 3's f2 None: f2's
+    # group 2 has one value left, no std, and adds nothing.
+    per_func = torch.tensor([[1.0, 5.0], [nan, nan], [2.0, 5.0], [4.0, nan], [1.0, 1.0], [3.0, 3.0]])
+    got = normalized_sum_advantages(per_func, torch.ones(2), group_size=2, eps=0.0)
+    assert got[1] == 0 and not got.isnan().any()
+    scored = torch.tensor([0, 2, 3, 4, 5])
+    sums = torch.tensor([0.0, -1 / math.sqrt(2), 1 / math.sqrt(2), -math.sqrt(2), math.sqrt(2)])
+    assert torch.allclose(got[scored], (sums - sums.mean()) / sums.std())

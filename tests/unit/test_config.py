@@ -151,6 +151,10 @@ def test_entropy_coef_and_off_policy_mask_reach_the_loss():
     ("cast_lm_head_to_fp32", "TRL's `cast_lm_head_to_fp32` is not supported here: not implemented: the head's"),
     ("loss_aggregation", "'loss_aggregation' is gone: use TRL's loss_type: 'token' is 'dapo'"),
     ("epsilon_low", "'epsilon_low' is gone: use TRL's epsilon"),
+    ("eval_batch_size", "'eval_batch_size' is gone: use TRL's per_device_eval_batch_size"),
+    ("sync_ref_model", "TRL's `sync_ref_model` is not supported here: not implemented yet"),
+    ("pad_to_multiple_of", "TRL's `pad_to_multiple_of` is not supported here: a supervised-training setting"),
+    ("use_liger_kernel", "TRL's `use_liger_kernel` is not supported here: Liger kernels are not used"),
 ])
 def test_trl_settings_we_lack_get_their_own_error(key, message):
     with pytest.raises(ConfigError) as info:

@@ -162,7 +162,7 @@ def test_evaluation_decodes_as_many_prompts_as_fit_within_the_training_peak():
     assert n > 8  # far more prompts than the 8 completions sampling decodes at once
     checkpointed = dataclasses.replace(s, gradient_checkpointing=True)  # a lower peak: fewer prompts fit
     assert 1 <= eval_prompts(checkpointed, "cpu") < n
-    assert eval_batch_size(dataclasses.replace(s, eval_batch_size=5)) == 5  # a set size is honoured
+    assert eval_batch_size(dataclasses.replace(s, per_device_eval_batch_size=5)) == 5  # a set size is honoured
     assert eval_batch_size(dataclasses.replace(s, model="no/such-model-here")) == 64  # no plan without a config
 
 
