@@ -4,7 +4,11 @@
 a folder, a .gguf file, or a model shipped for offline use such as "smollm2-135m-instruct");
 `group_advantages`, `token_logprobs` and `policy_loss` are its math, pure tensor functions to unit-test or reuse
 (grpo/algo/)."""
+from .infra.libraries import quiet_library_notices
 from .settings import Config
+
+# Before any library is imported: see grpo/infra/libraries.py.
+quiet_library_notices()
 
 __all__ = ["Config", "Trainer", "load_model", "load_tokenizer", "group_advantages", "token_logprobs", "policy_loss"]
 __version__ = "0.1.0"

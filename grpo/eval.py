@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if argv else 2
     from .infra.progress import quiet_library_bars
 
-    with command_line(), quiet_library_bars():  # hints as --key=value; transformers' loading bars, in a log file
+    with command_line(), quiet_library_bars():  # hints as --key=value; the libraries' bars, in a log file
         try:
             job = run_job(argv) if argv[0].startswith("--") else recipe_job(argv)
             if job is None:  # --help was printed

@@ -1,3 +1,3 @@
 """What every layer of a run leans on and nothing of GRPO: progress bars and token counters, the torchrun
 process group and its collectives, the CPU allocator's settings, stop signals, children that die with their
-parent, and importing bitsandbytes quietly."""
+parent, and the lines libraries log that name nothing to fix, dropped."""

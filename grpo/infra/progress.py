@@ -79,18 +79,20 @@ class LineProgress:
 
 @contextlib.contextmanager
 def quiet_library_bars():
-    """transformers' own bars (e.g. "Writing model shards" while saving) off where they would fill a log
-    file."""
-    from transformers.utils import logging
+    """transformers' and datasets' own bars ("Writing model shards" while saving, "Generating train split"
+    while reading a data file) off where they would fill a log file."""
+    from datasets.utils import logging as datasets_logging
+    from transformers.utils import logging as transformers_logging
 
-    if interactive() or not logging.is_progress_bar_enabled():
-        yield
-        return
-    logging.disable_progress_bar()
+    on = [] if interactive() else [library for library in (transformers_logging, datasets_logging)
+                                   if library.is_progress_bar_enabled()]
+    for library in on:
+        library.disable_progress_bar()
     try:
         yield
     finally:
-        logging.enable_progress_bar()
+        for library in on:
+            library.enable_progress_bar()
 
 
 class TokenProgress:

@@ -8,7 +8,6 @@ import sys
 import warnings
 
 from ..errors import ConfigError
-from ..infra.libraries import import_bitsandbytes
 from ..settings.choices import ALL_LINEAR
 
 # LoraConfig fields the Config holds: peft's name -> ours.
@@ -88,7 +87,6 @@ def with_adapter(model, config):
     adapter and is returned as it is."""
     if is_peft_model(model):
         return model
-    import_bitsandbytes()  # peft imports it: without the line it logs
     from peft import LoraConfig, get_peft_model
 
     lora = LoraConfig(r=config.lora_r, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,

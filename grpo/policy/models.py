@@ -10,7 +10,6 @@ import torch
 
 from ..algo.logprobs import token_logprobs
 from ..errors import ConfigError
-from ..infra.libraries import import_bitsandbytes
 from .head import head_logits, head_transform, positions
 from .lora import with_adapter
 from .precision import Precision
@@ -82,7 +81,6 @@ def load_model(settings, precision: Precision | None = None):
         with loading(name):
             model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, **kwargs).to(device)
         return named(model, settings.model)
-    import_bitsandbytes()  # transformers' 4-bit layers import it: without the line it logs
     from transformers import BitsAndBytesConfig
 
     # Embeddings, norms and the LM head stay in `dtype` (bf16 under bf16); peft's prepare_model_for_kbit_training

@@ -8,7 +8,6 @@ import torch
 from tqdm.auto import tqdm
 
 from ..errors import ConfigError, nonfinite_stop
-from ..infra.libraries import import_bitsandbytes
 from ..settings.choices import OPTIMIZERS, SCHEDULES
 from .rounding import StochasticRoundingAdamW, stochastic_round_to_bf16
 
@@ -45,7 +44,8 @@ def _sliced_adamw_8bit():
     CUDA its kernel updates in place and nothing changes. A bf16 weight's slice and gradient are updated as
     float32 copies, then written back with stochastic rounding (the kernel itself would round to nearest and
     lose small updates)."""
-    bnb = import_bitsandbytes()  # without the line it logs on some CPUs
+    import bitsandbytes as bnb
+
     F = bnb.functional
 
     class SlicedAdamW8bit(bnb.optim.AdamW8bit):

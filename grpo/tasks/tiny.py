@@ -90,7 +90,11 @@ def tiny_gpt2(vocab_size: int, hidden_size: int = 64, num_layers: int = 2, num_h
                         bos_token_id=None, eos_token_id=None,  # GPT-2's own ids are not in this vocabulary
                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # dropout would make log-probs noisy
     torch.manual_seed(seed)
-    return GPT2LMHeadModel(config)
+    model = GPT2LMHeadModel(config)
+    # transformers picks a model's loss by its class name, which here names none: the first loss computed (a
+    # supervised warm start's) would log that `loss_type=None` is unrecognized, then use this one anyway.
+    model.loss_type = "ForCausalLM"
+    return model
 
 
 def model_for(tokenizer, build=tiny_qwen2, **kwargs):

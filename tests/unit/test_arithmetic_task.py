@@ -1,5 +1,6 @@
 """The offline arithmetic task and the supervised warm start (done once per run folder)."""
 import inspect
+import logging
 from pathlib import Path
 
 import torch
@@ -9,6 +10,7 @@ from grpo.tasks import arithmetic
 from grpo.tasks.gsm8k import answer_accuracy_reward, xml_format_reward
 from grpo.settings.recipe import load_recipe
 from grpo.tasks.sft import collate, encode_examples, supervised_warm_start, warm_start_once
+from grpo.tasks.tiny import model_for, tiny_gpt2
 
 
 def test_worked_solution_by_hand():
@@ -59,6 +61,23 @@ def test_warm_start_fits_the_demonstrations_deterministically():
     assert metrics["warm_start/loss_last"] < 0.3 * metrics["warm_start/loss_first"]
     assert metrics["warm_start/loss_last"] == metrics2["warm_start/loss_last"]
     assert all(torch.equal(a, b) for a, b in zip(params, params2)), "the seed fixes the warm start"
+
+
+def test_a_warm_start_of_the_recipes_gpt2_logs_nothing():
+    # transformers picks a model's loss by its class name, and GPT-2's names none: without the loss named, the
+    # first loss computed logs a line about it (once per process: another test's loss may have used it up).
+    # transformers' loggers do not propagate to pytest's: a handler of its own hears them.
+    heard, handler = [], logging.Handler()
+    handler.emit = heard.append
+    logging.getLogger("transformers").addHandler(handler)
+    try:
+        tokenizer = tiny_tokenizer()
+        model = model_for(tokenizer, build=tiny_gpt2, hidden_size=32, num_layers=1, num_heads=2)
+        supervised_warm_start(model, tokenizer, [("Write 2 digits:", " 01")], steps=1, lr=1e-2, batch_size=1,
+                              seed=0)
+    finally:
+        logging.getLogger("transformers").removeHandler(handler)
+    assert not [record.getMessage() for record in heard], [record.getMessage() for record in heard]
 
 
 def test_a_warm_start_is_done_once_per_folder_and_settings(tmp_path, capsys):
