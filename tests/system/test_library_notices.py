@@ -62,7 +62,9 @@ def test_no_library_notice_reaches_the_terminal(tmp_path, avx512_bf16):
          "recipes.tiny.digit_count"),
         ("grpo.export", str(out / "checkpoint-1"), "--merged", str(tmp_path / "merged")),
     ]
-    for command in commands:
+    # Where the library logs nothing (the "no" side) one command shows the seam changes nothing else: the other two
+    # import what grpo.train imports.
+    for command in commands if avx512_bf16 else commands[:1]:
         result = run(avx512_bf16, MODULE, *command)
         assert result.returncode == 0, result.stderr[-2000:]
         seen = [text for text in FOREIGN if text in result.stderr]
