@@ -19,7 +19,7 @@ CONFIG = {"per_device_train_batch_size": 8, "gradient_accumulation_steps": 4, "n
 def state(ranks: int, prompts_per_rank_in_generation: int = 0) -> dict:
     """A Trainer.state_dict of `ranks` ranks, at step 5, each holding a generation batch of that many prompts."""
     batch = {"batch": {"prompts": ["p"] * prompts_per_rank_in_generation * CONFIG["num_generations"]}}
-    own = {"rng": None, "generation": batch if prompts_per_rank_in_generation else None}
+    own = {"rng": None, "batches": {"generation": batch if prompts_per_rank_in_generation else None}}
     return {"step": 5, **(own if ranks == 1 else {"ranks": [own] * ranks})}
 
 
