@@ -89,6 +89,8 @@ def run(recipe, config, argv: list[str]) -> int:
             print(resume_hint(argv, trainer.session.last_checkpoint), file=sys.stderr)
         return e.exit_code
     finally:
+        if trainer is not None:  # DDP's reducer must not outlive the process group it holds
+            trainer.policy.parallel.close()
         shutdown()  # under torchrun; nothing to do otherwise
     if trainer.dist.is_main:
         print(f"done: {trainer.step} steps; metrics in {config.output_dir}/metrics.jsonl")

@@ -47,6 +47,16 @@ class ParallelPolicy:
         elif self.kind == "fsdp":
             self.root, self.layers = _wrap_fsdp(model, bf16)
 
+    def close(self) -> None:
+        """Let go of the DDP wrapper before the process group ends (infra/distributed.shutdown). Its C++
+        reducer holds the group, and is freed without letting go of the GIL: were it the group's last holder,
+        gloo's destructor would wait, GIL held, for its worker thread, which may still be dropping the last
+        collective's tensors and needs the GIL for that: a hang at exit. Let go of here, the group's last
+        holder is Python's, which releases the GIL while gloo's threads finish. Nothing runs through the
+        policy after this."""
+        if self.kind == "ddp":  # FSDP holds the group from Python alone
+            self.root = None
+
     def __call__(self, fn):
         """`fn(model)`, inside the wrapper's forward."""
         return fn(self.model) if self.root is None else self.root(fn)

@@ -1,6 +1,7 @@
 """Data parallel training under torchrun, on CPU with gloo: 2 ranks (DDP and FSDP2) end with the same weights
 and metrics as 1 process taking the same global batch; rank 0 alone writes; ranks sample differently; a
-2-rank run resumes exactly; a checkpoint of 1 rank resumes on 2 and one of 2 on 1 with what it saved."""
+2-rank run resumes exactly; a checkpoint of 1 rank resumes on 2 and one of 2 on 1 with what it saved; 2-rank
+runs of the CLI exit when they are done."""
 import ctypes
 import glob
 import json
@@ -9,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import distributed_worker
@@ -123,14 +125,8 @@ def killed_with_us() -> None:
 
 def torchrun(out: Path, names: list[str], meanwhile=lambda: None) -> None:
     """distributed_worker.py's runs `names` on 2 ranks, calling `meanwhile()` in this process while they run."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(TESTS.parent), str(TESTS), os.environ.get("PYTHONPATH", "")])}
     log = out / "torchrun.log"
-    with open(log, "w") as sink:
-        launch = subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-             str(TESTS / "distributed_worker.py"), str(out), *names],
-            env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=killed_with_us)
+    launch = start_torchrun([str(TESTS / "distributed_worker.py"), str(out), *names], log)
     try:
         meanwhile()
         launch.wait(timeout=240)
@@ -140,6 +136,23 @@ def torchrun(out: Path, names: list[str], meanwhile=lambda: None) -> None:
         if launch.poll() is None:
             os.killpg(launch.pid, signal.SIGKILL)  # torchrun and its ranks
     assert launch.returncode == 0, log.read_text()[-5000:]
+
+
+def start_torchrun(args: list[str], log: Path, cpus: set[int] | None = None) -> subprocess.Popen:
+    """`args` (a script or `-m MODULE`, and its arguments) on 2 ranks, their output in `log`; with `cpus`,
+    torchrun and its ranks run on those CPUs alone."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(TESTS.parent), str(TESTS), os.environ.get("PYTHONPATH", "")])}
+
+    def before_start():
+        killed_with_us()
+        if cpus:
+            os.sched_setaffinity(0, cpus)
+
+    with open(log, "w") as sink:
+        return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                                 *args], env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True,
+                                preexec_fn=before_start)
 
 
 def weights(run: Path, step: int = 2) -> dict:
@@ -282,3 +295,37 @@ def test_two_ranks_call_tools_as_one_process_does(runs):
     assert [m["tools/failure_frequency"] for m in two] == [0.0, 0.0]
     assert completion_rows(runs / "tools_ddp") == completion_rows(runs / "tools_single")
     assert {r[2] for r in completion_rows(runs / "tools_ddp")} == {"<<3*4=12>>"}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="pins both ranks to one CPU (Linux)")
+def test_two_rank_cli_runs_exit_after_their_last_step(tmp_path):
+    # Issue 60: a rank freed DDP's reducer, the process group's last holder, holding the GIL, while gloo's
+    # worker thread needed the GIL to drop the last collective's tensors: the rank never exited, and only
+    # SIGKILL ended it. Both ranks on one CPU make that interleaving likely (before the fix about one run in
+    # four hung here, 6 in 10 on the issue's machine): each of several runs must end soon after its last line.
+    one_cpu = {min(os.sched_getaffinity(0))}
+    for run in range(4):
+        out, log = tmp_path / f"run{run}", tmp_path / f"run{run}.log"
+        launch = start_torchrun(["-m", "grpo.train", str(TESTS.parent / "recipes" / "tiny.py"), "--max_steps=1",
+                                 f"--output_dir={out}"], log, one_cpu)
+        try:
+            ended = ends_soon_after(launch, log, "done:")
+        finally:
+            if launch.poll() is None:
+                os.killpg(launch.pid, signal.SIGKILL)
+        assert ended, f"run {run}: a rank still running a minute after the last line:\n{log.read_text()[-3000:]}"
+        assert launch.returncode == 0, log.read_text()[-3000:]
+
+
+def ends_soon_after(launch: subprocess.Popen, log: Path, line: str, grace: float = 60, limit: float = 300) -> bool:
+    """Whether `launch` ends within `grace` seconds of `line` showing in its log (and `limit` in all)."""
+    start, seen = time.monotonic(), None
+    while launch.poll() is None:
+        now = time.monotonic()
+        if seen is None and line in log.read_text():
+            seen = now
+        if now - start > limit or (seen is not None and now - seen > grace):
+            return False
+        time.sleep(0.2)
+    return True
