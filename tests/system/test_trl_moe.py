@@ -91,3 +91,11 @@ def test_the_routers_loss_forwards_whole_rows(tmp_path, tokenizer, capsys):
     assert not trainer.policy.shared_prompt
     why = "shared_prompt_forward is off: the router's load-balancing loss is over whole rows"
     assert why in capsys.readouterr().err
+
+
+def test_a_weight_for_a_family_without_a_load_balancing_loss_is_refused(tmp_path, tokenizer):
+    # Glm4-MoE returns router logits but transformers computes no load-balancing loss for it (nor does TRL).
+    with pytest.raises(ConfigError, match="Glm4MoeForCausalLM has no load-balancing loss in transformers: set "
+                                          "router_aux_loss_coef=0"):
+        GRPOTrainer(model=tiny_moe(tokenizer, "glm4_moe"), processing_class=tokenizer, reward_funcs=digit_share,
+                    args=trl_args(tmp_path, router_aux_loss_coef=0.01), train_dataset=digit_prompts(3))
