@@ -52,7 +52,7 @@ class Trainer:
         self._setup_policy(model, tokenizer, train_dataset)
         self._setup_generation(sampler, rollout_func, train_dataset)
         self._setup_run(callbacks)
-        vars(self).update(trl_attributes(self.config, self.tokenizer, self.reward_funcs, self.policy.reference,
+        vars(self).update(trl_attributes(self.config, self.tokenizer, self.reward_funcs, self.policy,
                                          train_dataset))  # TRL's names a script reads
 
     def _setup_policy(self, model, tokenizer, train_dataset) -> None:

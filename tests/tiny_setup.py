@@ -172,3 +172,34 @@ def write_tiny_gguf(path, seed: int = 0):
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+# Mixture-of-experts families TRL's tests train (its tiny Hub models), as tiny random configs: model_type -> the
+# settings beyond a 2-layer, 32-wide decoder. Qwen3-MoE and GPT-OSS declare a router loss weight (0.001), Glm4-MoE
+# and NemotronH (a Mamba / MoE / attention hybrid) declare none.
+MOE_FAMILIES = {
+    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16),
+    "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=16,
+                    layer_types=["sliding_attention", "full_attention"]),
+    "glm4_moe": dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, first_k_dense_replace=1,
+                     n_group=1, topk_group=1),
+    "nemotron_h": dict(layers_block_type=["mamba", "moe", "attention"], num_hidden_layers=3, mamba_num_heads=4,
+                       mamba_head_dim=16, ssm_state_size=8, n_groups=1, chunk_size=16, n_routed_experts=4,
+                       moe_intermediate_size=16, moe_shared_expert_intermediate_size=16, use_mamba_kernels=False),
+}
+
+
+def tiny_moe(tokenizer, model_type: str, seed: int = 0, **settings):
+    """A random-weight causal LM of a mixture-of-experts family (`MOE_FAMILIES`) sized to `tokenizer`."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(model_type, **{
+        "vocab_size": len(tokenizer), "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "max_position_embeddings": 256,
+        "tie_word_embeddings": False, "pad_token_id": tokenizer.pad_token_id, "eos_token_id": tokenizer.eos_token_id,
+        "bos_token_id": None, **MOE_FAMILIES[model_type], **settings})
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    model.generation_config.pad_token_id, model.generation_config.eos_token_id = (tokenizer.pad_token_id,
+                                                                                   tokenizer.eos_token_id)
+    return model

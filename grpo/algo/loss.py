@@ -60,7 +60,7 @@ from .loss_terms import (clipped_term, cispo_term, entropy_bonus, high_entropy_m
 CLIPPED = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")  # the loss types with PPO's clipped objective
 # Prefixes of the metrics that are this call's share of the step's value, like the loss (the step's calls sum to
 # it); every other metric is a mean over this call's completion tokens.
-STEP_SHARES = ("loss/", "off_policy/", "policy_loss")
+STEP_SHARES = ("loss/", "off_policy/", "policy_loss", "aux_loss")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -239,6 +239,14 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor | None, ref_logprobs: Ten
         rows = num_sequences if num_sequences is not None else kept.numel()  # counted before any cut
         metrics["off_policy/masked_ratio"] = (~kept).sum().item() / max(1, rows) / num_micro_batches
     return loss, metrics
+
+
+def router_aux_term(aux_loss: Tensor, coef: float, num_micro_batches: int = 1) -> tuple[Tensor, dict[str, float]]:
+    """A mixture-of-experts router's load-balancing loss `aux_loss` (policy/router.py) of one micro-batch, as TRL
+    adds it to the loss: ``coef * aux_loss / K`` (K the step's micro-batches over all ranks, as `policy_loss`'s),
+    and TRL's metric ``aux_loss``, this call's share ``aux_loss / K`` of the step's mean over its micro-batches."""
+    share = aux_loss / num_micro_batches
+    return coef * share, {"aux_loss": share.item()}
 
 
 def no_token_metrics(**settings) -> dict[str, float]:

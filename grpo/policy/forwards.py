@@ -12,6 +12,7 @@ from .models import (check_logprobs_match_forward, completion_logprobs, device_o
 from .parallel import ParallelPolicy
 from .precision import Precision
 from .prefix import CacheDropped, check_shared_prompt_forward, refusal, shared_prompt_logprobs
+from .router import router_aux_coef
 
 
 class Policy:
@@ -27,8 +28,11 @@ class Policy:
         self.parallel = ParallelPolicy(model, world_size, fsdp=settings.fsdp, bf16=precision.bf16)
         self.device = device_of(model)
         self.head_checked = False
-        # Each distinct prompt forwarded once (policy/prefix.py), unless the model's cache cannot serve it.
-        why = refusal(unwrap(model)) if settings.prompt_once else None
+        self.router_aux_coef = router_aux_coef(unwrap(model), settings.router_aux_loss_coef)  # 0: none
+        # Each distinct prompt forwarded once (policy/prefix.py), unless the model's cache cannot serve it. Not
+        # with a router loss: TRL's is over whole rows, each prompt's tokens as many times as it has completions.
+        why = None if not settings.prompt_once else (
+            "the router's load-balancing loss is over whole rows" if self.router_aux_coef else refusal(unwrap(model)))
         self.shared_prompt = settings.prompt_once and why is None
         if why is not None:
             self._whole_rows(why)
@@ -38,6 +42,15 @@ class Policy:
         with `with_entropy`, `(logprobs, entropies)`, the entropies [N, C] with grad too (an entropy bonus trains)."""
         with self.precision.autocast():
             return self.parallel(lambda model: self._logprobs(model, rollout, with_entropy))
+
+    def training_logprobs(self, rollout):
+        """`(logprobs, entropies, aux_loss)` [N, C], [N, C] and a scalar, all with grad: `logprobs(rollout,
+        with_entropy=True)` and a mixture-of-experts router's load-balancing loss over the rows, or None when
+        `router_aux_coef` is 0 (policy/router.py)."""
+        if not self.router_aux_coef:
+            return *self.logprobs(rollout, with_entropy=True), None
+        with self.precision.autocast():  # whole rows: the shared-prompt forward is off with a router loss
+            return self.parallel(lambda model: self._logprobs(model, rollout, True, router_aux=True))
 
     @torch.no_grad()
     def reference_logprobs(self, rollout) -> torch.Tensor:
@@ -78,7 +91,7 @@ class Policy:
         if self.is_main:  # all ranks turn it off
             print(f"grpo: shared_prompt_forward is off: {why}; log-probs forward whole rows", file=sys.stderr)
 
-    def _logprobs(self, model, rollout, with_entropy: bool = False):
+    def _logprobs(self, model, rollout, with_entropy: bool = False, router_aux: bool = False):
         c, ro = self.settings, rollout
         # Taken even where no row shares its prompt: under FSDP every rank must run as many forwards.
         if self.shared_prompt:
@@ -90,4 +103,4 @@ class Policy:
                 self._whole_rows(str(dropped))
         return completion_logprobs(model, rollout.input_ids, rollout.attention_mask, rollout.prompt_ids.shape[1],
                                    temperature=c.temperature, chunk_size=c.logprob_chunk_size,
-                                   return_entropy=with_entropy)
+                                   return_entropy=with_entropy, router_aux=router_aux)

@@ -6,7 +6,7 @@ from collections.abc import Mapping
 
 import torch
 
-from ..algo.loss import add_metrics, no_token_metrics, policy_loss
+from ..algo.loss import add_metrics, no_token_metrics, policy_loss, router_aux_term
 from ..infra.progress import progress_bar
 
 
@@ -25,12 +25,15 @@ def accumulate(policy, micro_batches: list, counts, loss: Mapping, reduce, *, st
         for i, m in enumerate(trained):
             b = m.rollout
             with policy.parallel.sync_gradients(i == len(trained) - 1):
-                logprobs, entropies = policy.logprobs(b, with_entropy=True)  # [n, C] each
+                logprobs, entropies, aux = policy.training_logprobs(b)  # [n, C] each, a scalar or None
                 # old_logprobs None: on policy, the loss's own detached log-probs are the old ones (algo/loss)
                 step_loss, metrics = policy_loss(
                     logprobs, b.old_logprobs, b.ref_logprobs, b.advantages, b.loss_mask, entropies=entropies,
                     **loss, num_tokens=counts.divisor, num_sequences=m.rows, micro_batch_tokens=m.tokens,
                     num_micro_batches=counts.micro_batches, sampling_weights=b.sampling_weights)
+                if aux is not None:  # a mixture-of-experts router's load-balancing loss (policy/router.py)
+                    term, aux_metrics = router_aux_term(aux, policy.router_aux_coef, counts.micro_batches)
+                    step_loss, metrics = step_loss + term, {**metrics, **aux_metrics}
                 policy.parallel.backward(step_loss)
             add_metrics(totals, metrics, share=m.trained_tokens / max(1, counts.trained))  # the rows trained's
             totals["loss"] += step_loss.item()
@@ -45,9 +48,11 @@ def eval_loss(policy, loss: Mapping, rollout) -> tuple[float, int]:
     """TRL's eval loss of one batch of greedy completions (rollout/batches.Rollout, one per prompt) and its rows:
     the loss `loss` sets, each completion the one of its group, so its advantage is 0 as TRL's is with
     num_generations_eval=1. What is left is beta x the KL to the reference minus the entropy bonus (0 when both
-    are off, as by default)."""
-    logprobs, entropies = policy.logprobs(rollout, with_entropy=True)  # [N, C] each
+    are off, as by default), plus a mixture-of-experts router's load-balancing term."""
+    logprobs, entropies, aux = policy.training_logprobs(rollout)  # [N, C] each, a scalar or None
     reference = policy.reference_logprobs(rollout) if loss["beta"] != 0 else None  # [N, C]
     mask = rollout.completion_mask if rollout.loss_mask is None else rollout.loss_mask  # [N, C]
     value, _ = policy_loss(logprobs, None, reference, torch.zeros(len(logprobs)), mask, entropies=entropies, **loss)
+    if aux is not None:  # TRL's eval loss has the router's load-balancing loss too
+        value = value + router_aux_term(aux, policy.router_aux_coef)[0]
     return value.item(), len(logprobs)

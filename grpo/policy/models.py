@@ -13,6 +13,7 @@ from ..errors import ConfigError
 from .head import head_logits, head_transform, positions
 from .lora import with_adapter
 from .precision import Precision
+from .router import load_balancing_loss
 from .sources import adapter_base, loading, model_folder, portable_name
 
 
@@ -197,19 +198,27 @@ def reference_context(model, reference):
 
 
 def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int, *,
-                        temperature: float, chunk_size: int, return_entropy: bool = False):
-    """Log-probs `[N, C]` of the completion tokens (positions >= prompt_length) under `model`."""
+                        temperature: float, chunk_size: int, return_entropy: bool = False,
+                        router_aux: bool = False):
+    """Log-probs `[N, C]` of the completion tokens (positions >= prompt_length) under `model`, with
+    `return_entropy` their entropies `[N, C]`; with `router_aux`, last, a mixture-of-experts model's load-balancing
+    loss over the whole rows (policy/router.py)."""
     hf = unwrap(model)
     body, head, transform = hf.base_model, hf.get_output_embeddings(), head_transform(hf.config)
     # Left padding shifts where each sequence starts; positions must count real tokens only, as in generation.
     position_ids = positions(attention_mask)  # [N, P+C]
-    hidden = body(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                  use_cache=False).last_hidden_state  # [N, P+C, H]
-    hidden = hidden[:, prompt_length - 1:-1]  # [N, C, H]: the state before each completion token
+    router = {"output_router_logits": True} if router_aux else {}
+    out = body(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
+               **router)
+    hidden = out.last_hidden_state[:, prompt_length - 1:-1]  # [N, C, H]: the state before each completion token
     targets = input_ids[:, prompt_length:]  # [N, C]
-    return token_logprobs(hidden, head.weight, targets, temperature=temperature, bias=head.bias,
-                          chunk_size=chunk_size, return_entropy=return_entropy, logit_scale=transform.scale,
-                          softcap=transform.softcap)
+    result = token_logprobs(hidden, head.weight, targets, temperature=temperature, bias=head.bias,
+                            chunk_size=chunk_size, return_entropy=return_entropy, logit_scale=transform.scale,
+                            softcap=transform.softcap)
+    if not router_aux:
+        return result
+    aux = load_balancing_loss(hf, out.router_logits, attention_mask)
+    return (*result, aux) if return_entropy else (result, aux)
 
 
 @contextlib.contextmanager

@@ -127,13 +127,14 @@ class Rollout:
     def micro_batches(self, cut: Cut) -> list[MicroBatch]:
         """The generation batch cut into micro-batches of `cut.size` rows in order (a prompt's group may span
         two), each holding only its rows whose gradient is not exactly 0, with the padding they need, and counting
-        all of them for the loss's divisors. Gone are rows with no token in the loss mask and, with
-        `cut.skip_zero_advantage` (algo/loss.zero_advantage_has_no_gradient), rows whose advantage is exactly 0.
+        all of them for the loss's divisors. Gone are rows with no token in the loss mask (unless `cut.every_row`)
+        and, with `cut.skip_zero_advantage` (algo/loss.zero_advantage_has_no_gradient), rows whose advantage is
+        exactly 0.
         With `cut.keep_one` (several ranks) a micro-batch left with no row keeps its first, its masks zeroed so
         that it adds nothing to the loss or the metrics: every rank must run every micro-batch's forward and
         backward, or DDP's and FSDP's collectives wait for it forever."""
         N = len(self.completions)
-        needed = self.loss_mask.bool().any(dim=1).cpu()  # [N]
+        needed = torch.full((N,), cut.every_row) | self.loss_mask.bool().any(dim=1).cpu()  # [N]
         if cut.skip_zero_advantage:
             needed &= self.advantages.cpu() != 0
         batches = []
@@ -156,6 +157,9 @@ class Cut:
     size: int  # rows per micro-batch
     skip_zero_advantage: bool
     keep_one: bool
+    # Every row trains, none masked out of the loss left out either: a mixture-of-experts router's load-balancing
+    # loss (policy/router.py) is over all the rows' tokens. Not in checkpoints written before it: False there.
+    every_row: bool = False
 
 
 @dataclass(frozen=True)

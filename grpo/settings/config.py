@@ -230,6 +230,8 @@ class Config(metaclass=_CheckedKeywords):
     """loss_type="vespo": the shape k of the gamma weight for advantages < 0."""
     vespo_lambda_neg: float = 2.0
     """loss_type="vespo": the rate lambda of the gamma weight for advantages < 0."""
+    router_aux_loss_coef: float | None = None
+    """Weight of a mixture-of-experts router's load-balancing loss (TRL's); None: the model config's, 0: none."""
     reward_weights: list[float] | None = None
     """One weight per reward function (default: all 1.0)."""
 
@@ -333,9 +335,8 @@ class Config(metaclass=_CheckedKeywords):
                                 for f in dataclasses.fields(SamplingKnobs)})
 
     def loss_settings(self) -> dict:
-        """The keyword arguments of `grpo.algo.loss.policy_loss` that settings decide (`LossSettings`'s fields).
-        An unset epsilon_high is epsilon (TRL), resolved here and never stored, so --epsilon and --epsilon_high
-        commute. A completion with advantage 0 has no gradient only when beta == 0 and entropy_coef == 0."""
+        """The keywords of `grpo.algo.loss.policy_loss` that settings decide (`LossSettings`'s fields). An unset
+        epsilon_high is epsilon (TRL), resolved here and never stored, so --epsilon and --epsilon_high commute."""
         return dict(loss_type=self.loss_type, epsilon_low=self.epsilon,
                     epsilon_high=self.epsilon if self.epsilon_high is None else self.epsilon_high,
                     delta=self.delta, beta=self.beta, use_bias_correction_kl=self.use_bias_correction_kl,

@@ -83,18 +83,20 @@ class TrackerSettings:
 class LogprobSettings:
     """What the policy's forwards (policy/forwards.Policy) read of the settings: the temperature the loss
     scores at, the LM head's chunk, where the reference comes from (`reference_kind`), FSDP, and whether each
-    distinct prompt is forwarded once (settings/choices.prompt_once)."""
+    distinct prompt is forwarded once (settings/choices.prompt_once), and a mixture-of-experts router's loss
+    weight (policy/router.py)."""
 
     temperature: float
     logprob_chunk_size: int
     reference: str  # "none", "adapter" or "copy"
     fsdp: bool
     prompt_once: bool
+    router_aux_loss_coef: float | None
 
     @classmethod
     def of(cls, c) -> LogprobSettings:
         return cls(c.temperature, c.logprob_chunk_size, reference_kind(c.use_lora, c.beta), c.fsdp,
-                   prompt_once(c.shared_prompt_forward, c.gradient_checkpointing))
+                   prompt_once(c.shared_prompt_forward, c.gradient_checkpointing), c.router_aux_loss_coef)
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ TRL_ONLY = frozenset("""
     num_generations_eval optim_args optim_target_modules pad_to_multiple_of
     parallelism_config prediction_loss_only project push_to_hub ref_model_mixup_alpha
     ref_model_sync_steps remove_unused_columns
-    restore_callback_states_from_checkpoint router_aux_loss_coef run_name save_on_each_node save_only_model
+    restore_callback_states_from_checkpoint run_name save_on_each_node save_only_model
     skip_memory_metrics sync_ref_model tf32 torch_compile
     torch_compile_backend torch_compile_mode torch_empty_cache_steps trackio_bucket_id trackio_space_id
     trackio_static_space_id train_sampling_strategy transformers_continuous_batching_config trust_remote_code
@@ -103,7 +103,6 @@ TRL_REASONS.update({
     "optim_args": "the optimizers are AdamW with adam_beta1, adam_beta2 and weight_decay",
     "optim_target_modules": "the optimizers are AdamW over every trainable parameter (GaLore is not supported)",
     "restore_callback_states_from_checkpoint": "callbacks are not saved in checkpoints",
-    "router_aux_loss_coef": "no router auxiliary loss: mixture-of-experts balancing is not implemented",
     "save_on_each_node": "rank 0 writes every checkpoint; other nodes read it from a shared output_dir",
     "tf32": "left as PyTorch sets it (set torch.backends.cuda.matmul.allow_tf32 yourself)",
     "torch_empty_cache_steps": "torch.cuda.empty_cache() is not called on a schedule here",

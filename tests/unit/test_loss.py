@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from grpo.algo import LOSS_TYPES
-from grpo.algo.loss import high_entropy_mask, policy_loss
+from grpo.algo.loss import high_entropy_mask, policy_loss, router_aux_term
 
 
 def reference_quantile(values, q):
@@ -164,6 +164,16 @@ def test_two_sided_clipping_hand_computed():
     assert loss.item() == pytest.approx(1.5)  # (3 + 0) / 2
     loss, _ = policy_loss(*args, torch.tensor([1.0, 1.0]), mask, loss_type="luspo", delta=1.5)
     assert loss.item() == pytest.approx(-1.2)
+
+
+def test_router_aux_term_hand_computed():
+    # TRL: loss + coef * aux / (accumulation steps); aux = 2, coef = 0.5, 4 micro-batches: 0.5 * 2 / 4 = 0.25, and
+    # the metric's share 2 / 4 = 0.5, so that the 4 micro-batches' shares sum to their mean aux.
+    aux = torch.tensor(2.0, requires_grad=True)
+    term, metrics = router_aux_term(aux, 0.5, num_micro_batches=4)
+    term.backward()
+    assert term.item() == pytest.approx(0.25) and metrics == {"aux_loss": pytest.approx(0.5)}
+    assert aux.grad.item() == pytest.approx(0.125)
 
 
 def test_sequence_level_importance_sampling_hand_computed():

@@ -139,6 +139,22 @@ def test_a_model_keeping_its_own_state_decodes_transformers_greedy_tokens():
     assert torch.equal(ours, theirs)
 
 
+@pytest.mark.parametrize("model_type,experts", [("qwen3_moe", dict(num_experts=4, moe_intermediate_size=16)),
+                                                ("gpt_oss", dict(num_local_experts=4)),
+                                                ("granitemoe", dict(num_local_experts=4))])
+def test_the_routers_load_balancing_loss_is_the_models_own(model_type, experts):
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(model_type, **{**SMALL, **experts, "num_experts_per_tok": 2})
+    model = AutoModelForCausalLM.from_config(config).eval()
+    ids, mask = left_padded_batch()
+    logprobs, aux = completion_logprobs(model, ids, mask, 5, temperature=1.0, chunk_size=7, router_aux=True)
+    own = model(input_ids=ids, attention_mask=mask, position_ids=positions(mask), output_router_logits=True)
+    assert torch.allclose(logprobs, completion_logprobs(model, ids, mask, 5, temperature=1.0, chunk_size=7))
+    torch.testing.assert_close(aux, own.aux_loss)
+    aux.backward()  # it trains the routers
+    assert all(p.grad is not None for n, p in model.named_parameters() if "router" in n or ".gate." in n)
+
+
 def test_transforms_read_from_configs():
     def read(model_type, **settings):
         return head_transform(AutoConfig.for_model(model_type, **settings))

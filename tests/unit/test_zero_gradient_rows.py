@@ -110,6 +110,15 @@ def test_trained_rows_drop_zero_gradient_rows_and_keep_the_counts():
     assert whole.rows == 5 and whole.tokens == 12
 
 
+def test_a_routers_loss_keeps_every_row():
+    # A mixture-of-experts router's load-balancing loss is over every row's tokens: neither the row without a
+    # token in the loss (row 1) nor those of advantage 0 (rows 0 and 2) may go.
+    r = dataclasses.replace(rollout([5, 3, 2, 3, 2], [2, 0, 6, 3, 1]), advantages=torch.tensor([0.0, 1, 0, -0.5, 0.5]))
+    (b,) = r.micro_batches(Cut(5, skip_zero_advantage=False, keep_one=False, every_row=True))
+    assert b.rollout.completions == ["c0", "c1", "c2", "c3", "c4"] and (b.rows, b.tokens) == (5, 12)
+    assert b.skipped == 1, "as a row kept only to run the forward: no token of its own in the loss"
+
+
 def test_a_micro_batch_with_no_row_left_is_empty_or_keeps_one_inert_row():
     r = rollout([4, 2, 3], [2, 5, 1])
     alone = trained_rows(r, torch.zeros(3), skip_zero_advantage=True, keep_one=False)
