@@ -6,6 +6,7 @@ memory planner reads from the architecture (`prepare`). Settings alone are check
 from __future__ import annotations
 
 import dataclasses
+import sys
 from typing import NamedTuple
 
 import torch
@@ -71,8 +72,11 @@ def prepare(config, train_dataset, eval_dataset, reward_funcs, reward_processing
         check_reward_columns(funcs, train_dataset)  # not after the first generation batch
     check_eval_setup(config, eval_dataset, funcs)
     check_parallel_settings(dist.world_size, config.fsdp, config.optim, config.use_lora)
-    precision = Precision.plan(config.bf16, config.use_lora, device, config.bf16_weights)
-    plan = RunPlan.resolve(config, dist.world_size)
+    precision = Precision.of(config, device)
+    if dist.is_main:
+        print(precision.statement, file=sys.stderr)
+    # bf16 sampling in our own decode only: a rollout_func or a sampler samples its own way
+    plan = RunPlan.resolve(config, dist.world_size, precision.bf16_sampling and own_sampler)
     total_steps = plan.schedule.total_steps(len(train_dataset), config.num_train_epochs, config.max_steps)
     decode = decode_sizes(plan.memory, architecture_of(config.model, model), precision)
     torch.manual_seed(config.seed + dist.rank)  # last: reward models loaded above draw from it
