@@ -8,6 +8,7 @@ subprocess pinned to `--core` with OMP_NUM_THREADS=1; wall and CPU seconds, min 
     python benchmarks/decode_floor.py                                   # the main job's shapes, this tree
     python benchmarks/decode_floor.py --trees BASE . --repeats 3 --core 1 --no-profile
     python benchmarks/decode_floor.py --trees BASE . --repeats 2 --core 0 --no-profile --int8
+    python benchmarks/decode_floor.py --trees BASE . --repeats 2 --core 1 --no-profile --bf16   # a bf16 CPU
 
 Main job's shapes (the defaults): SmolLM2-135M-Instruct, LoRA r16 alpha 32 on every linear, 2 word-problem chat
 prompts (~200 tokens) x 8 completions of exactly `--max-new` 128 tokens (EOS never sampled), temperature 0.7.
@@ -70,7 +71,7 @@ def load(args):
     from grpo.policy.models import load_model, load_tokenizer, prepare_for_training
 
     torch.manual_seed(0)
-    config = Config(model=args.model, use_lora=args.lora_r > 0, lora_r=max(args.lora_r, 1),
+    config = Config(model=args.model, bf16=args.bf16, use_lora=args.lora_r > 0, lora_r=max(args.lora_r, 1),
                     lora_alpha=2 * max(args.lora_r, 1), max_prompt_length=256, max_completion_length=args.max_new,
                     num_generations=args.generations, temperature=0.7, gradient_checkpointing=False,
                     stop_at_eos=False, seed=0)
@@ -100,6 +101,8 @@ def sampler(args, model, tokenizer):
         knobs = {"knobs": SamplingKnobs(**knobs)}
     if args.int8:  # a tree with int8_sampling_weights (policy/int8)
         knobs["int8"] = True
+    if args.bf16:  # a tree whose precision plan samples in bf16 on a CPU (policy/precision), on the bf16 base
+        knobs["bf16"] = True
     return lambda: sampling.sample_completions(
         model, tokenizer, encode, batch, num_generations=args.generations, max_completion_length=args.max_new,
         stop_at_eos=False, **knobs)
@@ -180,24 +183,28 @@ def worker_args(args) -> list[str]:
             "--generations", str(args.generations), "--max-new", str(args.max_new)]
 
 
-def variants(args) -> list[tuple[Path, bool]]:
-    """(tree, int8) pairs to time: each tree in float32, and with `--int8` also on int8 weights where the tree
-    has them (grpo/policy/int8.py)."""
-    out = [(tree, False) for tree in args.trees]
+def variants(args) -> list[tuple[Path, str]]:
+    """(tree, weights) pairs to time: each tree in float32 (bf16=False), with `--int8` also on int8 weights where
+    the tree has them (grpo/policy/int8.py), with `--bf16` also under the bf16 plan where the tree samples in
+    bf16 on a CPU (grpo/policy/precision.py's CpuBf16)."""
+    out = [(tree, "float32") for tree in args.trees]
     if args.int8:
-        out += [(tree, True) for tree in args.trees if (tree / "grpo" / "policy" / "int8.py").exists()]
+        out += [(tree, "int8") for tree in args.trees if (tree / "grpo" / "policy" / "int8.py").exists()]
+    if args.bf16:
+        out += [(tree, "bf16") for tree in args.trees
+                if "CpuBf16" in (tree / "grpo" / "policy" / "precision.py").read_text()]
     return out
 
 
-def run_worker(tree: Path, job: str, args, int8: bool = False) -> dict:
+def run_worker(tree: Path, job: str, args, weights: str = "float32") -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONPATH": str(tree.resolve())}
     cmd = ["taskset", "-c", str(args.core), sys.executable, str(Path(__file__).resolve()), "--worker", job,
-           *worker_args(args), *(["--int8"] if int8 else [])]
+           *worker_args(args), *([f"--{weights}"] if weights != "float32" else [])]
     out = subprocess.run(cmd, env=env, cwd=tree, capture_output=True, text=True)
     if out.returncode:
         raise SystemExit(f"{job} in {tree} failed:\n{out.stderr[-3000:]}")
     result = json.loads(out.stdout.strip().splitlines()[-1])
-    print(f"{job} in {tree}{' int8' if int8 else ''}: {result}", file=sys.stderr, flush=True)
+    print(f"{job} in {tree} {weights}: {result}", file=sys.stderr, flush=True)
     return result
 
 
@@ -214,24 +221,29 @@ def main() -> None:
     parser.add_argument("--no-profile", action="store_true")
     parser.add_argument("--int8", action="store_true",
                         help="also time each tree that has them with int8 sampling weights (int8_sampling_weights)")
+    parser.add_argument("--bf16", action="store_true",
+                        help="also time each tree that has it under the bf16 precision plan (bf16 sampling on a CPU)")
     parser.add_argument("--output", type=Path, default=ROOT / "runs" / "decode_floor.json")
     parser.add_argument("--worker")
     args = parser.parse_args()
     if args.worker:
         print(json.dumps(dict(timed=timed, profiled=profiled, floor=floor)[args.worker](args)))
         return
-    result = dict(shapes=worker_args(args), floor=run_worker(args.trees[-1], "floor", args), trees={})
-    name = {(tree, int8): f"{tree}{' int8' if int8 else ''}" for tree, int8 in variants(args)}
+    from async_step import cpu_description
+
+    result = dict(shapes=worker_args(args), cpu=cpu_description(), floor=run_worker(args.trees[-1], "floor", args),
+                  trees={})
+    name = {(tree, weights): f"{tree} {weights}" for tree, weights in variants(args)}
     runs = {v: [] for v in name}
     for _ in range(args.repeats):  # the trees alternate, so a busy machine slows them alike
-        for tree, int8 in runs:
-            runs[tree, int8].append(run_worker(tree, "timed", args, int8))
-    for (tree, int8), rs in runs.items():
+        for tree, weights in runs:
+            runs[tree, weights].append(run_worker(tree, "timed", args, weights))
+    for (tree, weights), rs in runs.items():
         entry = dict(runs=rs, **{f"{k}_{f.__name__}": f(r[k] for r in rs) for k in ("wall_s", "cpu_s")
                                  for f in (min, statistics.median)})
         if not args.no_profile:
-            entry["profile"] = run_worker(tree, "profiled", args, int8)
-        result["trees"][name[tree, int8]] = entry
+            entry["profile"] = run_worker(tree, "profiled", args, weights)
+        result["trees"][name[tree, weights]] = entry
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(result, indent=1))
     report(result)
@@ -239,7 +251,9 @@ def main() -> None:
 
 
 def report(result: dict) -> None:
-    f = result["floor"]
+    f, cpu = result["floor"], result["cpu"]
+    print(f"CPU: {cpu['model']}; flags {' '.join(cpu['flags'])}; native bf16: {cpu['native_bf16']} "
+          f"({cpu['source']}); load average {os.getloadavg()[0]:.1f}")
     print(f"weights {f['params'] / 1e6:.1f} M parameters = {f['gb_float32']:.3f} GB float32; one core streams "
           f"{f['bandwidth_gb_s']:.1f} GB/s: floor {f['floor_ms_float32']:.1f} ms/step float32, "
           f"{f['floor_ms_bf16']:.1f} ms/step bf16")

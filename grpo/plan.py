@@ -61,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_usage()
         return 2
     from .errors import ConfigError
+    from .policy.precision import Precision
     from .settings.recipe import load_with_overrides
 
     try:
@@ -85,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr)
     budget = args.gpu_memory if args.gpu_memory is not None else (cuda_memory_gb() if args.device == "cuda" else None)
     print(describe(arch, config, args.device))
+    print(Precision.of(config, args.device).statement)
     if args.device == "cuda":
         print("\n".join(verdict(arch, config, budget)))
     return 0

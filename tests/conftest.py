@@ -7,3 +7,7 @@ import torch
 _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _workers > 1:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // _workers))
+
+# The suite's exact comparisons are float32's: every test plans as on a CPU without native bf16 (the precision
+# plan's seam, policy/precision.ENV), whatever this machine's CPU does; the tests of the bf16 plan set it to 1.
+os.environ.setdefault("GRPO_CPU_BF16", "0")

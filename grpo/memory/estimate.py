@@ -50,8 +50,8 @@ class Estimate:
 def settings_of(config, device: str = "cuda") -> tuple[MemorySettings, Precision]:
     """What the planner reads of a `grpo.Config` on `device` ("cuda" or "cpu"): the settings as the run plan
     resolves them for one rank (the ranks are not known here), and the dtype plan."""
-    precision = Precision.plan(config.bf16, config.use_lora, device, config.bf16_weights)
-    return RunPlan.resolve(config, world_size=1).memory, precision
+    precision = Precision.of(config, device)
+    return RunPlan.resolve(config, world_size=1, bf16_sampling=precision.bf16_sampling).memory, precision
 
 
 def estimate(a: Architecture, config, device: str = "cuda") -> Estimate:

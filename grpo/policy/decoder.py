@@ -10,15 +10,17 @@ key/value head's group of queries over the preallocated cache (rollout/kv_cache)
 `scaled_dot_product_attention` call, reading the keys once per group. The weights are read as the modules hold
 them when the decode starts, so a decode within policy/folding's `sampling_weights` runs on the folded ones; with
 `int8` (Config.int8_sampling_weights) on int8 copies of them made then (policy/int8), q/k/v and gate/up each
-stacked into one product.
+stacked into one product; with `bf16` (the precision plan's bf16 sampling on a CPU) on the bf16 base as it is,
+each LoRA adapter added by its low-rank product, the KV cache in bf16 as the prefill wrote it.
 
-Any other family, a layer that is not a plain linear (an unfolded adapter, 4-bit, sharded), or a layer with
-extras (sliding windows, q/k norms) keeps transformers' forward (`fused_decoder` returns None)."""
+Any other family, a layer that is not a plain linear (an unfolded adapter outside `bf16`, 4-bit, sharded), or a
+layer with extras (sliding windows, q/k norms) keeps transformers' forward (`fused_decoder` returns None)."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from .folding import plain_lora
 from .int8 import Int8Linear
 
 # The decoder layers whose decoding step `FusedDecoder` computes: their forward is exactly this file's
@@ -27,32 +29,36 @@ LAYERS = {"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer"}
 NORMS = {"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm"}
 
 
-def _plain(module) -> torch.nn.Linear | None:
-    """The torch linear `module` computes with: itself, or a peft LoRA layer's base layer when its adapter is
-    folded into the base weight (peft's `merged`); None for anything else."""
+def _plain(module, adapters: bool = False):
+    """The module a layer's product computes with: a torch linear (itself, or a peft LoRA layer's base layer when
+    its adapter is folded into the base weight: peft's `merged`), or with `adapters` an unfolded LoRA layer whose
+    adapter the product adds (policy/folding's `plain_lora`); None for anything else."""
     if type(module) is torch.nn.Linear:
         return module
     if getattr(module, "merged", False) and type(module.get_base_layer()) is torch.nn.Linear:
         return module.get_base_layer()
-    return None
+    return module if adapters and hasattr(module, "lora_A") and plain_lora(module) else None
 
 
-def _product(linear: torch.nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A linear's weight transposed [in, out] (a view, no copy) and its bias [out] or None."""
-    return linear.weight.detach().T, None if linear.bias is None else linear.bias.detach()
-
-
-def _linear(weight_and_bias):
-    """`x [n, in] -> [n, out]`: one `mm` (or `addmm`) on the weight as the module holds it."""
-    weight, bias = weight_and_bias
-    if bias is None:
+def _linear(module):
+    """`x [n, in] -> [n, out]`: one `mm` (or `addmm`) on the weight as the module holds it; for an unfolded LoRA
+    layer, plus its adapter's low-rank product `(x A^T) (scale B)^T` in the base weight's dtype."""
+    if type(module) is not torch.nn.Linear:
+        base, name = module.get_base_layer(), module.active_adapters[0]
+        a = module.lora_A[name].weight.detach().T.to(base.weight.dtype)  # [in, r]
+        b = (module.lora_B[name].weight.detach() * module.scaling[name]).T.to(base.weight.dtype)  # [r, out]
+        product = _linear(base)
+        return lambda x: torch.addmm(product(x), torch.mm(x, a), b)
+    weight = module.weight.detach().T  # [in, out]: a view, no copy
+    if module.bias is None:
         return lambda x: torch.mm(x, weight)
+    bias = module.bias.detach()  # [out]
     return lambda x: torch.addmm(bias, x, weight)
 
 
 def _products(q, k, v, o, gate, up, down) -> tuple:
     """A layer's products on its modules' own weights: (h -> (q, k, v), a -> o, h -> (gate, up), m -> down)."""
-    fq, fk, fv, fo, fg, fu, fd = (_linear(_product(m)) for m in (q, k, v, o, gate, up, down))
+    fq, fk, fv, fo, fg, fu, fd = (_linear(m) for m in (q, k, v, o, gate, up, down))
     return lambda h: (fq(h), fk(h), fv(h)), fo, lambda h: (fg(h), fu(h)), fd
 
 
@@ -61,22 +67,25 @@ def _int8_products(q, k, v, o, gate, up, down) -> tuple:
     return Int8Linear([q, k, v]).split, Int8Linear([o]), Int8Linear([gate, up]).split, Int8Linear([down])
 
 
-def _layer_linears(layer) -> list | None:
+def _layer_linears(layer, adapters: bool) -> list | None:
     attn, mlp = layer.self_attn, layer.mlp
     names = [(attn, "q_proj"), (attn, "k_proj"), (attn, "v_proj"), (attn, "o_proj"), (mlp, "gate_proj"),
              (mlp, "up_proj"), (mlp, "down_proj")]
-    linears = [_plain(getattr(owner, name, None)) for owner, name in names]
+    linears = [_plain(getattr(owner, name, None), adapters) for owner, name in names]
     return None if any(m is None for m in linears) else linears
 
 
-def fused_decoder(body, cache, int8: bool = False) -> FusedDecoder | None:
+def fused_decoder(body, cache, int8: bool = False, bf16: bool = False) -> FusedDecoder | None:
     """A `FusedDecoder` for the decoder `body` (a transformers base model: `embed_tokens`, `layers`, `norm`,
     `rotary_emb`) writing `cache`'s preallocated layers, or None where `body` is not one it computes exactly or
-    its weights are not float32 on a CPU (elsewhere the copies would cost memory the plan does not hold).
-    `int8`: its linears run on int8 copies of their weights (policy/int8)."""
+    its weights are not float32 (`bf16`: or bf16) on a CPU (elsewhere the copies would cost memory the plan does not
+    hold). `int8`: its linears run on int8 copies of their weights (policy/int8). `bf16`: on the bf16 weights as
+    the modules hold them (the precision plan's bf16 base), a LoRA adapter added by its own low-rank product
+    rather than folded (a fold into bf16 would round away the updates smaller than 1/512 of a weight)."""
     layers = getattr(body, "layers", None)
     weight = next(body.parameters(), None)  # float32 on a CPU: what the fused copies are counted for (memory/)
-    if (layers is None or weight is None or weight.device.type != "cpu" or weight.dtype != torch.float32
+    dtypes = (torch.float32, torch.bfloat16) if bf16 else (torch.float32,)
+    if (layers is None or weight is None or weight.device.type != "cpu" or weight.dtype not in dtypes
             or not all(hasattr(body, a) for a in ("embed_tokens", "norm", "rotary_emb"))):
         return None
     if len(cache.layers) != len(layers) or type(body.norm).__name__ not in NORMS:
@@ -89,7 +98,7 @@ def fused_decoder(body, cache, int8: bool = False) -> FusedDecoder | None:
                 or type(layer.post_attention_layernorm).__name__ not in NORMS
                 or attn.scaling != attn.head_dim ** -0.5):
             return None
-        linears = _layer_linears(layer)
+        linears = _layer_linears(layer, bf16)
         if linears is None:
             return None
         plan.append(linears)

@@ -31,15 +31,18 @@ def foldable_layers(model) -> list:
     """The peft LoRA layers of `model` that `sampling_weights` folds; empty when any LoRA layer cannot be
     folded exactly enough (then none is: one rule for the whole decode)."""
     layers = _lora_layers(model)
-    for layer in layers:
-        base = layer.get_base_layer()
-        names = layer.active_adapters
-        if (len(names) != 1 or names[0] not in layer.lora_A or layer.disable_adapters or layer.merged
-                or type(base) is not torch.nn.Linear or not _plain_float32(base.weight)
-                or names[0] in getattr(layer, "lora_variant", {})
-                or getattr(layer, "lora_bias", {}).get(names[0], False)):
-            return []
+    if not all(plain_lora(layer) and _plain_float32(layer.get_base_layer().weight) for layer in layers):
+        return []
     return layers
+
+
+def plain_lora(layer) -> bool:
+    """Whether the peft LoRA layer `layer` adds its one active adapter, vanilla LoRA (no DoRA or LoRA bias),
+    unmerged, to a plain torch linear: `W x + scale * B A x`, which a fold or policy/decoder computes."""
+    base, names = layer.get_base_layer(), layer.active_adapters
+    return not (len(names) != 1 or names[0] not in layer.lora_A or layer.disable_adapters or layer.merged
+                or type(base) is not torch.nn.Linear or names[0] in getattr(layer, "lora_variant", {})
+                or getattr(layer, "lora_bias", {}).get(names[0], False))
 
 
 def _lora_layers(model) -> list:

@@ -1,40 +1,105 @@
-"""The run's dtype plan, decided once from the device and the `bf16` setting (`uses_bf16`), so that every
-place that casts or autocasts reads the same answer, on CUDA and in the CPU rehearsal of the CUDA plan alike.
+"""The run's dtype plan, decided once from the device, the CPU and the `bf16` setting (`uses_bf16`), so that every
+place that casts or autocasts reads the same answer, on CUDA and on a CPU alike.
+
+`bf16=None` computes in bf16 where the hardware does bf16 arithmetic natively: CUDA, and a CPU with AVX512-BF16
+or AMX that oneDNN runs bf16 on (its matmuls twice float32's rate, several times with AMX; docs/benchmarks.md);
+float32 on any other CPU, where bf16 kernels are slower and float32 keeps runs exact. What the CPU does is asked
+once per process (`CpuBf16.read`), where a plan with bf16=None on a CPU needs it; GRPO_CPU_BF16=1/0 stands in for
+the CPU's answer (`ENV`), so a machine can run either CPU's plan (the tests run both).
 
 Under bf16: a frozen LoRA base (and QLoRA's 4-bit layers' compute) in bf16 with float32 adapters (peft upcasts
 them); fully trained weights stay float32, since bf16 weights would round away updates of lr ~1e-6, and their
 forwards run under bf16 autocast; full fine-tuning's frozen reference copy is bf16 (forward-only: half the
-memory); FSDP gathers bf16 and reduces float32. Otherwise everything is float32."""
+memory); FSDP gathers bf16 and reduces float32. On a CPU the decode samples in bf16 too, on the bf16 base with
+LoRA unfolded (policy/decoder), its log-probs kept for TRL's importance-sampling correction (`bf16_sampling`).
+Otherwise everything is float32."""
 from __future__ import annotations
 
 import contextlib
+import functools
+import os
 from dataclasses import dataclass
 
 import torch
 
+from ..errors import ConfigError
+
+ENV = "GRPO_CPU_BF16"  # "1" or "0": the plan takes the CPU to compute bf16 natively or not, whatever it reports
+
+
+@dataclass(frozen=True)
+class CpuBf16:
+    """Whether this CPU computes bf16 natively (`native`), and what says so (`source`: its flags, or `ENV`)."""
+
+    native: bool
+    source: str
+
+    @classmethod
+    def read(cls) -> CpuBf16:
+        """The CPU's answer, or GRPO_CPU_BF16's where it is set (ConfigError for a value other than 0 or 1)."""
+        forced = os.environ.get(ENV)
+        if forced is not None:
+            if forced not in ("0", "1"):
+                raise ConfigError(f"{ENV}={forced!r}: set it to 1 (the CPU computes bf16 natively), 0 (it does "
+                                  f"not), or unset it (the CPU's own flags decide)")
+            return cls(forced == "1", f"{ENV}={forced}")
+        return _flags()
+
+
+@functools.cache
+def _flags() -> CpuBf16:
+    """What the CPU's flags and torch's oneDNN say, asked once per process."""
+    flags = [name for name, has in (("AVX512-BF16", torch.cpu._is_avx512_bf16_supported()),
+                                    ("AMX", torch.cpu._is_amx_tile_supported())) if has]
+    if flags and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return CpuBf16(True, " and ".join(flags))
+    return CpuBf16(False, f"{' and '.join(flags)}, but no oneDNN bf16" if flags else "no AVX512-BF16 or AMX")
+
 
 @dataclass(frozen=True)
 class Precision:
-    """The dtypes of a run, built once (Precision.plan) and read by loading, the reference copy and autocast."""
+    """The dtypes of a run, built once (Precision.plan) and read by loading, the reference copy, autocast and
+    the sampler."""
 
     device_type: str  # "cuda" or "cpu": where the policy runs
     bf16: bool  # compute in bf16 (autocast for the forwards that score tokens)
     base_dtype: torch.dtype  # the weights load_model loads (bf16 only for a frozen LoRA / 4-bit base)
     reference_dtype: torch.dtype  # full fine-tuning's frozen reference copy
+    why: str = ""  # what decided `bf16`, as `statement` says it
 
     @classmethod
     def plan(cls, bf16: bool | None, use_lora: bool, device: torch.device | str | None = None,
-             bf16_weights: bool = False) -> Precision:
-        """The plan for `Config.bf16`, `use_lora` and `bf16_weights` on `device` (None: the one load_model uses).
-        `bf16_weights` (full fine-tuning) keeps the trained weights and the reference in bf16 on any device: the
-        optimizer rounds stochastically (policy/rounding.py)."""
+             bf16_weights: bool = False, cpu: CpuBf16 | None = None, int8_sampling: bool = False) -> Precision:
+        """The plan for `Config.bf16`, `use_lora` and `bf16_weights` on `device` (None: the one load_model uses),
+        `cpu` the CPU's answer (None: read here, where it decides). `bf16_weights` (full fine-tuning) keeps the
+        trained weights and the reference in bf16 on any device: the optimizer rounds stochastically
+        (policy/rounding.py). `int8_sampling` (int8_sampling_weights) keeps float32 weights for its copies."""
         device_type = torch.device(device if device is not None else default_device()).type
-        half = uses_bf16(bf16, device_type)
+        if bf16 is None and device_type == "cpu" and cpu is None and not int8_sampling:
+            cpu = CpuBf16.read()  # only where it decides: a plan with bf16 set never asks the CPU
+        half, why = uses_bf16(bf16, device_type, cpu, int8_sampling)
         low = torch.bfloat16 if half else torch.float32
         trained_bf16 = bf16_weights and not use_lora
         base = low if use_lora else torch.bfloat16 if trained_bf16 else torch.float32
         return cls(device_type=device_type, bf16=half, base_dtype=base,
-                   reference_dtype=torch.bfloat16 if trained_bf16 else low)
+                   reference_dtype=torch.bfloat16 if trained_bf16 else low, why=why)
+
+    @classmethod
+    def of(cls, config, device: torch.device | str | None = None, cpu: CpuBf16 | None = None) -> Precision:
+        """The plan of a `grpo.Config` on `device` (`plan` of its settings)."""
+        return cls.plan(config.bf16, config.use_lora, device, config.bf16_weights, cpu,
+                        config.int8_sampling_weights)
+
+    @property
+    def bf16_sampling(self) -> bool:
+        """Whether our decode samples in bf16 (policy/decoder), its log-probs kept for TRL's correction: under
+        bf16 on a CPU (on CUDA the decode runs on the weights as they are, uncorrected, as before)."""
+        return self.bf16 and self.device_type == "cpu"
+
+    @property
+    def statement(self) -> str:
+        """The plan in one line, as a run says it at its start and `python -m grpo.plan` prints it."""
+        return f"precision: {'bf16' if self.bf16 else 'float32'} on {self.device_type}: {self.why}"
 
     def autocast(self):
         """bf16 autocast for the policy's and the reference's log-prob forwards (sampling runs without it, in
@@ -49,7 +114,19 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def uses_bf16(bf16: bool | None, device_type: str) -> bool:
-    """Whether a run computes in bf16: `bf16` None means on CUDA only (CPU kernels are slower in bf16, and
-    float32 keeps CPU runs exact); True asks for the CUDA plan on CPU too (a rehearsal), False never."""
-    return device_type == "cuda" if bf16 is None else bf16
+def uses_bf16(bf16: bool | None, device_type: str, cpu: CpuBf16 | None = None,
+              int8_sampling: bool = False) -> tuple[bool, str]:
+    """Whether a run computes in bf16, and why: `bf16` True or False forces it; None means on CUDA, and on a CPU
+    that computes bf16 natively (`cpu`: CpuBf16.read's answer) unless int8_sampling_weights asks for float32
+    weights."""
+    if bf16 is not None:
+        return bf16, f"bf16={bf16}"
+    if device_type == "cuda":
+        return True, "bf16=None and CUDA computes bf16 natively"
+    if device_type != "cpu":
+        return False, "bf16=None and bf16 on CUDA or a CPU only"
+    if int8_sampling:
+        return False, "bf16=None and int8_sampling_weights=True samples on int8 copies of float32 weights"
+    if cpu.native:
+        return True, f"bf16=None and this CPU computes bf16 natively ({cpu.source}); bf16=False keeps float32"
+    return False, f"bf16=None and this CPU has no native bf16 ({cpu.source}); bf16=True forces it, slower"

@@ -245,11 +245,11 @@ def next_tokens(logits: torch.Tensor, s: DecodeSettings, seen: torch.Tensor | No
     return token, logits.gather(1, token[:, None]).squeeze(1) - logits.logsumexp(-1)  # [n], [n]
 
 
-def decoding_step(hf_model, cache, forward, int8: bool):
+def decoding_step(hf_model, cache, forward, int8: bool, bf16: bool = False):
     """`step(ids [n, 1], mask [n, T], position_ids [n, 1]) -> hidden [n, H]`: a Llama-shaped model's fused step
-    (policy/decoder: the same math in fewer operations), on int8 weights with `int8`; else the last position of
-    `forward`, the body's forward."""
-    fused = fused_decoder(hf_model.base_model, cache, int8) if in_place(cache) else None
+    (policy/decoder: the same math in fewer operations), on int8 weights with `int8`, on its bf16 base with
+    `bf16`; else the last position of `forward`, the body's forward."""
+    fused = fused_decoder(hf_model.base_model, cache, int8, bf16) if in_place(cache) else None
     if int8 and fused is None:
         raise ConfigError("int8_sampling_weights=True needs decoding steps that run fused (policy/decoder): a "
                           "Llama, Mistral or Qwen2 model with full attention and float32 weights on a CPU, LoRA "
@@ -260,7 +260,7 @@ def decoding_step(hf_model, cache, forward, int8: bool):
 @torch.no_grad()
 def decode(hf_model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, settings: DecodeSettings, *,
            repeats: int = 1, seeds: torch.Tensor | None = None, on_token=None, head_matmul=None,
-           tools=None, int8: bool = False, with_logprobs: bool = False) -> Decoded:
+           tools=None, int8: bool = False, bf16: bool = False, with_logprobs: bool = False) -> Decoded:
     """Completions [N, C] (`Decoded`) sampled after left-padded prompts [B, P] as `settings` say, each prompt
     `repeats` times in a row (N = B * repeats), by a transformers causal LM (adapters, if any, injected in place); the
     prompts are read by `prefill`. `seeds` [N] (int64): where each row's random stream starts
@@ -272,7 +272,8 @@ def decode(hf_model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, settin
     `head_matmul`: the LM head's product on a packed copy of its weight (policy/folding). `tools` (tool_loop's
     ToolLoop) watches what each row writes and appends its tools' output (`ForcedTokens`), a row ending at an
     EOS that closes no tool call or where the tools end it. `int8`: the decoding steps' linears run on int8
-    copies of their weights (policy/int8; a model whose steps do not run fused is refused). `with_logprobs`: each
+    copies of their weights (policy/int8; a model whose steps do not run fused is refused). `bf16`: a fused step
+    runs on the model's bf16 weights, LoRA unfolded (policy/decoder). `with_logprobs`: each
     sampled token's log-prob under the distribution it was drawn from (logits after the penalty, temperature and
     filters: vLLM's processed log-probs) kept as `Decoded.logprobs` [N, C], NaN where no token was sampled
     (padding, a tool's tokens)."""
@@ -294,7 +295,7 @@ def decode(hf_model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, settin
     hidden, full_mask, position_ids, seen = prefill(forward, cache, prompt_ids, prompt_mask, repeats=repeats,
                                                     max_new_tokens=s.max_new_tokens, stateful=stateful, seen=seen)
     P = full_mask.shape[1] - s.max_new_tokens  # the prompt's columns of the mask
-    step_forward = decoding_step(hf_model, cache, forward, int8)
+    step_forward = decoding_step(hf_model, cache, forward, int8, bf16)
     if seeds is None and not s.greedy:
         seeds = torch.randint(-2 ** 63, 2 ** 63 - 1, (N,), device=device)  # [N]
     batch = DecodingRows(N, device, compacts=not stateful, seeds=None if s.greedy else seeds)  # rows decoding

@@ -81,7 +81,8 @@ def eos_token_ids(tokenizer, model) -> list[int]:
 def sample_completions(model, tokenizer, encode: PromptEncoder, prompts: list, *, num_generations: int,
            max_completion_length: int, knobs: SamplingKnobs = SamplingKnobs(), stop_at_eos: bool = True,
            greedy: bool = False, streams: PromptStreams | None = None, on_token=None,
-           max_tool_calling_iterations: int | None = None, envs: list | None = None, int8: bool = False) -> Rollout:
+           max_tool_calling_iterations: int | None = None, envs: list | None = None, int8: bool = False,
+           bf16: bool = False) -> Rollout:
     """Sample `num_generations` completions per prompt with KV-cached generation, with the sampling `knobs`
     (a run's: `Config.sampling_knobs()`; the default filters nothing).
 
@@ -92,7 +93,8 @@ def sample_completions(model, tokenizer, encode: PromptEncoder, prompts: list, *
     tools of `encode` (rollout/tools.Tools), rows call them within the decode (rollout/tool_loop.ToolLoop), up
     to `max_tool_calling_iterations` rounds each (None: no limit, TRL's default); `envs`: one environment per
     completion when the tools include an environment's methods. `int8`: decoding steps on int8 weights
-    (policy/int8), each sampled token's log-prob kept as the rollout's `sampling_logprobs` for the
+    (policy/int8), `bf16`: on the bf16 base, LoRA unfolded (policy/decoder; the precision plan's bf16 sampling);
+    with either, each sampled token's log-prob kept as the rollout's `sampling_logprobs` for the
     importance-sampling correction (NaN on tokens out of the loss mask)."""
     prompt_ids, prompt_mask = encode(prompts, context_length(model), max_completion_length)  # [B, P]
     device = next(model.parameters()).device
@@ -110,7 +112,8 @@ def sample_completions(model, tokenizer, encode: PromptEncoder, prompts: list, *
         envs, eos_ids, encode.chat_template_kwargs)
     with eval_mode(model), sampling_weights(model, int8) as head_matmul:
         decoded = decode(unwrap(model), prompt_ids, prompt_mask, settings, repeats=num_generations, seeds=seeds,
-                         on_token=on_token, head_matmul=head_matmul, tools=loop, int8=int8, with_logprobs=int8)
+                         on_token=on_token, head_matmul=head_matmul, tools=loop, int8=int8, bf16=bf16,
+                         with_logprobs=int8 or bf16)
     prompt_ids = prompt_ids.repeat_interleave(num_generations, dim=0)  # [N, P]
     prompt_mask = prompt_mask.repeat_interleave(num_generations, dim=0)  # [N, P]
     return rollout_of(prompt_ids, prompt_mask, decoded, tokenizer, eos_ids, chat=is_chat(prompts[0]), loop=loop)
@@ -194,12 +197,12 @@ class Sampler:
             model, self.tokenizer, self.encode, prompts[start:start + k], num_generations=G,
             max_completion_length=s.max_completion_length, knobs=s.knobs, stop_at_eos=s.stop_at_eos,
             streams=streams.after(start), on_token=on_token, max_tool_calling_iterations=s.max_tool_calling_iterations,
-            envs=None if envs is None else envs[start * G:(start + k) * G], int8=s.int8))
+            envs=None if envs is None else envs[start * G:(start + k) * G], int8=s.int8, bf16=s.bf16))
             for start in range(0, len(prompts), k)]
         return Rollout.cat(decodes, self.tokenizer.pad_token_id), {}
 
     @staticmethod
     def corrected(generation, settings) -> dict[str, float]:
-        """The importance-sampling correction of int8 samples (rollout/batches.Generation.correct_sampling) and
-        its metrics."""
+        """The importance-sampling correction of int8 or bf16 samples (rollout/batches.Generation.correct_sampling)
+        and its metrics."""
         return generation.correct_sampling(settings)

@@ -60,10 +60,13 @@ def prepare(config, train_dataset, eval_dataset, reward_funcs, reward_processing
     check_parallel_settings(dist.world_size, config.fsdp, config.optim, config.use_lora)
     for line in loss_warnings(config.loss_type, config.importance_sampling_level) if dist.is_main else []:
         print(f"warning: {line}", file=sys.stderr)  # as TRL's GRPOTrainer warns
-    precision = Precision.plan(config.bf16, config.use_lora, device, config.bf16_weights)
-    plan = RunPlan.resolve(config, dist.world_size)
+    precision = Precision.of(config, device)
+    # bf16 sampling in our own decode only: a rollout_func or a sampler samples its own way
+    plan = RunPlan.resolve(config, dist.world_size, precision.bf16_sampling and not (sampler or rollout_func))
     check_engine(plan, dist.world_size, device.type, sampler=sampler, rollout_func=rollout_func)
     total_steps = plan.schedule.total_steps(len(train_dataset), config.num_train_epochs, config.max_steps)
     decode = decode_sizes(plan.memory, architecture_of(config.model, model), precision)
     torch.manual_seed(config.seed + dist.rank)  # last: reward models loaded above draw from it
+    if dist.is_main:  # once every check passed: a refused run's only line is its error
+        print(precision.statement, file=sys.stderr)
     return Prepared(dist, dataclasses.replace(plan, total_steps=total_steps, decode=decode), precision, funcs)

@@ -30,8 +30,8 @@ class Config(metaclass=_CheckedKeywords):
     output_dir: str = "runs/grpo"
     """Where metrics.jsonl, completions.jsonl and checkpoint-STEP/ folders are written."""
     bf16: bool | None = None
-    """bf16 mixed precision (bf16 LoRA base, bf16 autocast, bf16 reference copy; policy/precision.py). None: on
-    CUDA only (TRL's None means True everywhere; CPUs are slower in bf16), True: also on CPU, False: float32."""
+    """bf16 mixed precision (policy/precision.py). None: where the hardware computes bf16 natively (CUDA, a CPU
+    with AVX512-BF16 or AMX; TRL's None means True everywhere); True: on any CPU too; False: float32."""
     model_init_kwargs: dict | None = None
     """Keyword arguments of `from_pretrained` when the trainer loads `model` itself (TRL's), a dict or its JSON
     text, e.g. {"attn_implementation": "sdpa", "revision": "main"}. "dtype" (or the older "torch_dtype"):

@@ -160,13 +160,15 @@ class SamplingSettings:
     seed: int
     micro_batch_prompts: int
     int8: bool = False  # int8_sampling_weights: int8 decoding steps, the sampler's log-probs kept
+    bf16: bool = False  # policy/precision's bf16_sampling: bf16 decoding steps, the sampler's log-probs kept
 
     @classmethod
-    def of(cls, c) -> SamplingSettings:
+    def of(cls, c, bf16: bool = False) -> SamplingSettings:
         kwargs = None if c.chat_template_kwargs is None else MappingProxyType(dict(c.chat_template_kwargs))
         return cls(c.num_generations, c.max_prompt_length, c.max_completion_length,
                    c.sampling_knobs(), c.stop_at_eos, kwargs, c.max_tool_calling_iterations,
-                   c.seed, max(1, c.per_device_train_batch_size // c.num_generations), c.int8_sampling_weights)
+                   c.seed, max(1, c.per_device_train_batch_size // c.num_generations), c.int8_sampling_weights,
+                   bf16)
 
 
 @dataclass(frozen=True)
@@ -185,11 +187,12 @@ class ServerSettings:
         return cls(url.rstrip("/"), c.vllm_server_timeout)
 
 
-def sampling_correction_of(c) -> Mapping | None:
+def sampling_correction_of(c, bf16_sampling: bool = False) -> Mapping | None:
     """The keyword arguments of algo/sampling_correction.sampling_correction a run applies, or None: samples of
-    another engine than the trained policy (a vLLM server, or our decode on int8 weights), corrected unless
-    vllm_importance_sampling_correction is off (TRL's default: on)."""
-    if not ((c.use_vllm or c.int8_sampling_weights) and c.vllm_importance_sampling_correction):
+    another engine than the trained policy (a vLLM server, or our decode on int8 or, `bf16_sampling`, bf16
+    weights), corrected unless vllm_importance_sampling_correction is off (TRL's default: on)."""
+    other_engine = c.use_vllm or c.int8_sampling_weights or bf16_sampling
+    if not (other_engine and c.vllm_importance_sampling_correction):
         return None
     return MappingProxyType(dict(mode=c.vllm_importance_sampling_mode, clip_min=c.vllm_importance_sampling_clip_min,
                                  clip_max=c.vllm_importance_sampling_clip_max))
@@ -309,25 +312,27 @@ class RunPlan:
     loading: LoadSettings
     memory: MemorySettings
     server: ServerSettings | None = None  # sampling on an inference server (use_vllm)
-    sampling_correction: Mapping | None = None  # TRL's importance-sampling correction of a server's (int8) samples
+    sampling_correction: Mapping | None = None  # TRL's importance-sampling correction of another engine's samples
     # Known once the run's data and model are (run/startup.prepare), before the model loads:
     total_steps: int | None = None  # optimizer steps of the run
     decode: DecodeSizes | None = None  # prompts per decode, the memory planner's
 
     @classmethod
-    def resolve(cls, config, world_size: int) -> RunPlan:
+    def resolve(cls, config, world_size: int, bf16_sampling: bool = False) -> RunPlan:
         """The plan of `config` on `world_size` ranks; ConfigError for a schedule that cannot work
-        (Schedule.resolve)."""
-        correction = sampling_correction_of(config)
+        (Schedule.resolve). `bf16_sampling`: our decode samples on bf16 copies of the weights (the precision
+        plan's, known where the device is: run/startup)."""
+        correction = sampling_correction_of(config, bf16_sampling)
         reference = reference_kind(config.use_lora, config.beta)
         schedule = Schedule.resolve(config, world_size)
         ahead = config.async_generation and config.max_staleness > 0
         old = schedule.optimizer_steps_per_generation > 1 or ahead or correction is not None
         generation = GenerationSettings.of(config, schedule, old, reference != "none", correction)
         return cls(schedule, MappingProxyType(config.loss_settings()), old, reference, OptimSettings.of(config),
-                   SamplingSettings.of(config), Cadence.of(config), generation, SessionSettings.of(config),
-                   TrackerSettings.of(config), LogprobSettings.of(config), EvalSettings.of(config),
-                   LoadSettings.of(config), MemorySettings.of(config, schedule, old, reference),
+                   SamplingSettings.of(config, bf16_sampling), Cadence.of(config), generation,
+                   SessionSettings.of(config), TrackerSettings.of(config), LogprobSettings.of(config),
+                   EvalSettings.of(config), LoadSettings.of(config),
+                   MemorySettings.of(config, schedule, old, reference),
                    ServerSettings.of(config), correction)
 
     @property

@@ -8,6 +8,7 @@ from stats import chi2_contingency_pvalue
 from tiny_setup import tiny_model, tiny_tokenizer
 
 from grpo import Config
+from grpo.policy.models import prepare_for_training
 from grpo.settings.plan import SamplingSettings
 from grpo.rollout.compaction import DecodingRows
 from grpo.rollout.decoding import Decoded
@@ -99,16 +100,23 @@ def test_full_length_when_eos_is_disabled():
     assert ro.completion_mask.sum().item() == 4 * 5 and ro.truncated.all()
 
 
-def lively_sampler(prompts_per_decode: int, **config):
+def lively_sampler(prompts_per_decode: int, bf16: bool = False, **config):
     """The trainer's Sampler over the tiny model, 1 prompt x 4 completions per micro-batch, where a fifth of the
-    vocabulary ends a completion: rows finish at different steps and leave their decodes."""
+    vocabulary ends a completion: rows finish at different steps and leave their decodes. `bf16`: as the bf16
+    precision plan samples on a CPU, a bf16 base with float32 LoRA adapters (B not zero) unfolded."""
     tokenizer = tiny_tokenizer()
     model = tiny_model(tokenizer)
+    if bf16:
+        model = prepare_for_training(model.to(torch.bfloat16), Config(use_lora=True, lora_r=4, lora_alpha=8))
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.3, generator=torch.Generator().manual_seed(0))
     model.generation_config.eos_token_id = list(range(4, 44))
     policy = SimpleNamespace(parallel=SimpleNamespace(unsharded=lambda fn: fn(model)))
     config = Config(**{**dict(per_device_train_batch_size=4, num_generations=4, max_prompt_length=64,
                               max_completion_length=10, temperature=1.0, seed=0), **config})
-    return Sampler(policy, tokenizer, SamplingSettings.of(config), prompts_per_decode)
+    return Sampler(policy, tokenizer, SamplingSettings.of(config, bf16), prompts_per_decode)
 
 
 def sampled(output: tuple) -> list[list[int]]:
@@ -132,6 +140,14 @@ def test_a_seed_samples_the_same_tokens_however_the_prompts_are_grouped():
                   PromptStreams(seed=0, step=3, first=9)):
         assert sampled(lively_sampler(4)(PROMPTS, streams=other)) != whole
     assert sampled(lively_sampler(4)(PROMPTS)) == sampled(lively_sampler(2)(PROMPTS))  # default: step 0's
+
+
+def test_under_the_bf16_plan_too_a_seed_samples_the_same_tokens_however_the_prompts_are_grouped():
+    streams = PromptStreams(seed=0, step=3, first=8)
+    outputs = [lively_sampler(k, bf16=True)(PROMPTS, streams=streams) for k in (1, 2, 4)]
+    assert sampled(outputs[0]) == sampled(outputs[1]) == sampled(outputs[2])
+    kept = outputs[2][0].sampling_logprobs  # [N, C]: each sampled token's, for TRL's correction
+    assert torch.equal(kept.isfinite(), outputs[2][0].loss_mask.bool())
 
 
 def test_each_rows_stream_draws_tokens_as_torchs_generator_does(monkeypatch):
