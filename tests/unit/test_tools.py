@@ -15,8 +15,8 @@ from grpo.errors import ConfigError
 from grpo.rollout.tool_loop import ToolLoop
 from grpo.rollout.chat import check_tool_template, render
 from grpo.rollout.tool_runner import ToolRunner
-from grpo.rollout.tools import (InlineTool, MalformedCall, ToolCall, Tools, environment_reward, make_envs,
-                                parse_hermes, strip_hermes)
+from grpo.rollout.environments import make_envs
+from grpo.rollout.tools import InlineTool, MalformedCall, ToolCall, Tools, parse_hermes, strip_hermes
 from grpo.tasks.calculator import CHATML_TOOLS, calculate
 from grpo.tasks.tiny import CHAT_TEMPLATE, train_tokenizer
 
@@ -447,7 +447,7 @@ def test_an_environment_per_completion_its_methods_its_reward(tok):
     assert [s["function"]["name"] for s in tools.schemas] == ["add"]
     assert tools.schemas[0]["function"]["parameters"]["properties"] == {
         "n": {"type": "integer", "description": "The number to add."}}
-    envs, prompts = make_envs(Counter, [{"prompt": QUESTION, "start": 3}, {"prompt": QUESTION, "start": 8}])
+    envs, prompts = make_envs(tools, [{"prompt": QUESTION, "start": 3}, {"prompt": QUESTION, "start": 8}])
     assert prompts[1] == [{"role": "user", "content": "What is 3 times 4? Start from 8."}]
     assert QUESTION[0]["content"] == "What is 3 times 4?"  # the dataset's row is left as it was
     loop = ToolLoop(tools, tok, prompts, envs=envs)
@@ -455,7 +455,8 @@ def test_an_environment_per_completion_its_methods_its_reward(tok):
     _, answers = drive(loop, tok, [[add, "Done.<|im_end|>"], [add, "Done.<|im_end|>"]])
     assert "<tool_response>\n5\n" in tok.decode(fed(answers, 0)[0])
     assert "<tool_response>\n10\n" in tok.decode(fed(answers, 1)[0])
-    assert environment_reward(envs) == [0.0, 1.0]
+    (reward,) = tools.rewards()  # its get_reward, TRL's reward named after the class
+    assert reward.__name__ == "Counter" and reward(environments=envs) == [0.0, 1.0]
     with pytest.raises(ValueError, match="pass envs="):
         ToolLoop(tools, tok, prompts)
 
