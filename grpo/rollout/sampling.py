@@ -190,7 +190,7 @@ class Sampler:
     @torch.no_grad()
     def __call__(self, prompts: list, on_token=None, streams: PromptStreams | None = None,
                  envs: list | None = None) -> tuple[Rollout, dict[str, list]]:
-        """`envs`: with an environment_factory, one environment per completion (rollout/tools.make_envs)."""
+        """`envs`: with an environment_factory, one environment per completion (rollout/environments.make_envs)."""
         s, k, G = self.settings, self.prompts_per_decode, self.settings.num_generations
         streams = streams if streams is not None else PromptStreams(s.seed)
         decodes = [self.policy.parallel.unsharded(lambda model: sample_completions(
