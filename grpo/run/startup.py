@@ -48,20 +48,15 @@ def prepare(config, train_dataset, eval_dataset, reward_funcs, reward_processing
     (`model`: the caller's, or None) loads. ConfigError (or the dataset's, a reward's error) for a run that
     cannot start. `sampler`, `rollout_func`: whether the caller passed one (rollout/engines/choice: the engine's
     refusals); with neither, the reward functions get the dataset's columns only (theirs may add some).
-    `tools` (rollout/tools.Tools, or None): the run's; as in TRL, an environment whose class defines
-    `get_reward` adds its reward after `reward_funcs`, weight 1, and one whose reset() returns the prompt may
-    own the data (no train_dataset, max_steps set: rollout/environments.training_rows). The plan is on the
-    process group's ranks, with the run's length and decode sizes, and the precision plan."""
+    `tools` (rollout/tools.Tools, or None): the run's; an environment may own the reward (`reward_sources`) and,
+    when its reset() returns the prompt, the data (no train_dataset, max_steps set:
+    rollout/environments.training_rows). The plan is on the process group's ranks, with the run's length and
+    decode sizes, and the precision plan."""
     dist = setup_distributed()
     lock.check_output_dir(config.output_dir)
     lock.check_free(config.output_dir, dist)  # taken when training starts
     device = device_of(model) if model is not None else default_device()  # where the policy runs
-    owned = tools.rewards() if tools is not None else []  # the environments' own get_reward, weight 1 each
-    funcs = reward_callables(reward_funcs, reward_processing_classes, config.chat_template_kwargs, not owned)
-    check_reward_weights(config.reward_weights, reward_func_names(funcs))  # the caller's functions, as TRL's
-    funcs += owned
-    weighted = config if not owned or config.reward_weights is None else dataclasses.replace(
-        config, reward_weights=[*config.reward_weights, *[1.0] * len(owned)])
+    funcs, weighted = reward_sources(config, reward_funcs, reward_processing_classes, tools)
     plan = RunPlan.resolve(weighted, dist.world_size)
     train_dataset = training_rows(train_dataset, tools, config.max_steps, plan.schedule.prompts_per_generation)
     check_dataset(train_dataset, environments=tools is not None and bool(tools.environments))
@@ -78,3 +73,16 @@ def prepare(config, train_dataset, eval_dataset, reward_funcs, reward_processing
     torch.manual_seed(config.seed + dist.rank)  # last: reward models loaded above draw from it
     return Prepared(dist, dataclasses.replace(plan, total_steps=total_steps, decode=decode), precision, funcs,
                     train_dataset)
+
+
+def reward_sources(config, reward_funcs, reward_processing_classes=None, tools=None) -> tuple[list, object]:
+    """The run's reward callables and `config` with reward_weights for them all: the caller's (reward models
+    wrapped), then, as in TRL, the reward of each environment class of `tools` (rollout/tools.Tools, or None)
+    that defines `get_reward`, weight 1 (config's reward_weights weigh the caller's alone). ConfigError for no
+    reward at all, or weights that do not match the caller's functions."""
+    owned = tools.rewards() if tools is not None else []
+    funcs = reward_callables(reward_funcs, reward_processing_classes, config.chat_template_kwargs, not owned)
+    check_reward_weights(config.reward_weights, reward_func_names(funcs))
+    weighted = config if not owned or config.reward_weights is None else dataclasses.replace(
+        config, reward_weights=[*config.reward_weights, *[1.0] * len(owned)])
+    return funcs + owned, weighted
