@@ -367,3 +367,19 @@ def test_environment_owned_reward_mixed_environments(tmp_path):
     # And in a run: the scored rows score 1, the plain one is unscored (its mean is over the scored rows alone).
     trainer.train()
     assert trainer.state.log_history[-1]["rewards/ScoredEnvironment/mean"] == 1.0
+
+
+def test_no_reward_source_raises(tmp_path):
+    # `reward_funcs` is optional, but a reward must come from somewhere: `reward_funcs` or an environment's own.
+    tokenizer = tiny_tokenizer()
+    with pytest.raises(ValueError, match="No reward source provided"):
+        GRPOTrainer(model=tiny_model(tokenizer), processing_class=tokenizer, args=trl_args(tmp_path),
+                    train_dataset=Dataset.from_list([{"prompt": "Write 3 digits:"}] * 3))
+
+
+def test_dataset_required_without_environment(tmp_path):
+    # The data comes from a `train_dataset` or from an environment that owns it.
+    tokenizer = tiny_tokenizer()
+    with pytest.raises(ValueError, match="`train_dataset` is required"):
+        GRPOTrainer(model=tiny_model(tokenizer), processing_class=tokenizer, reward_funcs=by_place,
+                    args=trl_args(tmp_path))
