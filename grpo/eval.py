@@ -140,7 +140,7 @@ def _output(own: dict, default_dir: Path) -> Path:
 def recipe_job(argv: list[str]) -> Job | None:
     """`grpo.eval RECIPE ...`: the recipe's settings, eval dataset, reward functions, tools and model."""
     from .rollout.evaluate import check_eval_inputs
-    from .rollout.reward_models import reward_callables
+    from .run.startup import reward_sources
     from .settings.cli import BUILT_MODEL, format_help
     from .settings.recipe import load_with_overrides, resolve_dataset
 
@@ -155,12 +155,12 @@ def recipe_job(argv: list[str]) -> Job | None:
         raise ConfigError(f"recipe {argv[0]} defines no eval_dataset: grpo.eval evaluates on it")
     checkpoint = Path(own["checkpoint"]) if "checkpoint" in own else None
     output = _output(own, checkpoint or Path(config.output_dir))
-    reward_funcs = reward_callables(recipe.reward_funcs, recipe.reward_processing_classes,
-                                    config.chat_template_kwargs)  # reward models become functions
+    tools = recipe_tools(recipe)  # reward models become functions; an environment's own reward comes after them
+    reward_funcs, config = reward_sources(config, recipe.reward_funcs, recipe.reward_processing_classes, tools)
     dataset = resolve_dataset(recipe.eval_dataset, "eval_dataset")
     check_eval_inputs(config, dataset, reward_funcs)
     return Job("recipe", argv[0], config, reward_funcs, dataset, checkpoint, output, limit,
-               lambda: recipe.resolve_model(config), recipe_tools(recipe))
+               lambda: recipe.resolve_model(config), tools)
 
 
 def recipe_tools(recipe):

@@ -67,11 +67,11 @@ def completion(model, tokenizer, text: str, settings, tools=None, before=()) -> 
     from .rollout.evaluate import prompt_encoder
     from .rollout.sampling import sample_completions
     from .rollout.tool_loop import mask_runs
-    from .rollout.tools import make_envs
+    from .rollout.environments import make_envs
 
     prompts, envs = [[*before, {"role": "user", "content": text}] if tokenizer.chat_template else text], None
-    if tools is not None and tools.environment_factory is not None:
-        envs, prompts = make_envs(tools.environment_factory, [{"prompt": prompts[0]}])
+    if tools is not None and tools.environments:
+        envs, prompts = make_envs(tools, [{"prompt": prompts[0]}], "--prompt")
     rollout = sample_completions(model, tokenizer, prompt_encoder(model, tokenizer, settings, tools), prompts,
                                  num_generations=1, greedy=True, max_completion_length=settings.max_completion_length,
                                  max_tool_calling_iterations=settings.max_tool_calling_iterations, envs=envs)

@@ -44,16 +44,16 @@ class Trainer:
                                             trl_only, engines)
         self.config, self.eval_dataset = config, eval_dataset
         self.tools = Tools.of(tools, environment_factory) if tools or environment_factory else None
-        self.dist, self.plan, self.precision, self.reward_funcs = prepare(  # before a model loads
+        self.dist, self.plan, self.precision, self.reward_funcs, train_dataset = prepare(  # before a model loads
             config, train_dataset, eval_dataset, reward_funcs, reward_processing_classes, model,
-            sampler=sampler is not None, rollout_func=rollout_func is not None)
+            sampler=sampler is not None, rollout_func=rollout_func is not None, tools=self.tools)
         self.schedule, self.total_steps = self.plan.schedule, self.plan.total_steps
         self.trackers = Trackers(self.plan.trackers, self.dist.is_main)  # a missing package fails
         self._setup_policy(model, tokenizer, train_dataset)
         self._setup_generation(sampler, rollout_func, train_dataset)
         self._setup_run(callbacks)
-        vars(self).update(trl_attributes(self.config, self.tokenizer, self.reward_funcs, self.policy,
-                                         train_dataset))  # TRL's names a script reads
+        vars(self).update(trl_attributes(self.config, self.tokenizer, self.reward_funcs, self.plan,
+                                         self.policy, train_dataset))  # TRL's names a script reads
 
     def _setup_policy(self, model, tokenizer, train_dataset) -> None:
         """The tokenizer, the model loaded and prepared as the plan says, its policy and updates."""

@@ -25,7 +25,7 @@ from ..settings.plan import EvalSettings
 from .prompts import PromptTooLong, check_dataset, check_not_streaming
 from .rewards import RewardContext, compute_rewards, required_columns, reward_func_names, reward_metrics
 from .sampling import PromptEncoder, eos_token_ids, sample_completions
-from .tools import make_envs
+from .environments import make_envs
 
 MAX_BREAKDOWN_VALUES = 50  # metrics for each value: a column of ids would flood metrics.jsonl
 
@@ -218,12 +218,11 @@ def evaluate(model, tokenizer, dataset, reward_funcs, settings: EvalSettings, *,
     funcs = eval_funcs(reward_funcs, s.accuracy_func, s.free_accuracy_func, s.format_func, dataset.column_names)
     groups = check_breakdown_column(dataset, s.breakdown_column)
     t0 = time.perf_counter()
-    completions, completion_ids, lengths, environments, losses = _greedy(model, tokenizer, dataset, s, batch_size,
-                                                                         progress, unsharded, tools, loss_of)
+    prompts, completions, completion_ids, lengths, environments, losses = _greedy(
+        model, tokenizer, dataset, s, batch_size, progress, unsharded, tools, loss_of)
     columns = {k: dataset[k] for k in dataset.column_names if k != "prompt"}
     if environments:
         columns["environments"] = environments
-    prompts = dataset["prompt"]
     rewards, per_func = compute_rewards(reward_funcs, prompts, completions, columns, s.reward_weights,
                                         completion_ids=completion_ids,
                                         context=RewardContext(trainer_state))  # [N], [N, F]
@@ -261,17 +260,19 @@ def prompt_encoder(model, tokenizer, s: EvalSettings, tools) -> PromptEncoder:
 
 def _greedy(model, tokenizer, dataset, s: EvalSettings, batch_size: int, progress: bool, unsharded, tools,
             loss_of):
-    """Each row's greedy completion, its token ids, the lengths [N], the environments the rows ran in and each
-    batch's `loss_of` (none without it)."""
+    """Each row's prompt as the model saw it (what an environment's reset added included), its greedy
+    completion, its token ids, the lengths [N], the environments the rows ran in and each batch's `loss_of`
+    (none without it)."""
     unsharded, encode = unsharded or (lambda fn: fn(model)), prompt_encoder(model, tokenizer, s, tools)
-    completions, completion_ids, lengths, environments, losses = [], [], [], [], []
+    seen, completions, completion_ids, lengths, environments, losses = [], [], [], [], [], []
     with TokenProgress("eval", enabled=progress) as bar:
         for start in range(0, len(dataset), batch_size):
             prompts, envs = dataset[start:start + batch_size]["prompt"], None
-            if tools is not None and tools.environment_factory is not None:
-                envs, prompts = make_envs(tools.environment_factory, list(dataset.select(
-                    range(start, min(start + batch_size, len(dataset))))))
+            if tools is not None and tools.environments:
+                envs, prompts = make_envs(tools, list(dataset.select(
+                    range(start, min(start + batch_size, len(dataset))))), "eval_dataset")
                 environments += envs
+            seen += prompts
             bar.batch(start, len(prompts), len(dataset))  # prompts done / total as rows finish, tokens/s
             try:
                 rollout = unsharded(lambda m: sample_completions(
@@ -284,4 +285,4 @@ def _greedy(model, tokenizer, dataset, s: EvalSettings, batch_size: int, progres
             completion_ids += rollout.completion_id_lists
             lengths.append(rollout.completion_mask.sum(dim=1).float())  # [b]
             losses += [loss_of(rollout)] if loss_of is not None else []
-    return completions, completion_ids, torch.cat(lengths), environments, losses  # lengths [N]
+    return seen, completions, completion_ids, torch.cat(lengths), environments, losses  # lengths [N]

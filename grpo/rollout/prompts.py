@@ -16,15 +16,19 @@ def check_not_streaming(dataset, name: str) -> None:
                            f"Dataset (streaming=False), or take its first rows: Dataset.from_list(list(ds.take(N)))")
 
 
-def check_dataset(dataset, name: str = "train_dataset") -> None:
+def check_dataset(dataset, name: str = "train_dataset", environments: bool = False) -> None:
     """Fail early, in one line, on datasets the trainer cannot use. A column has one Arrow type, so the
-    first prompt's type is every prompt's type, apart from missing (None) ones, counted separately."""
+    first prompt's type is every prompt's type, apart from missing (None) ones, counted separately. With
+    `environments` (an environment_factory's reset() writes the prompts) the prompt column may be missing, as
+    in TRL."""
     check_not_streaming(dataset, name)
     columns = getattr(dataset, "column_names", None)
     if columns is None:
         raise DatasetError(f"{name} must be a datasets.Dataset, got {type(dataset).__name__}")
     if len(dataset) == 0:  # before the columns: a Dataset made from no rows has none
         raise DatasetError(f"{name} is empty (no rows)")
+    if environments and "prompt" not in columns:
+        return
     if "prompt" not in columns:
         raise DatasetError(f"{name} has no 'prompt' column (columns: {', '.join(columns) or 'none'})")
     missing = dataset.with_format("arrow")["prompt"].null_count
@@ -69,7 +73,7 @@ class PromptTooLong(DatasetError):
     def in_dataset(self, dataset, name: str) -> PromptTooLong:
         """The same error naming the first row of `dataset` (called `name`) that holds the prompt (itself when
         none does: a prompt an environment's reset made)."""
-        prompts = dataset["prompt"]
+        prompts = dataset["prompt"] if "prompt" in dataset.column_names else []
         if self.prompt not in prompts:
             return self
         where = f"{name} row {prompts.index(self.prompt)}: its prompt"
@@ -79,8 +83,8 @@ class PromptTooLong(DatasetError):
 def check_chat_template(tokenizer, datasets: dict) -> None:
     """ConfigError, before anything is sampled, when a dataset of `datasets` (name: dataset or None) holds chat
     prompts (its first row's type is every row's) and `tokenizer` has no chat template to render them."""
-    for name, dataset in datasets.items():
-        if dataset is not None and len(dataset) and isinstance(dataset[0]["prompt"], list) \
+    for name, dataset in datasets.items():  # a dataset without prompts has an environment's: chat ones (TRL's)
+        if dataset is not None and len(dataset) and isinstance(dataset[0].get("prompt", []), list) \
                 and not tokenizer.chat_template:
             raise ConfigError(f"{name} holds chat prompts (lists of messages), but the tokenizer has no chat "
                               f"template to render them: pass an instruct model's tokenizer, set "

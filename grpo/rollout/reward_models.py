@@ -50,13 +50,17 @@ class RewardModel:
         return self
 
 
-def reward_callables(reward_funcs, reward_processing_classes=None, chat_template_kwargs: dict | None = None) -> list:
+def reward_callables(reward_funcs, reward_processing_classes=None, chat_template_kwargs: dict | None = None,
+                     required: bool = True) -> list:
     """`reward_funcs` (one or a list of functions, reward models and model paths) with every model wrapped as a
     `RewardModel` (on the CPU when loaded here: see `place_reward_models`); `reward_processing_classes` as in TRL, and
-    `chat_template_kwargs` for the reward tokenizers' chat templates."""
+    `chat_template_kwargs` for the reward tokenizers' chat templates. `required`: none is an error (False when an
+    environment owns the reward, as TRL allows)."""
     funcs = [reward_funcs] if isinstance(reward_funcs, str) or callable(reward_funcs) else list(reward_funcs or ())
-    if not funcs:
-        raise ConfigError("Trainer needs at least one reward function")
+    if not funcs and required:
+        raise ConfigError("No reward source provided: Trainer needs at least one reward function in reward_funcs, "
+                          "or an environment_factory whose class defines get_reward() (the environment owns the "
+                          "reward)")
     if reward_processing_classes is None:
         classes = [None] * len(funcs)
     else:

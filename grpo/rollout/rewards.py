@@ -27,7 +27,7 @@ from torch import Tensor
 
 from ..errors import ConfigError, UserError
 from ..infra.interrupts import StepAbandoned
-from .tools import environment_in, get_reward_failed
+from .environments import environment_in, get_reward_failed
 
 
 # What every reward function may take besides the dataset's columns.

@@ -36,13 +36,15 @@ class PromptEncoder:
         if tools is not None and tools.chat:  # a template that cannot serve the tools: said once, up front
             check_tool_template(tokenizer, chat_template_kwargs, eos_ids)
 
-    def __call__(self, prompts: list, context: int | None = None,
-                 max_completion_length: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, prompts: list, context: int | None = None, max_completion_length: int = 0,
+                 envs: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The prompts' ids and mask [B, P], left-padded; `context`: the positions of the model that decodes
         them (policy/models.context_length; None: unchecked), of which a completion of `max_completion_length`
-        tokens needs its share."""
-        schemas = self.tools.schemas if self.tools is not None and self.tools.chat else None
-        texts = [render(self.tokenizer, p, self.chat_template_kwargs, schemas) for p in prompts]
+        tokens needs its share; `envs`: each prompt's environment, whose tools its prompt shows (None: none)."""
+        chat = self.tools is not None and self.tools.chat
+        envs = envs if envs is not None else [None] * len(prompts)
+        texts = [render(self.tokenizer, p, self.chat_template_kwargs, self.tools.schemas_for(env) if chat else None)
+                 for p, env in zip(prompts, envs)]
         # A chat template already writes any BOS it wants; plain text gets the tokenizer's default.
         special = not is_chat(prompts[0])
         rows = [self.tokenizer(t, add_special_tokens=special)["input_ids"] for t in texts]
@@ -96,7 +98,8 @@ def sample_completions(model, tokenizer, encode: PromptEncoder, prompts: list, *
     (policy/int8), `bf16`: on the bf16 base, LoRA unfolded (policy/decoder; the precision plan's bf16 sampling);
     with either, each sampled token's log-prob kept as the rollout's `sampling_logprobs` for the
     importance-sampling correction (NaN on tokens out of the loss mask)."""
-    prompt_ids, prompt_mask = encode(prompts, context_length(model), max_completion_length)  # [B, P]
+    prompt_ids, prompt_mask = encode(prompts, context_length(model), max_completion_length,  # [B, P]
+                                     None if envs is None else envs[::num_generations])
     device = next(model.parameters()).device
     prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)  # [B, P]
     eos_ids = eos_token_ids(tokenizer, model)
@@ -190,7 +193,7 @@ class Sampler:
     @torch.no_grad()
     def __call__(self, prompts: list, on_token=None, streams: PromptStreams | None = None,
                  envs: list | None = None) -> tuple[Rollout, dict[str, list]]:
-        """`envs`: with an environment_factory, one environment per completion (rollout/tools.make_envs)."""
+        """`envs`: with an environment_factory, one environment per completion (rollout/environments.make_envs)."""
         s, k, G = self.settings, self.prompts_per_decode, self.settings.num_generations
         streams = streams if streams is not None else PromptStreams(s.seed)
         decodes = [self.policy.parallel.unsharded(lambda model: sample_completions(

@@ -178,7 +178,8 @@ class ServerSampler:
         s, G = self.settings, self.settings.num_generations
         streams = streams if streams is not None else PromptStreams(s.seed)
         adapter = self.push_adapter(streams.step)
-        prompt_ids, prompt_mask = self.encode(prompts, context_length(self.model), s.max_completion_length)  # [B, P]
+        prompt_ids, prompt_mask = self.encode(prompts, context_length(self.model), s.max_completion_length,  # [B, P]
+                                              None if envs is None else envs[::G])  # each prompt's tools its env's
         rows = [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids, prompt_mask)]
         if self.tools is not None:  # rows that call tools: sampled in segments (rollout/server_tools)
             return self.tool_rollout(prompts, prompt_ids, prompt_mask, rows, streams, adapter, envs, on_token), {}

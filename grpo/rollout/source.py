@@ -13,7 +13,7 @@ from .batches import Rollout
 from .prompts import PromptStream, PromptTooLong, per_completion
 from .rewards import RewardContext, compute_rewards
 from .streams import PromptStreams
-from .tools import make_envs
+from .environments import make_envs
 
 
 class RolloutSource:
@@ -21,13 +21,13 @@ class RolloutSource:
     `reward_weights`; `dist` (infra/distributed) shards the prompts over the ranks; `seed` starts the prompts'
     random streams; `release_memory`: a CPU run whose allocator returns freed memory to the OS
     (infra/allocator), which decodes suspend; `tools` (rollout/tools.Tools, or None): the run's, whose
-    environment_factory makes each completion's environment, as evaluation's do."""
+    environments (one per completion) make the prompts, as evaluation's do."""
 
     def __init__(self, sampler, prompts: PromptStream, reward_funcs: list, reward_weights: list[float] | None, *,
                  dist, seed: int, num_generations: int, release_memory: bool, tools=None):
         self.sampler, self.prompts, self.reward_funcs = sampler, prompts, reward_funcs
         self.reward_weights = reward_weights
-        self.environment_factory = tools.environment_factory if tools is not None else None
+        self.tools = tools if tools is not None and tools.environments else None  # None: no environments
         self.dist, self.seed, self.num_generations, self.release_memory = dist, seed, num_generations, release_memory
         self.show_progress = dist.is_main  # off in a sampler process (run/ahead.py): the trainer's bar is shown
 
@@ -42,9 +42,11 @@ class RolloutSource:
             self.dist.rank * (num_prompts // self.dist.world_size))
         rows = self.dist.shard(self.prompts.next(num_prompts))
         columns = per_completion(rows, self.num_generations)
-        prompts, envs = rows["prompt"], {}
-        if self.environment_factory is not None:  # one environment per completion; its tools are its methods
+        prompts, envs = rows.get("prompt"), {}
+        if self.tools is not None:  # one environment per completion; its tools are its methods
             prompts, envs = self.environments(columns)
+            # The rewards get the prompts the model saw, what reset() added included, as in TRL.
+            columns["prompt"] = [p for p in prompts for _ in range(self.num_generations)]
         with TokenProgress(f"sampling step {step + 1}", enabled=self.show_progress) as on_token:
             with decoding_allocations(self.release_memory):
                 try:
@@ -65,13 +67,14 @@ class RolloutSource:
 
     def environments(self, columns: dict[str, list]) -> tuple[list, dict]:
         """The prompts (one per group) and `{"envs": [one environment per completion]}` of a generation batch's
-        rows (`columns`, one entry per completion), each environment reset on its row (rollout/tools.make_envs).
-        A group's completions start from one prompt, so a reset that words it differently within a group is
-        an error."""
+        rows (`columns`, one entry per completion), each environment reset on its row
+        (rollout/environments.make_envs). A group's completions start from one prompt, so a reset that words it
+        differently within a group is an error."""
         rows = [dict(zip(columns, values)) for values in zip(*columns.values())]
-        envs, prompts = make_envs(self.environment_factory, rows)
+        envs, prompts = make_envs(self.tools, rows)
         G = self.num_generations
-        if any(prompts[i] != prompts[i - i % G] for i in range(len(prompts))):
-            raise ConfigError(f"{self.environment_factory.__name__}.reset returned different prompts for the "
+        differs = [i for i in range(len(prompts)) if prompts[i] != prompts[i - i % G]]
+        if differs:
+            raise ConfigError(f"{type(envs[differs[0]]).__name__}.reset returned different prompts for the "
                               f"completions of one dataset row: a group's {G} completions are sampled from one prompt")
         return prompts[::G], {"envs": envs}

@@ -62,15 +62,15 @@ class _Pending:
 
 class ToolLoop:
     """Tool calling for one decode of N rows. `prompts[i]`: row i's prompt (chat messages, or a string when
-    only inline tools are used); `envs[i]`: its environment (`make_envs`) when the tools include an
-    environment's methods; `eos_ids`: the ids that end a turn (the tokenizer's EOS by default);
+    only inline tools are used); `envs[i]`: its environment (rollout/environments.make_envs) when the tools
+    have environments; `eos_ids`: the ids that end a turn (the tokenizer's EOS by default);
     `chat_template_kwargs`: as the prompts were rendered with (whose PromptEncoder checked, once, that the
     template renders tools)."""
 
     def __init__(self, tools: Tools, tokenizer, prompts: list, max_iterations: int | None = None,
                  envs: list | None = None, eos_ids=None, chat_template_kwargs: dict | None = None):
-        if tools.methods and (envs is None or len(envs) != len(prompts)):
-            raise ValueError("the tools include an environment's methods: pass envs= (make_envs), one per prompt")
+        if tools.environments and (envs is None or len(envs) != len(prompts)):
+            raise ValueError("the tools have environments: pass envs= (make_envs), one per prompt")
         if tools.chat:
             if any(isinstance(p, str) for p in prompts):
                 raise ValueError("chat tools need chat prompts (lists of messages); text prompts take inline tools")
@@ -156,7 +156,8 @@ class ToolLoop:
             tool_messages = [{"role": "tool", "name": c.name, "content": o.text} for c, o in zip(p.calls, outcomes)]
             held = self._prompt_text(row) + self._text(row.ids)
             text, assistant = tool_turn_text(self.tokenizer, [*row.prompt, *row.history], p.message, tool_calls,
-                                             tool_messages, held, self.tools.schemas, self.chat_template_kwargs)
+                                             tool_messages, held, self.tools.schemas_for(row.env),
+                                             self.chat_template_kwargs)
             ids = self.tokenizer.encode(text, add_special_tokens=False)
             if len(ids) > p.room:
                 return self._no_room(row, names, outcomes, len(ids), p.room)
@@ -212,7 +213,8 @@ class ToolLoop:
 
     def _prompt_text(self, row: _Row) -> str:
         if row.prompt_text is None:
-            row.prompt_text = render(self.tokenizer, row.prompt, self.chat_template_kwargs, self.tools.schemas)
+            row.prompt_text = render(self.tokenizer, row.prompt, self.chat_template_kwargs,
+                                     self.tools.schemas_for(row.env))
         return row.prompt_text
 
     def _may_trigger(self, token: int) -> bool:

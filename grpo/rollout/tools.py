@@ -1,14 +1,15 @@
 """Tools a model may call while it decodes (TRL's `tools=` / `environment_factory=`), and running them.
 
-- `Tools.of(...)`: plain functions and an environment class's public methods become JSON schemas
-  (transformers' `get_json_schema`: type hints and a Google-style docstring), which the chat template renders
-  into the prompt (`rollout/chat.py`); inline tools (`InlineTool`, e.g. GSM8K's `<<12+7=19>>`) run
-  inside the text instead.
+- `Tools.of(...)`: plain functions and an environment class's public methods (each class's, for TRL's dict of
+  named environments) become JSON schemas (transformers' `get_json_schema`: type hints and a Google-style
+  docstring), which the chat template renders into each prompt (`rollout/chat.py`); inline tools
+  (`InlineTool`, e.g. GSM8K's `<<12+7=19>>`) run inside the text instead.
 - `parse_hermes`: Hermes / Qwen calls, `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`.
 - `rollout/tool_runner.ToolRunner` (`Tools.runner`, one per run): one decode step's calls, the rows' at once
   and each row's in order, each in a process that its timeout kills. A call that raises or times out returns
   TRL's error text, `{'error': '...'}`.
-- `make_envs`: one environment per completion, reset with its dataset row, as TRL does.
+- The environments themselves, one per completion, and the rewards of those that own theirs:
+  `rollout/environments.py`.
 
 The per-row state machine that uses these is `rollout/tool_loop.py`.
 """
@@ -21,7 +22,8 @@ import types
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..errors import ConfigError, UserError
+from ..errors import ConfigError
+from .environments import environment_reward
 from .tool_runner import ToolRunner
 
 PARSERS = ("hermes",)
@@ -98,15 +100,18 @@ class InlineTool:
 
 @dataclass(frozen=True)
 class Tools:
-    """What a decode may call: `functions` by name, an `environment_factory` whose instances' public
-    methods (`methods`) are tools of their row, their JSON `schemas` (for the chat template) and the
-    `inline` tools; the call `parser`, each call's `timeout_s`, and the `runner` that runs the calls (made
-    with the Tools, once per run: its worker processes serve every step)."""
+    """What a decode may call: `functions` by name; TRL's `environment_factory` as given (a class, or a dict of
+    named classes: each dataset row's `environment` column picks its own), its `environments` by name (a single
+    class under None, as TRL normalises it) and each class's tools (`methods`: name -> JSON schema), which are
+    the tools of the rows whose environment is of that class; the functions' `function_schemas` and the
+    `inline` tools; the call `parser`, each call's `timeout_s`, and the `runner` that runs the calls (made with
+    the Tools, once per run: its worker processes serve every step)."""
 
     functions: dict
-    environment_factory: type | None
-    methods: tuple[str, ...]
-    schemas: list
+    environment_factory: object
+    environments: dict
+    methods: dict
+    function_schemas: list
     inline: tuple[InlineTool, ...]
     parser: str
     timeout_s: float
@@ -116,8 +121,8 @@ class Tools:
     def of(cls, tools=(), environment_factory=None, parser: str = "hermes", inline=(),
            timeout_s: float = 10.0) -> Tools:
         """Tools from TRL's arguments (`tools=[fn, ...]`, `environment_factory=`) plus `inline` ones (also
-        accepted within `tools`); a
-        ConfigError naming the tool that has no schema, a clash of names, an unknown parser."""
+        accepted within `tools`); a ConfigError naming the tool that has no schema, a clash of names, an
+        unknown parser."""
         if isinstance(tools, Tools):  # already made, with its own parser, timeout and environments
             if environment_factory is not None and environment_factory is not tools.environment_factory:
                 raise ConfigError("pass the environment_factory inside the Tools made "
@@ -131,17 +136,31 @@ class Tools:
         given = list(tools or ())  # TRL's functions, and our inline tools among them
         inline = (*(inline or ()), *(t for t in given if isinstance(t, InlineTool)))
         tools = [t for t in given if not isinstance(t, InlineTool)]
-        methods = environment_methods(environment_factory) if environment_factory is not None else {}
-        named = [getattr(f, "__name__", repr(f)) for f in tools] + list(methods)
-        if len(set(named)) < len(named):
-            clash = sorted({n for n in named if named.count(n) > 1})
-            raise ConfigError(f"two tools are named {', '.join(clash)}: each tool needs a name of its own")
-        if not named and not inline:
+        environments = named_environments(environment_factory)
+        methods = {factory: environment_methods(factory) for factory in environments.values()}
+        named = [getattr(f, "__name__", repr(f)) for f in tools]
+        for own in [*methods.values()] or [{}]:  # a row sees the functions and its own environment's methods
+            both = named + list(own)
+            if len(set(both)) < len(both):
+                clash = sorted({n for n in both if both.count(n) > 1})
+                raise ConfigError(f"two tools are named {', '.join(clash)}: each tool needs a name of its own")
+        if not named and not inline and not environments:
             raise ConfigError("no tools: give tools=[...], environment_factory= or inline=[...]")
-        functions = dict(zip(named, tools))
-        schemas = [schema_of(f) for f in tools] + list(methods.values())
-        return cls(functions, environment_factory, tuple(methods), schemas, inline, parser, timeout_s,
-                   ToolRunner(timeout_s))
+        return cls(dict(zip(named, tools)), environment_factory, environments, methods,
+                   [schema_of(f) for f in tools], inline, parser, timeout_s, ToolRunner(timeout_s))
+
+    @property
+    def schemas(self) -> list:
+        """Every tool's JSON schema: the functions', then each environment class's methods' (a name once)."""
+        every = {}
+        for own in self.methods.values():
+            for name, schema in own.items():
+                every.setdefault(name, schema)
+        return [*self.function_schemas, *every.values()]
+
+    def schemas_for(self, env) -> list:
+        """The schemas a row's prompt renders: the functions' and its environment's (`env`: the row's, or None)."""
+        return self.schemas if env is None else [*self.function_schemas, *self.methods[type(env)].values()]
 
     @property
     def chat(self) -> bool:
@@ -150,17 +169,31 @@ class Tools:
 
     @property
     def names(self) -> list[str]:
-        """The tools as a checkpoint records them (grpo_config.json's `tools`): functions and an environment's
+        """The tools as a checkpoint records them (grpo_config.json's `tools`): functions and the environments'
         methods by name, an inline tool by its function's name and the text that calls it."""
         inline = [f"{getattr(t.fn, '__name__', 'inline')} as {t.open}...{t.trigger}" for t in self.inline]
-        return [*self.functions, *self.methods, *inline]
+        return [s["function"]["name"] for s in self.schemas] + inline
+
+    def __iter__(self):
+        """TRL's `trainer.tools`: the callables the model may call, the functions and then each environment
+        class's methods (as its class defines them: each row calls its own instance's)."""
+        seen = {*self.functions}
+        yield from self.functions.values()
+        for factory, own in self.methods.items():
+            yield from (getattr(factory, name) for name in own if name not in seen)
+            seen |= {*own}
 
     def resolve(self, name: str, env) -> Callable | None:
-        """The callable a row's call of `name` runs (an environment's method on that row's `env`); None for
-        a name that is not a tool of that row."""
+        """The callable a row's call of `name` runs (a method of that row's environment `env`); None for a name
+        that is not a tool of that row."""
         if name in self.functions:
             return self.functions[name]
-        return getattr(env, name) if env is not None and name in self.methods else None
+        return getattr(env, name) if env is not None and name in self.methods[type(env)] else None
+
+    def rewards(self) -> list:
+        """TRL's rewards of the environments that own theirs: one reward function per class that defines
+        `get_reward` (environments.environment_reward), in the environments' order, a class named twice once."""
+        return [environment_reward(f) for f in self.methods if callable(getattr(f, "get_reward", None))]
 
 
 def schema_of(fn) -> dict:
@@ -174,14 +207,25 @@ def schema_of(fn) -> dict:
                           f"needs type hints and a Google-style docstring with an Args: section)") from None
 
 
+def named_environments(environment_factory) -> dict:
+    """TRL's `environment_factory` as `{name: class}`: a dict as given (each row's `environment` column names its
+    own), a single class under None; ConfigError for a factory that is not a class with `reset`."""
+    if environment_factory is None:
+        return {}
+    named = dict(environment_factory) if isinstance(environment_factory, dict) else {None: environment_factory}
+    for name, factory in named.items():
+        where = "environment_factory" if name is None else f"environment_factory[{name!r}]"
+        if not inspect.isclass(factory):
+            raise ConfigError(f"{where} must be a class (one instance is made per completion), got "
+                              f"{type(factory).__name__}")
+        if not callable(getattr(factory, "reset", None)):
+            raise ConfigError(f"{where} {factory.__name__} has no reset(**row) method")
+    return named
+
+
 def environment_methods(factory) -> dict[str, dict]:
     """An environment class's tools, name -> JSON schema: its public methods except `reset` and
     `get_reward`. The schema is read from the method bound to a stand-in, so `self` is not an argument."""
-    if not inspect.isclass(factory):
-        raise ConfigError(f"environment_factory must be a class (one instance is made per completion), got "
-                          f"{type(factory).__name__}")
-    if not callable(getattr(factory, "reset", None)):
-        raise ConfigError(f"environment_factory {factory.__name__} has no reset(**row) method")
     methods = {}
     for name in dir(factory):
         if name.startswith("_") or name in NOT_TOOLS or not callable(getattr(factory, name)):
@@ -190,72 +234,3 @@ def environment_methods(factory) -> dict[str, dict]:
         method = getattr(factory, name)
         methods[name] = schema_of(method if static else types.MethodType(method, object()))
     return methods
-
-
-def make_envs(factory, rows: list[dict]) -> tuple[list, list]:
-    """One environment per completion (`rows`: the dataset rows, one per completion, with their `prompt`) and
-    the prompts as the model sees them: `env.reset(**row)` gets every column, and a string it returns is
-    appended to the prompt's last message (to the prompt itself for a text prompt), as TRL does."""
-    envs, prompts = [], []
-    for row in rows:
-        env = factory()
-        try:
-            observation = env.reset(**row)
-        except Exception as error:
-            raise EnvironmentFailed(f"environment {factory.__name__}.reset raised {_one_line(error)} on the dataset "
-                                    f"row {_short(row)}") from error
-        prompt = row["prompt"]
-        if observation is not None:
-            if isinstance(prompt, str):
-                prompt = prompt + observation
-            else:
-                prompt = [*prompt[:-1], {**prompt[-1], "content": prompt[-1]["content"] + observation}]
-        envs.append(env)
-        prompts.append(prompt)
-    return envs, prompts
-
-
-def environment_reward(environments, prompts=None, **kwargs) -> list[float | None]:
-    """A reward function (TRL's contract, `environments=` passed by the trainer): each environment's
-    `get_reward()`, None where it has none; EnvironmentFailed naming the class, the completion and its prompt
-    when one raises."""
-    rewards = []
-    for i, env in enumerate(environments):
-        try:
-            rewards.append(env.get_reward() if callable(getattr(env, "get_reward", None)) else None)
-        except Exception as error:
-            raise get_reward_failed(env, error, i, None if prompts is None else prompts[i]) from error
-    return rewards
-
-
-def get_reward_failed(env, error: BaseException, i: int, prompt=None, where: str = "") -> EnvironmentFailed:
-    """The one line for `env.get_reward()` raising `error` on completion `i` of the batch (its `prompt`)."""
-    shown = f" (prompt {_short(prompt)})" if prompt is not None else ""
-    return EnvironmentFailed(f"environment {type(env).__name__}.get_reward raised {_one_line(error)} for completion "
-                             f"{i} of the batch{shown}{where}")
-
-
-def environment_in(error: BaseException):
-    """The environment whose `get_reward` raised `error` (the `self` of a `get_reward` frame in its traceback,
-    innermost first), or None."""
-    tb, found = error.__traceback__, None
-    while tb is not None:
-        frame = tb.tb_frame
-        if frame.f_code.co_name == "get_reward" and "self" in frame.f_locals:
-            found = frame.f_locals["self"]
-        tb = tb.tb_next
-    return found
-
-
-class EnvironmentFailed(UserError):
-    """An environment's `reset` or `get_reward` raised: the message names the class, the row and the error."""
-
-
-def _one_line(error: BaseException, limit: int = 300) -> str:
-    text = " ".join(f"{type(error).__name__}: {error}".split())
-    return text if len(text) <= limit else text[:limit] + "..."
-
-
-def _short(value, limit: int = 200) -> str:
-    text = " ".join(repr(value).split())
-    return text if len(text) <= limit else text[:limit] + "..."

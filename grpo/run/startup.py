@@ -21,6 +21,7 @@ from ..policy.models import device_of
 from ..policy.parallel import check_settings as check_parallel_settings
 from ..policy.precision import Precision, default_device
 from ..rollout.engines.choice import check_engine
+from ..rollout.environments import training_rows
 from ..rollout.evaluate import check_eval_setup
 from ..rollout.prompts import check_dataset
 from ..rollout.reward_models import reward_callables
@@ -31,42 +32,60 @@ from . import lock
 
 class Prepared(NamedTuple):
     """What a run knows before its model loads: its ranks, the plan finished, the dtype plan, the reward
-    callables."""
+    callables, the training rows."""
 
     dist: Distributed
     plan: RunPlan
     precision: Precision
-    reward_funcs: list  # rollout/reward_models.reward_callables: reward models wrapped
+    reward_funcs: list  # rollout/reward_models.reward_callables: reward models wrapped, the environments' after
+    train_dataset: object  # the caller's, or the rows drawn when an environment owns the data
 
 
 def prepare(config, train_dataset, eval_dataset, reward_funcs, reward_processing_classes=None, model=None,
-            sampler: bool = False, rollout_func: bool = False) -> Prepared:
+            sampler: bool = False, rollout_func: bool = False, tools=None) -> Prepared:
     """The run of `config` set up on its ranks (infra/distributed: world size 1 without torchrun; torch seeded
     by rank: dropout differs by rank, sampling has its own streams), checked and planned before its model
     (`model`: the caller's, or None) loads. ConfigError (or the dataset's, a reward's error) for a run that
     cannot start. `sampler`, `rollout_func`: whether the caller passed one (rollout/engines/choice: the engine's
-    refusals); with neither, the reward functions get the dataset's columns only (theirs may add some). The
-    plan is on the process group's ranks, with the run's length and decode sizes, and the precision plan."""
+    refusals); with neither, the reward functions get the dataset's columns only (theirs may add some).
+    `tools` (rollout/tools.Tools, or None): the run's; an environment may own the reward (`reward_sources`) and,
+    when its reset() returns the prompt, the data (no train_dataset, max_steps set:
+    rollout/environments.training_rows). The plan is on the process group's ranks, with the run's length and
+    decode sizes, and the precision plan."""
     dist = setup_distributed()
     lock.check_output_dir(config.output_dir)
     lock.check_free(config.output_dir, dist)  # taken when training starts
     device = device_of(model) if model is not None else default_device()  # where the policy runs
-    funcs = reward_callables(reward_funcs, reward_processing_classes, config.chat_template_kwargs)
-    check_dataset(train_dataset)
-    check_reward_weights(config.reward_weights, reward_func_names(funcs))
+    funcs, weighted = reward_sources(config, reward_funcs, reward_processing_classes, tools)
+    precision = Precision.of(config, device)
+    # bf16 sampling in our own decode only: a rollout_func or a sampler samples its own way
+    plan = RunPlan.resolve(weighted, dist.world_size, precision.bf16_sampling and not (sampler or rollout_func))
+    train_dataset = training_rows(train_dataset, tools, config.max_steps, plan.schedule.prompts_per_generation)
+    check_dataset(train_dataset, environments=tools is not None and bool(tools.environments))
     if not (sampler or rollout_func):
         check_reward_columns(funcs, train_dataset)  # not after the first generation batch
     check_eval_setup(config, eval_dataset, funcs)
     check_parallel_settings(dist.world_size, config.fsdp, config.optim, config.use_lora)
     for line in loss_warnings(config.loss_type, config.importance_sampling_level) if dist.is_main else []:
         print(f"warning: {line}", file=sys.stderr)  # as TRL's GRPOTrainer warns
-    precision = Precision.of(config, device)
-    # bf16 sampling in our own decode only: a rollout_func or a sampler samples its own way
-    plan = RunPlan.resolve(config, dist.world_size, precision.bf16_sampling and not (sampler or rollout_func))
     check_engine(plan, dist.world_size, device.type, sampler=sampler, rollout_func=rollout_func)
     total_steps = plan.schedule.total_steps(len(train_dataset), config.num_train_epochs, config.max_steps)
     decode = decode_sizes(plan.memory, architecture_of(config.model, model), precision)
     torch.manual_seed(config.seed + dist.rank)  # last: reward models loaded above draw from it
     if dist.is_main:  # once every check passed: a refused run's only line is its error
         print(precision.statement, file=sys.stderr)
-    return Prepared(dist, dataclasses.replace(plan, total_steps=total_steps, decode=decode), precision, funcs)
+    return Prepared(dist, dataclasses.replace(plan, total_steps=total_steps, decode=decode), precision, funcs,
+                    train_dataset)
+
+
+def reward_sources(config, reward_funcs, reward_processing_classes=None, tools=None) -> tuple[list, object]:
+    """The run's reward callables and `config` with reward_weights for them all: the caller's (reward models
+    wrapped), then, as in TRL, the reward of each environment class of `tools` (rollout/tools.Tools, or None)
+    that defines `get_reward`, weight 1 (config's reward_weights weigh the caller's alone). ConfigError for no
+    reward at all, or weights that do not match the caller's functions."""
+    owned = tools.rewards() if tools is not None else []
+    funcs = reward_callables(reward_funcs, reward_processing_classes, config.chat_template_kwargs, not owned)
+    check_reward_weights(config.reward_weights, reward_func_names(funcs))
+    weighted = config if not owned or config.reward_weights is None else dataclasses.replace(
+        config, reward_weights=[*config.reward_weights, *[1.0] * len(owned)])
+    return funcs + owned, weighted

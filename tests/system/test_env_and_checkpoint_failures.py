@@ -14,7 +14,6 @@ from tiny_setup import digit_prompts, digit_share, tiny_model, tiny_tokenizer
 
 from grpo import Config, Trainer
 from grpo.errors import TrainingStopped, UserError
-from grpo.rollout.tools import environment_reward
 from grpo.train import main
 
 QUESTION = [{"role": "user", "content": "What is 3 times 4?"}]
@@ -49,7 +48,8 @@ def calling_trainer(tmp_path, answers, reward):
                     max_prompt_length=1024, max_completion_length=160, optim="adamw", save_steps=1000,
                     max_tool_calling_iterations=1)
     dataset = Dataset.from_list([{"prompt": QUESTION, "answer": a} for a in answers])
-    return Trainer(config, model=model, tokenizer=tokenizer, reward_funcs=[reward], train_dataset=dataset,
+    return Trainer(config, model=model, tokenizer=tokenizer, reward_funcs=[reward] if reward else [],
+                   train_dataset=dataset,
                    environment_factory=Broken)
 
 
@@ -74,7 +74,7 @@ def test_a_raising_reset_is_one_line_naming_the_environment_the_row_and_the_erro
 
 
 def test_a_raising_get_reward_is_one_line_naming_the_environment_the_completion_and_the_error(tmp_path):
-    trainer = calling_trainer(tmp_path, ["12"], environment_reward)
+    trainer = calling_trainer(tmp_path, ["12"], None)  # Broken's own get_reward is the reward, as in TRL
     message = one_line_error(trainer)
     assert message.startswith(GET_REWARD_RAISED)
 

@@ -14,9 +14,10 @@ from tiny_setup import loop_metrics
 from grpo.errors import ConfigError
 from grpo.rollout.tool_loop import ToolLoop
 from grpo.rollout.chat import check_tool_template, render
+from grpo.rollout.sampling import PromptEncoder
 from grpo.rollout.tool_runner import ToolRunner
-from grpo.rollout.tools import (InlineTool, MalformedCall, ToolCall, Tools, environment_reward, make_envs,
-                                parse_hermes, strip_hermes)
+from grpo.rollout.environments import make_envs
+from grpo.rollout.tools import InlineTool, MalformedCall, ToolCall, Tools, parse_hermes, strip_hermes
 from grpo.tasks.calculator import CHATML_TOOLS, calculate
 from grpo.tasks.tiny import CHAT_TEMPLATE, train_tokenizer
 
@@ -447,7 +448,7 @@ def test_an_environment_per_completion_its_methods_its_reward(tok):
     assert [s["function"]["name"] for s in tools.schemas] == ["add"]
     assert tools.schemas[0]["function"]["parameters"]["properties"] == {
         "n": {"type": "integer", "description": "The number to add."}}
-    envs, prompts = make_envs(Counter, [{"prompt": QUESTION, "start": 3}, {"prompt": QUESTION, "start": 8}])
+    envs, prompts = make_envs(tools, [{"prompt": QUESTION, "start": 3}, {"prompt": QUESTION, "start": 8}])
     assert prompts[1] == [{"role": "user", "content": "What is 3 times 4? Start from 8."}]
     assert QUESTION[0]["content"] == "What is 3 times 4?"  # the dataset's row is left as it was
     loop = ToolLoop(tools, tok, prompts, envs=envs)
@@ -455,9 +456,46 @@ def test_an_environment_per_completion_its_methods_its_reward(tok):
     _, answers = drive(loop, tok, [[add, "Done.<|im_end|>"], [add, "Done.<|im_end|>"]])
     assert "<tool_response>\n5\n" in tok.decode(fed(answers, 0)[0])
     assert "<tool_response>\n10\n" in tok.decode(fed(answers, 1)[0])
-    assert environment_reward(envs) == [0.0, 1.0]
+    (reward,) = tools.rewards()  # its get_reward, TRL's reward named after the class
+    assert reward.__name__ == "Counter" and reward(environments=envs) == [0.0, 1.0]
     with pytest.raises(ValueError, match="pass envs="):
         ToolLoop(tools, tok, prompts)
+
+
+class Echo:
+    """A second environment, without a reward of its own."""
+
+    def reset(self, prompt, **columns) -> None:
+        self.said = []
+
+    def shout(self, text: str) -> str:
+        """Shouts the text.
+
+        Args:
+            text: What to shout.
+        """
+        return text.upper()
+
+
+def test_a_dict_of_environments_gives_each_row_its_own_class_tools_and_reward(tok):
+    tools = Tools.of(environment_factory={"counter": Counter, "echo": Echo, "again": Counter})
+    rows = [{"prompt": QUESTION, "start": 3, "environment": "counter"}, {"prompt": QUESTION, "environment": "echo"}]
+    envs, prompts = make_envs(tools, rows)
+    assert [type(env) for env in envs] == [Counter, Echo]  # `environment` is not passed to reset, which takes none
+    encode = PromptEncoder(tok, None, tools=tools)
+    ids, mask = encode(prompts, envs=envs)
+    counter_text, echo_text = (tok.decode(row[m.bool()]) for row, m in zip(ids, mask))
+    assert '"add"' in counter_text and '"shout"' not in counter_text  # each prompt shows its own tools only
+    assert '"shout"' in echo_text and '"add"' not in echo_text
+    assert tools.resolve("add", envs[0]) is not None and tools.resolve("add", envs[1]) is None
+    assert [t.__name__ for t in tools] == ["add", "shout"]  # TRL's trainer.tools
+    (reward,) = tools.rewards()  # one per class that owns its reward, however many names map to it
+    envs[0].total = 10
+    assert reward.__name__ == "Counter" and reward(environments=envs) == [1.0, None]
+    with pytest.raises(ValueError, match="not among the environments of environment_factory"):
+        make_envs(tools, [{"prompt": QUESTION, "environment": "nope"}])
+    with pytest.raises(ConfigError, match=r"environment_factory\['echo'\] must be a class"):
+        Tools.of(environment_factory={"echo": lambda: Echo()})
 
 
 # --- inline tools ----------------------------------------------------------------------------------------------

@@ -1,0 +1,137 @@
+"""TRL's environments (`environment_factory`) as a run uses them: one instance per completion, reset on its
+dataset row (`make_envs`), the class a dict of named environments gives the row's `environment` column; the
+reward of an environment that owns it (`environment_reward`: its `get_reward()`); the rows a run draws when an
+environment owns the data (`training_rows`: no train_dataset, each `reset()` returns the prompt); and the one-line
+failures of `reset` and `get_reward`. Which of an environment's methods are tools is rollout/tools.py's."""
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+
+from ..errors import ConfigError, DatasetError, UserError
+
+EMPTY_PROMPT = [{"role": "user", "content": ""}]  # TRL's: what a row without a prompt starts from, reset() adds to
+
+
+def make_envs(tools, rows: list[dict], dataset: str = "train_dataset") -> tuple[list, list]:
+    """One environment per completion (`rows`: the dataset rows, one per completion; `tools`: the run's
+    rollout/tools.Tools, which holds the environments) and the prompts as the model sees them, as TRL makes
+    them: with a dict of environments, the row's `environment` column names its class and is not passed on;
+    `env.reset(**row)` gets every other column, and a string it returns is appended to the prompt's last message
+    (to the prompt itself for a text prompt), a row without a prompt starting from an empty user message.
+    DatasetError for a row naming none of the dict's environments."""
+    named = isinstance(tools.environment_factory, dict)
+    envs, prompts = [], []
+    for row in rows:
+        name = row.get("environment") if named else None
+        if name not in tools.environments:
+            raise DatasetError(f"a {dataset} row has environment={name!r}, which is not among the environments of "
+                               f"environment_factory ({', '.join(map(repr, tools.environments))}): give each row "
+                               f"the name of one in its `environment` column")
+        factory = tools.environments[name]
+        env = factory()
+        try:
+            observation = env.reset(**({k: v for k, v in row.items() if k != "environment"} if named else row))
+        except Exception as error:
+            raise EnvironmentFailed(f"environment {factory.__name__}.reset raised {_one_line(error)} on the dataset "
+                                    f"row {_short(row)}") from error
+        prompt = row.get("prompt", EMPTY_PROMPT)
+        if observation is not None:
+            if isinstance(prompt, str):
+                prompt = prompt + observation
+            else:
+                prompt = [*prompt[:-1], {**prompt[-1], "content": prompt[-1]["content"] + observation}]
+        envs.append(env)
+        prompts.append(prompt)
+    return envs, prompts
+
+
+def training_rows(train_dataset, tools, max_steps: int, num_prompts: int):
+    """The rows a run draws: `train_dataset` (which, with a dict of environments, must have the `environment`
+    column that chooses between them: DatasetError) or, when it is None and the environment owns the data (its
+    `reset()` returns each prompt), TRL's: a generation batch's `num_prompts` rows of an empty user message, drawn
+    again every batch, for `max_steps` steps. A ConfigError, saying what to pass, for no train_dataset and no
+    environment, a dict of environments or no max_steps."""
+    named = tools is not None and isinstance(tools.environment_factory, dict)
+    if train_dataset is not None:
+        if named and "environment" not in (getattr(train_dataset, "column_names", None) or ["environment"]):
+            raise DatasetError(f"environment_factory is a dict, so each train_dataset row names its environment "
+                               f"({', '.join(map(repr, tools.environments))}) in an `environment` column, which "
+                               f"train_dataset lacks (its columns: {', '.join(train_dataset.column_names)})")
+        return train_dataset
+    if tools is None or not tools.environments:
+        raise ConfigError("`train_dataset` is required unless an environment_factory's reset() returns each prompt "
+                          "(the environment owns the data; then set max_steps)")
+    if named:
+        raise ConfigError("environment_factory as a dict requires a `train_dataset` with an `environment` column "
+                          "naming each row's environment: pass one, or a single environment class")
+    if max_steps <= 0:
+        raise ConfigError("with no train_dataset (the environment's reset() returns each prompt) set max_steps: "
+                          "there are no rows to count epochs over")
+    from datasets import Dataset
+
+    return Dataset.from_dict({"prompt": [EMPTY_PROMPT] * num_prompts})
+
+
+def environment_reward(environment: type) -> Callable:
+    """TRL's reward of an environment that owns it: a reward function named after the class `environment`
+    (which defines `get_reward()`, no argument, maybe async) that scores each completion whose environment is of
+    exactly that class by its `get_reward()` and leaves the others unscored (None); EnvironmentFailed naming the
+    class, the completion and its prompt when one raises."""
+    if inspect.iscoroutinefunction(environment.get_reward):
+        async def reward(environments, prompts=None, **kwargs) -> list[float | None]:
+            return [await _awaited_reward(env, i, prompts) if type(env) is environment else None
+                    for i, env in enumerate(environments)]
+    else:
+        def reward(environments, prompts=None, **kwargs) -> list[float | None]:
+            return [_reward(env, i, prompts) if type(env) is environment else None
+                    for i, env in enumerate(environments)]
+    reward.__name__ = reward.__qualname__ = environment.__name__  # TRL's metric key: rewards/<class>/mean
+    return reward
+
+
+def _reward(env, i: int, prompts):
+    try:
+        return env.get_reward()
+    except Exception as error:
+        raise get_reward_failed(env, error, i, None if prompts is None else prompts[i]) from error
+
+
+async def _awaited_reward(env, i: int, prompts):
+    try:
+        return await env.get_reward()
+    except Exception as error:
+        raise get_reward_failed(env, error, i, None if prompts is None else prompts[i]) from error
+
+
+def get_reward_failed(env, error: BaseException, i: int, prompt=None, where: str = "") -> EnvironmentFailed:
+    """The one line for `env.get_reward()` raising `error` on completion `i` of the batch (its `prompt`)."""
+    shown = f" (prompt {_short(prompt)})" if prompt is not None else ""
+    return EnvironmentFailed(f"environment {type(env).__name__}.get_reward raised {_one_line(error)} for completion "
+                             f"{i} of the batch{shown}{where}")
+
+
+def environment_in(error: BaseException):
+    """The environment whose `get_reward` raised `error` (the `self` of a `get_reward` frame in its traceback,
+    innermost first), or None."""
+    tb, found = error.__traceback__, None
+    while tb is not None:
+        frame = tb.tb_frame
+        if frame.f_code.co_name == "get_reward" and "self" in frame.f_locals:
+            found = frame.f_locals["self"]
+        tb = tb.tb_next
+    return found
+
+
+class EnvironmentFailed(UserError):
+    """An environment's `reset` or `get_reward` raised: the message names the class, the row and the error."""
+
+
+def _one_line(error: BaseException, limit: int = 300) -> str:
+    text = " ".join(f"{type(error).__name__}: {error}".split())
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _short(value, limit: int = 200) -> str:
+    text = " ".join(repr(value).split())
+    return text if len(text) <= limit else text[:limit] + "..."
