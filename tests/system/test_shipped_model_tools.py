@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from grpo import Config, Trainer, load_model, load_tokenizer
+from grpo import Config, Trainer, load_tokenizer
 from grpo.errors import ConfigError
 
 pytestmark = [

@@ -2,9 +2,10 @@
 `test_train` on its MoE families (tiny random stand-ins of GPT-OSS, Qwen3-MoE, Glm4-MoE and NemotronH), the loss
 holding the router's term, and its setting's refusals."""
 import pytest
+from test_trl_everyday import trl_args as everyday_args
 from tiny_setup import MOE_FAMILIES, digit_prompts, digit_share, tiny_model, tiny_moe, tiny_tokenizer
 
-from grpo import Config as GRPOConfig  # was: from trl import GRPOConfig, GRPOTrainer
+# was: from trl import GRPOTrainer (and GRPOConfig, in trl_args)
 from grpo import Trainer as GRPOTrainer
 from grpo.errors import ConfigError
 
@@ -14,11 +15,9 @@ def tokenizer():
     return tiny_tokenizer()
 
 
-def trl_args(tmp_path, **settings) -> GRPOConfig:
-    """The keywords TRL's tests pass to every GRPOConfig (bf16 off: float32 on the CPU)."""
-    return GRPOConfig(**{"output_dir": str(tmp_path / "run"), "learning_rate": 0.1, "per_device_train_batch_size": 3,
-                         "num_generations": 3, "max_completion_length": 8, "report_to": "none", "bf16": False,
-                         "max_steps": 2, **settings})
+def trl_args(tmp_path, **settings):
+    """TRL's tests' keywords (tests/system/test_trl_everyday.py), two steps unless a test says otherwise."""
+    return everyday_args(tmp_path, **{"max_steps": 2, **settings})
 
 
 @pytest.mark.parametrize("model_type", list(MOE_FAMILIES))

@@ -3,7 +3,7 @@
 values, and is used only where its math is the model's."""
 import pytest
 import torch
-from test_model_families import SMALL, V, left_padded_prompts, tiny_family
+from test_model_families import V, left_padded_prompts, tiny_family
 
 from grpo import Config
 from grpo.policy.decoder import fused_decoder
