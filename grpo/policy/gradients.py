@@ -44,13 +44,17 @@ def accumulate(policy, micro_batches: list, counts, loss: Mapping, reduce, *, st
 
 
 @torch.no_grad()
+@torch.no_grad()
 def eval_loss(policy, loss: Mapping, rollout) -> tuple[float, int]:
     """TRL's eval loss of one batch of greedy completions (rollout/batches.Rollout, one per prompt) and its rows:
     the loss `loss` sets, each completion the one of its group, so its advantage is 0 as TRL's is with
     num_generations_eval=1. What is left is beta x the KL to the reference minus the entropy bonus (0 when both
     are off, as by default), plus a mixture-of-experts router's load-balancing term."""
-    logprobs, entropies, aux = policy.training_logprobs(rollout)  # [N, C] each, a scalar or None
-    reference = policy.reference_logprobs(rollout) if loss["beta"] != 0 else None  # [N, C]
+    try:
+        logprobs, entropies, aux = policy.training_logprobs(rollout)  # [N, C] each, a scalar or None
+        reference = policy.reference_logprobs(rollout) if loss["beta"] != 0 else None  # [N, C]
+    finally:
+        policy.parallel.reshard()  # no backward follows
     mask = rollout.completion_mask if rollout.loss_mask is None else rollout.loss_mask  # [N, C]
     value, _ = policy_loss(logprobs, None, reference, torch.zeros(len(logprobs)), mask, entropies=entropies, **loss)
     if aux is not None:  # TRL's eval loss has the router's load-balancing loss too

@@ -71,9 +71,13 @@ class ParallelPolicy:
         try:
             return self.root(lambda model: self._gathered(fn, model))
         finally:
-            # The root unit keeps its weights gathered after a forward, for the backward FSDP expects next.
-            # Sampling has none: without this, a checkpoint saved right after it (say, after an evaluation)
-            # would find whole tensors where the optimizer holds shards.
+            self.reshard()
+
+    def reshard(self) -> None:
+        """After forwards that no backward follows (sampling, an eval loss): under FSDP the root unit keeps its
+        weights gathered after a forward, for the backward it expects next; without this, a checkpoint saved
+        right after would find whole tensors where the optimizer holds shards."""
+        if self.kind == "fsdp":
             self.root.reshard()
 
     def _gathered(self, fn, model):
