@@ -1,6 +1,7 @@
 """`Trainer`: the GRPO loop: each step takes its batch (rollout/pipeline) and updates the policy."""
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import asdict, replace
 from functools import partial
@@ -120,6 +121,8 @@ class Trainer:
         with lock.hold(self.output_dir, self.dist), self.batches:  # a sampler process ends with it
             if self.step == 0:  # resumed, or a fresh run that must not append to earlier logs
                 self.resume(resume)
+            if self.dist.is_main:  # once it can train: a run that cannot has its error as its only line
+                print(self.precision.statement, file=sys.stderr)
             self.report.begin({**asdict(self.config), "resume_from_checkpoint": resume})
             if self.config.eval_on_start and self.step == 0:
                 self.evaluate()

@@ -71,8 +71,6 @@ def prepare(config, train_dataset, eval_dataset, reward_funcs, reward_processing
     total_steps = plan.schedule.total_steps(len(train_dataset), config.num_train_epochs, config.max_steps)
     decode = decode_sizes(plan.memory, architecture_of(config.model, model), precision)
     torch.manual_seed(config.seed + dist.rank)  # last: reward models loaded above draw from it
-    if dist.is_main:  # once every check passed: a refused run's only line is its error
-        print(precision.statement, file=sys.stderr)
     return Prepared(dist, dataclasses.replace(plan, total_steps=total_steps, decode=decode), precision, funcs,
                     train_dataset)
 
