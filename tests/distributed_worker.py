@@ -43,7 +43,9 @@ RUNS = {
     "fixed_single": dict(per_device_train_batch_size=8),
     "fixed_ddp": {},
     "fixed_fsdp": dict(fsdp=True),
-    "fixed_fsdp_bf16": dict(fsdp=True, bf16=True),  # CUDA's mixed precision (bf16 gathers), rehearsed on gloo
+    # CUDA's mixed precision (bf16 gathers), rehearsed on gloo; its completions are fixed (no sampler's log-probs
+    # for the CPU bf16 plan's importance-sampling correction to read)
+    "fixed_fsdp_bf16": dict(fsdp=True, bf16=True, vllm_importance_sampling_correction=False),
     "fixed_single_lora": dict(per_device_train_batch_size=8, use_lora=True, lora_r=4, lora_dropout=0.0,
                               gradient_checkpointing=True, scale_rewards="batch"),
     "fixed_ddp_lora": dict(use_lora=True, lora_r=4, lora_dropout=0.0, gradient_checkpointing=True,
