@@ -85,8 +85,8 @@ def collect(python: Path, tests: Path, env: dict, keyword: str | None) -> list[s
 def run(python: Path, tests: Path, env: dict, ids: list[str], seconds: int) -> dict[str, dict]:
     """Each test id -> {"outcome": passed/failed/skipped, "error": the first line of its error}."""
     report = tests.parent / f"{tests.name}.xml"
-    cmd = [str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore", "--tb=no", f"--junitxml={report}",
-           "-o", "junit_family=xunit1", *(f"{FILE}::{i}" for i in ids)]
+    cmd = [str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W", "ignore", "--tb=no",
+           f"--junitxml={report}", "-o", "junit_family=xunit1", *(f"{FILE}::{i}" for i in ids)]
     subprocess.run(cmd, env=dict(env, TRL_TESTS_TIMEOUT=str(seconds)), cwd=tests)
     results = {}
     for case in ET.parse(report).iter("testcase"):
@@ -140,9 +140,11 @@ def main() -> None:
     sys.path[:0] = [str(ROOT), str(HELPERS)]
     import standins
 
-    missing = standins.write_models(work / "hf" / "hub")
-    standins.write_datasets(work / "data")
     python, env = trl_venv(args.venv, args.trl), environment(work)
+    trl_package = subprocess.run([str(python), "-c", "import trl, os; print(os.path.dirname(trl.__file__))"],
+                                 capture_output=True, text=True, check=True).stdout.strip()
+    missing = standins.write_models(work / "hf" / "hub", Path(trl_package) / "chat_templates")
+    standins.write_datasets(work / "data")
     ids = pick(collect(python, prepare(work, args.test_file, "trl"), env, args.keyword), args.limit)
     start, trl, grpo = time.time(), None, None
     if args.trainer in ("both", "trl"):

@@ -28,6 +28,10 @@ ZEN = [
 SMALL = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=4, max_position_embeddings=1024)
 MOE = dict(num_experts=4, num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+# The chat template each family's tiny Hub model carries (the real model's), as TRL's installed package ships it
+# under trl/chat_templates/ (tool calling and TRL's response schemas recognise these exact templates).
+TEMPLATES = {"qwen2": "qwen2_5", "qwen3": "qwen3", "qwen3_moe": "qwen3", "llama": "llama3_2", "gemma2": "gemma",
+             "cohere2": "cohere2", "gpt_oss": "gptoss", "glm4_moe": "glm4moe", "nemotron_h": "nemotron_3_nano"}
 # Hub name (under trl-internal-testing/) -> transformers model_type, model class, config beyond SMALL.
 MODELS = {
     "tiny-Qwen2ForCausalLM-2.5": ("qwen2", "Qwen2ForCausalLM", {}),
@@ -62,11 +66,14 @@ def _snapshot(hub: Path, repo: str) -> Path:
     return folder
 
 
-def write_models(hub: Path) -> dict[str, str]:
-    """Each stand-in saved under its Hub name; returns the ones that could not be built, with why."""
+def write_models(hub: Path, templates: Path | None) -> dict[str, str]:
+    """Each stand-in saved under its Hub name, with its family's chat template where `templates` (a folder of
+    <name>.jinja files) has it, else ChatML; returns the ones that could not be built, with why."""
     tokenizer = train_tokenizer(ZEN * 4, vocab_size=400)
-    missing = {}
+    chatml, missing = tokenizer.chat_template, {}
     for name, (model_type, cls, extra) in MODELS.items():
+        template = templates / f"{TEMPLATES.get(model_type)}.jinja" if templates else None
+        tokenizer.chat_template = template.read_text() if template and template.is_file() else chatml
         try:
             config = transformers.AutoConfig.for_model(
                 model_type, **{**SMALL, **extra}, vocab_size=len(tokenizer),
