@@ -25,6 +25,7 @@ ZEN = [
     "If the implementation is easy to explain, it may be a good idea.",
     "Namespaces are one honking great idea -- let's do more of those!",
 ]
+PROMPT_WORDS = [4, 2, 3, 1, 4, 3, 1, 4, 3, 3, 2, 6, 4, 5, 3, 6, 5, 5, 4]
 SMALL = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=4, max_position_embeddings=1024)
 MOE = dict(num_experts=4, num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
@@ -88,9 +89,12 @@ def write_models(hub: Path, templates: Path | None) -> dict[str, str]:
 
 
 def write_datasets(root: Path) -> None:
-    """trl-internal-testing/zen's two prompt-only configs: 17 train rows, 2 test rows, as TRL's has."""
-    standard = [{"prompt": line} for line in ZEN]
-    conversational = [{"prompt": [{"role": "user", "content": line}]} for line in ZEN]
+    """trl-internal-testing/zen's two prompt-only configs: 17 train rows, 2 test rows, as TRL's has. Its prompts
+    are the Zen's lines cut short, in order (TRL's test_prepare_input_called_with_correct_data names the first
+    twelve); the conversational config asks the same as a user turn."""
+    prompts = [" ".join(line.split()[:n]) for line, n in zip(ZEN, PROMPT_WORDS)]
+    standard = [{"prompt": p} for p in prompts]
+    conversational = [{"prompt": [{"role": "user", "content": p}]} for p in prompts]
     for config, rows in (("standard_prompt_only", standard), ("conversational_prompt_only", conversational)):
         folder = root / "trl-internal-testing--zen" / config
         folder.mkdir(parents=True, exist_ok=True)
