@@ -86,14 +86,19 @@ def assert_same_run(resumed, out, reference, reference_out):
     assert read_jsonl(out / "completions.jsonl") == read_jsonl(reference_out / "completions.jsonl")
 
 
+def crash_inside_step_5(out, tokenizer, name: str) -> None:
+    """Run `name` into `out` until it dies inside step 5 (its checkpoint-3 written, step 4 logged)."""
+    first = make_trainer(out, tokenizer, SETTINGS[name])
+    stop_when(first, "accumulate", 4, lambda: (_ for _ in ()).throw(Crash()))
+    with pytest.raises(Crash):
+        first.train()
+
+
 @pytest.mark.parametrize("name", SETTINGS)
 def test_resume_after_a_crash_is_bit_identical(tmp_path, tmp_path_factory, tokenizer, name):
     reference, reference_out = uninterrupted(name, tmp_path_factory, tokenizer)
     out = tmp_path / "run"
-    first = make_trainer(out, tokenizer, SETTINGS[name])
-    stop_when(first, "accumulate", 4, lambda: (_ for _ in ()).throw(Crash()))  # dies inside step 5
-    with pytest.raises(Crash):
-        first.train()
+    crash_inside_step_5(out, tokenizer, name)
     assert [p.name for p in complete_checkpoints(out)] == ["checkpoint-3"]
     assert read_jsonl(out / "metrics.jsonl")[-1]["step"] == 4, "step 4's lines were written after checkpoint-3"
 
@@ -107,10 +112,7 @@ def test_a_checkpoint_in_the_earlier_layout_resumes_exactly(tmp_path, tmp_path_f
     name = "full-adamw-mid-batch"
     reference, reference_out = uninterrupted(name, tmp_path_factory, tokenizer)
     out = tmp_path / "run"
-    first = make_trainer(out, tokenizer, SETTINGS[name])
-    stop_when(first, "accumulate", 4, lambda: (_ for _ in ()).throw(Crash()))  # dies inside step 5
-    with pytest.raises(Crash):
-        first.train()
+    crash_inside_step_5(out, tokenizer, name)
     saved = out / "checkpoint-3"
     state = torch.load(saved / "trainer_state.pt", weights_only=True)
     state.update(state.pop("batches"))  # written before: "generation" (and "ahead") beside "rng"
