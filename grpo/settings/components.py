@@ -1,30 +1,13 @@
-"""The run plan: what a Config and the number of ranks decide about a run, resolved once, before anything loads.
-The trainer reads it, and the memory planner reads the same plan, so what the planner counts is what the run
-keeps (old and reference log-probs above all). A Config resolves it when made, on the ranks torchrun announces,
-so its errors come from `Config(...)` itself; the trainer resolves it again on its process group's ranks."""
+"""What each component of the runtime reads of the settings, one frozen dataclass each, built once by the run plan
+(plan.py) from a Config and the plan's own decisions, so that no component reads the Config itself."""
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from types import MappingProxyType
 
-from .choices import prompt_once
-from .planner import MemorySettings
+from .choices import lora_targets, planned_prompt_length, prompt_once, reference_kind
 from .schedule import Schedule
-
-
-def ranks_from_env() -> int:
-    """The number of ranks torchrun starts (its WORLD_SIZE), 1 without torchrun."""
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def reference_kind(use_lora: bool, beta: float) -> str:
-    """Where the KL penalty's reference policy comes from: "none" (beta == 0: no reference forward at all),
-    "adapter" (LoRA: the policy with its adapter disabled) or "copy" (full fine-tuning: a frozen copy)."""
-    if beta == 0:
-        return "none"
-    return "adapter" if use_lora else "copy"
 
 
 @dataclass(frozen=True)
@@ -52,7 +35,7 @@ class OptimSettings:
 class SessionSettings:
     """What saving and resuming read of the settings (run/session)."""
 
-    record: dict  # the Config as a checkpoint records it, and as resuming compares it with the saved one
+    record: dict  # the Config as a checkpoint records it, with the tools a run calls (grpo.export reads them)
     save_strategy: str  # when to save is the plan's Cadence; "no" here: no checkpoint on a signal or an error either
     save_total_limit: int | None
     seed: int
@@ -60,9 +43,9 @@ class SessionSettings:
     optim: OptimSettings  # the hyperparameters a resumed run sets again
 
     @classmethod
-    def of(cls, c) -> SessionSettings:
-        return cls(asdict(c), c.save_strategy, c.save_total_limit, c.seed, c.num_generations,
-                   OptimSettings.of(c))
+    def of(cls, c, tools: list[str] | None = None) -> SessionSettings:  # tools: rollout/tools.Tools.names
+        record = asdict(c) if tools is None else {**asdict(c), "tools": tools}
+        return cls(record, c.save_strategy, c.save_total_limit, c.seed, c.num_generations, OptimSettings.of(c))
 
 
 @dataclass(frozen=True)
@@ -123,15 +106,6 @@ class EvalSettings:
                    c.max_tool_calling_iterations)
 
 
-def interval_due(strategy: str, every: int, step: int, total: int, epoch_ended: bool) -> bool:
-    """transformers' IntervalStrategy once optimizer step `step` (1-based) of `total` is done, as its
-    DefaultFlowCallback reads it: "steps" every `every` steps and at the last, "epoch" at a step that ended a pass
-    over the training prompts (`epoch_ended`) and at the last, "no" never."""
-    if strategy == "no":
-        return False
-    return step >= total or (epoch_ended if strategy == "epoch" else step % every == 0)
-
-
 @dataclass(frozen=True)
 class SamplingKnobs:
     """The sampling knobs, as a decode applies them (rollout/decoding.DecodeSettings); the defaults filter
@@ -185,17 +159,6 @@ class ServerSettings:
             return None
         url = c.vllm_server_base_url or f"http://{c.vllm_server_host}:{c.vllm_server_port}"
         return cls(url.rstrip("/"), c.vllm_server_timeout)
-
-
-def sampling_correction_of(c, bf16_sampling: bool = False) -> Mapping | None:
-    """The keyword arguments of algo/sampling_correction.sampling_correction a run applies, or None: samples of
-    another engine than the trained policy (a vLLM server, or our decode on int8 or, `bf16_sampling`, bf16
-    weights), corrected unless vllm_importance_sampling_correction is off (TRL's default: on)."""
-    other_engine = c.use_vllm or c.int8_sampling_weights or bf16_sampling
-    if not (other_engine and c.vllm_importance_sampling_correction):
-        return None
-    return MappingProxyType(dict(mode=c.vllm_importance_sampling_mode, clip_min=c.vllm_importance_sampling_clip_min,
-                                 clip_max=c.vllm_importance_sampling_clip_max))
 
 
 @dataclass(frozen=True)
@@ -258,84 +221,38 @@ class LoadSettings:
 
 
 @dataclass(frozen=True)
-class DecodeSizes:
-    """Prompts per decode, resolved before loading from the memory plan (memory/fit.decode_sizes) or the
-    settings: `sampling` for our sampler (None: a micro-batch's prompts), `evaluation` for the greedy
-    evaluation (Config.per_device_eval_batch_size when set)."""
+class MemorySettings:
+    """What the memory planner (memory/estimate, memory/parts) reads of the settings and the plan, resolved:
+    the kind of training, the lengths it counts, a micro-batch and a generation batch of this rank, the
+    log-probs the run keeps, and `eval_batch_size` (set: evaluation decodes that many, the planner is not
+    asked)."""
 
-    sampling: int | None
-    evaluation: int
-
-
-@dataclass(frozen=True)
-class Cadence:
-    """When a run writes a metrics line (every `logging_steps` and at the last step), evaluates (eval_strategy)
-    and saves a checkpoint (save_strategy), each strategy as transformers reads it (`interval_due`)."""
-
-    logging_steps: int
-    eval_strategy: str
-    eval_steps: int  # eval_steps, else logging_steps (transformers' fallback)
-    save_strategy: str
-    save_steps: int
-
-    @classmethod
-    def of(cls, config) -> Cadence:
-        return cls(config.logging_steps, config.eval_strategy, config.eval_steps or config.logging_steps,
-                   config.save_strategy, config.save_steps)
-
-    def due(self, step: int, total: int, epoch_ended: bool) -> tuple[bool, bool, bool]:
-        """(log, evaluate, save) once optimizer step `step` of `total` is done; `epoch_ended`: it ended a pass
-        over the training prompts (Schedule.ends_epoch)."""
-        return (step % self.logging_steps == 0 or step == total,
-                interval_due(self.eval_strategy, self.eval_steps, step, total, epoch_ended),
-                interval_due(self.save_strategy, self.save_steps, step, total, epoch_ended))
-
-
-@dataclass(frozen=True)
-class RunPlan:
+    use_lora: bool
+    quantized: bool  # QLoRA: the body's linear weights in 4 bits
+    lora_r: int
+    lora_targets: tuple[str, ...] | None  # settings/choices.lora_targets; None: every linear layer
+    lora_dropout: bool  # an adapter's dropout runs (lora_dropout > 0, dropout not disabled)
+    optim: str
+    num_generations: int
+    prompt_length: int  # settings/choices.planned_prompt_length
+    completion_length: int  # max_completion_length
+    gradient_checkpointing: bool
+    prompt_once: bool  # settings/choices.prompt_once
+    logprob_chunk_size: int
+    accumulating: bool  # gradient_accumulation_steps > 1
+    async_generation: bool
     schedule: Schedule
-    loss: Mapping  # the keyword arguments of algo.loss.policy_loss that settings decide (Config.loss_settings)
-    # Old log-probs are taken once per generation batch only when optimizer steps train on it off-policy: later
-    # steps of the batch, or a batch sampled ahead (async_generation, max_staleness > 0) with older weights; on
-    # policy, the loss's own detached log-probs are the old ones. With a server's samples corrected
-    # (sampling_correction), always: the correction compares them with the server's.
-    keeps_old_logprobs: bool
-    reference: str  # reference_kind: "none", "adapter" or "copy"
-    optim: OptimSettings
-    sampling: SamplingSettings
-    cadence: Cadence
-    generation: GenerationSettings
-    session: SessionSettings
-    trackers: TrackerSettings
-    logprobs: LogprobSettings
-    evaluation: EvalSettings
-    loading: LoadSettings
-    memory: MemorySettings
-    server: ServerSettings | None = None  # sampling on an inference server (use_vllm)
-    sampling_correction: Mapping | None = None  # TRL's importance-sampling correction of another engine's samples
-    # Known once the run's data and model are (run/startup.prepare), before the model loads:
-    total_steps: int | None = None  # optimizer steps of the run
-    decode: DecodeSizes | None = None  # prompts per decode, the memory planner's
+    logprobs_kept: int  # per-token log-prob rows kept for the generation batch: old, reference
+    reference_copy: bool  # full fine-tuning's frozen reference copy
+    eval_batch_size: int | None
+    int8_sampling: bool  # int8_sampling_weights: int8 copies while sampling
 
     @classmethod
-    def resolve(cls, config, world_size: int, bf16_sampling: bool = False) -> RunPlan:
-        """The plan of `config` on `world_size` ranks; ConfigError for a schedule that cannot work
-        (Schedule.resolve). `bf16_sampling`: our decode samples on bf16 copies of the weights (the precision
-        plan's, known where the device is: run/startup)."""
-        correction = sampling_correction_of(config, bf16_sampling)
-        reference = reference_kind(config.use_lora, config.beta)
-        schedule = Schedule.resolve(config, world_size)
-        ahead = config.async_generation and config.max_staleness > 0
-        old = schedule.optimizer_steps_per_generation > 1 or ahead or correction is not None
-        generation = GenerationSettings.of(config, schedule, old, reference != "none", correction)
-        return cls(schedule, MappingProxyType(config.loss_settings()), old, reference, OptimSettings.of(config),
-                   SamplingSettings.of(config, bf16_sampling), Cadence.of(config), generation,
-                   SessionSettings.of(config), TrackerSettings.of(config), LogprobSettings.of(config),
-                   EvalSettings.of(config), LoadSettings.of(config),
-                   MemorySettings.of(config, schedule, old, reference),
-                   ServerSettings.of(config), correction)
-
-    @property
-    def has_reference(self) -> bool:
-        """Whether the loss has reference log-probs (a KL penalty): a frozen copy or the adapter-disabled policy."""
-        return self.reference != "none"
+    def of(cls, c, schedule: Schedule, old_logprobs: bool, reference: str) -> MemorySettings:
+        return cls(c.use_lora, c.use_lora and c.load_in_4bit, c.lora_r, lora_targets(c.lora_target_modules),
+                   c.lora_dropout > 0 and not c.disable_dropout, c.optim, c.num_generations,
+                   planned_prompt_length(c), c.max_completion_length, c.gradient_checkpointing,
+                   prompt_once(c.shared_prompt_forward, c.gradient_checkpointing), c.logprob_chunk_size,
+                   c.gradient_accumulation_steps > 1, c.async_generation, schedule,
+                   old_logprobs + (reference != "none"), reference == "copy", c.per_device_eval_batch_size,
+                   c.int8_sampling_weights)

@@ -6,8 +6,9 @@ import dataclasses
 from dataclasses import dataclass
 
 from ..algo import LOGPROB_CHUNK_SIZE
-from .checks import check_config, check_keys, warn_no_effect
-from .plan import SamplingKnobs
+from .checks import check_config
+from .components import SamplingKnobs
+from .trl_names import check_keys
 
 
 class _CheckedKeywords(type):
@@ -18,7 +19,6 @@ class _CheckedKeywords(type):
 
     def __call__(cls, *args, **settings):
         no_effect = check_keys(settings, [f.name for f in dataclasses.fields(cls)])
-        warn_no_effect(no_effect)
         return super().__call__(*args, **{k: v for k, v in settings.items() if k not in no_effect})
 
 
