@@ -4,6 +4,7 @@ setting `Config` lacks refused with why, or, where it changes nothing here, acce
 trl (tests/unit/test_config.py checks these lists against TRL when it is installed)."""
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import json
 import sys
@@ -201,6 +202,16 @@ def check_keys(settings: dict, names: list[str]) -> dict[str, str]:
     for line in accepted.values():
         print(f"warning: {line}", file=sys.stderr)
     return accepted
+
+
+class CheckedKeywords(type):
+    """Config's metaclass: every construction (dataclasses.replace too) passes its keywords through `check_keys`
+    before the generated __init__, which would answer an unknown one with a TypeError; those that change nothing
+    here are dropped (warned about)."""
+
+    def __call__(cls, *args, **settings):
+        no_effect = check_keys(settings, [f.name for f in dataclasses.fields(cls)])
+        return super().__call__(*args, **{k: v for k, v in settings.items() if k not in no_effect})
 
 
 def _as_text(value) -> str:
