@@ -239,7 +239,7 @@ def evaluate_job(job: Job, model, tokenizer) -> int:
     from .policy.models import device_of, load_model, load_tokenizer
     from .rollout.evaluate import evaluate, summary_lines
     from .rollout.reward_models import place_reward_models
-    from .settings.plan import EvalSettings
+    from .settings.components import EvalSettings
 
     model = model if model is not None else load_model(job.config)
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(job.config.model)

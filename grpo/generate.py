@@ -62,7 +62,7 @@ def context(recipe) -> list[dict]:
 
 def completion(model, tokenizer, text: str, settings, tools=None, before=()) -> tuple[str, bool]:
     """The greedy completion of the user message `text` after the messages `before` (`settings`:
-    settings/plan.EvalSettings), the tokens the tools wrote marked `[tool: ...]`, and whether it stopped at
+    settings/components.EvalSettings), the tokens the tools wrote marked `[tool: ...]`, and whether it stopped at
     max_completion_length."""
     from .rollout.evaluate import prompt_encoder
     from .rollout.sampling import sample_completions
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     from .export import saved_setting
     from .infra.progress import quiet_library_bars
     from .policy.models import load_model, load_tokenizer
-    from .settings.plan import EvalSettings
+    from .settings.components import EvalSettings
 
     with command_line(), quiet_library_bars():  # hints as --key=value; transformers' loading bars, in a log file
         try:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from functools import partial
 from pathlib import Path
 
@@ -91,10 +91,8 @@ class Trainer:
         self.output_dir = Path(self.config.output_dir)
         self.report = Report(self.output_dir, self.dist, self.trackers, self.state, self.callbacks,
                              self.pipeline.reward_names, self.schedule.global_batch)
-        recorded = self.plan.session if self.tools is None else replace(  # export says a checkpoint calls tools
-            self.plan.session, record={**self.plan.session.record, "tools": self.tools.names})
         self.session = Session(self.output_dir, self.dist, self.policy, self.tokenizer, self.updates,
-                               self.prompts, self.batches, recorded, self.total_steps,
+                               self.prompts, self.batches, self.plan.session, self.total_steps,
                                on_save=self.callbacks.on_save)
 
     @property

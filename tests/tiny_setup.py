@@ -7,7 +7,7 @@ from transformers import TrainerCallback
 
 from grpo.rollout.batches import tool_metrics
 from grpo.rollout.decoding import DecodeSettings
-from grpo.settings.plan import SamplingKnobs
+from grpo.settings.components import SamplingKnobs
 from grpo.tasks.tiny import model_for, train_tokenizer
 
 CORPUS = [f"Write {k} digits: " + "0123456789"[:k] for k in range(1, 10)] * 20 + [
@@ -31,7 +31,7 @@ def tiny_4bit_model(tokenizer, seed: int = 0):
 
 def decode_settings(max_new_tokens: int, eos_ids, pad_id: int, *, stop_at_eos: bool = True, greedy: bool = False,
                     **knobs) -> DecodeSettings:
-    """rollout/decoding.DecodeSettings with the sampling knobs (settings/plan.SamplingKnobs) as keywords."""
+    """rollout/decoding.DecodeSettings with the sampling knobs (settings/components.SamplingKnobs) as keywords."""
     return DecodeSettings(max_new_tokens, eos_ids, pad_id, SamplingKnobs(**knobs), stop_at_eos, greedy)
 
 

@@ -18,8 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..policy.precision import Precision
+from ..settings.components import MemorySettings
 from ..settings.plan import RunPlan
-from ..settings.planner import MemorySettings
 from .parts import Architecture, Dtypes, dtypes, generation_bytes, part_bytes, prompts_to_evaluate, prompts_to_sample
 
 GB = 1e9

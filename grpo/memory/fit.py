@@ -8,8 +8,8 @@ from ..policy.precision import Precision
 from ..settings import Config
 from ..settings.choices import planned_prompt_length, prompt_once
 from ..settings.cli import format_value
+from ..settings.components import MemorySettings
 from ..settings.plan import DecodeSizes
-from ..settings.planner import MemorySettings
 from .estimate import GB, Estimate, estimate, plan_peak, settings_of
 from .known_models import architecture_of
 from .parts import Architecture, dtypes, prompts_in_micro_batch

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from ..algo import HEAD_GRAD_BLOCK
 from ..policy.optim import BNB_CPU_SLICE
 from ..policy.precision import Precision
-from ..settings.planner import MemorySettings
+from ..settings.components import MemorySettings
 
 NF4_BLOCK = 64  # 4-bit weights: one float32 absmax per block
 BNB_8BIT_MIN_SIZE = 4096  # bitsandbytes keeps 32-bit states for smaller tensors

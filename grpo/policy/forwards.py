@@ -17,7 +17,7 @@ from .router import router_aux_coef
 
 class Policy:
     """`model` (prepared for training) with its reference, wrapped for `world_size` ranks; `settings`
-    (settings/plan.LogprobSettings) gives the
+    (settings/components.LogprobSettings) gives the
     log-prob settings; `is_main`: this rank says what every rank does (infra/distributed.Distributed.is_main). Trains
     on `model`; `parallel` saves and loads it."""
 

@@ -82,7 +82,7 @@ def adapter_settings(model) -> dict:
 
 
 def with_adapter(model, config):
-    """`model` with a new LoRA adapter from `config`'s LoRA settings (settings/plan.LoadSettings, or a Config),
+    """`model` with a new LoRA adapter from `config`'s LoRA settings (settings/components.LoadSettings, or a Config),
     peft's `get_peft_model`; a PeftModel passed in (its settings read by `adapter_settings`) trains its own
     adapter and is returned as it is."""
     if is_peft_model(model):

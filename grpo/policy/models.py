@@ -64,7 +64,7 @@ def default_tokenizer(name: str, model):
 
 
 def load_model(settings, precision: Precision | None = None):
-    """The policy from `settings.model` (`settings`: the run plan's settings/plan.LoadSettings, a Config, or a
+    """The policy from `settings.model` (`settings`: the run plan's settings/components.LoadSettings, a Config, or a
     model's name as `load_tokenizer` takes it) on `precision`'s device (default: the GPU when there is one), in
     its base dtype; with `load_in_4bit`, its decoder's linear layers are stored as 4-bit NF4 (QLoRA), computing
     in that dtype. `model_init_kwargs` go to from_pretrained (its dtype is the precision plan's: bf16)."""
@@ -77,7 +77,7 @@ def load_model(settings, precision: Precision | None = None):
     precision = precision or Precision.plan(settings.bf16, settings.use_lora, bf16_weights=settings.bf16_weights)
     device, dtype = precision.device_type, precision.base_dtype
     name = model_folder(settings.model)
-    kwargs = {k: v for k, v in (settings.model_init_kwargs or {}).items() if k != "dtype"}  # settings/checks
+    kwargs = {k: v for k, v in (settings.model_init_kwargs or {}).items() if k != "dtype"}  # trl_names.bf16_of_dtype
     if not settings.load_in_4bit:
         with loading(name):
             model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, **kwargs).to(device)
@@ -182,7 +182,7 @@ def context_length(model) -> int | None:
 
 
 def make_reference(model, reference: str, dtype: torch.dtype = torch.float32):
-    """A frozen copy for full fine-tuning (`reference`, settings/plan.reference_kind: "copy"), in `dtype`
+    """A frozen copy for full fine-tuning (`reference`, settings/choices.reference_kind: "copy"), in `dtype`
     (forward-only: bf16 halves its memory); None when the adapter-disabled policy serves (LoRA) or no reference
     is needed (beta == 0)."""
     if reference != "copy":

@@ -158,7 +158,7 @@ def optimizer_step(params, optimizer, scheduler, max_grad_norm: float, loss: flo
 
 class Updates:
     """The optimizer over `params`' trainable tensors and its learning-rate schedule over `total_steps`, as `s`
-    (settings/plan.OptimSettings) says, applying the accumulated gradients once per step. A NaN/inf loss or
+    (settings/components.OptimSettings) says, applying the accumulated gradients once per step. A NaN/inf loss or
     gradient norm skips the update (the weights stay finite); `nonfinite` counts the skipped steps (in a row, in
     all), which a checkpoint keeps, and `check` stops the run once `max_nonfinite_steps` were skipped in a row."""
 

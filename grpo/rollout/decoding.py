@@ -22,7 +22,7 @@ from ..errors import ConfigError
 from ..policy.caches import cache_argument, keeps_recurrent_state
 from ..policy.decoder import fused_decoder
 from ..policy.head import head_logits, positions
-from ..settings.plan import SamplingKnobs
+from ..settings.components import SamplingKnobs
 from .compaction import DecodingRows, select_rows
 from .kv_cache import in_place, preallocated_cache
 
@@ -125,7 +125,7 @@ def suffixes(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, k: int) -> tup
 @dataclass(frozen=True)
 class DecodeSettings:
     """What a decode samples: up to `max_new_tokens` tokens per row, with the sampling `knobs` (a run's:
-    settings/plan.SamplingSettings.knobs; the default filters nothing). With `stop_at_eos`, rows that sampled one
+    settings/components.SamplingSettings.knobs; the default filters nothing). With `stop_at_eos`, rows that sampled one
     of `eos_ids` continue with `pad_id` and the decode ends when all have; without it, EOS is never sampled and
     every row gets `max_new_tokens` tokens. `greedy` takes the most likely token instead of sampling
     (evaluation): the filters (`filter_logits`) are skipped, a repetition penalty still applies (as in

@@ -21,7 +21,7 @@ import torch
 
 from ..errors import ConfigError
 from ..infra.progress import TokenProgress
-from ..settings.plan import EvalSettings
+from ..settings.components import EvalSettings
 from .prompts import PromptTooLong, check_dataset, check_not_streaming
 from .rewards import RewardContext, compute_rewards, required_columns, reward_func_names, reward_metrics
 from .sampling import PromptEncoder, eos_token_ids, sample_completions
@@ -201,7 +201,7 @@ def evaluate(model, tokenizer, dataset, reward_funcs, settings: EvalSettings, *,
              key_prefix: str = "eval") -> tuple[dict[str, float], list[dict]]:
     """Greedy-decode one completion per prompt of `dataset` (its first `settings.limit` rows) in decodes of
     `batch_size` prompts, chat prompts rendered as in training, and score it (`settings`:
-    settings/plan.EvalSettings). With `tools` (rollout/tools.Tools) the rows call them in the decode as in
+    settings/components.EvalSettings). With `tools` (rollout/tools.Tools) the rows call them in the decode as in
     training (an environment_factory's environments reset on each row); `trainer_state`: the run's
     (run/state.TrainerState), which the reward functions get.
 

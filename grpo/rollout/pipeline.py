@@ -25,7 +25,7 @@ class Pipeline:
     """Makes generation batches: `source` (rollout/source) draws and scores this rank's share of the prompts,
     `refill` (DAPO's dynamic sampling, or None) replaces groups without signal, `policy` (policy/forwards)
     takes the log-probs fixed for the batch, `dist` (infra/distributed) spans the ranks; `settings`:
-    settings/plan.GenerationSettings; `cut` how the batch is cut into micro-batches."""
+    settings/components.GenerationSettings; `cut` how the batch is cut into micro-batches."""
 
     def __init__(self, source: RolloutSource, policy, dist, settings, cut: Cut, reward_names: list[str],
                  refill: DynamicSampling | None = None):
@@ -36,7 +36,7 @@ class Pipeline:
     def build(cls, sampler, prompts: PromptStream, reward_funcs: list, policy, dist, settings, loss: Mapping,
               pad_id: int, release_memory: bool, tools=None) -> Pipeline:
         """The pipeline of `sampler` (the engine: our decoder, a rollout_func, a server) over `prompts`, rewarded
-        by `reward_funcs`, with `settings` (settings/plan.GenerationSettings); `loss`: policy_loss's settings,
+        by `reward_funcs`, with `settings` (settings/components.GenerationSettings); `loss`: policy_loss's settings,
         which say whether rows of advantage 0 can be cut out (algo/loss.zero_advantage_has_no_gradient);
         `pad_id` pads the refilled rows; `release_memory` and `tools` (their environments) go to the source."""
         s = settings
@@ -111,7 +111,7 @@ def engine(sampler, rollout_func, trainer):
 
 def _advantages(rewards: torch.Tensor, per_func: torch.Tensor, s) -> torch.Tensor:
     """[N] advantages of the rewards [N] (weighted sums) and per_func [N, F] as multi_objective_aggregation says
-    (algo/advantages; `s`: settings/plan.GenerationSettings)."""
+    (algo/advantages; `s`: settings/components.GenerationSettings)."""
     if s.multi_objective_aggregation == "normalize_then_sum":
         weights = torch.tensor(s.reward_weights) if s.reward_weights is not None else torch.ones(per_func.shape[1])
         return normalized_sum_advantages(per_func, weights, s.num_generations)

@@ -9,7 +9,7 @@ import torch
 
 from ..policy.folding import sampling_weights
 from ..policy.models import context_length, eval_mode, unwrap
-from ..settings.plan import SamplingKnobs
+from ..settings.components import SamplingKnobs
 from .batches import Rollout
 from .chat import check_tool_template, is_chat, render
 from .decoding import Decoded, DecodeSettings, decode
@@ -182,7 +182,7 @@ class Sampler:
     training peak, since a decode of more rows costs little more per step (docs/benchmarks.md)."""
 
     def __init__(self, policy, tokenizer, settings, prompts_per_decode: int | None = None, tools=None):
-        """`settings`: settings/plan.SamplingSettings (a Config's plan's `sampling`)."""
+        """`settings`: settings/components.SamplingSettings (a Config's plan's `sampling`)."""
         self.policy, self.tokenizer, self.settings = policy, tokenizer, settings
         kwargs = None if settings.chat_template_kwargs is None else dict(settings.chat_template_kwargs)
         eos_ids = None if tools is None else eos_token_ids(tokenizer, policy.model)  # a template for tools is checked

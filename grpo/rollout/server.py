@@ -54,7 +54,7 @@ class ServerError(UserError):
 
 
 class VLLMServer:
-    """JSON over HTTP to one vLLM OpenAI-compatible server (settings/plan.ServerSettings)."""
+    """JSON over HTTP to one vLLM OpenAI-compatible server (settings/components.ServerSettings)."""
 
     def __init__(self, settings):
         self.url, self.timeout = settings.base_url, settings.timeout
@@ -97,7 +97,7 @@ class VLLMServer:
 
 class ServerSampler:
     """The trainer's sampler on a vLLM server (module docstring). `model`: the policy (a peft model: its adapter
-    is what the server loads); `settings`: settings/plan.SamplingSettings; `server`: settings/plan.ServerSettings;
+    is what the server loads); `settings`, `server`: settings/components.SamplingSettings and ServerSettings;
     `adapters_dir`: where adapters are written for the server to read."""
 
     def __init__(self, model, tokenizer, settings, server, adapters_dir: Path, tools=None):

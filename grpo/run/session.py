@@ -17,7 +17,7 @@ from ..policy.lora import save_options
 from ..policy.optim import Updates, rescheduled, set_hyperparameters
 from ..infra.progress import quiet_library_bars
 from ..rollout.prompts import PromptStream
-from ..settings.plan import SessionSettings
+from ..settings.components import SessionSettings
 from . import checkpoint, elastic
 from .logs import LogNotWritten, drop_log_lines_after
 from .state import rng_state, set_rng_state

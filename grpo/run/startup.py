@@ -58,7 +58,8 @@ def prepare(config, train_dataset, eval_dataset, reward_funcs, reward_processing
     funcs, weighted = reward_sources(config, reward_funcs, reward_processing_classes, tools)
     precision = Precision.of(config, device)
     # bf16 sampling in our own decode only: a rollout_func or a sampler samples its own way
-    plan = RunPlan.resolve(weighted, dist.world_size, precision.bf16_sampling and not (sampler or rollout_func))
+    plan = RunPlan.resolve(weighted, dist.world_size, precision.bf16_sampling and not (sampler or rollout_func),
+                           tools=tools.names if tools is not None else None)  # recorded: grpo.export reads them
     train_dataset = training_rows(train_dataset, tools, config.max_steps, plan.schedule.prompts_per_generation)
     check_dataset(train_dataset, environments=tools is not None and bool(tools.environments))
     if not (sampler or rollout_func):

@@ -18,7 +18,7 @@ from tqdm.auto import tqdm
 
 from ..errors import ConfigError
 from ..settings.choices import tracker_names
-from ..settings.plan import TrackerSettings
+from ..settings.components import TrackerSettings
 
 TRACKER_RUNS = "trackers.json"  # the tracker runs a resumed run continues
 PROJECT = "grpo"  # the W&B / Trackio project (WANDB_PROJECT overrides it for W&B)

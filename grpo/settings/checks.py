@@ -1,22 +1,22 @@
-"""Checks of a `Config`'s keys and values, run when one is made (in a recipe, by an override or from Python),
-so that a typo costs seconds, not a model load: each key (a TRL setting we lack says so), each field's type
-against its annotation, then ranges and choices, each failure one sentence naming the setting."""
+"""grpo's checks of a `Config`'s values, run when one is made (in a recipe, by an override or from Python), so
+that a mistake costs seconds, not a model load: each field's type against its annotation, then its range or
+choices, then the settings that cannot work together, the batch schedule's included, each failure one sentence
+naming the setting. The keys, and TRL's spellings of values, are trl_names.py's."""
 from __future__ import annotations
 
-import difflib
+import dataclasses
 import json
 import math
 import re
-import sys
 import typing
 
 from ..algo import AGGREGATIONS, IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, SAMPLING_CORRECTION_MODES, SCALES
 from ..errors import ConfigError
-from .choices import (ALL_LINEAR, EVAL_STRATEGIES, OPTIMIZER_ALIASES, OPTIMIZERS, SAVE_STRATEGIES, SCHEDULES, TRACKERS,
-                      tracker_names)
+from .choices import ALL_LINEAR, EVAL_STRATEGIES, OPTIMIZERS, SAVE_STRATEGIES, SCHEDULES, TRACKERS, tracker_names
+from .components import SamplingKnobs
 from .fieldtypes import FieldType, field_types
 from .plan import RunPlan, ranks_from_env
-from .trl_names import NO_EFFECT, OFF_VALUES, RENAMED, TRL_ONLY, TRL_REASONS
+from .trl_names import OPTIMIZER_ALIASES, as_ours, bf16_of_dtype
 
 # field: (holds, requirement as read after "must be"); None values of optional fields are not checked.
 RULES: dict[str, tuple[typing.Callable, str]] = {
@@ -100,76 +100,23 @@ RULES: dict[str, tuple[typing.Callable, str]] = {
 }
 
 
-def check_keys(settings: dict, names: list[str]) -> dict[str, str]:
-    """The keys of `settings` that are not `names` (Config's fields) but change nothing here, each with the
-    warning that says why (TRL's NO_EFFECT settings, and OFF_VALUES at a value that leaves a feature off; a
-    value may be given as command-line text). ConfigError naming every other key at once: TRL's settings we
-    lack get their own message (why, or what to use instead), anything else the closest field's name."""
-    accepted, problems = {}, []
-    for key, value in settings.items():
-        if key in names:
-            continue
-        if key in NO_EFFECT:
-            accepted[key] = f"TRL's `{key}` has no effect here: {NO_EFFECT[key]}"
-        elif key in OFF_VALUES and any(value == v or _as_text(value) == _as_text(v) for v in OFF_VALUES[key]):
-            reason = TRL_REASONS.get(key, "this trainer does not implement it")
-            accepted[key] = f"TRL's `{key}={_as_text(value)}` has no effect here: {reason}"
-        elif key in RENAMED:
-            problems.append(f"'{key}' is gone: {RENAMED[key]}")
-        elif key in TRL_ONLY:
-            reason = TRL_REASONS.get(key, "this trainer does not implement it")
-            problems.append(f"TRL's `{key}` is not supported here: {reason}")
-        else:
-            close = difflib.get_close_matches(key, names, n=1)
-            hint = f" (did you mean '{close[0]}'?)" if close else " (see --help for the settings)"
-            problems.append(f"unknown setting '{key}'{hint}")
-    if len(problems) > 1:
-        raise ConfigError(f"{len(problems)} settings are not accepted: {'; '.join(problems)}")
-    if problems:
-        raise ConfigError(problems[0])
-    return accepted
-
-
-def _as_text(value) -> str:
-    """A value as the command line writes it (`--use_vllm=false`), from a value or from such text."""
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except ValueError:
-            return value.strip().lower()
-    return "none" if value is None else json.dumps(value).lower()
-
-
-def warn_no_effect(warnings: dict[str, str]) -> None:
-    for line in warnings.values():
-        print(f"warning: {line}", file=sys.stderr)
-
-
 def check_config(config) -> None:
     """Raise ConfigError on the first field of the wrong type or out of range (each stored as
     `checked_field` returns it), then on settings that cannot work together (`check_combinations`), the batch
     schedule's included: the run plan resolved on the ranks torchrun announces, as the trainer resolves it."""
     for name in field_types(type(config)):
         setattr(config, name, checked_field(type(config), name, getattr(config, name)))
-    config.bf16 = _bf16_of_dtype(config.model_init_kwargs, config.bf16)
+    config.bf16 = bf16_of_dtype(config.model_init_kwargs, config.bf16)
     check_combinations(config)
     RunPlan.resolve(config, ranks_from_env())
 
 
 def checked_field(cls, name: str, value):
-    """`value` as field `name` of the Config class `cls` stores it, or ConfigError: TRL's spellings become
-    ours, an int given for a float field becomes a float (so the saved config reads the same however it was
-    written), then the field's rule; generation_kwargs entries are checked as the fields they override."""
-    if name == "scale_rewards" and isinstance(value, bool):  # TRL 1.16 takes a bool, stored as its string
-        value = "group" if value else "none"
-    if name == "optim" and isinstance(value, str):  # transformers' names: the rest of grpo sees only ours
-        value = OPTIMIZER_ALIASES.get(value, value)
-    if name == "resume_from_checkpoint" and isinstance(value, str) and value.strip().lower() in ("true", "false"):
-        value = value.strip().lower() == "true"  # --resume_from_checkpoint=true: transformers' True
-    if name == "lora_target_modules":
-        value = _module_names(value)
-    if name == "model_init_kwargs" and isinstance(value, dict):
-        value = _init_kwargs(value)
+    """`value` as field `name` of the Config class `cls` stores it, or ConfigError: TRL's spellings become ours
+    (trl_names.as_ours), an int given for a float field becomes a float (so the saved config reads the same
+    however it was written), then the field's rule; generation_kwargs entries are checked as the fields they
+    override."""
+    value = _module_names(value) if name == "lora_target_modules" else as_ours(name, value)
     types = field_types(cls)
     value = _checked_value(name, name, value, types[name])
     if name == "generation_kwargs" and value:
@@ -185,40 +132,6 @@ def _module_names(value):
     if isinstance(value, (set, frozenset)):
         return sorted(value)
     return list(value) if isinstance(value, tuple) else value
-
-
-# model_init_kwargs' dtypes -> bf16 (policy/precision.py plans each tensor's dtype from it); "auto": bf16's choice
-DTYPES = {"bfloat16": True, "float32": False, "auto": None}
-
-
-def _init_kwargs(kwargs: dict) -> dict:
-    """model_init_kwargs as stored: TRL's older torch_dtype named dtype (transformers 5's), a torch.dtype by
-    its name (the config is saved as JSON); the loading keys the trainer sets itself refused."""
-    kwargs = dict(kwargs)
-    if "torch_dtype" in kwargs:
-        if "dtype" in kwargs:
-            raise ConfigError("model_init_kwargs sets both dtype and torch_dtype: keep dtype (transformers 5's)")
-        kwargs["dtype"] = kwargs.pop("torch_dtype")
-    if type(kwargs.get("dtype")).__name__ == "dtype":  # a torch.dtype, without importing torch here
-        kwargs["dtype"] = str(kwargs["dtype"]).removeprefix("torch.")
-    if kwargs.get("dtype", "auto") not in DTYPES:
-        raise ConfigError(f"model_init_kwargs dtype must be one of {', '.join(DTYPES)} (fp16 is not supported "
-                          f"here: bf16 or float32), got {kwargs['dtype']!r}")
-    for key in ("quantization_config", "device_map"):
-        if key in kwargs:
-            raise ConfigError(f"model_init_kwargs {key} is set by the trainer: use load_in_4bit=True for 4-bit "
-                              f"(QLoRA) loading; the device is the GPU when there is one")
-    return kwargs
-
-
-def _bf16_of_dtype(kwargs: dict | None, bf16: bool | None) -> bool | None:
-    """`bf16` as model_init_kwargs' dtype sets it; ConfigError when the two say different things."""
-    wanted = DTYPES[(kwargs or {}).get("dtype", "auto")]
-    if wanted is None or bf16 == wanted:
-        return bf16
-    if bf16 is not None:
-        raise ConfigError(f"model_init_kwargs dtype={kwargs['dtype']!r} and bf16={bf16} disagree: set one of them")
-    return wanted
 
 
 def check_combinations(config) -> None:
@@ -287,7 +200,7 @@ def _checked_value(name: str, field: str, value, tp: FieldType):
 
 
 # The generation_kwargs our decoder implements: each overrides the Config field of its name (Config.sampling_knobs).
-GENERATION_KWARGS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+GENERATION_KWARGS = tuple(f.name for f in dataclasses.fields(SamplingKnobs))
 def _generation_kwarg(key: str, value, types: dict[str, FieldType]):
     """One generation_kwargs entry, checked as the field it overrides; do_sample=true (TRL's own) is allowed and
     ignored. Any other key is refused: decoding here is our own loop, not transformers' GenerationConfig."""

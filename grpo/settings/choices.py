@@ -1,12 +1,10 @@
-"""What a setting may say, where the runtime implements the choices: optimizers (policy/optim.py), schedules
-(policy/optim.py), trackers (run/trackers.py), and save and evaluation strategies (settings/plan.py's Cadence).
-The math's own choice lists (loss types, reward scales, importance-sampling levels) stay in grpo/algo, which
-settings reads; nothing here imports torch."""
+"""What a setting may say, where the runtime implements the choices: optimizers and schedules (policy/optim.py),
+trackers (run/trackers.py), save and evaluation strategies (plan.py's Cadence); and what a value means where several
+components read the answer (the reference, each prompt once, LoRA's targets, the prompt length planned). The math's
+choice lists (loss types, reward scales...) stay in grpo/algo, which settings reads; nothing here imports torch."""
 from __future__ import annotations
 
-OPTIMIZERS = ("adamw_8bit", "adamw")  # policy/optim.build_optimizer
-# transformers' names (TRL configs use them) for the same optimizers; Config stores ours in their place.
-OPTIMIZER_ALIASES = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw", "adamw_bnb_8bit": "adamw_8bit"}
+OPTIMIZERS = ("adamw_8bit", "adamw")  # policy/optim.build_optimizer; transformers' names: trl_names.py
 # transformers' schedules (get_scheduler's names) but those that step on an evaluation metric
 # (reduce_lr_on_plateau, greedy): policy/optim.build_scheduler
 SCHEDULES = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
@@ -48,3 +46,9 @@ def prompt_once(shared_prompt_forward: bool | None, gradient_checkpointing: bool
     forwards"), for a reason not found and which the memory plan does not predict; and a run that checkpoints
     is short of memory."""
     return not gradient_checkpointing if shared_prompt_forward is None else shared_prompt_forward
+
+
+def reference_kind(use_lora: bool, beta: float) -> str:
+    """Where the KL penalty's reference policy comes from: "none" (beta == 0: no reference forward at all),
+    "adapter" (LoRA: the policy with its adapter disabled) or "copy" (full fine-tuning: a frozen copy)."""
+    return "none" if beta == 0 else "adapter" if use_lora else "copy"

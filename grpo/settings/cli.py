@@ -10,9 +10,10 @@ import re
 import textwrap
 
 from ..errors import ConfigError
-from .checks import check_keys, checked_field, warn_no_effect
+from .checks import checked_field
 from .config import Config
 from .fieldtypes import FieldType, field_types
+from .trl_names import check_keys
 
 
 def apply_overrides(config: Config, args: list[str]) -> Config:
@@ -24,8 +25,8 @@ def apply_overrides(config: Config, args: list[str]) -> Config:
         if not arg.startswith("--") or len(arg) == 2:
             raise ConfigError(f"expected --key=value, got {arg!r}")
     keys = [arg[2:].partition("=")[0].replace("-", "_") for arg in args]
+    # TRL settings that change nothing here (warned about); every other unknown key is one error
     no_effect = check_keys({k: a.partition("=")[2] or "true" for k, a in zip(keys, args)}, list(types))
-    warn_no_effect(no_effect)  # TRL settings that change nothing here; every other unknown key is one error
     for key, arg in zip(keys, args):
         _, has_value, text = arg[2:].partition("=")
         if key in no_effect:

@@ -6,24 +6,13 @@ import dataclasses
 from dataclasses import dataclass
 
 from ..algo import LOGPROB_CHUNK_SIZE
-from .checks import check_config, check_keys, warn_no_effect
-from .plan import SamplingKnobs
-
-
-class _CheckedKeywords(type):
-    """Every construction of a Config (dataclasses.replace too) passes its keywords through `__call__`
-    before the generated __init__, which would answer an unknown one with a TypeError: here a TRL setting we
-    lack says so and a typo gets the closest field's name, all in one ConfigError, and a TRL setting that
-    changes nothing here is dropped with a warning saying why."""
-
-    def __call__(cls, *args, **settings):
-        no_effect = check_keys(settings, [f.name for f in dataclasses.fields(cls)])
-        warn_no_effect(no_effect)
-        return super().__call__(*args, **{k: v for k, v in settings.items() if k not in no_effect})
+from .checks import check_config
+from .components import SamplingKnobs
+from .trl_names import CheckedKeywords
 
 
 @dataclass
-class Config(metaclass=_CheckedKeywords):
+class Config(metaclass=CheckedKeywords):
     # --- model ---
     model: str = "Qwen/Qwen2.5-0.5B-Instruct"
     """Hub id or local path of the policy model (ignored when a model is passed to `Trainer`)."""

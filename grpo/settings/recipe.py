@@ -64,19 +64,11 @@ def load_recipe(path: str) -> Recipe:
                         f"not a grpo.Config (write config = Config(...))")
     if problems:
         raise ConfigError(f"recipe {path} {' and '.join(problems)}: {RECIPE_CONTRACT}")
-    return Recipe(
-        config=module.config,
-        reward_funcs=_check_reward_funcs(module.reward_funcs, path),
-        train_dataset=_check_dataset(module.train_dataset, "train_dataset", path),
-        eval_dataset=_check_dataset(getattr(module, "eval_dataset", None), "eval_dataset", path),
-        path=path,
-        build_model=getattr(module, "build_model", None),
-        rollout_func=getattr(module, "rollout_func", None),
-        reward_processing_classes=getattr(module, "reward_processing_classes", None),
-        tools=getattr(module, "tools", None),
-        environment_factory=getattr(module, "environment_factory", None),
-        callbacks=getattr(module, "callbacks", None),
-    )
+    optional = ("build_model", "rollout_func", "reward_processing_classes", "tools", "environment_factory", "callbacks")
+    return Recipe(config=module.config, reward_funcs=_check_reward_funcs(module.reward_funcs, path),
+                  train_dataset=_check_dataset(module.train_dataset, "train_dataset", path),
+                  eval_dataset=_check_dataset(getattr(module, "eval_dataset", None), "eval_dataset", path),
+                  path=path, **{name: getattr(module, name, None) for name in optional})
 
 
 def _import_file(path: str) -> types.ModuleType:

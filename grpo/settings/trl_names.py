@@ -1,7 +1,15 @@
-"""TRL's `GRPOConfig` settings (TRL 1.16.0 with transformers 5.24, TrainingArguments included) that `Config`
-does not have, so that a TRL user's setting gets "not supported here" and why, not a spelling suggestion, or,
-when it changes nothing here, is accepted with a warning saying why. Data only: the engine never imports trl
-(tests/unit/test_config.py checks these lists against TRL when it is installed)."""
+"""TRL's `GRPOConfig` (TRL 1.16.0, transformers 5.24's TrainingArguments included) as this trainer takes it: each
+setting `Config` lacks refused with why, or, where it changes nothing here, accepted with a warning saying why
+(`check_keys`); TRL's and transformers' spellings of our values stored as ours (`as_ours`). The engine never imports
+trl (tests/unit/test_config.py checks these lists against TRL when it is installed)."""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import sys
+
+from ..errors import ConfigError
 
 TRL_ONLY = frozenset("""
     accelerator_config activation_checkpointing activation_checkpointing_kwargs adam_epsilon
@@ -158,3 +166,101 @@ OFF_VALUES = {
 TRAINER_ONLY = {
     "optimizers": "set optim, learning_rate, lr_scheduler_type and warmup_steps in the Config",
 }
+
+# transformers' names (TRL configs use them) of our optimizers (settings/choices.OPTIMIZERS), stored as ours.
+OPTIMIZER_ALIASES = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw", "adamw_bnb_8bit": "adamw_8bit"}
+# model_init_kwargs' dtypes -> bf16 (policy/precision.py plans each tensor's dtype from it); "auto": bf16's choice
+DTYPES = {"bfloat16": True, "float32": False, "auto": None}
+
+
+def check_keys(settings: dict, names: list[str]) -> dict[str, str]:
+    """The keys of `settings` that are not `names` (Config's fields) but change nothing here, each warned about
+    on stderr with why (TRL's NO_EFFECT settings, and OFF_VALUES at a value that leaves a feature off; a value
+    may be given as command-line text). ConfigError naming every other key at once: TRL's settings we lack get
+    their own message (why, or what to use instead), anything else the closest field's name."""
+    accepted, problems = {}, []
+    for key, value in settings.items():
+        reason = TRL_REASONS.get(key, "this trainer does not implement it")
+        if key in names:
+            continue
+        if key in NO_EFFECT:
+            accepted[key] = f"TRL's `{key}` has no effect here: {NO_EFFECT[key]}"
+        elif key in OFF_VALUES and any(value == v or _as_text(value) == _as_text(v) for v in OFF_VALUES[key]):
+            accepted[key] = f"TRL's `{key}={_as_text(value)}` has no effect here: {reason}"
+        elif key in RENAMED:
+            problems.append(f"'{key}' is gone: {RENAMED[key]}")
+        elif key in TRL_ONLY:
+            problems.append(f"TRL's `{key}` is not supported here: {reason}")
+        else:
+            close = difflib.get_close_matches(key, names, n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else " (see --help for the settings)"
+            problems.append(f"unknown setting '{key}'{hint}")
+    if len(problems) > 1:
+        raise ConfigError(f"{len(problems)} settings are not accepted: {'; '.join(problems)}")
+    if problems:
+        raise ConfigError(problems[0])
+    for line in accepted.values():
+        print(f"warning: {line}", file=sys.stderr)
+    return accepted
+
+
+class CheckedKeywords(type):
+    """Config's metaclass: every construction (dataclasses.replace too) passes its keywords through `check_keys`
+    before the generated __init__, which would answer an unknown one with a TypeError; those that change nothing
+    here are dropped (warned about)."""
+
+    def __call__(cls, *args, **settings):
+        no_effect = check_keys(settings, [f.name for f in dataclasses.fields(cls)])
+        return super().__call__(*args, **{k: v for k, v in settings.items() if k not in no_effect})
+
+
+def _as_text(value) -> str:
+    """A value as the command line writes it (`--use_vllm=false`), from a value or from such text."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            return value.strip().lower()
+    return "none" if value is None else json.dumps(value).lower()
+
+
+def as_ours(name: str, value):
+    """Field `name`'s `value` as the Config stores it, from TRL 1.16's bool scale_rewards, transformers' optimizer
+    names and resume_from_checkpoint's True as text, and TRL's model_init_kwargs (`_init_kwargs`)."""
+    if name == "scale_rewards" and isinstance(value, bool):
+        return "group" if value else "none"
+    if name == "optim" and isinstance(value, str):
+        return OPTIMIZER_ALIASES.get(value, value)
+    if name == "resume_from_checkpoint" and isinstance(value, str) and value.strip().lower() in ("true", "false"):
+        return value.strip().lower() == "true"
+    return _init_kwargs(value) if name == "model_init_kwargs" and isinstance(value, dict) else value
+
+
+def _init_kwargs(kwargs: dict) -> dict:
+    """model_init_kwargs as stored: TRL's older torch_dtype named dtype (transformers 5's), a torch.dtype by
+    its name (the config is saved as JSON); the loading keys the trainer sets itself refused."""
+    kwargs = dict(kwargs)
+    if "torch_dtype" in kwargs:
+        if "dtype" in kwargs:
+            raise ConfigError("model_init_kwargs sets both dtype and torch_dtype: keep dtype (transformers 5's)")
+        kwargs["dtype"] = kwargs.pop("torch_dtype")
+    if type(kwargs.get("dtype")).__name__ == "dtype":  # a torch.dtype, without importing torch here
+        kwargs["dtype"] = str(kwargs["dtype"]).removeprefix("torch.")
+    if kwargs.get("dtype", "auto") not in DTYPES:
+        raise ConfigError(f"model_init_kwargs dtype must be one of {', '.join(DTYPES)} (fp16 is not supported "
+                          f"here: bf16 or float32), got {kwargs['dtype']!r}")
+    for key in ("quantization_config", "device_map"):
+        if key in kwargs:
+            raise ConfigError(f"model_init_kwargs {key} is set by the trainer: use load_in_4bit=True for 4-bit "
+                              f"(QLoRA) loading; the device is the GPU when there is one")
+    return kwargs
+
+
+def bf16_of_dtype(kwargs: dict | None, bf16: bool | None) -> bool | None:
+    """`bf16` as model_init_kwargs' dtype sets it; ConfigError when the two say different things."""
+    wanted = DTYPES[(kwargs or {}).get("dtype", "auto")]
+    if wanted is None or bf16 == wanted:
+        return bf16
+    if bf16 is not None:
+        raise ConfigError(f"model_init_kwargs dtype={kwargs['dtype']!r} and bf16={bf16} disagree: set one of them")
+    return wanted

@@ -6,7 +6,7 @@ import pytest
 import torch
 from tiny_setup import digit_prompts, tiny_model, tiny_tokenizer
 
-from grpo.settings.plan import EvalSettings
+from grpo.settings.components import EvalSettings
 from grpo import Config, Trainer
 from grpo.eval import main as eval_main
 from grpo.plot import main as plot_main

@@ -8,7 +8,7 @@ from datasets import Dataset
 from jinja2.exceptions import TemplateError
 from tiny_setup import tiny_model, tiny_tokenizer
 
-from grpo.settings.plan import EvalSettings
+from grpo.settings.components import EvalSettings
 from grpo import Config, Trainer
 from grpo.rollout import decoding
 from grpo.rollout.evaluate import evaluate

@@ -80,6 +80,16 @@ def test_trls_tools_example_runs_with_only_its_imports_changed(tmp_path, tokeniz
     assert any((a - b).abs().max() > 0 for a, b in zip(before, trainer.model.parameters()))
 
 
+def test_the_run_plan_records_the_tools_for_the_checkpoints(tmp_path, tokenizer):
+    # grpo.export and grpo.generate read them from a checkpoint's grpo_config.json, the plan's session record
+    def zero(completions, **kwargs):
+        return [0.0] * len(completions)
+
+    trainer = Trainer(config(tmp_path), model=calling_model(tokenizer), tokenizer=tokenizer, reward_funcs=[zero],
+                      train_dataset=Dataset.from_list([{"prompt": QUESTION}] * 4), tools=[multiply])
+    assert trainer.plan.session.record["tools"] == ["multiply"]
+
+
 def spy_logprob_gradients(trainer) -> list:
     """The gradient the loss sends each training forward's log-probs [n, C], with the rollout it scored."""
     seen, logprobs = [], trainer.policy.logprobs

@@ -14,7 +14,7 @@ from grpo import Config as GRPOConfig  # was: from trl import GRPOConfig, GRPOTr
 from grpo import Trainer as GRPOTrainer
 from grpo.errors import ConfigError
 from grpo.policy.optim import Updates
-from grpo.settings.plan import OptimSettings
+from grpo.settings.components import OptimSettings
 
 # open-r1's lines (recipes/*/grpo/config_demo.yaml), as a TRL 1.16 script passes them
 OPEN_R1 = dict(  # noqa: C408 -- keywords, as GRPOConfig(...) is written

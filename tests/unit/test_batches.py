@@ -8,7 +8,7 @@ import torch
 
 import grpo.rollout.sampling
 from grpo import Config
-from grpo.settings.plan import SamplingSettings
+from grpo.settings.components import SamplingSettings
 from grpo.rollout.batches import Cut, Rollout
 from grpo.rollout.sampling import Sampler
 

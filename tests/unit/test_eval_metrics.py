@@ -8,7 +8,7 @@ import torch
 from datasets import Dataset
 from tiny_setup import digit_share, tiny_tokenizer
 
-from grpo.settings.plan import EvalSettings
+from grpo.settings.components import EvalSettings
 from grpo import Config
 from grpo.errors import ConfigError
 from grpo.plot import panels

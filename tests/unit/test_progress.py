@@ -5,7 +5,7 @@ import re
 import torch
 
 from grpo import Config
-from grpo.settings.plan import EvalSettings
+from grpo.settings.components import EvalSettings
 from grpo.rollout.decoding import decode
 from grpo.rollout.evaluate import evaluate
 from grpo.infra.progress import LINE_EVERY_S, LineProgress, TokenProgress, progress_bar

@@ -9,7 +9,7 @@ from tiny_setup import tiny_model, tiny_tokenizer
 
 from grpo import Config
 from grpo.policy.models import prepare_for_training
-from grpo.settings.plan import SamplingSettings
+from grpo.settings.components import SamplingSettings
 from grpo.rollout.compaction import DecodingRows
 from grpo.rollout.decoding import Decoded
 from grpo.rollout.sampling import (

@@ -14,7 +14,7 @@ from grpo.policy.precision import Precision
 from grpo.policy.packing import packed_mask, packing_pays, packing_refusal
 from grpo.policy.prefix import CacheDropped, refusal, shared_prompt_logprobs, shared_prompts
 from grpo.rollout.batches import Rollout
-from grpo.settings.plan import LogprobSettings
+from grpo.settings.components import LogprobSettings
 
 V, P, C = 96, 20, 9
 SMALL = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
