@@ -52,7 +52,8 @@ def prepare(config, train_dataset, eval_dataset, reward_funcs, reward_processing
     `tools` (rollout/tools.Tools, or None): the run's; an environment may own the reward (`reward_sources`) and,
     when its reset() returns the prompt, the data (no train_dataset, max_steps set:
     rollout/environments.training_rows). The plan is on the process group's ranks, with the run's length and
-    decode sizes, and the precision plan."""
+    decode sizes, and the precision plan; the prompt stream is the training rows' (a streaming one's epoch, for
+    the run's length and state.epoch, is every row the run draws: rollout/prompts.PromptStream)."""
     dist = setup_distributed()
     lock.check_output_dir(config.output_dir)
     lock.check_free(config.output_dir, dist)  # taken when training starts
