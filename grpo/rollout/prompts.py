@@ -1,5 +1,6 @@
-"""The prompt stream: a reshuffled pass over the dataset per epoch, resumable from (epoch, position); the checks
-of a dataset before training (its prompts, and a chat template for chat ones)."""
+"""The prompt stream: a reshuffled pass over the dataset per epoch (a streaming IterableDataset's read as TRL reads
+it), resumable from (epoch, position); an eval_dataset's sets; the checks of a dataset before training (its
+prompts, and a chat template for chat ones)."""
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -189,7 +190,7 @@ class PromptStream:
 
     def load_state_dict(self, state: dict) -> None:
         self.epoch, self.position = state["epoch"], state["position"]
-        self.length = state["length"] if self.stream else self.length
+        self.length = state.get("length") if self.stream else self.length
         self.order = self._permutation()
 
 

@@ -32,6 +32,7 @@ from .environments import environment_in, get_reward_failed
 
 
 logger = logging.getLogger(__name__)
+
 # What every reward function may take besides the dataset's columns.
 REWARD_ARGUMENTS = ("prompts", "completions", "completion_ids", "trainer_state", "log_metric", "log_extra")
 
