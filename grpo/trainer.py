@@ -7,15 +7,16 @@ from dataclasses import asdict
 from functools import partial
 from pathlib import Path
 
+from .algo.loss_terms import high_entropy_mask, trl_off_policy_mask
 from .infra.allocator import decoding_allocations, return_freed_memory
 from .infra.interrupts import StopSignals
 from .policy.forwards import Policy
 from .policy.gradients import accumulate, eval_loss
 from .policy.models import default_tokenizer, load_model, prepare_for_training
 from .policy.optim import Updates
-from .rollout.evaluate import eval_sets, evaluate
+from .rollout.evaluate import evaluate
 from .rollout.pipeline import Pipeline, engine
-from .rollout.prompts import PromptStream, check_chat_template
+from .rollout.prompts import check_chat_template, eval_sets
 from .rollout.reward_models import place_reward_models
 from .rollout.tools import Tools
 from .run import lock
@@ -45,23 +46,21 @@ class Trainer:
                                             trl_only, engines)
         self.config, self.eval_dataset = config, eval_dataset
         self.tools = Tools.of(tools, environment_factory) if tools or environment_factory else None
-        self.dist, self.plan, self.precision, self.reward_funcs, train_dataset = prepare(  # before a model loads
+        self.dist, self.plan, self.precision, self.reward_funcs, self.prompts = prepare(  # before a model loads
             config, train_dataset, eval_dataset, reward_funcs, reward_processing_classes, model,
             sampler=sampler is not None, rollout_func=rollout_func is not None, tools=self.tools)
         self.schedule, self.total_steps = self.plan.schedule, self.plan.total_steps
         self.trackers = Trackers(self.plan.trackers, self.dist.is_main)  # a missing package fails
-        self._setup_policy(model, tokenizer, train_dataset)
-        self._setup_generation(sampler, rollout_func, train_dataset)
+        self._setup_policy(model, tokenizer)
+        self._setup_generation(sampler, rollout_func)
         self._setup_run(callbacks)
-        vars(self).update(trl_attributes(self.config, self.tokenizer, self.reward_funcs, self.plan,
-                                         self.policy, train_dataset))  # TRL's names a script reads
+        vars(self).update(trl_attributes(self))  # TRL's names a script reads
 
-    def _setup_policy(self, model, tokenizer, train_dataset) -> None:
+    def _setup_policy(self, model, tokenizer) -> None:
         """The tokenizer, the model loaded and prepared as the plan says, its policy and updates."""
         s = self.plan.loading
         self.tokenizer = tokenizer if tokenizer is not None else default_tokenizer(s.model, model)
-        check_chat_template(self.tokenizer, {"train_dataset": train_dataset, **{
-            f"eval_dataset{name}": d for name, d in eval_sets(self.eval_dataset).items()}})
+        check_chat_template(self.tokenizer, self.prompts.dataset, self.eval_dataset)
         model = model if model is not None else load_model(s, self.precision)
         self.model = prepare_for_training(model, s, self.dist.world_size)
         self.policy = Policy(self.model, self.plan.logprobs, self.dist.world_size, self.precision,
@@ -70,16 +69,14 @@ class Trainer:
         self.updates = Updates(self.model.parameters(), self.plan.optim, self.total_steps)
         self.optimizer, self.scheduler = self.updates.optimizer, self.updates.scheduler  # TRL's
 
-    def _setup_generation(self, sampler, rollout_func, train_dataset) -> None:
+    def _setup_generation(self, sampler, rollout_func) -> None:
         """The generation pipeline: the engine, the prompts, the rewards next to the policy."""
         self.state = TrainerState.of(self.total_steps, self.dist)  # its global_step is `step`
         self.no_signal = NoSignalWatch(patience=3)  # steps in a row where all rewards were equal
         self.sampler = engine(sampler, rollout_func, self)  # ours, a server's, a rollout_func...
-        s = self.plan.generation
-        self.prompts = PromptStream(train_dataset, s.data_seed, shuffle=s.shuffle_dataset)
         place_reward_models(self.reward_funcs, self.policy.device)  # next to the policy
-        self.pipeline = Pipeline.build(self.sampler, self.prompts, self.reward_funcs, self.policy,
-                                       self.dist, s, self.plan.loss, self.tokenizer.pad_token_id,
+        self.pipeline = Pipeline.build(self.sampler, self.prompts, self.reward_funcs, self.policy, self.dist,
+                                       self.plan.generation, self.plan.loss, self.tokenizer.pad_token_id,
                                        self.threshold_set, self.tools)
 
     def _setup_run(self, callbacks) -> None:
@@ -102,7 +99,12 @@ class Trainer:
     @step.setter
     def step(self, step: int) -> None:
         self.state.global_step = step
-        self.state.epoch = self.schedule.epoch(step, len(self.prompts.dataset))
+        self.state.epoch = self.schedule.epoch(step, self.prompts.epoch_rows)
+
+    def get_high_entropy_mask(self, entropies, mask, threshold: float):  # TRL's (a method of its trainer)
+        return high_entropy_mask(entropies, mask, threshold)
+
+    get_off_policy_mask = staticmethod(trl_off_policy_mask)  # TRL's
 
     @property
     def generation(self):  # the generation batch in training (rollout/batches); None before one
@@ -150,7 +152,7 @@ class Trainer:
 
     def after_step(self, signals: StopSignals, metrics: dict) -> bool:
         """What the callbacks and the cadence ask after a step: log, evaluate, save; True: stop."""
-        ended = self.schedule.ends_epoch(self.step, len(self.prompts.dataset))
+        ended = self.schedule.ends_epoch(self.step, self.prompts.epoch_rows)
         due = self.plan.cadence.due(self.step, self.total_steps, ended)
         control = self.callbacks.on_step_end(*due)
         if control.should_log:  # with its batch's completions once, not per pass over it

@@ -69,18 +69,19 @@ def _lora(peft_config, model, config: Config) -> dict:
     return adapter_settings(model) if is_peft_model(model) else {}
 
 
-def trl_attributes(config: Config, tokenizer, reward_funcs: list, plan, policy, train_dataset) -> dict:
-    """TRL GRPOTrainer's attributes that a script reads, on ours (docs/coming-from-trl.md says which and why):
-    `args` (the Config), `processing_class` (the tokenizer), `reward_func_names`, `reward_processing_classes` (each
-    reward model's tokenizer, None for a function), `reward_weights` (a tensor, 1.0 each unless set; `plan`'s, the
-    run's settings/plan.RunPlan: an environment's own reward weighs 1, after the config's), `ref_model`
-    (`policy`'s frozen reference copy: None under LoRA, whose reference is the policy with its adapter off, and
-    without a KL term, as in TRL), `train_dataset`, and `aux_loss_enabled` with `router_aux_loss_coef` (a
-    mixture-of-experts router's load-balancing loss and its weight, policy/router.py)."""
-    weights = plan.generation.reward_weights
+def trl_attributes(trainer) -> dict:
+    """TRL GRPOTrainer's attributes that a script reads, on ours (docs/coming-from-trl.md says which and why), from
+    the Trainer `trainer`'s own: `args` (the Config), `processing_class` (the tokenizer), `reward_func_names`,
+    `reward_processing_classes` (each reward model's tokenizer, None for a function), `reward_weights` (a tensor,
+    1.0 each unless set; the run plan's: an environment's own reward weighs 1, after the config's), `ref_model`
+    (the policy's frozen reference copy: None under LoRA, whose reference is the policy with its adapter off, and
+    without a KL term, as in TRL), `train_dataset` (the prompt stream's), and `aux_loss_enabled` with
+    `router_aux_loss_coef` (a mixture-of-experts router's load-balancing loss and its weight, policy/router.py)."""
+    reward_funcs, policy, weights = trainer.reward_funcs, trainer.policy, trainer.plan.generation.reward_weights
     weights = weights if weights is not None else [1.0] * len(reward_funcs)
-    return {"args": config, "processing_class": tokenizer, "reward_func_names": reward_func_names(reward_funcs),
+    return {"args": trainer.config, "processing_class": trainer.tokenizer,
+            "reward_func_names": reward_func_names(reward_funcs),
             "reward_processing_classes": [f.tokenizer if isinstance(f, RewardModel) else None for f in reward_funcs],
             "reward_weights": torch.tensor(weights, dtype=torch.float32), "ref_model": policy.reference,
-            "train_dataset": train_dataset, "aux_loss_enabled": policy.router_aux_coef != 0,
+            "train_dataset": trainer.prompts.dataset, "aux_loss_enabled": policy.router_aux_coef != 0,
             "router_aux_loss_coef": policy.router_aux_coef}

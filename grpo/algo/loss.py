@@ -211,7 +211,7 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor | None, ref_logprobs: Ten
         policy = policy * kept[:, None].to(policy.dtype)  # [B, T]
     acts_on = on  # [B, T]: the tokens the policy term (and the entropy bonus) acts on
     if s.top_entropy_quantile < 1.0:
-        acts_on = high_entropy_mask(entropies, on, s.top_entropy_quantile)  # [B, T]
+        acts_on = high_entropy_mask(entropies, on, 1.0 - s.top_entropy_quantile)  # [B, T]
         policy = policy * acts_on.to(policy.dtype)  # [B, T]
     agg = {"loss_type": s.loss_type, "max_completion_length": s.max_completion_length, "num_tokens": num_tokens,
            "num_micro_batches": num_micro_batches, "num_sequences": num_sequences,

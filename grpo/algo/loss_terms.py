@@ -134,18 +134,28 @@ def off_policy_mask(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, 
     return (advantages >= 0) | (kl <= threshold)  # [B]
 
 
-def high_entropy_mask(entropies: Tensor, completion_mask: Tensor, quantile: float) -> Tensor:
-    """``[B, T]`` bool: the completion tokens whose entropy is in the top ``quantile`` share ("Beyond the 80/20
-    rule"; TRL's ``top_entropy_quantile``)::
+def trl_off_policy_mask(advantages: Tensor, per_token_logps: Tensor, sampling_per_token_logps: Tensor, mask: Tensor,
+                        off_policy_threshold: float) -> Tensor:
+    """TRL's ``GRPOTrainer.get_off_policy_mask``: `off_policy_mask` in TRL's argument order and shapes, the
+    advantages ``[B, 1]``, the result ``[B, 1]`` in ``mask``'s dtype, 1 keep and 0 drop."""
+    kept = off_policy_mask(per_token_logps, sampling_per_token_logps, advantages.reshape(-1), mask,
+                           off_policy_threshold)  # [B]
+    return kept[:, None].to(mask.dtype)  # [B, 1]
 
-        keep = m * [H >= the (1 - quantile) quantile of H over this call's completion tokens]
+
+def high_entropy_mask(entropies: Tensor, completion_mask: Tensor, level: float) -> Tensor:
+    """``[B, T]`` bool: the completion tokens whose entropy is at least the ``level`` quantile of this call's
+    completion tokens' ("Beyond the 80/20 rule": TRL's ``top_entropy_quantile`` q keeps the top q share, level
+    1 - q; TRL's ``get_high_entropy_mask`` with ``threshold`` = level)::
+
+        keep = m * [H >= the level quantile of H over the completion tokens]
 
     the quantile by linear interpolation (``torch.quantile``'s)."""
     on = completion_mask.bool()  # [B, T]
     values = entropies[on].float()  # [n]
     if values.numel() == 0:
         return torch.zeros_like(on)
-    threshold = torch.quantile(values, 1.0 - quantile)
+    threshold = torch.quantile(values, level)
     return (entropies >= threshold) & on  # [B, T]
 
 

@@ -9,6 +9,7 @@ import inspect
 from collections.abc import Callable
 
 from ..errors import ConfigError, DatasetError, UserError
+from .prompts import is_stream
 
 EMPTY_PROMPT = [{"role": "user", "content": ""}]  # TRL's: what a row without a prompt starts from, reset() adds to
 
@@ -51,8 +52,11 @@ def training_rows(train_dataset, tools, max_steps: int, num_prompts: int):
     column that chooses between them: DatasetError) or, when it is None and the environment owns the data (its
     `reset()` returns each prompt), TRL's: a generation batch's `num_prompts` rows of an empty user message, drawn
     again every batch, for `max_steps` steps. A ConfigError, saying what to pass, for no train_dataset and no
-    environment, a dict of environments or no max_steps."""
+    environment, a dict of environments or no max_steps, and for a stream (no length) without max_steps."""
     named = tools is not None and isinstance(tools.environment_factory, dict)
+    if is_stream(train_dataset) and max_steps <= 0:
+        raise ConfigError("train_dataset is a stream (an IterableDataset), which has no length to count epochs "
+                          "over: set max_steps, as TRL requires")
     if train_dataset is not None:
         if named and "environment" not in (getattr(train_dataset, "column_names", None) or ["environment"]):
             raise DatasetError(f"environment_factory is a dict, so each train_dataset row names its environment "

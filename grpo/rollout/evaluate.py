@@ -15,15 +15,15 @@ import importlib
 import importlib.util
 import sys
 import time
-from collections.abc import Mapping
 
 import torch
 
 from ..errors import ConfigError
 from ..infra.progress import TokenProgress
 from ..settings.components import EvalSettings
-from .prompts import PromptTooLong, check_dataset, check_not_streaming
-from .rewards import RewardContext, compute_rewards, required_columns, reward_func_names, reward_metrics
+from .prompts import PromptTooLong, check_dataset, eval_sets, first_rows, is_stream
+from .rewards import (RewardContext, compute_rewards, required_columns, reward_func_names, reward_metrics,
+                      warn_unscored)
 from .sampling import PromptEncoder, eos_token_ids, sample_completions
 from .environments import make_envs
 
@@ -44,23 +44,14 @@ def check_eval_setup(config, eval_dataset, reward_funcs) -> None:
               file=sys.stderr)
 
 
-def eval_sets(dataset) -> dict:
-    """{key suffix: dataset} of an eval_dataset: {"": it}, or for several (a dict or a DatasetDict, as transformers
-    takes them) {"_<name>": each}, evaluated apart with the metric key prefix `eval_<name>`, transformers'.
-    DatasetError for a streaming one (rollout/prompts.check_not_streaming)."""
-    sets = {f"_{name}": d for name, d in dataset.items()} if isinstance(dataset, Mapping) else {"": dataset}
-    for suffix, d in sets.items():
-        check_not_streaming(d, f"eval_dataset[{suffix[1:]!r}]" if suffix else "eval_dataset")
-    return sets
-
-
 def check_eval_inputs(config, dataset, reward_funcs) -> None:
     """Before any model is loaded: the config's eval functions exist and find the columns they need in
     `dataset`, and its breakdown column is one to break metrics down by; its prompts as a training set's."""
     check_dataset(dataset, "eval_dataset")
     eval_funcs(reward_funcs, config.eval_accuracy_func, config.eval_free_accuracy_func,
                config.eval_format_func, dataset.column_names)
-    check_breakdown_column(dataset, config.eval_breakdown_column)
+    if not is_stream(dataset):  # a stream's values are read when it is evaluated
+        check_breakdown_column(dataset, config.eval_breakdown_column)
 
 
 def eval_funcs(reward_funcs, accuracy_func: str | None, free_accuracy_func: str | None, format_func: str | None,
@@ -213,8 +204,7 @@ def evaluate(model, tokenizer, dataset, reward_funcs, settings: EvalSettings, *,
     if dataset is None:
         raise ConfigError("evaluating needs an eval_dataset: pass Trainer(eval_dataset=...)")
     s, names = settings, reward_func_names(reward_funcs)
-    if s.limit is not None:
-        dataset = dataset.select(range(min(s.limit, len(dataset))))
+    dataset = first_rows(dataset, s.limit)  # a stream's read into memory, as transformers' evaluation reads it all
     funcs = eval_funcs(reward_funcs, s.accuracy_func, s.free_accuracy_func, s.format_func, dataset.column_names)
     groups = check_breakdown_column(dataset, s.breakdown_column)
     t0 = time.perf_counter()
@@ -226,6 +216,7 @@ def evaluate(model, tokenizer, dataset, reward_funcs, settings: EvalSettings, *,
     rewards, per_func = compute_rewards(reward_funcs, prompts, completions, columns, s.reward_weights,
                                         completion_ids=completion_ids,
                                         context=RewardContext(trainer_state))  # [N], [N, F]
+    warn_unscored(per_func, prompts, completions, columns)
     means = reward_metrics(rewards, per_func, names)
     # A function that is not a reward function (an imported format-free accuracy) scores apart.
     extra = [m for m, (name, _) in funcs.items() if name not in names]

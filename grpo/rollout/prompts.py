@@ -1,27 +1,35 @@
-"""The prompt stream: a reshuffled pass over the dataset per epoch, resumable from (epoch, position); the checks
-of a dataset before training (its prompts, and a chat template for chat ones)."""
+"""The prompt stream: a reshuffled pass over the dataset per epoch (a streaming IterableDataset's read as TRL reads
+it), resumable from (epoch, position); an eval_dataset's sets; the checks of a dataset before training (its
+prompts, and a chat template for chat ones)."""
 from __future__ import annotations
 
+from collections.abc import Mapping
 
 import torch
 
 from ..errors import ConfigError, DatasetError, setting
 
 
-def check_not_streaming(dataset, name: str) -> None:
-    """DatasetError for a streaming datasets.IterableDataset, which has no length and no rows by index."""
-    if dataset is not None and not hasattr(dataset, "__len__") and hasattr(dataset, "column_names"):
-        raise DatasetError(f"{name} is a streaming IterableDataset: prompts are read here by index (a seeded shuffle "
-                           f"each epoch, a checkpoint resuming at its row), which a stream has not; load it as a "
-                           f"Dataset (streaming=False), or take its first rows: Dataset.from_list(list(ds.take(N)))")
+def is_stream(dataset) -> bool:
+    """Whether `dataset` is a streaming datasets.IterableDataset: rows in order, no length, none by index."""
+    return dataset is not None and not hasattr(dataset, "__len__") and hasattr(dataset, "set_epoch")
+
+
+def first_rows(dataset, limit: int | None = None):
+    """The first `limit` rows of `dataset` (all when None) as a datasets.Dataset; a stream's read into memory."""
+    if not is_stream(dataset):
+        return dataset if limit is None else dataset.select(range(min(limit, len(dataset))))
+    from datasets import Dataset
+
+    return Dataset.from_list(list(dataset if limit is None else dataset.take(limit)), features=dataset.features)
 
 
 def check_dataset(dataset, name: str = "train_dataset", environments: bool = False) -> None:
     """Fail early, in one line, on datasets the trainer cannot use. A column has one Arrow type, so the
     first prompt's type is every prompt's type, apart from missing (None) ones, counted separately. With
     `environments` (an environment_factory's reset() writes the prompts) the prompt column may be missing, as
-    in TRL."""
-    check_not_streaming(dataset, name)
+    in TRL. A stream is checked on its first row."""
+    dataset = first_rows(dataset, 1) if is_stream(dataset) else dataset
     columns = getattr(dataset, "column_names", None)
     if columns is None:
         raise DatasetError(f"{name} must be a datasets.Dataset, got {type(dataset).__name__}")
@@ -73,19 +81,27 @@ class PromptTooLong(DatasetError):
     def in_dataset(self, dataset, name: str) -> PromptTooLong:
         """The same error naming the first row of `dataset` (called `name`) that holds the prompt (itself when
         none does: a prompt an environment's reset made)."""
-        prompts = dataset["prompt"] if "prompt" in dataset.column_names else []
+        prompts = dataset["prompt"] if not is_stream(dataset) and "prompt" in dataset.column_names else []
         if self.prompt not in prompts:
             return self
         where = f"{name} row {prompts.index(self.prompt)}: its prompt"
         return PromptTooLong(*self.args[:-1], where)
 
 
-def check_chat_template(tokenizer, datasets: dict) -> None:
-    """ConfigError, before anything is sampled, when a dataset of `datasets` (name: dataset or None) holds chat
-    prompts (its first row's type is every row's) and `tokenizer` has no chat template to render them."""
-    for name, dataset in datasets.items():  # a dataset without prompts has an environment's: chat ones (TRL's)
-        if dataset is not None and len(dataset) and isinstance(dataset[0].get("prompt", []), list) \
-                and not tokenizer.chat_template:
+def eval_sets(dataset) -> dict:
+    """{key suffix: dataset} of an eval_dataset: {"": it}, or for several (a dict or a DatasetDict, as transformers
+    takes them) {"_<name>": each}, evaluated apart with the metric key prefix `eval_<name>`, transformers'."""
+    return {f"_{name}": d for name, d in dataset.items()} if isinstance(dataset, Mapping) else {"": dataset}
+
+
+def check_chat_template(tokenizer, train_dataset, eval_dataset) -> None:
+    """ConfigError, before anything is sampled, when `train_dataset` or a set of `eval_dataset` (`eval_sets`)
+    holds chat prompts (its first row's type is every row's) and `tokenizer` has no chat template to render
+    them."""
+    named = {"train_dataset": train_dataset, **{f"eval_dataset{k}": d for k, d in eval_sets(eval_dataset).items()}}
+    for name, dataset in named.items():  # a dataset without prompts has an environment's: chat ones (TRL's)
+        first = first_rows(dataset, 1) if dataset is not None else []
+        if len(first) and isinstance(first[0].get("prompt", []), list) and not tokenizer.chat_template:
             raise ConfigError(f"{name} holds chat prompts (lists of messages), but the tokenizer has no chat "
                               f"template to render them: pass an instruct model's tokenizer, set "
                               f"tokenizer.chat_template, or give the prompts as text")
@@ -93,16 +109,26 @@ def check_chat_template(tokenizer, datasets: dict) -> None:
 
 class PromptStream:
     """Yields batches of dataset rows in a seeded order, a new permutation every epoch; with `shuffle` False, in
-    the dataset's own order (TRL's shuffle_dataset=False)."""
+    the dataset's own order (TRL's shuffle_dataset=False). A stream (`is_stream`) is read as TRL reads one: in
+    its order, through datasets' buffered shuffle seeded with `seed` + epoch when `shuffle`, again from its start
+    once it ends; its length is known after its first epoch. `run_rows`: the rows the run draws, a stream's epoch
+    as transformers counts it (`epoch_rows`)."""
 
-    def __init__(self, dataset, seed: int, shuffle: bool = True):
+    def __init__(self, dataset, seed: int, shuffle: bool = True, run_rows: float | None = None):
         self.dataset = dataset
         self.seed, self.shuffle = seed, shuffle
+        self.stream = is_stream(dataset)
+        self.length = None if self.stream else len(dataset)  # rows per epoch: a stream's once it has ended
+        # transformers' state.epoch of a dataset without a length is steps / max_steps: an epoch is the run
+        self.epoch_rows = run_rows if self.stream else self.length
         self.epoch = 0
         self.position = 0
+        self.reader, self.reader_at = None, None  # a stream's open iterator and the (epoch, position) it is at
         self.order = self._permutation()
 
     def _permutation(self) -> list[int]:
+        if self.stream:
+            return []
         if not self.shuffle:
             return list(range(len(self.dataset)))
         generator = torch.Generator().manual_seed(self.seed + self.epoch)
@@ -111,10 +137,13 @@ class PromptStream:
     @property
     def drawn(self) -> int:
         """Rows drawn so far, over every epoch: the place in the run's stream of the next one."""
-        return self.epoch * len(self.order) + self.position
+        return self.epoch * (self.length or 0) + self.position
 
     def next(self, n: int) -> dict[str, list]:
         """The next `n` rows as columns ({"prompt": [...], "answer": [...], ...}), wrapping epochs."""
+        if self.stream:
+            rows = self._read(n)
+            return {k: [row[k] for row in rows] for k in rows[0]}
         indices = []
         while len(indices) < n:
             if self.position == len(self.order):
@@ -125,20 +154,43 @@ class PromptStream:
             self.position += take
         return self.dataset[indices]
 
+    def _read(self, n: int) -> list[dict]:
+        """A stream's next `n` rows, read on by its open iterator, or by one opened at (epoch, position) when that
+        was set elsewhere (a checkpoint, a rewind, the sampler process): the epoch's order skipped ahead to the
+        position, the same rows that reading from the start would give."""
+        rows = []
+        while len(rows) < n:
+            if self.reader_at != (self.epoch, self.position):
+                ordered = self.dataset.shuffle(seed=self.seed) if self.shuffle else self.dataset
+                ordered = ordered.skip(self.position)
+                ordered.set_epoch(self.epoch)  # the shuffle's seed is seed + epoch, as transformers' epochs set it
+                self.reader, self.reader_at = iter(ordered), (self.epoch, self.position)
+            row = next(self.reader, None)
+            if row is None and self.position == 0:
+                raise DatasetError("train_dataset is a stream that yields no rows")
+            if row is None:  # the end of an epoch: read again from the start
+                self.length, self.epoch, self.position = self.position, self.epoch + 1, 0
+                continue
+            rows.append(row)
+            self.position += 1
+            self.reader_at = (self.epoch, self.position)
+        return rows
+
     def rewind(self, n: int) -> None:
         """Step back `n` rows (into earlier epochs if need be), so that `next` draws them again."""
         while n > self.position and self.epoch > 0:
             n -= self.position
             self.epoch -= 1
-            self.order = self._permutation()
-            self.position = len(self.order)
+            self.position = self.length
         self.position = max(0, self.position - n)
+        self.order = self._permutation()
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "position": self.position}
+        return {"epoch": self.epoch, "position": self.position, **({"length": self.length} if self.stream else {})}
 
     def load_state_dict(self, state: dict) -> None:
         self.epoch, self.position = state["epoch"], state["position"]
+        self.length = state.get("length") if self.stream else self.length
         self.order = self._permutation()
 
 

@@ -16,6 +16,7 @@ import asyncio
 import concurrent.futures
 import functools
 import inspect
+import logging
 import math
 import numbers
 import os
@@ -29,6 +30,8 @@ from ..errors import ConfigError, UserError
 from ..infra.interrupts import StepAbandoned
 from .environments import environment_in, get_reward_failed
 
+
+logger = logging.getLogger(__name__)
 
 # What every reward function may take besides the dataset's columns.
 REWARD_ARGUMENTS = ("prompts", "completions", "completion_ids", "trainer_state", "log_metric", "log_extra")
@@ -125,6 +128,19 @@ def compute_rewards(reward_funcs, prompts, completions, columns: dict[str, list]
     # NaN * weight stays NaN and nansum skips it: a None never counts, not even as 0.
     rewards = torch.nansum(per_func * torch.tensor(weights, dtype=torch.float32), dim=1)
     return rewards, per_func
+
+
+def warn_unscored(per_func: Tensor, prompts: list, completions: list, columns: dict[str, list]) -> None:
+    """TRL's warning, on a logger as TRL gives it, when every reward function returned None for a completion of
+    `compute_rewards`' `per_func` [N, F] (its arguments besides): it names the first such row's arguments."""
+    unscored = per_func.isnan().all(dim=1).nonzero().flatten().tolist()  # [n]
+    if unscored:
+        i = unscored[0]
+        row = {"prompt": prompts[i], "completion": completions[i], **{k: v[i] for k, v in columns.items()}}
+        kwargs = ", ".join(f"{k}={_preview(v)}" for k, v in row.items())
+        logger.warning(f"All reward functions returned None for the following kwargs: {kwargs} ({len(unscored)} of "
+                       f"{len(prompts)} completions unscored): such a completion gets no reward and advantage 0; "
+                       f"make at least one reward function score it")
 
 
 def check_reward_weights(weights: list[float] | None, names: list[str]) -> None:

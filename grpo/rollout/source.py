@@ -11,7 +11,7 @@ from ..infra.allocator import decoding_allocations
 from ..infra.progress import TokenProgress
 from .batches import Rollout
 from .prompts import PromptStream, PromptTooLong, per_completion
-from .rewards import RewardContext, compute_rewards
+from .rewards import RewardContext, compute_rewards, warn_unscored
 from .streams import PromptStreams
 from .environments import make_envs
 
@@ -59,6 +59,7 @@ class RolloutSource:
         rewards, per_func = compute_rewards(self.reward_funcs, prompts, rollout.completions, columns,
                                             self.reward_weights, context=context,
                                             completion_ids=rollout.completion_id_lists)
+        warn_unscored(per_func, prompts, rollout.completions, columns)
         if rollout.tool_notes is not None:  # each completion's failed tool calls, a completions.jsonl column
             context.log_extra("tool_failures", rollout.tool_notes)
         n = len(rollout.completions)

@@ -273,7 +273,7 @@ class Ahead:
                                            self.release)
         # The reward functions' trainer_state at that step, as the synchronous run's would be.
         state = dataclasses.replace(self.state, global_step=step,
-                                    epoch=self.schedule.epoch(step, len(self.prompts.dataset)))
+                                    epoch=self.schedule.epoch(step, self.prompts.epoch_rows))
         with atomic():  # a stop signal cannot leave a request sent but not recorded, or half sent
             self.worker.request(step, self.prompts.state_dict(), state)
             self.requested = (step, version)

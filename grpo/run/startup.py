@@ -6,7 +6,7 @@ memory planner reads from the architecture (`prepare`). Settings alone are check
 from __future__ import annotations
 
 import dataclasses
-import sys
+import logging
 from typing import NamedTuple
 
 import torch
@@ -22,22 +22,24 @@ from ..policy.precision import Precision, default_device
 from ..rollout.engines.choice import check_engine
 from ..rollout.environments import training_rows
 from ..rollout.evaluate import check_eval_setup
-from ..rollout.prompts import check_dataset
+from ..rollout.prompts import PromptStream, check_dataset
 from ..rollout.reward_models import reward_callables
 from ..rollout.rewards import check_reward_columns, check_reward_weights, reward_func_names
 from ..settings.plan import RunPlan
 from . import lock
 
+logger = logging.getLogger(__name__)
+
 
 class Prepared(NamedTuple):
     """What a run knows before its model loads: its ranks, the plan finished, the dtype plan, the reward
-    callables, the training rows."""
+    callables, the prompt stream."""
 
     dist: Distributed
     plan: RunPlan
     precision: Precision
     reward_funcs: list  # rollout/reward_models.reward_callables: reward models wrapped, the environments' after
-    train_dataset: object  # the caller's, or the rows drawn when an environment owns the data
+    prompts: PromptStream  # over the caller's train_dataset, or the rows drawn when an environment owns the data
 
 
 def prepare(config, train_dataset, eval_dataset, reward_funcs, reward_processing_classes=None, model=None,
@@ -50,7 +52,8 @@ def prepare(config, train_dataset, eval_dataset, reward_funcs, reward_processing
     `tools` (rollout/tools.Tools, or None): the run's; an environment may own the reward (`reward_sources`) and,
     when its reset() returns the prompt, the data (no train_dataset, max_steps set:
     rollout/environments.training_rows). The plan is on the process group's ranks, with the run's length and
-    decode sizes, and the precision plan."""
+    decode sizes, and the precision plan; the prompt stream is the training rows' (a streaming one's epoch, for
+    the run's length and state.epoch, is every row the run draws: rollout/prompts.PromptStream)."""
     dist = setup_distributed()
     lock.check_output_dir(config.output_dir)
     lock.check_free(config.output_dir, dist)  # taken when training starts
@@ -67,13 +70,15 @@ def prepare(config, train_dataset, eval_dataset, reward_funcs, reward_processing
     check_eval_setup(config, eval_dataset, funcs)
     check_parallel_settings(dist.world_size, config.fsdp, config.optim, config.use_lora)
     for line in loss_warnings(config.loss_type, config.importance_sampling_level) if dist.is_main else []:
-        print(f"warning: {line}", file=sys.stderr)  # as TRL's GRPOTrainer warns
+        logger.warning(line)  # as TRL's GRPOTrainer warns, on its logger
     check_engine(plan, dist.world_size, device.type, sampler=sampler, rollout_func=rollout_func)
-    total_steps = plan.schedule.total_steps(len(train_dataset), config.num_train_epochs, config.max_steps)
+    g = plan.generation
+    prompts = PromptStream(train_dataset, g.data_seed, g.shuffle_dataset, plan.schedule.prompts_of(config.max_steps))
+    total_steps = plan.schedule.total_steps(prompts.epoch_rows, config.num_train_epochs, config.max_steps)
     decode = decode_sizes(plan.memory, architecture_of(config.model, model), precision)
     torch.manual_seed(config.seed + dist.rank)  # last: reward models loaded above draw from it
     return Prepared(dist, dataclasses.replace(plan, total_steps=total_steps, decode=decode), precision, funcs,
-                    train_dataset)
+                    prompts)
 
 
 def reward_sources(config, reward_funcs, reward_processing_classes=None, tools=None) -> tuple[list, object]:

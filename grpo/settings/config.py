@@ -82,8 +82,8 @@ class Config(metaclass=CheckedKeywords):
     data_seed: int | None = None
     """Seed of the order the training prompts are drawn in (transformers' data_seed); None: `seed`."""
     shuffle_dataset: bool = True
-    """Draw the training prompts in a seeded shuffled order, a new one each epoch (TRL's); False: in the
-    dataset's own order."""
+    """Draw the training prompts in a seeded shuffled order, a new one each epoch (TRL's; a stream's through
+    datasets' shuffle buffer, as TRL's); False: in the dataset's own order."""
 
     # --- sampling ---
     max_prompt_length: int | None = 512  # TRL 1.16 has none (it leaves prompts whole): a bound on memory here

@@ -92,10 +92,15 @@ class Schedule:
         """Whether optimizer step `step` (1-based) finished a pass over `num_prompts` prompts."""
         return self.epochs_done(step, num_prompts) > self.epochs_done(step - 1, num_prompts)
 
-    def epoch(self, step: int, num_prompts: int) -> float:
+    def epoch(self, step: int, num_prompts: float) -> float:
         """transformers' `state.epoch` after the first `step` optimizer steps: passes over `num_prompts` prompts,
-        each step counting for its share of its generation batch's prompts."""
+        each step counting for its share of its generation batch's prompts (`prompts_of`)."""
         return step * self.prompts_per_generation / (self.optimizer_steps_per_generation * num_prompts)
+
+    def prompts_of(self, steps: int) -> float:
+        """The prompts `steps` optimizer steps train on, each counting for its share of its generation batch's:
+        with `epoch`, `steps` make one epoch of this many prompts."""
+        return steps * self.prompts_per_generation / self.optimizer_steps_per_generation
 
     def total_steps(self, num_prompts: int, num_train_epochs: float, max_steps: int) -> int:
         """Optimizer steps of a run: `max_steps` when set, else enough generation batches for the epochs over

@@ -94,6 +94,17 @@ def crash_inside_step_5(out, tokenizer, name: str) -> None:
         first.train()
 
 
+def resumed_after_a_crash_inside_step_5(run, out) -> Trainer:
+    """`run(out, **overrides)`'s Trainer, dead inside step 5, then resumed from its latest checkpoint to the end."""
+    first = run(out)
+    stop_when(first, "accumulate", 4, lambda: (_ for _ in ()).throw(Crash()))
+    with pytest.raises(Crash):
+        first.train()
+    resumed = run(out, resume_from_checkpoint="latest")
+    resumed.train()
+    return resumed
+
+
 @pytest.mark.parametrize("name", SETTINGS)
 def test_resume_after_a_crash_is_bit_identical(tmp_path, tmp_path_factory, tokenizer, name):
     reference, reference_out = uninterrupted(name, tmp_path_factory, tokenizer)
@@ -263,10 +274,24 @@ def test_resume_with_tools_mid_generation_batch_is_bit_identical(tmp_path):
     reference = run(tmp_path / "reference")
     reference.train()
     assert all(line["tools/call_frequency"] == 1 for line in read_jsonl(tmp_path / "reference" / "metrics.jsonl"))
-    first = run(tmp_path / "run")
-    stop_when(first, "accumulate", 4, lambda: (_ for _ in ()).throw(Crash()))
-    with pytest.raises(Crash):
-        first.train()
-    resumed = run(tmp_path / "run", resume_from_checkpoint="latest")
-    resumed.train()
-    assert_same_run(resumed, tmp_path / "run", reference, tmp_path / "reference")
+    assert_same_run(resumed_after_a_crash_inside_step_5(run, tmp_path / "run"), tmp_path / "run", reference,
+                    tmp_path / "reference")
+
+
+def test_a_streaming_dataset_resumes_at_its_row_in_a_later_epoch(tmp_path, tokenizer):
+    # 3 prompts a stream of, 1 a step, reshuffled each epoch: checkpoint-4 is one row into the second epoch.
+    from datasets import IterableDataset
+
+    def run(out, **overrides):
+        config = Config(output_dir=str(out), max_steps=6, save_steps=4, per_device_train_batch_size=4,
+                        num_generations=4, max_prompt_length=16, max_completion_length=8, learning_rate=1e-2,
+                        seed=0, **overrides)
+        stream = IterableDataset.from_generator(lambda: (yield from digit_prompts(3)))
+        return Trainer(config, model=tiny_model(tokenizer), tokenizer=tokenizer, reward_funcs=[digit_share],
+                       train_dataset=stream)
+    reference = run(tmp_path / "reference")
+    reference.train()
+    prompts = [row["prompt"] for row in read_jsonl(tmp_path / "reference" / "completions.jsonl")][::4]
+    assert sorted(prompts[:3]) == sorted(prompts[3:]) == sorted(digit_prompts(3)["prompt"]), "each epoch all rows"
+    assert_same_run(resumed_after_a_crash_inside_step_5(run, tmp_path / "run"), tmp_path / "run", reference,
+                    tmp_path / "reference")

@@ -2,17 +2,17 @@
 GRPOTrainer tests are (GRPOConfig keywords, GRPOTrainer(model=, reward_funcs=, args=, train_dataset=, ...)), on
 the tiny offline model of tiny_setup in place of TRL's tiny Hub models."""
 import json
-import re
+from unittest.mock import Mock
 
 import pytest
 import torch
-from datasets import DatasetDict, IterableDataset
+from datasets import DatasetDict, IterableDataset, IterableDatasetDict
 from tiny_setup import digit_prompts, digit_share, tiny_model, tiny_reward_model, tiny_tokenizer
 
 from grpo import Config as GRPOConfig  # was: from trl import GRPOConfig, GRPOTrainer
 from grpo import Trainer as GRPOTrainer
 from grpo.algo.advantages import group_advantages, normalized_sum_advantages
-from grpo.errors import DatasetError
+from grpo.errors import ConfigError
 
 
 @pytest.fixture(scope="module")
@@ -111,12 +111,39 @@ def dummy_reward_func(completions, **kwargs):
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "cispo"])
-def test_sequence_level_sampling_with_a_token_summed_loss_warns_as_trl(tmp_path, tokenizer, capsys, loss_type):
+def test_sequence_level_sampling_with_a_token_summed_loss_warns_as_trl(tmp_path, tokenizer, caplog, loss_type):
     args = trl_args(tmp_path, importance_sampling_level="sequence", loss_type=loss_type)
-    capsys.readouterr()
-    GRPOTrainer(model=tiny_model(tokenizer), processing_class=tokenizer, reward_funcs=dummy_reward_func, args=args,
-                train_dataset=digit_prompts(6))
-    assert ("weights each sequence by its completion length" in capsys.readouterr().err) == (loss_type != "grpo")
+    with caplog.at_level("WARNING"):  # TRL's test reads its logger's records
+        GRPOTrainer(model=tiny_model(tokenizer), processing_class=tokenizer, reward_funcs=dummy_reward_func,
+                    args=args, train_dataset=digit_prompts(6))
+    assert ("weights each sequence by its completion length" in caplog.text) == (loss_type != "grpo")
+
+
+def always_none_reward_func(completions, **kwargs):
+    return [None] * len(completions)
+
+
+def test_all_reward_functions_returning_none_warns_as_trl(tmp_path, tokenizer, caplog):
+    trainer = GRPOTrainer(model=tiny_model(tokenizer), processing_class=tokenizer,
+                          reward_funcs=always_none_reward_func, args=trl_args(tmp_path, max_steps=1),
+                          train_dataset=digit_prompts(6))
+    with caplog.at_level("WARNING"):
+        trainer.train()
+    assert "All reward functions returned None for the following kwargs: prompt='Write 1 digits:', completion=" \
+        in caplog.text and ", num_digits=1 (3 of 3 completions unscored)" in caplog.text
+
+
+def test_trls_mask_helpers_are_on_the_trainer_class():
+    # TRL's tests call them on the class: get_high_entropy_mask as a method (with a stand-in trainer), the other
+    # as a static method; TRL's cases.
+    entropies = torch.tensor([[0.1, 0.2, 0.3, 0.4, 0.5, 0.6], [0.7, 0.8, 0.9, 1.0, 1.1, 1.2]])
+    mask = torch.tensor([[1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0]])
+    keep = GRPOTrainer.get_high_entropy_mask(Mock(spec=GRPOTrainer), entropies, mask, 0.8)  # the top 20%
+    assert keep.tolist() == [[False] * 6, [False, False, True, True, False, False]]
+    advantages = torch.tensor([[1.0], [-1.0], [-1.0]])
+    logps = torch.tensor([-2.0, -0.5, -2.0])[:, None].expand(3, 4)  # mean KL(old || current) 2, 0.5, 2
+    kept = GRPOTrainer.get_off_policy_mask(advantages, logps, torch.zeros(3, 4), torch.ones(3, 4), 1.0)
+    assert torch.equal(kept, torch.tensor([[1.0], [1.0], [0.0]])), "dropped: A < 0 and KL > 1"
 
 
 @pytest.mark.parametrize("kind", ["dict", "DatasetDict"])
@@ -138,16 +165,34 @@ def streamed(dataset):
     return IterableDataset.from_generator(lambda: (yield from dataset))
 
 
-@pytest.mark.parametrize("which", ["train_dataset", "eval_dataset", "eval_dataset['data2']"])
-def test_a_streaming_dataset_is_refused_in_one_line(tmp_path, tokenizer, which):
-    data = {"train_dataset": digit_prompts(6), "eval_dataset": digit_prompts(3)}
-    if which == "eval_dataset['data2']":
-        data["eval_dataset"] = {"data1": digit_prompts(3), "data2": streamed(digit_prompts(3))}
-    else:
-        data[which] = streamed(data[which])
-    with pytest.raises(DatasetError, match=rf"^{re.escape(which)} is a streaming IterableDataset: .*streaming=False"):
-        GRPOTrainer(model=tiny_model(tokenizer), processing_class=tokenizer, reward_funcs=digit_share,
-                    args=trl_args(tmp_path, max_steps=1), **data)
+def test_a_streaming_train_dataset_is_read_in_order_and_again_from_its_start(tmp_path, tokenizer):
+    def run(name, dataset, **settings):  # TRL's test_train_with_iterable_dataset, one prompt a step
+        args = trl_args(tmp_path / name, shuffle_dataset=False, **settings)
+        trainer = GRPOTrainer(model=tiny_model(tokenizer), processing_class=tokenizer, reward_funcs=digit_share,
+                              args=args, train_dataset=dataset)
+        trainer.train()
+        return trainer, (tmp_path / name / "run" / "completions.jsonl").read_text()
+
+    stream = streamed(digit_prompts(3))
+    with pytest.raises(ConfigError, match="^train_dataset is a stream .* set max_steps"):
+        run("no_max_steps", stream)
+    trainer, completions = run("stream", stream, max_steps=4)
+    assert trainer.train_dataset is stream and trainer.state.epoch == 1.0, "transformers' epoch: steps / max_steps"
+    # the same rows as the Dataset's, in its order, the fourth step's from the start again, sampled the same
+    assert completions == run("dataset", digit_prompts(3), max_steps=4)[1]
+
+
+def test_streaming_eval_sets_are_evaluated_on_all_their_rows(tmp_path, tokenizer):
+    rows = digit_prompts(5)
+    trainer = GRPOTrainer(model=tiny_model(tokenizer), processing_class=tokenizer, reward_funcs=digit_share,
+                          args=trl_args(tmp_path, max_steps=1, per_device_eval_batch_size=2),
+                          train_dataset=digit_prompts(6), eval_dataset={"data1": streamed(rows), "data2": rows})
+    both = trainer.evaluate()
+    data1, data2 = ({k.replace(name, ""): v for k, v in both.items() if name in k and "seconds" not in k}
+                    for name in ("data1", "data2"))
+    assert data1 == data2 and both["eval_data1/num_examples"] == 5 and "eval__loss" in data1
+    one = trainer.evaluate(eval_dataset=IterableDatasetDict({"data1": streamed(rows)}))
+    assert one["eval_data1_loss"] == both["eval_data1_loss"]
 
 
 def test_the_attributes_a_trl_script_reads(tmp_path, tokenizer):

@@ -18,7 +18,7 @@ from grpo.settings.schedule import Schedule
 
 
 class Prompts:
-    dataset = range(8)
+    epoch_rows = 8  # a dataset's length
 
     def __init__(self):
         self.position = 0

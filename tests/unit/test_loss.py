@@ -189,16 +189,16 @@ def test_sequence_level_importance_sampling_hand_computed():
 
 
 def test_high_entropy_mask_hand_computed():
-    # completion tokens' entropies [0.1, 0.9 | 0.5, 0.3, 0.7]; keep the top 40%: the 0.6 quantile,
+    # completion tokens' entropies [0.1, 0.9 | 0.5, 0.3, 0.7]; keep the top 40%: at least the 0.6 quantile,
     # sorted [0.1, 0.3, 0.5, 0.7, 0.9] at position 0.6 * 4 = 2.4: 0.5 + 0.4 * 0.2 = 0.58
     entropies = torch.tensor([[0.1, 0.9, 5.0], [0.5, 0.3, 0.7]])  # 5.0 is masked: not counted, not kept
-    keep = high_entropy_mask(entropies, HAND["completion_mask"], 0.4)
+    keep = high_entropy_mask(entropies, HAND["completion_mask"], 0.6)
     assert keep.tolist() == [[False, True, False], [False, False, True]]
     # only -0.5 (seq 0, t 1) and 2.0 (seq 1, t 2) stay: dapo (-0.5 + 2.0) / 5 = 0.3
     loss, metrics = policy_loss(**HAND, entropies=entropies, top_entropy_quantile=0.4)
     assert loss.item() == pytest.approx(0.3, abs=1e-6)
     assert metrics["entropy"] == pytest.approx((0.1 + 0.9 + 0.5 + 0.3 + 0.7) / 5)  # over every completion token
-    assert high_entropy_mask(entropies, HAND["completion_mask"], 0.0).sum() == 1  # the highest only
+    assert high_entropy_mask(entropies, HAND["completion_mask"], 1.0).sum() == 1  # the highest only
     assert high_entropy_mask(entropies, torch.zeros(2, 3), 0.5).sum() == 0
 
 
