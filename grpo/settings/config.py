@@ -264,6 +264,9 @@ class Config(metaclass=_CheckedKeywords):
     checkpointing too."""
     load_in_4bit: bool = False
     """QLoRA: load `model` as 4-bit NF4 (bitsandbytes) under LoRA; applies when the trainer loads `model` itself."""
+    cast_lm_head_to_fp32: bool = False
+    """The LM head of the policy and the reference in float32, its logits computed in float32 (TRL's; ScaleRL). It
+    changes bf16 heads only: LoRA's base and the reference copy under bf16, bf16_weights."""
 
     # --- logging and checkpoints ---
     logging_steps: int = 1  # TRL: 10; a metrics line is cheap and short runs need every point

@@ -92,11 +92,13 @@ class LogprobSettings:
     fsdp: bool
     prompt_once: bool
     router_aux_loss_coef: float | None
+    cast_lm_head_to_fp32: bool  # the reference copy's head too (policy/models.float32_head)
 
     @classmethod
     def of(cls, c) -> LogprobSettings:
         return cls(c.temperature, c.logprob_chunk_size, reference_kind(c.use_lora, c.beta), c.fsdp,
-                   prompt_once(c.shared_prompt_forward, c.gradient_checkpointing), c.router_aux_loss_coef)
+                   prompt_once(c.shared_prompt_forward, c.gradient_checkpointing), c.router_aux_loss_coef,
+                   c.cast_lm_head_to_fp32)
 
 
 @dataclass(frozen=True)
@@ -249,12 +251,14 @@ class LoadSettings:
     lora_dropout: float
     lora_target_modules: list[str] | str | None  # as peft's LoraConfig takes them
     disable_dropout: bool
+    cast_lm_head_to_fp32: bool
 
     @classmethod
     def of(cls, c) -> LoadSettings:
         kwargs = None if c.model_init_kwargs is None else MappingProxyType(dict(c.model_init_kwargs))
         return cls(c.model, kwargs, c.bf16, c.bf16_weights, c.load_in_4bit, c.gradient_checkpointing, c.use_lora,
-                   c.lora_r, c.lora_alpha, c.lora_dropout, c.lora_target_modules, c.disable_dropout)
+                   c.lora_r, c.lora_alpha, c.lora_dropout, c.lora_target_modules, c.disable_dropout,
+                   c.cast_lm_head_to_fp32)
 
 
 @dataclass(frozen=True)

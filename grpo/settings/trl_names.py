@@ -6,7 +6,7 @@ when it changes nothing here, is accepted with a warning saying why. Data only: 
 TRL_ONLY = frozenset("""
     accelerator_config activation_checkpointing activation_checkpointing_kwargs adam_epsilon
     auto_find_batch_size average_tokens_across_devices batch_eval_metrics bf16_full_eval cache_implementation
-    cast_lm_head_to_fp32 dataloader_drop_last dataloader_in_order
+    dataloader_drop_last dataloader_in_order
     dataloader_multiprocessing_context dataloader_num_workers dataloader_persistent_workers
     dataloader_pin_memory dataloader_prefetch_factor ddp_backend ddp_broadcast_buffers ddp_bucket_cap_mb
     ddp_find_unused_parameters ddp_static_graph ddp_timeout debug deepspeed disable_tqdm do_eval
@@ -55,8 +55,6 @@ TRL_REASONS = {
     **{k: _ADAPTIVE_ENTROPY for k in ("use_adaptive_entropy", "entropy_coef_min", "entropy_coef_max",
                                       "entropy_coef_delta", "entropy_target")},
     "sync_ref_model": _LATER,
-    "cast_lm_head_to_fp32": "not implemented: the head's log-probs are float32 from a matmul in the weights' "
-                            "dtype; bf16=False keeps the whole model, its head included, in float32",
     "ddp_find_unused_parameters": "every trainable parameter gets a gradient each step here (DDP's default)",
 }
 
@@ -149,7 +147,7 @@ OFF_VALUES = {
     "use_transformers_paged": (False,), "use_liger_kernel": (False,), "fp16": (False,),
     "push_to_hub": (False,), "deepspeed": (None,), "fsdp_config": (None,), "torch_compile": (False,),
     "sync_ref_model": (False,), "use_adaptive_entropy": (False,), "tf32": (None,),
-    "full_determinism": (False,), "cast_lm_head_to_fp32": (False,), "ddp_find_unused_parameters": (None, False),
+    "full_determinism": (False,), "ddp_find_unused_parameters": (None, False),
     "gradient_checkpointing_kwargs": (None, {"use_reentrant": False}),
 }
 

@@ -1,0 +1,54 @@
+"""TRL 1.16 settings that were refused here and now carry TRL's meaning, each through a TRL script's lines
+(only the imports changed): cast_lm_head_to_fp32, pad_to_multiple_of, sync_ref_model (TR-DPO) and adaptive
+entropy control."""
+import pytest
+import torch
+from datasets import Dataset
+from tiny_setup import digit_share, logged, tiny_model, tiny_tokenizer
+
+from grpo import Config as GRPOConfig  # was: from trl import GRPOConfig, GRPOTrainer
+from grpo import Trainer as GRPOTrainer
+
+SMALL = dict(per_device_train_batch_size=4, num_generations=4, max_completion_length=4, learning_rate=1e-2,  # noqa: C408
+             optim="adamw", report_to="none", seed=0)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    """A tiny model by path, as TRL's scripts name one: the trainer loads it (in bf16 where the plan says so)."""
+    tokenizer = tiny_tokenizer()
+    path = tmp_path_factory.mktemp("model")
+    tiny_model(tokenizer).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def prompts(n=8):
+    return Dataset.from_list([{"prompt": f"Write {1 + i % 9} digits:"} for i in range(n)])
+
+
+def test_cast_lm_head_to_fp32_computes_a_bf16_heads_logits_in_float32(tmp_path, folder):
+    # LoRA under bf16 keeps a bf16 base: the head, tied to the input embedding here, goes float32; the layers
+    # still get bf16 embeddings (TRL's hook); the log-probs are those of the float32 head, exactly.
+    args = GRPOConfig(output_dir=str(tmp_path / "run"), bf16=True, use_lora=True, max_steps=1,
+                      cast_lm_head_to_fp32=True, **SMALL)
+    trainer = GRPOTrainer(model=folder, args=args, reward_funcs=[digit_share], train_dataset=prompts())
+    hf = trainer.model.get_base_model()
+    head, embedding = hf.get_output_embeddings(), hf.get_input_embeddings()
+    assert head.weight.dtype == torch.float32 and embedding.weight is head.weight
+    assert hf.model.layers[0].mlp.up_proj.weight.dtype == torch.bfloat16
+    ids = torch.tensor([[5, 6, 7, 8]])
+    assert embedding(ids).dtype == torch.bfloat16
+    trainer.train()
+    batch = trainer.generation.batch
+    rows = batch.select(torch.arange(2))
+    got = trainer.policy.logprobs(rows)  # [2, C]
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        hidden = hf.base_model(input_ids=rows.input_ids, attention_mask=rows.attention_mask,
+                               position_ids=(rows.attention_mask.cumsum(1) - 1).clamp(min=0)).last_hidden_state
+    P = rows.prompt_ids.shape[1]
+    logits = hidden[:, P - 1:-1].double() @ head.weight.double().T  # [2, C, V] in float64
+    want = logits.log_softmax(-1).gather(-1, rows.completion_ids[..., None]).squeeze(-1)
+    mask = rows.completion_mask.bool()
+    assert torch.allclose(got[mask].double(), want[mask], atol=1e-4)
+    assert logged(trainer)[-1]["loss"] is not None
