@@ -93,8 +93,6 @@ TRL_REASONS.update({
     "full_determinism": "seed makes runs reproducible; torch.use_deterministic_algorithms is not set here",
     "ignore_data_skip": "a resumed run continues the data stream exactly where the checkpoint left it",
     "include_num_input_tokens_seen": "the running count of tokens seen is not kept",
-    "liger_kernel_config": "Liger kernels are not used: log-probs are chunked (logprob_chunk_size)",
-    "use_liger_kernel": "Liger kernels are not used: log-probs are chunked (logprob_chunk_size)",
     "log_multimodal": "text-only: images are not supported",
     "log_unique_prompts": "completions.jsonl and --log_completions show every prompt with its completions",
     "logging_nan_inf_filter": "NaN/inf losses are logged as they are and their updates skipped (max_nonfinite_steps)",
@@ -131,6 +129,8 @@ NO_EFFECT = {
     "num_generations_eval": "an evaluation decodes one greedy completion per prompt (pass@1), not sampled groups",
     "save_only_model": "a checkpoint always holds the optimizer and RNG states, so that it resumes exactly; "
                        "trainer.save_model() writes the model alone",
+    **{k: "Liger's kernels (layer kernels for the same math in TRL 1.16) are not applied: log-probs are chunked "
+          "here (logprob_chunk_size)" for k in ("use_liger_kernel", "liger_kernel_config")},
     "ddp_backend": "the backend is chosen automatically: NCCL between GPUs, gloo between CPU processes",
     "do_train": "Trainer.train() trains; transformers leaves these to scripts too", "do_eval": "as do_train",
     "do_predict": "as do_train",
@@ -144,7 +144,7 @@ NO_EFFECT = {
 # TRL settings of features this trainer lacks, at the values that leave them off (TRL's defaults): accepted,
 # with the same warning; any other value is refused as above.
 OFF_VALUES = {
-    "use_transformers_paged": (False,), "use_liger_kernel": (False,), "fp16": (False,),
+    "use_transformers_paged": (False,), "fp16": (False,),
     "push_to_hub": (False,), "deepspeed": (None,), "fsdp_config": (None,), "torch_compile": (False,),
     "sync_ref_model": (False,), "use_adaptive_entropy": (False,), "tf32": (None,),
     "full_determinism": (False,), "ddp_find_unused_parameters": (None, False),

@@ -52,3 +52,16 @@ def test_cast_lm_head_to_fp32_computes_a_bf16_heads_logits_in_float32(tmp_path, 
     mask = rows.completion_mask.bool()
     assert torch.allclose(got[mask].double(), want[mask], atol=1e-4)
     assert logged(trainer)[-1]["loss"] is not None
+
+
+def test_use_liger_kernel_is_accepted_and_a_lora_adapter_on_the_head_refused(tmp_path, capsys):
+    # TRL 1.16's Liger kernels are layer kernels for the same math: accepted with a warning that says they are
+    # not applied. An adapter on lm_head would never train (log-probs read its weight directly): refused, as in TRL.
+    from peft import LoraConfig
+
+    tokenizer = tiny_tokenizer()
+    args = GRPOConfig(output_dir=str(tmp_path / "run"), use_liger_kernel=True, **SMALL)
+    assert "`use_liger_kernel` has no effect here" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="lm_head"):
+        GRPOTrainer(model=tiny_model(tokenizer), processing_class=tokenizer, args=args, reward_funcs=[digit_share],
+                    train_dataset=prompts(), peft_config=LoraConfig(target_modules=["q_proj", "v_proj", "lm_head"]))
