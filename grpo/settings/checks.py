@@ -40,6 +40,7 @@ RULES: dict[str, tuple[typing.Callable, str]] = {
                                           "prompt, so a group of one has no signal"),
     "num_train_epochs": (lambda v: v > 0, "> 0"),
     "max_steps": (lambda v: v > 0 or v == -1, "> 0, or -1 to train for num_train_epochs"),
+    "pad_to_multiple_of": (lambda v: v >= 1, '>= 1, or None (TRL\'s "auto") for no padding'),
     "max_prompt_length": (lambda v: v >= 1, ">= 1, or None to leave prompts whole"),
     "max_completion_length": (lambda v: v >= 1, ">= 1"),
     "max_tool_calling_iterations": (lambda v: v >= 1, ">= 1, or None for no limit"),
@@ -166,6 +167,8 @@ def checked_field(cls, name: str, value):
         value = OPTIMIZER_ALIASES.get(value, value)
     if name == "resume_from_checkpoint" and isinstance(value, str) and value.strip().lower() in ("true", "false"):
         value = value.strip().lower() == "true"  # --resume_from_checkpoint=true: transformers' True
+    if name == "pad_to_multiple_of" and value == "auto":  # TRL's default: pads on AWS Neuron only
+        value = None
     if name == "lora_target_modules":
         value = _module_names(value)
     if name == "model_init_kwargs" and isinstance(value, dict):

@@ -95,6 +95,9 @@ class Config(metaclass=_CheckedKeywords):
     shuffle_dataset: bool = True
     """Draw the training prompts in a seeded shuffled order, a new one each epoch (TRL's); False: in the
     dataset's own order."""
+    pad_to_multiple_of: int | None = None
+    """Pad each micro-batch's prompts and completions to a multiple of this many tokens, masked (TRL's; for kernels
+    that compile per shape). TRL's "auto" is None here: it pads on AWS Neuron only."""
 
     # --- sampling ---
     max_prompt_length: int | None = 512  # TRL 1.16 has none (it leaves prompts whole): a bound on memory here

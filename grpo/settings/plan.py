@@ -218,6 +218,7 @@ class GenerationSettings:
     multi_objective_aggregation: str
     mask_truncated_completions: bool
     micro_batch: int  # rows per micro-batch
+    pad_to_multiple_of: int | None  # TRL's: each micro-batch's widths
     old_logprobs: bool  # RunPlan.keeps_old_logprobs
     ref_logprobs: bool  # RunPlan.has_reference
     max_staleness: int | None  # async_generation's; None: made when the step needs it
@@ -230,8 +231,8 @@ class GenerationSettings:
                    c.seed if c.data_seed is None else c.data_seed, c.shuffle_dataset,
                    None if c.reward_weights is None else tuple(c.reward_weights),
                    c.dynamic_sampling_max_rounds if c.dynamic_sampling else None, c.scale_rewards,
-                   c.multi_objective_aggregation, c.mask_truncated_completions, schedule.micro_batch, old_logprobs,
-                   ref_logprobs, c.max_staleness if c.async_generation else None, sampling_correction)
+                   c.multi_objective_aggregation, c.mask_truncated_completions, schedule.micro_batch,
+                   c.pad_to_multiple_of, old_logprobs, ref_logprobs, c.max_staleness if c.async_generation else None, sampling_correction)
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ TRL_ONLY = frozenset("""
     log_multimodal log_on_each_node log_unique_prompts logging_first_step logging_nan_inf_filter
     logging_strategy metric_for_best_model
     neftune_noise_alpha
-    num_generations_eval optim_args optim_target_modules pad_to_multiple_of
+    num_generations_eval optim_args optim_target_modules
     parallelism_config prediction_loss_only project push_to_hub ref_model_mixup_alpha
     ref_model_sync_steps remove_unused_columns
     restore_callback_states_from_checkpoint run_name save_on_each_node save_only_model
@@ -76,7 +76,7 @@ TRL_REASONS.update({
                     _COMPILE),
     **dict.fromkeys(("load_best_model_at_end", "metric_for_best_model", "greater_is_better"), _BEST),
     **dict.fromkeys(("label_names", "label_smoothing_factor", "neftune_noise_alpha", "length_column_name",
-                     "train_sampling_strategy", "pad_to_multiple_of", "include_for_metrics"), _SFT),
+                     "train_sampling_strategy", "include_for_metrics"), _SFT),
     **dict.fromkeys(("batch_eval_metrics", "bf16_full_eval", "fp16_full_eval", "eval_accumulation_steps",
                      "eval_delay", "eval_do_concat_batches", "eval_use_gather_object", "prediction_loss_only"),
                     _EVAL_LOOP),

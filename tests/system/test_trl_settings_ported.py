@@ -65,3 +65,28 @@ def test_use_liger_kernel_is_accepted_and_a_lora_adapter_on_the_head_refused(tmp
     with pytest.raises(ValueError, match="lm_head"):
         GRPOTrainer(model=tiny_model(tokenizer), processing_class=tokenizer, args=args, reward_funcs=[digit_share],
                     train_dataset=prompts(), peft_config=LoraConfig(target_modules=["q_proj", "v_proj", "lm_head"]))
+
+
+def test_pad_to_multiple_of_pads_the_training_forwards_and_changes_no_log_prob(tmp_path):
+    # TRL's meaning: prompt ids padded (left) and completion ids (right) to a multiple, the padding masked. The
+    # same run without it samples the same completions and computes the same losses.
+    tokenizer = tiny_tokenizer()
+    runs = {}
+    for multiple in (None, 8):
+        args = GRPOConfig(output_dir=str(tmp_path / f"run{multiple}"), pad_to_multiple_of=multiple, max_steps=2,
+                          steps_per_generation=2, bf16=False, **SMALL)
+        trainer = GRPOTrainer(model=tiny_model(tokenizer), processing_class=tokenizer, args=args,
+                              reward_funcs=[digit_share], train_dataset=prompts())
+        trainer.train()
+        runs[multiple] = trainer
+    def widths(trainer):
+        return [(m.rollout.prompt_ids.shape[1], m.rollout.completion_ids.shape[1])
+                for m in trainer.generation.micro_batches]
+
+    assert all(p % 8 == 0 and c % 8 == 0 for p, c in widths(runs[8]))
+    assert all(c <= 4 for _, c in widths(runs[None]))  # max_completion_length
+    assert runs[8].generation.batch.completions == runs[None].generation.batch.completions
+    for padded, plain in zip(logged(runs[8]), logged(runs[None])):
+        assert padded["loss"] == pytest.approx(plain["loss"], abs=1e-6)
+        assert padded["entropy"] == pytest.approx(plain["entropy"], abs=1e-5)
+    assert GRPOConfig(pad_to_multiple_of="auto").pad_to_multiple_of is None  # TRL's default: Neuron only
