@@ -19,7 +19,7 @@ from .rollout.prompts import PromptStream, check_chat_template
 from .rollout.reward_models import place_reward_models
 from .rollout.tools import Tools
 from .run import lock
-from .run.callbacks import Callbacks
+from .run.callbacks import Callbacks, ReferenceSync
 from .run.logs import logged_lines, peak_memory_gb
 from .run.report import Report, TrainOutput
 from .run.session import Progress, Session
@@ -86,8 +86,9 @@ class Trainer:
         """The steps' batches (now or ahead), the callbacks, the report, the session that saves."""
         self.batches = supply(self.pipeline, self.state, self.schedule, self.total_steps,
                               self.plan.generation.max_staleness, release=self.optimizer.state.clear)
-        self.callbacks = Callbacks(callbacks, self.config, self.state, self.model, self.tokenizer,
-                                   self.optimizer, self.scheduler)
+        synced = [ReferenceSync(self.policy)] if self.config.sync_ref_model else []  # TRL adds it after the rest
+        self.callbacks = Callbacks([*(callbacks or ()), *synced], self.config, self.state, self.model,
+                                   self.tokenizer, self.optimizer, self.scheduler)
         self.output_dir = Path(self.config.output_dir)
         self.report = Report(self.output_dir, self.dist, self.trackers, self.state, self.callbacks,
                              self.pipeline.reward_names, self.schedule.global_batch)

@@ -70,6 +70,13 @@ class Policy:
         fixed = {"old_logprobs": self.logprobs(rollout)} if old else {}
         return {**fixed, "ref_logprobs": self.reference_logprobs(rollout)} if reference else fixed
 
+    @torch.no_grad()
+    def mix_into_reference(self, alpha: float) -> None:
+        """TRL's sync_ref_model (TR-DPO): the reference copy becomes alpha x the policy + (1 - alpha) x itself,
+        parameter by parameter, in the reference's dtype."""
+        for ref, param in zip(self.reference.parameters(), unwrap(self.model).parameters(), strict=True):
+            ref.mul_(1.0 - alpha).add_(param.to(ref.dtype), alpha=alpha)
+
     def check_head_once(self, rollout, agree) -> None:
         """On the first call only: log-probs and sampling logits of two of the rollout's rows against the model's
         own forward (models.check_logprobs_match_forward); a family whose logits we get wrong stops the run.

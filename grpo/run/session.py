@@ -48,6 +48,7 @@ class Session:
                  prompts: PromptStream, batches, settings: SessionSettings, total_steps: int,
                  on_save=lambda: None):
         self.output_dir, self.dist, self.parallel = output_dir, dist, policy.parallel
+        self.reference = policy.reference if settings.record["sync_ref_model"] else None  # moves: saved too
         self.model, self.tokenizer, self.optimizer, self.scheduler = (policy.model, tokenizer, updates.optimizer,
                                                                       updates.scheduler)
         self.prompts, self.batches = prompts, batches
@@ -65,6 +66,7 @@ class Session:
                 "optimizer": self.parallel.optimizer_state(self.optimizer),
                 "scheduler": self.scheduler.state_dict(), "prompts": self.prompts.state_dict(),
                 "nonfinite": progress.nonfinite,
+                **({} if self.reference is None else {"reference": self.reference.state_dict()}),
                 **(own if self.dist.world_size == 1 else {"ranks": self.dist.gather_to_main(own)})}
 
     def load_state_dict(self, state: dict) -> Progress:
@@ -81,6 +83,8 @@ class Session:
         else:
             self.batches.load_state_dict(own["batches"])
             set_rng_state(own["rng"])
+        if self.reference is not None and "reference" in state:  # saved since sync_ref_model was on
+            self.reference.load_state_dict(state["reference"])
         streak, total = state["nonfinite"]
         return Progress(state["step"], (streak, total))
 

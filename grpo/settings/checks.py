@@ -58,6 +58,8 @@ RULES: dict[str, tuple[typing.Callable, str]] = {
     "vllm_importance_sampling_clip_max": (lambda v: v > 0, "> 0, or None for no upper bound"),
     "vllm_importance_sampling_clip_min": (lambda v: v >= 0, ">= 0, or None for no lower bound"),
     "beta": (lambda v: v >= 0, ">= 0"),
+    "ref_model_mixup_alpha": (lambda v: 0 <= v <= 1, "in [0, 1]"),
+    "ref_model_sync_steps": (lambda v: v >= 1, ">= 1"),
     "epsilon": (lambda v: 0 <= v < 1, "in [0, 1)"),
     "epsilon_high": (lambda v: v >= 0, ">= 0"),
     "delta": (lambda v: v > 0, "> 0, or None for one-sided clipping"),
@@ -233,6 +235,8 @@ def check_combinations(config) -> None:
     if config.bf16_weights and (config.use_lora or config.fsdp):
         raise ConfigError("bf16_weights=True is for full fine-tuning without FSDP: set use_lora=false and "
                           "fsdp=false (LoRA keeps a bf16 base on CUDA already; FSDP keeps float32 shards)")
+    if config.sync_ref_model:
+        check_sync_ref_model(config)
     if config.use_vllm:
         check_vllm(config)
     if config.int8_sampling_weights:
@@ -240,6 +244,17 @@ def check_combinations(config) -> None:
     if config.warmup_ratio and config.warmup_steps:
         raise ConfigError(f"set warmup_steps or warmup_ratio, not both (got {config.warmup_steps:g} and "
                           f"{config.warmup_ratio:g})")
+
+
+def check_sync_ref_model(config) -> None:
+    """sync_ref_model=True mixes the policy into the reference copy that full fine-tuning keeps for beta > 0."""
+    why = ("beta=0.0 uses no reference model, so there is nothing to synchronize (as in TRL)" if config.beta == 0
+           else "under LoRA the reference is the policy with its adapter off, no copy to synchronize (as in TRL)"
+           if config.use_lora else "the reference copy is not sharded under FSDP" if config.fsdp
+           else "with async_generation the sampler process takes the reference log-probs with its own copy"
+           if config.async_generation else None)
+    if why is not None:
+        raise ConfigError(f"sync_ref_model=True is not supported here: {why}; set sync_ref_model=False")
 
 
 def check_int8(config) -> None:

@@ -169,6 +169,11 @@ class Config(metaclass=_CheckedKeywords):
     # --- algorithm ---
     beta: float = 0.0
     """Weight of the k3 KL penalty to the reference model (0: no reference model, no reference forward)."""
+    sync_ref_model: bool = False
+    """TR-DPO's reference updates (TRL's): every ref_model_sync_steps optimizer steps the reference copy becomes
+    ref_model_mixup_alpha x the policy + (1 - alpha) x itself. Full fine-tuning with beta > 0."""
+    ref_model_mixup_alpha: float = 0.6
+    ref_model_sync_steps: int = 512
     epsilon: float = 0.2
     """Lower clip range: the ratio is clipped at 1 - epsilon (and at 1 + epsilon when epsilon_high is unset)."""
     epsilon_high: float | None = None

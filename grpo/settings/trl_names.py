@@ -21,10 +21,10 @@ TRL_ONLY = frozenset("""
     logging_strategy metric_for_best_model
     neftune_noise_alpha
     num_generations_eval optim_args optim_target_modules
-    parallelism_config prediction_loss_only project push_to_hub ref_model_mixup_alpha
-    ref_model_sync_steps remove_unused_columns
+    parallelism_config prediction_loss_only project push_to_hub
+    remove_unused_columns
     restore_callback_states_from_checkpoint run_name save_on_each_node save_only_model
-    skip_memory_metrics sync_ref_model tf32 torch_compile
+    skip_memory_metrics tf32 torch_compile
     torch_compile_backend torch_compile_mode torch_empty_cache_steps trackio_bucket_id trackio_space_id
     trackio_static_space_id train_sampling_strategy transformers_continuous_batching_config trust_remote_code
     use_adaptive_entropy use_cache use_cpu use_liger_kernel use_transformers_continuous_batching
@@ -36,7 +36,6 @@ TRL_ONLY = frozenset("""
 _GENERATION = "sampling runs on the policy itself (KV-cached decoding in grpo.rollout)"
 _SERVER = "vllm_mode=\"server\" only: set it when you start the server (.ci/vllm_venv.sh, docs/inference-engines.md)"
 _LOGGING = "metrics.jsonl and completions.jsonl in output_dir are the logs (python -m grpo.plot draws them)"
-_LATER = "not implemented yet"
 _ADAPTIVE_ENTROPY = "adaptive entropy control is not implemented; entropy_coef is static here"
 
 # Why, or what to use instead, for the settings a TRL user is most likely to bring; others get a generic line.
@@ -54,7 +53,6 @@ TRL_REASONS = {
     "push_to_hub": "checkpoints are written to output_dir only",
     **{k: _ADAPTIVE_ENTROPY for k in ("use_adaptive_entropy", "entropy_coef_min", "entropy_coef_max",
                                       "entropy_coef_delta", "entropy_target")},
-    "sync_ref_model": _LATER,
     "ddp_find_unused_parameters": "every trainable parameter gets a gradient each step here (DDP's default)",
 }
 
@@ -67,7 +65,6 @@ _EVAL_LOOP = ("evaluation is our own greedy decode over eval_dataset (per_device
 _HUB = "nothing is pushed to the Hub: logs and checkpoints stay in output_dir"
 _TRACKIO_HUB = "report_to=trackio logs to the local Trackio store only (TRACKIO_DIR); no Space or bucket"
 _ONE_DEVICE = "one process per GPU under torchrun, each on its own device; no device mesh settings"
-_REF_SYNC = "the reference is the frozen start (the adapter off under LoRA): sync_ref_model is not implemented"
 # Why the rest are refused, by kind (each said in the one line a refusal prints).
 TRL_REASONS.update({
     **dict.fromkeys(("ddp_broadcast_buffers", "ddp_bucket_cap_mb", "ddp_static_graph", "ddp_timeout",
@@ -83,7 +80,6 @@ TRL_REASONS.update({
     **dict.fromkeys(("log_completions_hub_repo",), _HUB),
     **dict.fromkeys(("trackio_bucket_id", "trackio_space_id", "trackio_static_space_id", "project"), _TRACKIO_HUB),
     **dict.fromkeys(("parallelism_config",), _ONE_DEVICE),
-    **dict.fromkeys(("ref_model_mixup_alpha", "ref_model_sync_steps"), _REF_SYNC),
     "activation_checkpointing_kwargs": "checkpointing is always non-reentrant here (gradient_checkpointing)",
     "adam_epsilon": "AdamW's eps is fixed at 1e-8 (transformers' default)",
     "auto_find_batch_size": "the memory plan sizes decodes and says what fits before loading (python -m grpo.plan)",
@@ -146,7 +142,7 @@ NO_EFFECT = {
 OFF_VALUES = {
     "use_transformers_paged": (False,), "fp16": (False,),
     "push_to_hub": (False,), "deepspeed": (None,), "fsdp_config": (None,), "torch_compile": (False,),
-    "sync_ref_model": (False,), "use_adaptive_entropy": (False,), "tf32": (None,),
+    "use_adaptive_entropy": (False,), "tf32": (None,),
     "full_determinism": (False,), "ddp_find_unused_parameters": (None, False),
     "gradient_checkpointing_kwargs": (None, {"use_reentrant": False}),
 }

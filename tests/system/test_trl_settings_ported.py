@@ -27,6 +27,11 @@ def prompts(n=8):
     return Dataset.from_list([{"prompt": f"Write {1 + i % 9} digits:"} for i in range(n)])
 
 
+def char_codes(completions, **kwargs):
+    """A reward that differs between almost any two completions: every group has a signal."""
+    return [sum(map(ord, c)) % 7 / 7 for c in completions]
+
+
 def test_cast_lm_head_to_fp32_computes_a_bf16_heads_logits_in_float32(tmp_path, folder):
     # LoRA under bf16 keeps a bf16 base: the head, tied to the input embedding here, goes float32; the layers
     # still get bf16 embeddings (TRL's hook); the log-probs are those of the float32 head, exactly.
@@ -90,3 +95,28 @@ def test_pad_to_multiple_of_pads_the_training_forwards_and_changes_no_log_prob(t
         assert padded["loss"] == pytest.approx(plain["loss"], abs=1e-6)
         assert padded["entropy"] == pytest.approx(plain["entropy"], abs=1e-5)
     assert GRPOConfig(pad_to_multiple_of="auto").pad_to_multiple_of is None  # TRL's default: Neuron only
+
+
+def test_sync_ref_model_mixes_the_policy_into_the_reference_every_sync_steps(tmp_path):
+    # TR-DPO as TRL's SyncRefModelCallback does it: after optimizer step 2 (ref_model_sync_steps=2), and not after
+    # step 1, ref = alpha x policy + (1 - alpha) x ref; the checkpoint keeps the moved reference for a resume.
+    tokenizer = tiny_tokenizer()
+    args = GRPOConfig(output_dir=str(tmp_path / "run"), beta=0.1, sync_ref_model=True, ref_model_sync_steps=2,
+                      ref_model_mixup_alpha=0.25, max_steps=3, bf16=False, save_steps=2, **SMALL)
+    trainer = GRPOTrainer(model=tiny_model(tokenizer), processing_class=tokenizer, args=args,
+                          reward_funcs=[char_codes], train_dataset=prompts())
+    start = {n: p.detach().double().clone() for n, p in trainer.ref_model.named_parameters()}
+    after = []
+    trainer.callbacks.callbacks.insert(0, type("Snapshot", (), {"on_step_end": lambda self, *a, **k: after.append(
+        {n: p.detach().double().clone() for n, p in trainer.model.named_parameters()})})())
+    trainer.train()
+    policy_2 = after[1]
+    assert any(not torch.equal(policy_2[n], start[n]) for n in start)  # the policy moved: a real mixture
+    for name, ref in trainer.ref_model.named_parameters():  # no sync after step 3 (3 % 2 != 0)
+        torch.testing.assert_close(ref.double(), 0.25 * policy_2[name] + 0.75 * start[name], rtol=0, atol=1e-7)
+    saved = torch.load(tmp_path / "run" / "checkpoint-2" / "trainer_state.pt", weights_only=False)["reference"]
+    for name, ref in trainer.ref_model.state_dict().items():
+        torch.testing.assert_close(saved[name], ref)
+    for bad, why in (({"beta": 0.0}, "beta=0.0 uses no reference model"), ({"use_lora": True}, "under LoRA")):
+        with pytest.raises(ValueError, match=f"sync_ref_model=True is not supported here: {why}"):
+            GRPOConfig(**{"beta": 0.1, "sync_ref_model": True, **bad})
