@@ -10,7 +10,7 @@ from pathlib import Path
 from .infra.allocator import decoding_allocations, return_freed_memory
 from .infra.interrupts import StopSignals
 from .policy.forwards import Policy
-from .policy.gradients import accumulate, eval_loss
+from .policy.gradients import EntropyControl, accumulate, eval_loss
 from .policy.models import default_tokenizer, load_model, prepare_for_training
 from .policy.optim import Updates
 from .rollout.evaluate import eval_sets, evaluate
@@ -41,8 +41,7 @@ class Trainer:
                  processing_class=None, callbacks=None, sampler=None, tools=None,
                  environment_factory=None, **trl_only):
         engines = (sampler, rollout_func, tools or environment_factory)  # one at most
-        config, model, tokenizer = trl_call(config, args, model, tokenizer, processing_class,
-                                            trl_only, engines)
+        config, model, tokenizer = trl_call(config, args, model, tokenizer, processing_class, trl_only, engines)
         self.config, self.eval_dataset = config, eval_dataset
         self.tools = Tools.of(tools, environment_factory) if tools or environment_factory else None
         self.dist, self.plan, self.precision, self.reward_funcs, train_dataset = prepare(  # before a model loads
@@ -68,6 +67,7 @@ class Trainer:
                              is_main=self.dist.is_main)
         self.threshold_set = self.policy.device.type == "cpu" and return_freed_memory()
         self.updates = Updates(self.model.parameters(), self.plan.optim, self.total_steps)
+        self.entropy = EntropyControl.of(self.plan.loss, self.config)  # policy_loss's settings at each step
         self.optimizer, self.scheduler = self.updates.optimizer, self.updates.scheduler  # TRL's
 
     def _setup_generation(self, sampler, rollout_func, train_dataset) -> None:
@@ -96,7 +96,7 @@ class Trainer:
             self.plan.session, record={**self.plan.session.record, "tools": self.tools.names})
         self.session = Session(self.output_dir, self.dist, self.policy, self.tokenizer, self.updates,
                                self.prompts, self.batches, recorded, self.total_steps,
-                               on_save=self.callbacks.on_save)
+                               on_save=self.callbacks.on_save, entropy=self.entropy)
 
     @property
     def step(self) -> int:  # optimizer steps done: state.global_step, which state.epoch follows
@@ -111,14 +111,15 @@ class Trainer:
     def generation(self):  # the generation batch in training (rollout/batches); None before one
         return self.batches.current
 
+    entropy_coef = property(lambda self: self.entropy.coef)  # TRL's: the entropy bonus's coefficient now
+
     def save_model(self, output_dir: str | None = None) -> None:  # transformers': no optimizer
         self.session.save_model(Path(output_dir if output_dir is not None else self.output_dir))
 
     def train(self, resume_from_checkpoint: str | bool | None = None) -> TrainOutput:
         """Run to `total_steps`, resumed as `resume_from_checkpoint` (else config's) says; SIGINT
         and SIGTERM save a checkpoint and raise TrainingInterrupted. transformers' TrainOutput."""
-        resume = resume_from_checkpoint
-        resume = self.config.resume_from_checkpoint if resume is None else resume
+        resume = self.config.resume_from_checkpoint if resume_from_checkpoint is None else resume_from_checkpoint
         with lock.hold(self.output_dir, self.dist), self.batches:  # a sampler process ends with it
             if self.step == 0:  # resumed, or a fresh run that must not append to earlier logs
                 self.resume(resume)
@@ -146,7 +147,7 @@ class Trainer:
             micro_batches = generation.micro_batches[self.schedule.micro_batches_of(self.step)]
             totals = self.accumulate(micro_batches)
         metrics = {**generation.metrics, **totals, **self.updates.apply(totals["loss"], self.step),
-                   "step_time": time.perf_counter() - t0,
+                   **self.entropy.update(totals["entropy"]), "step_time": time.perf_counter() - t0,
                    "memory/peak_gb": peak_memory_gb(self.policy.device)}
         self.step += 1
         return self.report.step({**metrics, "epoch": self.state.epoch})  # its loss counted
@@ -169,7 +170,7 @@ class Trainer:
 
     def accumulate(self, micro_batches: list) -> dict:  # the step's gradients (policy/gradients)
         counts = self.generation.step_counts(micro_batches, self.dist.reduce)  # over all ranks
-        return accumulate(self.policy, micro_batches, counts, self.plan.loss, self.dist.reduce,
+        return accumulate(self.policy, micro_batches, counts, self.entropy.loss(), self.dist.reduce,
                           step=self.step, show=self.dist.is_main)
 
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict:
@@ -181,7 +182,7 @@ class Trainer:
                 metrics, _ = evaluate(self.model, self.tokenizer, dataset, self.reward_funcs, self.plan.evaluation,
                                       batch_size=self.plan.decode.evaluation, progress=self.dist.is_main,
                                       trainer_state=self.state, unsharded=self.policy.parallel.unsharded,
-                                      tools=self.tools, loss_of=partial(eval_loss, self.policy, self.plan.loss),
+                                      tools=self.tools, loss_of=partial(eval_loss, self.policy, self.entropy.loss()),
                                       key_prefix=metric_key_prefix + suffix)
             lines.update(self.report.evaluation(metrics, metric_key_prefix + suffix))
         return lines

@@ -73,6 +73,7 @@ RULES: dict[str, tuple[typing.Callable, str]] = {
                                   f"one of {', '.join(IMPORTANCE_SAMPLING_LEVELS)}"),
     "top_entropy_quantile": (lambda v: 0 <= v <= 1, "in [0, 1]"),
     "entropy_coef": (math.isfinite, "finite (0 disables the entropy bonus)"),
+    "entropy_coef_delta": (lambda v: v >= 0, ">= 0"),
     "off_policy_mask_threshold": (lambda v: 0 <= v < math.inf, ">= 0 and finite (a KL bound, e.g. 0.5: below 0 even "
                                                                "on-policy completions would drop), or None"),
     **dict.fromkeys(("sapo_temperature_neg", "sapo_temperature_pos"), (lambda v: v > 0, "> 0")),
@@ -235,6 +236,9 @@ def check_combinations(config) -> None:
     if config.bf16_weights and (config.use_lora or config.fsdp):
         raise ConfigError("bf16_weights=True is for full fine-tuning without FSDP: set use_lora=false and "
                           "fsdp=false (LoRA keeps a bf16 base on CUDA already; FSDP keeps float32 shards)")
+    if config.use_adaptive_entropy and config.top_entropy_quantile < 1:
+        raise ConfigError("use_adaptive_entropy=True with top_entropy_quantile < 1 is not supported yet: the control "
+                          "reads the entropy of every loss token, TRL's of the high-entropy ones only")
     if config.sync_ref_model:
         check_sync_ref_model(config)
     if config.use_vllm:

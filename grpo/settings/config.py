@@ -220,8 +220,16 @@ class Config(metaclass=_CheckedKeywords):
     80/20 rule"; 1.0 keeps every token). Per micro-batch (and rank) here; TRL gathers the ranks."""
     entropy_coef: float = 0.0
     """Entropy bonus: subtract entropy_coef x the mean entropy of the tokens the policy term acts on, the same for
-    every loss_type (> 0 keeps the policy from collapsing; 0: none). Static: TRL's adaptive control is not here.
-    With it, every completion has a gradient, advantage 0 included."""
+    every loss_type (> 0 keeps the policy from collapsing; 0: none). With it, every completion has a gradient,
+    advantage 0 included."""
+    use_adaptive_entropy: bool = False
+    """TRL's adaptive entropy control (algo/entropy_control.py): entropy_coef is the start of a coefficient that moves
+    by entropy_coef_delta each step towards keeping the entropy at entropy_target, within [entropy_coef_min,
+    entropy_coef_max]."""
+    entropy_coef_min: float = 0.0
+    entropy_coef_max: float = 1.0
+    entropy_coef_delta: float = 0.005
+    entropy_target: float = 0.2
     off_policy_mask_threshold: float | None = None
     """DeepSeek-V3.2's off-policy sequence mask: drop the policy loss of completions with a negative advantage
     whose mean per-token KL(old || current) exceeds this (e.g. 0.5; None: off). Acts only when the policy has moved
@@ -353,6 +361,7 @@ class Config(metaclass=_CheckedKeywords):
                     delta=self.delta, beta=self.beta, use_bias_correction_kl=self.use_bias_correction_kl,
                     importance_sampling_level=self.importance_sampling_level,
                     top_entropy_quantile=self.top_entropy_quantile, entropy_coef=self.entropy_coef,
+                    use_adaptive_entropy=self.use_adaptive_entropy,
                     off_policy_mask_threshold=self.off_policy_mask_threshold,
                     sapo_temperature_pos=self.sapo_temperature_pos, sapo_temperature_neg=self.sapo_temperature_neg,
                     vespo_k_pos=self.vespo_k_pos, vespo_lambda_pos=self.vespo_lambda_pos,

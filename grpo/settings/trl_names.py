@@ -10,8 +10,8 @@ TRL_ONLY = frozenset("""
     dataloader_multiprocessing_context dataloader_num_workers dataloader_persistent_workers
     dataloader_pin_memory dataloader_prefetch_factor ddp_backend ddp_broadcast_buffers ddp_bucket_cap_mb
     ddp_find_unused_parameters ddp_static_graph ddp_timeout debug deepspeed disable_tqdm do_eval
-    do_predict do_train ds3_gather_for_generation enable_jit_checkpoint entropy_coef_delta
-    entropy_coef_max entropy_coef_min entropy_target eval_accumulation_steps eval_delay eval_do_concat_batches
+    do_predict do_train ds3_gather_for_generation enable_jit_checkpoint
+    eval_accumulation_steps eval_delay eval_do_concat_batches
     eval_use_gather_object fp16 fp16_full_eval fsdp_config full_determinism
     gradient_checkpointing_kwargs greater_is_better hub_always_push hub_model_id
     hub_private_repo hub_revision hub_strategy hub_token ignore_data_skip include_for_metrics
@@ -27,7 +27,7 @@ TRL_ONLY = frozenset("""
     skip_memory_metrics tf32 torch_compile
     torch_compile_backend torch_compile_mode torch_empty_cache_steps trackio_bucket_id trackio_space_id
     trackio_static_space_id train_sampling_strategy transformers_continuous_batching_config trust_remote_code
-    use_adaptive_entropy use_cache use_cpu use_liger_kernel use_transformers_continuous_batching
+    use_cache use_cpu use_liger_kernel use_transformers_continuous_batching
     use_transformers_paged
     vllm_enable_sleep_mode vllm_gpu_memory_utilization vllm_group_port vllm_importance_sampling_cap
     vllm_max_model_length vllm_model_impl vllm_structured_outputs_regex vllm_tensor_parallel_size
@@ -36,7 +36,6 @@ TRL_ONLY = frozenset("""
 _GENERATION = "sampling runs on the policy itself (KV-cached decoding in grpo.rollout)"
 _SERVER = "vllm_mode=\"server\" only: set it when you start the server (.ci/vllm_venv.sh, docs/inference-engines.md)"
 _LOGGING = "metrics.jsonl and completions.jsonl in output_dir are the logs (python -m grpo.plot draws them)"
-_ADAPTIVE_ENTROPY = "adaptive entropy control is not implemented; entropy_coef is static here"
 
 # Why, or what to use instead, for the settings a TRL user is most likely to bring; others get a generic line.
 TRL_REASONS = {
@@ -51,8 +50,6 @@ TRL_REASONS = {
     "activation_checkpointing": "it is called gradient_checkpointing here (on by default, as in TRL)",
     "fp16": "bf16 (CUDA) or float32 only",
     "push_to_hub": "checkpoints are written to output_dir only",
-    **{k: _ADAPTIVE_ENTROPY for k in ("use_adaptive_entropy", "entropy_coef_min", "entropy_coef_max",
-                                      "entropy_coef_delta", "entropy_target")},
     "ddp_find_unused_parameters": "every trainable parameter gets a gradient each step here (DDP's default)",
 }
 
@@ -142,7 +139,7 @@ NO_EFFECT = {
 OFF_VALUES = {
     "use_transformers_paged": (False,), "fp16": (False,),
     "push_to_hub": (False,), "deepspeed": (None,), "fsdp_config": (None,), "torch_compile": (False,),
-    "use_adaptive_entropy": (False,), "tf32": (None,),
+    "tf32": (None,),
     "full_determinism": (False,), "ddp_find_unused_parameters": (None, False),
     "gradient_checkpointing_kwargs": (None, {"use_reentrant": False}),
 }

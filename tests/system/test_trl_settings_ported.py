@@ -120,3 +120,29 @@ def test_sync_ref_model_mixes_the_policy_into_the_reference_every_sync_steps(tmp
     for bad, why in (({"beta": 0.0}, "beta=0.0 uses no reference model"), ({"use_lora": True}, "under LoRA")):
         with pytest.raises(ValueError, match=f"sync_ref_model=True is not supported here: {why}"):
             GRPOConfig(**{"beta": 0.1, "sync_ref_model": True, **bad})
+
+
+def test_adaptive_entropy_moves_the_coefficient_once_per_step_and_gates_the_bonus(tmp_path):
+    # TRL's controller: c starts at entropy_coef; after each optimizer step c += delta while the step's mean token
+    # entropy H <= entropy_target, else c -= delta, within [min, max]; a step applies c only after a step ended
+    # at or below the target (the first: 0). Here H (about log V, some 5 nats) is below 15 and above 1.
+    tokenizer = tiny_tokenizer()
+    for target, delta, lo, expected in ((15.0, 0.005, 0.0, [0.015, 0.02, 0.025]), (1.0, 0.004, 0.003,
+                                                                                   [0.006, 0.003, 0.003])):
+        args = GRPOConfig(output_dir=str(tmp_path / f"run{target}"), entropy_coef=0.01, use_adaptive_entropy=True,
+                          entropy_target=target, entropy_coef_delta=delta, entropy_coef_min=lo, max_steps=3,
+                          gradient_accumulation_steps=2, bf16=False, save_steps=2, **SMALL)
+        trainer = GRPOTrainer(model=tiny_model(tokenizer), processing_class=tokenizer, args=args,
+                              reward_funcs=[char_codes], train_dataset=prompts())
+        trainer.train()
+        lines = logged(trainer)
+        assert [line["entropy_coef"] for line in lines] == pytest.approx(expected)
+        assert trainer.entropy_coef == pytest.approx(expected[-1])
+        applied = [-line["loss/entropy"] / line["entropy"] for line in lines]  # c x H / H, the applied c
+        gated = [0.0, *expected[:-1]] if target == 15.0 else [0.0, 0.0, 0.0]
+        assert applied == pytest.approx(gated, rel=0.05, abs=1e-9)  # H: token-weighted, the bonus by micro-batch
+        saved = torch.load(tmp_path / f"run{target}" / "checkpoint-2" / "trainer_state.pt", weights_only=False)
+        assert saved["entropy_control"] == {"entropy_coef": pytest.approx(expected[1]),
+                                            "last_world_entropy": pytest.approx(lines[1]["entropy"])}
+    with pytest.raises(ValueError, match="use_adaptive_entropy=True with top_entropy_quantile < 1"):
+        GRPOConfig(use_adaptive_entropy=True, top_entropy_quantile=0.2)
