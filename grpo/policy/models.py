@@ -124,9 +124,9 @@ def keep_4bit_layout(model) -> None:
 
 
 def prepare_for_training(model, config, world_size: int = 1):
-    """bf16 weights when asked for, gradient checkpointing, a float32 LM head when asked for, LoRA adapters when asked for (policy/lora.py), then no
-    dropout when asked for (after LoRA: its lora_dropout too), as `config` (the run plan's LoadSettings, or a
-    Config) says. Returns the model to train."""
+    """bf16 weights, gradient checkpointing, a float32 LM head, LoRA adapters (policy/lora.py), then no dropout
+    (after LoRA: its lora_dropout too), each when `config` (the run plan's LoadSettings, or a Config) asks for it.
+    Returns the model to train."""
     keep_4bit_layout(model)  # a 4-bit model passed in, too
     if config.bf16_weights:  # a model built or passed in float32, as load_model would have loaded it
         model = model.to(torch.bfloat16)

@@ -3,6 +3,7 @@ so that a typo costs seconds, not a model load: each key (a TRL setting we lack 
 against its annotation, then ranges and choices, each failure one sentence naming the setting."""
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import json
 import math
@@ -14,6 +15,7 @@ from ..algo import AGGREGATIONS, IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, SAMPLIN
 from ..errors import ConfigError
 from .choices import (ALL_LINEAR, EVAL_STRATEGIES, OPTIMIZER_ALIASES, OPTIMIZERS, SAVE_STRATEGIES, SCHEDULES, TRACKERS,
                       tracker_names)
+from .combinations import check_combinations
 from .fieldtypes import FieldType, field_types
 from .plan import RunPlan, ranks_from_env
 from .trl_names import NO_EFFECT, OFF_VALUES, RENAMED, TRL_ONLY, TRL_REASONS
@@ -102,6 +104,18 @@ RULES: dict[str, tuple[typing.Callable, str]] = {
     "eval_limit": (lambda v: v >= 1, ">= 1, or None to evaluate every prompt"),
     "per_device_eval_batch_size": (lambda v: v >= 1, ">= 1, or None for as many as the memory plan fits"),
 }
+
+
+class CheckedKeywords(type):
+    """Every construction of a Config (dataclasses.replace too) passes its keywords through `__call__`
+    before the generated __init__, which would answer an unknown one with a TypeError: here a TRL setting we
+    lack says so and a typo gets the closest field's name, all in one ConfigError, and a TRL setting that
+    changes nothing here is dropped with a warning saying why."""
+
+    def __call__(cls, *args, **settings):
+        no_effect = check_keys(settings, [f.name for f in dataclasses.fields(cls)])
+        warn_no_effect(no_effect)
+        return super().__call__(*args, **{k: v for k, v in settings.items() if k not in no_effect})
 
 
 def check_keys(settings: dict, names: list[str]) -> dict[str, str]:
@@ -225,77 +239,6 @@ def _bf16_of_dtype(kwargs: dict | None, bf16: bool | None) -> bool | None:
     if bf16 is not None:
         raise ConfigError(f"model_init_kwargs dtype={kwargs['dtype']!r} and bf16={bf16} disagree: set one of them")
     return wanted
-
-
-def check_combinations(config) -> None:
-    """ConfigError on settings that are each valid but cannot work together. Those that depend on the run
-    (a model passed in, the datasets, FSDP's ranks) are checked where the run knows them."""
-    if config.load_in_4bit and not config.use_lora:
-        raise ConfigError("load_in_4bit=True needs use_lora=True: 4-bit weights are frozen, QLoRA trains "
-                          "LoRA adapters on top of them")
-    if config.bf16_weights and (config.use_lora or config.fsdp):
-        raise ConfigError("bf16_weights=True is for full fine-tuning without FSDP: set use_lora=false and "
-                          "fsdp=false (LoRA keeps a bf16 base on CUDA already; FSDP keeps float32 shards)")
-    if config.use_adaptive_entropy and config.top_entropy_quantile < 1:
-        raise ConfigError("use_adaptive_entropy=True with top_entropy_quantile < 1 is not supported yet: the control "
-                          "reads the entropy of every loss token, TRL's of the high-entropy ones only")
-    if config.sync_ref_model:
-        check_sync_ref_model(config)
-    if config.use_vllm:
-        check_vllm(config)
-    if config.int8_sampling_weights:
-        check_int8(config)
-    if config.warmup_ratio and config.warmup_steps:
-        raise ConfigError(f"set warmup_steps or warmup_ratio, not both (got {config.warmup_steps:g} and "
-                          f"{config.warmup_ratio:g})")
-
-
-def check_sync_ref_model(config) -> None:
-    """sync_ref_model=True mixes the policy into the reference copy that full fine-tuning keeps for beta > 0."""
-    why = ("beta=0.0 uses no reference model, so there is nothing to synchronize (as in TRL)" if config.beta == 0
-           else "under LoRA the reference is the policy with its adapter off, no copy to synchronize (as in TRL)"
-           if config.use_lora else "the reference copy is not sharded under FSDP" if config.fsdp
-           else "with async_generation the sampler process takes the reference log-probs with its own copy"
-           if config.async_generation else None)
-    if why is not None:
-        raise ConfigError(f"sync_ref_model=True is not supported here: {why}; set sync_ref_model=False")
-
-
-def check_int8(config) -> None:
-    """int8_sampling_weights=True: our decode loop on float32 weights (policy/int8 checks the CPU, policy/decoder
-    the model)."""
-    other = ("use_vllm=True (the server samples)" if config.use_vllm else
-             "load_in_4bit=True (4-bit weights)" if config.load_in_4bit else
-             "bf16=True (a bf16 base)" if config.bf16 else "bf16_weights=True" if config.bf16_weights else None)
-    if other is not None:
-        raise ConfigError(f"int8_sampling_weights=True makes int8 copies of float32 weights for our own decode "
-                          f"loop on a CPU, which {other} does not have: set one of them off")
-    if config.loss_type == "vespo" and config.vllm_importance_sampling_correction:
-        raise ConfigError('loss_type="vespo" with int8_sampling_weights=True corrects the int8 samples '
-                          "(vllm_importance_sampling_correction=True), which is not supported yet for VESPO: set "
-                          "vllm_importance_sampling_correction=False")
-
-
-def check_vllm(config) -> None:
-    """use_vllm=True: server mode, the settings a server sampler can honour (docs/inference-engines.md)."""
-    if config.vllm_mode != "server":
-        raise ConfigError('vllm_mode="colocate" is not supported: vLLM runs in its own environment (it pins its own '
-                          'torch and transformers) and is never imported by grpo; start a server and set '
-                          'vllm_mode="server"')
-    if not config.use_lora:
-        raise ConfigError("use_vllm=True needs use_lora=True: the server samples with the run's LoRA adapter, "
-                          "loaded after each optimizer step; vLLM 0.32's server has no weight-update endpoint for "
-                          "full fine-tuning without NCCL (TRL's vllm-serve)")
-    if config.async_generation:
-        raise ConfigError("use_vllm=True with async_generation=True is not supported yet: set async_generation=False")
-    if config.loss_type == "vespo" and config.vllm_importance_sampling_correction:
-        raise ConfigError('loss_type="vespo" with vllm_importance_sampling_correction=True is not supported yet: '
-                          "TRL folds the correction into VESPO's own weight; set "
-                          "vllm_importance_sampling_correction=False")
-    low, high = config.vllm_importance_sampling_clip_min, config.vllm_importance_sampling_clip_max
-    if low is not None and high is not None and low > high:
-        raise ConfigError(f"vllm_importance_sampling_clip_min ({low:g}) must not exceed "
-                          f"vllm_importance_sampling_clip_max ({high:g})")
 
 
 def _checked_value(name: str, field: str, value, tp: FieldType):

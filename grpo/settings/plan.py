@@ -232,7 +232,8 @@ class GenerationSettings:
                    None if c.reward_weights is None else tuple(c.reward_weights),
                    c.dynamic_sampling_max_rounds if c.dynamic_sampling else None, c.scale_rewards,
                    c.multi_objective_aggregation, c.mask_truncated_completions, schedule.micro_batch,
-                   c.pad_to_multiple_of, old_logprobs, ref_logprobs, c.max_staleness if c.async_generation else None, sampling_correction)
+                   c.pad_to_multiple_of, old_logprobs, ref_logprobs, c.max_staleness if c.async_generation else None,
+                   sampling_correction)
 
 
 @dataclass(frozen=True)
