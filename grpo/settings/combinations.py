@@ -14,6 +14,9 @@ def check_combinations(config) -> None:
     if config.bf16_weights and (config.use_lora or config.fsdp):
         raise ConfigError("bf16_weights=True is for full fine-tuning without FSDP: set use_lora=false and "
                           "fsdp=false (LoRA keeps a bf16 base on CUDA already; FSDP keeps float32 shards)")
+    if config.cast_lm_head_to_fp32 and config.fsdp:
+        raise ConfigError("cast_lm_head_to_fp32=True with fsdp=True is not supported yet: FSDP gathers the LM head "
+                          "in its compute dtype")
     if config.use_adaptive_entropy and config.top_entropy_quantile < 1:
         raise ConfigError("use_adaptive_entropy=True with top_entropy_quantile < 1 is not supported yet: the control "
                           "reads the entropy of every loss token, TRL's of the high-entropy ones only")

@@ -65,7 +65,7 @@ _ONE_DEVICE = "one process per GPU under torchrun, each on its own device; no de
 # Why the rest are refused, by kind (each said in the one line a refusal prints).
 TRL_REASONS.update({
     **dict.fromkeys(("ddp_broadcast_buffers", "ddp_bucket_cap_mb", "ddp_static_graph", "ddp_timeout",
-                     "local_rank", "accelerator_config", "average_tokens_across_devices"), _DDP),
+                     "local_rank", "average_tokens_across_devices"), _DDP),
     **dict.fromkeys(("torch_compile", "torch_compile_backend", "torch_compile_mode", "enable_jit_checkpoint"),
                     _COMPILE),
     **dict.fromkeys(("load_best_model_at_end", "metric_for_best_model", "greater_is_better"), _BEST),
@@ -78,6 +78,8 @@ TRL_REASONS.update({
     **dict.fromkeys(("trackio_bucket_id", "trackio_space_id", "trackio_static_space_id", "project"), _TRACKIO_HUB),
     **dict.fromkeys(("parallelism_config",), _ONE_DEVICE),
     "activation_checkpointing_kwargs": "checkpointing is always non-reentrant here (gradient_checkpointing)",
+    "accelerator_config": "accelerate is not used: the trainer sets DDP up under torchrun, and each rank draws its "
+                          "own prompts (no DataLoader to split or dispatch)",
     "adam_epsilon": "AdamW's eps is fixed at 1e-8 (transformers' default)",
     "auto_find_batch_size": "the memory plan sizes decodes and says what fits before loading (python -m grpo.plan)",
     "dataloader_in_order": "prompts are drawn in the trainer's own process: there is no DataLoader",

@@ -150,6 +150,7 @@ def test_entropy_coef_and_off_policy_mask_reach_the_loss():
                                     "only: set it when you start the server"),
     ("neftune_noise_alpha", "TRL's `neftune_noise_alpha` is not supported here: a supervised-training setting"),
     ("torch_compile", "TRL's `torch_compile` is not supported here: torch.compile is not used"),
+    ("accelerator_config", "TRL's `accelerator_config` is not supported here: accelerate is not used"),
     ("loss_aggregation", "'loss_aggregation' is gone: use TRL's loss_type: 'token' is 'dapo'"),
     ("epsilon_low", "'epsilon_low' is gone: use TRL's epsilon"),
     ("eval_batch_size", "'eval_batch_size' is gone: use TRL's per_device_eval_batch_size"),
