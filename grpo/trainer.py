@@ -95,8 +95,8 @@ class Trainer:
         recorded = self.plan.session if self.tools is None else replace(  # export says a checkpoint calls tools
             self.plan.session, record={**self.plan.session.record, "tools": self.tools.names})
         self.session = Session(self.output_dir, self.dist, self.policy, self.tokenizer, self.updates,
-                               self.prompts, self.batches, recorded, self.total_steps,
-                               on_save=self.callbacks.on_save, entropy=self.entropy)
+                               self.prompts, self.batches, recorded, self.total_steps, self.entropy,
+                               on_save=self.callbacks.on_save)
 
     @property
     def step(self) -> int:  # optimizer steps done: state.global_step, which state.epoch follows

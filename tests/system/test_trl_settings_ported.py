@@ -4,7 +4,7 @@ entropy control."""
 import pytest
 import torch
 from datasets import Dataset
-from tiny_setup import digit_share, logged, tiny_model, tiny_tokenizer
+from tiny_setup import digit_share, logged, saved_tiny_model, tiny_model, tiny_tokenizer
 
 from grpo import Config as GRPOConfig  # was: from trl import GRPOConfig, GRPOTrainer
 from grpo import Trainer as GRPOTrainer
@@ -14,13 +14,8 @@ SMALL = {"per_device_train_batch_size": 4, "num_generations": 4, "max_completion
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    """A tiny model by path, as TRL's scripts name one: the trainer loads it (in bf16 where the plan says so)."""
-    tokenizer = tiny_tokenizer()
-    path = tmp_path_factory.mktemp("model")
-    tiny_model(tokenizer).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return str(path)
+def folder(tmp_path_factory):  # the trainer loads it, in bf16 where the plan says so
+    return str(saved_tiny_model(tmp_path_factory.mktemp("model")))
 
 
 def prompts(n=8):
