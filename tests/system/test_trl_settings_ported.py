@@ -1,6 +1,8 @@
 """TRL 1.16 settings that were refused here and now carry TRL's meaning, each through a TRL script's lines
 (only the imports changed): cast_lm_head_to_fp32, pad_to_multiple_of, sync_ref_model (TR-DPO) and adaptive
 entropy control."""
+import shutil
+
 import pytest
 import torch
 from datasets import Dataset
@@ -112,6 +114,12 @@ def test_sync_ref_model_mixes_the_policy_into_the_reference_every_sync_steps(tmp
     saved = torch.load(tmp_path / "run" / "checkpoint-2" / "trainer_state.pt", weights_only=False)["reference"]
     for name, ref in trainer.ref_model.state_dict().items():
         torch.testing.assert_close(saved[name], ref)
+    shutil.rmtree(tmp_path / "run" / "checkpoint-3")  # resumed from checkpoint-2: its reference, not the start's
+    resumed = GRPOTrainer(model=tiny_model(tokenizer), processing_class=tokenizer, args=args,
+                          reward_funcs=[char_codes], train_dataset=prompts())
+    resumed.train(resume_from_checkpoint=str(tmp_path / "run" / "checkpoint-2"))
+    for name, ref in resumed.ref_model.state_dict().items():
+        torch.testing.assert_close(ref, saved[name])
     for bad in ({"beta": 0.0}, {"use_lora": True}):  # TRL's refusals: no reference copy to mix into
         with pytest.raises(ValueError, match="sync_ref_model=True mixes the policy into the reference copy"):
             GRPOConfig(**{"beta": 0.1, "sync_ref_model": True, **bad})
@@ -139,5 +147,11 @@ def test_adaptive_entropy_moves_the_coefficient_once_per_step_and_gates_the_bonu
         saved = torch.load(tmp_path / f"run{target}" / "checkpoint-2" / "trainer_state.pt", weights_only=False)
         assert saved["entropy_control"] == {"entropy_coef": pytest.approx(expected[1]),
                                             "last_world_entropy": pytest.approx(lines[1]["entropy"])}
+    # resumed from checkpoint-2, step 3 starts from the saved coefficient and gate, as the run did
+    shutil.rmtree(tmp_path / f"run{target}" / "checkpoint-3")
+    resumed = GRPOTrainer(model=tiny_model(tokenizer), processing_class=tokenizer, args=args,
+                          reward_funcs=[char_codes], train_dataset=prompts())
+    resumed.train(resume_from_checkpoint=str(tmp_path / f"run{target}" / "checkpoint-2"))
+    assert resumed.entropy_coef == pytest.approx(expected[-1]) and logged(resumed)[-1]["loss/entropy"] == 0.0
     with pytest.raises(ValueError, match="use_adaptive_entropy=True with top_entropy_quantile < 1"):
         GRPOConfig(use_adaptive_entropy=True, top_entropy_quantile=0.2)
