@@ -77,7 +77,7 @@ class LossSettings:
     importance_sampling_level: str = "token"  # or "sequence" (GSPO)
     top_entropy_quantile: float = 1.0  # the policy term acts on the top this share of tokens by entropy only
     entropy_coef: float = 0.0  # the entropy bonus's weight (0: none)
-    use_adaptive_entropy: bool = False  # the bonus's terms and metrics even at weight 0 (algo/entropy_control.py)
+    use_adaptive_entropy: bool = False  # the bonus and its metrics even at weight 0 (policy/gradients.EntropyControl)
     # drop the policy terms of negative-advantage sequences whose KL(old || current) exceeds it, or None
     off_policy_mask_threshold: float | None = None
     sapo_temperature_pos: float = 1.0  # SAPO's gate temperatures for A > 0 and A <= 0

@@ -87,7 +87,7 @@ class Session:
             set_rng_state(own["rng"])
         if self.reference is not None and "reference" in state:  # saved since sync_ref_model was on
             self.reference.load_state_dict(state["reference"])
-        if "entropy_control" in state:  # saved since it is
+        if "entropy_control" in state:  # not in checkpoints written before it was kept
             self.entropy.load_state_dict(state["entropy_control"])
         streak, total = state["nonfinite"]
         return Progress(state["step"], (streak, total))
