@@ -11,7 +11,7 @@ from .algo.loss_terms import high_entropy_mask, trl_off_policy_mask
 from .infra.allocator import decoding_allocations, return_freed_memory
 from .infra.interrupts import StopSignals
 from .policy.forwards import Policy
-from .policy.gradients import accumulate, eval_loss
+from .policy.gradients import EntropyControl, accumulate, eval_loss
 from .policy.models import default_tokenizer, load_model, prepare_for_training
 from .policy.optim import Updates
 from .rollout.evaluate import evaluate
@@ -20,7 +20,7 @@ from .rollout.prompts import check_chat_template, eval_sets
 from .rollout.reward_models import place_reward_models
 from .rollout.tools import Tools
 from .run import lock
-from .run.callbacks import Callbacks
+from .run.callbacks import Callbacks, ReferenceSync
 from .run.logs import logged_lines, peak_memory_gb
 from .run.report import Report, TrainOutput
 from .run.session import Progress, Session
@@ -42,8 +42,7 @@ class Trainer:
                  processing_class=None, callbacks=None, sampler=None, tools=None,
                  environment_factory=None, **trl_only):
         engines = (sampler, rollout_func, tools or environment_factory)  # one at most
-        config, model, tokenizer = trl_call(config, args, model, tokenizer, processing_class,
-                                            trl_only, engines)
+        config, model, tokenizer = trl_call(config, args, model, tokenizer, processing_class, trl_only, engines)
         self.config, self.eval_dataset = config, eval_dataset
         self.tools = Tools.of(tools, environment_factory) if tools or environment_factory else None
         self.dist, self.plan, self.precision, self.reward_funcs, self.prompts = prepare(  # before a model loads
@@ -67,6 +66,7 @@ class Trainer:
                              is_main=self.dist.is_main)
         self.threshold_set = self.policy.device.type == "cpu" and return_freed_memory()
         self.updates = Updates(self.model.parameters(), self.plan.optim, self.total_steps)
+        self.entropy = EntropyControl.of(self.plan.loss, self.config)  # policy_loss's settings at each step
         self.optimizer, self.scheduler = self.updates.optimizer, self.updates.scheduler  # TRL's
 
     def _setup_generation(self, sampler, rollout_func) -> None:
@@ -83,13 +83,14 @@ class Trainer:
         """The steps' batches (now or ahead), the callbacks, the report, the session that saves."""
         self.batches = supply(self.pipeline, self.state, self.schedule, self.total_steps,
                               self.plan.generation.max_staleness, release=self.optimizer.state.clear)
-        self.callbacks = Callbacks(callbacks, self.config, self.state, self.model, self.tokenizer,
-                                   self.optimizer, self.scheduler)
+        synced = [ReferenceSync(self.policy)] if self.config.sync_ref_model else []  # TRL adds it after the rest
+        self.callbacks = Callbacks([*(callbacks or ()), *synced], self.config, self.state, self.model,
+                                   self.tokenizer, self.optimizer, self.scheduler)
         self.output_dir = Path(self.config.output_dir)
         self.report = Report(self.output_dir, self.dist, self.trackers, self.state, self.callbacks,
                              self.pipeline.reward_names, self.schedule.global_batch)
         self.session = Session(self.output_dir, self.dist, self.policy, self.tokenizer, self.updates,
-                               self.prompts, self.batches, self.plan.session, self.total_steps,
+                               self.prompts, self.batches, self.plan.session, self.total_steps, self.entropy,
                                on_save=self.callbacks.on_save)
 
     @property
@@ -110,14 +111,15 @@ class Trainer:
     def generation(self):  # the generation batch in training (rollout/batches); None before one
         return self.batches.current
 
+    entropy_coef = property(lambda self: self.entropy.coef)  # TRL's: the entropy bonus's coefficient now
+
     def save_model(self, output_dir: str | None = None) -> None:  # transformers': no optimizer
         self.session.save_model(Path(output_dir if output_dir is not None else self.output_dir))
 
     def train(self, resume_from_checkpoint: str | bool | None = None) -> TrainOutput:
         """Run to `total_steps`, resumed as `resume_from_checkpoint` (else config's) says; SIGINT
         and SIGTERM save a checkpoint and raise TrainingInterrupted. transformers' TrainOutput."""
-        resume = resume_from_checkpoint
-        resume = self.config.resume_from_checkpoint if resume is None else resume
+        resume = self.config.resume_from_checkpoint if resume_from_checkpoint is None else resume_from_checkpoint
         with lock.hold(self.output_dir, self.dist), self.batches:  # a sampler process ends with it
             if self.step == 0:  # resumed, or a fresh run that must not append to earlier logs
                 self.resume(resume)
@@ -145,7 +147,7 @@ class Trainer:
             micro_batches = generation.micro_batches[self.schedule.micro_batches_of(self.step)]
             totals = self.accumulate(micro_batches)
         metrics = {**generation.metrics, **totals, **self.updates.apply(totals["loss"], self.step),
-                   "step_time": time.perf_counter() - t0,
+                   **self.entropy.update(totals["entropy"]), "step_time": time.perf_counter() - t0,
                    "memory/peak_gb": peak_memory_gb(self.policy.device)}
         self.step += 1
         return self.report.step({**metrics, "epoch": self.state.epoch})  # its loss counted
@@ -168,7 +170,7 @@ class Trainer:
 
     def accumulate(self, micro_batches: list) -> dict:  # the step's gradients (policy/gradients)
         counts = self.generation.step_counts(micro_batches, self.dist.reduce)  # over all ranks
-        return accumulate(self.policy, micro_batches, counts, self.plan.loss, self.dist.reduce,
+        return accumulate(self.policy, micro_batches, counts, self.entropy.loss(), self.dist.reduce,
                           step=self.step, show=self.dist.is_main)
 
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict:
@@ -180,7 +182,7 @@ class Trainer:
                 metrics, _ = evaluate(self.model, self.tokenizer, dataset, self.reward_funcs, self.plan.evaluation,
                                       batch_size=self.plan.decode.evaluation, progress=self.dist.is_main,
                                       trainer_state=self.state, unsharded=self.policy.parallel.unsharded,
-                                      tools=self.tools, loss_of=partial(eval_loss, self.policy, self.plan.loss),
+                                      tools=self.tools, loss_of=partial(eval_loss, self.policy, self.entropy.loss()),
                                       key_prefix=metric_key_prefix + suffix)
             lines.update(self.report.evaluation(metrics, metric_key_prefix + suffix))
         return lines

@@ -22,6 +22,14 @@ def tiny_model(tokenizer, seed: int = 0):
     return model_for(tokenizer, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, seed=seed)
 
 
+def saved_tiny_model(path):
+    """The tiny model and its tokenizer saved in folder `path`, as a TRL script names a model: by path. Returns it."""
+    tokenizer = tiny_tokenizer()
+    tiny_model(tokenizer).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
 def tiny_4bit_model(tokenizer, seed: int = 0):
     """Layer sizes real models have, which bitsandbytes' 4-bit CPU kernels need: in_features multiples of 64
     (the 4-bit block), out_features multiples of 32 (tiny_model's are 32 and 16)."""

@@ -77,6 +77,7 @@ class LossSettings:
     importance_sampling_level: str = "token"  # or "sequence" (GSPO)
     top_entropy_quantile: float = 1.0  # the policy term acts on the top this share of tokens by entropy only
     entropy_coef: float = 0.0  # the entropy bonus's weight (0: none)
+    use_adaptive_entropy: bool = False  # the bonus and its metrics even at weight 0 (policy/gradients.EntropyControl)
     # drop the policy terms of negative-advantage sequences whose KL(old || current) exceeds it, or None
     off_policy_mask_threshold: float | None = None
     sapo_temperature_pos: float = 1.0  # SAPO's gate temperatures for A > 0 and A <= 0
@@ -229,7 +230,7 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor | None, ref_logprobs: Ten
     loss = aggregate(per_token, completion_mask, **agg)
     if entropies is not None:
         metrics["entropy"] = masked_mean(entropies.detach().to(ratio.dtype), on)
-    if s.entropy_coef != 0:
+    if s.entropy_coef != 0 or s.use_adaptive_entropy:
         bonus = entropy_bonus(entropies.to(logprobs.dtype), acts_on, s.entropy_coef, num_micro_batches)
         metrics["policy_loss"], metrics["entropy_coef"] = loss.detach(), torch.tensor(s.entropy_coef)  # TRL's
         loss = loss - bonus

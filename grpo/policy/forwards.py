@@ -7,8 +7,8 @@ import sys
 
 import torch
 
-from .models import (check_logprobs_match_forward, completion_logprobs, device_of, make_reference, reference_context,
-                     unwrap)
+from .models import (check_logprobs_match_forward, completion_logprobs, device_of, float32_head, make_reference,
+                     reference_context, unwrap)
 from .parallel import ParallelPolicy
 from .precision import Precision
 from .prefix import CacheDropped, check_shared_prompt_forward, refusal, shared_prompt_logprobs
@@ -24,6 +24,8 @@ class Policy:
     def __init__(self, model, settings, world_size: int, precision: Precision, *, is_main: bool):
         self.model, self.settings, self.precision, self.is_main = model, settings, precision, is_main
         self.reference = make_reference(model, settings.reference, precision.reference_dtype)
+        if self.reference is not None and settings.cast_lm_head_to_fp32:
+            float32_head(self.reference)
         # Before the optimizer exists: FSDP replaces the parameters by their shards.
         self.parallel = ParallelPolicy(model, world_size, fsdp=settings.fsdp, bf16=precision.bf16)
         self.device = device_of(model)
@@ -67,6 +69,13 @@ class Policy:
         later steps train on it off-policy), the reference's (`reference`: when the loss has a KL penalty)."""
         fixed = {"old_logprobs": self.logprobs(rollout)} if old else {}
         return {**fixed, "ref_logprobs": self.reference_logprobs(rollout)} if reference else fixed
+
+    @torch.no_grad()
+    def mix_into_reference(self, alpha: float) -> None:
+        """TRL's sync_ref_model (TR-DPO): the reference copy becomes alpha x the policy + (1 - alpha) x itself,
+        parameter by parameter, in the reference's dtype."""
+        for ref, param in zip(self.reference.parameters(), unwrap(self.model).parameters(), strict=True):
+            ref.mul_(1.0 - alpha).add_(param.to(ref.dtype), alpha=alpha)
 
     def check_head_once(self, rollout, agree) -> None:
         """On the first call only: log-probs and sampling logits of two of the rollout's rows against the model's

@@ -2,7 +2,9 @@
 through the policy, normalized with the step's counts over all ranks."""
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 
@@ -60,3 +62,51 @@ def eval_loss(policy, loss: Mapping, rollout) -> tuple[float, int]:
     if aux is not None:  # TRL's eval loss has the router's load-balancing loss too
         value = value + router_aux_term(aux, policy.router_aux_coef)[0]
     return value.item(), len(logprobs)
+
+
+@dataclass
+class EntropyControl:
+    """Adaptive entropy control (TRL's `use_adaptive_entropy`, from Skywork-OR1, arXiv 2505.22312): after each
+    optimizer step the entropy bonus's coefficient c moves by `entropy_coef_delta`, up while the step's mean token
+    entropy H (over every rank's loss tokens) is at or below `entropy_target`, down above it:
+    c <- min(c + delta, c_max) if H <= target, else max(c - delta, c_min). A step applies c only when the step
+    before it ended at or below the target (the first step: not at all), the same c in all its micro-batches.
+    Without it, c is `entropy_coef` throughout. Holds policy_loss's keywords from the settings (`settings`)."""
+
+    settings: Mapping
+    coef: float  # c now (TRL's trainer.entropy_coef)
+    adaptive: bool
+    coef_min: float = 0.0
+    coef_max: float = 1.0
+    delta: float = 0.005
+    target: float = 0.2
+    last_entropy: float = math.inf  # H of the last step; none yet: above any target
+
+    @classmethod
+    def of(cls, loss: Mapping, config) -> EntropyControl:
+        """For `loss`, policy_loss's keywords from the settings (settings/plan.RunPlan.loss), and `config`'s."""
+        return cls(loss, loss["entropy_coef"], loss["use_adaptive_entropy"], config.entropy_coef_min,
+                   config.entropy_coef_max, config.entropy_coef_delta, config.entropy_target)
+
+    def loss(self) -> Mapping:
+        """policy_loss's keywords for this step: the settings, with this step's coefficient."""
+        if not self.adaptive:
+            return self.settings
+        return {**self.settings, "entropy_coef": self.coef if self.last_entropy <= self.target else 0.0}
+
+    def update(self, entropy: float) -> dict[str, float]:
+        """After a step whose mean token entropy was `entropy`: c for the next; returns TRL's metric of c."""
+        if not self.adaptive:
+            return {}
+        if entropy <= self.target:
+            self.coef = min(self.coef + self.delta, self.coef_max)
+        else:
+            self.coef = max(self.coef - self.delta, self.coef_min)
+        self.last_entropy = entropy
+        return {"entropy_coef": self.coef}
+
+    def state_dict(self) -> dict[str, float]:  # TRL's entropy_ctrl_state.json keys
+        return {"entropy_coef": self.coef, "last_world_entropy": self.last_entropy}
+
+    def load_state_dict(self, state: Mapping) -> None:
+        self.coef, self.last_entropy = state["entropy_coef"], state["last_world_entropy"]

@@ -84,14 +84,17 @@ def adapter_settings(model) -> dict:
 def with_adapter(model, config):
     """`model` with a new LoRA adapter from `config`'s LoRA settings (settings/components.LoadSettings, or a Config),
     peft's `get_peft_model`; a PeftModel passed in (its settings read by `adapter_settings`) trains its own
-    adapter and is returned as it is."""
-    if is_peft_model(model):
-        return model
-    from peft import LoraConfig, get_peft_model
+    adapter and is returned as it is. ConfigError for an adapter on the LM head."""
+    if not is_peft_model(model):
+        from peft import LoraConfig, get_peft_model
 
-    lora = LoraConfig(r=config.lora_r, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
-                      target_modules=config.lora_target_modules or ALL_LINEAR, task_type="CAUSAL_LM")
-    with warnings.catch_warnings():  # peft 0.21 reads transformers 5's deprecated alias: not the user's to fix
-        warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
-        adapted = get_peft_model(model, lora)
-    return adapted
+        lora = LoraConfig(r=config.lora_r, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
+                          target_modules=config.lora_target_modules or ALL_LINEAR, task_type="CAUSAL_LM")
+        with warnings.catch_warnings():  # peft 0.21 reads transformers 5's deprecated alias: not the user's to fix
+            warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
+            model = get_peft_model(model, lora)
+    if hasattr(model.get_base_model().get_output_embeddings(), "base_layer"):  # peft's layer wraps the head
+        raise ConfigError("a LoRA adapter on the LM head (lm_head) is not supported, as in TRL: the log-probs are "
+                          "computed from its weight directly, so the adapter would never train; remove it from "
+                          "target_modules")
+    return model

@@ -124,9 +124,9 @@ def keep_4bit_layout(model) -> None:
 
 
 def prepare_for_training(model, config, world_size: int = 1):
-    """bf16 weights when asked for, gradient checkpointing, LoRA adapters when asked for (policy/lora.py), then no
-    dropout when asked for (after LoRA: its lora_dropout too), as `config` (the run plan's LoadSettings, or a
-    Config) says. Returns the model to train."""
+    """bf16 weights, gradient checkpointing, a float32 LM head, LoRA adapters (policy/lora.py), then no dropout
+    (after LoRA: its lora_dropout too), each when `config` (the run plan's LoadSettings, or a Config) asks for it.
+    Returns the model to train."""
     keep_4bit_layout(model)  # a 4-bit model passed in, too
     if config.bf16_weights:  # a model built or passed in float32, as load_model would have loaded it
         model = model.to(torch.bfloat16)
@@ -138,6 +138,8 @@ def prepare_for_training(model, config, world_size: int = 1):
             enable(activation_checkpointing_kwargs=kwargs)
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    if config.cast_lm_head_to_fp32:
+        float32_head(model)
     if not config.use_lora and world_size == 1:  # DDP and FSDP reduce dense gradients only
         sparse_tied_embedding_gradient(model)
     if config.use_lora:
@@ -146,6 +148,17 @@ def prepare_for_training(model, config, world_size: int = 1):
         disable_dropout(model)
     model.train()
     return model
+
+
+def float32_head(model) -> None:
+    """TRL's cast_lm_head_to_fp32: the LM head's weights in float32, so that its logits are computed in float32
+    (log-probs and sampling multiply in the weight's dtype), the model's own forward too: its hidden states go
+    in as float32. A tied input embedding's output is cast back to the dtype the layers had, as TRL does."""
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    dtype = head.weight.dtype
+    head.float().register_forward_pre_hook(lambda module, args: tuple(a.float() for a in args))
+    if embedding.weight is head.weight and dtype != torch.float32:
+        embedding.register_forward_hook(lambda module, args, output: output.to(dtype))
 
 
 def disable_dropout(model) -> None:

@@ -103,15 +103,19 @@ class Rollout:
                                                       value=value) for t in tensors])  # [sum N, width]
         return cls(**{f.name: joined(f.name) for f in dataclasses.fields(cls)})
 
-    def select(self, rows: torch.Tensor) -> Rollout:
+    def select(self, rows: torch.Tensor, multiple: int | None = None) -> Rollout:
         """Rows `rows` [n] (indices, in order), with only the padding they need: prompts stay left-padded and
         completions right-padded, but columns no kept row attends to are dropped, so that their compute does not
-        depend on the rows left out."""
+        depend on the rows left out. With `multiple` (TRL's pad_to_multiple_of), both sides are padded to a
+        multiple of it again, the padding masked (ids and values 0)."""
         prompt_mask, completion_mask = self.prompt_mask[rows], self.completion_mask[rows]  # [n, P], [n, C]
         used = prompt_mask.any(dim=0).nonzero()  # [p, 1]
-        p = int(used.min()) if used.numel() else prompt_mask.shape[1]  # the first column a row uses
+        P = prompt_mask.shape[1]
+        p = int(used.min()) if used.numel() else P  # the first column a row uses
         used = completion_mask.any(dim=0).nonzero()  # [c, 1]
         c = int(used.max()) + 1 if used.numel() else 1
+        if multiple:  # p < 0 and c > C pad beyond the batch's own columns
+            p, c = P + (p - P) // multiple * multiple, -(-c // multiple) * multiple  # widths rounded up
 
         def take(name: str):
             value = getattr(self, name)
@@ -121,7 +125,9 @@ class Rollout:
                 return {c: [v[i] for i in rows.tolist()] for c, v in value.items()}
             if value is None or name in PER_ROW:
                 return None if value is None else value[rows]  # [n]
-            return value[rows, p:] if name in PROMPT_SIDE else value[rows, :c]  # [n, P - p] or [n, c]
+            if name in PROMPT_SIDE:
+                return torch.nn.functional.pad(value[rows, max(p, 0):], (max(-p, 0), 0))  # [n, P - p]
+            return torch.nn.functional.pad(value[rows, :c], (0, max(c - value.shape[1], 0)))  # [n, c]
         return Rollout(**{f.name: take(f.name) for f in dataclasses.fields(self)})
 
     def micro_batches(self, cut: Cut) -> list[MicroBatch]:
@@ -145,7 +151,8 @@ class Rollout:
                 keep = part[:1]  # [1]
                 zeros = torch.zeros_like(self.completion_mask)  # [N, C]
                 source = dataclasses.replace(self, completion_mask=zeros, loss_mask=zeros)
-            batches.append(MicroBatch(source.select(keep), keep, len(part), int(self.loss_mask[part].sum().item())))
+            batches.append(MicroBatch(source.select(keep, cut.pad_to_multiple_of), keep, len(part),
+                                      int(self.loss_mask[part].sum().item())))
         return batches
 
 
@@ -160,6 +167,7 @@ class Cut:
     # Every row trains, none masked out of the loss left out either: a mixture-of-experts router's load-balancing
     # loss (policy/router.py) is over all the rows' tokens. Not in checkpoints written before it: False there.
     every_row: bool = False
+    pad_to_multiple_of: int | None = None  # TRL's: each micro-batch's prompt and completion widths a multiple of it
 
 
 @dataclass(frozen=True)
@@ -221,7 +229,7 @@ class Generation:
                 setattr(m.rollout, name, values)
                 if getattr(self.batch, name) is None:
                     setattr(self.batch, name, values.new_zeros(self.batch.completion_ids.shape))  # [N, C]
-                getattr(self.batch, name)[m.index, :values.shape[1]] = values
+                getattr(self.batch, name)[m.index, :values.shape[1]] = values[:, :self.batch.completion_ids.shape[1]]
 
     def correct_sampling(self, settings) -> dict[str, float]:
         """TRL's importance-sampling correction of a server's samples (algo/sampling_correction, `settings` its
@@ -235,7 +243,7 @@ class Generation:
             r.sampling_weights = weights.contiguous()  # [n, c]
             if self.batch.sampling_weights is None:
                 self.batch.sampling_weights = torch.ones_like(self.batch.sampling_logprobs)  # [N, C]
-            self.batch.sampling_weights[m.index, :weights.shape[1]] = weights
+            self.batch.sampling_weights[m.index, :weights.shape[1]] = weights[:, :self.batch.completion_ids.shape[1]]
             differences.append(d)
             ratios.append(ratio)
         return correction_metrics(torch.cat(differences).float().cpu() if differences else torch.zeros(0),

@@ -46,9 +46,10 @@ class Pipeline:
         refill = None if s.refill_rounds is None else DynamicSampling(s.num_generations, s.refill_rounds, dist,
                                                                       pad_id)
         every_row = policy.router_aux_coef != 0  # the router's loss has a gradient through every row's tokens
-        skip = zero_advantage_has_no_gradient(loss["beta"], loss["top_entropy_quantile"], loss["entropy_coef"])
+        skip = zero_advantage_has_no_gradient(loss["beta"], loss["top_entropy_quantile"],
+                                              loss["entropy_coef"] or loss["use_adaptive_entropy"])
         cut = Cut(s.micro_batch, skip_zero_advantage=skip and not every_row, keep_one=dist.world_size > 1,
-                  every_row=every_row)
+                  every_row=every_row, pad_to_multiple_of=s.pad_to_multiple_of)
         return cls(source, policy, dist, s, cut, reward_func_names(reward_funcs), refill)
 
     @torch.no_grad()

@@ -75,3 +75,15 @@ class Callbacks:
 
     def on_train_end(self) -> TrainerControl:
         return self.call("on_train_end")
+
+
+class ReferenceSync:
+    """TRL's SyncRefModelCallback: every `ref_model_sync_steps` optimizer steps, once the step is done, the
+    policy mixed into the reference copy (policy/forwards.Policy.mix_into_reference)."""
+
+    def __init__(self, policy):
+        self.policy = policy
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step % args.ref_model_sync_steps == 0:
+            self.policy.mix_into_reference(args.ref_model_mixup_alpha)

@@ -46,13 +46,15 @@ class Session:
 
     def __init__(self, output_dir: Path, dist: Distributed, policy: Policy, tokenizer, updates: Updates,
                  prompts: PromptStream, batches, settings: SessionSettings, total_steps: int,
-                 on_save=lambda: None):
+                 entropy, on_save=lambda: None):
         self.output_dir, self.dist, self.parallel = output_dir, dist, policy.parallel
+        self.reference = policy.reference if settings.record["sync_ref_model"] else None  # moves: saved too
         self.model, self.tokenizer, self.optimizer, self.scheduler = (policy.model, tokenizer, updates.optimizer,
                                                                       updates.scheduler)
         self.prompts, self.batches = prompts, batches
         self.settings, self.total_steps, self.warmup_steps = settings, total_steps, updates.warmup_steps
         self.on_save = on_save  # called after each checkpoint written (the callbacks' on_save)
+        self.entropy = entropy  # the entropy bonus's coefficient (policy/gradients.EntropyControl)
         self.last_checkpoint: Path | None = None  # the newest checkpoint, written or resumed from
         self.saved_step: int | None = None  # its step: saving again at it does nothing
 
@@ -65,6 +67,8 @@ class Session:
                 "optimizer": self.parallel.optimizer_state(self.optimizer),
                 "scheduler": self.scheduler.state_dict(), "prompts": self.prompts.state_dict(),
                 "nonfinite": progress.nonfinite,
+                **({} if self.reference is None else {"reference": self.reference.state_dict()}),
+                "entropy_control": self.entropy.state_dict(),
                 **(own if self.dist.world_size == 1 else {"ranks": self.dist.gather_to_main(own)})}
 
     def load_state_dict(self, state: dict) -> Progress:
@@ -81,6 +85,10 @@ class Session:
         else:
             self.batches.load_state_dict(own["batches"])
             set_rng_state(own["rng"])
+        if self.reference is not None and "reference" in state:  # saved since sync_ref_model was on
+            self.reference.load_state_dict(state["reference"])
+        if "entropy_control" in state:  # not in checkpoints written before it was kept
+            self.entropy.load_state_dict(state["entropy_control"])
         streak, total = state["nonfinite"]
         return Progress(state["step"], (streak, total))
 

@@ -14,6 +14,7 @@ from ..algo import AGGREGATIONS, IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, SAMPLIN
 from ..errors import ConfigError
 from .choices import ALL_LINEAR, EVAL_STRATEGIES, OPTIMIZERS, SAVE_STRATEGIES, SCHEDULES, TRACKERS, tracker_names
 from .components import SamplingKnobs
+from .combinations import check_combinations
 from .fieldtypes import FieldType, field_types
 from .plan import RunPlan, ranks_from_env
 from .trl_names import OPTIMIZER_ALIASES, as_ours, bf16_of_dtype
@@ -40,6 +41,7 @@ RULES: dict[str, tuple[typing.Callable, str]] = {
                                           "prompt, so a group of one has no signal"),
     "num_train_epochs": (lambda v: v > 0, "> 0"),
     "max_steps": (lambda v: v > 0 or v == -1, "> 0, or -1 to train for num_train_epochs"),
+    "pad_to_multiple_of": (lambda v: v >= 1, '>= 1, or None (TRL\'s "auto") for no padding'),
     "max_prompt_length": (lambda v: v >= 1, ">= 1, or None to leave prompts whole"),
     "max_completion_length": (lambda v: v >= 1, ">= 1"),
     "max_tool_calling_iterations": (lambda v: v >= 1, ">= 1, or None for no limit"),
@@ -57,6 +59,8 @@ RULES: dict[str, tuple[typing.Callable, str]] = {
     "vllm_importance_sampling_clip_max": (lambda v: v > 0, "> 0, or None for no upper bound"),
     "vllm_importance_sampling_clip_min": (lambda v: v >= 0, ">= 0, or None for no lower bound"),
     "beta": (lambda v: v >= 0, ">= 0"),
+    "ref_model_mixup_alpha": (lambda v: 0 <= v <= 1, "in [0, 1]"),
+    "ref_model_sync_steps": (lambda v: v >= 1, ">= 1"),
     "epsilon": (lambda v: 0 <= v < 1, "in [0, 1)"),
     "epsilon_high": (lambda v: v >= 0, ">= 0"),
     "delta": (lambda v: v > 0, "> 0, or None for one-sided clipping"),
@@ -70,6 +74,7 @@ RULES: dict[str, tuple[typing.Callable, str]] = {
                                   f"one of {', '.join(IMPORTANCE_SAMPLING_LEVELS)}"),
     "top_entropy_quantile": (lambda v: 0 <= v <= 1, "in [0, 1]"),
     "entropy_coef": (math.isfinite, "finite (0 disables the entropy bonus)"),
+    "entropy_coef_delta": (lambda v: v >= 0, ">= 0"),
     "off_policy_mask_threshold": (lambda v: 0 <= v < math.inf, ">= 0 and finite (a KL bound, e.g. 0.5: below 0 even "
                                                                "on-policy completions would drop), or None"),
     **dict.fromkeys(("sapo_temperature_neg", "sapo_temperature_pos"), (lambda v: v > 0, "> 0")),
@@ -134,59 +139,6 @@ def _module_names(value):
     return list(value) if isinstance(value, tuple) else value
 
 
-def check_combinations(config) -> None:
-    """ConfigError on settings that are each valid but cannot work together. Those that depend on the run
-    (a model passed in, the datasets, FSDP's ranks) are checked where the run knows them."""
-    if config.load_in_4bit and not config.use_lora:
-        raise ConfigError("load_in_4bit=True needs use_lora=True: 4-bit weights are frozen, QLoRA trains "
-                          "LoRA adapters on top of them")
-    if config.bf16_weights and (config.use_lora or config.fsdp):
-        raise ConfigError("bf16_weights=True is for full fine-tuning without FSDP: set use_lora=false and "
-                          "fsdp=false (LoRA keeps a bf16 base on CUDA already; FSDP keeps float32 shards)")
-    if config.use_vllm:
-        check_vllm(config)
-    if config.int8_sampling_weights:
-        check_int8(config)
-    if config.warmup_ratio and config.warmup_steps:
-        raise ConfigError(f"set warmup_steps or warmup_ratio, not both (got {config.warmup_steps:g} and "
-                          f"{config.warmup_ratio:g})")
-
-
-def check_int8(config) -> None:
-    """int8_sampling_weights=True: our decode loop on float32 weights (policy/int8 checks the CPU, policy/decoder
-    the model)."""
-    other = ("use_vllm=True (the server samples)" if config.use_vllm else
-             "load_in_4bit=True (4-bit weights)" if config.load_in_4bit else
-             "bf16=True (a bf16 base)" if config.bf16 else "bf16_weights=True" if config.bf16_weights else None)
-    if other is not None:
-        raise ConfigError(f"int8_sampling_weights=True makes int8 copies of float32 weights for our own decode "
-                          f"loop on a CPU, which {other} does not have: set one of them off")
-    if config.loss_type == "vespo" and config.vllm_importance_sampling_correction:
-        raise ConfigError('loss_type="vespo" with int8_sampling_weights=True corrects the int8 samples '
-                          "(vllm_importance_sampling_correction=True), which is not supported yet for VESPO: set "
-                          "vllm_importance_sampling_correction=False")
-
-
-def check_vllm(config) -> None:
-    """use_vllm=True: server mode, the settings a server sampler can honour (docs/inference-engines.md)."""
-    if config.vllm_mode != "server":
-        raise ConfigError('vllm_mode="colocate" is not supported: vLLM runs in its own environment (it pins its own '
-                          'torch and transformers) and is never imported by grpo; start a server and set '
-                          'vllm_mode="server"')
-    if not config.use_lora:
-        raise ConfigError("use_vllm=True needs use_lora=True: the server samples with the run's LoRA adapter, "
-                          "loaded after each optimizer step; vLLM 0.32's server has no weight-update endpoint for "
-                          "full fine-tuning without NCCL (TRL's vllm-serve)")
-    if config.async_generation:
-        raise ConfigError("use_vllm=True with async_generation=True is not supported yet: set async_generation=False")
-    if config.loss_type == "vespo" and config.vllm_importance_sampling_correction:
-        raise ConfigError('loss_type="vespo" with vllm_importance_sampling_correction=True is not supported yet: '
-                          "TRL folds the correction into VESPO's own weight; set "
-                          "vllm_importance_sampling_correction=False")
-    low, high = config.vllm_importance_sampling_clip_min, config.vllm_importance_sampling_clip_max
-    if low is not None and high is not None and low > high:
-        raise ConfigError(f"vllm_importance_sampling_clip_min ({low:g}) must not exceed "
-                          f"vllm_importance_sampling_clip_max ({high:g})")
 
 
 def _checked_value(name: str, field: str, value, tp: FieldType):

@@ -75,11 +75,13 @@ class LogprobSettings:
     fsdp: bool
     prompt_once: bool
     router_aux_loss_coef: float | None
+    cast_lm_head_to_fp32: bool  # the reference copy's head too (policy/models.float32_head)
 
     @classmethod
     def of(cls, c) -> LogprobSettings:
         return cls(c.temperature, c.logprob_chunk_size, reference_kind(c.use_lora, c.beta), c.fsdp,
-                   prompt_once(c.shared_prompt_forward, c.gradient_checkpointing), c.router_aux_loss_coef)
+                   prompt_once(c.shared_prompt_forward, c.gradient_checkpointing), c.router_aux_loss_coef,
+                   c.cast_lm_head_to_fp32)
 
 
 @dataclass(frozen=True)
@@ -179,6 +181,7 @@ class GenerationSettings:
     multi_objective_aggregation: str
     mask_truncated_completions: bool
     micro_batch: int  # rows per micro-batch
+    pad_to_multiple_of: int | None  # TRL's: each micro-batch's widths
     old_logprobs: bool  # RunPlan.keeps_old_logprobs
     ref_logprobs: bool  # RunPlan.has_reference
     max_staleness: int | None  # async_generation's; None: made when the step needs it
@@ -191,8 +194,9 @@ class GenerationSettings:
                    c.seed if c.data_seed is None else c.data_seed, c.shuffle_dataset,
                    None if c.reward_weights is None else tuple(c.reward_weights),
                    c.dynamic_sampling_max_rounds if c.dynamic_sampling else None, c.scale_rewards,
-                   c.multi_objective_aggregation, c.mask_truncated_completions, schedule.micro_batch, old_logprobs,
-                   ref_logprobs, c.max_staleness if c.async_generation else None, sampling_correction)
+                   c.multi_objective_aggregation, c.mask_truncated_completions, schedule.micro_batch,
+                   c.pad_to_multiple_of, old_logprobs, ref_logprobs, c.max_staleness if c.async_generation else None,
+                   sampling_correction)
 
 
 @dataclass(frozen=True)
@@ -212,12 +216,14 @@ class LoadSettings:
     lora_dropout: float
     lora_target_modules: list[str] | str | None  # as peft's LoraConfig takes them
     disable_dropout: bool
+    cast_lm_head_to_fp32: bool
 
     @classmethod
     def of(cls, c) -> LoadSettings:
         kwargs = None if c.model_init_kwargs is None else MappingProxyType(dict(c.model_init_kwargs))
         return cls(c.model, kwargs, c.bf16, c.bf16_weights, c.load_in_4bit, c.gradient_checkpointing, c.use_lora,
-                   c.lora_r, c.lora_alpha, c.lora_dropout, c.lora_target_modules, c.disable_dropout)
+                   c.lora_r, c.lora_alpha, c.lora_dropout, c.lora_target_modules, c.disable_dropout,
+                   c.cast_lm_head_to_fp32)
 
 
 @dataclass(frozen=True)

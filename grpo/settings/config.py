@@ -22,10 +22,9 @@ class Config(metaclass=CheckedKeywords):
     """bf16 mixed precision (policy/precision.py). None: where the hardware computes bf16 natively (CUDA, a CPU
     with AVX512-BF16 or AMX; TRL's None means True everywhere); True: on any CPU too; False: float32."""
     model_init_kwargs: dict | None = None
-    """Keyword arguments of `from_pretrained` when the trainer loads `model` itself (TRL's), a dict or its JSON
-    text, e.g. {"attn_implementation": "sdpa", "revision": "main"}. "dtype" (or the older "torch_dtype"):
-    "bfloat16" is bf16=True, "float32" is bf16=False, "auto" leaves `bf16` to decide; set it or `bf16`, not
-    two different ones. "quantization_config" and "device_map" are the trainer's (load_in_4bit)."""
+    """Keyword arguments of `from_pretrained` when the trainer loads `model` (TRL's), a dict or its JSON text, e.g.
+    {"attn_implementation": "sdpa"}. "dtype" (or "torch_dtype"): "bfloat16" is bf16=True, "float32" bf16=False,
+    "auto" leaves it to `bf16`. "quantization_config" and "device_map" are the trainer's (load_in_4bit)."""
     bf16_weights: bool = False
     """Full fine-tuning keeps bf16 weights and gradients (half of float32's memory, CUDA or CPU); each update is
     computed in float32 and written back with stochastic rounding, so updates far below bf16's precision still
@@ -82,8 +81,9 @@ class Config(metaclass=CheckedKeywords):
     data_seed: int | None = None
     """Seed of the order the training prompts are drawn in (transformers' data_seed); None: `seed`."""
     shuffle_dataset: bool = True
-    """Draw the training prompts in a seeded shuffled order, a new one each epoch (TRL's; a stream's through
-    datasets' shuffle buffer, as TRL's); False: in the dataset's own order."""
+    """Draw the training prompts in a seeded order, new each epoch (TRL's; a stream's by datasets' buffer)."""
+    pad_to_multiple_of: int | None = None
+    """Pad each micro-batch's prompts and completions to a multiple of this many tokens, masked (TRL's)."""
 
     # --- sampling ---
     max_prompt_length: int | None = 512  # TRL 1.16 has none (it leaves prompts whole): a bound on memory here
@@ -98,16 +98,14 @@ class Config(metaclass=CheckedKeywords):
     top_k: int = 0
     """Sample only from the k most likely tokens (0 disables it)."""
     min_p: float | None = None
-    """Min-p sampling: drop tokens less likely than min_p x the most likely one's probability, after temperature
-    (None disables it; typical values 0.01-0.2)."""
+    """Min-p sampling: drop tokens below min_p x the top token's probability, after temperature (None: off)."""
     repetition_penalty: float = 1.0
     """Penalize tokens already in the prompt or the completion so far (transformers' rule): > 1 discourages
     repeating, < 1 encourages it, 1.0 disables it. Applied before temperature."""
     generation_kwargs: dict | None = None
-    """Sampling settings that override the ones above (TRL passes it to GenerationConfig last), a dict or its
-    JSON text: temperature, top_p, top_k, min_p, repetition_penalty (and do_sample=true); other keys are refused,
-    since decoding here is not model.generate. A temperature here changes sampling only: the loss's log-probs
-    use `temperature`, as in TRL."""
+    """Sampling settings that override the ones above (TRL's), a dict or its JSON text: temperature, top_p, top_k,
+    min_p, repetition_penalty (and do_sample=true); other keys (num_beams...) are refused: decoding here is not
+    model.generate. Its temperature changes sampling only: the loss's log-probs use `temperature`, as in TRL."""
     chat_template_kwargs: dict | None = None
     """Extra keyword arguments of the tokenizer's apply_chat_template for chat prompts, training and evaluation
     alike (a dict or its JSON text), e.g. {"enable_thinking": false} for Qwen3."""
@@ -118,12 +116,10 @@ class Config(metaclass=CheckedKeywords):
     (None: no limit but max_completion_length, which bounds the whole completion, tool output included; TRL's)."""
 
     int8_sampling_weights: bool = False
-    """Sample with int8 copies of the weights (grpo's own; TRL has none): after each optimizer step the LoRA-folded
-    linears and the LM head are quantized per output channel and packed for fbgemm, and every decoding step
-    after the prompt runs on them, 1.5-4x faster per linear on an AVX2 CPU (docs/benchmarks.md). The sampler's
-    own log-probs are kept and TRL's importance-sampling correction (`vllm_importance_sampling_*`, on by
-    default) reweights the loss as for a vLLM server's samples. CPU, float32, Llama/Mistral/Qwen2 models only;
-    refused elsewhere."""
+    """Sample with int8 copies of the weights (grpo's own): after each optimizer step the LoRA-folded linears and the
+    LM head are quantized per output channel for fbgemm, and decoding after the prompt runs on them, 1.5-4x faster
+    per linear on an AVX2 CPU (docs/benchmarks.md); the sampler's log-probs feed TRL's importance-sampling
+    correction (`vllm_importance_sampling_*`) as a vLLM server's do. CPU, float32, Llama/Mistral/Qwen2 only."""
 
     # --- sampling on a vLLM server (TRL's names, meanings and defaults; docs/inference-engines.md) ---
     use_vllm: bool = False
@@ -155,6 +151,12 @@ class Config(metaclass=CheckedKeywords):
     # --- algorithm ---
     beta: float = 0.0
     """Weight of the k3 KL penalty to the reference model (0: no reference model, no reference forward)."""
+    sync_ref_model: bool = False
+    """TR-DPO (TRL's): mix the policy into the reference copy (full fine-tuning, beta > 0) every few steps."""
+    ref_model_mixup_alpha: float = 0.6
+    """With sync_ref_model: the reference becomes alpha x the policy + (1 - alpha) x itself."""
+    ref_model_sync_steps: int = 512
+    """With sync_ref_model: mix every this many optimizer steps."""
     epsilon: float = 0.2
     """Lower clip range: the ratio is clipped at 1 - epsilon (and at 1 + epsilon when epsilon_high is unset)."""
     epsilon_high: float | None = None
@@ -200,9 +202,17 @@ class Config(metaclass=CheckedKeywords):
     """Train the policy term only on this top share of completion tokens by entropy (0.2 in "Beyond the
     80/20 rule"; 1.0 keeps every token). Per micro-batch (and rank) here; TRL gathers the ranks."""
     entropy_coef: float = 0.0
-    """Entropy bonus: subtract entropy_coef x the mean entropy of the tokens the policy term acts on, the same for
-    every loss_type (> 0 keeps the policy from collapsing; 0: none). Static: TRL's adaptive control is not here.
-    With it, every completion has a gradient, advantage 0 included."""
+    """Entropy bonus: minus entropy_coef x the policy term's tokens' mean entropy (0: none; all rows get a gradient)."""
+    use_adaptive_entropy: bool = False
+    """TRL's adaptive entropy control (policy/gradients.EntropyControl): entropy_coef moves each step."""
+    entropy_coef_min: float = 0.0
+    """With use_adaptive_entropy: the coefficient's lower bound."""
+    entropy_coef_max: float = 1.0
+    """With use_adaptive_entropy: the coefficient's upper bound."""
+    entropy_coef_delta: float = 0.005
+    """With use_adaptive_entropy: the coefficient's change per optimizer step."""
+    entropy_target: float = 0.2
+    """With use_adaptive_entropy: the coefficient grows while the mean token entropy is at or below this."""
     off_policy_mask_threshold: float | None = None
     """DeepSeek-V3.2's off-policy sequence mask: drop the policy loss of completions with a negative advantage
     whose mean per-token KL(old || current) exceeds this (e.g. 0.5; None: off). Acts only when the policy has moved
@@ -245,14 +255,14 @@ class Config(metaclass=CheckedKeywords):
     """Token rows per chunk of LM-head logits when computing log-probs (bounds logits memory)."""
     shared_prompt_forward: bool | None = None
     """Training-side log-prob forwards (policy, old policy, reference) run each distinct prompt once and its
-    completions against its KV cache (policy/prefix.py): the same log-probs and gradients as whole rows, without
-    a group's prompt computed G times. With dropout on (`disable_dropout=False`) the prompt's copies share one
-    dropout mask. Models whose cache it cannot use take whole rows, saying so once, as does a run whose
-    first-step check finds the two disagree. None: on without gradient_checkpointing, off with it (exact there
-    too, but its peak was measured higher than whole rows' on some shapes: policy.prompt_once); True: on with
-    checkpointing too."""
+    completions against its KV cache (policy/prefix.py): the same log-probs and gradients as whole rows. With
+    dropout on, the prompt's copies share one dropout mask. Models whose cache it cannot use, or whose first-step
+    check disagrees, take whole rows, saying so. None: on without gradient_checkpointing, off with it (exact there
+    too, but its peak was measured higher on some shapes: choices.prompt_once); True: on with it too."""
     load_in_4bit: bool = False
     """QLoRA: load `model` as 4-bit NF4 (bitsandbytes) under LoRA; applies when the trainer loads `model` itself."""
+    cast_lm_head_to_fp32: bool = False
+    """The LM heads of policy and reference in float32, their logits too (TRL's; ScaleRL): changes bf16 heads only."""
 
     # --- logging and checkpoints ---
     logging_steps: int = 1  # TRL: 10; a metrics line is cheap and short runs need every point
@@ -331,6 +341,7 @@ class Config(metaclass=CheckedKeywords):
                     delta=self.delta, beta=self.beta, use_bias_correction_kl=self.use_bias_correction_kl,
                     importance_sampling_level=self.importance_sampling_level,
                     top_entropy_quantile=self.top_entropy_quantile, entropy_coef=self.entropy_coef,
+                    use_adaptive_entropy=self.use_adaptive_entropy,
                     off_policy_mask_threshold=self.off_policy_mask_threshold,
                     sapo_temperature_pos=self.sapo_temperature_pos, sapo_temperature_neg=self.sapo_temperature_neg,
                     vespo_k_pos=self.vespo_k_pos, vespo_lambda_pos=self.vespo_lambda_pos,

@@ -14,12 +14,12 @@ from ..errors import ConfigError
 TRL_ONLY = frozenset("""
     accelerator_config activation_checkpointing activation_checkpointing_kwargs adam_epsilon
     auto_find_batch_size average_tokens_across_devices batch_eval_metrics bf16_full_eval cache_implementation
-    cast_lm_head_to_fp32 dataloader_drop_last dataloader_in_order
+    dataloader_drop_last dataloader_in_order
     dataloader_multiprocessing_context dataloader_num_workers dataloader_persistent_workers
     dataloader_pin_memory dataloader_prefetch_factor ddp_backend ddp_broadcast_buffers ddp_bucket_cap_mb
     ddp_find_unused_parameters ddp_static_graph ddp_timeout debug deepspeed disable_tqdm do_eval
-    do_predict do_train ds3_gather_for_generation enable_jit_checkpoint entropy_coef_delta
-    entropy_coef_max entropy_coef_min entropy_target eval_accumulation_steps eval_delay eval_do_concat_batches
+    do_predict do_train ds3_gather_for_generation enable_jit_checkpoint
+    eval_accumulation_steps eval_delay eval_do_concat_batches
     eval_use_gather_object fp16 fp16_full_eval fsdp_config full_determinism
     gradient_checkpointing_kwargs greater_is_better hub_always_push hub_model_id
     hub_private_repo hub_revision hub_strategy hub_token ignore_data_skip include_for_metrics
@@ -28,14 +28,14 @@ TRL_ONLY = frozenset("""
     log_multimodal log_on_each_node log_unique_prompts logging_first_step logging_nan_inf_filter
     logging_strategy metric_for_best_model
     neftune_noise_alpha
-    num_generations_eval optim_args optim_target_modules pad_to_multiple_of
-    parallelism_config prediction_loss_only project push_to_hub ref_model_mixup_alpha
-    ref_model_sync_steps remove_unused_columns
+    num_generations_eval optim_args optim_target_modules
+    parallelism_config prediction_loss_only project push_to_hub
+    remove_unused_columns
     restore_callback_states_from_checkpoint run_name save_on_each_node save_only_model
-    skip_memory_metrics sync_ref_model tf32 torch_compile
+    skip_memory_metrics tf32 torch_compile
     torch_compile_backend torch_compile_mode torch_empty_cache_steps trackio_bucket_id trackio_space_id
     trackio_static_space_id train_sampling_strategy transformers_continuous_batching_config trust_remote_code
-    use_adaptive_entropy use_cache use_cpu use_liger_kernel use_transformers_continuous_batching
+    use_cache use_cpu use_liger_kernel use_transformers_continuous_batching
     use_transformers_paged
     vllm_enable_sleep_mode vllm_gpu_memory_utilization vllm_group_port vllm_importance_sampling_cap
     vllm_max_model_length vllm_model_impl vllm_structured_outputs_regex vllm_tensor_parallel_size
@@ -44,8 +44,6 @@ TRL_ONLY = frozenset("""
 _GENERATION = "sampling runs on the policy itself (KV-cached decoding in grpo.rollout)"
 _SERVER = "vllm_mode=\"server\" only: set it when you start the server (.ci/vllm_venv.sh, docs/inference-engines.md)"
 _LOGGING = "metrics.jsonl and completions.jsonl in output_dir are the logs (python -m grpo.plot draws them)"
-_LATER = "not implemented yet"
-_ADAPTIVE_ENTROPY = "adaptive entropy control is not implemented; entropy_coef is static here"
 
 # Why, or what to use instead, for the settings a TRL user is most likely to bring; others get a generic line.
 TRL_REASONS = {
@@ -60,11 +58,6 @@ TRL_REASONS = {
     "activation_checkpointing": "it is called gradient_checkpointing here (on by default, as in TRL)",
     "fp16": "bf16 (CUDA) or float32 only",
     "push_to_hub": "checkpoints are written to output_dir only",
-    **{k: _ADAPTIVE_ENTROPY for k in ("use_adaptive_entropy", "entropy_coef_min", "entropy_coef_max",
-                                      "entropy_coef_delta", "entropy_target")},
-    "sync_ref_model": _LATER,
-    "cast_lm_head_to_fp32": "not implemented: the head's log-probs are float32 from a matmul in the weights' "
-                            "dtype; bf16=False keeps the whole model, its head included, in float32",
     "ddp_find_unused_parameters": "every trainable parameter gets a gradient each step here (DDP's default)",
 }
 
@@ -77,24 +70,24 @@ _EVAL_LOOP = ("evaluation is our own greedy decode over eval_dataset (per_device
 _HUB = "nothing is pushed to the Hub: logs and checkpoints stay in output_dir"
 _TRACKIO_HUB = "report_to=trackio logs to the local Trackio store only (TRACKIO_DIR); no Space or bucket"
 _ONE_DEVICE = "one process per GPU under torchrun, each on its own device; no device mesh settings"
-_REF_SYNC = "the reference is the frozen start (the adapter off under LoRA): sync_ref_model is not implemented"
 # Why the rest are refused, by kind (each said in the one line a refusal prints).
 TRL_REASONS.update({
     **dict.fromkeys(("ddp_broadcast_buffers", "ddp_bucket_cap_mb", "ddp_static_graph", "ddp_timeout",
-                     "local_rank", "accelerator_config", "average_tokens_across_devices"), _DDP),
+                     "local_rank", "average_tokens_across_devices"), _DDP),
     **dict.fromkeys(("torch_compile", "torch_compile_backend", "torch_compile_mode", "enable_jit_checkpoint"),
                     _COMPILE),
     **dict.fromkeys(("load_best_model_at_end", "metric_for_best_model", "greater_is_better"), _BEST),
     **dict.fromkeys(("label_names", "label_smoothing_factor", "neftune_noise_alpha", "length_column_name",
-                     "train_sampling_strategy", "pad_to_multiple_of", "include_for_metrics"), _SFT),
+                     "train_sampling_strategy", "include_for_metrics"), _SFT),
     **dict.fromkeys(("batch_eval_metrics", "bf16_full_eval", "fp16_full_eval", "eval_accumulation_steps",
                      "eval_delay", "eval_do_concat_batches", "eval_use_gather_object", "prediction_loss_only"),
                     _EVAL_LOOP),
     **dict.fromkeys(("log_completions_hub_repo",), _HUB),
     **dict.fromkeys(("trackio_bucket_id", "trackio_space_id", "trackio_static_space_id", "project"), _TRACKIO_HUB),
     **dict.fromkeys(("parallelism_config",), _ONE_DEVICE),
-    **dict.fromkeys(("ref_model_mixup_alpha", "ref_model_sync_steps"), _REF_SYNC),
     "activation_checkpointing_kwargs": "checkpointing is always non-reentrant here (gradient_checkpointing)",
+    "accelerator_config": "accelerate is not used: the trainer sets DDP up under torchrun, and each rank draws its "
+                          "own prompts (no DataLoader to split or dispatch)",
     "adam_epsilon": "AdamW's eps is fixed at 1e-8 (transformers' default)",
     "auto_find_batch_size": "the memory plan sizes decodes and says what fits before loading (python -m grpo.plan)",
     "dataloader_in_order": "prompts are drawn in the trainer's own process: there is no DataLoader",
@@ -103,8 +96,6 @@ TRL_REASONS.update({
     "full_determinism": "seed makes runs reproducible; torch.use_deterministic_algorithms is not set here",
     "ignore_data_skip": "a resumed run continues the data stream exactly where the checkpoint left it",
     "include_num_input_tokens_seen": "the running count of tokens seen is not kept",
-    "liger_kernel_config": "Liger kernels are not used: log-probs are chunked (logprob_chunk_size)",
-    "use_liger_kernel": "Liger kernels are not used: log-probs are chunked (logprob_chunk_size)",
     "log_multimodal": "text-only: images are not supported",
     "log_unique_prompts": "completions.jsonl and --log_completions show every prompt with its completions",
     "logging_nan_inf_filter": "NaN/inf losses are logged as they are and their updates skipped (max_nonfinite_steps)",
@@ -141,6 +132,8 @@ NO_EFFECT = {
     "num_generations_eval": "an evaluation decodes one greedy completion per prompt (pass@1), not sampled groups",
     "save_only_model": "a checkpoint always holds the optimizer and RNG states, so that it resumes exactly; "
                        "trainer.save_model() writes the model alone",
+    **{k: "Liger's kernels (layer kernels for the same math in TRL 1.16) are not applied: log-probs are chunked "
+          "here (logprob_chunk_size)" for k in ("use_liger_kernel", "liger_kernel_config")},
     "ddp_backend": "the backend is chosen automatically: NCCL between GPUs, gloo between CPU processes",
     "do_train": "Trainer.train() trains; transformers leaves these to scripts too", "do_eval": "as do_train",
     "do_predict": "as do_train",
@@ -154,10 +147,10 @@ NO_EFFECT = {
 # TRL settings of features this trainer lacks, at the values that leave them off (TRL's defaults): accepted,
 # with the same warning; any other value is refused as above.
 OFF_VALUES = {
-    "use_transformers_paged": (False,), "use_liger_kernel": (False,), "fp16": (False,),
+    "use_transformers_paged": (False,), "fp16": (False,),
     "push_to_hub": (False,), "deepspeed": (None,), "fsdp_config": (None,), "torch_compile": (False,),
-    "sync_ref_model": (False,), "use_adaptive_entropy": (False,), "tf32": (None,),
-    "full_determinism": (False,), "cast_lm_head_to_fp32": (False,), "ddp_find_unused_parameters": (None, False),
+    "tf32": (None,),
+    "full_determinism": (False,), "ddp_find_unused_parameters": (None, False),
     "gradient_checkpointing_kwargs": (None, {"use_reentrant": False}),
 }
 
@@ -226,7 +219,10 @@ def _as_text(value) -> str:
 
 def as_ours(name: str, value):
     """Field `name`'s `value` as the Config stores it, from TRL 1.16's bool scale_rewards, transformers' optimizer
-    names and resume_from_checkpoint's True as text, and TRL's model_init_kwargs (`_init_kwargs`)."""
+    names, resume_from_checkpoint's True as text, pad_to_multiple_of's "auto" (TRL's default: pads on AWS Neuron
+    only) and TRL's model_init_kwargs (`_init_kwargs`)."""
+    if name == "pad_to_multiple_of" and value == "auto":
+        return None
     if name == "scale_rewards" and isinstance(value, bool):
         return "group" if value else "none"
     if name == "optim" and isinstance(value, str):

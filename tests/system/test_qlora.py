@@ -54,7 +54,7 @@ def test_qlora_trains_adapters_on_a_frozen_4bit_base(tmp_path, model_dir):
 
 
 def test_load_in_4bit_needs_lora_and_a_model_loaded_by_the_trainer(tmp_path, model_dir):
-    with pytest.raises(ValueError, match="needs use_lora=True"):  # the Config refuses it (settings/checks.py)
+    with pytest.raises(ValueError, match="needs use_lora=True"):  # the Config refuses it (settings/combinations.py)
         qlora_config(tmp_path, model_dir, use_lora=False)
     tokenizer = tiny_tokenizer()
     with pytest.raises(ValueError, match="applies when the trainer loads config.model"):

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 from datasets import Dataset
-from tiny_setup import digit_share, logged, tiny_model, tiny_tokenizer
+from tiny_setup import digit_share, logged, saved_tiny_model, tiny_model, tiny_tokenizer
 
 from grpo import Config as GRPOConfig  # was: from trl import GRPOConfig, GRPOTrainer
 from grpo import Trainer as GRPOTrainer
@@ -28,11 +28,7 @@ OPEN_R1 = dict(  # noqa: C408 -- keywords, as GRPOConfig(...) is written
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    tokenizer = tiny_tokenizer()
-    path = tmp_path_factory.mktemp("model")
-    tiny_model(tokenizer).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    return saved_tiny_model(tmp_path_factory.mktemp("model"))
 
 
 def prompts(n=8):

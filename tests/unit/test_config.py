@@ -128,6 +128,10 @@ def test_trl_defaults():
     assert (config.epsilon, config.epsilon_high, config.delta, config.top_entropy_quantile) == (0.2, None, None, 1.0)
     assert (config.mask_truncated_completions, config.scale_rewards, config.num_iterations) == (False, "group", 1)
     assert (config.entropy_coef, config.off_policy_mask_threshold, config.disable_dropout) == (0.0, None, False)
+    assert (config.cast_lm_head_to_fp32, config.pad_to_multiple_of, config.sync_ref_model) == (False, None, False)
+    assert (config.ref_model_mixup_alpha, config.ref_model_sync_steps, config.use_adaptive_entropy) == (0.6, 512, False)
+    assert (config.entropy_coef_min, config.entropy_coef_max, config.entropy_coef_delta, config.entropy_target) == \
+        (0.0, 1.0, 0.005, 0.2)
 
 
 def test_entropy_coef_and_off_policy_mask_reach_the_loss():
@@ -144,17 +148,12 @@ def test_entropy_coef_and_off_policy_mask_reach_the_loss():
     ("use_transformers_paged", "TRL's `use_transformers_paged` is not supported here: sampling runs on the policy"),
     ("vllm_gpu_memory_utilization", "TRL's `vllm_gpu_memory_utilization` is not supported here: vllm_mode=\"server\" "
                                     "only: set it when you start the server"),
-    ("use_adaptive_entropy", "TRL's `use_adaptive_entropy` is not supported here: adaptive entropy control is "
-                             "not implemented; entropy_coef is static here"),
-    ("entropy_target", "TRL's `entropy_target` is not supported here: adaptive entropy control is not"),
     ("neftune_noise_alpha", "TRL's `neftune_noise_alpha` is not supported here: a supervised-training setting"),
-    ("cast_lm_head_to_fp32", "TRL's `cast_lm_head_to_fp32` is not supported here: not implemented: the head's"),
+    ("torch_compile", "TRL's `torch_compile` is not supported here: torch.compile is not used"),
+    ("accelerator_config", "TRL's `accelerator_config` is not supported here: accelerate is not used"),
     ("loss_aggregation", "'loss_aggregation' is gone: use TRL's loss_type: 'token' is 'dapo'"),
     ("epsilon_low", "'epsilon_low' is gone: use TRL's epsilon"),
     ("eval_batch_size", "'eval_batch_size' is gone: use TRL's per_device_eval_batch_size"),
-    ("sync_ref_model", "TRL's `sync_ref_model` is not supported here: not implemented yet"),
-    ("pad_to_multiple_of", "TRL's `pad_to_multiple_of` is not supported here: a supervised-training setting"),
-    ("use_liger_kernel", "TRL's `use_liger_kernel` is not supported here: Liger kernels are not used"),
 ])
 def test_trl_settings_we_lack_get_their_own_error(key, message):
     with pytest.raises(ConfigError) as info:
