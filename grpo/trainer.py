@@ -13,8 +13,9 @@ from .policy.forwards import Policy
 from .policy.gradients import accumulate, eval_loss
 from .policy.models import default_tokenizer, load_model, prepare_for_training
 from .policy.optim import Updates
+from .rollout.engines.engine import make_engine
 from .rollout.evaluate import eval_sets, evaluate
-from .rollout.pipeline import Pipeline, engine
+from .rollout.pipeline import Pipeline
 from .rollout.prompts import PromptStream, check_chat_template
 from .rollout.reward_models import place_reward_models
 from .rollout.tools import Tools
@@ -33,7 +34,7 @@ from .trl_call import trl_attributes, trl_call
 
 class Trainer:
     """GRPO on `model` (or `config.model`), rewarded by `reward_funcs`, over `train_dataset`; TRL's
-    call works too (trl_call.py). `sampler` replaces our decoder (rollout/sampling.Sampler)."""
+    call works too (trl_call.py). `sampler` replaces our decoder (its contract: rollout/engines/engine.Engine)."""
 
     def __init__(self, config: Config | None = None, model=None, tokenizer=None, reward_funcs=(),
                  train_dataset=None, eval_dataset=None, rollout_func=None,
@@ -74,11 +75,12 @@ class Trainer:
         """The generation pipeline: the engine, the prompts, the rewards next to the policy."""
         self.state = TrainerState.of(self.total_steps, self.dist)  # its global_step is `step`
         self.no_signal = NoSignalWatch(patience=3)  # steps in a row where all rewards were equal
-        self.sampler = engine(sampler, rollout_func, self)  # ours, a server's, a rollout_func...
+        self.engine, self.encode = make_engine(sampler, rollout_func, self, self.plan, self.policy, self.tokenizer,
+                                               self.tools, self.config.output_dir)  # the encoder: eval's too
         s = self.plan.generation
         self.prompts = PromptStream(train_dataset, s.data_seed, shuffle=s.shuffle_dataset)
         place_reward_models(self.reward_funcs, self.policy.device)  # next to the policy
-        self.pipeline = Pipeline.build(self.sampler, self.prompts, self.reward_funcs, self.policy,
+        self.pipeline = Pipeline.build(self.engine, self.prompts, self.reward_funcs, self.policy,
                                        self.dist, s, self.plan.loss, self.tokenizer.pad_token_id,
                                        self.threshold_set, self.tools)
 
@@ -180,7 +182,7 @@ class Trainer:
                 metrics, _ = evaluate(self.model, self.tokenizer, dataset, self.reward_funcs, self.plan.evaluation,
                                       batch_size=self.plan.decode.evaluation, progress=self.dist.is_main,
                                       trainer_state=self.state, unsharded=self.policy.parallel.unsharded,
-                                      tools=self.tools, loss_of=partial(eval_loss, self.policy, self.plan.loss),
+                                      encode=self.encode, loss_of=partial(eval_loss, self.policy, self.plan.loss),
                                       key_prefix=metric_key_prefix + suffix)
             lines.update(self.report.evaluation(metrics, metric_key_prefix + suffix))
         return lines

@@ -134,7 +134,7 @@ def interval_due(strategy: str, every: int, step: int, total: int, epoch_ended: 
 
 @dataclass(frozen=True)
 class SamplingKnobs:
-    """The sampling knobs, as a decode applies them (rollout/decoding.DecodeSettings); the defaults filter
+    """The sampling knobs, as a decode applies them (rollout/engines/decoding.DecodeSettings); the defaults filter
     nothing, a greedy decode's. A run's are Config.sampling_knobs(): its fields, generation_kwargs applied."""
 
     temperature: float = 1.0

@@ -1,10 +1,10 @@
 """A KV cache allocated once for a whole decode (prompt + max_new_tokens positions) and written in place, for
-rollout/decoding.py: transformers' DynamicCache concatenates every layer's keys and values at every step, which
+rollout/engines/decoding.py: transformers' DynamicCache concatenates every layer's keys and values at every step, which
 copies the whole cache each token (SmolLM2-135M, 16 rows of 384 positions: about 280 MB a step) and, past glibc's
 mmap threshold (infra/allocator), makes every copy fresh pages to fault in.
 
 Each layer keeps buffers [B, H, T_max, D] and hands attention views of the positions written so far; rows leave
-or are repeated (rollout/compaction) by one copy of the buffers. Families whose cache is not
+or are repeated (rollout/engines/compaction) by one copy of the buffers. Families whose cache is not
 a plain per-position key/value store (sliding windows, chunked or linear attention, recurrent state) keep
 transformers' DynamicCache (`preallocated_cache` returns it)."""
 from __future__ import annotations

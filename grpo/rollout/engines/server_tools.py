@@ -1,6 +1,6 @@
 """Tools through an inference server: each completion is sampled in segments, one request per segment, that stop
 where a tool may run (the end of an assistant message for chat tools, an inline tool's trigger); the row's tokens
-go through the same `ToolLoop` our decode loop uses (rollout/tool_loop.py), and a tool's output (with the turn
+go through the same `ToolLoop` our decode loop uses (rollout/engines/tool_loop.py), and a tool's output (with the turn
 headers around it) is appended as tokens the model did not write, out of the loss mask; the next segment's
 prompt is the prompt and everything so far (the server's prefix cache keeps that cheap)."""
 from __future__ import annotations
@@ -9,8 +9,8 @@ from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 
 import torch
 
+from ..streams import int64
 from .decoding import Decoded
-from .streams import int64
 
 NAN = float("nan")
 
@@ -45,17 +45,14 @@ class ServerToolRow:
             return
         for token, logprob in zip(tokens, logprobs):
             self.ids.append(token), self.own.append(1), self.logprobs.append(logprob)
-            out = self.loop.after_tokens([self.row], [token], [self.width - len(self.ids)])
-            if self.row in out:
-                if out[self.row] is None:  # the tools end the row
-                    self.done = True
-                else:
-                    self.ids += out[self.row]
-                    self.own += [0] * len(out[self.row])
-                    self.logprobs += [NAN] * len(out[self.row])
-                return
-            if token in self.eos:
-                self.done = True
+            (ends,), fed = self.loop.row_ends([self.row], [token], [self.width - len(self.ids)], [token in self.eos])
+            fed = fed.get(self.row)
+            if fed is not None:  # a tool ran: its output appended, the next segment starts after it
+                self.ids += fed
+                self.own += [0] * len(fed)
+                self.logprobs += [NAN] * len(fed)
+            if ends or fed is not None:
+                self.done = ends
                 return
 
 

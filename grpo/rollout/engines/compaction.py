@@ -1,4 +1,4 @@
-"""Batch compaction for the KV-cached decode loop (rollout/decoding.py): rows that have finished (sampled EOS)
+"""Batch compaction for the KV-cached decode loop (rollout/engines/decoding.py): rows that have finished (sampled EOS)
 leave the batch and the KV cache, so that later steps compute only the rows still decoding, and each step's
 tokens go back to their own rows. Sampling draws what the uncompacted loop draws: each row draws from its own
 random stream (rollout/streams), whichever rows are left."""
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from .streams import uniforms
+from ..streams import uniforms
 
 MIN_SHARE = 0.25  # compact once at least this share of the batch has finished (each compaction copies the cache)
 BLOCK = 64  # decoding steps whose uniforms are drawn at once: a draw is a dozen small tensor operations
@@ -14,7 +14,7 @@ BLOCK = 64  # decoding steps whose uniforms are drawn at once: a draw is a dozen
 
 class DecodingRows:
     """Which of a decoding batch's N rows are still in it, and which of those have finished. `compacts=False`
-    keeps them all (a model with a recurrent state, which rows cannot leave: rollout/kv_cache). `seeds` [N]: where
+    keeps them all (a model with a recurrent state, which rows cannot leave: engines/kv_cache). `seeds` [N]: where
     each row's random stream starts (rollout/streams); None when nothing is sampled (greedy decoding)."""
 
     def __init__(self, N: int, device: torch.device, compacts: bool = True, seeds: torch.Tensor | None = None):

@@ -1,5 +1,5 @@
-"""Completions sampled on an inference server (TRL's `use_vllm=True, vllm_mode="server"`): `ServerSampler` keeps
-the trainer's sampler contract (rollout/sampling.Sampler), so the step around it does not change.
+"""Completions sampled on an inference server (TRL's `use_vllm=True, vllm_mode="server"`): `ServerEngine` keeps
+the engines' one interface (engines/engine.Engine), so the step around it does not change.
 
 Token in, token out: each prompt goes to vLLM's OpenAI-compatible `/v1/completions` as token ids, with `n` =
 num_generations, its own seed (from its random stream: a rerun samples the same), the run's sampling knobs, and
@@ -8,7 +8,7 @@ importance-sampling correction reads (algo/sampling_correction). The prompts of 
 once, so the server batches them.
 
 Tools, environments and inline tools: each completion is sampled in segments that stop where a tool may run,
-through the decode loop's own ToolLoop (rollout/server_tools.py); tool tokens stay out of the loss.
+through the decode loop's own ToolLoop (engines/server_tools.py); tool tokens stay out of the loss.
 
 LoRA: when a generation batch is sampled at an optimizer step the server has not seen, the adapter is written
 into `adapters_dir` (the server must read that folder: same machine or shared storage), loaded under a new name
@@ -35,15 +35,14 @@ from pathlib import Path
 
 import torch
 
-from ..errors import UserError
-from ..policy.lora import save_options
-from ..policy.models import context_length
-from .batches import Rollout
+from ...errors import UserError
+from ...policy.lora import save_options
+from ...policy.models import context_length
+from ..batches import Rollout
+from ..streams import PromptStreams
 from .chat import is_chat
 from .sampling import PromptEncoder, decoded_rows, eos_token_ids, rollout_of
 from .server_tools import NAN, ServerToolRow, sample_rows, tool_decode
-from .streams import PromptStreams
-from .tool_loop import ToolLoop
 
 PROBE = "Hello, world! 12 + 30 = 42.\nThe answer: <answer> 42 </answer>"
 MISMATCH_NATS = 0.5  # a first batch whose log-probs differ more per token: the server samples another model
@@ -95,17 +94,15 @@ class VLLMServer:
             time.sleep(1.0)
 
 
-class ServerSampler:
-    """The trainer's sampler on a vLLM server (module docstring). `model`: the policy (a peft model: its adapter
-    is what the server loads); `settings`: settings/plan.SamplingSettings; `server`: settings/plan.ServerSettings;
-    `adapters_dir`: where adapters are written for the server to read."""
+class ServerEngine:
+    """The engine on a vLLM server (module docstring). `model`: the policy (a peft model: its adapter is what the
+    server loads); `encode`: the run's prompt encoder (engines/sampling.prompt_encoder); `settings`:
+    settings/plan.SamplingSettings; `server`: settings/plan.ServerSettings; `adapters_dir`: where adapters are
+    written for the server to read."""
 
-    def __init__(self, model, tokenizer, settings, server, adapters_dir: Path, tools=None):
-        self.model, self.tokenizer, self.settings = model, tokenizer, settings
-        kwargs = None if settings.chat_template_kwargs is None else dict(settings.chat_template_kwargs)
+    def __init__(self, model, tokenizer, encode: PromptEncoder, settings, server, adapters_dir: Path):
+        self.model, self.tokenizer, self.encode, self.settings = model, tokenizer, encode, settings
         self.eos_ids = eos_token_ids(tokenizer, model)
-        self.encode = PromptEncoder(tokenizer, settings.max_prompt_length, kwargs, tools, self.eos_ids)
-        self.tools = tools
         self.server = VLLMServer(server)
         self.adapters_dir = Path(adapters_dir).resolve()
         self.run_id = uuid.uuid4().hex[:8]  # adapter names unique to this run, even resumed on the same server
@@ -181,7 +178,7 @@ class ServerSampler:
         prompt_ids, prompt_mask = self.encode(prompts, context_length(self.model), s.max_completion_length,  # [B, P]
                                               None if envs is None else envs[::G])  # each prompt's tools its env's
         rows = [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids, prompt_mask)]
-        if self.tools is not None:  # rows that call tools: sampled in segments (rollout/server_tools)
+        if self.encode.tools is not None:  # rows that call tools: sampled in segments (rollout/engines/server_tools)
             return self.tool_rollout(prompts, prompt_ids, prompt_mask, rows, streams, adapter, envs, on_token), {}
         seeds = streams.seeds(len(prompts), 1).tolist()  # [B]: one per prompt, its G completions from it
 
@@ -201,12 +198,11 @@ class ServerSampler:
 
     def tool_rollout(self, prompts: list, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, rows: list,
                      streams: PromptStreams, adapter: str, envs: list | None, on_token) -> Rollout:
-        """With tools: each completion sampled in segments through the run's ToolLoop (rollout/server_tools), its
+        """With tools: each completion sampled in segments through the run's ToolLoop (engines/server_tools), its
         tools' tokens out of the loss mask, as the Rollout of our own decode is built (sampling.rollout_of)."""
         s, G = self.settings, self.settings.num_generations
-        loop = ToolLoop(self.tools, self.tokenizer, [p for p in prompts for _ in range(G)],
-                        s.max_tool_calling_iterations, envs, self.eos_ids, self.encode.chat_template_kwargs)
-        stops = [t.trigger for t in self.tools.inline]
+        loop = self.encode.tool_loop(prompts, G, s.max_tool_calling_iterations, envs, self.eos_ids)
+        stops = [t.trigger for t in self.encode.tools.inline]
         seeds = streams.seeds(len(prompts), G).tolist()  # [N]: one per completion, its segments from it
         tool_rows = [ServerToolRow(loop, i, rows[i // G], seeds[i], s.max_completion_length, self.eos_ids, stops)
                      for i in range(len(rows) * G)]
@@ -222,20 +218,19 @@ class ServerSampler:
 
         sample_rows(tool_rows, sample)
         decoded = tool_decode(tool_rows, self.tokenizer.pad_token_id)  # with the sampled log-probs
-        rollout = rollout_of(prompt_ids.repeat_interleave(G, dim=0), prompt_mask.repeat_interleave(G, dim=0),
-                             decoded, self.tokenizer, self.eos_ids, chat=is_chat(prompts[0]), loop=loop)
+        rollout = rollout_of(prompt_ids, prompt_mask, decoded, self.tokenizer, self.eos_ids, chat=is_chat(prompts[0]),
+                             loop=loop, repeats=G)
         return rollout.to(next(self.model.parameters()).device)
 
     def rollout(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sampled: list, *, chat: bool) -> Rollout:
         """The Rollout of the server's completions [(token ids, log-probs)] after their prompts [B, P], on the
         policy's device, the sampled log-probs kept beside the ids (NaN where none came back)."""
-        G = self.settings.num_generations
         decoded = decoded_rows([ids for ids, _ in sampled], self.tokenizer.pad_token_id, self.eos_ids)
         logprobs = torch.full(decoded.completion_ids.shape, NAN)  # [N, C]
         for i, (_, lps) in enumerate(sampled):
             logprobs[i, :len(lps)] = torch.tensor(lps, dtype=torch.float32)
-        rollout = rollout_of(prompt_ids.repeat_interleave(G, dim=0), prompt_mask.repeat_interleave(G, dim=0),
-                             decoded._replace(logprobs=logprobs), self.tokenizer, self.eos_ids, chat=chat)
+        rollout = rollout_of(prompt_ids, prompt_mask, decoded._replace(logprobs=logprobs), self.tokenizer,
+                             self.eos_ids, chat=chat, repeats=self.settings.num_generations)
         return rollout.to(next(self.model.parameters()).device)
 
     def corrected(self, generation, settings) -> dict[str, float]:
