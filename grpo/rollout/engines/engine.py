@@ -41,9 +41,7 @@ def corrected(engine: Engine, generation, settings) -> dict[str, float]:
 
 def close(engine: Engine) -> None:
     """The run has ended, however: what the engine keeps for it let go, where it keeps something."""
-    own = getattr(engine, "close", None)
-    if own is not None:
-        own()
+    getattr(engine, "close", lambda: None)()
 
 
 def make_engine(sampler, rollout_func, trainer, plan, policy, tokenizer, tools,

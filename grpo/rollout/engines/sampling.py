@@ -174,17 +174,21 @@ def rollout_of(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, decoded: Dec
     return rollout
 
 
-def decoded_rows(rows: list[list[int]], pad_id: int, eos_ids: list[int]) -> Decoded:
+def decoded_rows(rows: list[list[int]], pad_id: int, eos_ids: list[int] | None, fed: list[list[int]] | None = None,
+                 logprobs: list[list[float]] | None = None) -> Decoded:
     """Completions made elsewhere (a server, a rollout_func), as lists of token ids, as our decode returns them: a
-    completion runs up to and including its first EOS, as a decode ends a row there (the ids after it are not
-    the completion's); none of its tokens fed."""
-    width = max(1, max(len(r) for r in rows))
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)  # [N, C]
-    eos = set(eos_ids)
-    lengths = [next((i + 1 for i, t in enumerate(r) if t in eos), len(r)) for r in rows]
-    for i, r in enumerate(rows):
-        ids[i, :len(r)] = torch.tensor(r, dtype=torch.long)
-    return Decoded(ids, torch.zeros_like(ids), torch.tensor(lengths, dtype=torch.long))
+    completion runs up to and including its first EOS of `eos_ids`, as a decode ends a row there (the ids after it
+    are not the completion's), or whole (`eos_ids` None: the tool loop ended it, as in a server's segments); `fed`:
+    1 on each token a tool wrote (None: none); `logprobs`: each token's sampled log-prob, kept (NaN past them)."""
+    width, eos = max(1, max(len(r) for r in rows)), set(eos_ids or ())
+
+    def padded(lists: list[list], value, dtype: torch.dtype) -> torch.Tensor:  # [N, C]
+        return torch.tensor([list(r) + [value] * (width - len(r)) for r in lists], dtype=dtype)
+
+    ids = padded(rows, pad_id, torch.long)  # [N, C]
+    lengths = torch.tensor([next((i + 1 for i, t in enumerate(r) if t in eos), len(r)) for r in rows])  # [N]
+    return Decoded(ids, torch.zeros_like(ids) if fed is None else padded(fed, 0, torch.long), lengths,
+                   None if logprobs is None else padded(logprobs, torch.nan, torch.float32))
 
 
 class Decoder:

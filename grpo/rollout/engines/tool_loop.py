@@ -104,7 +104,7 @@ class ToolLoop:
     def row_ends(self, rows: list[int], tokens: list[int], room: list[int],
                  eos: list[bool]) -> tuple[list[bool], dict[int, list[int]]]:
         """The end of a row, as our decode (engines/decoding.ForcedTokens) and a server's segments
-        (engines/server_tools.ServerToolRow) both take it: after the token each of `rows` sampled (`eos[k]`: one
+        (engines/server.ServerToolRow) both take it: after the token each of `rows` sampled (`eos[k]`: one
         that ends a turn), whether the row ends (its tools end it, or it sampled an EOS after which no tool ran), and
         the tokens to feed each row whose tools ran (`after_tokens`), which goes on past its EOS."""
         reaction = self.after_tokens(rows, tokens, room)
