@@ -7,7 +7,7 @@ import pytest
 import torch
 from tiny_setup import decode_settings, tiny_model, tiny_tokenizer
 
-from grpo.rollout.engines.compaction import DecodingRows
+from grpo.rollout.engines.kv_cache import DecodingRows
 from grpo.rollout.engines.decoding import (decode, filter_logits, penalize_repetitions, sample_from_logits,
                                    seen_tokens)
 from grpo.rollout.engines.sampling import decoded_rows, left_pad

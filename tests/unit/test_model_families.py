@@ -11,7 +11,7 @@ from grpo.algo.logprobs import token_logprobs
 from grpo.errors import ConfigError
 from grpo.policy.head import HeadTransform, head_transform
 from grpo.policy.models import check_logprobs_match_forward, completion_logprobs
-from grpo.rollout.engines.compaction import DecodingRows
+from grpo.rollout.engines.kv_cache import DecodingRows
 from grpo.policy.head import head_logits, positions
 from grpo.rollout.engines.decoding import decode
 

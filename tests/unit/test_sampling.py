@@ -10,7 +10,7 @@ from tiny_setup import tiny_model, tiny_tokenizer
 from grpo import Config
 from grpo.policy.models import prepare_for_training
 from grpo.settings.plan import SamplingSettings
-from grpo.rollout.engines.compaction import DecodingRows
+from grpo.rollout.engines.kv_cache import DecodingRows
 from grpo.rollout.engines.decoding import Decoded
 from grpo.rollout.engines.sampling import (
     PromptEncoder,

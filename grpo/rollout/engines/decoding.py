@@ -23,8 +23,7 @@ from ...policy.caches import cache_argument, keeps_recurrent_state
 from ...policy.decoder import fused_decoder
 from ...policy.head import head_logits, positions
 from ...settings.plan import SamplingKnobs
-from .compaction import DecodingRows, select_rows
-from .kv_cache import in_place, preallocated_cache
+from .kv_cache import DecodingRows, in_place, preallocated_cache, select_rows
 
 
 def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
@@ -265,7 +264,7 @@ def decode(hf_model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, settin
     prompts are read by `prefill`. `seeds` [N] (int64): where each row's random stream starts
     (rollout/streams.PromptStreams.seeds); None draws them from torch's generator. `on_token(n)`, if given, is
     called after every decoding step with the number of tokens it generated (rows not yet finished), for
-    progress bars. Finished rows leave the batch and the cache as they accumulate (rollout/engines/compaction): the n
+    progress bars. Finished rows leave the batch and the cache as they accumulate (engines/kv_cache.DecodingRows): the n
     rows left decode on. The KV cache and the attention mask are allocated once for P + max_new_tokens
     positions and written in place (rollout/engines/kv_cache); a Llama-shaped model's steps run fused (policy/decoder).
     `head_matmul`: the LM head's product on a packed copy of its weight (policy/folding). `tools` (tool_loop's

@@ -65,8 +65,9 @@ class PromptEncoder:
                   eos_ids: list[int]) -> ToolLoop | None:
         """The tool loop of one decode (engines/tool_loop.ToolLoop; None without tools) of `prompts`, each `repeats`
         times in a row, as they were rendered: our decode's and a server's segments' alike."""
-        return None if self.tools is None else ToolLoop(self.tools, self.tokenizer, [p for p in prompts for _ in range(
-            repeats)], max_iterations, envs, eos_ids, self.chat_template_kwargs)
+        repeated = [p for p in prompts for _ in range(repeats)]
+        return None if self.tools is None else ToolLoop(self.tools, self.tokenizer, repeated, max_iterations, envs,
+                                                         eos_ids, self.chat_template_kwargs)
 
 
 def prompt_encoder(model, tokenizer, settings, tools=None) -> PromptEncoder:
