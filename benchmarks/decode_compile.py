@@ -27,8 +27,8 @@ def main() -> None:
     from grpo.policy.folding import sampling_weights
     from grpo.policy.head import positions
     from grpo.policy.models import unwrap
-    from grpo.rollout.kv_cache import preallocated_cache
-    from grpo.rollout.sampling import PromptEncoder
+    from grpo.rollout.engines.kv_cache import preallocated_cache
+    from grpo.rollout.engines.sampling import PromptEncoder
 
     load_args = argparse.Namespace(model="smollm2-135m-instruct", lora_r=16, max_new=args.steps, generations=8)
     model, tokenizer = decode_floor.load(load_args)

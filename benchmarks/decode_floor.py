@@ -88,7 +88,7 @@ def prompts(n: int) -> list:
 
 def sampler(args, model, tokenizer):
     """One decode of `prompts` x `generations` rows, as the trainer samples them (no EOS: equal work)."""
-    import grpo.rollout.sampling as sampling
+    import grpo.rollout.engines.sampling as sampling
 
     import inspect
 

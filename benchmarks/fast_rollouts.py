@@ -7,7 +7,7 @@ SmolLM2-135M-Instruct with LoRA r16 on every linear, chat prompts of ~200 tokens
     python benchmarks/fast_rollouts.py --baseline /tmp/base604 --new /tmp/new --core 0
 
 - sampling: 2 prompts x 8 completions (16 rows) of exactly `--max-new` tokens (no EOS: equal work), the trainer's
-  way (this tree: its Sampler over the memory plan's decodes; a tree without one: a decode per micro-batch of
+  way (this tree: its Decoder over the memory plan's decodes; a tree without one: a decode per micro-batch of
   1 prompt x 8, as its trainer sampled), temperature 0.7;
 - evaluation: greedy, `--eval-prompts` held-out prompts of up to 128 tokens each, each tree's `evaluate` with the
   batch size its trainer uses (the recipe's 50 where a tree has no memory-planned one).
@@ -88,9 +88,12 @@ def worker(kind: str, max_new: int, eval_prompts: int) -> dict:
 
 
 def sampling_run(config, model, tokenizer, prompts):
-    import grpo.rollout.sampling as sampling
+    try:
+        import grpo.rollout.engines.sampling as sampling
+    except ImportError:  # earlier trees: rollout/sampling.py
+        import grpo.rollout.sampling as sampling
 
-    if hasattr(sampling, "Sampler"):  # this tree: the trainer's sampler, decodes as the memory plan says
+    if hasattr(sampling, "Decoder") or hasattr(sampling, "Sampler"):  # the trainer's engine: the memory plan's decodes
         from types import SimpleNamespace
 
         from grpo.memory.fit import decode_sizes
@@ -106,8 +109,11 @@ def sampling_run(config, model, tokenizer, prompts):
         policy = SimpleNamespace(parallel=SimpleNamespace(unsharded=lambda fn: fn(model)))
         from grpo.settings.plan import SamplingSettings
 
-        sampler = sampling.Sampler(policy, tokenizer, SamplingSettings.of(config), decode)
-        return lambda: sampler(prompts) and None
+        settings = SamplingSettings.of(config)
+        engine = (sampling.Decoder(policy, tokenizer, sampling.prompt_encoder(model, tokenizer, settings), settings,
+                                   decode) if hasattr(sampling, "Decoder") else
+                  sampling.Sampler(policy, tokenizer, settings, decode))
+        return lambda: engine(prompts) and None
     encode = sampling.PromptEncoder(tokenizer, config.max_prompt_length)  # one decode per micro-batch (1 prompt)
     knobs = dict(num_generations=8, max_completion_length=config.max_completion_length, temperature=0.7, top_p=1.0,
                  top_k=0, stop_at_eos=False)
@@ -153,7 +159,7 @@ def eval_run(config, model, tokenizer, held_out, n: int):
 def hf_run(kind, config, model, tokenizer, train, held_out, n, max_new):
     import torch
 
-    from grpo.rollout.sampling import PromptEncoder
+    from grpo.rollout.engines.sampling import PromptEncoder
     from grpo.tasks import word_problems
 
     encode = PromptEncoder(tokenizer, config.max_prompt_length)

@@ -150,10 +150,10 @@ def memory(size: str, *columns: str, tiny: bool = False, root: str = "") -> dict
     at the last optimizer step's end, as benchmarks/gpu_memory.py measures it."""
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
-    import grpo.rollout.sampling
+    import grpo.rollout.engines.sampling
     from grpo.memory.fit import needed_gb, predicted_gb
 
-    grpo.rollout.sampling.sample_completions = full_length_sample
+    grpo.rollout.engines.sampling.sample_completions = full_length_sample
     name, rows = TABLE_MODELS[size], []
     arch = architecture(name, tiny)
     for column in columns:
@@ -219,7 +219,7 @@ def step(tiny: bool = False, root: str = "") -> dict:
 
     policy = trainer.policy
     source = trainer.pipeline.source
-    source.sampler = timed("generate", source.sampler, after=lambda: generation_peak.append(peak_gb()))
+    source.engine = timed("generate", source.engine, after=lambda: generation_peak.append(peak_gb()))
     policy.reference_logprobs = timed("reference log-probs", policy.reference_logprobs)
     policy.logprobs = timed("log-probs", policy.logprobs)
     policy.parallel.backward = timed("backward", policy.parallel.backward)

@@ -23,7 +23,7 @@ from transformers.utils import logging  # noqa: E402
 from grpo.algo.logprobs import token_logprobs  # noqa: E402
 from grpo.policy.head import head_transform  # noqa: E402
 from grpo.policy.models import completion_logprobs  # noqa: E402
-from grpo.rollout.decoding import head_logits, positions  # noqa: E402
+from grpo.rollout.engines.decoding import head_logits, positions  # noqa: E402
 
 
 def main() -> None:

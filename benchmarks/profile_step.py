@@ -81,10 +81,10 @@ def instrument(rec: Recorder) -> None:
     import grpo.trainer as trainer
     from grpo.policy.parallel import ParallelPolicy
     from grpo.policy.forwards import Policy
-    from grpo.rollout.sampling import Sampler
+    from grpo.rollout.engines.sampling import Decoder
 
-    sample, logprobs, reference = Sampler.__call__, Policy.logprobs, Policy.reference_logprobs
-    Sampler.__call__ = rec.wrap("sampling", sample)
+    sample, logprobs, reference = Decoder.__call__, Policy.logprobs, Policy.reference_logprobs
+    Decoder.__call__ = rec.wrap("sampling", sample)
     Policy.reference_logprobs = rec.wrap("ref_logprobs", reference)
 
     def logprobs_by_caller(self, rollout, with_entropy=False):  # generate(): old log-probs; accumulate(): forward

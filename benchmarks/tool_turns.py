@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from grpo.rollout.decoding import DecodeSettings, decode
-from grpo.rollout.tool_loop import ToolLoop
+from grpo.rollout.engines.decoding import DecodeSettings, decode
+from grpo.rollout.engines.tool_loop import ToolLoop
 from grpo.rollout.tools import Tools
 from grpo.tasks.calculator import INLINE_CALCULATOR
 from grpo.tasks.tiny import wide_tokenizer
@@ -33,15 +33,16 @@ ROOT = Path(__file__).resolve().parents[1]
 
 class ScriptedRounds:
     """A ToolLoop (it reads every sampled token, as in training) whose rows are also fed `fed` tokens after every
-    `every` tokens they sample."""
+    `every` tokens they sample: `loop` (what the decode is handed) answers through `after_tokens` here."""
 
     def __init__(self, loop: ToolLoop, every: int, fed: int, token: int):
         self.loop, self.every, self.fed, self.token = loop, every, fed, token
+        self.own, loop.after_tokens = loop.after_tokens, self.after_tokens  # what the loop's row_ends asks
         self.sampled: dict[int, int] = {}
         self.rounds = 0
 
     def after_tokens(self, rows, tokens, room):
-        reaction = self.loop.after_tokens(rows, tokens, room)
+        reaction = self.own(rows, tokens, room)
         for r, space in zip(rows, room):
             self.sampled[r] = self.sampled.get(r, 0) + 1
             if self.sampled[r] % self.every == 0 and space > self.fed and r not in reaction:
@@ -90,8 +91,8 @@ def main() -> None:
                                                          seeds=seeds)))
         scripted = ScriptedRounds(ToolLoop(tools, tokenizer, ["x"] * args.rows), args.every, args.fed, fed_token)
         out = {}
-        times["multi-turn"].append(timed(lambda: out.update(d=decode(model, prompts, mask, settings,
-                                                                     repeats=repeats, seeds=seeds, tools=scripted))))
+        times["multi-turn"].append(timed(lambda: out.update(d=decode(
+            model, prompts, mask, settings, repeats=repeats, seeds=seeds, tools=scripted.loop))))
         rounds = scripted.rounds
         fed = int(out["d"].fed.sum())
     best = {k: min(v) for k, v in times.items()}  # (cpu, wall) of the fastest repeat

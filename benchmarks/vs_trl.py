@@ -92,10 +92,11 @@ def instrument(cuda: bool) -> dict:
     transformers.GenerationMixin.generate = timed(
         transformers.GenerationMixin.generate,
         lambda out, args, kwargs: (out.shape[1] - kwargs["input_ids"].shape[1]) * out.shape[0])
-    import grpo.rollout.sampling
+    import grpo.rollout.engines.sampling
 
-    # The name the sampler calls (sampling.py imports decode from decoding.py).
-    grpo.rollout.sampling.decode = timed(grpo.rollout.sampling.decode, lambda out, args, kwargs: out.numel())
+    # The name our decoder calls (sampling.py imports decode from decoding.py).
+    sampling = grpo.rollout.engines.sampling
+    sampling.decode = timed(sampling.decode, lambda out, args, kwargs: out.numel())
     return marks
 
 

@@ -32,7 +32,7 @@ def prepare(out: Path) -> tuple[str, Path, list[list[int]]]:
     import torch
 
     from grpo.policy.gguf import resolve_model_path
-    from grpo.rollout.sampling import PromptEncoder
+    from grpo.rollout.engines.sampling import PromptEncoder
 
     args = argparse.Namespace(model="smollm2-135m-instruct", lora_r=16, max_new=128, generations=8)
     model, tokenizer = decode_floor.load(args)

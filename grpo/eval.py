@@ -237,6 +237,7 @@ def read_dataset(text: str):
 def evaluate_job(job: Job, model, tokenizer) -> int:
     from .memory.fit import eval_batch_size
     from .policy.models import device_of, load_model, load_tokenizer
+    from .rollout.engines.sampling import prompt_encoder
     from .rollout.evaluate import evaluate, summary_lines
     from .rollout.reward_models import place_reward_models
     from .settings.components import EvalSettings
@@ -248,7 +249,7 @@ def evaluate_job(job: Job, model, tokenizer) -> int:
     settings = EvalSettings.of(job.config)
     settings = dataclasses.replace(settings, limit=job.limit) if job.limit is not None else settings
     metrics, samples = evaluate(model, tokenizer, job.dataset, job.reward_funcs, settings, batch_size=batch_size,
-                                tools=job.tools)
+                                encode=prompt_encoder(model, tokenizer, settings, job.tools))
     first, *groups = summary_lines(metrics)
     print("\n".join([f"greedy pass@1 on {int(metrics['eval/num_examples'])} prompts: {first}", *groups]))
     job.output.parent.mkdir(parents=True, exist_ok=True)

@@ -64,9 +64,8 @@ def completion(model, tokenizer, text: str, settings, tools=None, before=()) -> 
     """The greedy completion of the user message `text` after the messages `before` (`settings`:
     settings/components.EvalSettings), the tokens the tools wrote marked `[tool: ...]`, and whether it stopped at
     max_completion_length."""
-    from .rollout.evaluate import prompt_encoder
-    from .rollout.sampling import sample_completions
-    from .rollout.tool_loop import mask_runs
+    from .rollout.engines.sampling import prompt_encoder, sample_completions
+    from .rollout.engines.tool_loop import mask_runs
     from .rollout.environments import make_envs
 
     prompts, envs = [[*before, {"role": "user", "content": text}] if tokenizer.chat_template else text], None

@@ -14,8 +14,9 @@ from .policy.forwards import Policy
 from .policy.gradients import EntropyControl, accumulate, eval_loss
 from .policy.models import default_tokenizer, load_model, prepare_for_training
 from .policy.optim import Updates
+from .rollout.engines.engine import make_engine
 from .rollout.evaluate import evaluate
-from .rollout.pipeline import Pipeline, engine
+from .rollout.pipeline import Pipeline
 from .rollout.prompts import check_chat_template, eval_sets
 from .rollout.reward_models import place_reward_models
 from .rollout.tools import Tools
@@ -34,13 +35,11 @@ from .trl_call import trl_attributes, trl_call
 
 class Trainer:
     """GRPO on `model` (or `config.model`), rewarded by `reward_funcs`, over `train_dataset`; TRL's
-    call works too (trl_call.py). `sampler` replaces our decoder (rollout/sampling.Sampler)."""
+    call works too (trl_call.py). `sampler` replaces our decoder (its contract: rollout/engines/engine.Engine)."""
 
-    def __init__(self, config: Config | None = None, model=None, tokenizer=None, reward_funcs=(),
-                 train_dataset=None, eval_dataset=None, rollout_func=None,
-                 reward_processing_classes=None, *, args: Config | None = None,
-                 processing_class=None, callbacks=None, sampler=None, tools=None,
-                 environment_factory=None, **trl_only):
+    def __init__(self, config: Config | None = None, model=None, tokenizer=None, reward_funcs=(), train_dataset=None,
+                 eval_dataset=None, rollout_func=None, reward_processing_classes=None, *, args: Config | None = None,
+                 processing_class=None, callbacks=None, sampler=None, tools=None, environment_factory=None, **trl_only):
         engines = (sampler, rollout_func, tools or environment_factory)  # one at most
         config, model, tokenizer = trl_call(config, args, model, tokenizer, processing_class, trl_only, engines)
         self.config, self.eval_dataset = config, eval_dataset
@@ -73,9 +72,10 @@ class Trainer:
         """The generation pipeline: the engine, the prompts, the rewards next to the policy."""
         self.state = TrainerState.of(self.total_steps, self.dist)  # its global_step is `step`
         self.no_signal = NoSignalWatch(patience=3)  # steps in a row where all rewards were equal
-        self.sampler = engine(sampler, rollout_func, self)  # ours, a server's, a rollout_func...
+        self.engine, self.encode = make_engine(sampler, rollout_func, self, self.plan, self.policy, self.tokenizer,
+                                               self.tools, self.config.output_dir)  # the encoder: eval's too
         place_reward_models(self.reward_funcs, self.policy.device)  # next to the policy
-        self.pipeline = Pipeline.build(self.sampler, self.prompts, self.reward_funcs, self.policy, self.dist,
+        self.pipeline = Pipeline.build(self.engine, self.prompts, self.reward_funcs, self.policy, self.dist,
                                        self.plan.generation, self.plan.loss, self.tokenizer.pad_token_id,
                                        self.threshold_set, self.tools)
 
@@ -182,7 +182,7 @@ class Trainer:
                 metrics, _ = evaluate(self.model, self.tokenizer, dataset, self.reward_funcs, self.plan.evaluation,
                                       batch_size=self.plan.decode.evaluation, progress=self.dist.is_main,
                                       trainer_state=self.state, unsharded=self.policy.parallel.unsharded,
-                                      tools=self.tools, loss_of=partial(eval_loss, self.policy, self.entropy.loss()),
+                                      encode=self.encode, loss_of=partial(eval_loss, self.policy, self.entropy.loss()),
                                       key_prefix=metric_key_prefix + suffix)
             lines.update(self.report.evaluation(metrics, metric_key_prefix + suffix))
         return lines

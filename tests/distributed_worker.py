@@ -19,12 +19,12 @@ import torch
 from datasets import Dataset
 from tiny_setup import digit_prompts, digit_share, odd_digit_share, tiny_model, tiny_tokenizer
 
-import grpo.rollout.sampling
+import grpo.rollout.engines.sampling
 from grpo import Config, Trainer
 from grpo.settings.cli import apply_overrides
 from grpo.infra.distributed import setup
 from grpo.rollout.batches import Rollout
-from grpo.rollout.sampling import PromptEncoder, decoded_rows, eos_token_ids, rollout_of
+from grpo.rollout.engines.sampling import PromptEncoder, decoded_rows, eos_token_ids, rollout_of
 from grpo.tasks.tiny import model_for
 
 # The 2-rank runs use per_device_train_batch_size=4: one prompt's 4 completions per rank per micro-batch. The
@@ -83,7 +83,7 @@ class Crash(BaseException):
 
 
 def fixed_sample(model, tokenizer, encode, prompts, *, num_generations, max_completion_length, **_):
-    """Stands in for grpo.rollout.sampling.sample_completions: random tokens and lengths seeded by each prompt's
+    """Stands in for grpo.rollout.engines.sampling.sample_completions: random tokens and lengths seeded by each prompt's
     text."""
     prompt_ids, prompt_mask = encode(prompts)  # [B, P]
     eos = eos_token_ids(tokenizer, model)[0]
@@ -101,7 +101,7 @@ def fixed_sample(model, tokenizer, encode, prompts, *, num_generations, max_comp
 
 
 class FixedSampler:
-    """A Trainer's `sampler=` of fixed_sample's completions: one rollout of the generation batch, as our Sampler
+    """A Trainer's `sampler=` of fixed_sample's completions: one rollout of the generation batch, as our Decoder
     returns."""
 
     def __init__(self, model, tokenizer, config: Config):
@@ -211,9 +211,9 @@ def resume_elsewhere(out_dir: str, name: str) -> None:
 def main(out_dir: str, names: list[str]) -> None:
     from grpo.infra.distributed import shutdown
 
-    real_sample = grpo.rollout.sampling.sample_completions
+    real_sample = grpo.rollout.engines.sampling.sample_completions
     for name in names:
-        grpo.rollout.sampling.sample_completions = fixed_sample if name.startswith("fixed") else real_sample
+        grpo.rollout.engines.sampling.sample_completions = fixed_sample if name.startswith("fixed") else real_sample
         run = crash_and_resume if name.startswith("resumed") else resume_elsewhere if name in ELASTIC_RESUMES else train
         run(out_dir, name)
     shutdown()

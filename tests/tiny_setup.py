@@ -6,7 +6,7 @@ from datasets import Dataset
 from transformers import TrainerCallback
 
 from grpo.rollout.batches import tool_metrics
-from grpo.rollout.decoding import DecodeSettings
+from grpo.rollout.engines.decoding import DecodeSettings
 from grpo.settings.components import SamplingKnobs
 from grpo.tasks.tiny import model_for, train_tokenizer
 
@@ -39,12 +39,12 @@ def tiny_4bit_model(tokenizer, seed: int = 0):
 
 def decode_settings(max_new_tokens: int, eos_ids, pad_id: int, *, stop_at_eos: bool = True, greedy: bool = False,
                     **knobs) -> DecodeSettings:
-    """rollout/decoding.DecodeSettings with the sampling knobs (settings/components.SamplingKnobs) as keywords."""
+    """rollout/engines/decoding.DecodeSettings with the sampling knobs (settings/components.SamplingKnobs) as keywords."""
     return DecodeSettings(max_new_tokens, eos_ids, pad_id, SamplingKnobs(**knobs), stop_at_eos, greedy)
 
 
 def loop_metrics(loop) -> dict[str, float]:
-    """TRL's tool metrics of a rollout/tool_loop.ToolLoop's rows, as a generation batch computes them."""
+    """TRL's tool metrics of a rollout/engines/tool_loop.ToolLoop's rows, as a generation batch computes them."""
     return tool_metrics(*(torch.tensor(counts, dtype=torch.float32) for counts in loop.row_counts()))
 
 

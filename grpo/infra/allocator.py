@@ -12,7 +12,7 @@ decoding logits. `MALLOC_MMAP_THRESHOLD_` in the environment chooses another thr
 at a large vocabulary, more memory). The figures: docs/benchmarks.md, "glibc's mmap threshold".
 
 While decoding (`decoding_allocations`), the threshold is 32 MB, then back to 1 MB with the freed heap trimmed:
-a decode with its KV cache allocated once (rollout/kv_cache) frees and reallocates the same few blocks each step
+a decode with its KV cache allocated once (rollout/engines/kv_cache) frees and reallocates the same few blocks each step
 (logits, their softmax and cumulative sum, the linears' outputs), which at 1 MB are fresh mappings to fault in:
 a decode then takes less CPU time at about the same peak. Training keeps the 1 MB threshold.
 """

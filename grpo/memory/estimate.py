@@ -6,7 +6,7 @@ the recomputation of a layer (gradient checkpointing), the end of the backward, 
 Optimizer states exist from the first step on, gradients only between the first backward and the optimizer
 step (they are freed, not zeroed). The sampling decode takes the whole generation batch when it fits within the
 peak of the other moments, else as many micro-batches' worth of whole prompts as fit (at least one micro-batch's,
-at least one prompt): `Estimate.decode_prompts`, which the Sampler follows, so one decode never raises the peak
+at least one prompt): `Estimate.decode_prompts`, which our Decoder follows, so one decode never raises the peak
 above what decoding a micro-batch at a time gave. Greedy evaluation decodes as many prompts at once as fit beside
 what training keeps within the peak (`Estimate.eval_prompts`). With `async_generation` the sampler process decodes
 during every training moment (its KV cache, buffers and weight copies added to them), beside the trainable

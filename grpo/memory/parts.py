@@ -280,7 +280,7 @@ def prompts_to_evaluate(a: Architecture, m: MemorySettings, d: Dtypes, room: flo
 
 def generation_bytes(a: Architecture, m: MemorySettings, d: Dtypes, rows: int, prompts: int) -> tuple[float, float]:
     """The KV cache and the buffers of a decode of `rows` completions of `prompts` prompts (each prefilled
-    once): the cache, allocated for every position at once (rollout/kv_cache), in the weights' dtype (no
+    once): the cache, allocated for every position at once (rollout/engines/kv_cache), in the weights' dtype (no
     autocast; 4-bit layers compute in the same dtype as the rest),
     one step's logits, their row-major copy, softmax and float64 cumulative sum, and a layer's prefill
     intermediates."""

@@ -1,4 +1,4 @@
-"""What a model family's cache allows, asked by the decode loop (rollout/decoding) and the shared-prompt forward
+"""What a model family's cache allows, asked by the decode loop (rollout/engines/decoding) and the shared-prompt forward
 (policy/prefix): the name its forward takes the cache by, and whether it keeps a state that rows can neither
 leave nor share."""
 from __future__ import annotations

@@ -6,7 +6,7 @@ per step, linear modules called through peft's wrappers, rotary embeddings appli
 values repeated for grouped attention, the attention interface dispatched per layer. Here each layer runs two
 RMSNorms, one `mm` per linear on the weight the module holds (no copy: policy/folding stores the folded weights
 transposed, the layout a product with few rows reads fastest), the rotary product, and attention of each
-key/value head's group of queries over the preallocated cache (rollout/kv_cache) as one
+key/value head's group of queries over the preallocated cache (rollout/engines/kv_cache) as one
 `scaled_dot_product_attention` call, reading the keys once per group. The weights are read as the modules hold
 them when the decode starts, so a decode within policy/folding's `sampling_weights` runs on the folded ones; with
 `int8` (Config.int8_sampling_weights) on int8 copies of them made then (policy/int8), q/k/v and gate/up each

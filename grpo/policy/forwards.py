@@ -1,6 +1,6 @@
 """The policy as a GRPO step uses it: named forwards (`logprobs`, `reference_logprobs`) that own the routing
 through the DDP / FSDP wrapper, the run's autocast (policy/precision.py) and the switch to the reference
-policy. Sampling with it is rollout/sampling.py's."""
+policy. Sampling with it is rollout/engines/sampling.py's."""
 from __future__ import annotations
 
 import sys

@@ -1,5 +1,5 @@
 """What a model's forward does to the LM head's output before returning its logits, read from its config, so
-that the chunked log-probs (algo/logprobs) and sampling (rollout/decoding) use the model's own distribution.
+that the chunked log-probs (algo/logprobs) and sampling (rollout/engines/decoding) use the model's own distribution.
 
 Most families return `hidden @ W.T (+ b)`. Some transform it; in transformers 5.24 (each family's
 `ForCausalLM.forward`, right after `self.lm_head`):

@@ -1,4 +1,4 @@
-"""The experience, the one type a step carries from the sampler to the loss (`Rollout`: ids, masks, rewards,
+"""The experience, the one type a step carries from the engine to the loss (`Rollout`: ids, masks, rewards,
 advantages, fixed log-probs, row by row), and the one place it is cut into micro-batches
 (`Rollout.micro_batches`); the generation batch that `num_iterations` steps reuse (`Generation`), with its
 checkpoint form by field name; its metrics."""
@@ -24,7 +24,7 @@ IDS = ("prompt_ids", "completion_ids")  # padded with the pad token, the rest wi
 @dataclass
 class Rollout:
     """Rows of sampled completions and what GRPO attaches to them: this rank's generation batch, or a
-    micro-batch of it. Row i belongs to prompt i // num_generations. A sampler fills the ids, masks, texts and
+    micro-batch of it. Row i belongs to prompt i // num_generations. An engine fills the ids, masks, texts and
     truncation flags; the scores (rollout/source), advantages and the log-probs fixed for the generation batch
     come later, each a per-row field of the same rows."""
 

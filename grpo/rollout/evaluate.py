@@ -21,11 +21,11 @@ import torch
 from ..errors import ConfigError
 from ..infra.progress import TokenProgress
 from ..settings.components import EvalSettings
+from .engines.sampling import PromptEncoder, prompt_encoder, sample_completions
+from .environments import make_envs
 from .prompts import PromptTooLong, check_dataset, eval_sets, first_rows, is_stream
 from .rewards import (RewardContext, compute_rewards, required_columns, reward_func_names, reward_metrics,
                       warn_unscored)
-from .sampling import PromptEncoder, eos_token_ids, sample_completions
-from .environments import make_envs
 
 MAX_BREAKDOWN_VALUES = 50  # metrics for each value: a column of ids would flood metrics.jsonl
 
@@ -188,12 +188,13 @@ def summary_lines(metrics: dict[str, float], key_prefix: str = "eval") -> list[s
 
 @torch.no_grad()
 def evaluate(model, tokenizer, dataset, reward_funcs, settings: EvalSettings, *, batch_size: int = 64,
-             progress: bool = True, unsharded=None, tools=None, trainer_state=None, loss_of=None,
-             key_prefix: str = "eval") -> tuple[dict[str, float], list[dict]]:
+             progress: bool = True, unsharded=None, encode: PromptEncoder | None = None, trainer_state=None,
+             loss_of=None, key_prefix: str = "eval") -> tuple[dict[str, float], list[dict]]:
     """Greedy-decode one completion per prompt of `dataset` (its first `settings.limit` rows) in decodes of
-    `batch_size` prompts, chat prompts rendered as in training, and score it (`settings`:
-    settings/components.EvalSettings). With `tools` (rollout/tools.Tools) the rows call them in the decode as in
-    training (an environment_factory's environments reset on each row); `trainer_state`: the run's
+    `batch_size` prompts, chat prompts rendered as in training by `encode` (the run's: engines/sampling.prompt_encoder;
+    None: one of `settings`, without tools), and score it (`settings`: settings/components.EvalSettings). With the
+    encoder's tools (rollout/tools.Tools) the rows call them in the decode as in training (an environment_factory's
+    environments reset on each row); `trainer_state`: the run's
     (run/state.TrainerState), which the reward functions get.
 
     `unsharded(fn)` runs `fn(model)` for each batch (default: directly); the Trainer passes its parallel
@@ -209,7 +210,8 @@ def evaluate(model, tokenizer, dataset, reward_funcs, settings: EvalSettings, *,
     groups = check_breakdown_column(dataset, s.breakdown_column)
     t0 = time.perf_counter()
     prompts, completions, completion_ids, lengths, environments, losses = _greedy(
-        model, tokenizer, dataset, s, batch_size, progress, unsharded, tools, loss_of)
+        model, tokenizer, dataset, s, batch_size, progress, unsharded, encode or prompt_encoder(model, tokenizer, s),
+        loss_of)
     columns = {k: dataset[k] for k in dataset.column_names if k != "prompt"}
     if environments:
         columns["environments"] = environments
@@ -242,19 +244,12 @@ def evaluate(model, tokenizer, dataset, reward_funcs, settings: EvalSettings, *,
     return {key_prefix + k[len("eval"):]: v for k, v in metrics.items()}, samples
 
 
-def prompt_encoder(model, tokenizer, s: EvalSettings, tools) -> PromptEncoder:
-    """How an evaluation (and grpo.generate) tokenizes its prompts: as in training, with `tools`' schemas."""
-    return PromptEncoder(tokenizer, s.max_prompt_length,
-                         None if s.chat_template_kwargs is None else dict(s.chat_template_kwargs), tools,
-                         None if tools is None else eos_token_ids(tokenizer, model))
-
-
-def _greedy(model, tokenizer, dataset, s: EvalSettings, batch_size: int, progress: bool, unsharded, tools,
-            loss_of):
+def _greedy(model, tokenizer, dataset, s: EvalSettings, batch_size: int, progress: bool, unsharded,
+            encode: PromptEncoder, loss_of):
     """Each row's prompt as the model saw it (what an environment's reset added included), its greedy
     completion, its token ids, the lengths [N], the environments the rows ran in and each batch's `loss_of`
     (none without it)."""
-    unsharded, encode = unsharded or (lambda fn: fn(model)), prompt_encoder(model, tokenizer, s, tools)
+    unsharded, tools = unsharded or (lambda fn: fn(model)), encode.tools
     seen, completions, completion_ids, lengths, environments, losses = [], [], [], [], [], []
     with TokenProgress("eval", enabled=progress) as bar:
         for start in range(0, len(dataset), batch_size):

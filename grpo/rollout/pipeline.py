@@ -1,23 +1,20 @@
 """The generation pipeline: what makes the batch of optimizer step s (`Pipeline.make`: draw, score, refill,
 advantages, cut, fixed log-probs), when the step needs it or in a sampler process one step earlier
 (run/supply.py). The engine that turns prompts into completions (our decoder, a rollout_func, a server) is the
-source's sampler: the pipeline does not depend on which."""
+source's (engines/engine.Engine): the pipeline does not depend on which."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from pathlib import Path
 
 import torch
 
 from ..algo.advantages import group_advantages, normalized_sum_advantages
 from ..algo.loss import zero_advantage_has_no_gradient
 from .batches import Cut, Generation, Rollout, generation_metrics, with_advantages
-from .custom import CustomRollouts
 from .dynamic import DynamicSampling
+from .engines.engine import Engine, close, corrected
 from .prompts import PromptStream
 from .rewards import RewardContext, reward_func_names
-from .sampling import Sampler
-from .server import ServerSampler
 from .source import RolloutSource
 
 
@@ -33,14 +30,14 @@ class Pipeline:
         self.cut, self.reward_names, self.refill = cut, reward_names, refill
 
     @classmethod
-    def build(cls, sampler, prompts: PromptStream, reward_funcs: list, policy, dist, settings, loss: Mapping,
+    def build(cls, engine: Engine, prompts: PromptStream, reward_funcs: list, policy, dist, settings, loss: Mapping,
               pad_id: int, release_memory: bool, tools=None) -> Pipeline:
-        """The pipeline of `sampler` (the engine: our decoder, a rollout_func, a server) over `prompts`, rewarded
-        by `reward_funcs`, with `settings` (settings/components.GenerationSettings); `loss`: policy_loss's settings,
-        which say whether rows of advantage 0 can be cut out (algo/loss.zero_advantage_has_no_gradient);
+        """The pipeline of `engine` (engines/engine.Engine: our decoder, a rollout_func, a server) over `prompts`,
+        rewarded by `reward_funcs`, with `settings` (settings/components.GenerationSettings); `loss`: policy_loss's
+        settings, which say whether rows of advantage 0 can be cut out (algo/loss.zero_advantage_has_no_gradient);
         `pad_id` pads the refilled rows; `release_memory` and `tools` (their environments) go to the source."""
         s = settings
-        source = RolloutSource(sampler, prompts, reward_funcs, s.reward_weights, dist=dist, seed=s.seed,
+        source = RolloutSource(engine, prompts, reward_funcs, s.reward_weights, dist=dist, seed=s.seed,
                                num_generations=s.num_generations, release_memory=release_memory,
                                tools=tools)
         refill = None if s.refill_rounds is None else DynamicSampling(s.num_generations, s.refill_rounds, dist,
@@ -74,8 +71,8 @@ class Pipeline:
         generation = Generation(batch, self.cut, metrics)  # cut into micro-batches
         generation.fix_logprobs(lambda micro: self.policy.fixed_logprobs(
             micro, old=s.old_logprobs, reference=s.ref_logprobs))
-        if s.sampling_correction is not None:  # a server's samples reweighted (rollout/server)
-            generation.metrics.update(self.source.sampler.corrected(generation, s.sampling_correction))
+        if s.sampling_correction is not None:  # a server's, int8 or bf16 samples reweighted
+            generation.metrics.update(corrected(self.source.engine, generation, s.sampling_correction))
         return generation
 
     def check_head(self, rollout: Rollout) -> None:
@@ -86,28 +83,12 @@ class Pipeline:
                                     agree=lambda value: self.dist.reduce({"value": value}, "max")["value"])
 
     def close(self) -> None:
-        """The run has ended, however: what the engine keeps for it let go (a server's adapters: rollout/server)."""
-        if isinstance(self.source.sampler, ServerSampler):
-            self.source.sampler.close()
+        """The run has ended, however: what the engine keeps for it let go (a server's adapters)."""
+        close(self.source.engine)
 
     def quiet(self) -> None:
         """No sampling bar (a sampler process: the trainer's bar is shown)."""
         self.source.show_progress = False
-
-
-def engine(sampler, rollout_func, trainer):
-    """What turns a generation batch's prompts into completions: a vLLM server (use_vllm), the caller's
-    `sampler`, TRL's `rollout_func` (which gets the `trainer`, TRL's contract), or our decoder with as many
-    prompts per decode as the run plan says; its refusals came before loading (engines/choice)."""
-    plan = trainer.plan
-    if plan.server is not None:  # with the run's adapter, published each step
-        return ServerSampler(trainer.model, trainer.tokenizer, plan.sampling, plan.server,
-                             Path(trainer.config.output_dir) / "vllm-adapters", trainer.tools)
-    if sampler is not None:
-        return sampler
-    if rollout_func is not None:
-        return CustomRollouts(rollout_func, trainer)
-    return Sampler(trainer.policy, trainer.tokenizer, plan.sampling, plan.decode.sampling, trainer.tools)
 
 
 def _advantages(rewards: torch.Tensor, per_func: torch.Tensor, s) -> torch.Tensor:

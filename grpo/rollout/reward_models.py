@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import ConfigError
-from .chat import is_chat
+from .engines.chat import is_chat
 from .rewards import RewardError
 
 

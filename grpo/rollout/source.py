@@ -1,5 +1,5 @@
 """Where a step's rollouts come from: the next prompts of the stream, this rank's share of them sampled by the
-sampler (our decoder or a rollout_func) from each prompt's own random stream, and scored by the reward
+engine (engines/engine.Engine) from each prompt's own random stream, and scored by the reward
 functions (`RolloutSource.draw`)."""
 from __future__ import annotations
 
@@ -10,22 +10,22 @@ from ..errors import ConfigError
 from ..infra.allocator import decoding_allocations
 from ..infra.progress import TokenProgress
 from .batches import Rollout
+from .environments import make_envs
 from .prompts import PromptStream, PromptTooLong, per_completion
 from .rewards import RewardContext, compute_rewards, warn_unscored
 from .streams import PromptStreams
-from .environments import make_envs
 
 
 class RolloutSource:
-    """`sampler` (the Trainer's contract) over the prompts of `prompts`, rewarded by `reward_funcs` weighted by
+    """`engine` (engines/engine.Engine) over the prompts of `prompts`, rewarded by `reward_funcs` weighted by
     `reward_weights`; `dist` (infra/distributed) shards the prompts over the ranks; `seed` starts the prompts'
     random streams; `release_memory`: a CPU run whose allocator returns freed memory to the OS
     (infra/allocator), which decodes suspend; `tools` (rollout/tools.Tools, or None): the run's, whose
     environments (one per completion) make the prompts, as evaluation's do."""
 
-    def __init__(self, sampler, prompts: PromptStream, reward_funcs: list, reward_weights: list[float] | None, *,
+    def __init__(self, engine, prompts: PromptStream, reward_funcs: list, reward_weights: list[float] | None, *,
                  dist, seed: int, num_generations: int, release_memory: bool, tools=None):
-        self.sampler, self.prompts, self.reward_funcs = sampler, prompts, reward_funcs
+        self.engine, self.prompts, self.reward_funcs = engine, prompts, reward_funcs
         self.reward_weights = reward_weights
         self.tools = tools if tools is not None and tools.environments else None  # None: no environments
         self.dist, self.seed, self.num_generations, self.release_memory = dist, seed, num_generations, release_memory
@@ -33,7 +33,7 @@ class RolloutSource:
 
     def draw(self, num_prompts: int, step: int, context: RewardContext) -> tuple[Rollout, float]:
         """`num_prompts` new prompts over all ranks, this rank's share sampled and scored at optimizer step `step`:
-        its rollout (the sampler's rows with their prompts, rewards [N], per_func [N, F] and the reward functions'
+        its rollout (the engine's rows with their prompts, rewards [N], per_func [N, F] and the reward functions'
         log_extra columns) and the seconds sampling took."""
         t0 = time.perf_counter()
         # Every rank draws the same global prompts and keeps its own share of whole prompts; each prompt's
@@ -50,7 +50,7 @@ class RolloutSource:
         with TokenProgress(f"sampling step {step + 1}", enabled=self.show_progress) as on_token:
             with decoding_allocations(self.release_memory):
                 try:
-                    rollout, fields = self.sampler(prompts, on_token, streams, **envs)
+                    rollout, fields = self.engine(prompts, on_token, streams, **envs)
                 except PromptTooLong as error:  # said by its row: the encoder sees prompts alone
                     raise error.in_dataset(self.prompts.dataset, "train_dataset") from None
         seconds = time.perf_counter() - t0

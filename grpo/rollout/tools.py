@@ -2,16 +2,16 @@
 
 - `Tools.of(...)`: plain functions and an environment class's public methods (each class's, for TRL's dict of
   named environments) become JSON schemas (transformers' `get_json_schema`: type hints and a Google-style
-  docstring), which the chat template renders into each prompt (`rollout/chat.py`); inline tools
+  docstring), which the chat template renders into each prompt (`rollout/engines/chat.py`); inline tools
   (`InlineTool`, e.g. GSM8K's `<<12+7=19>>`) run inside the text instead.
 - `parse_hermes`: Hermes / Qwen calls, `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`.
-- `rollout/tool_runner.ToolRunner` (`Tools.runner`, one per run): one decode step's calls, the rows' at once
+- `rollout/engines/tool_runner.ToolRunner` (`Tools.runner`, one per run): one decode step's calls, the rows' at once
   and each row's in order, each in a process that its timeout kills. A call that raises or times out returns
   TRL's error text, `{'error': '...'}`.
 - The environments themselves, one per completion, and the rewards of those that own theirs:
   `rollout/environments.py`.
 
-The per-row state machine that uses these is `rollout/tool_loop.py`.
+The per-row state machine that uses these is `rollout/engines/tool_loop.py`.
 """
 from __future__ import annotations
 
@@ -23,8 +23,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..errors import ConfigError
+from .engines.tool_runner import ToolRunner
 from .environments import environment_reward
-from .tool_runner import ToolRunner
 
 PARSERS = ("hermes",)
 NOT_TOOLS = ("reset", "get_reward")  # an environment's methods that the model may not call

@@ -110,7 +110,7 @@ class EvalSettings:
 
 @dataclass(frozen=True)
 class SamplingKnobs:
-    """The sampling knobs, as a decode applies them (rollout/decoding.DecodeSettings); the defaults filter
+    """The sampling knobs, as a decode applies them (rollout/engines/decoding.DecodeSettings); the defaults filter
     nothing, a greedy decode's. A run's are Config.sampling_knobs(): its fields, generation_kwargs applied."""
 
     temperature: float = 1.0

@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 from tiny_setup import tiny_model, tiny_tokenizer
 from tolerances import adamw_rounding, max_abs_diff
 
-import grpo.rollout.sampling
+import grpo.rollout.engines.sampling
 from grpo.errors import ConfigError
 from grpo.infra.distributed import Distributed
 from grpo.policy.parallel import ParallelPolicy, check_settings
@@ -81,7 +81,7 @@ def runs(tmp_path_factory):
 
     def meanwhile():
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(grpo.rollout.sampling, "sample_completions", distributed_worker.fixed_sample)
+            patch.setattr(grpo.rollout.engines.sampling, "sample_completions", distributed_worker.fixed_sample)
             for name in ["fixed_single", "fixed_single_lora"]:
                 distributed_worker.train(str(out), name)
         distributed_worker.train(str(out), "tools_single")
@@ -98,7 +98,7 @@ def skipping(tmp_path_factory):
 
     def meanwhile():
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(grpo.rollout.sampling, "sample_completions", distributed_worker.fixed_sample)
+            patch.setattr(grpo.rollout.engines.sampling, "sample_completions", distributed_worker.fixed_sample)
             distributed_worker.train(str(out), "fixed_single_skip")
 
     torchrun(out, ["fixed_ddp_skip", "fixed_fsdp_skip"], meanwhile)

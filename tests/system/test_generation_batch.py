@@ -99,3 +99,29 @@ def test_a_sampler_and_a_rollout_func_together_are_refused(tmp_path, tokenizer):
     with pytest.raises(ConfigError, match="pass one of a sampler, a rollout_func, tools/environment_factory"):
         Trainer(Config(output_dir=str(tmp_path / "both")), tokenizer=tokenizer, train_dataset=digit_prompts(8),
                 sampler=lambda prompts, on_token=None: ([], {}), rollout_func=lambda prompts, trainer: {})
+
+
+
+class ClosingSampler:
+    """A sampler passed in that holds something to let go when the run ends (a connection, a server's state)."""
+
+    def __init__(self, sampler):
+        self.sampler, self.closed = sampler, 0
+
+    def __call__(self, prompts, on_token=None, streams=None):
+        return self.sampler(prompts, on_token, streams)
+
+    def close(self):
+        self.closed += 1
+
+
+def test_a_sampler_passed_in_is_closed_when_the_run_ends(tmp_path, tokenizer):
+    """The engine interface's optional `close` (rollout/engines/engine.Engine) is called once the run ends, for a
+    sampler passed in as for a server's engine."""
+    config = Config(output_dir=str(tmp_path), max_steps=1, num_generations=4, max_prompt_length=16,
+                    max_completion_length=8, per_device_train_batch_size=8, save_strategy="no")
+    model = tiny_model(tokenizer)
+    sampler = ClosingSampler(FixedSampler(model, tokenizer, config))
+    Trainer(config, model=model, tokenizer=tokenizer, reward_funcs=[digit_share], train_dataset=digit_prompts(8),
+            sampler=sampler).train()
+    assert sampler.closed == 1

@@ -184,7 +184,7 @@ def test_bf16_plan_trains_on_cpu_and_matches_float32(tmp_path, model_dir, mode):
         for name, p in half.model.named_parameters():
             if p.requires_grad:
                 target[name].copy_(p)
-    rollout = half.sampler(["Write 3 digits:", "Write 5 digits:"])[0]
+    rollout = half.engine(["Write 3 digits:", "Write 5 digits:"])[0]
     mask = rollout.completion_mask.bool()  # [N, C]
     with torch.no_grad():
         pairs = {"policy": (half.policy.logprobs(rollout), full.policy.logprobs(rollout)),

@@ -117,7 +117,7 @@ def test_4bit_layers_smaller_than_a_block_train_on_any_cpu(repack_armed, tmp_pat
 
 
 def fixed_rollout(trainer) -> Rollout:
-    prompt_ids, prompt_mask = trainer.sampler.encode(digit_prompts(2)["prompt"])  # [2, P]
+    prompt_ids, prompt_mask = trainer.engine.encode(digit_prompts(2)["prompt"])  # [2, P]
     completion_ids = torch.randint(4, len(trainer.tokenizer), (2, 6), generator=torch.Generator().manual_seed(0))
     return Rollout(prompt_ids, prompt_mask, completion_ids, torch.ones_like(completion_ids), ["", ""],
                    torch.ones(2, dtype=torch.bool))
@@ -145,7 +145,7 @@ def test_sample_train_sample_save_reload_compute_as_without_the_repack(repack_ar
     before, grads_before = logprobs_and_grads(trainer, rollout)
     assert len(grads_before) == 2 * 7 * 2, "every LoRA A and B matrix gets a gradient"
 
-    trainer.sampler(digit_prompts(2)["prompt"])  # eval mode, no grad: where bitsandbytes repacks
+    trainer.engine(digit_prompts(2)["prompt"])  # eval mode, no grad: where bitsandbytes repacks
     after, grads_after = logprobs_and_grads(trainer, rollout)
     assert torch.equal(after, before)
     for name, grad in grads_before.items():  # the packed kernel has no backward: earlier layers would differ
@@ -160,6 +160,6 @@ def test_sample_train_sample_save_reload_compute_as_without_the_repack(repack_ar
     reloaded = qlora_trainer(tmp_path / "run", model_dir, max_steps=2)
     reloaded.resume("latest")
     assert reloaded.step == 2
-    reloaded.sampler(digit_prompts(2)["prompt"])
+    reloaded.engine(digit_prompts(2)["prompt"])
     assert torch.equal(reloaded.policy.logprobs(rollout).detach(), trained)
     assert base_4bit(reloaded.model).keys() == base.keys()

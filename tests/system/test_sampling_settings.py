@@ -10,9 +10,9 @@ from tiny_setup import tiny_model, tiny_tokenizer
 
 from grpo.settings.components import EvalSettings
 from grpo import Config, Trainer
-from grpo.rollout import decoding
+from grpo.rollout.engines import decoding
 from grpo.rollout.evaluate import evaluate
-from grpo.rollout.sampling import PromptEncoder
+from grpo.rollout.engines.sampling import PromptEncoder
 from grpo.tasks.tiny import CHAT_TEMPLATE
 
 # A template that needs a variable only chat_template_kwargs can give it, and writes it into the prompt.

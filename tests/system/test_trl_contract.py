@@ -9,7 +9,7 @@ import torch
 from tiny_setup import digit_prompts, digit_share, tiny_model, tiny_tokenizer
 
 from grpo import Config, Trainer
-from grpo.rollout.custom import CustomRollouts, RolloutFuncError
+from grpo.rollout.engines.custom import RolloutFuncEngine, RolloutFuncError
 
 
 @pytest.fixture(scope="module")
@@ -152,11 +152,10 @@ def test_rollout_func_rows_are_on_the_policys_device(tokenizer):
     # The meta device stands in for CUDA: a tensor left on the CPU (the truncation flags multiplied into the
     # completion mask by mask_truncated_completions) shows as on another device.
     meta = torch.device("meta")
-    trainer = SimpleNamespace(tokenizer=tokenizer, model=tiny_model(tokenizer),
-                              policy=SimpleNamespace(device=meta),
-                              config=SimpleNamespace(num_generations=2, max_completion_length=4))
-    sampler = CustomRollouts(lambda prompts, trainer: None, trainer)
-    rollout = sampler.rollout(["a", "a"], [[5, 6], [7]], [[8], [9, 10]], None)
+    policy = SimpleNamespace(model=tiny_model(tokenizer), device=meta)
+    settings = SimpleNamespace(num_generations=2, max_completion_length=4)
+    engine = RolloutFuncEngine(lambda prompts, trainer: None, None, policy, tokenizer, settings)
+    rollout = engine.rollout(["a", "a"], [[5, 6], [7]], [[8], [9, 10]], None)
     tensors = {f.name: getattr(rollout, f.name) for f in dataclasses.fields(rollout)
                if isinstance(getattr(rollout, f.name), torch.Tensor)}
     assert set(tensors) == {"prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "loss_mask", "truncated"}

@@ -19,7 +19,7 @@ from tiny_setup import digit_prompts, logged, text_length, tiny_tokenizer
 
 from grpo import Config, Trainer
 from grpo.errors import ConfigError
-from grpo.rollout.server import ServerError
+from grpo.rollout.engines.server import ServerError
 from grpo.rollout.streams import PromptStreams
 
 URL, MODEL = os.environ.get("GRPO_VLLM_URL"), os.environ.get("GRPO_VLLM_MODEL")
@@ -55,9 +55,9 @@ def test_the_server_samples_the_current_adapter_every_step(tmp_path):
 def test_a_seed_samples_the_same_twice_and_the_tokens_are_the_servers(tmp_path):
     trainer = Trainer(Config(**settings(tmp_path / "run")), reward_funcs=[text_length], train_dataset=digit_prompts())
     prompts = ["Write 3 digits:", "Write 7 digits:"]
-    first, _ = trainer.sampler(prompts, streams=PromptStreams(0, 0))
-    again, _ = trainer.sampler(prompts, streams=PromptStreams(0, 0))
-    other, _ = trainer.sampler(prompts, streams=PromptStreams(1, 0))
+    first, _ = trainer.engine(prompts, streams=PromptStreams(0, 0))
+    again, _ = trainer.engine(prompts, streams=PromptStreams(0, 0))
+    other, _ = trainer.engine(prompts, streams=PromptStreams(1, 0))
     assert torch.equal(first.completion_ids, again.completion_ids)
     assert not torch.equal(first.completion_ids, other.completion_ids)
     assert first.completion_ids.shape[0] == 8
@@ -168,7 +168,7 @@ def test_the_adapters_written_for_the_server_are_gone_when_the_run_ends_however_
     assert out.exists() and not (out / "vllm-adapters").exists()
     names = [name for name, _ in fake.loaded]
     assert all("adapter_config.json" in files for _, files in fake.loaded)  # the server could read each one
-    assert names == [f"grpo-{trainer.sampler.run_id}-step{s}" for s in range(2)]
+    assert names == [f"grpo-{trainer.engine.run_id}-step{s}" for s in range(2)]
     assert fake.unloaded == names  # the step-0 adapter when step 1's came, the last one at the end
 
 
@@ -285,10 +285,10 @@ def test_an_inline_tool_runs_through_the_server_and_its_tokens_stay_out_of_the_l
         return Trainer(Config(**settings(out, max_steps=2, max_completion_length=24)), reward_funcs=[text_length],
                        train_dataset=digit_prompts(), tools=[InlineTool("", trigger, ">>", forty_two)])
     prompts = ["Write 3 digits:", "Write 7 digits:"]
-    untouched, _ = trainer("\x00\x00", tmp_path / "a").sampler(prompts, streams=PromptStreams(0, 0))
+    untouched, _ = trainer("\x00\x00", tmp_path / "a").engine(prompts, streams=PromptStreams(0, 0))
     trigger = next(ch for ch in untouched.completions[0][2:] if ch.isalnum())
     tools = trainer(trigger, tmp_path / "b")
-    rollout, _ = tools.sampler(prompts, streams=PromptStreams(0, 0))
+    rollout, _ = tools.engine(prompts, streams=PromptStreams(0, 0))
     before = untouched.completions[0][:untouched.completions[0].index(trigger) + 1]
     assert rollout.completions[0].startswith(before + "42>>")  # the same sampling up to the call, then its result
     assert rollout.tool_calls[0] >= 1

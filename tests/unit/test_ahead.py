@@ -191,10 +191,10 @@ def test_what_async_generation_cannot_run_is_refused_in_one_check_before_loading
     from grpo.errors import ConfigError
     from grpo.rollout.engines.choice import check_async
 
-    check_async(1, "cpu", own_sampler=True)
+    check_async(1, "cpu", own_decoder=True)
     with pytest.raises(ConfigError, match="under torchrun"):
-        check_async(2, "cpu", own_sampler=True)
+        check_async(2, "cpu", own_decoder=True)
     with pytest.raises(ConfigError, match="CPU only; the model is on cuda"):
-        check_async(1, "cuda", own_sampler=True)
+        check_async(1, "cuda", own_decoder=True)
     with pytest.raises(ConfigError, match="rollout_func"):
-        check_async(1, "cpu", own_sampler=False)
+        check_async(1, "cpu", own_decoder=False)

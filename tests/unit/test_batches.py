@@ -1,4 +1,4 @@
-"""How a generation batch is sampled (rollout/sampling.Sampler, then rollout/batches.Rollout.micro_batches): our
+"""How a generation batch is sampled (rollout/engines/sampling.Decoder, then rollout/batches.Rollout.micro_batches): our
 decoder as many of its prompts per call as the memory plan allows (all of them when they fit), in decodes of a
 micro-batch's worth of whole prompts, the rows then cut into micro-batches."""
 import dataclasses
@@ -6,18 +6,18 @@ from types import SimpleNamespace
 
 import torch
 
-import grpo.rollout.sampling
+import grpo.rollout.engines.sampling
 from grpo import Config
 from grpo.settings.components import SamplingSettings
 from grpo.rollout.batches import Cut, Rollout
-from grpo.rollout.sampling import Sampler
+from grpo.rollout.engines.sampling import Decoder
 
 G, PAD = 4, 0
 
 
 def sample_batch(monkeypatch, calls: list, prompts: list, per_device: int,
                  prompts_per_decode: int | None = None) -> tuple[list[Rollout], dict]:
-    """The Sampler over a stand-in for the decoder (completion j of prompt p is the token p * 10 + j), cut into
+    """Our Decoder over a stand-in for the decoder (completion j of prompt p is the token p * 10 + j), cut into
     micro-batches of `per_device` completions as the trainer does."""
     def sample_completions(model, tokenizer, encode, prompts, *, num_generations, **_) -> Rollout:
         calls.append(list(prompts))
@@ -27,13 +27,14 @@ def sample_batch(monkeypatch, calls: list, prompts: list, per_device: int,
                        torch.ones(n, 1, dtype=torch.long), [str(t) for t in completion_ids[:, 0].tolist()],
                        torch.zeros(n, dtype=torch.bool))
 
-    monkeypatch.setattr(grpo.rollout.sampling, "sample_completions", sample_completions)
+    monkeypatch.setattr(grpo.rollout.engines.sampling, "sample_completions", sample_completions)
     policy = SimpleNamespace(parallel=SimpleNamespace(unsharded=lambda fn: fn(None)))
     # A generation batch of `prompts`: as many micro-batches as their completions fill.
     config = Config(per_device_train_batch_size=per_device, num_generations=G,
                     steps_per_generation=len(prompts) * G // per_device)
-    sampler = Sampler(policy, SimpleNamespace(pad_token_id=PAD), SamplingSettings.of(config), prompts_per_decode)
-    rollout, fields = sampler(prompts)
+    tokenizer = SimpleNamespace(pad_token_id=PAD)
+    decoder = Decoder(policy, tokenizer, None, SamplingSettings.of(config), prompts_per_decode)
+    rollout, fields = decoder(prompts)
     return [m.rollout for m in rollout.micro_batches(Cut(per_device, False, False))], fields
 
 

@@ -6,8 +6,8 @@ import importlib.util
 import pytest
 from tiny_setup import loop_metrics
 
-from grpo.rollout.tool_loop import ToolLoop
-from grpo.rollout.chat import render
+from grpo.rollout.engines.tool_loop import ToolLoop
+from grpo.rollout.engines.chat import render
 from grpo.rollout.tools import Tools
 from grpo.tasks.calculator import CHATML_TOOLS, INLINE_CALCULATOR, calculate
 

@@ -7,10 +7,10 @@ import pytest
 import torch
 from tiny_setup import decode_settings, tiny_model, tiny_tokenizer
 
-from grpo.rollout.compaction import DecodingRows
-from grpo.rollout.decoding import (decode, filter_logits, penalize_repetitions, sample_from_logits,
+from grpo.rollout.engines.kv_cache import DecodingRows
+from grpo.rollout.engines.decoding import (decode, filter_logits, penalize_repetitions, sample_from_logits,
                                    seen_tokens)
-from grpo.rollout.sampling import decoded_rows, left_pad
+from grpo.rollout.engines.sampling import decoded_rows, left_pad
 
 
 def test_draws_follow_the_softmax_and_never_pick_minus_inf():
@@ -139,7 +139,7 @@ def test_greedy_with_a_repetition_penalty_matches_model_generate():
 def test_sampling_draws_from_the_distribution_model_generate_would(monkeypatch):
     """At every step of our loop (temperature, min_p and a repetition penalty set), the logits we sample from are
     the scores transformers' `generate` computes for the same prefix, its processors in its own order."""
-    from grpo.rollout import decoding
+    from grpo.rollout.engines import decoding
 
     tokenizer = tiny_tokenizer()
     model = tiny_model(tokenizer).eval()
@@ -239,7 +239,8 @@ def test_sampling_with_compaction_draws_what_the_uncompacted_loop_draws(monkeypa
 
 def test_a_row_ends_at_its_first_eos_as_rows_made_elsewhere_do():
     """The decode's lengths: each row up to and including its first EOS (the whole row without one), the rule
-    rollout/sampling.decoded_rows applies to a server's or a rollout_func's tokens; nothing fed without tools."""
+    rollout/engines/sampling.decoded_rows applies to a server's or a rollout_func's tokens; nothing fed without
+    tools."""
     tokenizer = tiny_tokenizer()
     model = lively_model(tokenizer)
     ids, mask = left_pad([tokenizer(p)["input_ids"] for p in PROMPTS], tokenizer.pad_token_id)
@@ -273,7 +274,7 @@ def test_a_shared_prefill_samples_what_repeated_prompts_sample(penalty):
 
 
 def test_the_shared_prefix_leaves_every_prompt_a_token_of_its_own():
-    from grpo.rollout.decoding import shared_prefix_length, suffixes
+    from grpo.rollout.engines.decoding import shared_prefix_length, suffixes
 
     ids = torch.tensor([[0, 0, 5, 6, 7, 8], [5, 6, 7, 9, 9, 9], [0, 5, 6, 7, 8, 1]])  # [3, 6], left-padded
     mask = (ids != 0).long()

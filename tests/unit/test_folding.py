@@ -7,11 +7,11 @@ import pytest
 import torch
 from tiny_setup import tiny_model, tiny_tokenizer
 
-import grpo.rollout.sampling
+import grpo.rollout.engines.sampling
 from grpo import Config
 from grpo.policy.folding import foldable_layers, sampling_weights
 from grpo.policy.models import prepare_for_training
-from grpo.rollout.sampling import PromptEncoder, sample_completions
+from grpo.rollout.engines.sampling import PromptEncoder, sample_completions
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +58,7 @@ def test_greedy_tokens_are_the_plain_decodes(tokenizer, monkeypatch, lora):
                                   greedy=True, max_completion_length=12).completion_ids  # [3, C]
 
     folded = greedy()
-    monkeypatch.setattr(grpo.rollout.sampling, "sampling_weights", lambda *_: contextlib.nullcontext())
+    monkeypatch.setattr(grpo.rollout.engines.sampling, "sampling_weights", lambda *_: contextlib.nullcontext())
     assert torch.equal(folded, greedy())
 
 

@@ -10,7 +10,7 @@ from grpo.policy.decoder import fused_decoder
 from grpo.policy.folding import sampling_weights
 from grpo.policy.head import positions
 from grpo.policy.models import prepare_for_training, unwrap
-from grpo.rollout.kv_cache import preallocated_cache
+from grpo.rollout.engines.kv_cache import preallocated_cache
 
 
 def prefilled(model, ids, mask, steps: int):

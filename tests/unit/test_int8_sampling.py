@@ -15,10 +15,10 @@ from grpo.policy.folding import sampling_weights
 from grpo.policy.head import positions
 from grpo.policy.int8 import int8_copy, int8_refusal
 from grpo.policy.models import prepare_for_training, unwrap
-from grpo.rollout.decoding import DecodeSettings, decode
-from grpo.rollout.kv_cache import preallocated_cache
-from grpo.settings.components import SamplingKnobs
+from grpo.rollout.engines.decoding import DecodeSettings, decode
+from grpo.rollout.engines.kv_cache import preallocated_cache
 from grpo.settings.plan import RunPlan
+from grpo.settings.components import SamplingKnobs
 
 pytestmark = pytest.mark.skipif(int8_refusal() is not None, reason="no fbgemm int8 engine on this machine")
 

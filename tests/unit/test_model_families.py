@@ -11,9 +11,9 @@ from grpo.algo.logprobs import token_logprobs
 from grpo.errors import ConfigError
 from grpo.policy.head import HeadTransform, head_transform
 from grpo.policy.models import check_logprobs_match_forward, completion_logprobs
-from grpo.rollout.compaction import DecodingRows
+from grpo.rollout.engines.kv_cache import DecodingRows
 from grpo.policy.head import head_logits, positions
-from grpo.rollout.decoding import decode
+from grpo.rollout.engines.decoding import decode
 
 V = 96
 SMALL = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
@@ -247,10 +247,10 @@ def test_the_trainer_runs_the_check_on_its_first_generation(tmp_path):
 def test_the_preallocated_cache_decodes_what_the_dynamic_cache_decodes(model_type, monkeypatch):
     # Greedy and sampled, with compaction, a shared prefill, a repetition penalty and min-p: the same tokens as
     # transformers' DynamicCache. Families with sliding windows or recurrent state keep the DynamicCache.
-    import grpo.rollout.decoding
+    import grpo.rollout.engines.decoding
     from transformers import DynamicCache
 
-    from grpo.rollout.kv_cache import PreallocatedLayer, preallocated_cache
+    from grpo.rollout.engines.kv_cache import PreallocatedLayer, preallocated_cache
 
     model = tiny_family(model_type)
     ids, mask = left_padded_prompts(4)  # [B, P]
@@ -266,23 +266,24 @@ def test_the_preallocated_cache_decodes_what_the_dynamic_cache_decodes(model_typ
     cases = [dict(temperature=1.0, greedy=True), dict(temperature=1.0, repetition_penalty=1.5, greedy=True),
              dict(temperature=2.0, min_p=0.05), dict(temperature=2.0, repetition_penalty=1.3)]
     ours = [run(**case) for case in cases]
-    monkeypatch.setattr(grpo.rollout.decoding, "preallocated_cache", lambda config, _: DynamicCache(config=config))
+    monkeypatch.setattr(grpo.rollout.engines.decoding, "preallocated_cache",
+                        lambda config, _: DynamicCache(config=config))
     for case, tokens in zip(cases, ours):
         assert torch.equal(tokens, run(**case)), case
 
 
 def test_the_preallocated_cache_is_written_in_place():
-    from grpo.rollout.kv_cache import preallocated_cache
+    from grpo.rollout.engines.kv_cache import preallocated_cache
 
     model = tiny_family("llama")
     cache = preallocated_cache(model.config, 6 + 10)
     seen = []
     model.model.norm.register_forward_hook(lambda *_: seen.append([  # after every forward, fused steps too
         (layer.key_buffer.data_ptr(), layer.key_buffer.shape) for layer in cache.layers]))
-    import grpo.rollout.decoding
+    import grpo.rollout.engines.decoding
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(grpo.rollout.decoding, "preallocated_cache", lambda *_: cache)
+        patch.setattr(grpo.rollout.engines.decoding, "preallocated_cache", lambda *_: cache)
         ids = torch.randint(1, V, (4, 6), generator=torch.Generator().manual_seed(0))  # [B, P]
         decode(model, ids, torch.ones_like(ids), decode_settings(max_new_tokens=10, eos_ids=[V], pad_id=0, greedy=True),
                repeats=2)
@@ -296,7 +297,7 @@ def test_the_preallocated_cache_is_written_in_place():
 def test_a_prefix_all_prompts_share_is_read_once_and_changes_no_greedy_token(model_type, monkeypatch):
     # 3 left-padded prompts of 20-24 tokens whose first 18 are the same: read once, its cache given to every row
     # (plain-attention families; the others read every prompt whole), then each prompt's own tokens.
-    import grpo.rollout.decoding
+    import grpo.rollout.engines.decoding
 
     model = tiny_family(model_type)
     prefix = torch.randint(1, V, (18,), generator=torch.Generator().manual_seed(1))
@@ -306,7 +307,7 @@ def test_a_prefix_all_prompts_share_is_read_once_and_changes_no_greedy_token(mod
     for i, rest in enumerate(own):
         row = torch.cat([prefix, rest])
         ids[i, 24 - len(row):], mask[i, 24 - len(row):] = row, 1
-    assert grpo.rollout.decoding.shared_prefix_length(ids, mask) == 18
+    assert grpo.rollout.engines.decoding.shared_prefix_length(ids, mask) == 18
     reads = []
     model.get_input_embeddings().register_forward_pre_hook(lambda _, args: reads.append(tuple(args[0].shape)))
     settings = decode_settings(max_new_tokens=8, eos_ids=[V], pad_id=0,
@@ -315,5 +316,5 @@ def test_a_prefix_all_prompts_share_is_read_once_and_changes_no_greedy_token(mod
     stays_whole = model_type in ("cohere2", "gemma2", "gemma3_text", "mistral", "recurrent_gemma", "vaultgemma")
     whole = [(6 if model_type == "recurrent_gemma" else 3, 24), (6, 1)]  # its own state: prefilled row by row
     assert reads[:2] == (whole if stays_whole else [(1, 18), (3, 6)]), reads[:2]
-    monkeypatch.setattr(grpo.rollout.decoding, "MIN_SHARED_PREFIX", 10**6)
+    monkeypatch.setattr(grpo.rollout.engines.decoding, "MIN_SHARED_PREFIX", 10**6)
     assert torch.equal(shared, decode(model, ids, mask, settings, repeats=2).completion_ids)

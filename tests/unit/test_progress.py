@@ -6,10 +6,10 @@ import torch
 
 from grpo import Config
 from grpo.settings.components import EvalSettings
-from grpo.rollout.decoding import decode
+from grpo.rollout.engines.decoding import decode
 from grpo.rollout.evaluate import evaluate
 from grpo.infra.progress import LINE_EVERY_S, LineProgress, TokenProgress, progress_bar
-from grpo.rollout.sampling import left_pad
+from grpo.rollout.engines.sampling import left_pad
 from tiny_setup import decode_settings, digit_prompts, tiny_model, tiny_tokenizer
 
 

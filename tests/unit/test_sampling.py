@@ -10,11 +10,11 @@ from tiny_setup import tiny_model, tiny_tokenizer
 from grpo import Config
 from grpo.policy.models import prepare_for_training
 from grpo.settings.components import SamplingSettings
-from grpo.rollout.compaction import DecodingRows
-from grpo.rollout.decoding import Decoded
-from grpo.rollout.sampling import (
+from grpo.rollout.engines.kv_cache import DecodingRows
+from grpo.rollout.engines.decoding import Decoded
+from grpo.rollout.engines.sampling import (
     PromptEncoder,
-    Sampler,
+    Decoder,
     decoded_rows,
     left_pad,
     rollout_of,
@@ -101,7 +101,7 @@ def test_full_length_when_eos_is_disabled():
 
 
 def lively_sampler(prompts_per_decode: int, bf16: bool = False, **config):
-    """The trainer's Sampler over the tiny model, 1 prompt x 4 completions per micro-batch, where a fifth of the
+    """Our Decoder over the tiny model, 1 prompt x 4 completions per micro-batch, where a fifth of the
     vocabulary ends a completion: rows finish at different steps and leave their decodes. `bf16`: as the bf16
     precision plan samples on a CPU, a bf16 base with float32 LoRA adapters (B not zero) unfolded."""
     tokenizer = tiny_tokenizer()
@@ -116,7 +116,8 @@ def lively_sampler(prompts_per_decode: int, bf16: bool = False, **config):
     policy = SimpleNamespace(parallel=SimpleNamespace(unsharded=lambda fn: fn(model)))
     config = Config(**{**dict(per_device_train_batch_size=4, num_generations=4, max_prompt_length=64,
                               max_completion_length=10, temperature=1.0, seed=0), **config})
-    return Sampler(policy, tokenizer, SamplingSettings.of(config, bf16), prompts_per_decode)
+    settings = SamplingSettings.of(config, bf16)
+    return Decoder(policy, tokenizer, PromptEncoder(tokenizer, 64), settings, prompts_per_decode)
 
 
 def sampled(output: tuple) -> list[list[int]]:

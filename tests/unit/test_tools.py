@@ -12,10 +12,10 @@ import pytest
 from tiny_setup import loop_metrics
 
 from grpo.errors import ConfigError
-from grpo.rollout.tool_loop import ToolLoop
-from grpo.rollout.chat import check_tool_template, render
-from grpo.rollout.sampling import PromptEncoder
-from grpo.rollout.tool_runner import ToolRunner
+from grpo.rollout.engines.tool_loop import ToolLoop
+from grpo.rollout.engines.chat import check_tool_template, render
+from grpo.rollout.engines.sampling import PromptEncoder
+from grpo.rollout.engines.tool_runner import ToolRunner
 from grpo.rollout.environments import make_envs
 from grpo.rollout.tools import InlineTool, MalformedCall, ToolCall, Tools, parse_hermes, strip_hermes
 from grpo.tasks.calculator import CHATML_TOOLS, calculate

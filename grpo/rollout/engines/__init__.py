@@ -1,2 +1,2 @@
-"""The generation engines: what turns a generation batch's prompts into completions (our decoder, a vLLM server,
-TRL's rollout_func, a sampler passed in), and the choice between them, made before any model loads."""
+"""The generation engines behind one interface (engine.Engine): our decoder, a vLLM server, TRL's rollout_func, a
+sampler passed in; the tool loop and chat template they share; the choice between them, made before loading."""

@@ -15,7 +15,7 @@ def check_engine(plan, world_size: int, device_type: str, *, sampler: bool, roll
     passed one."""
     given = "a sampler" if sampler else "a rollout_func" if rollout_func else None
     if plan.generation.max_staleness is not None:
-        check_async(world_size, device_type, own_sampler=given is None)
+        check_async(world_size, device_type, own_decoder=given is None)
     if plan.server is not None and given:
         raise ConfigError(f"use_vllm=True samples on the vLLM server: pass no sampler or rollout_func with it "
                           f"(got {given})")
@@ -29,7 +29,7 @@ def check_engine(plan, world_size: int, device_type: str, *, sampler: bool, roll
         raise ConfigError(refusal)
 
 
-def check_async(world_size: int, device_type: str, own_sampler: bool) -> None:
+def check_async(world_size: int, device_type: str, own_decoder: bool) -> None:
     """ConfigError where async_generation cannot run: the sampler is a fork of the one trainer process, which
     CUDA does not survive, running our own decoder."""
     if world_size > 1:
@@ -38,6 +38,6 @@ def check_async(world_size: int, device_type: str, own_sampler: bool) -> None:
     if device_type != "cpu":
         raise ConfigError(f"async_generation=True samples in a forked process, which runs on the CPU only; the "
                           f"model is on {device_type}: set async_generation=False")
-    if not own_sampler:
+    if not own_decoder:
         raise ConfigError("async_generation=True samples with our own decoder: it cannot run a rollout_func or a "
                           "sampler passed to the Trainer; set async_generation=False")

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import UserError
-from .batches import Rollout
+from ...errors import UserError
+from ..batches import Rollout
+from ..rewards import REWARD_ARGUMENTS
 from .chat import is_chat
-from .rewards import REWARD_ARGUMENTS
 from .sampling import decoded_rows, eos_token_ids, left_pad, rollout_of
 
 REQUIRED = ("prompt_ids", "completion_ids")
@@ -27,23 +27,24 @@ class RolloutFuncError(UserError):
     """A rollout_func returned something the trainer cannot train on."""
 
 
-class CustomRollouts:
-    """Stands in for our decoder: a generation batch's prompts in, one Rollout of num_generations completions
-    each and the rollout_func's extra fields (reward columns, one value per completion) out."""
+class RolloutFuncEngine:
+    """The engine on TRL's rollout_func (engines/engine.Engine): a generation batch's prompts in, one Rollout of
+    num_generations completions each and the rollout_func's extra fields (reward columns, one value per completion)
+    out. `trainer`: what TRL hands the rollout_func, passed on unread; `policy`: policy/forwards.Policy, whose
+    device the rows go to; `settings`: settings/components.SamplingSettings."""
 
-    def __init__(self, rollout_func, trainer):
-        self.rollout_func, self.trainer, self.tokenizer = rollout_func, trainer, trainer.tokenizer
-        self.eos_ids, self.device = eos_token_ids(trainer.tokenizer, trainer.model), trainer.policy.device
-        self.num_generations = trainer.config.num_generations
-        self.max_completion_length = trainer.config.max_completion_length
+    def __init__(self, rollout_func, trainer, policy, tokenizer, settings):
+        self.rollout_func, self.trainer, self.tokenizer = rollout_func, trainer, tokenizer
+        self.eos_ids, self.device = eos_token_ids(tokenizer, policy.model), policy.device
+        self.num_generations, self.max_completion_length = settings.num_generations, settings.max_completion_length
         self.name = getattr(rollout_func, "__name__", type(rollout_func).__name__)
 
     def __call__(self, prompts: list, on_token=None, streams=None) -> tuple[Rollout, dict[str, list]]:
-        """The sampler interface (rollout/sampling.Sampler's): one call for the whole generation batch, as TRL
+        """The engine's call (engines/engine.Engine): one for the whole generation batch, as TRL
         makes it; the rollout_func's tokens are not counted as they come (`on_token` is not called), and it
         draws its own random numbers (`streams` is not read)."""
         repeated = [p for p in prompts for _ in range(self.num_generations)]
-        output = self.rollout_func(repeated, self.trainer)
+        output = self.rollout_func(repeated, self.trainer)  # the trainer, as TRL passes it
         if not isinstance(output, dict) or any(k not in output for k in REQUIRED):
             raise RolloutFuncError(f"rollout_func '{self.name}' must return a dict with {', '.join(REQUIRED)} "
                                    f"(and optionally logprobs), got {type(output).__name__}"
@@ -92,4 +93,4 @@ class CustomRollouts:
             for i, m in enumerate(env_mask):
                 own[i, :len(m)] = torch.tensor([int(bool(v)) for v in m], dtype=torch.long)
             rollout.loss_mask = rollout.completion_mask * own  # [N, C]
-        return rollout.to(self.device)  # on the policy's device, as our own sampler returns them
+        return rollout.to(self.device)  # on the policy's device, as our decoder returns them

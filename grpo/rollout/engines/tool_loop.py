@@ -19,8 +19,8 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field
 
+from ..tools import InlineTool, MalformedCall, ToolCall, Tools, parse_hermes, strip_hermes
 from .chat import render, tool_turn_text
-from .tools import InlineTool, MalformedCall, ToolCall, Tools, parse_hermes, strip_hermes
 
 
 @dataclass
@@ -97,9 +97,19 @@ class ToolLoop:
                     ended[r] = None
             elif self._trigger_chars and self._may_trigger(token):
                 self._inline_call(r, space, pending)
-        outcomes = self.tools.runner.run([p.thunks for p in pending])  # rollout/tool_runner
+        outcomes = self.tools.runner.run([p.thunks for p in pending])  # rollout/engines/tool_runner
         forced = {p.row: self._finish(p, o) for p, o in zip(pending, outcomes)}
         return {**forced, **ended}
+
+    def row_ends(self, rows: list[int], tokens: list[int], room: list[int],
+                 eos: list[bool]) -> tuple[list[bool], dict[int, list[int]]]:
+        """The end of a row, as our decode (engines/decoding.ForcedTokens) and a server's segments
+        (engines/server.ServerToolRow) both take it: after the token each of `rows` sampled (`eos[k]`: one
+        that ends a turn), whether the row ends (its tools end it, or it sampled an EOS after which no tool ran), and
+        the tokens to feed each row whose tools ran (`after_tokens`), which goes on past its EOS."""
+        reaction = self.after_tokens(rows, tokens, room)
+        ends = [reaction[r] is None if r in reaction else e for r, e in zip(rows, eos)]
+        return ends, {r: ids for r, ids in reaction.items() if ids is not None}
 
     def _chat_calls(self, r: int, space: int, pending: list) -> bool:
         """Queue the calls of row r's message that just ended, if any; False when the row must end now (a

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 
-from ..errors import ConfigError
+from ...errors import ConfigError
 
 PROBE_TOOL = {"type": "function", "function": {
     "name": "probe_tool_7391", "description": "Checks the template.",

@@ -34,7 +34,7 @@ import weakref
 from collections import deque
 from dataclasses import dataclass
 
-from ..infra.children import die_with_parent
+from ...infra.children import die_with_parent
 
 
 def error_text(message: str) -> str:

@@ -1,5 +1,5 @@
-"""Completions sampled on an inference server (TRL's `use_vllm=True, vllm_mode="server"`): `ServerSampler` keeps
-the trainer's sampler contract (rollout/sampling.Sampler), so the step around it does not change.
+"""Completions sampled on an inference server (TRL's `use_vllm=True, vllm_mode="server"`): `ServerEngine` keeps
+the engines' one interface (engines/engine.Engine), so the step around it does not change.
 
 Token in, token out: each prompt goes to vLLM's OpenAI-compatible `/v1/completions` as token ids, with `n` =
 num_generations, its own seed (from its random stream: a rerun samples the same), the run's sampling knobs, and
@@ -7,8 +7,11 @@ num_generations, its own seed (from its random stream: a rerun samples the same)
 importance-sampling correction reads (algo/sampling_correction). The prompts of a generation batch are sent at
 once, so the server batches them.
 
-Tools, environments and inline tools: each completion is sampled in segments that stop where a tool may run,
-through the decode loop's own ToolLoop (rollout/server_tools.py); tool tokens stay out of the loss.
+Tools, environments and inline tools: each completion is sampled in segments, one request per segment, that stop
+where a tool may run (the end of an assistant message for chat tools, an inline tool's trigger); the row's tokens go
+through the same ToolLoop our decode loop uses (engines/tool_loop.py), and a tool's output (with the turn headers
+around it) is appended as tokens the model did not write, out of the loss mask; the next segment's prompt is the
+prompt and everything so far (the server's prefix cache keeps that cheap).
 
 LoRA: when a generation batch is sampled at an optimizer step the server has not seen, the adapter is written
 into `adapters_dir` (the server must read that folder: same machine or shared storage), loaded under a new name
@@ -29,24 +32,23 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from http.client import HTTPException
 from pathlib import Path
 
 import torch
 
-from ..errors import UserError
-from ..policy.lora import save_options
-from ..policy.models import context_length
-from .batches import Rollout
+from ...errors import UserError
+from ...policy.lora import save_options
+from ...policy.models import context_length
+from ..batches import Rollout
+from ..streams import PromptStreams, int64
 from .chat import is_chat
 from .sampling import PromptEncoder, decoded_rows, eos_token_ids, rollout_of
-from .server_tools import NAN, ServerToolRow, sample_rows, tool_decode
-from .streams import PromptStreams
-from .tool_loop import ToolLoop
 
 PROBE = "Hello, world! 12 + 30 = 42.\nThe answer: <answer> 42 </answer>"
 MISMATCH_NATS = 0.5  # a first batch whose log-probs differ more per token: the server samples another model
+NAN = float("nan")
 
 
 class ServerError(UserError):
@@ -95,17 +97,15 @@ class VLLMServer:
             time.sleep(1.0)
 
 
-class ServerSampler:
-    """The trainer's sampler on a vLLM server (module docstring). `model`: the policy (a peft model: its adapter
-    is what the server loads); `settings`, `server`: settings/components.SamplingSettings and ServerSettings;
-    `adapters_dir`: where adapters are written for the server to read."""
+class ServerEngine:
+    """The engine on a vLLM server (module docstring). `model`: the policy (a peft model: its adapter is what the
+    server loads); `encode`: the run's prompt encoder (engines/sampling.prompt_encoder); `settings`:
+    settings/components.SamplingSettings; `server`: settings/components.ServerSettings; `adapters_dir`: where adapters are
+    written for the server to read."""
 
-    def __init__(self, model, tokenizer, settings, server, adapters_dir: Path, tools=None):
-        self.model, self.tokenizer, self.settings = model, tokenizer, settings
-        kwargs = None if settings.chat_template_kwargs is None else dict(settings.chat_template_kwargs)
+    def __init__(self, model, tokenizer, encode: PromptEncoder, settings, server, adapters_dir: Path):
+        self.model, self.tokenizer, self.encode, self.settings = model, tokenizer, encode, settings
         self.eos_ids = eos_token_ids(tokenizer, model)
-        self.encode = PromptEncoder(tokenizer, settings.max_prompt_length, kwargs, tools, self.eos_ids)
-        self.tools = tools
         self.server = VLLMServer(server)
         self.adapters_dir = Path(adapters_dir).resolve()
         self.run_id = uuid.uuid4().hex[:8]  # adapter names unique to this run, even resumed on the same server
@@ -159,18 +159,25 @@ class ServerSampler:
             self.adapter = None
         shutil.rmtree(self.adapters_dir, ignore_errors=True)
 
-    def request_body(self, prompt_ids: list[int], seed: int, adapter: str, n: int, max_tokens: int) -> dict:
+    def complete(self, adapter: str, prompt: list[int], seed: int, n: int, max_tokens: int, stop: list[str],
+                 on_token) -> list[tuple[list[int], list[float]]]:
+        """`n` completions of `prompt` (token ids) by the server, with the run's sampling knobs, as (token ids,
+        their sampled log-probs, NaN where none came back); with `stop`, each ends after the first of those strings
+        it writes (the text a tool may run after). `on_token(n)` counts their tokens."""
         s, knobs = self.settings, self.settings.knobs
-        body = {"model": adapter, "prompt": prompt_ids, "n": n, "max_tokens": max_tokens,
+        body = {"model": adapter, "prompt": prompt, "n": n, "max_tokens": max_tokens,
                 "temperature": knobs.temperature, "top_p": knobs.top_p,
                 "top_k": knobs.top_k if knobs.top_k > 0 else -1, "min_p": knobs.min_p or 0.0,
                 "repetition_penalty": knobs.repetition_penalty, "seed": seed, "logprobs": 0,
                 "return_token_ids": True}
-        if s.stop_at_eos:
-            body["stop_token_ids"] = self.eos_ids
-        else:
-            body["ignore_eos"] = True
-        return body
+        body.update({"stop_token_ids": self.eos_ids} if s.stop_at_eos else {"ignore_eos": True})
+        if stop:  # the server stops there (and keeps it)
+            body.update(stop=stop, include_stop_str_in_output=True)
+        choices = sorted(self.server.request("/v1/completions", body)["choices"], key=lambda c: c["index"])
+        out = [(c["token_ids"], [NAN if v is None else v for v in c["logprobs"]["token_logprobs"]]) for c in choices]
+        if on_token is not None:
+            on_token(sum(len(ids) for ids, _ in out))
+        return out
 
     @torch.no_grad()
     def __call__(self, prompts: list, on_token=None, streams: PromptStreams | None = None,
@@ -181,62 +188,26 @@ class ServerSampler:
         prompt_ids, prompt_mask = self.encode(prompts, context_length(self.model), s.max_completion_length,  # [B, P]
                                               None if envs is None else envs[::G])  # each prompt's tools its env's
         rows = [ids[mask.bool()].tolist() for ids, mask in zip(prompt_ids, prompt_mask)]
-        if self.tools is not None:  # rows that call tools: sampled in segments (rollout/server_tools)
-            return self.tool_rollout(prompts, prompt_ids, prompt_mask, rows, streams, adapter, envs, on_token), {}
-        seeds = streams.seeds(len(prompts), 1).tolist()  # [B]: one per prompt, its G completions from it
-
-        def sample(i: int) -> list[tuple[list[int], list[float]]]:
-            body = self.request_body(rows[i], seeds[i], adapter, G, s.max_completion_length)
-            answer = self.server.request("/v1/completions", body)
-            choices = sorted(answer["choices"], key=lambda c: c["index"])
-            out = [(c["token_ids"], [NAN if v is None else v for v in c["logprobs"]["token_logprobs"]])
-                   for c in choices]
-            if on_token is not None:
-                on_token(sum(len(ids) for ids, _ in out))
-            return out
-
-        with ThreadPoolExecutor(max_workers=min(32, len(rows))) as pool:
-            sampled = [c for group in pool.map(sample, range(len(rows))) for c in group]  # N = B * G
-        return self.rollout(prompt_ids, prompt_mask, sampled, chat=is_chat(prompts[0])), {}
-
-    def tool_rollout(self, prompts: list, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, rows: list,
-                     streams: PromptStreams, adapter: str, envs: list | None, on_token) -> Rollout:
-        """With tools: each completion sampled in segments through the run's ToolLoop (rollout/server_tools), its
-        tools' tokens out of the loss mask, as the Rollout of our own decode is built (sampling.rollout_of)."""
-        s, G = self.settings, self.settings.num_generations
-        loop = ToolLoop(self.tools, self.tokenizer, [p for p in prompts for _ in range(G)],
-                        s.max_tool_calling_iterations, envs, self.eos_ids, self.encode.chat_template_kwargs)
-        stops = [t.trigger for t in self.tools.inline]
-        seeds = streams.seeds(len(prompts), G).tolist()  # [N]: one per completion, its segments from it
-        tool_rows = [ServerToolRow(loop, i, rows[i // G], seeds[i], s.max_completion_length, self.eos_ids, stops)
-                     for i in range(len(rows) * G)]
-
-        def sample(prompt: list[int], seed: int, room: int, stop: list[str]) -> tuple[list[int], list[float]]:
-            body = self.request_body(prompt, seed, adapter, 1, room)
-            if stop:  # the text a tool may run after: the server stops there (and keeps it)
-                body.update(stop=stop, include_stop_str_in_output=True)
-            choice = self.server.request("/v1/completions", body)["choices"][0]
-            if on_token is not None:
-                on_token(len(choice["token_ids"]))
-            return choice["token_ids"], [NAN if v is None else v for v in choice["logprobs"]["token_logprobs"]]
-
-        sample_rows(tool_rows, sample)
-        decoded = tool_decode(tool_rows, self.tokenizer.pad_token_id)  # with the sampled log-probs
-        rollout = rollout_of(prompt_ids.repeat_interleave(G, dim=0), prompt_mask.repeat_interleave(G, dim=0),
-                             decoded, self.tokenizer, self.eos_ids, chat=is_chat(prompts[0]), loop=loop)
-        return rollout.to(next(self.model.parameters()).device)
-
-    def rollout(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, sampled: list, *, chat: bool) -> Rollout:
-        """The Rollout of the server's completions [(token ids, log-probs)] after their prompts [B, P], on the
-        policy's device, the sampled log-probs kept beside the ids (NaN where none came back)."""
-        G = self.settings.num_generations
-        decoded = decoded_rows([ids for ids, _ in sampled], self.tokenizer.pad_token_id, self.eos_ids)
-        logprobs = torch.full(decoded.completion_ids.shape, NAN)  # [N, C]
-        for i, (_, lps) in enumerate(sampled):
-            logprobs[i, :len(lps)] = torch.tensor(lps, dtype=torch.float32)
-        rollout = rollout_of(prompt_ids.repeat_interleave(G, dim=0), prompt_mask.repeat_interleave(G, dim=0),
-                             decoded._replace(logprobs=logprobs), self.tokenizer, self.eos_ids, chat=chat)
-        return rollout.to(next(self.model.parameters()).device)
+        loop = self.encode.tool_loop(prompts, G, s.max_tool_calling_iterations, envs, self.eos_ids)
+        if loop is None:  # each prompt's G completions from its seed, the prompts at once
+            seeds = streams.seeds(len(prompts), 1).tolist()  # [B]
+            with ThreadPoolExecutor(max_workers=min(32, len(rows))) as pool:
+                sampled = [c for group in pool.map(lambda i: self.complete(
+                    adapter, rows[i], seeds[i], G, s.max_completion_length, [], on_token), range(len(rows)))
+                    for c in group]  # N = B * G
+            decoded = decoded_rows([ids for ids, _ in sampled], self.tokenizer.pad_token_id, self.eos_ids,
+                                   logprobs=[lps for _, lps in sampled])
+        else:  # each completion in segments from its own seed, through the tool loop
+            seeds, stops = streams.seeds(len(prompts), G).tolist(), [t.trigger for t in self.encode.tools.inline]
+            tool_rows = [ServerToolRow(loop, i, rows[i // G], seeds[i], s.max_completion_length, self.eos_ids, stops)
+                         for i in range(len(rows) * G)]
+            sample_rows(tool_rows, lambda prompt, seed, room, stop: self.complete(
+                adapter, prompt, seed, 1, room, stop, on_token)[0])
+            decoded = decoded_rows([r.ids for r in tool_rows], self.tokenizer.pad_token_id, None,
+                                   fed=[r.fed for r in tool_rows], logprobs=[r.logprobs for r in tool_rows])
+        rollout = rollout_of(prompt_ids, prompt_mask, decoded, self.tokenizer, self.eos_ids, chat=is_chat(prompts[0]),
+                             loop=loop, repeats=G)
+        return rollout.to(next(self.model.parameters()).device), {}
 
     def corrected(self, generation, settings) -> dict[str, float]:
         """The importance-sampling correction of `generation` (rollout/batches.Generation.correct_sampling) and its
@@ -249,3 +220,58 @@ class ServerSampler:
                               f"serves another model (or runs without --logprobs-mode processed_logprobs)")
         self.checked_logprobs = True
         return metrics
+
+
+class ServerToolRow:
+    """One completion row `row` of `loop` (a ToolLoop), sampled one segment at a time: `request()` says what to
+    sample next (prompt ids, seed, room, stop strings; None once the row is done), `take(tokens, logprobs)` runs the
+    segment's tokens through the tool loop. Requests may run in threads; `take` runs where the caller runs the
+    tool loop (its tool runner forks its workers from the caller's thread)."""
+
+    def __init__(self, loop, row: int, prompt: list[int], seed: int, width: int, eos_ids: list[int],
+                 stops: list[str]):
+        self.loop, self.row, self.prompt, self.seed = loop, row, prompt, seed
+        self.width, self.eos, self.stops = width, set(eos_ids), stops
+        self.ids: list[int] = []
+        self.fed: list[int] = []  # 1: fed by a tool, 0: sampled by the model
+        self.logprobs: list[float] = []
+        self.segments, self.done = 0, False
+
+    def request(self) -> tuple[list[int], int, int, list[str]] | None:
+        room = self.width - len(self.ids)
+        if self.done or room <= 0:
+            self.done = True
+            return None
+        self.segments += 1
+        return self.prompt + self.ids, int64(self.seed + self.segments - 1), room, self.stops
+
+    def take(self, tokens: list[int], logprobs: list[float]) -> None:
+        """The segment's tokens, up to the first a tool reacts to (its output appended) or that ends the row."""
+        if not tokens:
+            self.done = True
+            return
+        for token, logprob in zip(tokens, logprobs):
+            self.ids.append(token), self.fed.append(0), self.logprobs.append(logprob)
+            (ends,), fed = self.loop.row_ends([self.row], [token], [self.width - len(self.ids)], [token in self.eos])
+            if self.row in fed:  # a tool ran: its output appended, the next segment starts after it
+                self.ids += fed[self.row]
+                self.fed += [1] * len(fed[self.row])
+                self.logprobs += [NAN] * len(fed[self.row])
+            if ends or self.row in fed:
+                self.done = ends
+                return
+
+
+def sample_rows(rows: list[ServerToolRow], sample, workers: int = 32) -> None:
+    """Sample every row to its end: each row's segments in order, the rows' requests at once (threads), their
+    tokens taken in this thread as the answers come."""
+    with ThreadPoolExecutor(max_workers=max(1, min(workers, len(rows)))) as pool:
+        pending = {pool.submit(sample, *r.request()): r for r in rows}
+        while pending:
+            done, _ = wait(pending, return_when=FIRST_COMPLETED)
+            for future in done:
+                row = pending.pop(future)
+                row.take(*future.result())
+                nxt = row.request()
+                if nxt is not None:
+                    pending[pool.submit(sample, *nxt)] = row

@@ -6,7 +6,7 @@ Why not `generate`: at a 150k-token vocabulary its per-step overhead rivals the 
 `torch.multinomial` draws one exponential per vocabulary entry, the min-length processor rewrites the whole
 score matrix, and `F.linear(h, W)` with few rows is slower than `W @ h.T` (docs/benchmarks.md). Logits here
 are computed as the loss computes log-probs (hidden states times the LM head, the family's scale or soft cap
-(policy/head), float32 softmax), so the sampling policy is the one being trained; the Sampler's weights
+(policy/head), float32 softmax), so the sampling policy is the one being trained; the Decoder's weights
 (policy/folding: LoRA folded in; policy/decoder: a fused step) change them by float32 roundings only.
 """
 from __future__ import annotations
@@ -18,13 +18,12 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from ..errors import ConfigError
-from ..policy.caches import cache_argument, keeps_recurrent_state
-from ..policy.decoder import fused_decoder
-from ..policy.head import head_logits, positions
-from ..settings.components import SamplingKnobs
-from .compaction import DecodingRows, select_rows
-from .kv_cache import in_place, preallocated_cache
+from ...errors import ConfigError
+from ...policy.caches import cache_argument, keeps_recurrent_state
+from ...policy.decoder import fused_decoder
+from ...policy.head import head_logits, positions
+from ...settings.components import SamplingKnobs
+from .kv_cache import DecodingRows, in_place, preallocated_cache, select_rows
 
 
 def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
@@ -190,8 +189,8 @@ class Decoded(NamedTuple):
 class ForcedTokens:
     """Tokens queued for some rows of a decode (a tool's output), fed one per step in place of a sampled one: the
     row reads them into its own KV cache positions while the other rows decode on, so no conversation is read
-    twice. `tools.after_tokens` (rollout/tool_loop.ToolLoop) sees every token a row samples and says what to
-    queue, or that a row ends."""
+    twice. `tools.row_ends` (engines/tool_loop.ToolLoop) sees every token a row samples and says what to queue,
+    or that a row ends."""
 
     def __init__(self, tools, N: int, C: int, device: torch.device):
         self.tools, self.queued = tools, {}  # original row -> its tokens still to feed
@@ -210,20 +209,19 @@ class ForcedTokens:
             self.mask[rows[forced], step] = 1
         return forced
 
-    def react(self, token: torch.Tensor, rows: torch.Tensor, forced: torch.Tensor, was: torch.Tensor,
-              finished: torch.Tensor, room: int) -> None:
-        """Show the tools the tokens [n] that batch rows `rows` [n] sampled this step (`forced` [n]: not sampled;
-        `was` [n]: finished before it); `finished` [n] is updated in place: a row whose tool ran gets its output
-        queued and goes on past its EOS, a row the tools end finishes."""
-        own = (~forced & ~was).nonzero().squeeze(1)  # [k]: positions that sampled a token of their own
+    def react(self, token: torch.Tensor, rows: torch.Tensor, own: torch.Tensor, eos: torch.Tensor,
+              room: int) -> torch.Tensor:
+        """Show the tools the tokens [n] that batch rows `rows` [n] sampled this step (`own` [n]: a token of their
+        own, neither fed nor after their end; `eos` [n]: an EOS of their own); [n] bool: the rows that end now
+        (engines/tool_loop.ToolLoop.row_ends). A row whose tool ran gets its output queued and goes on past its EOS."""
+        ends, own = eos.clone(), own.nonzero().squeeze(1)  # [n], [k]: positions that sampled a token of their own
         if own.numel() == 0:
-            return
-        reaction = self.tools.after_tokens(rows[own].tolist(), token[own].tolist(), [room] * own.numel())
-        for position, r in zip(own.tolist(), rows[own].tolist()):
-            if r in reaction:
-                if reaction[r]:
-                    self.queued[r] = list(reaction[r])
-                finished[position] = reaction[r] is None
+            return ends
+        ended, fed = self.tools.row_ends(rows[own].tolist(), token[own].tolist(), [room] * own.numel(),
+                                         eos[own].tolist())
+        ends[own] = torch.tensor(ended, device=ends.device)
+        self.queued.update({r: list(ids) for r, ids in fed.items() if ids})
+        return ends
 
 
 def next_tokens(logits: torch.Tensor, s: DecodeSettings, seen: torch.Tensor | None, eos: torch.Tensor,
@@ -266,9 +264,9 @@ def decode(hf_model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, settin
     prompts are read by `prefill`. `seeds` [N] (int64): where each row's random stream starts
     (rollout/streams.PromptStreams.seeds); None draws them from torch's generator. `on_token(n)`, if given, is
     called after every decoding step with the number of tokens it generated (rows not yet finished), for
-    progress bars. Finished rows leave the batch and the cache as they accumulate (rollout/compaction): the n
+    progress bars. Finished rows leave the batch and the cache as they accumulate (engines/kv_cache.DecodingRows): the n
     rows left decode on. The KV cache and the attention mask are allocated once for P + max_new_tokens
-    positions and written in place (rollout/kv_cache); a Llama-shaped model's steps run fused (policy/decoder).
+    positions and written in place (rollout/engines/kv_cache); a Llama-shaped model's steps run fused (policy/decoder).
     `head_matmul`: the LM head's product on a packed copy of its weight (policy/folding). `tools` (tool_loop's
     ToolLoop) watches what each row writes and appends its tools' output (`ForcedTokens`), a row ending at an
     EOS that closes no tool call or where the tools end it. `int8`: the decoding steps' linears run on int8
@@ -317,10 +315,10 @@ def decode(hf_model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, settin
         if on_token is not None:
             on_token(int((~batch.finished).sum()))
         was = batch.finished.clone()  # [n]
-        if s.stop_at_eos:  # a sampled EOS ends a row, unless it closed a tool call
-            batch.finished |= torch.isin(token, eos) if forced is None else torch.isin(token, eos) & ~forced
-        if turns is not None:  # the tools may end a row, or take it on past its EOS
-            turns.react(token, batch.rows, forced, was, batch.finished, s.max_new_tokens - step - 1)
+        ended = torch.isin(token, eos) if s.stop_at_eos else torch.zeros_like(was)  # [n]: a sampled EOS ends a row
+        if turns is not None:  # unless it closed a tool call; the tools may end a row, or take it on past its EOS
+            ended = turns.react(token, batch.rows, ~was & ~forced, ended & ~forced, s.max_new_tokens - step - 1)
+        batch.finished |= ended
         lengths[batch.rows[batch.finished & ~was]] = step + 1
         if step + 1 == s.max_new_tokens:
             break

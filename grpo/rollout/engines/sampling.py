@@ -1,20 +1,20 @@
-"""Prompts in, `num_generations` sampled completions each out, with the masks the loss needs: `Sampler`, the
-trainer's sampler over our KV-cached decoder (rollout/decoding.py); a TRL `rollout_func` stands behind the same
-interface (rollout/custom.py)."""
+"""Prompts in, `num_generations` sampled completions each out, with the masks the loss needs: `Decoder`, the
+engine over our KV-cached decode loop (engines/decoding.py); the prompt encoder a run sets up once
+(`prompt_encoder`) and `rollout_of`, where every engine's completions become a Rollout."""
 from __future__ import annotations
 
 import warnings
 
 import torch
 
-from ..policy.folding import sampling_weights
-from ..policy.models import context_length, eval_mode, unwrap
-from ..settings.components import SamplingKnobs
-from .batches import Rollout
+from ...policy.folding import sampling_weights
+from ...policy.models import context_length, eval_mode, unwrap
+from ...settings.components import SamplingKnobs
+from ..batches import Rollout
+from ..prompts import PromptTooLong
+from ..streams import PromptStreams
 from .chat import check_tool_template, is_chat, render
 from .decoding import Decoded, DecodeSettings, decode
-from .prompts import PromptTooLong
-from .streams import PromptStreams
 from .tool_loop import ToolLoop
 
 
@@ -61,6 +61,24 @@ class PromptEncoder:
             raise PromptTooLong(prompts[longest], len(rows[longest]), context, self.max_prompt_length, room)
         return left_pad(rows, self.tokenizer.pad_token_id)
 
+    def tool_loop(self, prompts: list, repeats: int, max_iterations: int | None, envs: list | None,
+                  eos_ids: list[int]) -> ToolLoop | None:
+        """The tool loop of one decode (engines/tool_loop.ToolLoop; None without tools) of `prompts`, each `repeats`
+        times in a row, as they were rendered: our decode's and a server's segments' alike."""
+        repeated = [p for p in prompts for _ in range(repeats)]
+        return None if self.tools is None else ToolLoop(self.tools, self.tokenizer, repeated, max_iterations, envs,
+                                                         eos_ids, self.chat_template_kwargs)
+
+
+def prompt_encoder(model, tokenizer, settings, tools=None) -> PromptEncoder:
+    """The run's one prompt encoder (the trainer's engine and its evaluation share it; grpo.eval and grpo.generate
+    make their own): `settings` (settings/components.SamplingSettings or EvalSettings, the same Config's values) give
+    max_prompt_length and chat_template_kwargs; `tools`' schemas rendered into the prompts, the template checked
+    with `model`'s EOS ids."""
+    kwargs = None if settings.chat_template_kwargs is None else dict(settings.chat_template_kwargs)
+    return PromptEncoder(tokenizer, settings.max_prompt_length, kwargs, tools,
+                         None if tools is None else eos_token_ids(tokenizer, model))
+
 
 def left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     width = max(len(r) for r in rows)
@@ -92,7 +110,7 @@ def sample_completions(model, tokenizer, encode: PromptEncoder, prompts: list, *
     `greedy=True` decodes the most likely token each step instead (evaluation), ignoring the sampling filters;
     `streams`: the prompts' random streams (rollout/streams; None: drawn from torch's generator);
     `on_token(n)` is called after each decoding step with the tokens it generated (progress bars). With the
-    tools of `encode` (rollout/tools.Tools), rows call them within the decode (rollout/tool_loop.ToolLoop), up
+    tools of `encode` (rollout/tools.Tools), rows call them within the decode (rollout/engines/tool_loop.ToolLoop), up
     to `max_tool_calling_iterations` rounds each (None: no limit, TRL's default); `envs`: one environment per
     completion when the tools include an environment's methods. `int8`: decoding steps on int8 weights
     (policy/int8), `bf16`: on the bf16 base, LoRA unfolded (policy/decoder; the precision plan's bf16 sampling);
@@ -110,28 +128,28 @@ def sample_completions(model, tokenizer, encode: PromptEncoder, prompts: list, *
     # temperature make sampling off-policy (as in TRL): the loss scores the policy's own distribution.
     # Eval mode: the KV cache on (gradient checkpointing would disable it), dropout off. LoRA folded into copies
     # of its base weights while decoding (policy/folding), the LM head oneDNN-packed on a CPU.
-    loop = None if encode.tools is None else ToolLoop(
-        encode.tools, tokenizer, [p for p in prompts for _ in range(num_generations)], max_tool_calling_iterations,
-        envs, eos_ids, encode.chat_template_kwargs)
+    loop = encode.tool_loop(prompts, num_generations, max_tool_calling_iterations, envs, eos_ids)
     with eval_mode(model), sampling_weights(model, int8) as head_matmul:
         decoded = decode(unwrap(model), prompt_ids, prompt_mask, settings, repeats=num_generations, seeds=seeds,
                          on_token=on_token, head_matmul=head_matmul, tools=loop, int8=int8, bf16=bf16,
                          with_logprobs=int8 or bf16)
-    prompt_ids = prompt_ids.repeat_interleave(num_generations, dim=0)  # [N, P]
-    prompt_mask = prompt_mask.repeat_interleave(num_generations, dim=0)  # [N, P]
-    return rollout_of(prompt_ids, prompt_mask, decoded, tokenizer, eos_ids, chat=is_chat(prompts[0]), loop=loop)
+    return rollout_of(prompt_ids, prompt_mask, decoded, tokenizer, eos_ids, chat=is_chat(prompts[0]), loop=loop,
+                      repeats=num_generations)
 
 
 def rollout_of(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, decoded: Decoded, tokenizer, eos_ids: list[int],
-               *, chat: bool, loop: ToolLoop | None = None) -> Rollout:
-    """The Rollout of completions after their prompts [N, P], however they were made (our decoder, a server, a
-    rollout_func: `decoded_rows`): each completion its first `decoded.lengths` tokens, the ids after them padded;
+               *, chat: bool, loop: ToolLoop | None = None, repeats: int = 1) -> Rollout:
+    """The Rollout of completions after their prompts [B, P], each prompt `repeats` times in a row (N = B * repeats),
+    however they were made (our decoder, a server, a rollout_func: `decoded_rows`): each completion its first
+    `decoded.lengths` tokens, the ids after them padded;
     "truncated" unless the model's own EOS ended it (its last token an EOS it sampled, not one it was fed); the
     fed tokens attended to but out of the loss mask. The completions as TRL gives them to rewards: texts decoded
     without special tokens, as chat messages [{"role": "assistant", ...}] after chat prompts (`chat`); with the
     tool loop `loop` that ran in the decode, its assistant and tool messages, and each row's tool calls and
-    failures counted; the sampled tokens' log-probs, when the sampler kept them (`sampling_logprobs`)."""
+    failures counted; the sampled tokens' log-probs, when the engine kept them (`sampling_logprobs`)."""
     ids, fed, lengths = decoded.completion_ids, decoded.fed, decoded.lengths  # [N, C], [N, C], [N]
+    prompt_ids = prompt_ids.repeat_interleave(repeats, dim=0)  # [N, P]
+    prompt_mask = prompt_mask.repeat_interleave(repeats, dim=0)  # [N, P]
     N, C = ids.shape
     completion_mask = (torch.arange(C, device=ids.device)[None] < lengths[:, None]).long()  # [N, C]
     last = (lengths - 1).clamp(min=0)[:, None]  # [N, 1]
@@ -157,43 +175,39 @@ def rollout_of(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, decoded: Dec
     return rollout
 
 
-def decoded_rows(rows: list[list[int]], pad_id: int, eos_ids: list[int]) -> Decoded:
+def decoded_rows(rows: list[list[int]], pad_id: int, eos_ids: list[int] | None, fed: list[list[int]] | None = None,
+                 logprobs: list[list[float]] | None = None) -> Decoded:
     """Completions made elsewhere (a server, a rollout_func), as lists of token ids, as our decode returns them: a
-    completion runs up to and including its first EOS, as a decode ends a row there (the ids after it are not
-    the completion's); none of its tokens fed."""
-    width = max(1, max(len(r) for r in rows))
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)  # [N, C]
-    eos = set(eos_ids)
-    lengths = [next((i + 1 for i, t in enumerate(r) if t in eos), len(r)) for r in rows]
-    for i, r in enumerate(rows):
-        ids[i, :len(r)] = torch.tensor(r, dtype=torch.long)
-    return Decoded(ids, torch.zeros_like(ids), torch.tensor(lengths, dtype=torch.long))
+    completion runs up to and including its first EOS of `eos_ids`, as a decode ends a row there (the ids after it
+    are not the completion's), or whole (`eos_ids` None: the tool loop ended it, as in a server's segments); `fed`:
+    1 on each token a tool wrote (None: none); `logprobs`: each token's sampled log-prob, kept (NaN past them)."""
+    width, eos = max(1, max(len(r) for r in rows)), set(eos_ids or ())
+
+    def padded(lists: list[list], value, dtype: torch.dtype) -> torch.Tensor:  # [N, C]
+        return torch.tensor([list(r) + [value] * (width - len(r)) for r in lists], dtype=dtype)
+
+    ids = padded(rows, pad_id, torch.long)  # [N, C]
+    lengths = torch.tensor([next((i + 1 for i, t in enumerate(r) if t in eos), len(r)) for r in rows])  # [N]
+    return Decoded(ids, torch.zeros_like(ids) if fed is None else padded(fed, 0, torch.long), lengths,
+                   None if logprobs is None else padded(logprobs, torch.nan, torch.float32))
 
 
-class Sampler:
-    """The trainer's sampler with our decoder. The contract any sampler keeps (`Trainer(sampler=...)`):
-    `sampler(prompts, on_token, streams) -> (rollout, fields)` samples `num_generations` completions of each of
-    this rank's prompts, returned as one Rollout of whole groups in order on the policy's device, with the extra
-    reward columns it makes (one value per completion; ours: `{}`); it may call `on_token(n)` as tokens come and
-    draws each prompt's random numbers from `streams` (rollout/streams; default: step 0's first prompts of the
-    config's seed), so that the tokens do not depend on how the prompts are grouped into decodes. Ours sends the
-    prompts through as few decodes as the memory plan allows (`prompts_per_decode`, a multiple of a micro-batch's
-    prompts; None: a micro-batch's): one for the whole generation batch when its KV cache fits within the
-    training peak, since a decode of more rows costs little more per step (docs/benchmarks.md)."""
+class Decoder:
+    """The engine on our decoder (engines/engine.Engine). It sends the prompts through as few decodes as the memory plan
+    allows (`prompts_per_decode`, a multiple of a micro-batch's prompts; None: a micro-batch's): one for the whole
+    generation batch when its KV cache fits within the training peak, since a decode of more rows costs little more
+    per step (docs/benchmarks.md). Each prompt's random numbers come from its own stream, so the tokens do not
+    depend on how the prompts are grouped into decodes."""
 
-    def __init__(self, policy, tokenizer, settings, prompts_per_decode: int | None = None, tools=None):
-        """`settings`: settings/components.SamplingSettings (a Config's plan's `sampling`)."""
-        self.policy, self.tokenizer, self.settings = policy, tokenizer, settings
-        kwargs = None if settings.chat_template_kwargs is None else dict(settings.chat_template_kwargs)
-        eos_ids = None if tools is None else eos_token_ids(tokenizer, policy.model)  # a template for tools is checked
-        self.encode = PromptEncoder(tokenizer, settings.max_prompt_length, kwargs, tools, eos_ids)
+    def __init__(self, policy, tokenizer, encode: PromptEncoder, settings, prompts_per_decode: int | None = None):
+        """`encode`: the run's prompt encoder (`prompt_encoder`); `settings`: settings/components.SamplingSettings."""
+        self.policy, self.tokenizer, self.encode, self.settings = policy, tokenizer, encode, settings
         k = settings.micro_batch_prompts
         self.prompts_per_decode = k if prompts_per_decode is None else max(k, prompts_per_decode // k * k)
 
     @torch.no_grad()
     def __call__(self, prompts: list, on_token=None, streams: PromptStreams | None = None,
                  envs: list | None = None) -> tuple[Rollout, dict[str, list]]:
-        """`envs`: with an environment_factory, one environment per completion (rollout/environments.make_envs)."""
         s, k, G = self.settings, self.prompts_per_decode, self.settings.num_generations
         streams = streams if streams is not None else PromptStreams(s.seed)
         decodes = [self.policy.parallel.unsharded(lambda model: sample_completions(
@@ -203,9 +217,3 @@ class Sampler:
             envs=None if envs is None else envs[start * G:(start + k) * G], int8=s.int8, bf16=s.bf16))
             for start in range(0, len(prompts), k)]
         return Rollout.cat(decodes, self.tokenizer.pad_token_id), {}
-
-    @staticmethod
-    def corrected(generation, settings) -> dict[str, float]:
-        """The importance-sampling correction of int8 or bf16 samples (rollout/batches.Generation.correct_sampling)
-        and its metrics."""
-        return generation.correct_sampling(settings)
