@@ -39,7 +39,8 @@ def tiny_4bit_model(tokenizer, seed: int = 0):
 
 def decode_settings(max_new_tokens: int, eos_ids, pad_id: int, *, stop_at_eos: bool = True, greedy: bool = False,
                     **knobs) -> DecodeSettings:
-    """rollout/engines/decoding.DecodeSettings with the sampling knobs (settings/components.SamplingKnobs) as keywords."""
+    """rollout/engines/decoding.DecodeSettings with the sampling knobs (settings/components.SamplingKnobs) as
+    keywords."""
     return DecodeSettings(max_new_tokens, eos_ids, pad_id, SamplingKnobs(**knobs), stop_at_eos, greedy)
 
 

@@ -99,9 +99,9 @@ class VLLMServer:
 
 class ServerEngine:
     """The engine on a vLLM server (module docstring). `model`: the policy (a peft model: its adapter is what the
-    server loads); `encode`: the run's prompt encoder (engines/sampling.prompt_encoder); `settings`:
-    settings/components.SamplingSettings; `server`: settings/components.ServerSettings; `adapters_dir`: where adapters are
-    written for the server to read."""
+    server loads); `encode`: the run's prompt encoder (engines/sampling.prompt_encoder); `settings`, `server`:
+    settings/components.SamplingSettings and ServerSettings; `adapters_dir`: where adapters are written for the
+    server to read."""
 
     def __init__(self, model, tokenizer, encode: PromptEncoder, settings, server, adapters_dir: Path):
         self.model, self.tokenizer, self.encode, self.settings = model, tokenizer, encode, settings
