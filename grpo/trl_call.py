@@ -70,13 +70,10 @@ def _lora(peft_config, model, config: Config) -> dict:
 
 
 def trl_attributes(config: Config, tokenizer, reward_funcs: list, plan, policy, train_dataset) -> dict:
-    """TRL GRPOTrainer's attributes that a script reads, on ours (docs/coming-from-trl.md says which and why):
-    `args` (the Config), `processing_class` (the tokenizer), `reward_func_names`, `reward_processing_classes` (each
-    reward model's tokenizer, None for a function), `reward_weights` (a tensor, 1.0 each unless set; `plan`'s, the
-    run's settings/plan.RunPlan: an environment's own reward weighs 1, after the config's), `ref_model`
-    (`policy`'s frozen reference copy: None under LoRA, whose reference is the policy with its adapter off, and
-    without a KL term, as in TRL), `train_dataset`, and `aux_loss_enabled` with `router_aux_loss_coef` (a
-    mixture-of-experts router's load-balancing loss and its weight, policy/router.py)."""
+    """TRL GRPOTrainer's attributes that a script reads, on ours (docs/coming-from-trl.md says which and why).
+    `reward_weights` are `plan`'s (settings/plan.RunPlan: an environment's own reward weighs 1, after the
+    config's); `ref_model` is None under LoRA, whose reference is the policy with its adapter off, and without
+    a KL term, as in TRL."""
     weights = plan.generation.reward_weights
     weights = weights if weights is not None else [1.0] * len(reward_funcs)
     return {"args": config, "processing_class": tokenizer, "reward_func_names": reward_func_names(reward_funcs),

@@ -1,10 +1,8 @@
 """Group-relative advantages (GRPO, DeepSeekMath; Dr. GRPO variant without scaling).
 
-Each prompt is sampled ``group_size`` times; a completion's advantage is its reward
-relative to its siblings, so no learned value function is needed. A completion that no
-reward function scored (all returned None) is left out of its group's mean and std and
-gets advantage 0, as in TRL.
-"""
+Each prompt is sampled ``group_size`` times; a completion's advantage is its reward relative to its siblings, so
+no learned value function is needed. A completion that no reward function scored (all returned None) is left
+out of its group's mean and std and gets advantage 0, as in TRL."""
 
 from __future__ import annotations
 
@@ -35,23 +33,15 @@ def _check_rewards(rewards: Tensor, group_size: int, scale: str, scored: Tensor 
 
 def group_advantages(rewards: Tensor, group_size: int, scale: str = "group", eps: float = 1e-4,
                      scored: Tensor | None = None) -> Tensor:
-    """Return group-normalized advantages ``A = (r - mean_group(r)) / (std + eps)``.
-
-    Args:
-        rewards: ``[N]`` rewards, ``N / group_size`` consecutive groups of one prompt's completions.
-        group_size: completions per prompt (G).
-        scale: what the centered reward is divided by:
-            ``"group"``: the std within each group (GRPO);
-            ``"batch"``: the std over all N rewards (the mean is still per group);
-            ``"none"``: nothing, only centering (Dr. GRPO).
-        eps: added to the std before dividing.
-        scored: ``[N]`` bool, False where no reward function scored the completion (default: all True).
-            Those rows take no part in any mean or std, and get advantage 0.
+    """``[N]`` group-normalized advantages ``A = (r - mean_group(r)) / (std + eps)`` of the rewards ``[N]``,
+    ``N / group_size`` consecutive groups of one prompt's completions. ``scale``, what the centered reward is
+    divided by: ``"group"`` the std within each group (GRPO), ``"batch"`` the std over all N rewards (the mean
+    is still per group), ``"none"`` nothing (Dr. GRPO). ``scored`` ``[N]``: False where no reward function
+    scored the completion (default: all True), a row that takes no part in any mean or std.
 
     The std is the unbiased sample std. A group whose scored rewards are all equal, or that has fewer than two
-    scored completions (TRL: a NaN std, then 0), gets an advantage of exactly 0 under every scale. Returns
-    ``[N]`` advantages in the dtype of ``rewards`` (float32 if it was an integer type).
-    """
+    scored completions (TRL: a NaN std, then 0), gets an advantage of exactly 0 under every scale. The dtype is
+    that of ``rewards`` (float32 if it was an integer type)."""
     _check_rewards(rewards, group_size, scale, scored)
     if not rewards.is_floating_point():
         rewards = rewards.float()

@@ -259,22 +259,13 @@ def _check_inputs(hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor 
 def token_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float = 1.0,
                    bias: Tensor | None = None, chunk_size: int = LOGPROB_CHUNK_SIZE, return_entropy: bool = False,
                    logit_scale: float = 1.0, softcap: float | None = None) -> Tensor | tuple[Tensor, Tensor]:
-    """Log-probability of each target token under ``softmax(f(hidden @ weight.T + bias) / temperature)``, with
-    ``f(x) = softcap * tanh(logit_scale * x / softcap)``, or ``logit_scale * x`` when ``softcap`` is None.
-
-    Args:
-        hidden: ``[B, T, H]`` final hidden states (any leading shape works).
-        weight: ``[V, H]`` LM-head weight.
-        targets: ``[B, T]`` token ids in ``[0, V)``; pad ids on masked positions are fine.
-        temperature: the sampling temperature the completions were drawn with.
-        bias: optional ``[V]`` LM-head bias.
-        chunk_size: token rows (of ``N = B * T``) whose logits are materialized at once;
-            peak extra memory is about ``chunk_size * V * 4`` bytes (1.5 times for a bf16 head), plus the
-            weight gradient when it is trained.
-        return_entropy: also return the per-token entropy of the tempered distribution (differentiable: an
-            entropy bonus in the loss trains it, its gradient recomputed chunk by chunk like the log-probs').
-        logit_scale, softcap: the model family's transform of the head's output, applied before the
-            temperature (see ``grpo.policy.head``).
+    """Log-probability of each target token ``[B, T]`` (ids in ``[0, V)``) under ``softmax(f(hidden @ weight.T +
+    bias) / temperature)`` (hidden ``[B, T, H]``, any leading shape; weight ``[V, H]``; bias ``[V]`` or None),
+    with ``f(x) = softcap * tanh(logit_scale * x / softcap)``, or ``logit_scale * x`` when ``softcap`` is None
+    (the model family's transform, grpo.policy.head). ``chunk_size`` token rows have their logits materialized
+    at once: peak extra memory about ``chunk_size * V * 4`` bytes (1.5 times for a bf16 head), plus the weight
+    gradient when it is trained. ``return_entropy``: also the per-token entropy of the tempered distribution
+    (differentiable, its gradient recomputed chunk by chunk like the log-probs').
 
     The matmul runs in the weight's dtype, the softmax in float32 (float64 for a float64 weight). Backward
     recomputes each chunk's logits from ``hidden``, ``weight`` and the saved logsumexp, so no logits outlive

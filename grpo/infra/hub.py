@@ -26,9 +26,8 @@ def _probe(host: str, port: int, found: list) -> None:
 
 
 def unreachable() -> str | None:
-    """Why the Hub cannot be used now ("HF_HUB_OFFLINE=1 is set", or its endpoint and the connection's error),
-    or None when its endpoint (`HF_ENDPOINT`, default huggingface.co) accepts a connection within PROBE_S
-    seconds. The name lookup runs in a thread of its own, so that a resolver that hangs costs PROBE_S too."""
+    """Why the Hub cannot be used now, or None when its endpoint (`HF_ENDPOINT`, default huggingface.co) accepts
+    a connection within PROBE_S seconds (the lookup runs in a thread: a resolver that hangs costs PROBE_S too)."""
     if _offline_set():
         return "HF_HUB_OFFLINE=1 is set"
     url = os.environ.get("HF_ENDPOINT") or "https://huggingface.co"

@@ -21,9 +21,8 @@ class StepAbandoned(Exception):
 
 
 class TrainingInterrupted(KeyboardInterrupt):
-    """Training stopped on signal `signum` after `step` steps; `checkpoint` holds them (None before step 1, or
-    when nothing is saved: `unsaved` says why). A KeyboardInterrupt, as Ctrl-C's own would be, so code that
-    stops on one stops on this; its message says how to resume, in the caller's language."""
+    """Training stopped on signal `signum` after `step` steps; `checkpoint` holds them (None when nothing is
+    saved: `unsaved` says why). A KeyboardInterrupt, as Ctrl-C's own would be; its message says how to resume."""
 
     def __init__(self, signum: int, step: int, checkpoint: Path | None, unsaved: str = "nothing to save yet"):
         self.signum, self.step, self.checkpoint, self.unsaved = signum, step, checkpoint, unsaved

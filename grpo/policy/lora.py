@@ -38,10 +38,9 @@ def is_peft_model(model) -> bool:
 
 
 def lora_settings(lora, source: str = "peft_config", model_type=None) -> dict:
-    """The Config settings that train what the peft LoraConfig `lora` describes (use_lora=True, lora_r,
-    lora_alpha, lora_dropout, lora_target_modules); ConfigError naming every field it sets that this trainer
-    does not implement, at once. `source` is what messages call it; `model_type` (a callable giving the model's
-    config.model_type) is read only when the LoraConfig names no target_modules: peft's default for it."""
+    """The Config settings that train what the peft LoraConfig `lora` describes; ConfigError naming every field
+    it sets that this trainer does not implement, at once. `source` is what messages call it; `model_type` (a
+    callable giving the model's config.model_type) is read only when `lora` names no target_modules."""
     peft = sys.modules.get("peft")
     if peft is None or not isinstance(lora, peft.LoraConfig):
         raise ConfigError(f"{source} must be a peft LoraConfig (this trainer trains LoRA adapters), got "
@@ -82,9 +81,8 @@ def adapter_settings(model) -> dict:
 
 
 def with_adapter(model, config):
-    """`model` with a new LoRA adapter from `config`'s LoRA settings (settings/plan.LoadSettings, or a Config),
-    peft's `get_peft_model`; a PeftModel passed in (its settings read by `adapter_settings`) trains its own
-    adapter and is returned as it is."""
+    """`model` with a new LoRA adapter from `config`'s LoRA settings (settings/plan.LoadSettings, or a Config);
+    a PeftModel passed in trains its own adapter and is returned as it is."""
     if is_peft_model(model):
         return model
     from peft import LoraConfig, get_peft_model
@@ -93,5 +91,4 @@ def with_adapter(model, config):
                       target_modules=config.lora_target_modules or ALL_LINEAR, task_type="CAUSAL_LM")
     with warnings.catch_warnings():  # peft 0.21 reads transformers 5's deprecated alias: not the user's to fix
         warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
-        adapted = get_peft_model(model, lora)
-    return adapted
+        return get_peft_model(model, lora)

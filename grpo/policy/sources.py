@@ -26,10 +26,9 @@ def reads_as_path(name: str) -> bool:
 
 
 def locate(name: str, what: str = "model") -> str:
-    """What to load for `name`: itself, unless it is a hub id while the Hub cannot be reached (infra/hub): then
-    its copy in the Hugging Face cache, or a ConfigError, within seconds, saying what was looked for, why the
-    Hub is out of reach, the closest model shipped for offline use and how to point at a local one. `what`:
-    the setting that named it."""
+    """What to load for `name` (named by the setting `what`): itself, unless it is a hub id while the Hub cannot
+    be reached (infra/hub): then its copy in the Hugging Face cache, or a ConfigError, within seconds, naming the
+    closest model shipped for offline use."""
     if not isinstance(name, str) or reads_as_path(name):
         return name
     problem = hub.unreachable()

@@ -112,10 +112,6 @@ class Worker:
                            f"generation batch of step {step + 1}; the steps done are saved: to resume, set "
                            f"{resume_hint()}")
 
-    @property
-    def alive(self) -> bool:
-        return self.process.is_alive()
-
     def close(self) -> None:
         self.conn.close()
         if self.process.is_alive():
@@ -166,14 +162,11 @@ def _serve(conn, trainers_end, trainer_pid: int, pipeline, params, shared, promp
 
 
 class Ahead:
-    """The batch of step s (run/supply's interface) made ahead: the one training starts on at
-    optimizer step s is asked for at step s - max_staleness (not before the batch in training started: one is
-    sampled at a time), with the weights after that step's update; `schedule` (settings/schedule.Schedule) says
-    where batches start. `pipeline` (rollout/pipeline.Pipeline) is what the sampler process runs, `state` the
-    run's TrainerState, `release` what it frees on start. The batch in training is kept as run/synchronous
-    keeps it; `for_checkpoint` is what a checkpoint keeps besides, so that a resumed run trains on what the
-    uninterrupted one did.
-    The worker (`make_worker`, a Worker's signature) is started at the first request."""
+    """The batch of step s (run/supply's interface) made ahead: the one training starts on at optimizer step s is
+    asked for at step s - max_staleness (one is sampled at a time), with the weights after that step's update.
+    `pipeline` is what the sampler process runs, `state` the run's TrainerState, `release` what it frees on
+    start. The batch in training is kept as run/synchronous keeps it; `for_checkpoint` is what a checkpoint keeps
+    besides. The worker (`make_worker`, a Worker's signature) is started at the first request."""
 
     def __init__(self, pipeline, state, schedule, total_steps: int, max_staleness: int, release=lambda: None,
                  make_worker=None):

@@ -9,10 +9,8 @@ from dataclasses import dataclass
 
 @dataclass
 class TrainerControl:
-    """transformers' TrainerControl, its fields and their meaning (its own class is not imported: importing
-    transformers.trainer_callback costs seconds). `should_training_stop`: stop after this step, saving a
-    checkpoint as the end of training does; `should_log`, `should_evaluate`, `should_save`: at this step, reset
-    when the next begins. `should_epoch_stop` is accepted and not read: the loop is not one of epochs."""
+    """transformers' TrainerControl, its fields and their meaning (importing its own class costs seconds).
+    `should_epoch_stop` is accepted and not read: the loop is not one of epochs."""
 
     should_training_stop: bool = False
     should_epoch_stop: bool = False

@@ -1,13 +1,10 @@
 """Checkpoints hold everything a run needs to continue exactly where it stopped: the weights (the LoRA
 adapter alone under peft), and in `trainer_state.pt` the optimizer, the schedule, the RNG states, the data
 position and the step. Each is written into a temporary folder, fsynced, and renamed into place with a
-completion marker, so a crash mid-save never leaves a checkpoint that looks complete; half-written ones are
-neither loaded nor counted by `save_total_limit`. A checkpoint damaged after its save (a full disk, a node
-lost mid-write on a network filesystem) is recognised from its files' own headers and sizes before anything
-is loaded, and so is one whose bytes changed (a flipped bit) from the sha256 of each file, written beside them:
-`latest` passes over it to the newest loadable one (resuming drops the lines of the run's .jsonl logs written
-after the checkpoint's step: run/logs.drop_log_lines_after). A checkpoint the output
-folder cannot take (read-only, full, deleted mid-run) is written into a rescue folder instead (`save_or_rescue`)."""
+completion marker, so a crash mid-save never leaves a checkpoint that looks complete. A checkpoint damaged after
+its save (a full disk, a node lost mid-write, a flipped bit) is recognised before anything is loaded (`damage`),
+and `latest` passes over it. A checkpoint the output folder cannot take (read-only, full, deleted mid-run) is
+written into a rescue folder instead (`save_or_rescue`)."""
 from __future__ import annotations
 
 import hashlib
@@ -169,9 +166,8 @@ def move_earlier_run(output_dir: str) -> str | None:
 def find_checkpoint(spec: str | bool, output_dir: str) -> tuple[Path | None, list[str]]:
     """The checkpoint folder `spec` names, or for "latest" the newest loadable one in `output_dir` (None if
     there is none yet; for True, transformers' spelling, ConfigError then), and a line for each newer one passed
-    over as damaged. ConfigError if `spec` is not a loadable checkpoint (naming the one that is), if every
-    checkpoint of `output_dir` is damaged, or if `output_dir` holds loadable newer ones: continuing the older one
-    there would mix two runs."""
+    over as damaged. ConfigError if `spec` is not a loadable checkpoint, if every checkpoint of `output_dir` is
+    damaged, or if `output_dir` holds loadable newer ones: continuing the older one there would mix two runs."""
     found = complete_checkpoints(output_dir)
     if spec is True and not found:
         raise ConfigError(f"{setting('resume_from_checkpoint', True)}: no checkpoint in {output_dir} to resume from "
@@ -273,6 +269,15 @@ def _safetensors_damage(path: Path) -> str | None:
 
 def _bytes(path: Path) -> str:
     return f"{path.stat().st_size:,} bytes"
+
+
+def check_model_folder(path: Path, option: str) -> None:
+    """ConfigError unless `path` (named by `option`) holds loadable model weights: full ones or a LoRA adapter."""
+    if not (path / "config.json").exists() and not (path / "adapter_config.json").exists():
+        raise ConfigError(f"{path} is not a checkpoint folder (no config.json or adapter_config.json)")
+    problem = damage(path, weights_only=True)
+    if problem is not None:
+        raise unloadable(option, path, problem, weights_only=True)
 
 
 def loadable_beside(path: Path, weights_only: bool = False) -> Path | None:

@@ -1,7 +1,6 @@
-"""What a run reports while `train()` runs: the step bar; every logged line written (metrics.jsonl, completions.jsonl
-and the trackers: run/logs.py), kept in `trainer.state.log_history` and passed to the callbacks' `on_log` (an
-evaluation's also to `on_evaluate`); and what `train()` returns, transformers' `TrainOutput`, whose metrics
-close the log_history and go to `on_log` as in transformers."""
+"""What a run reports while `train()` runs: the step bar; every logged line written (run/logs.py), kept in
+`trainer.state.log_history` and passed to the callbacks' `on_log` (an evaluation's also to `on_evaluate`); and
+what `train()` returns, transformers' `TrainOutput`."""
 from __future__ import annotations
 
 import time
@@ -89,11 +88,9 @@ class Report:
         return line
 
     def output(self) -> TrainOutput:
-        """This `train()` call's TrainOutput, once its metrics are logged as transformers logs them (the last entry
-        of log_history, and on_log; not metrics.jsonl, whose lines are the steps' and the evaluations') and the
-        callbacks' on_train_end has run. That last entry also holds the call's last step's metrics (`reward`,
-        `rewards/<name>/mean`, ...), as TRL's does with its default logging_steps=10: TRL merges the metrics of
-        the steps since its last log into it."""
+        """This `train()` call's TrainOutput, once its metrics are logged as transformers logs them (the last
+        entry of log_history, and on_log; not metrics.jsonl) and the callbacks' on_train_end has run. That last
+        entry also holds the call's last step's metrics, as TRL's does with its default logging_steps=10."""
         out = train_output(self.state.global_step, self.state.epoch, self.losses, time.perf_counter() - self.start,
                            self.completions_per_step)
         self.state.log_history.append({**self.last_step, **out.metrics, "step": out.global_step})

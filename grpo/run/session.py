@@ -1,9 +1,7 @@
 """A run's session with its output folder: what a checkpoint holds besides the weights (`state_dict`), writing
-one per step (`save`; none at all under save_strategy="no", unless a callback asks; when is settings/plan's Cadence),
-resuming from one (`resume`), and a step undone when it fails or a stop signal abandons it, the steps done saved
-so that only that one is lost (`undone_on_failure`), as they are when a log cannot be written
-(`saved_when_logs_fail`). run/checkpoint.py writes and finds the folders; a checkpoint output_dir cannot take goes
-to a rescue folder, and the run stops saying where (`CheckpointNotWritten`)."""
+one (`save`), resuming from one (`resume`), and a step undone when it fails or a stop signal abandons it, the
+steps done saved so that only that one is lost (`undone_on_failure`, `saved_when_logs_fail`). run/checkpoint.py
+writes and finds the folders."""
 from __future__ import annotations
 
 import contextlib
@@ -122,11 +120,9 @@ class Session:
 
     def resume(self, spec: str | bool | None, logged: bool = False) -> Progress | None:
         """Start as resume_from_checkpoint `spec` says: None or False, a fresh run, which moves an earlier run's
-        files aside (checkpoint.move_earlier_run; None returned; `logged`: the logs there are this run's own, an
-        evaluation's before its first step); a checkpoint folder, "latest" (the newest loadable one in output_dir,
-        saying which damaged ones it passed over; none yet means step 0, and None is returned) or True (the same,
-        an error when there is none). Lines of the logs written after its step are dropped, so they never
-        repeat."""
+        files aside (None returned; `logged`: the logs there are this run's own, an evaluation's before its first
+        step); a checkpoint folder, "latest" or True (checkpoint.find_checkpoint; none yet: step 0, and None is
+        returned). Lines of the logs written after its step are dropped, so they never repeat."""
         if not spec:
             moved = None if logged or not self.dist.is_main else checkpoint.move_earlier_run(str(self.output_dir))
             if moved is not None:
