@@ -1,14 +1,10 @@
 """Giving freed memory back to the OS on a CPU run (glibc's malloc).
 
-glibc serves blocks under its mmap threshold from heaps it keeps, and raises that threshold up to 32 MB each time
-a bigger block is freed. A training step allocates and frees hundreds of such blocks: the heaps grow to the
-largest set ever live at once, plus their fragmentation, and stay that size. A fixed threshold of 1 MB puts every
-larger block in its own mapping, unmapped when torch frees it, which keeps a deep model's peak near its live
-memory for some more CPU time in page faults. `MALLOC_MMAP_THRESHOLD_` in the environment chooses another
-threshold. The figures: docs/benchmarks.md, "glibc's mmap threshold".
-
-While decoding (`decoding_allocations`), the threshold is 32 MB, then back to 1 MB with the freed heap trimmed:
-a decode frees and reallocates the same few blocks each step, which at 1 MB are fresh mappings to fault in.
+glibc serves blocks under its mmap threshold from heaps that grow to the largest set ever live at once and stay
+that size; a fixed threshold (`MMAP_THRESHOLD`) gives every larger block its own mapping, unmapped when torch frees
+it (why 1 MB, and the figures: docs/memory-planner.md, "Memory on a CPU"). While decoding (`decoding_allocations`),
+the threshold is 32 MB: a decode frees and reallocates the same few blocks each step, which at 1 MB are fresh
+mappings to fault in.
 """
 from __future__ import annotations
 

@@ -1,15 +1,8 @@
-"""A transformers causal LM written as one GGUF file (llama.cpp, Ollama, LM Studio; transformers' `gguf_file=`).
-
-Llama- and Qwen2-style models (`model_type` "llama", "qwen2"; a Mistral-style llama included): llama.cpp's
+"""A transformers causal LM written as one GGUF file (llama.cpp, Ollama, LM Studio; transformers' `gguf_file=`):
+what it writes, and what it refuses, is docs/inference-engines.md's. Llama- and Qwen2-style models: llama.cpp's
 tensor names (gguf's own name map), the query and key rows of a llama permuted as llama.cpp stores them, the
-hyper-parameters under llama.cpp's keys. The weights as float32, float16, bfloat16 or one of the block types the
-`gguf` package quantizes (q8_0, q5_1, q5_0, q4_1, q4_0); 1-D tensors (norms, biases) and rows a block type cannot
-cut stay float32 / float16, as llama.cpp's converter leaves them.
-
-The tokenizer: copied field by field from `source_gguf` when the model came from a GGUF file (the file's own
-vocabulary, merges, pre-tokenizer name, special ids and chat template); otherwise written from a byte-level BPE
-tokenizers' tokenizer, with the pre-tokenizer name whose split transformers' GGUF loader rebuilds identically on
-a check text (`PRE_TOKENIZERS`), and refused in one line when none does."""
+hyper-parameters under llama.cpp's keys. The tokenizer: the source GGUF's own, or written from a byte-level BPE
+tokenizer under the first of `PRE_TOKENIZERS` whose split transformers' GGUF loader rebuilds identically."""
 from __future__ import annotations
 
 import json

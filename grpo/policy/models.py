@@ -101,13 +101,10 @@ def named(model, name: str):
 
 
 def keep_4bit_layout(model) -> None:
-    """Keep every bitsandbytes 4-bit weight in the layout its training forward reads, on every CPU.
-
-    On a CPU with AVX512-BF16, bitsandbytes 0.50 repacks a `Linear4bit` weight for a bf16 inference kernel the
-    first time the layer runs in eval mode without grad (our sampling) and keeps that layout in train mode.
-    Training on it goes wrong: the kernel has no backward (the gradient to earlier layers is silently dropped),
-    it computes in bf16, the conversion back on save changes the base, and the repack fails on some layer
-    shapes. Turned off, both kinds of CPU compute alike; sampling is slower on AVX512-BF16."""
+    """Keep every bitsandbytes 4-bit weight in the layout its training forward reads, on every CPU: on a CPU with
+    AVX512-BF16, bitsandbytes 0.50 repacks a `Linear4bit` weight for a bf16 inference kernel the first time the
+    layer runs in eval mode without grad (our sampling), a layout with no backward that changes the base when
+    saved (docs/memory-planner.md)."""
     for name, module in model.named_modules():
         if not hasattr(module, "support_avx512bf16_for_cpu"):  # not a bitsandbytes.nn.Linear4bit
             continue

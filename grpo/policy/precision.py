@@ -1,17 +1,10 @@
 """The run's dtype plan, decided once from the device, the CPU and the `bf16` setting (`uses_bf16`), so that every
 place that casts or autocasts reads the same answer, on CUDA and on a CPU alike.
 
-`bf16=None` computes in bf16 where the hardware does bf16 arithmetic natively: CUDA, and a CPU with AVX512-BF16
-or AMX that oneDNN runs bf16 on (docs/benchmarks.md); float32 on any other CPU, where bf16 kernels are slower.
-What the CPU does is asked once per process (`CpuBf16.read`); GRPO_CPU_BF16=1/0 stands in for its answer (`ENV`),
-so a machine can run either CPU's plan.
-
-Under bf16: a frozen LoRA base (and QLoRA's 4-bit layers' compute) in bf16 with float32 adapters (peft upcasts
-them); fully trained weights stay float32, since bf16 weights would round away updates of lr ~1e-6, and their
-forwards run under bf16 autocast; full fine-tuning's frozen reference copy is bf16 (forward-only: half the
-memory); FSDP gathers bf16 and reduces float32. On a CPU the decode samples in bf16 too, on the bf16 base with
-LoRA unfolded (policy/decoder), its log-probs kept for TRL's importance-sampling correction (`bf16_sampling`).
-Otherwise everything is float32."""
+`bf16=None` computes in bf16 where the hardware does bf16 arithmetic natively (`uses_bf16`), float32 on any other
+CPU, where bf16 kernels are slower. What the CPU does is asked once per process (`CpuBf16.read`); GRPO_CPU_BF16=1/0
+stands in for its answer (`ENV`). Fully trained weights stay float32 (bf16 would round away updates of lr ~1e-6)
+unless `bf16_weights`; what else runs in bf16 under the plan: docs/architecture.md."""
 from __future__ import annotations
 
 import contextlib

@@ -1,7 +1,6 @@
-"""TRL's `callbacks=`: transformers' `TrainerCallback` objects (or classes, or any object with some of their
-method names), called as transformers' CallbackHandler calls them, `hook(args, state, control, **kwargs)`, in
-the order given, each one's returned control (if any) replacing the one before. The loop (Trainer.train) acts
-on the `TrainerControl` they leave: what to log, evaluate and save at a step, and whether to stop."""
+"""TRL's `callbacks=` (docs/coming-from-trl.md), called as transformers' CallbackHandler calls them, in the order
+given, each one's returned control (if any) replacing the one before. The loop (Trainer.train) acts on the
+`TrainerControl` they leave."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -21,8 +20,7 @@ class TrainerControl:
 
 class Callbacks:
     """The callbacks of one Trainer: `args` (the Config) and `state` (trainer.state) are the Trainer's own, and
-    every hook gets the keyword arguments transformers passes (model, processing_class, optimizer, lr_scheduler,
-    and dataloaders, None: there are none here)."""
+    every hook gets the keyword arguments transformers passes (the dataloaders None: there are none here)."""
 
     def __init__(self, callbacks, args, state, model, processing_class, optimizer, lr_scheduler):
         # transformers' add_callback takes a class too, and makes one.

@@ -1,12 +1,7 @@
 """The output folder a run writes: checked writable before anything loads (`check_output_dir`), and one run at a
-time in it. A run holds an exclusive lock on `OUTPUT_DIR/.grpo.lock` from its first step to its end, so a second
-run started into the same folder, even at the same moment, refuses in one line instead of interleaving its logs
-and checkpoints with the first one's.
-
-The lock is the kernel's (`flock`), not the file's existence: it goes with the process however that ends, so a
-lock file left by a run that died is in no one's way. The file only says who holds the lock, for the message.
-Under torchrun rank 0 holds it for every rank. A process the run forks lets go of its copy of the lock's
-descriptor as it starts, so the lock goes when the run's own process ends."""
+time in it (docs/checkpoints-and-failures.md): an exclusive lock on `OUTPUT_DIR/.grpo.lock` from the run's first
+step to its end. The lock is the kernel's (`flock`), not the file's existence: it goes with the process however
+that ends. The file only says who holds the lock, for the message."""
 from __future__ import annotations
 
 import contextlib

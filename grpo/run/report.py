@@ -24,8 +24,7 @@ class TrainOutput(NamedTuple):
 def train_output(global_step: int, epoch: float, losses: list[float], seconds: float,
                  completions_per_step: int) -> TrainOutput:
     """What transformers' `train()` returns for a call that ran one step per entry of `losses` (each step's
-    loss) in `seconds`: the mean of those losses, and its speed metrics rounded as transformers rounds them, a
-    sample being a completion (as in TRL). transformers' `total_flos` is left out: FLOPs are not counted here."""
+    loss) in `seconds`, its speed metrics rounded as transformers rounds them (docs/coming-from-trl.md)."""
     steps = len(losses)
     training_loss = sum(losses) / max(steps, 0.001)  # transformers' guard: 0.0 when no step ran
     metrics = {"train_runtime": round(seconds, 4),
