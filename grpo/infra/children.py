@@ -42,7 +42,7 @@ def die_with_parent(parent_pid: int) -> None:
 
 
 def drop_inherited(fd: int) -> None:
-    """In a forked child: let go of the open file behind descriptor `fd` (the parent keeps its own), leaving
+    """In a forked child: let go of the open file behind descriptor `fd` (a lock, a pipe's other end), leaving
     `/dev/null` at that number, so a Python object that still names it never closes someone else's file."""
     null = os.open(os.devnull, os.O_RDWR)
     try:

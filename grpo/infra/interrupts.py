@@ -1,8 +1,7 @@
 """Stopping cleanly on SIGINT (Ctrl-C) and SIGTERM (preemption). While a step is still generating or
-back-propagating, nothing has touched the weights, so the step is abandoned (the trainer rolls it back);
-once the optimizer runs, the step is finished. Either way the trainer then saves and raises
-TrainingInterrupted (a KeyboardInterrupt). A second signal stops at once, without saving. Inside the abandonable
-part, what a signal must not cut in two (a message read off a pipe and recorded) runs `atomic`."""
+back-propagating, nothing has touched the weights, so the step is abandoned (the trainer rolls it back); once
+the optimizer runs, the step is finished. Either way the trainer then saves and raises TrainingInterrupted. A
+second signal stops at once, without saving."""
 from __future__ import annotations
 
 import contextlib

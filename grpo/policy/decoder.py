@@ -103,9 +103,8 @@ def fused_decoder(body, cache, int8: bool = False, bf16: bool = False) -> FusedD
 
 
 class FusedDecoder:
-    """`step(ids [n, 1], mask [n, T], position_ids [n, 1]) -> last hidden states [n, H]`, as
-    `body(input_ids=ids, attention_mask=mask, position_ids=position_ids, cache=cache).last_hidden_state[:, -1]`
-    computes them, writing the new keys and values into `cache`. It holds the weights the modules hold when it is
+    """`step(ids [n, 1], mask [n, T], position_ids [n, 1]) -> last hidden states [n, H]`, as `body` computes
+    them with `cache`, writing the new keys and values into it. It holds the weights the modules hold when it is
     made: make one per decode."""
 
     def __init__(self, body, cache, plan: list, int8: bool = False):

@@ -69,12 +69,10 @@ def _packed_forward(weight: torch.Tensor, bias: torch.Tensor | None):
 
 @contextlib.contextmanager
 def sampling_weights(model, int8: bool = False):
-    """Within the context, every foldable LoRA layer of `model` (see `foldable_layers`) computes with its base
-    weight plus its adapter's update, held in a new tensor that stands in for the base weight, and skips the
-    adapter. Yields the LM head's product on a oneDNN-packed copy (`hidden -> logits`, for policy/head's
-    `head_logits`), or None where it is not packed (not a float32 torch linear on a CPU); with `int8`, on an
-    int8 copy (policy/int8; the decoding steps make theirs from the folded weights, policy/decoder). On exit the
-    original weights (the same tensors, never written) and adapters are back."""
+    """Within the context, every `foldable_layers` LoRA layer of `model` computes with its folded weight, and
+    skips the adapter. Yields the LM head's product on a oneDNN-packed copy (for policy/head's `head_logits`),
+    or None where it is not packed (not a float32 torch linear on a CPU); with `int8`, on an int8 copy
+    (policy/int8). On exit the original weights (the same tensors, never written) and adapters are back."""
     layers = foldable_layers(model)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     swapped = []

@@ -98,11 +98,6 @@ def schedule_of(total_steps: int, warmup_steps: int, schedule: str, kwargs: dict
         raise ConfigError(f"lr_scheduler_type={schedule!r} with lr_scheduler_kwargs={kwargs or {}}: {e}") from None
 
 
-def lr_multiplier(step: int, total_steps: int, warmup_steps: int, schedule: str, kwargs: dict | None = None) -> float:
-    """The multiplier of the peak rate at `step` (`schedule_of`)."""
-    return schedule_of(total_steps, warmup_steps, schedule, kwargs)(step)
-
-
 def set_hyperparameters(optimizer, scheduler, lr: float, betas: tuple[float, float], weight_decay: float) -> None:
     """Apply the current settings over the ones a loaded optimizer and schedule state brought along,
     keeping the schedule's position."""
@@ -128,7 +123,7 @@ def rescheduled(saved_total: int, total_steps: int, step: int, lr: float, warmup
     head = f"resuming a run of {saved_total} steps as one of {total_steps}"
     if step >= total_steps:
         return f"{head}: step {step} is past its end, so no step is trained"
-    now = lr * lr_multiplier(step, total_steps, warmup_steps, schedule, kwargs)
+    now = lr * schedule_of(total_steps, warmup_steps, schedule, kwargs)(step)
     return (f"{head}: the {schedule} learning-rate schedule is now that of {total_steps} steps, from step {step} "
             f"on (lr {now:.3g} for step {step + 1})")
 

@@ -128,7 +128,7 @@ def load_error(name: str, error: Exception) -> ConfigError:
     if os.path.isdir(name):
         return ConfigError(f"model={name} is a local folder, but transformers cannot load it ({first}); it must be "
                            f"{LOCAL_FOLDER}")
-    offline = os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
+    offline = hub.offline_set()
     if offline or "couldn't connect" in text or "offline" in text.lower():
         why = "HF_HUB_OFFLINE=1 is set" if offline else "the Hub cannot be reached"
         return ConfigError(

@@ -86,8 +86,7 @@ class Trackio:
 
 
 class WandB:
-    """W&B, offline unless logged in (WANDB_MODE wins): the run folder is output_dir/wandb, and
-    `wandb sync` uploads it later. A resumed run continues the same run id."""
+    """W&B, offline unless logged in (WANDB_MODE wins), in output_dir/wandb; a resumed run continues its run id."""
     package = "wandb"
 
     def __init__(self, output_dir: Path, run: dict):
@@ -123,8 +122,8 @@ TRACKER_CLASSES = {"tensorboard": TensorBoard, "trackio": Trackio, "wandb": Wand
 
 
 class Trackers:
-    """The run's trackers and the console's sample of completions: rank 0 reports, other ranks do nothing.
-    A context manager around the training loop, which finishes the trackers however it ends."""
+    """The run's trackers and the console's sample of completions (rank 0's), a context manager around the
+    training loop, which finishes the trackers however it ends."""
 
     def __init__(self, settings: TrackerSettings, is_main: bool):
         self.names, self.settings, self.is_main = tracker_names(settings.report_to), settings, is_main
