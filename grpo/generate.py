@@ -59,9 +59,8 @@ def context(recipe) -> list[dict]:
 
 
 def completion(model, tokenizer, text: str, settings, tools=None, before=()) -> tuple[str, bool]:
-    """The greedy completion of the user message `text` after the messages `before` (`settings`:
-    settings/plan.EvalSettings), the tokens the tools wrote marked `[tool: ...]`, and whether it stopped at
-    max_completion_length."""
+    """The greedy completion of the user message `text` after the messages `before`, the tokens the tools wrote
+    marked `[tool: ...]`, and whether it stopped at max_completion_length."""
     from .rollout.evaluate import prompt_encoder
     from .rollout.sampling import sample_completions
     from .rollout.tool_loop import mask_runs

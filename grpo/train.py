@@ -54,8 +54,7 @@ def _main(argv: list[str]) -> int:
 
 
 def run(recipe, config, argv: list[str]) -> int:
-    """Train; when a run stops early (signal, out of memory, a user error mid-run), say what was saved
-    and how to resume."""
+    """Train; when a run stops early (signal, out of memory, a user error), say what was saved and how to resume."""
     import torch
 
     from .infra.distributed import shutdown

@@ -58,8 +58,7 @@ def estimate(a: Architecture, config, device: str = "cuda") -> Estimate:
 
 def plan_peak(a: Architecture, m: MemorySettings, d: Dtypes) -> Estimate:
     """Peak memory of training `a` with the planner's settings `m` under the dtype plan `d`, prompts counted at
-    max_prompt_length (the worst case): the moments, the bytes of their parts, then the decodes sized to the room
-    the moments leave; see the module docstring."""
+    max_prompt_length (the worst case), the decodes sized to the room the moments leave."""
     own = _moments(m, d)  # the trainer's, decoding in its generation moment
     moments = _sampling_ahead(own) if m.async_generation else own
     # A decode's room: what the peak leaves beside what every moment keeps and the sampling weight copies. The

@@ -163,8 +163,7 @@ def _size(n: float) -> str:
 
 def plan_summary(config: Config, model=None, gpu_memory_gb: float | None = None) -> str:
     """A short breakdown of the predicted peak GPU memory and the cheapest change that fits `gpu_memory_gb`
-    (default: the current GPU's memory, when there is one). Never raises: printed when training runs out of
-    memory."""
+    (default: the current GPU's). Never raises: printed when training runs out of memory."""
     try:
         arch = architecture_of(config.model, model)
         if isinstance(arch, str):

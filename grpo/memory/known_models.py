@@ -74,8 +74,7 @@ def architecture_of(name: str, model=None, download: bool = False) -> Architectu
 
 
 def _config_file(name: str, download: bool):
-    """The transformers config of `name` (Config.model; a .gguf file or the packaged short name: its converted
-    folder's)."""
+    """The transformers config of `name` (Config.model; a .gguf file's or short name's: its converted folder's)."""
     from transformers import AutoConfig
 
     from ..policy.gguf import resolve_model_path

@@ -16,9 +16,8 @@ from .router import router_aux_coef
 
 
 class Policy:
-    """`model` (prepared for training) with its reference, wrapped for `world_size` ranks; `settings`:
-    settings/plan.LogprobSettings; `is_main`: this rank says what every rank does. Trains on `model`; `parallel`
-    saves and loads it."""
+    """`model` (prepared for training) with its reference, wrapped for `world_size` ranks (`parallel` saves and
+    loads it); `settings`: settings/plan.LogprobSettings; `is_main`: this rank says what every rank does."""
 
     def __init__(self, model, settings, world_size: int, precision: Precision, *, is_main: bool):
         self.model, self.settings, self.precision, self.is_main = model, settings, precision, is_main
@@ -43,9 +42,8 @@ class Policy:
             return self.parallel(lambda model: self._logprobs(model, rollout, with_entropy))
 
     def training_logprobs(self, rollout):
-        """`(logprobs, entropies, aux_loss)` [N, C], [N, C] and a scalar, all with grad: `logprobs(rollout,
-        with_entropy=True)` and a mixture-of-experts router's load-balancing loss over the rows, or None when
-        `router_aux_coef` is 0 (policy/router.py)."""
+        """`(logprobs, entropies, aux_loss)` [N, C], [N, C] and a scalar, all with grad: a mixture-of-experts
+        router's load-balancing loss over the rows, or None when `router_aux_coef` is 0 (policy/router.py)."""
         if not self.router_aux_coef:
             return *self.logprobs(rollout, with_entropy=True), None
         with self.precision.autocast():  # whole rows: the shared-prompt forward is off with a router loss

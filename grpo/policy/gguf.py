@@ -63,8 +63,7 @@ def cached_folder(gguf_path: Path, cache: Path | None = None) -> Path:
 
 
 def convert_gguf(gguf_path: Path, cache: Path | None = None, quiet: bool = False) -> Path:
-    """The float32 folder converted from `gguf_path` (made on first use; atomic: a half-written conversion
-    is never used)."""
+    """The float32 folder converted from `gguf_path`, made on first use (atomic: never half-written)."""
     gguf_path = Path(gguf_path)
     target = cached_folder(gguf_path, cache)
     if (target / "config.json").exists():

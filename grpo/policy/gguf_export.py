@@ -89,8 +89,7 @@ def gguf_tensors(gguf, model, arch: str) -> list[tuple[str, torch.Tensor]]:
 
 
 def tensor_type(gguf, w: torch.Tensor, wanted):
-    """The type a tensor is stored in: `wanted`, except 1-D tensors (float32) and rows a block type cannot cut
-    (float16)."""
+    """The type a tensor is stored in: `wanted`, but float32 for 1-D tensors, float16 for rows it cannot cut."""
     if w.dim() == 1:
         return gguf.GGMLQuantizationType.F32
     block, _ = gguf.GGML_QUANT_SIZES[wanted]

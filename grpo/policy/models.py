@@ -45,8 +45,7 @@ def with_pad_token(tokenizer):
 
 def default_tokenizer(name: str, model):
     """The tokenizer when none is given: that of `name` (Config.model), or for a model object the one of the
-    folder or hub id its config names (TRL's choice). A model built in code names none, and the default model
-    is not its."""
+    folder or hub id its config names (TRL's choice; a model built in code names none)."""
     if model is None:
         return load_tokenizer(name)
     source = getattr(getattr(model, "config", None), "_name_or_path", "") or ""
@@ -173,9 +172,8 @@ def context_length(model) -> int | None:
 
 
 def make_reference(model, reference: str, dtype: torch.dtype = torch.float32):
-    """A frozen copy for full fine-tuning (`reference`, settings/plan.reference_kind: "copy"), in `dtype`
-    (forward-only: bf16 halves its memory); None when the adapter-disabled policy serves (LoRA) or no reference
-    is needed (beta == 0)."""
+    """A frozen copy for full fine-tuning (`reference` "copy": settings/plan.reference_kind), in `dtype`; None when
+    the adapter-disabled policy serves (LoRA) or no reference is needed (beta == 0)."""
     if reference != "copy":
         return None
     return copy.deepcopy(unwrap(model)).eval().requires_grad_(False).to(dtype)

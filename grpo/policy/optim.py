@@ -83,9 +83,8 @@ def _sliced_adamw_8bit():
 
 
 def schedule_of(total_steps: int, warmup_steps: int, schedule: str, kwargs: dict | None = None):
-    """transformers' learning-rate schedule `schedule` (get_scheduler's name; `kwargs` its
-    scheduler_specific_kwargs, TRL's lr_scheduler_kwargs) as a function of the step: the multiplier of the peak
-    rate. ConfigError when transformers refuses the kwargs."""
+    """transformers' learning-rate schedule `schedule` with `kwargs` (TRL's lr_scheduler_kwargs) as a function of
+    the step: the multiplier of the peak rate. ConfigError when transformers refuses the kwargs."""
     from transformers import get_scheduler
 
     if schedule not in SCHEDULES:

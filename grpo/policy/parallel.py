@@ -71,8 +71,7 @@ class ParallelPolicy:
 
     def reshard(self) -> None:
         """After forwards that no backward follows (sampling, an eval loss): under FSDP the root unit keeps its
-        weights gathered after a forward, for the backward it expects next; without this, a checkpoint saved
-        right after would find whole tensors where the optimizer holds shards."""
+        weights gathered for the backward it expects, where a checkpoint saved next would find whole tensors."""
         if self.kind == "fsdp":
             self.root.reshard()
 

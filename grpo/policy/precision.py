@@ -50,8 +50,7 @@ def _flags() -> CpuBf16:
 
 @dataclass(frozen=True)
 class Precision:
-    """The dtypes of a run, built once (Precision.plan) and read by loading, the reference copy, autocast and
-    the sampler."""
+    """The dtypes of a run, built once (Precision.plan), read by loading, the reference, autocast, the sampler."""
 
     device_type: str  # "cuda" or "cpu": where the policy runs
     bf16: bool  # compute in bf16 (autocast for the forwards that score tokens)
@@ -108,8 +107,7 @@ def default_device() -> torch.device:
 def uses_bf16(bf16: bool | None, device_type: str, cpu: CpuBf16 | None = None,
               int8_sampling: bool = False) -> tuple[bool, str]:
     """Whether a run computes in bf16, and why: `bf16` True or False forces it; None means on CUDA, and on a CPU
-    that computes bf16 natively (`cpu`: CpuBf16.read's answer) unless int8_sampling_weights asks for float32
-    weights."""
+    that computes bf16 natively (`cpu`) unless int8_sampling_weights asks for float32 weights."""
     if bf16 is not None:
         return bf16, f"bf16={bf16}"
     if device_type == "cuda":

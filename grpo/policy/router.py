@@ -31,9 +31,8 @@ def router_aux_coef(hf_model, setting: float | None) -> float:
 
 
 def load_balancing_loss(hf_model, router_logits: tuple, attention_mask: torch.Tensor) -> torch.Tensor:
-    """The family's load-balancing loss (a scalar, with grad) of the router logits (one [N * T, E] per layer,
-    from the body's forward with `output_router_logits=True`) over the real tokens of `attention_mask` [N, T]:
-    what the family's causal LM returns as `aux_loss`, with its own number of experts and of experts per token."""
+    """The family's load-balancing loss (a scalar, with grad) of the router logits (one [N * T, E] per layer)
+    over the real tokens of `attention_mask` [N, T]: what the family's causal LM returns as `aux_loss`."""
     family = sys.modules[type(hf_model).__module__]
     return family.load_balancing_loss_func(router_logits, hf_model.num_experts, hf_model.num_experts_per_tok,
                                            attention_mask)

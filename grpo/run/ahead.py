@@ -183,9 +183,9 @@ class Ahead:
         self.in_training = Synchronous(self._next, schedule, pipeline.policy.device)  # made by _next
 
     def take(self, step: int) -> Generation:
-        """The batch of optimizer step `step`: where a generation batch starts (or none is in training), the one
-        sampled ahead, or asked for now (with the current weights) and waited for, its metrics saying how stale
-        it is and how long the wait was; then the next one asked for if it is due (`ask_ahead`)."""
+        """The batch of optimizer step `step`: where a generation batch starts, the one sampled ahead, or asked for
+        now and waited for (its metrics say how stale it is and how long the wait was); then the next one asked
+        for if it is due."""
         generation = self.in_training.take(step)
         self.ask_ahead(step)  # sampled while this step trains
         return generation

@@ -55,9 +55,8 @@ class Session:
         self.saved_step: int | None = None  # its step: saving again at it does nothing
 
     def state_dict(self, progress: Progress) -> dict:
-        """Everything besides the weights that resuming needs: optimizer, schedule, data position, step and
-        skipped-step counters, and each rank's RNG states and batch supply's state (the batches later steps
-        still train on); rank 0 gets the whole."""
+        """Everything besides the weights that resuming needs (docs/checkpoints-and-failures.md), each rank's RNG
+        states and batch supply's state included; rank 0 gets the whole."""
         own = {"rng": rng_state(), "batches": self.batches.state_dict(progress.step)}
         return {"step": progress.step, "total_steps": self.total_steps,
                 "optimizer": self.parallel.optimizer_state(self.optimizer),
@@ -83,9 +82,8 @@ class Session:
         return Progress(state["step"], (streak, total))
 
     def save(self, progress: Progress, asked: bool = False) -> Path | None:
-        """Write checkpoint-STEP (once per step); returns its path, or None under save_strategy="no", which writes
-        none unless `asked` (a callback's control.should_save, which transformers obeys whatever the strategy).
-        The ranks other than 0 wait until the checkpoint is complete; then `on_save`."""
+        """Write checkpoint-STEP (once per step), then `on_save`; returns its path, or None under
+        save_strategy="no" unless `asked` (a callback's control.should_save, obeyed whatever the strategy)."""
         if self.settings.save_strategy == "no" and not asked:
             return None
         if self.saved_step != progress.step:
@@ -188,8 +186,7 @@ class Session:
     @contextlib.contextmanager
     def undone_on_failure(self, signals: StopSignals, progress: Progress):
         """A stop signal or an error inside rolls the step back (batch in training, data position, RNG states,
-        gradients) and saves `progress`, the steps done, so that only this one is lost and resuming repeats it
-        exactly."""
+        gradients) and saves `progress`, the steps done: resuming repeats the step exactly."""
         rng, prompts = rng_state(), self.prompts.state_dict()
         try:
             # Ranks cannot abandon a step alone: the others would wait for them in a collective. The batch is
