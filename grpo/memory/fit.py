@@ -38,8 +38,8 @@ def smaller_micro_batches(c: Config) -> list[dict]:
 
 def memory_savings(c: Config, every_micro_batch: bool = False) -> list[tuple[dict, str]]:
     """(settings change, what it does) for each change that lowers peak memory from `c`, cheapest first: free
-    ones, then slower steps, then a different kind of training, then less work per step. Smaller micro-batches
-    come as the largest one (`every_micro_batch`: each of them, largest first, for the planner's search)."""
+    ones, slower steps, another kind of training, less work per step. Smaller micro-batches come as the largest
+    one (`every_micro_batch`: each of them, for the planner's search)."""
     changes = []
     if c.logprob_chunk_size > 128:
         changes.append(({"logprob_chunk_size": 128}, "smaller LM-head logits chunks"))

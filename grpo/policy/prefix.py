@@ -25,8 +25,7 @@ from .packing import PackedRow, packing_refusal, packs
 
 def shared_prompts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`(first, owner)`: the first row [B] of each run of consecutive rows with the same prompt (ids and mask),
-    and each row's run [N]. A group's G rows are consecutive, so a group is one run (or several when the
-    micro-batch cut, rollout/batches, drops rows between them: each run is still exact)."""
+    and each row's run [N]. A group's G rows are consecutive: one run (or several when rows between were cut)."""
     same = (prompt_ids[1:] == prompt_ids[:-1]).all(1) & (prompt_mask[1:] == prompt_mask[:-1]).all(1)  # [N-1]
     starts = torch.cat([same.new_ones(1), ~same])  # [N]: a row whose prompt differs from the one before
     return starts.nonzero().squeeze(1), starts.long().cumsum(0) - 1  # [B], [N]

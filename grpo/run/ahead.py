@@ -32,9 +32,8 @@ class SamplerDied(TrainingStopped):
 
 @dataclass
 class Sampled:
-    """A generation batch from the sampler: training on it starts at optimizer step `step`; it was sampled with
-    the weights after `version` optimizer steps; `prompts_after` is the prompt stream's position after its draw
-    and `rng_after` torch's RNG state after making it (a batch the trainer waited for continues from it)."""
+    """A generation batch from the sampler, trained on from optimizer step `step`, sampled with the weights after
+    `version` steps; the prompt stream's position and torch's RNG state after it (a waited-for batch's)."""
 
     step: int
     version: int
@@ -53,10 +52,9 @@ class Sampled:
 
 
 class Worker:
-    """The forked sampler: `pipeline.make(step, state)` (rollout/pipeline.Pipeline) run on request with the
-    trainable `params` that the trainer publishes into shared memory before each request (LoRA: its adapters;
-    full fine-tuning: every weight, one shared copy), on half the CPU threads (the trainer's own restored on
-    `close`); `prompts` is the pipeline's PromptStream, whose copy in the worker draws from the position each
+    """The forked sampler: `pipeline.make(step, state)` run on request with the trainable `params` that the
+    trainer publishes into shared memory before each request, on half the CPU threads (the trainer's own restored
+    on `close`); `prompts` is the pipeline's PromptStream, whose copy in the worker draws from the position each
     request names; `release` frees what the sampler does not need (the optimizer's state)."""
 
     def __init__(self, pipeline, params: list[torch.Tensor], prompts, device: torch.device, release=lambda: None):

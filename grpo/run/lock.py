@@ -77,9 +77,8 @@ def check_output_dir(output_dir: str, setting: str = "output_dir") -> None:
 
 
 def check_free(output_dir: str, dist) -> None:
-    """ConfigError, on every rank, if a live run holds `output_dir` now (checked early, before a model is
-    loaded; the lock itself is taken when training starts). Only rank 0 looks: a rank 1 that looked could
-    find its own job's rank 0 still holding the folder for a run that is ending."""
+    """ConfigError, on every rank, if a live run holds `output_dir` now (checked before a model is loaded). Only
+    rank 0 looks: a rank 1 could find its own job's rank 0 still holding the folder for a run that is ending."""
     problem = None
     path = Path(output_dir) / LOCK
     if dist.is_main and path.is_file():

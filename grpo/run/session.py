@@ -39,8 +39,7 @@ class Progress:
 
 class Session:
     """Checkpoints of one run in `output_dir`. Under torchrun every rank calls every method (gathering and
-    saving are collective) and rank 0 writes. `batches`: the run's batch supply (run/supply), which keeps its
-    own checkpoint state and undoes its own part of a failed step."""
+    saving are collective) and rank 0 writes. `batches`: the run's batch supply (run/supply)."""
 
     def __init__(self, output_dir: Path, dist: Distributed, policy: Policy, tokenizer, updates: Updates,
                  prompts: PromptStream, batches, settings: SessionSettings, total_steps: int,
@@ -160,8 +159,7 @@ class Session:
     @contextlib.contextmanager
     def saved_when_logs_fail(self, progress):
         """A log line output_dir cannot take stops the run with the steps done saved (`progress()`: where the run
-        stands then), as a checkpoint it cannot take does: into a rescue folder when output_dir cannot take that
-        either (the folder deleted or turned read-only mid-run; `save` says where, CheckpointNotWritten)."""
+        stands then), into a rescue folder when output_dir cannot take that either (`save`)."""
         try:
             yield
         except LogNotWritten as error:
