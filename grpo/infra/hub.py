@@ -45,8 +45,7 @@ def unreachable() -> str | None:
 
 
 def cached(repo_id: str, repo_type: str = "model") -> str | None:
-    """The folder of `repo_id`'s copy in the Hugging Face cache (HF_HOME), or None when it has none; the
-    network is never used."""
+    """The folder of `repo_id`'s copy in the Hugging Face cache (HF_HOME), or None; never the network."""
     try:
         from huggingface_hub import snapshot_download
 

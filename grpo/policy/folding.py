@@ -86,8 +86,9 @@ def sampling_weights(model, int8: bool = False):
                 swapped.append((layer, base.weight))
                 base.weight = torch.nn.Parameter(folded, requires_grad=False)
             # The head's [V, H] product is a fifth of a SmolLM2 decoding step: packed, used by the decode.
-            packed = head is not None and packable(head)
-            head_matmul = None if not packed else int8_copy(head) if int8 else _packed_forward(head.weight, head.bias)
+            head_matmul = None
+            if head is not None and packable(head):
+                head_matmul = int8_copy(head) if int8 else _packed_forward(head.weight, head.bias)
         yield head_matmul
     finally:
         for layer, weight in swapped:

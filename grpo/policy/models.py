@@ -158,8 +158,7 @@ def sparse_tied_embedding_gradient(model) -> None:
 
 
 def unwrap(model):
-    """The transformers model under a peft wrapper (peft injects adapters in place, so its modules
-    are the ones being trained)."""
+    """The transformers model under a peft wrapper (peft injects adapters in place: its modules train)."""
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 

@@ -98,8 +98,7 @@ def schedule_of(total_steps: int, warmup_steps: int, schedule: str, kwargs: dict
 
 
 def set_hyperparameters(optimizer, scheduler, lr: float, betas: tuple[float, float], weight_decay: float) -> None:
-    """Apply the current settings over the ones a loaded optimizer and schedule state brought along,
-    keeping the schedule's position."""
+    """The current settings over those a loaded optimizer and schedule state brought, at the same position."""
     scheduler.base_lrs = [lr] * len(optimizer.param_groups)
     for group, factor in zip(optimizer.param_groups, scheduler.lr_lambdas):
         group.update(lr=lr * factor(scheduler.last_epoch), initial_lr=lr, betas=betas, weight_decay=weight_decay)

@@ -92,8 +92,7 @@ class Precision:
         return f"precision: {'bf16' if self.bf16 else 'float32'} on {self.device_type}: {self.why}"
 
     def autocast(self):
-        """bf16 autocast for the policy's and the reference's log-prob forwards (sampling runs without it, in
-        the weights' dtype)."""
+        """bf16 autocast for the policy's and the reference's log-prob forwards (sampling runs without it)."""
         if not self.bf16:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device_type, dtype=torch.bfloat16)

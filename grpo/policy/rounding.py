@@ -30,8 +30,7 @@ def stochastic_round_to_bf16(x: torch.Tensor, generator: torch.Generator | None 
 
 def adamw_update_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                   step: int, lr: float, betas: tuple[float, float], eps: float, weight_decay: float) -> None:
-    """One AdamW step in place on float32 tensors of the same shape (torch.optim.AdamW's arithmetic);
-    `step` counts from 1."""
+    """One AdamW step in place on float32 tensors (torch.optim.AdamW's arithmetic); `step` counts from 1."""
     beta1, beta2 = betas
     param.mul_(1 - lr * weight_decay)
     exp_avg.lerp_(grad, 1 - beta1)

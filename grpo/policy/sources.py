@@ -48,8 +48,7 @@ def locate(name: str, what: str = "model") -> str:
 
 
 def model_type(model, name: str) -> str | None:
-    """The policy's config.model_type: the model object's (`model`), else read from the config.json of `name`
-    (Config.model)."""
+    """The policy's config.model_type: `model`'s, else read from the config.json of `name` (Config.model)."""
     if model is not None:
         return getattr(getattr(model, "config", None), "model_type", None)
     from transformers import AutoConfig
@@ -60,8 +59,7 @@ def model_type(model, name: str) -> str | None:
 
 
 def hub_id(name: str) -> str | None:
-    """The Hugging Face Hub id of Config.model `name`: a packaged short name's, a hub id as it is; None for a
-    folder or a .gguf file."""
+    """The Hub id of Config.model `name` (a packaged short name's, a hub id); None for a folder or a .gguf file."""
     if name.lower() in OFFLINE_MODELS:
         return OFFLINE_MODELS[name.lower()][2]
     return None if reads_as_path(name) or name.lower().endswith(".gguf") else name

@@ -82,8 +82,7 @@ class Worker:
         self.conn.send({"step": step, "prompts": prompts, "rng": torch.get_rng_state(), "state": state})
 
     def wait(self, step: int) -> None:
-        """Until the answer to the request for optimizer step `step` can be read; SamplerDied when the worker
-        ended without answering."""
+        """Until the answer for optimizer step `step` can be read; SamplerDied when the worker ended without one."""
         while not self.conn.poll(0.5):
             if not self.process.is_alive():
                 raise self.died(step)

@@ -138,7 +138,7 @@ EARLIER = "previous-run-"  # OUTPUT_DIR/previous-run-N: an earlier run's files, 
 
 def move_earlier_run(output_dir: str) -> str | None:
     """Every entry of `output_dir` that holds an earlier run (its checkpoints or logs) moved into the next
-    OUTPUT_DIR/previous-run-N (docs/checkpoints-and-failures.md); the line that says so, None when there was none."""
+    OUTPUT_DIR/previous-run-N (docs/checkpoints-and-failures.md): the line that says so, or None."""
     root = Path(output_dir)
     earlier = [p.name for p in complete_checkpoints(output_dir)]
     earlier += [p.name for p in root.glob("*.jsonl") if p.stat().st_size]
