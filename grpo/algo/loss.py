@@ -215,9 +215,8 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor | None, ref_logprobs: Ten
 
 
 def router_aux_term(aux_loss: Tensor, coef: float, num_micro_batches: int = 1) -> tuple[Tensor, dict[str, float]]:
-    """A mixture-of-experts router's load-balancing loss `aux_loss` (policy/router.py) of one micro-batch, as TRL
-    adds it to the loss: ``coef * aux_loss / K`` (K the step's micro-batches over all ranks, as `policy_loss`'s),
-    and TRL's metric ``aux_loss``, this call's share ``aux_loss / K`` of the step's mean over its micro-batches."""
+    """A mixture-of-experts router's load-balancing loss `aux_loss` of one micro-batch as TRL adds it to the loss,
+    ``coef * aux_loss / K`` (K as `policy_loss`'s), and TRL's metric ``aux_loss``: this call's ``aux_loss / K``."""
     share = aux_loss / num_micro_batches
     return coef * share, {"aux_loss": share.item()}
 
@@ -230,9 +229,8 @@ def no_token_metrics(**settings) -> dict[str, float]:
 
 
 def add_metrics(totals: dict[str, float], metrics: dict[str, float], share: float) -> None:
-    """Add one call's `policy_loss` metrics to a step's `totals`: `loss/*` add up as the losses do; the others,
-    means over the call's completion tokens, weighted by `share`, its part of the step's tokens, so that the
-    sums over micro-batches and ranks are the step's means."""
+    """Add one call's `policy_loss` metrics to a step's `totals`: STEP_SHARES add up as the losses do; the others
+    weighted by `share`, the call's part of the step's tokens, so that the sums are the step's means."""
     for k, v in metrics.items():
         totals[k] = totals.get(k, 0.0) + (v if k.startswith(STEP_SHARES) else v * share)
 

@@ -246,8 +246,8 @@ def sampling_weight_bytes(a: Architecture, m: MemorySettings, d: Dtypes) -> floa
 
 
 def prompts_to_sample(a: Architecture, m: MemorySettings, d: Dtypes, room: float) -> int:
-    """Prompts one sampling decode takes: the whole generation batch (this rank's share) when its decode fits in
-    `room` bytes, else as many micro-batches' worth of whole prompts as fit, at least one micro-batch's."""
+    """Prompts one sampling decode takes: this rank's generation batch when it fits in `room` bytes, else as many
+    micro-batches' worth of whole prompts as fit, at least one micro-batch's."""
     G, chunk = m.num_generations, m.schedule.prompts_per_micro_batch
     prompts = -(-m.schedule.completions_per_generation // G)  # this rank's share of the generation batch
     kv, buffers = generation_bytes(a, m, d, G, 1)  # one prompt's

@@ -44,8 +44,8 @@ class Report:
         self.start, self.losses, self.bar, self.last_step = time.perf_counter(), [], None, {}
 
     def begin(self, config: dict) -> None:
-        """A `train()` call starts: its clock and its steps' losses (for its TrainOutput), the trackers (given
-        `config`, the Config as a dict with the call's resume_from_checkpoint), then the callbacks' on_train_begin."""
+        """A `train()` call starts: its clock and losses, the trackers (given `config`, the Config as a dict with
+        the call's resume_from_checkpoint), then the callbacks' on_train_begin."""
         self.start, self.losses, self.last_step = time.perf_counter(), [], {}
         self.trackers.start(config, self.state.global_step)
         self.callbacks.on_train_begin()
@@ -66,8 +66,7 @@ class Report:
         return metrics
 
     def log(self, metrics: dict, batch, with_completions: bool) -> dict:
-        """The step's metrics.jsonl line; `with_completions`, its generation batch's completions too (`batch`,
-        rollout/batches.Rollout). Timings and memory are the slowest / largest rank's."""
+        """The step's metrics.jsonl line; `with_completions`, its generation batch's completions too."""
         line = log_metrics(self.output_dir, self.state.global_step, metrics, self.dist, self.trackers)
         if with_completions:
             log_completions(self.output_dir, self.state.global_step, batch, self.reward_names, self.dist,
