@@ -1,14 +1,7 @@
-"""`python -m grpo.eval RECIPE [--checkpoint DIR] [--limit N] [--output FILE] [--key=value ...]`: greedy
-pass@1 of a model on the recipe's `eval_dataset`; prints the mean reward, accuracy, format-free accuracy, format
-rate (those the recipe sets) and mean length (and them by `eval_breakdown_column`'s values), writes JSON.
-
-Without --checkpoint it evaluates the model the recipe starts from (for a recipe with a warm start, the model
-right after it). The JSON (default: DIR/eval.json, or OUTPUT_DIR/eval.json) holds the metrics and every
-prompt, completion and reward.
-
-A run made from Python has no recipe: `python -m grpo.eval --checkpoint DIR --eval_dataset DATA
---reward_funcs module.f[,module.g]` takes the settings the run saved in DIR (grpo_config.json), the
-dataset and the reward functions from the command line."""
+"""`python -m grpo.eval`: greedy pass@1 of a model on a recipe's `eval_dataset` (OPTIONS says what it takes, prints
+and writes). Without --checkpoint it evaluates the model the recipe starts from (for a recipe with a warm start,
+the model right after it). A run made from Python has no recipe: `python -m grpo.eval --checkpoint DIR
+--eval_dataset DATA --reward_funcs module.f[,module.g]` takes the settings the run saved in DIR."""
 from __future__ import annotations
 
 import dataclasses
@@ -79,13 +72,9 @@ def load_checkpoint(path: Path, base_model, config):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from .policy.models import load_model, load_tokenizer
-    from .run.checkpoint import damage, unloadable
+    from .run.checkpoint import check_model_folder
 
-    if not (path / "config.json").exists() and not (path / "adapter_config.json").exists():
-        raise ConfigError(f"{path} is not a checkpoint folder (no config.json or adapter_config.json)")
-    problem = damage(path, weights_only=True)
-    if problem is not None:
-        raise unloadable("--checkpoint", path, problem, weights_only=True)
+    check_model_folder(path, "--checkpoint")
     if (path / "adapter_config.json").exists():
         from peft import PeftModel
 
@@ -191,9 +180,9 @@ def run_job(argv: list[str]) -> Job:
 
 
 def run_settings(checkpoint: Path, overrides: list[str]):
-    """(Config, base_model) of a run made from Python: the settings it saved in `checkpoint` (grpo_config.json)
-    with `overrides` (--key=value), and `() -> (model, None)` loading the base model of its LoRA adapter (the
-    run's `model`, as policy/sources.checkpoint_base finds it; --model names another)."""
+    """(Config, base_model) of a run made from Python: the settings it saved in `checkpoint` with `overrides`
+    (--key=value), and `() -> (model, None)` loading the base model of its LoRA adapter
+    (policy/sources.checkpoint_base; --model names another)."""
     from .policy.sources import checkpoint_base
     from .run.checkpoint import saved_config
     from .settings.cli import apply_overrides, config_of_record

@@ -1,12 +1,8 @@
 """`python -m grpo.export CHECKPOINT [--merged DIR] [--gguf FILE [--gguf-type TYPE]] [--base MODEL]`: the trained
-model out of grpo, for transformers, vLLM, llama.cpp, Ollama or LM Studio.
-
-CHECKPOINT is a checkpoint-STEP folder or a folder Trainer.save_model wrote. A LoRA adapter is merged into its
-base model (the run's `model`: a hub id, a folder, a .gguf file or a packaged short name; `--base` names another
-when the run was given a model built in code), in float32. `--merged DIR` writes a transformers folder (weights,
-tokenizer, and a README whose `base_model` is the base's portable name: the hub id, never a path of this
-machine); `--gguf FILE` one GGUF file (policy/gguf_export.py), whose tokenizer is the source GGUF's own when the
-model came from one."""
+model out of grpo, for transformers, vLLM, llama.cpp, Ollama or LM Studio (OPTIONS). CHECKPOINT is a
+checkpoint-STEP folder or a folder Trainer.save_model wrote. The README of `--merged` names the base by its
+portable name (the hub id, never a path of this machine); the tokenizer of `--gguf` (policy/gguf_export.py) is
+the source GGUF's own when the model came from one."""
 from __future__ import annotations
 
 import json
@@ -93,17 +89,12 @@ def load_trained(checkpoint: Path, base: str | None = None) -> Trained:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from .policy.sources import checkpoint_base, loading, model_folder, portable_name
-    from .run.checkpoint import damage, unloadable
+    from .run.checkpoint import check_model_folder
 
     if not checkpoint.is_dir():
         raise ConfigError(f"no such checkpoint folder: {checkpoint}")
-    lora = (checkpoint / "adapter_config.json").exists()
-    if not lora and not (checkpoint / "config.json").exists():
-        raise ConfigError(f"{checkpoint} is not a checkpoint folder (no config.json or adapter_config.json)")
-    problem = damage(checkpoint, weights_only=True)
-    if problem is not None:
-        raise unloadable("CHECKPOINT", checkpoint, problem, weights_only=True)
-    if lora:
+    check_model_folder(checkpoint, "CHECKPOINT")
+    if (checkpoint / "adapter_config.json").exists():
         from peft import PeftModel
 
         name = base or checkpoint_base(checkpoint, "--base")

@@ -1,13 +1,11 @@
 """`python -m grpo.generate --checkpoint DIR --prompt TEXT [--recipe RECIPE] [--key=value ...]`: one greedy
-completion of a trained model for a prompt, decoded as grpo.eval decodes (grpo's own loop, the run's
-max_prompt_length, max_completion_length and chat_template_kwargs), printed with what the tools wrote marked
-`[tool: ...]`.
+completion of a trained model for a prompt, decoded as grpo.eval decodes, printed with what the tools wrote
+marked `[tool: ...]`.
 
-The model and settings are grpo.eval's: with `--recipe`, the recipe's (its tools run in the decode, as in
-training; without `--checkpoint`, the model the recipe starts from); without, those the run saved in DIR
-(grpo_config.json), and no tools (they are functions a checkpoint cannot hold: a line says so when the run used
-some). The prompt is one user message under the tokenizer's chat template (plain text without one), after the
-messages the recipe's prompts put before theirs (a system message, worked examples), as the model was trained."""
+The model and settings are grpo.eval's (OPTIONS); without a recipe no tools run (they are functions a checkpoint
+cannot hold: a line says so when the run used some). The prompt is one user message under the tokenizer's chat
+template (plain text without one), after the messages the recipe's prompts put before theirs, as the model was
+trained."""
 from __future__ import annotations
 
 import sys
@@ -61,9 +59,8 @@ def context(recipe) -> list[dict]:
 
 
 def completion(model, tokenizer, text: str, settings, tools=None, before=()) -> tuple[str, bool]:
-    """The greedy completion of the user message `text` after the messages `before` (`settings`:
-    settings/components.EvalSettings), the tokens the tools wrote marked `[tool: ...]`, and whether it stopped at
-    max_completion_length."""
+    """The greedy completion of the user message `text` after the messages `before`, the tokens the tools wrote
+    marked `[tool: ...]`, and whether it stopped at max_completion_length."""
     from .rollout.engines.sampling import prompt_encoder, sample_completions
     from .rollout.engines.tool_loop import mask_runs
     from .rollout.environments import make_envs

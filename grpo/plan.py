@@ -9,22 +9,8 @@ import dataclasses
 import sys
 
 from .settings import Config
-from .memory.fit import (
-    CUDA_CONTEXT_GB,
-    FRAGMENTATION,
-    cuda_memory_gb,
-    describe,
-    predicted_gb,
-    verdict,
-)
-from .memory.known_models import (
-    ARTICLE_CONFIG,
-    ARTICLE_GB,
-    KNOWN,
-    TABLE_COLUMNS,
-    TABLE_MODELS,
-    architecture_of,
-)
+from .memory.fit import CUDA_CONTEXT_GB, FRAGMENTATION, cuda_memory_gb, describe, predicted_gb, verdict
+from .memory.known_models import ARTICLE_CONFIG, ARTICLE_GB, KNOWN, TABLE_COLUMNS, TABLE_MODELS, architecture_of
 
 
 def table() -> str:

@@ -1,11 +1,5 @@
-"""`python -m grpo.plot OUTPUT_DIR`: PNG curves from OUTPUT_DIR/metrics.jsonl, written next to it.
-
-reward.png (the mean and each reward function), kl.png (unless beta = 0), completion_length.png, the training
-diagnostics: loss.png (the loss and its policy term), grad_norm.png, entropy.png, clip_ratio.png (the shares of
-tokens clipped), frac_reward_zero_std.png (groups without signal), learning_rate.png and tools.png (calls per
-completion and the share that failed, when the run called tools); eval.png (held-out accuracy, format-free
-accuracy and format rate, when the run evaluated), eval_breakdown.png (the accuracies by the values of
-`eval_breakdown_column`, when set) and curves.png with all of them. Noisy per-step curves are drawn faint with a
+"""`python -m grpo.plot OUTPUT_DIR`: PNG curves from OUTPUT_DIR/metrics.jsonl, written next to it: one per panel
+the run has data for (`panels`) and curves.png with all of them. Noisy per-step curves are drawn faint with a
 moving average on top. Runs written before the metrics took TRL's names are read under those names
 (run/metric_names.py). Needs matplotlib: `pip install -e ".[plot]"`."""
 from __future__ import annotations
@@ -48,9 +42,8 @@ def reward_keys(lines: list[dict]) -> list[str]:
 def breakdown_keys(lines: list[dict]) -> list[str]:
     """The `eval/<column>=<value>/accuracy` and `.../free_accuracy` keys, in the order the run logged them."""
     ends = ("/accuracy", "/free_accuracy")
-    keys = dict.fromkeys(k for line in lines for k in line
-                         if k.startswith("eval/") and "=" in k and k.endswith(ends))
-    return list(keys)
+    return list(dict.fromkeys(k for line in lines for k in line
+                              if k.startswith("eval/") and "=" in k and k.endswith(ends)))
 
 
 def panels(lines: list[dict]) -> list[tuple[str, str, str, list[str], bool]]:

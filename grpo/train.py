@@ -1,10 +1,8 @@
-"""`python -m grpo.train RECIPE [--key=value ...]`: run a recipe file, with type-checked overrides.
-
-`python -m grpo.train RECIPE --help` lists every setting with its value in that recipe and what it means.
-`torchrun --nproc_per_node=N -m grpo.train RECIPE [...]` trains data-parallel on N GPUs (or CPU processes).
-Mistakes in the recipe, the settings, the data or a reward function print one short `error:` message
-(no traceback) and exit 1 (2 for settings); Ctrl-C / SIGTERM save a checkpoint and exit 130 / 143;
-running out of GPU memory prints what to lower."""
+"""`python -m grpo.train RECIPE [--key=value ...]`: run a recipe file, with type-checked overrides (`--help`: every
+setting with its value in that recipe); under `torchrun --nproc_per_node=N`, data-parallel on N GPUs (or CPU
+processes). Mistakes in the recipe, the settings, the data or a reward function print one short `error:` message
+and exit 1 (2 for settings); Ctrl-C / SIGTERM save a checkpoint and exit 130 / 143; running out of GPU memory
+prints what to lower."""
 from __future__ import annotations
 
 import os
@@ -56,8 +54,7 @@ def _main(argv: list[str]) -> int:
 
 
 def run(recipe, config, argv: list[str]) -> int:
-    """Train; when a run stops early (signal, out of memory, a user error mid-run), say what was saved
-    and how to resume."""
+    """Train; when a run stops early (signal, out of memory, a user error), say what was saved and how to resume."""
     import torch
 
     from .infra.distributed import shutdown

@@ -1,8 +1,6 @@
-"""TRL's GRPOTrainer call shape on our Trainer: `args=` is the Config, `processing_class=` the tokenizer, a
-`model` given as a hub id or folder is `config.model`, `peft_config=` (a peft LoraConfig) and a PeftModel passed
-in set the Config's LoRA settings, a tokenizer without a pad token pads with EOS, and TRL's keywords this Trainer
-lacks are refused with what to do instead (settings/trl_names.py), as is a way of loading that a model passed in
-cannot have (load_in_4bit)."""
+"""TRL's GRPOTrainer call shape on our Trainer (docs/coming-from-trl.md): `args=`, `processing_class=`, a model
+id, `peft_config=` or a PeftModel; TRL's keywords this Trainer lacks are refused with what to do instead
+(settings/trl_names.py)."""
 from __future__ import annotations
 
 import dataclasses

@@ -1,10 +1,8 @@
 """Group-relative advantages (GRPO, DeepSeekMath; Dr. GRPO variant without scaling).
 
-Each prompt is sampled ``group_size`` times; a completion's advantage is its reward
-relative to its siblings, so no learned value function is needed. A completion that no
-reward function scored (all returned None) is left out of its group's mean and std and
-gets advantage 0, as in TRL.
-"""
+Each prompt is sampled ``group_size`` times; a completion's advantage is its reward relative to its siblings, so
+no learned value function is needed. A completion that no reward function scored (all returned None) is left
+out of its group's mean and std and gets advantage 0, as in TRL."""
 
 from __future__ import annotations
 
@@ -22,15 +20,9 @@ def _check_rewards(rewards: Tensor, group_size: int, scale: str, scored: Tensor 
     if isinstance(group_size, bool) or not isinstance(group_size, int):
         raise ValueError(f"group_size must be an int, got {group_size!r}")
     if group_size < 2:
-        # The unbiased std of a single sample divides by zero.
-        raise ValueError(
-            f"group_size must be >= 2 (the std of a group of {group_size} is undefined)"
-        )
-    n = rewards.numel()
-    if n % group_size != 0:
-        raise ValueError(
-            f"number of rewards {n} is not a multiple of group_size {group_size}"
-        )
+        raise ValueError(f"group_size must be >= 2 (the std of a group of {group_size} is undefined)")
+    if rewards.numel() % group_size != 0:
+        raise ValueError(f"number of rewards {rewards.numel()} is not a multiple of group_size {group_size}")
     bad = ~torch.isfinite(rewards)
     if bad.any():
         positions = bad.nonzero().flatten().tolist()
@@ -39,36 +31,17 @@ def _check_rewards(rewards: Tensor, group_size: int, scale: str, scored: Tensor 
         raise ValueError(f"scored must be [N] = {tuple(rewards.shape)}, got {tuple(scored.shape)}")
 
 
-def group_advantages(
-    rewards: Tensor, group_size: int, scale: str = "group", eps: float = 1e-4,
-    scored: Tensor | None = None,
-) -> Tensor:
-    """Return group-normalized advantages ``A = (r - mean_group(r)) / (std + eps)``.
+def group_advantages(rewards: Tensor, group_size: int, scale: str = "group", eps: float = 1e-4,
+                     scored: Tensor | None = None) -> Tensor:
+    """``[N]`` group-normalized advantages ``A = (r - mean_group(r)) / (std + eps)`` of the rewards ``[N]``,
+    ``N / group_size`` consecutive groups of one prompt's completions. ``scale``, what the centered reward is
+    divided by: ``"group"`` the std within each group (GRPO), ``"batch"`` the std over all N rewards (the mean
+    is still per group), ``"none"`` nothing (Dr. GRPO). ``scored`` ``[N]``: False where no reward function
+    scored the completion (default: all True), a row that takes no part in any mean or std.
 
-    Args:
-        rewards: ``[N]`` rewards laid out as ``N / group_size`` consecutive groups, each
-            holding the ``group_size`` completions of one prompt.
-        group_size: completions per prompt (G); must be >= 2 and divide N.
-        scale: what the centered reward is divided by:
-            ``"group"``: the std within each group (GRPO);
-            ``"batch"``: the std over all N rewards (the mean is still per group);
-            ``"none"``: nothing, only centering (Dr. GRPO).
-        eps: added to the std before dividing.
-        scored: ``[N]`` bool, False where no reward function scored the completion (default:
-            all True). Those rows take no part in any mean or std, and get advantage 0.
-
-    The std is the unbiased (Bessel-corrected, divide by ``n - 1``) sample std, as
-    ``torch.std`` computes it by default. A group whose scored rewards are all equal, or
-    that has fewer than two scored completions (TRL: a NaN std, then 0), gets an
-    advantage of exactly 0 under every scale.
-
-    Returns:
-        ``[N]`` advantages in the dtype of ``rewards`` (float32 if it was an integer type).
-
-    Raises:
-        ValueError: on NaN/inf rewards (naming the positions), a bad ``group_size``,
-            N not a multiple of ``group_size``, or an unknown ``scale``.
-    """
+    The std is the unbiased sample std. A group whose scored rewards are all equal, or that has fewer than two
+    scored completions (TRL: a NaN std, then 0), gets an advantage of exactly 0 under every scale. The dtype is
+    that of ``rewards`` (float32 if it was an integer type)."""
     _check_rewards(rewards, group_size, scale, scored)
     if not rewards.is_floating_point():
         rewards = rewards.float()
@@ -95,21 +68,15 @@ def group_advantages(
 
 
 def normalized_sum_advantages(per_func: Tensor, weights: Tensor, group_size: int, eps: float = 1e-4) -> Tensor:
-    """TRL's ``multi_objective_aggregation="normalize_then_sum"`` (GDPO): each reward function's rewards
-    normalized within each group, ``(r_k - mean_group(r_k)) / (std_group(r_k) + eps)``, summed with ``weights``
-    into one reward per completion, then normalized over the whole batch, ``(s - mean(s)) / (std(s) + eps)``.
-
-    Args:
-        per_func: ``[N, F]`` each reward function's rewards, NaN where it returned None (left out of its means and
-            stds, and of the sum); groups of ``group_size`` consecutive rows as in ``group_advantages``.
-        weights: ``[F]`` reward_weights.
+    """``[N]`` advantages of TRL's ``multi_objective_aggregation="normalize_then_sum"`` (GDPO): each reward
+    function's rewards normalized within each group, ``(r_k - mean_group(r_k)) / (std_group(r_k) + eps)``,
+    summed with ``weights`` ``[F]`` into one reward per completion, then normalized over the whole batch,
+    ``(s - mean(s)) / (std(s) + eps)``. ``per_func`` ``[N, F]``: NaN where a function returned None (left out of
+    its means and stds, and of the sum).
 
     The stds are unbiased. A completion no function scored stays out of the batch's mean and std and gets
     advantage 0; a function's group with fewer than two scored rewards has no std and adds nothing (TRL: NaN,
     which nansum drops). scale_rewards does not apply, as in TRL.
-
-    Returns:
-        ``[N]`` advantages.
     """
     if per_func.dim() != 2 or weights.shape != per_func.shape[1:]:
         raise ValueError(f"per_func must be [N, F] and weights [F], got {tuple(per_func.shape)} and "

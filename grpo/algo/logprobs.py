@@ -1,9 +1,8 @@
 """Per-token log-probabilities from hidden states and the LM head, without full logits.
 
-Full logits are ``[B, T, V]``; with V ~ 150k they dwarf everything else in a GRPO step
-(B=8, T=1024 is ~5 GB in float32; plain autograd peaks at about four such copies).
-``token_logprobs`` walks the ``N = B * T`` token rows in chunks, keeps only one chunk of
-logits alive at a time, and recomputes a chunk's logits in backward instead of saving them.
+Full logits are ``[B, T, V]``; with V ~ 150k they dwarf everything else in a GRPO step (B=8, T=1024 is ~5 GB in
+float32; plain autograd peaks at about four such copies). ``token_logprobs`` walks the ``N = B * T`` token rows
+in chunks, keeps only one chunk of logits alive at a time, and recomputes a chunk's logits in backward.
 
 Some model families transform the LM head's output before the softmax (Cohere scales it, Granite divides
 it, Gemma 2 soft-caps it): ``transform_logits_`` applies ``softcap * tanh(scale * x / softcap)`` (or
@@ -41,11 +40,8 @@ def _softmax_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 class _Workspace:
-    """Chunk-sized logits buffers reused across chunks.
-
-    Reusing them instead of allocating per chunk matters on CPU, where every fresh
-    multi-hundred-MB allocation is a new mmap whose page faults cost more than the matmul.
-    """
+    """Chunk-sized logits buffers reused across chunks: on CPU, every fresh multi-hundred-MB allocation is a new
+    mmap whose page faults cost more than the matmul."""
 
     def __init__(self, rows: int, weight: Tensor):
         vocab, dtype = weight.shape[0], _softmax_dtype(weight.dtype)
@@ -237,13 +233,11 @@ class _TokenLogprobs(torch.autograd.Function):
 def _check_inputs(hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor | None, logit_scale: float,
                   softcap: float | None, temperature: float, chunk_size: int) -> None:
     if hidden.dim() < 1 or weight.dim() != 2 or hidden.shape[-1] != weight.shape[1]:
-        raise ValueError(
-            f"hidden [..., H] and weight [V, H] disagree: {tuple(hidden.shape)} vs {tuple(weight.shape)}"
-        )
+        raise ValueError(f"hidden [..., H] and weight [V, H] disagree: {tuple(hidden.shape)} vs "
+                         f"{tuple(weight.shape)}")
     if targets.shape != hidden.shape[:-1]:
-        raise ValueError(
-            f"targets {tuple(targets.shape)} must be hidden's shape without H, {tuple(hidden.shape[:-1])}"
-        )
+        raise ValueError(f"targets {tuple(targets.shape)} must be hidden's shape without H, "
+                         f"{tuple(hidden.shape[:-1])}")
     if bias is not None and bias.shape != weight.shape[:1]:
         raise ValueError(f"bias must be [V] = {tuple(weight.shape[:1])}, got {tuple(bias.shape)}")
     if not temperature > 0:
@@ -258,60 +252,33 @@ def _check_inputs(hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor 
         raise ValueError(f"targets must be integer token ids, got {targets.dtype}")
     if targets.numel() and (targets.min() < 0 or targets.max() >= weight.shape[0]):
         # gather would raise on CPU but may corrupt or assert on an accelerator.
-        raise ValueError(
-            f"targets must lie in [0, {weight.shape[0]}); got range "
-            f"[{int(targets.min())}, {int(targets.max())}]"
-        )
+        raise ValueError(f"targets must lie in [0, {weight.shape[0]}); got range "
+                         f"[{int(targets.min())}, {int(targets.max())}]")
 
 
-def token_logprobs(
-    hidden: Tensor,
-    weight: Tensor,
-    targets: Tensor,
-    temperature: float = 1.0,
-    bias: Tensor | None = None,
-    chunk_size: int = LOGPROB_CHUNK_SIZE,
-    return_entropy: bool = False,
-    logit_scale: float = 1.0,
-    softcap: float | None = None,
-) -> Tensor | tuple[Tensor, Tensor]:
-    """Log-probability of each target token under ``softmax(f(hidden @ weight.T + bias) / temperature)``, with
-    ``f(x) = softcap * tanh(logit_scale * x / softcap)``, or ``logit_scale * x`` when ``softcap`` is None.
+def token_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, temperature: float = 1.0,
+                   bias: Tensor | None = None, chunk_size: int = LOGPROB_CHUNK_SIZE, return_entropy: bool = False,
+                   logit_scale: float = 1.0, softcap: float | None = None) -> Tensor | tuple[Tensor, Tensor]:
+    """Log-probability of each target token ``[B, T]`` (ids in ``[0, V)``) under ``softmax(f(hidden @ weight.T +
+    bias) / temperature)`` (hidden ``[B, T, H]``, any leading shape; weight ``[V, H]``; bias ``[V]`` or None),
+    with ``f(x) = softcap * tanh(logit_scale * x / softcap)``, or ``logit_scale * x`` when ``softcap`` is None
+    (the model family's transform, grpo.policy.head). ``chunk_size`` token rows have their logits materialized
+    at once: peak extra memory about ``chunk_size * V * 4`` bytes (1.5 times for a bf16 head), plus the weight
+    gradient when it is trained. ``return_entropy``: also the per-token entropy of the tempered distribution
+    (differentiable, its gradient recomputed chunk by chunk like the log-probs').
 
-    Args:
-        hidden: ``[B, T, H]`` final hidden states (any leading shape works).
-        weight: ``[V, H]`` LM-head weight.
-        targets: ``[B, T]`` token ids in ``[0, V)``; pad ids on masked positions are fine.
-        temperature: the sampling temperature the completions were drawn with.
-        bias: optional ``[V]`` LM-head bias.
-        chunk_size: token rows (of ``N = B * T``) whose logits are materialized at once;
-            peak extra memory is about ``chunk_size * V * 4`` bytes (1.5 times for a bf16 head), plus the
-            weight gradient when it is trained.
-        return_entropy: also return the per-token entropy of the tempered distribution (differentiable: an
-            entropy bonus in the loss trains it, its gradient recomputed chunk by chunk like the log-probs').
-        logit_scale, softcap: the model family's transform of the head's output, applied before the
-            temperature (see ``grpo.policy.head``).
-
-    The matmul runs in the weight's dtype; the softmax math runs in float32 (float64
-    if the weight is float64, which only tests use). Backward
-    recomputes each chunk's logits from ``hidden`` and ``weight`` and the saved float32
-    logsumexp, so no logits outlive their chunk. Gradients go to ``hidden``, and to
-    ``weight`` / ``bias`` only when they require grad. When only ``hidden`` does (a frozen head,
-    no soft cap), forward also keeps ``d logp / d hidden`` ``[N, H]`` (float32) and backward
+    The matmul runs in the weight's dtype, the softmax in float32 (float64 for a float64 weight). Backward
+    recomputes each chunk's logits from ``hidden``, ``weight`` and the saved logsumexp, so no logits outlive
+    their chunk. Gradients go to ``weight`` / ``bias`` only when they require grad. When only ``hidden`` does (a
+    frozen head, no soft cap), forward also keeps ``d logp / d hidden`` ``[N, H]`` (float32) and backward
     multiplies it by the incoming gradient: one head matmul per chunk instead of two.
 
     Returns:
         float32 ``[B, T]`` log-probs, or ``(logprobs, entropy)`` with entropy float32 ``[B, T]``.
     """
     _check_inputs(hidden, weight, targets, bias, logit_scale, softcap, temperature, chunk_size)
-    lead_shape = targets.shape
-    flat_hidden = hidden.reshape(-1, hidden.shape[-1])  # [N, H]
-    flat_targets = targets.reshape(-1).long()  # [N]
     logprobs, entropy = _TokenLogprobs.apply(
-        flat_hidden, weight, bias, flat_targets, float(logit_scale), None if softcap is None else float(softcap),
-        float(temperature), int(chunk_size), return_entropy,
-    )
-    logprobs = logprobs.view(lead_shape)  # [B, T]
-    if return_entropy:
-        return logprobs, entropy.view(lead_shape)  # [B, T], [B, T]
-    return logprobs
+        hidden.reshape(-1, hidden.shape[-1]), weight, bias, targets.reshape(-1).long(), float(logit_scale),
+        None if softcap is None else float(softcap), float(temperature), int(chunk_size), return_entropy)  # [N]
+    logprobs = logprobs.view(targets.shape)  # [B, T]
+    return (logprobs, entropy.view(targets.shape)) if return_entropy else logprobs  # [B, T], [B, T]

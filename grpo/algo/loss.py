@@ -2,25 +2,15 @@
 (bias-corrected) k3 KL penalty, the off-policy sequence mask, the high-entropy token mask and the entropy
 bonus; TRL 1.16's formulas, term by term.
 
-Per completion token t of sequence i (m the completion mask, A_i the advantage, H the token entropy)::
+Per completion token (the formulas are `grpo.algo.loss_terms`'s, one function a term), with w the
+importance ratio (`importance_ratio`, per token or per sequence) and A the advantage::
 
-    log_w = lp - old                                   importance_sampling_level="token"
-    log_w = sum_t m * (lp - old) / max(1, |o_i|)       "sequence" (GSPO): one weight per sequence
-    w     = exp(log_w)                                 differentiable; 1 on-policy, its gradient is not 0
-    grpo, bnpo, dr_grpo, dapo, luspo:
-        l = -min(min(w, delta) * A, clip(w, 1 - epsilon_low, 1 + epsilon_high) * A)
-            (min(w, delta) only when delta is set: INTELLECT-2's two-sided clipping bounds w for A < 0 too)
-    cispo:  l = -stopgrad(min(w, epsilon_high)) * A * lp            (MiniMax-M1: epsilon_high is eps_max)
-    sapo:   l = -sigmoid(tau * (w - 1)) * 4 / tau * A,  tau = sapo_temperature_pos if A > 0 else _neg
-    vespo:  l = -stopgrad(phi_i) * A * lp,  phi_i = e^lambda w_i^k e^(-lambda w_i), w_i = exp(sum_t m (lp - old))
-            (k, lambda) = (vespo_k_pos, vespo_lambda_pos) if A >= 0 else the _neg pair (loss_terms.vespo_term)
-    l     = l * [A_i >= 0  or  KL_i <= off_policy_mask_threshold]  only when the threshold is set (DeepSeek-V3.2),
-            KL_i = sum_t m (old - stopgrad(lp)) / max(1, |o_i|)   0 on-policy (old = lp): nothing is dropped
-    l     = l * [H >= q-quantile of H over this call's tokens]    only when top_entropy_quantile q < 1
-    kl    = exp(ref - lp) - (ref - lp) - 1   (k3, >= 0);  kl * w when use_bias_correction_kl
-    l     = l + beta * kl
-    l     = l * rho                          only with `sampling_weights` rho (algo/sampling_correction: TRL's
-                                             vllm_importance_sampling_correction for an engine's samples)
+    l = the `loss_type`'s policy term: clipped_term (grpo, bnpo, dr_grpo, dapo, luspo), cispo_term, sapo_term,
+        vespo_term
+    l = l * off_policy_mask         only when off_policy_mask_threshold is set (DeepSeek-V3.2)
+    l = l * high_entropy_mask       only when top_entropy_quantile < 1
+    l = l + beta * k3_kl            (times w when use_bias_correction_kl)
+    l = l * rho                     only with `sampling_weights` rho (algo/sampling_correction)
 
 Aggregation: what one call (one micro-batch) contributes, such that the calls of a step summed over
 micro-batches and ranks give the step's loss (ranks' gradients add up). K = ``num_micro_batches``, the
@@ -33,17 +23,12 @@ B = ``num_sequences`` and the micro-batch's tokens ``micro_batch_tokens`` defaul
     dapo, cispo, vespo:  sum_{i,t} m l / max(1, num_tokens)    num_tokens: the whole step's (all ranks)
     luspo:        sum_i( sum_t m l ) / B / K                   sums, not means: length-weighted
 
-The entropy bonus (``entropy_coef`` c, when not 0) is then subtracted whatever the loss type, the mean entropy
-of the tokens the policy term acts on (m' = m, times the high-entropy mask when q < 1), with gradient::
-
-    loss  = loss - c * sum_{i,t} m' H / max(1, sum m') / K     summed over a step: c times the mean over its
-                                                               micro-batches (and ranks) of their mean entropy
+The entropy bonus (``entropy_coef``, `loss_terms.entropy_bonus`) is then subtracted whatever the loss type,
+on the tokens the policy term acts on.
 
 Masked positions never reach the loss (nor ``exp``: garbage there cannot overflow into inf * 0). Rows whose
 gradient is exactly 0 may be left out of the call (`zero_advantage_has_no_gradient`) when B and the
 micro-batch's tokens are passed as counted before: the loss and its gradient stay those of all rows.
-
-Each term is a function of `grpo.algo.loss_terms`, with its formula; `policy_loss` composes them.
 """
 
 from __future__ import annotations
@@ -119,9 +104,8 @@ def _check_inputs(logprobs, old_logprobs, ref_logprobs, advantages, completion_m
         if t is not None and t.shape != logprobs.shape:
             raise ValueError(f"{name} shape {tuple(t.shape)} != logprobs shape {tuple(logprobs.shape)}")
     if advantages.shape != logprobs.shape[:1]:
-        raise ValueError(
-            f"advantages must be [B] = {tuple(logprobs.shape[:1])}, got {tuple(advantages.shape)}"
-        )
+        raise ValueError(f"advantages must be [B] = {tuple(logprobs.shape[:1])}, "
+                         f"got {tuple(advantages.shape)}")
     if settings.top_entropy_quantile < 1.0 and entropies is None:
         raise ValueError("top_entropy_quantile < 1 needs the per-token entropies")
     if settings.entropy_coef != 0 and entropies is None:
@@ -130,12 +114,10 @@ def _check_inputs(logprobs, old_logprobs, ref_logprobs, advantages, completion_m
 
 def zero_advantage_has_no_gradient(beta: float, top_entropy_quantile: float, entropy_coef: float = 0.0) -> bool:
     """Whether a completion whose advantage is exactly 0 adds exactly 0 to the gradient (and to the loss), so
-    that it needs no forward or backward. Every loss type's policy term is A times a finite factor: clipped
-    ``-min(min(w, delta) A, clip(w) A)``, cispo ``-sg(min(w, eps)) A lp``, sapo ``-sigmoid(tau (w - 1)) 4 / tau A``,
-    vespo ``-sg(phi) A lp``, at token or sequence level (GSPO's w is the row's own), so A = 0 zeroes its value
-    and gradient. Not so with a KL term (beta != 0), which pulls every row towards the reference, nor with the
-    high-entropy mask (top_entropy_quantile < 1): its quantile is over every row's tokens, and leaving some out
-    moves it, nor with the entropy bonus (entropy_coef != 0), which every row's tokens feed."""
+    that it needs no forward or backward. Every loss type's policy term is A times a finite factor (GSPO's w is
+    the row's own), so A = 0 zeroes its value and gradient. Not so with a KL term (beta != 0), which pulls every
+    row towards the reference, nor with the high-entropy mask (its quantile is over every row's tokens), nor
+    with the entropy bonus (entropy_coef != 0), which every row's tokens feed."""
     return beta == 0 and top_entropy_quantile >= 1.0 and entropy_coef == 0
 
 
@@ -166,38 +148,29 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor | None, ref_logprobs: Ten
                 completion_mask: Tensor, *, entropies: Tensor | None = None, num_tokens: float | None = None,
                 num_micro_batches: int = 1, num_sequences: int | None = None, micro_batch_tokens: float | None = None,
                 sampling_weights: Tensor | None = None, **settings) -> tuple[Tensor, dict[str, float]]:
-    """The loss of one micro-batch, as written in the module docstring.
+    """The loss of one micro-batch (module docstring), and its metrics.
 
     Args:
         logprobs: ``[B, T]`` log-probs of the current policy (with grad).
-        old_logprobs: ``[B, T]`` log-probs of the policy that sampled the completions;
-            None means ``logprobs.detach()`` (one optimizer step per generation, w = 1).
-        ref_logprobs: ``[B, T]`` reference log-probs, or None. Not used at all when
-            ``beta == 0`` or it is None (then no KL term and no ``kl`` metric).
+        old_logprobs: ``[B, T]`` those of the policy that sampled; None: ``logprobs.detach()`` (w = 1).
+        ref_logprobs: ``[B, T]`` reference log-probs, or None; unused (no KL term, no ``kl`` metric) when
+            ``beta == 0`` or None.
         advantages: ``[B]`` one advantage per completion.
-        completion_mask: ``[B, T]`` 1 on completion tokens, 0 on prompt/padding. Values
-            at masked positions are ignored (must only be finite).
-        entropies: ``[B, T]`` per-token entropies: the ``entropy`` metric, the high-entropy mask when
-            ``top_entropy_quantile < 1``, and the bonus when ``entropy_coef != 0`` (trained through their grad).
-        num_tokens: for ``"dapo"`` / ``"cispo"`` / ``"vespo"``, the step's token count (default: this call's).
-        num_micro_batches: K of the module docstring (default 1: this call is the whole step).
-        num_sequences, micro_batch_tokens: the micro-batch's rows (grpo, sapo, dr_grpo, luspo) and completion
-            tokens (bnpo), counted before rows with exactly zero gradient were left out (default: this call's).
-        sampling_weights: ``[B, T]`` the importance-sampling correction of completions another engine sampled
-            (algo/sampling_correction), multiplying the per-token loss; None: none.
-        settings: `LossSettings`'s fields as keywords (``loss_type``, ``epsilon_low``, ``beta``, ...); TRL's
-            defaults for those not given.
+        completion_mask: ``[B, T]`` 1 on completion tokens; values at masked positions need only be finite.
+        entropies: ``[B, T]`` per-token entropies: the ``entropy`` metric, the high-entropy mask and the bonus
+            (trained through their grad).
+        num_tokens, num_micro_batches, num_sequences, micro_batch_tokens: the aggregation's (module docstring),
+            counted before rows with exactly zero gradient were left out (default: this call's).
+        sampling_weights: ``[B, T]`` rho (algo/sampling_correction), or None.
+        settings: `LossSettings`'s fields as keywords; TRL's defaults for those not given.
 
     Returns:
-        ``(loss, metrics)``: a scalar tensor and detached python floats, TRL's names where TRL logs
-        the same thing: ``loss/policy`` (the policy term aggregated like the loss), ``ratio/mean``
-        (w), the policy term's own (``clipped_term``'s clip ratios, ``cispo_term``'s ``cispo_clip_ratio``,
-        ``vespo_term``'s ``vespo/phi_seq_mean``, a mean over the sequences),
-        ``kl`` when the KL term is used, ``entropy`` when entropies are given: masked means over this call's
-        completion tokens. Shares of the step like the loss (``STEP_SHARES``): ``loss/entropy`` (the bonus term,
-        -c * mean H / K) and TRL's ``policy_loss`` (the loss before it, the KL term included) when
-        ``entropy_coef != 0``, then also TRL's ``entropy_coef`` (the setting), ``off_policy/masked_ratio``
-        (the sequences dropped, over B, / K) when ``off_policy_mask_threshold`` is set.
+        ``(loss, metrics)``: a scalar tensor and python floats, TRL's names where TRL logs the same thing:
+        ``loss/policy`` (the policy term aggregated like the loss), ``ratio/mean`` (w), the policy term's own,
+        ``kl`` and ``entropy`` when used: masked means over this call's completion tokens. Shares of the step
+        (``STEP_SHARES``): ``loss/entropy`` (minus the bonus), TRL's ``policy_loss`` (the loss before it) and
+        ``entropy_coef`` when ``entropy_coef != 0``, ``off_policy/masked_ratio`` (the sequences dropped, over
+        B, / K) when ``off_policy_mask_threshold`` is set.
     """
     s = LossSettings(**settings)
     _check_inputs(logprobs, old_logprobs, ref_logprobs, advantages, completion_mask, entropies, s)
@@ -243,9 +216,8 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor | None, ref_logprobs: Ten
 
 
 def router_aux_term(aux_loss: Tensor, coef: float, num_micro_batches: int = 1) -> tuple[Tensor, dict[str, float]]:
-    """A mixture-of-experts router's load-balancing loss `aux_loss` (policy/router.py) of one micro-batch, as TRL
-    adds it to the loss: ``coef * aux_loss / K`` (K the step's micro-batches over all ranks, as `policy_loss`'s),
-    and TRL's metric ``aux_loss``, this call's share ``aux_loss / K`` of the step's mean over its micro-batches."""
+    """A mixture-of-experts router's load-balancing loss `aux_loss` of one micro-batch as TRL adds it to the loss,
+    ``coef * aux_loss / K`` (K as `policy_loss`'s), and TRL's metric ``aux_loss``: this call's ``aux_loss / K``."""
     share = aux_loss / num_micro_batches
     return coef * share, {"aux_loss": share.item()}
 
@@ -258,9 +230,8 @@ def no_token_metrics(**settings) -> dict[str, float]:
 
 
 def add_metrics(totals: dict[str, float], metrics: dict[str, float], share: float) -> None:
-    """Add one call's `policy_loss` metrics to a step's `totals`: `loss/*` add up as the losses do; the others,
-    means over the call's completion tokens, weighted by `share`, its part of the step's tokens, so that the
-    sums over micro-batches and ranks are the step's means."""
+    """Add one call's `policy_loss` metrics to a step's `totals`: STEP_SHARES add up as the losses do; the others
+    weighted by `share`, the call's part of the step's tokens, so that the sums are the step's means."""
     for k, v in metrics.items():
         totals[k] = totals.get(k, 0.0) + (v if k.startswith(STEP_SHARES) else v * share)
 

@@ -40,10 +40,9 @@ def clipped_term(ratio: Tensor, advantages: Tensor, completion_mask: Tensor, eps
 
         l = -min(min(w, delta) * A, clip(w, 1 - epsilon_low, 1 + epsilon_high) * A)
 
-    ``min(w, delta)`` only when delta is set: INTELLECT-2's two-sided clipping, which bounds w for A < 0 too,
-    where the clip alone leaves it unbounded. The metrics (detached), means over the completion tokens of
-    ``min(w, delta)`` (TRL's coef_1): ``clip_ratio/low_mean`` A < 0 and it < 1 - epsilon_low,
-    ``clip_ratio/high_mean`` A > 0 and it > 1 + epsilon_high, ``clip_ratio/region_mean`` either."""
+    ``min(w, delta)`` only when delta is set: INTELLECT-2's two-sided clipping, which bounds w for A < 0 too.
+    The metrics, means over the completion tokens: ``clip_ratio/low_mean`` A < 0 and ``min(w, delta)`` <
+    1 - epsilon_low, ``clip_ratio/high_mean`` A > 0 and it > 1 + epsilon_high, ``clip_ratio/region_mean`` either."""
     clipped_ratio = torch.clamp(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high)  # [B, T]
     unclipped_ratio = ratio if delta is None else torch.clamp(ratio, max=delta)  # [B, T]
     loss = -torch.minimum(unclipped_ratio * advantages, clipped_ratio * advantages)  # [B, T]
@@ -61,8 +60,8 @@ def cispo_term(ratio: Tensor, advantages: Tensor, logprobs: Tensor, completion_m
 
         l = -stopgrad(min(w, epsilon_max)) * A * lp
 
-    The clip bounds the weight, not the token: every token keeps its gradient, which PPO's clip zeroes. The metric
-    (detached): ``cispo_clip_ratio``, the mean over the completion tokens of [A > 0 and w > epsilon_max]."""
+    The clip bounds the weight, not the token: every token keeps its gradient, which PPO's clip zeroes. The metric:
+    ``cispo_clip_ratio``, the mean over the completion tokens of [A > 0 and w > epsilon_max]."""
     on = completion_mask.bool()  # [B, T]
     weight = torch.clamp(ratio, max=epsilon_max).detach()  # [B, T]
     loss = -weight * advantages * torch.where(on, logprobs, 0.0)  # [B, T]
@@ -92,8 +91,8 @@ def vespo_term(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, compl
         phi   = exp(lambda + k * log_w - lambda * exp(log_w))               e^lambda w^k e^(-lambda w): phi(1) = 1
         l     = -stopgrad(phi) * A * lp,    (k, lambda) = (k_pos, lambda_pos) if A >= 0 else (k_neg, lambda_neg)
 
-    phi is a gamma-shaped weight, 1 on-policy, that fades as w leaves 1 (lambda is clamped to >= 1e-4; a NaN or
-    inf phi counts as 0). The metric (detached): ``vespo/phi_seq_mean``, the mean of phi over the sequences."""
+    phi fades as w leaves 1 (lambda is clamped to >= 1e-4; a NaN or inf phi counts as 0). The metric:
+    ``vespo/phi_seq_mean``, the mean of phi over the sequences."""
     on = completion_mask.bool()  # [B, T]
     with torch.no_grad():
         log_ratio = torch.where(on, (logprobs - old_logprobs).clamp(-20.0, 20.0), 0.0)  # [B, T]
@@ -121,9 +120,7 @@ def k3_kl(logprobs: Tensor, ref_logprobs: Tensor, completion_mask: Tensor, ratio
 
 def off_policy_mask(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, completion_mask: Tensor,
                     threshold: float) -> Tensor:
-    """``[B]`` bool, True for the sequences whose policy terms stay: DeepSeek-V3.2's off-policy sequence mask
-    drops a sequence with a negative advantage whose mean per-token KL(old || current) estimate exceeds
-    ``threshold``::
+    """``[B]`` bool, True for the sequences whose policy terms stay (DeepSeek-V3.2's off-policy sequence mask)::
 
         keep_i = A_i >= 0  or  KL_i <= threshold,    KL_i = sum_t m (old - stopgrad(lp)) / max(1, |o_i|)
 
@@ -161,9 +158,8 @@ def high_entropy_mask(entropies: Tensor, completion_mask: Tensor, level: float) 
 
 def entropy_bonus(entropies: Tensor, acts_on: Tensor, entropy_coef: float, num_micro_batches: int) -> Tensor:
     """The entropy bonus, to subtract from the loss: ``entropy_coef`` c times the mean entropy of the tokens the
-    policy term acts on (m'), this call's share of a step of K micro-batches::
+    policy term acts on (m'), this call's share of a step of K micro-batches (summed over a step: c times the
+    mean over its micro-batches and ranks of their mean entropy)::
 
-        bonus = c * sum_{i,t} m' H / max(1, sum m') / K
-
-    Summed over a step: c times the mean over its micro-batches (and ranks) of their mean entropy."""
+        bonus = c * sum_{i,t} m' H / max(1, sum m') / K"""
     return entropy_coef * masked_mean(entropies, acts_on) / num_micro_batches

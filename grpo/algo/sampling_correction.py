@@ -11,10 +11,7 @@ policy that sampled, s the engine's)::
     *_truncate: rho = clamp(rho, C_min, C_max)     (a bound that is None: no bound on that side)
     *_mask:     rho = 0 where rho < C_min or rho > C_max
 
-The per-token loss (policy term and KL term) is multiplied by rho (`policy_loss(sampling_weights=...)`). The
-metrics, TRL's keys: `sampling/sampling_logp_difference/{mean,max}` of |old - s| over the masked tokens with a
-log-prob, `sampling/importance_sampling_ratio/{min,mean,max}` of rho over the masked tokens (token modes) or the
-rows (sequence modes)."""
+The per-token loss (policy term and KL term) is multiplied by rho (`policy_loss(sampling_weights=...)`)."""
 from __future__ import annotations
 
 import torch
@@ -25,8 +22,9 @@ from . import SAMPLING_CORRECTION_MODES
 
 def sampling_correction(old_logprobs: Tensor, sampling_logprobs: Tensor, mask: Tensor, mode: str = "sequence_mask",
                         clip_min: float | None = None, clip_max: float | None = 3.0) -> tuple[Tensor, Tensor, Tensor]:
-    """(weights [B, T], |old - s| of the masked tokens with a log-prob [k], the ratios the metrics read [j]) for
-    `old_logprobs`, `sampling_logprobs` and `mask` [B, T] (module docstring); TRL's defaults."""
+    """(weights [B, T], |old - s| of the masked tokens with a log-prob [k], the ratios the metrics read [j]: rho
+    of the masked tokens, or of the rows in sequence modes) for `old_logprobs`, `sampling_logprobs` and `mask`
+    [B, T] (module docstring); TRL's defaults."""
     if mode not in SAMPLING_CORRECTION_MODES:
         raise ValueError(f"unknown mode {mode!r}; valid: {', '.join(SAMPLING_CORRECTION_MODES)}")
     on = mask.bool()  # [B, T]

@@ -1,20 +1,10 @@
 """Giving freed memory back to the OS on a CPU run (glibc's malloc).
 
-glibc serves blocks under its mmap threshold from heaps it keeps, and raises that threshold up to 32 MB each time
-a bigger block is freed. A training step allocates and frees hundreds of such blocks (a layer's activations and
-their gradients, a decoding step's logits): the heaps grow to the largest set ever live at once, plus their
-fragmentation, and stay that size. A fixed threshold puts every block of `MMAP_THRESHOLD` bytes or more in its own
-mapping, unmapped when torch frees it.
-
-1 MB: against higher thresholds it keeps a deep model's peak near its live memory (at 16 MB freed blocks the heap
-kept made the peak several times that) for some more CPU time in page faults, most of it a large vocabulary's
-decoding logits. `MALLOC_MMAP_THRESHOLD_` in the environment chooses another threshold (16777216: faster decoding
-at a large vocabulary, more memory). The figures: docs/benchmarks.md, "glibc's mmap threshold".
-
-While decoding (`decoding_allocations`), the threshold is 32 MB, then back to 1 MB with the freed heap trimmed:
-a decode with its KV cache allocated once (rollout/engines/kv_cache) frees and reallocates the same few blocks each step
-(logits, their softmax and cumulative sum, the linears' outputs), which at 1 MB are fresh mappings to fault in:
-a decode then takes less CPU time at about the same peak. Training keeps the 1 MB threshold.
+glibc serves blocks under its mmap threshold from heaps that grow to the largest set ever live at once and stay
+that size; a fixed threshold (`MMAP_THRESHOLD`) gives every larger block its own mapping, unmapped when torch frees
+it (why 1 MB, and the figures: docs/memory-planner.md, "Memory on a CPU"). While decoding (`decoding_allocations`),
+the threshold is 32 MB: a decode frees and reallocates the same few blocks each step, which at 1 MB are fresh
+mappings to fault in.
 """
 from __future__ import annotations
 

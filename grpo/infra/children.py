@@ -1,9 +1,7 @@
 """Processes a run forks (the sampler, tool calls) end when the process that forked them ends, however it
 ends: `kill -9` (what the OOM killer sends) gives no one a chance to clean up, so the child watches for itself.
 On Linux the kernel sends it SIGKILL when its parent dies (`PR_SET_PDEATHSIG`); everywhere a thread in the
-child checks its parent's pid, which becomes another process's (init's, or a subreaper's) once the parent is
-gone. A descriptor a child must not hold (the run's lock, the other end of a pipe) is dropped with
-`drop_inherited`."""
+child checks its parent's pid, which changes once the parent is gone."""
 from __future__ import annotations
 
 import ctypes
@@ -44,7 +42,7 @@ def die_with_parent(parent_pid: int) -> None:
 
 
 def drop_inherited(fd: int) -> None:
-    """In a forked child: let go of the open file behind descriptor `fd` (the parent keeps its own), leaving
+    """In a forked child: let go of the open file behind descriptor `fd` (a lock, a pipe's other end), leaving
     `/dev/null` at that number, so a Python object that still names it never closes someone else's file."""
     null = os.open(os.devnull, os.O_RDWR)
     try:

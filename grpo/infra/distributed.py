@@ -1,8 +1,6 @@
 """Running under `torchrun`: the process group, which prompts each rank takes, and combining tensors and
-metrics across ranks.
-
-Without torchrun's environment (or with a single process) `setup()` returns a `Distributed` of world size 1
-whose every operation hands its input back unchanged: a plain run pays nothing."""
+metrics across ranks. Without torchrun (or with a single process) `setup()` returns a `Distributed` of world
+size 1 whose every operation hands its input back unchanged."""
 from __future__ import annotations
 
 import os

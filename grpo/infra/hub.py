@@ -13,7 +13,8 @@ PROBE_S = 3.0  # how long the Hub's endpoint is given to accept a connection
 _answers: dict[str, str | None] = {}  # endpoint -> the probe's result, once asked
 
 
-def _offline_set() -> bool:
+def offline_set() -> bool:
+    """Whether HF_HUB_OFFLINE asks for no network."""
     return os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
 
 
@@ -26,10 +27,9 @@ def _probe(host: str, port: int, found: list) -> None:
 
 
 def unreachable() -> str | None:
-    """Why the Hub cannot be used now ("HF_HUB_OFFLINE=1 is set", or its endpoint and the connection's error),
-    or None when its endpoint (`HF_ENDPOINT`, default huggingface.co) accepts a connection within PROBE_S
-    seconds. The name lookup runs in a thread of its own, so that a resolver that hangs costs PROBE_S too."""
-    if _offline_set():
+    """Why the Hub cannot be used now, or None when its endpoint (`HF_ENDPOINT`, default huggingface.co) accepts
+    a connection within PROBE_S seconds (the lookup runs in a thread: a resolver that hangs costs PROBE_S too)."""
+    if offline_set():
         return "HF_HUB_OFFLINE=1 is set"
     url = os.environ.get("HF_ENDPOINT") or "https://huggingface.co"
     if url not in _answers:
@@ -45,8 +45,7 @@ def unreachable() -> str | None:
 
 
 def cached(repo_id: str, repo_type: str = "model") -> str | None:
-    """The folder of `repo_id`'s copy in the Hugging Face cache (HF_HOME), or None when it has none; the
-    network is never used."""
+    """The folder of `repo_id`'s copy in the Hugging Face cache (HF_HOME), or None; never the network."""
     try:
         from huggingface_hub import snapshot_download
 

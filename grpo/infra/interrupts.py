@@ -1,8 +1,7 @@
 """Stopping cleanly on SIGINT (Ctrl-C) and SIGTERM (preemption). While a step is still generating or
-back-propagating, nothing has touched the weights, so the step is abandoned (the trainer rolls it back);
-once the optimizer runs, the step is finished. Either way the trainer then saves and raises
-TrainingInterrupted (a KeyboardInterrupt). A second signal stops at once, without saving. Inside the abandonable
-part, what a signal must not cut in two (a message read off a pipe and recorded) runs `atomic`."""
+back-propagating, nothing has touched the weights, so the step is abandoned (the trainer rolls it back); once
+the optimizer runs, the step is finished. Either way the trainer then saves and raises TrainingInterrupted. A
+second signal stops at once, without saving."""
 from __future__ import annotations
 
 import contextlib
@@ -21,9 +20,8 @@ class StepAbandoned(Exception):
 
 
 class TrainingInterrupted(KeyboardInterrupt):
-    """Training stopped on signal `signum` after `step` steps; `checkpoint` holds them (None before step 1, or
-    when nothing is saved: `unsaved` says why). A KeyboardInterrupt, as Ctrl-C's own would be, so code that
-    stops on one stops on this; its message says how to resume, in the caller's language."""
+    """Training stopped on signal `signum` after `step` steps; `checkpoint` holds them (None when nothing is
+    saved: `unsaved` says why). A KeyboardInterrupt, as Ctrl-C's own would be; its message says how to resume."""
 
     def __init__(self, signum: int, step: int, checkpoint: Path | None, unsaved: str = "nothing to save yet"):
         self.signum, self.step, self.checkpoint, self.unsaved = signum, step, checkpoint, unsaved

@@ -1,6 +1,5 @@
 """Progress a person can see during long sampling and evaluation: a counter of generated tokens (with
-tokens/s), advanced from the decoding loop after every new token, instead of a bar that sits at 0 until a
-whole step or evaluation batch is done. On a terminal (or in a notebook) the bars are tqdm's; written to a
+tokens/s), advanced after every new token. On a terminal (or in a notebook) the bars are tqdm's; written to a
 file or a pipe, a bar's carriage-return redraws would fill it, so each is a plain line every few seconds."""
 from __future__ import annotations
 
@@ -98,8 +97,7 @@ def quiet_library_bars():
 class TokenProgress:
     """`progress(n)` adds n generated tokens (the bar shows them and tokens/s); `progress.prompts_done(k, total)`
     shows k/total prompts in the postfix. After `progress.batch(start, size, total)` (a decode of prompts
-    start..start+size, one row each: evaluation) every step's count also says how many of the batch's rows are
-    still decoding, so the prompts done advance as rows finish, not only once a batch ends. Use as a context
+    start..start+size, one row each: evaluation) the prompts done advance as rows finish. Use as a context
     manager; disabled, it does nothing."""
 
     def __init__(self, desc: str, enabled: bool = True):

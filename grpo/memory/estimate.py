@@ -1,17 +1,12 @@
 """Predicted peak memory of a GRPO run, from architecture numbers and settings alone (pure arithmetic): which
 parts (memory/parts.py: their bytes) each moment of a step holds, and the largest moment.
 
-Peak = the largest of six moments: generation, the end of a micro-batch's forward, the start of its backward,
-the recomputation of a layer (gradient checkpointing), the end of the backward, and the optimizer step.
-Optimizer states exist from the first step on, gradients only between the first backward and the optimizer
-step (they are freed, not zeroed). The sampling decode takes the whole generation batch when it fits within the
-peak of the other moments, else as many micro-batches' worth of whole prompts as fit (at least one micro-batch's,
-at least one prompt): `Estimate.decode_prompts`, which our Decoder follows, so one decode never raises the peak
-above what decoding a micro-batch at a time gave. Greedy evaluation decodes as many prompts at once as fit beside
-what training keeps within the peak (`Estimate.eval_prompts`). With `async_generation` the sampler process decodes
-during every training moment (its KV cache, buffers and weight copies added to them), beside the trainable
-weights' copy the two processes share. Sizes are in bytes; `GB` is 1e9 bytes, as the trainer's `memory/peak_gb`
-metric.
+Peak = the largest moment: generation, the end of a micro-batch's forward, the start of its backward, the
+recomputation of a layer (gradient checkpointing), the end of the backward, and the optimizer step. Optimizer
+states exist from the first step on, gradients only between the first backward and the optimizer step (they are
+freed, not zeroed). A decode takes as many prompts as fit beside the peak of the other moments, so it never
+raises it (`Estimate.decode_prompts`, `Estimate.eval_prompts`). With `async_generation` the sampler process
+decodes during every training moment. Sizes are in bytes; `GB` is 1e9 bytes, as `memory/peak_gb`'s.
 """
 from __future__ import annotations
 
@@ -63,8 +58,7 @@ def estimate(a: Architecture, config, device: str = "cuda") -> Estimate:
 
 def plan_peak(a: Architecture, m: MemorySettings, d: Dtypes) -> Estimate:
     """Peak memory of training `a` with the planner's settings `m` under the dtype plan `d`, prompts counted at
-    max_prompt_length (the worst case): the moments, the bytes of their parts, then the decodes sized to the room
-    the moments leave; see the module docstring."""
+    max_prompt_length (the worst case), the decodes sized to the room the moments leave."""
     own = _moments(m, d)  # the trainer's, decoding in its generation moment
     moments = _sampling_ahead(own) if m.async_generation else own
     # A decode's room: what the peak leaves beside what every moment keeps and the sampling weight copies. The

@@ -10,7 +10,7 @@ from ..settings.choices import planned_prompt_length, prompt_once
 from ..settings.cli import format_value
 from ..settings.components import MemorySettings
 from ..settings.plan import DecodeSizes
-from .estimate import GB, Estimate, estimate, plan_peak, settings_of
+from .estimate import GB, estimate, plan_peak, settings_of
 from .known_models import architecture_of
 from .parts import Architecture, dtypes, prompts_in_micro_batch
 
@@ -38,8 +38,8 @@ def smaller_micro_batches(c: Config) -> list[dict]:
 
 def memory_savings(c: Config, every_micro_batch: bool = False) -> list[tuple[dict, str]]:
     """(settings change, what it does) for each change that lowers peak memory from `c`, cheapest first: free
-    ones, then slower steps, then a different kind of training, then less work per step. Smaller micro-batches
-    come as the largest one (`every_micro_batch`: each of them, largest first, for the planner's search)."""
+    ones, slower steps, another kind of training, less work per step. Smaller micro-batches come as the largest
+    one (`every_micro_batch`: each of them, for the planner's search)."""
     changes = []
     if c.logprob_chunk_size > 128:
         changes.append(({"logprob_chunk_size": 128}, "smaller LM-head logits chunks"))
@@ -68,10 +68,9 @@ def memory_savings(c: Config, every_micro_batch: bool = False) -> list[tuple[dic
 
 def decode_sizes(m: MemorySettings, arch: Architecture | str, precision: Precision) -> DecodeSizes:
     """Prompts per decode, read before loading from the architecture `arch` (a string: why it could not be
-    read), the planner's settings `m` and the dtype plan, both from one memory plan. Sampling: the plan's
-    (`Estimate.decode_prompts`: the whole generation batch when it fits within the training peak), None (a
-    micro-batch's) where the architecture cannot be read. Evaluation: `m.eval_batch_size` when set, else as many as
-    the plan fits (`Estimate.eval_prompts`), else EVAL_BATCH_WITHOUT_PLAN."""
+    read), the planner's settings `m` and the dtype plan. Sampling: `Estimate.decode_prompts`, None (a
+    micro-batch's) where the architecture cannot be read. Evaluation: `m.eval_batch_size` when set, else
+    `Estimate.eval_prompts`, else EVAL_BATCH_WITHOUT_PLAN."""
     if isinstance(arch, str):
         return DecodeSizes(None, EVAL_BATCH_WITHOUT_PLAN if m.eval_batch_size is None else m.eval_batch_size)
     e = plan_peak(arch, m, dtypes(precision, m.use_lora))
@@ -79,8 +78,7 @@ def decode_sizes(m: MemorySettings, arch: Architecture | str, precision: Precisi
 
 
 def eval_batch_size(config: Config, model=None, device: str = "cuda") -> int:
-    """Prompts per greedy evaluation decode of `config`'s model (`model` when given) on `device`: `decode_sizes`'
-    evaluation."""
+    """Prompts per greedy evaluation decode of `config`'s model (`model` when given) on `device`."""
     m, precision = settings_of(config, device)
     return decode_sizes(m, architecture_of(config.model, model), precision).evaluation
 
@@ -141,11 +139,10 @@ def _changed(config: Config, changes: list[dict]) -> dict:
 
 def describe(arch: Architecture, config: Config, device: str = "cuda") -> str:
     """The breakdown of the predicted peak, largest parts first."""
-    e: Estimate = estimate(arch, config, device)
+    e = estimate(arch, config, device)
     mode = "QLoRA" if config.use_lora and config.load_in_4bit else "LoRA" if config.use_lora else "full fine-tuning"
     extras = [config.optim] + (["checkpointing"] if config.gradient_checkpointing else []) + [f"beta={config.beta:g}"]
-    N = config.per_device_train_batch_size
-    size = arch.num_params()
+    N, size = config.per_device_train_batch_size, arch.num_params()
     size_text = f"{size / 1e9:.2f}B" if size >= 1e8 else f"{size / 1e6:.1f}M"
     P, C = planned_prompt_length(config), config.max_completion_length
     once = ""
@@ -166,8 +163,7 @@ def _size(n: float) -> str:
 
 def plan_summary(config: Config, model=None, gpu_memory_gb: float | None = None) -> str:
     """A short breakdown of the predicted peak GPU memory and the cheapest change that fits `gpu_memory_gb`
-    (default: the current GPU's memory, when there is one). Never raises: printed when training runs out of
-    memory."""
+    (default: the current GPU's). Never raises: printed when training runs out of memory."""
     try:
         arch = architecture_of(config.model, model)
         if isinstance(arch, str):

@@ -44,9 +44,8 @@ TABLE_COLUMNS = {  # cumulative, as the write-up's columns
 
 def architecture_of(name: str, model=None, download: bool = False) -> Architecture | str:
     """The model's architecture: from `model` (a model or its HF config) when given, the built-in facts for
-    well-known hub ids, else the config.json of `name` (Config.model: a local path, the HF cache, or the hub when
-    `download`; a .gguf file or the packaged short name: its converted folder). A string says why it could not be
-    read."""
+    well-known hub ids, else the config.json of `name` (Config.model; from the hub only when `download`). A
+    string says why it could not be read."""
     if model is not None:
         config = getattr(model, "config", model)
         label = getattr(config, "name_or_path", "") or "the given model"
@@ -75,10 +74,10 @@ def architecture_of(name: str, model=None, download: bool = False) -> Architectu
 
 
 def _config_file(name: str, download: bool):
-    """The transformers config of `name` (Config.model), read from its config.json."""
+    """The transformers config of `name` (Config.model; a .gguf file's or short name's: its converted folder's)."""
     from transformers import AutoConfig
 
     from ..policy.gguf import resolve_model_path
 
-    path = resolve_model_path(name)  # a .gguf file or the packaged short name: its converted folder
+    path = resolve_model_path(name)
     return AutoConfig.from_pretrained(path, local_files_only=os.path.isdir(path) or not download)

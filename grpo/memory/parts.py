@@ -2,22 +2,10 @@
 config.json) and the trainer's dtype plan (`dtypes`): pure arithmetic, which memory/estimate.py adds up into the
 moments of a step. Sizes are in bytes.
 
-It follows what this trainer allocates. On CUDA: full fine-tuning keeps float32 weights and runs the forward
-under bf16 autocast (which keeps a bf16 copy of every linear weight until backward), its frozen reference is
-a bf16 copy (only when beta > 0); LoRA keeps a bf16 base (no reference: the adapter is disabled instead) and
-float32 adapters; QLoRA stores the body's linear weights as 4-bit NF4. On CPU everything is float32 unless
-`bf16=True` asks for the same plan there. With `bf16_weights` (full fine-tuning, either device) weights,
-gradients, activations and the reference are bf16, the optimizer states stay as they are, and the optimizer
-updates slices of float32 copies.
-Generation samples the generation batch (steps_per_generation micro-batches of per_device_train_batch_size
-completions) with a KV cache outside autocast (so in the weights' dtype), each prompt prefilled once, and keeps the
-batch until it is trained on, with the log-probs the run plan keeps (settings/plan.py); a decode takes as many
-prompts as the room it is given holds (`prompts_to_sample`, `prompts_to_evaluate`). The loss runs per
-micro-batch: activations of the whole micro-batch, the LM head applied in chunks of `logprob_chunk_size` token rows
-(float32 logits), and the head's gradient in backward. With `shared_prompt_forward` (on by default without
-checkpointing) each of a micro-batch's prompts is forwarded once and its completions against its keys and values:
-activations for P + G x C tokens a group instead of G x (P + C). With `async_generation` the trainable weights
-have one more copy, in memory the trainer and its sampler process share.
+It follows what this trainer allocates, under the dtype plan of policy/precision.py: weights, gradients and
+optimizer states; autocast's bf16 weight copies; the reference copy; the generation batch with the log-probs the
+run plan keeps (settings/plan.py); a micro-batch's activations (of P + G x C tokens a group with
+`shared_prompt_forward`) and its log-prob chunks; the decodes' KV caches and buffers (docs/memory-planner.md).
 """
 from __future__ import annotations
 
@@ -129,9 +117,7 @@ def prompts_in_micro_batch(micro_batch: int, num_generations: int) -> int:
 
 
 def part_bytes(a: Architecture, m: MemorySettings, d: Dtypes) -> dict[str, float]:
-    """The bytes of every part but the sampling decode's (its size waits on the room the others leave):
-    weights, optimizer states, the reference copy, the generation batch, a micro-batch's forward and backward,
-    the optimizer step's temporaries and the weight copies sampling makes."""
+    """The bytes of every part but the sampling decode's (its size waits on the room the others leave)."""
     trainable = a.lora_tensors(m.lora_r, m.lora_targets) if m.use_lora else a.trainable_tensors()
     return {**_resident(a, m, d, trainable), **_micro_batch(a, m, d, trainable), **_optimizer_step(m, d, trainable),
             "sampling weight copies": sampling_weight_bytes(a, m, d),
@@ -155,14 +141,13 @@ def _resident(a: Architecture, m: MemorySettings, d: Dtypes, trainable: list[int
 
 
 def _micro_batch(a: Architecture, m: MemorySettings, d: Dtypes, trainable: list[int]) -> dict:
-    """A micro-batch's forward and backward: activations, the log-prob chunk, the LM head's gradient, the
-    gradients."""
+    """A micro-batch's forward and backward: activations, the log-prob chunk, the gradients."""
     V, H, L = a.vocab_size, a.hidden_size, a.num_layers
     N, P, C = m.schedule.micro_batch, m.prompt_length, m.completion_length  # N: sequences
     parts = {}
     # Whole rows forward N x (P + C) tokens; the shared-prompt forward (policy/prefix.py) each of the micro-batch's
     # prompts once and the N completions against its keys and values: B x P + N x C tokens.
-    once = m.prompt_once  # policy/prefix.py
+    once = m.prompt_once
     B = prompts_in_micro_batch(N, m.num_generations) if once else N
     tokens = B * P + N * C
     per_token = layer_activations(a, m, d)
@@ -261,8 +246,8 @@ def sampling_weight_bytes(a: Architecture, m: MemorySettings, d: Dtypes) -> floa
 
 
 def prompts_to_sample(a: Architecture, m: MemorySettings, d: Dtypes, room: float) -> int:
-    """Prompts one sampling decode takes: the whole generation batch (this rank's share) when its decode fits in
-    `room` bytes, else as many micro-batches' worth of whole prompts as fit, at least one micro-batch's."""
+    """Prompts one sampling decode takes: this rank's generation batch when it fits in `room` bytes, else as many
+    micro-batches' worth of whole prompts as fit, at least one micro-batch's."""
     G, chunk = m.num_generations, m.schedule.prompts_per_micro_batch
     prompts = -(-m.schedule.completions_per_generation // G)  # this rank's share of the generation batch
     kv, buffers = generation_bytes(a, m, d, G, 1)  # one prompt's
@@ -281,9 +266,8 @@ def prompts_to_evaluate(a: Architecture, m: MemorySettings, d: Dtypes, room: flo
 def generation_bytes(a: Architecture, m: MemorySettings, d: Dtypes, rows: int, prompts: int) -> tuple[float, float]:
     """The KV cache and the buffers of a decode of `rows` completions of `prompts` prompts (each prefilled
     once): the cache, allocated for every position at once (rollout/engines/kv_cache), in the weights' dtype (no
-    autocast; 4-bit layers compute in the same dtype as the rest),
-    one step's logits, their row-major copy, softmax and float64 cumulative sum, and a layer's prefill
-    intermediates."""
+    autocast; 4-bit layers compute in the same dtype as the rest), one step's logits, their row-major copy,
+    softmax and float64 cumulative sum, and a layer's prefill intermediates."""
     T, kv_bytes = m.prompt_length + m.completion_length, d.base
     # + a layer's copy while compaction or a prompt's copies rewrite the buffers (or a dynamic cache grows)
     kv = 2 * a.num_layers * rows * T * a.kv_dim * kv_bytes * (1 + 1 / a.num_layers)

@@ -15,10 +15,9 @@ def cache_argument(body) -> str | None:
 
 def keeps_recurrent_state(hf_model, cache) -> bool:
     """Whether `hf_model` keeps a recurrent or linear-attention state, which decoding rows can neither leave, be
-    repeated in nor share a prefix of: transformers marks it `_is_stateful` where it has the mark, and builds the
-    model's cache (`cache`) with linear-attention layers. reorder_cache is not counted on to select those layers'
-    rows: a model may hold the state in its own modules instead, leaving the layer empty (RecurrentGemma does, and
-    zeroes the state when the batch size changes)."""
+    repeated in nor share a prefix of: transformers marks it `_is_stateful`, or builds the model's cache
+    (`cache`) with linear-attention layers. (A model may hold the state in its own modules instead, leaving
+    the layer empty: RecurrentGemma does.)"""
     from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
     return getattr(hf_model, "_is_stateful", False) or any(

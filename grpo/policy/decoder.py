@@ -2,16 +2,11 @@
 few new tokens a decoding step feeds: the same math as transformers' forward with fewer operations.
 
 transformers' forward spends a decoding step of SmolLM2-135M (16 rows) largely outside the matmuls: a mask built
-per step, linear modules called through peft's wrappers, rotary embeddings applied with a copy per tensor, keys and
-values repeated for grouped attention, the attention interface dispatched per layer. Here each layer runs two
-RMSNorms, one `mm` per linear on the weight the module holds (no copy: policy/folding stores the folded weights
-transposed, the layout a product with few rows reads fastest), the rotary product, and attention of each
-key/value head's group of queries over the preallocated cache (rollout/engines/kv_cache) as one
-`scaled_dot_product_attention` call, reading the keys once per group. The weights are read as the modules hold
-them when the decode starts, so a decode within policy/folding's `sampling_weights` runs on the folded ones; with
-`int8` (Config.int8_sampling_weights) on int8 copies of them made then (policy/int8), q/k/v and gate/up each
-stacked into one product; with `bf16` (the precision plan's bf16 sampling on a CPU) on the bf16 base as it is,
-each LoRA adapter added by its low-rank product, the KV cache in bf16 as the prefill wrote it.
+per step, peft's wrappers, rotary embeddings copied per tensor, keys and values repeated for grouped attention,
+the attention interface dispatched per layer. Here each layer runs two RMSNorms, one `mm` per linear on the weight
+the module holds (policy/folding stores the folded weights transposed, the layout a product with few rows reads
+fastest), the rotary product, and attention of each key/value head's group of queries over the preallocated cache
+(rollout/engines/kv_cache) as one `scaled_dot_product_attention` call, reading the keys once per group.
 
 Any other family, a layer that is not a plain linear (an unfolded adapter outside `bf16`, 4-bit, sharded), or a
 layer with extras (sliding windows, q/k norms) keeps transformers' forward (`fused_decoder` returns None)."""
@@ -76,12 +71,14 @@ def _layer_linears(layer, adapters: bool) -> list | None:
 
 
 def fused_decoder(body, cache, int8: bool = False, bf16: bool = False) -> FusedDecoder | None:
-    """A `FusedDecoder` for the decoder `body` (a transformers base model: `embed_tokens`, `layers`, `norm`,
-    `rotary_emb`) writing `cache`'s preallocated layers, or None where `body` is not one it computes exactly or
-    its weights are not float32 (`bf16`: or bf16) on a CPU (elsewhere the copies would cost memory the plan does not
-    hold). `int8`: its linears run on int8 copies of their weights (policy/int8). `bf16`: on the bf16 weights as
-    the modules hold them (the precision plan's bf16 base), a LoRA adapter added by its own low-rank product
-    rather than folded (a fold into bf16 would round away the updates smaller than 1/512 of a weight)."""
+    """A `FusedDecoder` for the decoder `body` (a transformers base model) writing `cache`'s preallocated layers,
+    or None where `body` is not one it computes exactly or its weights are not float32 (`bf16`: or bf16) on a CPU
+    (elsewhere the copies would cost memory the plan does not hold). The weights are read as the modules hold
+    them now, so a decode within policy/folding's `sampling_weights` runs on the folded ones. `int8`
+    (Config.int8_sampling_weights): its linears run on int8 copies of their weights (policy/int8), q/k/v and
+    gate/up each stacked into one product. `bf16` (the precision plan's bf16 sampling on a CPU): on the bf16 base
+    as it is, a LoRA adapter added by its own low-rank product rather than folded (a fold into bf16 would round
+    away the updates smaller than 1/512 of a weight)."""
     layers = getattr(body, "layers", None)
     weight = next(body.parameters(), None)  # float32 on a CPU: what the fused copies are counted for (memory/)
     dtypes = (torch.float32, torch.bfloat16) if bf16 else (torch.float32,)
@@ -106,9 +103,8 @@ def fused_decoder(body, cache, int8: bool = False, bf16: bool = False) -> FusedD
 
 
 class FusedDecoder:
-    """`step(ids [n, 1], mask [n, T], position_ids [n, 1]) -> last hidden states [n, H]`, as
-    `body(input_ids=ids, attention_mask=mask, position_ids=position_ids, cache=cache).last_hidden_state[:, -1]`
-    computes them, writing the new keys and values into `cache`. It holds the weights the modules hold when it is
+    """`step(ids [n, 1], mask [n, T], position_ids [n, 1]) -> last hidden states [n, H]`, as `body` computes
+    them with `cache`, writing the new keys and values into it. It holds the weights the modules hold when it is
     made: make one per decode."""
 
     def __init__(self, body, cache, plan: list, int8: bool = False):

@@ -2,21 +2,17 @@
 on a CPU the LM head's weight packed for oneDNN (`sampling_weights`).
 
 Folding: each decoding step then runs one matmul per linear layer instead of peft's base matmul, dropout, A, B,
-scaling and sum (about 1,000 small operations a step for SmolLM2-135M with adapters on every linear), and a
-Llama-shaped model's step runs on them directly (policy/decoder). The fold writes W + scale * B @ A into a
-separate tensor, stored transposed ([in, out] in memory: `x @ W.T` with 16-64 rows reads it faster than the
-[out, in] layout, docs/benchmarks.md), that stands in for the base weight during the decode; the base weight
-itself is never written, so the reference (the adapter switched off) stays bit for bit what it was. Layers are
-folded only where that is exact enough: float32 base weights (a bf16 sum would round away an update smaller than
-1/256 of the weight, so sampling would not draw from the trained policy), plain torch linears (not 4-bit or
-sharded ones), vanilla LoRA with one active adapter (no DoRA or LoRA bias).
+scaling and sum (about 1,000 small operations a step for SmolLM2-135M with adapters on every linear). The fold
+writes W + scale * B @ A into a separate tensor, stored transposed (`x @ W.T` with 16-64 rows reads [in, out]
+faster, docs/benchmarks.md), that stands in for the base weight during the decode; the base weight itself is
+never written, so the reference (the adapter switched off) stays bit for bit what it was. Layers are folded only
+where that is exact enough: float32 base weights (a bf16 sum would round away an update smaller than 1/256 of
+the weight), plain torch linears, vanilla LoRA with one active adapter (`plain_lora`).
 
 Packing: the body's linears are not packed: at a decoding step's 16-64 rows torch's matmul is as fast as oneDNN's
-on a packed weight, and the conversion of the input in and the output out that oneDNN needs around every call
-cost a tenth of the step (docs/benchmarks.md, "Decoding at the speed of memory"). The LM head's product, one call
-per step over a [V, H] weight, is still faster packed (float32 results: differences of a few float32 roundings,
-as between any two matmul kernels); its packed copy lives only during the decode and is handed to it (policy/head's
-`head_logits`)."""
+on a packed weight, and oneDNN's conversions around every call cost a tenth of the step (docs/benchmarks.md). The
+LM head's product, one call per step over a [V, H] weight, is still faster packed (float32 results); its packed
+copy lives only during the decode."""
 from __future__ import annotations
 
 import contextlib
@@ -73,12 +69,10 @@ def _packed_forward(weight: torch.Tensor, bias: torch.Tensor | None):
 
 @contextlib.contextmanager
 def sampling_weights(model, int8: bool = False):
-    """Within the context, every foldable LoRA layer of `model` (see `foldable_layers`) computes with its base
-    weight plus its adapter's update, held in a new tensor that stands in for the base weight, and skips the
-    adapter. Yields the LM head's product on a oneDNN-packed copy (`hidden -> logits`, for policy/head's
-    `head_logits`), or None where it is not packed (not a float32 torch linear on a CPU); with `int8`, on an
-    int8 copy (policy/int8; the decoding steps make theirs from the folded weights, policy/decoder). On exit the
-    original weights (the same tensors, never written) and adapters are back."""
+    """Within the context, every `foldable_layers` LoRA layer of `model` computes with its folded weight, and
+    skips the adapter. Yields the LM head's product on a oneDNN-packed copy (for policy/head's `head_logits`),
+    or None where it is not packed (not a float32 torch linear on a CPU); with `int8`, on an int8 copy
+    (policy/int8). On exit the original weights (the same tensors, never written) and adapters are back."""
     layers = foldable_layers(model)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     swapped = []
@@ -92,10 +86,9 @@ def sampling_weights(model, int8: bool = False):
                 swapped.append((layer, base.weight))
                 base.weight = torch.nn.Parameter(folded, requires_grad=False)
             # The head's [V, H] product is a fifth of a SmolLM2 decoding step: packed, used by the decode.
-            if int8 and head is not None and packable(head):
-                head_matmul = int8_copy(head)
-            else:
-                head_matmul = _packed_forward(head.weight, head.bias) if head is not None and packable(head) else None
+            head_matmul = None
+            if head is not None and packable(head):
+                head_matmul = int8_copy(head) if int8 else _packed_forward(head.weight, head.bias)
         yield head_matmul
     finally:
         for layer, weight in swapped:

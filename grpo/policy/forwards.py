@@ -16,10 +16,8 @@ from .router import router_aux_coef
 
 
 class Policy:
-    """`model` (prepared for training) with its reference, wrapped for `world_size` ranks; `settings`
-    (settings/components.LogprobSettings) gives the
-    log-prob settings; `is_main`: this rank says what every rank does (infra/distributed.Distributed.is_main). Trains
-    on `model`; `parallel` saves and loads it."""
+    """`model` (prepared for training) with its reference, wrapped for `world_size` ranks (`parallel` saves and
+    loads it); `settings`: settings/components.LogprobSettings; `is_main`: this rank says what every rank does."""
 
     def __init__(self, model, settings, world_size: int, precision: Precision, *, is_main: bool):
         self.model, self.settings, self.precision, self.is_main = model, settings, precision, is_main
@@ -46,9 +44,8 @@ class Policy:
             return self.parallel(lambda model: self._logprobs(model, rollout, with_entropy))
 
     def training_logprobs(self, rollout):
-        """`(logprobs, entropies, aux_loss)` [N, C], [N, C] and a scalar, all with grad: `logprobs(rollout,
-        with_entropy=True)` and a mixture-of-experts router's load-balancing loss over the rows, or None when
-        `router_aux_coef` is 0 (policy/router.py)."""
+        """`(logprobs, entropies, aux_loss)` [N, C], [N, C] and a scalar, all with grad: a mixture-of-experts
+        router's load-balancing loss over the rows, or None when `router_aux_coef` is 0 (policy/router.py)."""
         if not self.router_aux_coef:
             return *self.logprobs(rollout, with_entropy=True), None
         with self.precision.autocast():  # whole rows: the shared-prompt forward is off with a router loss
@@ -78,10 +75,9 @@ class Policy:
             ref.mul_(1.0 - alpha).add_(param.to(ref.dtype), alpha=alpha)
 
     def check_head_once(self, rollout, agree) -> None:
-        """On the first call only: log-probs and sampling logits of two of the rollout's rows against the model's
-        own forward (models.check_logprobs_match_forward); a family whose logits we get wrong stops the run.
-        Then the shared-prompt forward against whole rows (prefix.check_shared_prompt_forward): a difference
-        turns it off, with one line. `agree(x)` is the largest x over the ranks, so that they act together."""
+        """On the first call only: models.check_logprobs_match_forward (a family whose logits we get wrong stops
+        the run), then prefix.check_shared_prompt_forward (a difference turns it off, with one line). `agree(x)`
+        is the largest x over the ranks, so that they act together."""
         if not self.head_checked:
             c = self.settings
             self.parallel(lambda model: check_logprobs_match_forward(

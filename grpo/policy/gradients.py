@@ -16,10 +16,8 @@ def accumulate(policy, micro_batches: list, counts, loss: Mapping, reduce, *, st
                show: bool = False) -> dict:
     """Back-propagate the loss of every micro-batch (rollout/batches.MicroBatch), each normalized as
     `loss_type` says with `counts` (rollout/batches.StepCounts, over all ranks; `reduce` sums over ranks), so
-    that the ranks' summed gradients are those of the step's loss; `loss`: policy_loss's keyword arguments
-    from the settings; `show`: a bar of optimizer step `step`'s micro-batches. Returns the step's metrics.
-    Micro-batches without a row left (rows whose gradient is exactly 0 were cut out) run no forward, but
-    count."""
+    that the ranks' summed gradients are those of the step's loss; `loss`: policy_loss's keyword arguments;
+    `show`: a bar of optimizer step `step`'s micro-batches. Returns the step's metrics."""
     totals: dict[str, float] = {"kl": 0.0, "loss": 0.0}  # kl: logged as 0 when there is no reference
     trained = [m for m in micro_batches if not m.empty]  # one process: no forward where no row is left
     with progress_bar(f"training step {step + 1}", total=len(trained), unit="micro-batch", enabled=show,
@@ -45,7 +43,6 @@ def accumulate(policy, micro_batches: list, counts, loss: Mapping, reduce, *, st
     return {**totals, "skipped/zero_gradient": counts.skipped / counts.rows}
 
 
-@torch.no_grad()
 @torch.no_grad()
 def eval_loss(policy, loss: Mapping, rollout) -> tuple[float, int]:
     """TRL's eval loss of one batch of greedy completions (rollout/batches.Rollout, one per prompt) and its rows:

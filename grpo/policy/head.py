@@ -113,8 +113,7 @@ def positions(attention_mask: torch.Tensor) -> torch.Tensor:
 def next_token_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, logit_scale: float = 1.0,
                       softcap: float | None = None, matmul=None) -> torch.Tensor:
     """float32 logits [N, V] of the last hidden states [N, H] under an LM head [V, H], transformed as the
-    log-probs do (`algo.logprobs.transform_logits_`). `matmul(hidden)`, when given, is the head's product
-    with its bias (a packed copy of the weight, policy/folding)."""
+    log-probs do. `matmul(hidden)`, when given, is the head's product with its bias (policy/folding)."""
     if matmul is not None:
         logits = matmul(hidden.to(weight.dtype)).float()  # [N, V]
     else:
@@ -125,9 +124,8 @@ def next_token_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Te
 
 
 def head_logits(hf_model, matmul=None):
-    """`hidden [N, H] -> logits [N, V]` as `hf_model`'s forward makes them from its last hidden states: its LM
-    head (or `matmul`, the head's product on a packed copy of its weight) and its family's scale or soft cap
-    (read from its config once, policy/head), in float32."""
+    """`hidden [N, H] -> logits [N, V]` (float32) as `hf_model`'s forward makes them from its last hidden
+    states: its LM head (or `matmul`, the head's product on a packed copy of its weight) and `head_transform`."""
     head, transform = hf_model.get_output_embeddings(), head_transform(hf_model.config)
     return lambda hidden: next_token_logits(hidden, head.weight, head.bias, transform.scale, transform.softcap,
                                             matmul)

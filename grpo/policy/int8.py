@@ -4,15 +4,13 @@ integer instructions a decoding step's 16-64 rows then multiply 1.5-4x faster th
 is compute-bound (docs/benchmarks.md, "Decoding at the speed of memory").
 
 fbgemm quantizes the activations itself, per call (`quantized::linear_dynamic`), to 7 bits and a sign
-(`reduce_range`: AVX2 sums pairs of u8 x s8 products in 16 bits, which 8 bits could overflow) with one scale for
-all the rows. Both are too coarse here: a row's result would depend on the other rows of the batch (a seed would
-not sample the same whatever the batch plan), and 7 bits lose a small model's activations, whose largest value is
-10-35x their root mean square (SmolLM2-135M: 3-12% error per product, a KL of 0.01-0.3 nats per token between
-the int8 and float32 samplers). So each row is divided by its own largest magnitude, rounded to the 127-step
-grid of [-1, 1] and its remainder rounded again to that grid, the two passes stacked as rows of one product
-(about 14 bits), with a guard row [1, -1, 0, ..] that pins every call's range to [-1, 1]: fbgemm then reads
-every value exactly, each row's output is the same whatever the batch, and the weights' 8 bits are what is
-left (0.6-1.4% per product, about 0.005 nats per token for SmolLM2-135M, docs/benchmarks.md)."""
+(`reduce_range`) with one scale for all the rows. Both are too coarse here: a row's result would depend on the
+other rows of the batch (a seed would not sample the same whatever the batch plan), and 7 bits lose a small
+model's activations (SmolLM2-135M: 3-12% error per product). So each row is divided by its own largest
+magnitude, rounded to the 127-step grid of [-1, 1] and its remainder rounded again to that grid, the two passes
+stacked as rows of one product (about 14 bits), with a guard row [1, -1, 0, ..] that pins every call's range to
+[-1, 1]: fbgemm then reads every value exactly, each row's output is the same whatever the batch, and the
+weights' 8 bits are what is left (0.6-1.4% per product, docs/benchmarks.md)."""
 from __future__ import annotations
 
 import weakref

@@ -38,10 +38,9 @@ def is_peft_model(model) -> bool:
 
 
 def lora_settings(lora, source: str = "peft_config", model_type=None) -> dict:
-    """The Config settings that train what the peft LoraConfig `lora` describes (use_lora=True, lora_r,
-    lora_alpha, lora_dropout, lora_target_modules); ConfigError naming every field it sets that this trainer
-    does not implement, at once. `source` is what messages call it; `model_type` (a callable giving the model's
-    config.model_type) is read only when the LoraConfig names no target_modules: peft's default for it."""
+    """The Config settings that train what the peft LoraConfig `lora` describes; ConfigError naming every field
+    it sets that this trainer does not implement, at once. `source` is what messages call it; `model_type` (a
+    callable giving the model's config.model_type) is read only when `lora` names no target_modules."""
     peft = sys.modules.get("peft")
     if peft is None or not isinstance(lora, peft.LoraConfig):
         raise ConfigError(f"{source} must be a peft LoraConfig (this trainer trains LoRA adapters), got "

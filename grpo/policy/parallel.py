@@ -49,11 +49,9 @@ class ParallelPolicy:
 
     def close(self) -> None:
         """Let go of the DDP wrapper before the process group ends (infra/distributed.shutdown). Its C++
-        reducer holds the group, and is freed without letting go of the GIL: were it the group's last holder,
-        gloo's destructor would wait, GIL held, for its worker thread, which may still be dropping the last
-        collective's tensors and needs the GIL for that: a hang at exit. Let go of here, the group's last
-        holder is Python's, which releases the GIL while gloo's threads finish. Nothing runs through the
-        policy after this."""
+        reducer holds the group and is freed with the GIL held: were it the group's last holder, gloo's
+        destructor would wait, GIL held, for its worker thread, which needs the GIL: a hang at exit. Nothing
+        runs through the policy after this."""
         if self.kind == "ddp":  # FSDP holds the group from Python alone
             self.root = None
 
@@ -63,9 +61,7 @@ class ParallelPolicy:
 
     def unsharded(self, fn):
         """`fn(model)` with the whole weights at hand, for sampling. Under FSDP every layer is gathered once for
-        the whole call instead of once per generated token, at the cost of holding the full weights meanwhile.
-        (Ranks that finish early keep stepping until all are done: transformers' generate sees FSDP and sets
-        `synced_gpus`.)"""
+        the whole call instead of once per generated token, at the cost of holding the full weights meanwhile."""
         if self.kind != "fsdp":
             return fn(self.model)
         try:
@@ -75,8 +71,7 @@ class ParallelPolicy:
 
     def reshard(self) -> None:
         """After forwards that no backward follows (sampling, an eval loss): under FSDP the root unit keeps its
-        weights gathered after a forward, for the backward it expects next; without this, a checkpoint saved
-        right after would find whole tensors where the optimizer holds shards."""
+        weights gathered for the backward it expects, where a checkpoint saved next would find whole tensors."""
         if self.kind == "fsdp":
             self.root.reshard()
 
@@ -131,10 +126,7 @@ class ParallelPolicy:
         if self.kind != "fsdp":
             optimizer.load_state_dict(state)
             return
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            set_optimizer_state_dict,
-        )
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
         set_optimizer_state_dict(self.model, optimizer, state, options=StateDictOptions(full_state_dict=True))
 
@@ -143,10 +135,7 @@ class ParallelPolicy:
         if self.kind != "fsdp":
             load_weights(self.model, checkpoint)
             return
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            set_model_state_dict,
-        )
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
         state = read_weights(checkpoint)
         check_shapes(state, self.model.state_dict(), checkpoint)  # DTensors report their full shape

@@ -1,18 +1,10 @@
 """The run's dtype plan, decided once from the device, the CPU and the `bf16` setting (`uses_bf16`), so that every
 place that casts or autocasts reads the same answer, on CUDA and on a CPU alike.
 
-`bf16=None` computes in bf16 where the hardware does bf16 arithmetic natively: CUDA, and a CPU with AVX512-BF16
-or AMX that oneDNN runs bf16 on (its matmuls twice float32's rate, several times with AMX; docs/benchmarks.md);
-float32 on any other CPU, where bf16 kernels are slower and float32 keeps runs exact. What the CPU does is asked
-once per process (`CpuBf16.read`), where a plan with bf16=None on a CPU needs it; GRPO_CPU_BF16=1/0 stands in for
-the CPU's answer (`ENV`), so a machine can run either CPU's plan (the tests run both).
-
-Under bf16: a frozen LoRA base (and QLoRA's 4-bit layers' compute) in bf16 with float32 adapters (peft upcasts
-them); fully trained weights stay float32, since bf16 weights would round away updates of lr ~1e-6, and their
-forwards run under bf16 autocast; full fine-tuning's frozen reference copy is bf16 (forward-only: half the
-memory); FSDP gathers bf16 and reduces float32. On a CPU the decode samples in bf16 too, on the bf16 base with
-LoRA unfolded (policy/decoder), its log-probs kept for TRL's importance-sampling correction (`bf16_sampling`).
-Otherwise everything is float32."""
+`bf16=None` computes in bf16 where the hardware does bf16 arithmetic natively (`uses_bf16`), float32 on any other
+CPU, where bf16 kernels are slower. What the CPU does is asked once per process (`CpuBf16.read`); GRPO_CPU_BF16=1/0
+stands in for its answer (`ENV`). Fully trained weights stay float32 (bf16 would round away updates of lr ~1e-6)
+unless `bf16_weights`; what else runs in bf16 under the plan: docs/architecture.md."""
 from __future__ import annotations
 
 import contextlib
@@ -58,8 +50,7 @@ def _flags() -> CpuBf16:
 
 @dataclass(frozen=True)
 class Precision:
-    """The dtypes of a run, built once (Precision.plan) and read by loading, the reference copy, autocast and
-    the sampler."""
+    """The dtypes of a run, built once (Precision.plan), read by loading, the reference, autocast, the sampler."""
 
     device_type: str  # "cuda" or "cpu": where the policy runs
     bf16: bool  # compute in bf16 (autocast for the forwards that score tokens)
@@ -72,8 +63,7 @@ class Precision:
              bf16_weights: bool = False, cpu: CpuBf16 | None = None, int8_sampling: bool = False) -> Precision:
         """The plan for `Config.bf16`, `use_lora` and `bf16_weights` on `device` (None: the one load_model uses),
         `cpu` the CPU's answer (None: read here, where it decides). `bf16_weights` (full fine-tuning) keeps the
-        trained weights and the reference in bf16 on any device: the optimizer rounds stochastically
-        (policy/rounding.py). `int8_sampling` (int8_sampling_weights) keeps float32 weights for its copies."""
+        trained weights and the reference in bf16 on any device (policy/rounding.py)."""
         device_type = torch.device(device if device is not None else default_device()).type
         if bf16 is None and device_type == "cpu" and cpu is None and not int8_sampling:
             cpu = CpuBf16.read()  # only where it decides: a plan with bf16 set never asks the CPU
@@ -102,8 +92,7 @@ class Precision:
         return f"precision: {'bf16' if self.bf16 else 'float32'} on {self.device_type}: {self.why}"
 
     def autocast(self):
-        """bf16 autocast for the policy's and the reference's log-prob forwards (sampling runs without it, in
-        the weights' dtype)."""
+        """bf16 autocast for the policy's and the reference's log-prob forwards (sampling runs without it)."""
         if not self.bf16:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device_type, dtype=torch.bfloat16)
@@ -117,8 +106,7 @@ def default_device() -> torch.device:
 def uses_bf16(bf16: bool | None, device_type: str, cpu: CpuBf16 | None = None,
               int8_sampling: bool = False) -> tuple[bool, str]:
     """Whether a run computes in bf16, and why: `bf16` True or False forces it; None means on CUDA, and on a CPU
-    that computes bf16 natively (`cpu`: CpuBf16.read's answer) unless int8_sampling_weights asks for float32
-    weights."""
+    that computes bf16 natively (`cpu`) unless int8_sampling_weights asks for float32 weights."""
     if bf16 is not None:
         return bf16, f"bf16={bf16}"
     if device_type == "cuda":

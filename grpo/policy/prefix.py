@@ -4,14 +4,10 @@ against it. The gradient through a shared prompt is then the sum over its copies
 expansion), so log-probs and gradients are those of the full rows (models.completion_logprobs), with a group's
 prompt computed once instead of G times.
 
-Served: models whose transformers cache is built of plain and sliding-window attention layers. Under gradient
-checkpointing a layer's forward is replayed in backward; both caches here give the same states on a replay (the
-prompt's layers replace what they hold, the completions' layers only read), which is what transformers'
-`_can_checkpoint_with_cache` asks of a cache kept under checkpointing. Others (recurrent state, KV shared across
-layers, chunked attention) are refused by `refusal`, and the caller takes the full rows.
-
-The completions run in one of two layouts: their padded rows [N, C] (`PaddedRows`), or, padding free, their real
-tokens as one packed row under a 4D mask (policy/packing.py), where the model allows it and it costs less."""
+Served: models whose transformers cache is built of plain and sliding-window attention layers (`refusal`).
+Under gradient checkpointing a layer's forward is replayed in backward; both caches here give the same states on
+a replay (the prompt's layers replace what they hold, the completions' layers only read). The completions run as
+their padded rows [N, C] (`PaddedRows`), or as one packed row under a 4D mask (policy/packing.py)."""
 from __future__ import annotations
 
 import contextlib
@@ -29,8 +25,7 @@ from .packing import PackedRow, packing_refusal, packs
 
 def shared_prompts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`(first, owner)`: the first row [B] of each run of consecutive rows with the same prompt (ids and mask),
-    and each row's run [N]. A group's G rows are consecutive, so a group is one run (or several when the
-    micro-batch cut, rollout/batches, drops rows between them: each run is still exact)."""
+    and each row's run [N]. A group's G rows are consecutive: one run (or several when rows between were cut)."""
     same = (prompt_ids[1:] == prompt_ids[:-1]).all(1) & (prompt_mask[1:] == prompt_mask[:-1]).all(1)  # [N-1]
     starts = torch.cat([same.new_ones(1), ~same])  # [N]: a row whose prompt differs from the one before
     return starts.nonzero().squeeze(1), starts.long().cumsum(0) - 1  # [B], [N]
@@ -207,9 +202,8 @@ def check_shared_prompt_forward(model, rollout, *, temperature: float, chunk_siz
                                 tokens: int = 16, agree=lambda excess: excess) -> tuple[float, float]:
     """The first-step check: log-probs of the first `tokens` completion tokens of (at most `rows` of) the rows
     sharing the rollout's first prompt, by `shared_prompt_logprobs` (padded and packed) and by the whole rows.
-    Returns the largest difference over the tolerance (`agree` makes it the largest over ranks, so that all ranks
-    decide alike; above 1, they differ) and the difference. Runs in eval mode (no dropout) and without autocast, as
-    the start-up head check does."""
+    Returns the largest difference over the tolerance (`agree` makes it the largest over ranks; above 1, they
+    differ) and the difference. Runs in eval mode and without autocast, as the start-up head check does."""
     take = (shared_prompts(rollout.prompt_ids, rollout.prompt_mask)[1] == 0).nonzero().squeeze(1)[:rows]  # [r]
     prompt_ids, prompt_mask = rollout.prompt_ids[take], rollout.prompt_mask[take]  # [r, P]
     completion_ids, completion_mask = rollout.completion_ids[take, :tokens], rollout.completion_mask[take, :tokens]

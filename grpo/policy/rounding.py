@@ -17,12 +17,10 @@ _HIGH_MASK = -_LOW_BITS  # 0xFFFF0000 as an int32: keeps sign, exponent and bf16
 
 
 def stochastic_round_to_bf16(x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """`x` (float32) rounded to bf16, up or down at random so that E[result] == x.
-
-    Adds 16 uniform random bits to the float32 bit pattern below bf16's mantissa, then truncates: the carry
-    into the kept bits happens with probability (x - round_down(x)) / spacing. The bit pattern is
-    sign-magnitude, so the same holds for negative values (rounding away from zero with that probability).
-    inf stays inf; NaN stays NaN for the NaNs arithmetic produces (0x7FC00000, 0xFFC00000)."""
+    """`x` (float32) rounded to bf16, up or down at random so that E[result] == x: 16 uniform random bits added
+    below bf16's mantissa, then truncated, carry into the kept bits with probability (x - round_down(x)) /
+    spacing (sign-magnitude: negative values alike). inf stays inf; NaN stays NaN for the NaNs arithmetic
+    produces (0x7FC00000, 0xFFC00000)."""
     if x.dtype != torch.float32:
         raise TypeError(f"stochastic_round_to_bf16 takes float32, got {x.dtype}")
     noise = torch.randint(0, _LOW_BITS, x.shape, dtype=torch.int32, device=x.device, generator=generator)
@@ -32,8 +30,7 @@ def stochastic_round_to_bf16(x: torch.Tensor, generator: torch.Generator | None 
 
 def adamw_update_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                   step: int, lr: float, betas: tuple[float, float], eps: float, weight_decay: float) -> None:
-    """One AdamW step in place on float32 tensors of the same shape (torch.optim.AdamW's arithmetic);
-    `step` counts from 1."""
+    """One AdamW step in place on float32 tensors (torch.optim.AdamW's arithmetic); `step` counts from 1."""
     beta1, beta2 = betas
     param.mul_(1 - lr * weight_decay)
     exp_avg.lerp_(grad, 1 - beta1)

@@ -1,8 +1,6 @@
 """A mixture-of-experts model's router load-balancing loss, as TRL 1.16 adds it to the GRPO loss: on when the
-model's config has `output_router_logits` (its family returns router logits) and the weight is not 0, the weight
-being `router_aux_loss_coef` when set, else the config's own (0 when it declares none, as Glm4-MoE's and
-NemotronH's). The loss itself is the family's `load_balancing_loss_func` (transformers' Switch Transformer loss,
-the `aux_loss` its causal LM returns), on the router logits of the body's forward over the whole rows."""
+model's config has `output_router_logits` and the weight (`router_aux_coef`) is not 0. The loss itself is the
+family's `load_balancing_loss_func` (the `aux_loss` its causal LM returns), over the whole rows."""
 from __future__ import annotations
 
 import math
@@ -14,8 +12,9 @@ from ..errors import ConfigError
 
 
 def router_aux_coef(hf_model, setting: float | None) -> float:
-    """The weight of `hf_model`'s load-balancing loss in the GRPO loss (0: none) for `router_aux_loss_coef`
-    `setting`; a weight set for a model without router logits is refused, as in TRL."""
+    """The weight of `hf_model`'s load-balancing loss in the GRPO loss (0: none): `router_aux_loss_coef`
+    `setting` when set, else the config's own (0 when it declares none, as Glm4-MoE's and NemotronH's); a
+    weight set for a model without router logits is refused, as in TRL."""
     config = hf_model.config.get_text_config()
     if setting is not None and not math.isfinite(setting):
         raise ConfigError(f"router_aux_loss_coef must be finite, got {setting}")
@@ -32,9 +31,8 @@ def router_aux_coef(hf_model, setting: float | None) -> float:
 
 
 def load_balancing_loss(hf_model, router_logits: tuple, attention_mask: torch.Tensor) -> torch.Tensor:
-    """The family's load-balancing loss (a scalar, with grad) of the router logits (one [N * T, E] per layer,
-    from the body's forward with `output_router_logits=True`) over the real tokens of `attention_mask` [N, T]:
-    what the family's causal LM returns as `aux_loss`, with its own number of experts and of experts per token."""
+    """The family's load-balancing loss (a scalar, with grad) of the router logits (one [N * T, E] per layer)
+    over the real tokens of `attention_mask` [N, T]: what the family's causal LM returns as `aux_loss`."""
     family = sys.modules[type(hf_model).__module__]
     return family.load_balancing_loss_func(router_logits, hf_model.num_experts, hf_model.num_experts_per_tok,
                                            attention_mask)

@@ -26,10 +26,9 @@ def reads_as_path(name: str) -> bool:
 
 
 def locate(name: str, what: str = "model") -> str:
-    """What to load for `name`: itself, unless it is a hub id while the Hub cannot be reached (infra/hub): then
-    its copy in the Hugging Face cache, or a ConfigError, within seconds, saying what was looked for, why the
-    Hub is out of reach, the closest model shipped for offline use and how to point at a local one. `what`:
-    the setting that named it."""
+    """What to load for `name` (named by the setting `what`): itself, unless it is a hub id while the Hub cannot
+    be reached (infra/hub): then its copy in the Hugging Face cache, or a ConfigError, within seconds, naming the
+    closest model shipped for offline use."""
     if not isinstance(name, str) or reads_as_path(name):
         return name
     problem = hub.unreachable()
@@ -49,8 +48,7 @@ def locate(name: str, what: str = "model") -> str:
 
 
 def model_type(model, name: str) -> str | None:
-    """The policy's config.model_type: the model object's (`model`), else read from the config.json of `name`
-    (Config.model)."""
+    """The policy's config.model_type: `model`'s, else read from the config.json of `name` (Config.model)."""
     if model is not None:
         return getattr(getattr(model, "config", None), "model_type", None)
     from transformers import AutoConfig
@@ -61,8 +59,7 @@ def model_type(model, name: str) -> str | None:
 
 
 def hub_id(name: str) -> str | None:
-    """The Hugging Face Hub id of Config.model `name`: a packaged short name's, a hub id as it is; None for a
-    folder or a .gguf file."""
+    """The Hub id of Config.model `name` (a packaged short name's, a hub id); None for a folder or a .gguf file."""
     if name.lower() in OFFLINE_MODELS:
         return OFFLINE_MODELS[name.lower()][2]
     return None if reads_as_path(name) or name.lower().endswith(".gguf") else name
@@ -129,7 +126,7 @@ def load_error(name: str, error: Exception) -> ConfigError:
     if os.path.isdir(name):
         return ConfigError(f"model={name} is a local folder, but transformers cannot load it ({first}); it must be "
                            f"{LOCAL_FOLDER}")
-    offline = os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
+    offline = hub.offline_set()
     if offline or "couldn't connect" in text or "offline" in text.lower():
         why = "HF_HUB_OFFLINE=1 is set" if offline else "the Hub cannot be reached"
         return ConfigError(

@@ -32,9 +32,8 @@ class SamplerDied(TrainingStopped):
 
 @dataclass
 class Sampled:
-    """A generation batch from the sampler: training on it starts at optimizer step `step`; it was sampled with
-    the weights after `version` optimizer steps; `prompts_after` is the prompt stream's position after its draw
-    and `rng_after` torch's RNG state after making it (a batch the trainer waited for continues from it)."""
+    """A generation batch from the sampler, trained on from optimizer step `step`, sampled with the weights after
+    `version` steps; the prompt stream's position and torch's RNG state after it (a waited-for batch's)."""
 
     step: int
     version: int
@@ -53,10 +52,9 @@ class Sampled:
 
 
 class Worker:
-    """The forked sampler: `pipeline.make(step, state)` (rollout/pipeline.Pipeline) run on request with the
-    trainable `params` that the trainer publishes into shared memory before each request (LoRA: its adapters;
-    full fine-tuning: every weight, one shared copy), on half the CPU threads (the trainer's own restored on
-    `close`); `prompts` is the pipeline's PromptStream, whose copy in the worker draws from the position each
+    """The forked sampler: `pipeline.make(step, state)` run on request with the trainable `params` that the
+    trainer publishes into shared memory before each request, on half the CPU threads (the trainer's own restored
+    on `close`); `prompts` is the pipeline's PromptStream, whose copy in the worker draws from the position each
     request names; `release` frees what the sampler does not need (the optimizer's state)."""
 
     def __init__(self, pipeline, params: list[torch.Tensor], prompts, device: torch.device, release=lambda: None):
@@ -84,8 +82,7 @@ class Worker:
         self.conn.send({"step": step, "prompts": prompts, "rng": torch.get_rng_state(), "state": state})
 
     def wait(self, step: int) -> None:
-        """Until the answer to the request for optimizer step `step` can be read; SamplerDied when the worker
-        ended without answering."""
+        """Until the answer for optimizer step `step` can be read; SamplerDied when the worker ended without one."""
         while not self.conn.poll(0.5):
             if not self.process.is_alive():
                 raise self.died(step)
@@ -111,10 +108,6 @@ class Worker:
         return SamplerDied(f"the sampler process (pid {self.process.pid}) ended ({how}) while sampling the "
                            f"generation batch of step {step + 1}; the steps done are saved: to resume, set "
                            f"{resume_hint()}")
-
-    @property
-    def alive(self) -> bool:
-        return self.process.is_alive()
 
     def close(self) -> None:
         self.conn.close()
@@ -166,14 +159,11 @@ def _serve(conn, trainers_end, trainer_pid: int, pipeline, params, shared, promp
 
 
 class Ahead:
-    """The batch of step s (run/supply's interface) made ahead: the one training starts on at
-    optimizer step s is asked for at step s - max_staleness (not before the batch in training started: one is
-    sampled at a time), with the weights after that step's update; `schedule` (settings/schedule.Schedule) says
-    where batches start. `pipeline` (rollout/pipeline.Pipeline) is what the sampler process runs, `state` the
-    run's TrainerState, `release` what it frees on start. The batch in training is kept as run/synchronous
-    keeps it; `for_checkpoint` is what a checkpoint keeps besides, so that a resumed run trains on what the
-    uninterrupted one did.
-    The worker (`make_worker`, a Worker's signature) is started at the first request."""
+    """The batch of step s (run/supply's interface) made ahead: the one training starts on at optimizer step s is
+    asked for at step s - max_staleness (one is sampled at a time), with the weights after that step's update.
+    `pipeline` is what the sampler process runs, `state` the run's TrainerState, `release` what it frees on
+    start. The batch in training is kept as run/synchronous keeps it; `for_checkpoint` is what a checkpoint keeps
+    besides. The worker (`make_worker`, a Worker's signature) is started at the first request."""
 
     def __init__(self, pipeline, state, schedule, total_steps: int, max_staleness: int, release=lambda: None,
                  make_worker=None):
@@ -190,9 +180,9 @@ class Ahead:
         self.in_training = Synchronous(self._next, schedule, pipeline.policy.device)  # made by _next
 
     def take(self, step: int) -> Generation:
-        """The batch of optimizer step `step`: where a generation batch starts (or none is in training), the one
-        sampled ahead, or asked for now (with the current weights) and waited for, its metrics saying how stale
-        it is and how long the wait was; then the next one asked for if it is due (`ask_ahead`)."""
+        """The batch of optimizer step `step`: where a generation batch starts, the one sampled ahead, or asked for
+        now and waited for (its metrics say how stale it is and how long the wait was); then the next one asked
+        for if it is due."""
         generation = self.in_training.take(step)
         self.ask_ahead(step)  # sampled while this step trains
         return generation

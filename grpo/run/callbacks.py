@@ -1,7 +1,6 @@
-"""TRL's `callbacks=`: transformers' `TrainerCallback` objects (or classes, or any object with some of their
-method names), called as transformers' CallbackHandler calls them, `hook(args, state, control, **kwargs)`, in
-the order given, each one's returned control (if any) replacing the one before. The loop (Trainer.train) acts
-on the `TrainerControl` they leave: what to log, evaluate and save at a step, and whether to stop."""
+"""TRL's `callbacks=` (docs/coming-from-trl.md), called as transformers' CallbackHandler calls them, in the order
+given, each one's returned control (if any) replacing the one before. The loop (Trainer.train) acts on the
+`TrainerControl` they leave."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -9,10 +8,8 @@ from dataclasses import dataclass
 
 @dataclass
 class TrainerControl:
-    """transformers' TrainerControl, its fields and their meaning (its own class is not imported: importing
-    transformers.trainer_callback costs seconds). `should_training_stop`: stop after this step, saving a
-    checkpoint as the end of training does; `should_log`, `should_evaluate`, `should_save`: at this step, reset
-    when the next begins. `should_epoch_stop` is accepted and not read: the loop is not one of epochs."""
+    """transformers' TrainerControl, its fields and their meaning (importing its own class costs seconds).
+    `should_epoch_stop` is accepted and not read: the loop is not one of epochs."""
 
     should_training_stop: bool = False
     should_epoch_stop: bool = False
@@ -23,8 +20,7 @@ class TrainerControl:
 
 class Callbacks:
     """The callbacks of one Trainer: `args` (the Config) and `state` (trainer.state) are the Trainer's own, and
-    every hook gets the keyword arguments transformers passes (model, processing_class, optimizer, lr_scheduler,
-    and dataloaders, None: there are none here)."""
+    every hook gets the keyword arguments transformers passes (the dataloaders None: there are none here)."""
 
     def __init__(self, callbacks, args, state, model, processing_class, optimizer, lr_scheduler):
         # transformers' add_callback takes a class too, and makes one.

@@ -1,13 +1,10 @@
 """Checkpoints hold everything a run needs to continue exactly where it stopped: the weights (the LoRA
 adapter alone under peft), and in `trainer_state.pt` the optimizer, the schedule, the RNG states, the data
 position and the step. Each is written into a temporary folder, fsynced, and renamed into place with a
-completion marker, so a crash mid-save never leaves a checkpoint that looks complete; half-written ones are
-neither loaded nor counted by `save_total_limit`. A checkpoint damaged after its save (a full disk, a node
-lost mid-write on a network filesystem) is recognised from its files' own headers and sizes before anything
-is loaded, and so is one whose bytes changed (a flipped bit) from the sha256 of each file, written beside them:
-`latest` passes over it to the newest loadable one (resuming drops the lines of the run's .jsonl logs written
-after the checkpoint's step: run/logs.drop_log_lines_after). A checkpoint the output
-folder cannot take (read-only, full, deleted mid-run) is written into a rescue folder instead (`save_or_rescue`)."""
+completion marker, so a crash mid-save never leaves a checkpoint that looks complete. A checkpoint damaged after
+its save (a full disk, a node lost mid-write, a flipped bit) is recognised before anything is loaded (`damage`),
+and `latest` passes over it. A checkpoint the output folder cannot take (read-only, full, deleted mid-run) is
+written into a rescue folder instead (`save_or_rescue`)."""
 from __future__ import annotations
 
 import hashlib
@@ -76,9 +73,8 @@ def rescue_folders(output_dir: str) -> list[Path]:
 
 
 def save_or_rescue(output_dir: str, step: int, *args, **kwargs) -> tuple[Path | None, str | None]:
-    """`save_checkpoint` into `output_dir`, or when that fails (a read-only folder, a full disk, a folder
-    deleted while the run was going) into the first of `rescue_folders` that takes it: (the checkpoint written
-    or None, None or the line that says what happened, naming the folder, the cause and where the state went)."""
+    """`save_checkpoint` into `output_dir`, or when that fails into the first of `rescue_folders` that takes it:
+    (the checkpoint written or None, None or the line that says what happened and where the state went)."""
     gone = not Path(output_dir).is_dir()  # made again, it would hold the run's last checkpoint without the rest
     if gone:
         cause = "it was deleted while the run was going"
@@ -141,10 +137,8 @@ EARLIER = "previous-run-"  # OUTPUT_DIR/previous-run-N: an earlier run's files, 
 
 
 def move_earlier_run(output_dir: str) -> str | None:
-    """A fresh run in a folder that holds an earlier one (its checkpoints or logs) neither appends to its logs nor
-    writes over its checkpoints or saved model, nor refuses the same script run again (TRL writes into the folder
-    again): every entry of `output_dir` but the lock and earlier runs moved there goes into the next
-    OUTPUT_DIR/previous-run-N. Returns the line that says so, None when there was no earlier run."""
+    """Every entry of `output_dir` that holds an earlier run (its checkpoints or logs) moved into the next
+    OUTPUT_DIR/previous-run-N (docs/checkpoints-and-failures.md): the line that says so, or None."""
     root = Path(output_dir)
     earlier = [p.name for p in complete_checkpoints(output_dir)]
     earlier += [p.name for p in root.glob("*.jsonl") if p.stat().st_size]
@@ -169,9 +163,8 @@ def move_earlier_run(output_dir: str) -> str | None:
 def find_checkpoint(spec: str | bool, output_dir: str) -> tuple[Path | None, list[str]]:
     """The checkpoint folder `spec` names, or for "latest" the newest loadable one in `output_dir` (None if
     there is none yet; for True, transformers' spelling, ConfigError then), and a line for each newer one passed
-    over as damaged. ConfigError if `spec` is not a loadable checkpoint (naming the one that is), if every
-    checkpoint of `output_dir` is damaged, or if `output_dir` holds loadable newer ones: continuing the older one
-    there would mix two runs."""
+    over as damaged. ConfigError if `spec` is not a loadable checkpoint, if every checkpoint of `output_dir` is
+    damaged, or if `output_dir` holds loadable newer ones: continuing the older one there would mix two runs."""
     found = complete_checkpoints(output_dir)
     if spec is True and not found:
         raise ConfigError(f"{setting('resume_from_checkpoint', True)}: no checkpoint in {output_dir} to resume from "
@@ -198,11 +191,9 @@ def find_checkpoint(spec: str | bool, output_dir: str) -> tuple[Path | None, lis
 
 
 def damage(checkpoint: Path, weights_only: bool = False) -> str | None:
-    """Why `checkpoint` cannot be loaded, or None when it looks whole: its completion marker, settings,
-    trainer state and weights present, and each file as long as its own header says (a safetensors file's
-    JSON header, the central directory at the end of torch.save's zip): a file cut short, what a full disk or a
-    lost node leaves; then each file's sha256 against the one its save wrote (a changed byte: bit rot, a bad
-    copy), where it wrote them. `weights_only`: the model folder alone (what grpo.eval loads)."""
+    """Why `checkpoint` cannot be loaded, or None when it looks whole: its files present, each as long as its own
+    header says (a file cut short: a full disk, a lost node), then each file's sha256 against the one its save
+    wrote (a changed byte). `weights_only`: the model folder alone (what grpo.eval loads)."""
     needed = [] if weights_only else [COMPLETE, "grpo_config.json", STATE]
     adapter = (checkpoint / "adapter_config.json").exists()
     needed.append("adapter_model.safetensors" if adapter else "config.json")
@@ -275,16 +266,20 @@ def _bytes(path: Path) -> str:
     return f"{path.stat().st_size:,} bytes"
 
 
-def loadable_beside(path: Path, weights_only: bool = False) -> Path | None:
-    """The newest loadable checkpoint in the folder that holds `path` (another one)."""
-    return next((p for p in reversed(complete_checkpoints(str(path.parent)))
-                 if p.resolve() != path.resolve() and damage(p, weights_only) is None), None)
+def check_model_folder(path: Path, option: str) -> None:
+    """ConfigError unless `path` (named by `option`) holds loadable model weights: full ones or a LoRA adapter."""
+    if not (path / "config.json").exists() and not (path / "adapter_config.json").exists():
+        raise ConfigError(f"{path} is not a checkpoint folder (no config.json or adapter_config.json)")
+    problem = damage(path, weights_only=True)
+    if problem is not None:
+        raise unloadable(option, path, problem, weights_only=True)
 
 
 def unloadable(option: str, path: Path, problem: str, weights_only: bool = False) -> ConfigError:
     """The error for an explicitly named damaged checkpoint: the file, and the checkpoint that would work;
     `option` is the setting that named it, as the caller writes it."""
-    other = loadable_beside(path, weights_only)
+    other = next((p for p in reversed(complete_checkpoints(str(path.parent)))  # the newest loadable one beside
+                  if p.resolve() != path.resolve() and damage(p, weights_only) is None), None)
     fix = (f"the newest loadable checkpoint beside it is {other}: {option}={other}" if other is not None
            else "no checkpoint beside it can be loaded")
     return ConfigError(f"{option}={path} cannot be loaded: {problem}; {fix}")

@@ -1,9 +1,7 @@
-"""Resuming a checkpoint on another number of ranks (N saved it, M resume it). The weights, optimizer state,
-LR schedule, data position and step are whole in every checkpoint and carry over as saved; the prompt stream
-is global (every rank draws the same prompts), so the data position holds for any M. What cannot carry over
-is each rank's sampling state: its RNG states are replaced by ones seeded from (seed, rank, step), and a
-generation batch that later steps were still to reuse (num_iterations > 1, or steps_per_generation >
-gradient_accumulation_steps) is drawn and sampled again."""
+"""Resuming a checkpoint on another number of ranks (docs/several-gpus.md says what is exact). The prompt stream
+is global (every rank draws the same prompts), so the data position holds for any number. What cannot carry over
+is each rank's sampling state: its RNG states are seeded anew, and a generation batch that later steps were
+still to reuse is drawn and sampled again."""
 from __future__ import annotations
 
 import random

@@ -1,14 +1,7 @@
 """The output folder a run writes: checked writable before anything loads (`check_output_dir`), and one run at a
-time in it. A run holds an exclusive lock on `OUTPUT_DIR/.grpo.lock` from its
-first step to its end (fresh or resumed), so a second run started into the same folder, even at the same
-moment, refuses in one line instead of interleaving its logs and checkpoints with the first one's.
-
-The lock is the kernel's (`flock`), not the file's existence: it goes with the process however that ends, so a
-lock file left by a run that died is not in anyone's way, and nothing has to be cleaned up. The file only
-says who holds the lock, for the message. Under torchrun rank 0 holds it for every rank.
-
-A process the run forks (the sampler, a tool call) lets go of its copy of the lock's descriptor as it starts,
-so the lock goes when the run's own process ends, whatever its children do."""
+time in it (docs/checkpoints-and-failures.md): an exclusive lock on `OUTPUT_DIR/.grpo.lock` from the run's first
+step to its end. The lock is the kernel's (`flock`), not the file's existence: it goes with the process however
+that ends. The file only says who holds the lock, for the message."""
 from __future__ import annotations
 
 import contextlib
@@ -84,9 +77,8 @@ def check_output_dir(output_dir: str, setting: str = "output_dir") -> None:
 
 
 def check_free(output_dir: str, dist) -> None:
-    """ConfigError, on every rank, if a live run holds `output_dir` now (checked early, before a model is
-    loaded; the lock itself is taken when training starts). Only rank 0 looks: a rank 1 that looked could
-    find its own job's rank 0 still holding the folder for a run that is ending."""
+    """ConfigError, on every rank, if a live run holds `output_dir` now (checked before a model is loaded). Only
+    rank 0 looks: a rank 1 could find its own job's rank 0 still holding the folder for a run that is ending."""
     problem = None
     path = Path(output_dir) / LOCK
     if dist.is_main and path.is_file():

@@ -1,7 +1,6 @@
 """A run's logs in its output_dir: metrics.jsonl (a line per logged step and per evaluation) and
-completions.jsonl (every completion of a logged generation batch with its rewards), each also passed on to
-the run's `Trackers` (run/trackers.py). Under torchrun every rank calls these (they gather across ranks) and
-rank 0 alone writes."""
+completions.jsonl (every completion of a logged generation batch), each also passed on to the run's `Trackers`.
+Under torchrun every rank calls these (they gather across ranks) and rank 0 alone writes."""
 from __future__ import annotations
 
 import contextlib
@@ -31,9 +30,8 @@ def peak_memory_gb(device: torch.device) -> float:
 
 
 def peak_rss_bytes() -> int:
-    """This process's peak resident memory. Linux's VmHWM, not getrusage's ru_maxrss: that one keeps the RSS
-    the process had before exec, i.e. its parent's at fork (a run started from a big process reports the
-    parent's size)."""
+    """This process's peak resident memory: Linux's VmHWM, not getrusage's ru_maxrss, which keeps the RSS the
+    process had before exec (its parent's at fork)."""
     try:
         with open("/proc/self/status") as f:
             return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))

@@ -7,9 +7,8 @@ RENAMED = {"reward/mean": "reward", "reward/std": "reward_std", "lr": "learning_
 
 
 def trl_names(line: dict) -> dict:
-    """A metrics.jsonl line of an older run under today's keys, TRL's: `reward/mean` is `reward`, `reward/std`
-    `reward_std`, `reward/<f>` `rewards/<f>/mean`, `reward/<f>_std` `rewards/<f>/std`, `lr` `learning_rate`,
-    `perf/step_s` `step_time` (those old stds were population stds, ddof 0). Today's lines are returned as they are."""
+    """A metrics.jsonl line of an older run under today's keys, TRL's: RENAMED, and `reward/<f>(_std)` as
+    `rewards/<f>/mean` (`/std`: those old stds were population stds, ddof 0). Today's lines stay as they are."""
     out = {}
     for key, value in line.items():
         if key in RENAMED:

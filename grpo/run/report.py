@@ -1,7 +1,6 @@
-"""What a run reports while `train()` runs: the step bar; every logged line written (metrics.jsonl, completions.jsonl
-and the trackers: run/logs.py), kept in `trainer.state.log_history` and passed to the callbacks' `on_log` (an
-evaluation's also to `on_evaluate`); and what `train()` returns, transformers' `TrainOutput`, whose metrics
-close the log_history and go to `on_log` as in transformers."""
+"""What a run reports while `train()` runs: the step bar; every logged line written (run/logs.py), kept in
+`trainer.state.log_history` and passed to the callbacks' `on_log` (an evaluation's also to `on_evaluate`); and
+what `train()` returns, transformers' `TrainOutput`."""
 from __future__ import annotations
 
 import time
@@ -25,8 +24,7 @@ class TrainOutput(NamedTuple):
 def train_output(global_step: int, epoch: float, losses: list[float], seconds: float,
                  completions_per_step: int) -> TrainOutput:
     """What transformers' `train()` returns for a call that ran one step per entry of `losses` (each step's
-    loss) in `seconds`: the mean of those losses, and its speed metrics rounded as transformers rounds them, a
-    sample being a completion (as in TRL). transformers' `total_flos` is left out: FLOPs are not counted here."""
+    loss) in `seconds`, its speed metrics rounded as transformers rounds them (docs/coming-from-trl.md)."""
     steps = len(losses)
     training_loss = sum(losses) / max(steps, 0.001)  # transformers' guard: 0.0 when no step ran
     metrics = {"train_runtime": round(seconds, 4),
@@ -46,8 +44,8 @@ class Report:
         self.start, self.losses, self.bar, self.last_step = time.perf_counter(), [], None, {}
 
     def begin(self, config: dict) -> None:
-        """A `train()` call starts: its clock and its steps' losses (for its TrainOutput), the trackers (given
-        `config`, the Config as a dict with the call's resume_from_checkpoint), then the callbacks' on_train_begin."""
+        """A `train()` call starts: its clock and losses, the trackers (given `config`, the Config as a dict with
+        the call's resume_from_checkpoint), then the callbacks' on_train_begin."""
         self.start, self.losses, self.last_step = time.perf_counter(), [], {}
         self.trackers.start(config, self.state.global_step)
         self.callbacks.on_train_begin()
@@ -68,8 +66,7 @@ class Report:
         return metrics
 
     def log(self, metrics: dict, batch, with_completions: bool) -> dict:
-        """The step's metrics.jsonl line; `with_completions`, its generation batch's completions too (`batch`,
-        rollout/batches.Rollout). Timings and memory are the slowest / largest rank's."""
+        """The step's metrics.jsonl line; `with_completions`, its generation batch's completions too."""
         line = log_metrics(self.output_dir, self.state.global_step, metrics, self.dist, self.trackers)
         if with_completions:
             log_completions(self.output_dir, self.state.global_step, batch, self.reward_names, self.dist,
@@ -89,11 +86,9 @@ class Report:
         return line
 
     def output(self) -> TrainOutput:
-        """This `train()` call's TrainOutput, once its metrics are logged as transformers logs them (the last entry
-        of log_history, and on_log; not metrics.jsonl, whose lines are the steps' and the evaluations') and the
-        callbacks' on_train_end has run. That last entry also holds the call's last step's metrics (`reward`,
-        `rewards/<name>/mean`, ...), as TRL's does with its default logging_steps=10: TRL merges the metrics of
-        the steps since its last log into it."""
+        """This `train()` call's TrainOutput, once its metrics are logged as transformers logs them (the last
+        entry of log_history, and on_log; not metrics.jsonl) and the callbacks' on_train_end has run. That last
+        entry also holds the call's last step's metrics, as TRL's does with its default logging_steps=10."""
         out = train_output(self.state.global_step, self.state.epoch, self.losses, time.perf_counter() - self.start,
                            self.completions_per_step)
         self.state.log_history.append({**self.last_step, **out.metrics, "step": out.global_step})

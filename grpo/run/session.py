@@ -1,9 +1,7 @@
 """A run's session with its output folder: what a checkpoint holds besides the weights (`state_dict`), writing
-one per step (`save`; none at all under save_strategy="no", unless a callback asks; when is settings/plan's Cadence),
-resuming from one (`resume`), and a step undone when it fails or a stop signal abandons it, the steps done saved
-so that only that one is lost (`undone_on_failure`), as they are when a log cannot be written
-(`saved_when_logs_fail`). run/checkpoint.py writes and finds the folders; a checkpoint output_dir cannot take goes
-to a rescue folder, and the run stops saying where (`CheckpointNotWritten`)."""
+one (`save`), resuming from one (`resume`), and a step undone when it fails or a stop signal abandons it, the
+steps done saved so that only that one is lost (`undone_on_failure`, `saved_when_logs_fail`). run/checkpoint.py
+writes and finds the folders."""
 from __future__ import annotations
 
 import contextlib
@@ -41,8 +39,7 @@ class Progress:
 
 class Session:
     """Checkpoints of one run in `output_dir`. Under torchrun every rank calls every method (gathering and
-    saving are collective) and rank 0 writes. `batches`: the run's batch supply (run/supply), which keeps its
-    own checkpoint state and undoes its own part of a failed step."""
+    saving are collective) and rank 0 writes. `batches`: the run's batch supply (run/supply)."""
 
     def __init__(self, output_dir: Path, dist: Distributed, policy: Policy, tokenizer, updates: Updates,
                  prompts: PromptStream, batches, settings: SessionSettings, total_steps: int,
@@ -59,9 +56,8 @@ class Session:
         self.saved_step: int | None = None  # its step: saving again at it does nothing
 
     def state_dict(self, progress: Progress) -> dict:
-        """Everything besides the weights that resuming needs: optimizer, schedule, data position, step and
-        skipped-step counters, and each rank's RNG states and batch supply's state (the batches later steps
-        still train on); rank 0 gets the whole."""
+        """Everything besides the weights that resuming needs (docs/checkpoints-and-failures.md), each rank's RNG
+        states and batch supply's state included; rank 0 gets the whole."""
         own = {"rng": rng_state(), "batches": self.batches.state_dict(progress.step)}
         return {"step": progress.step, "total_steps": self.total_steps,
                 "optimizer": self.parallel.optimizer_state(self.optimizer),
@@ -93,9 +89,8 @@ class Session:
         return Progress(state["step"], (streak, total))
 
     def save(self, progress: Progress, asked: bool = False) -> Path | None:
-        """Write checkpoint-STEP (once per step); returns its path, or None under save_strategy="no", which writes
-        none unless `asked` (a callback's control.should_save, which transformers obeys whatever the strategy).
-        The ranks other than 0 wait until the checkpoint is complete; then `on_save`."""
+        """Write checkpoint-STEP (once per step), then `on_save`; returns its path, or None under
+        save_strategy="no" unless `asked` (a callback's control.should_save, obeyed whatever the strategy)."""
         if self.settings.save_strategy == "no" and not asked:
             return None
         if self.saved_step != progress.step:
@@ -130,11 +125,9 @@ class Session:
 
     def resume(self, spec: str | bool | None, logged: bool = False) -> Progress | None:
         """Start as resume_from_checkpoint `spec` says: None or False, a fresh run, which moves an earlier run's
-        files aside (checkpoint.move_earlier_run; None returned; `logged`: the logs there are this run's own, an
-        evaluation's before its first step); a checkpoint folder, "latest" (the newest loadable one in output_dir,
-        saying which damaged ones it passed over; none yet means step 0, and None is returned) or True (the same,
-        an error when there is none). Lines of the logs written after its step are dropped, so they never
-        repeat."""
+        files aside (None returned; `logged`: the logs there are this run's own, an evaluation's before its first
+        step); a checkpoint folder, "latest" or True (checkpoint.find_checkpoint; none yet: step 0, and None is
+        returned). Lines of the logs written after its step are dropped, so they never repeat."""
         if not spec:
             moved = None if logged or not self.dist.is_main else checkpoint.move_earlier_run(str(self.output_dir))
             if moved is not None:
@@ -174,8 +167,7 @@ class Session:
     @contextlib.contextmanager
     def saved_when_logs_fail(self, progress):
         """A log line output_dir cannot take stops the run with the steps done saved (`progress()`: where the run
-        stands then), as a checkpoint it cannot take does: into a rescue folder when output_dir cannot take that
-        either (the folder deleted or turned read-only mid-run; `save` says where, CheckpointNotWritten)."""
+        stands then), into a rescue folder when output_dir cannot take that either (`save`)."""
         try:
             yield
         except LogNotWritten as error:
@@ -200,8 +192,7 @@ class Session:
     @contextlib.contextmanager
     def undone_on_failure(self, signals: StopSignals, progress: Progress):
         """A stop signal or an error inside rolls the step back (batch in training, data position, RNG states,
-        gradients) and saves `progress`, the steps done, so that only this one is lost and resuming repeats it
-        exactly."""
+        gradients) and saves `progress`, the steps done: resuming repeats the step exactly."""
         rng, prompts = rng_state(), self.prompts.state_dict()
         try:
             # Ranks cannot abandon a step alone: the others would wait for them in a collective. The batch is

@@ -14,8 +14,7 @@ from tqdm.auto import tqdm
 
 @dataclass
 class TrainerState:
-    """transformers' TrainerState, the fields of it most read: the Trainer's `trainer.state`, which reward
-    functions get as `trainer_state` and callbacks as `state`, as in TRL."""
+    """transformers' TrainerState, the fields of it most read (docs/coming-from-trl.md)."""
 
     global_step: int = 0  # optimizer steps done
     max_steps: int = 0  # optimizer steps of the run

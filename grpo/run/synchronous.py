@@ -1,6 +1,5 @@
 """`Synchronous`: the batch of step s made when step s needs it, and the batch in training that every step of a
-generation batch trains on: what a checkpoint keeps of it and the one a failed step puts back. run/ahead.Ahead
-keeps its batch in training with one, its batches made ahead by a sampler process."""
+generation batch trains on (run/ahead.Ahead keeps its batch in training with one)."""
 from __future__ import annotations
 
 import contextlib
@@ -10,8 +9,8 @@ from ..rollout.batches import Generation
 
 class Synchronous:
     """The batch of optimizer step s (run/supply's interface): a new one made by `make(step)` where `schedule`
-    (settings/schedule.Schedule) starts a generation batch (or none is in training), else the one in training;
-    `device`: where a resumed one is loaded; `close`: what ends with the run (a server's adapters removed)."""
+    starts a generation batch (or none is in training), else the one in training; `device`: where a resumed one
+    is loaded; `close`: what ends with the run (a server's adapters removed)."""
 
     def __init__(self, make, schedule, device, close=lambda: None):
         self.make, self.schedule, self.device, self.close = make, schedule, device, close

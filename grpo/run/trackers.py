@@ -1,8 +1,7 @@
 """Experiment trackers (`report_to`): TensorBoard, Trackio and W&B receive the run's config at start, every
-metrics.jsonl line at its step (metrics.jsonl stays the source of truth) and, with `log_completions`, a
-sample of completions with their rewards and advantages, which the console prints too. Each tracker is an
-optional extra, imported only when named; under torchrun rank 0 alone reports. A resumed run continues the
-same tracker run (its name and ids are kept in output_dir/trackers.json) without writing a step twice."""
+metrics.jsonl line at its step and, with `log_completions`, a sample of completions, which the console prints
+too. Each tracker is imported only when named; under torchrun rank 0 alone reports. A resumed run continues the
+same tracker run (output_dir/trackers.json) without writing a step twice."""
 from __future__ import annotations
 
 import importlib.util
@@ -87,8 +86,7 @@ class Trackio:
 
 
 class WandB:
-    """W&B, offline unless logged in (WANDB_MODE wins): the run folder is output_dir/wandb, and
-    `wandb sync` uploads it later. A resumed run continues the same run id."""
+    """W&B, offline unless logged in (WANDB_MODE wins), in output_dir/wandb; a resumed run continues its run id."""
     package = "wandb"
 
     def __init__(self, output_dir: Path, run: dict):
@@ -124,14 +122,13 @@ TRACKER_CLASSES = {"tensorboard": TensorBoard, "trackio": Trackio, "wandb": Wand
 
 
 class Trackers:
-    """The run's trackers and the console's sample of completions: rank 0 reports, other ranks do nothing.
-    A context manager around the training loop, which finishes the trackers however it ends."""
+    """The run's trackers and the console's sample of completions (rank 0's), a context manager around the
+    training loop, which finishes the trackers however it ends."""
 
     def __init__(self, settings: TrackerSettings, is_main: bool):
         self.names, self.settings, self.is_main = tracker_names(settings.report_to), settings, is_main
         for name in self.names:
-            if importlib.util.find_spec(TRACKER_CLASSES[name].package) is None:
-                package = TRACKER_CLASSES[name].package
+            if importlib.util.find_spec(package := TRACKER_CLASSES[name].package) is None:
                 raise ConfigError(f"report_to={name} needs `pip install {package}` (or grpo[{name}])")
         self.trackers: list = []
 
