@@ -42,7 +42,8 @@ class Trainer:
                  processing_class=None, callbacks=None, sampler=None, tools=None, environment_factory=None, **trl_only):
         engines = (sampler, rollout_func, tools or environment_factory)  # one at most
         config, model, tokenizer = trl_call(config, args, model, tokenizer, processing_class, trl_only, engines)
-        self.config, self.eval_dataset = config, eval_dataset
+        self.config = config
+        self.eval_dataset = eval_dataset
         self.tools = Tools.of(tools, environment_factory) if tools or environment_factory else None
         self.dist, self.plan, self.precision, self.reward_funcs, self.prompts = prepare(  # before a model loads
             config, train_dataset, eval_dataset, reward_funcs, reward_processing_classes, model,
@@ -104,7 +105,6 @@ class Trainer:
 
     def get_high_entropy_mask(self, entropies, mask, threshold: float):  # TRL's (a method of its trainer)
         return high_entropy_mask(entropies, mask, threshold)
-
     get_off_policy_mask = staticmethod(trl_off_policy_mask)  # TRL's
 
     @property
