@@ -1,5 +1,5 @@
-"""Behaviour-preserving changes, checked: three short runs of one grpo tree against those of another must
-write the same metrics.jsonl (timings and memory aside: perf/*, memory/*, eval/seconds), the same
+"""Behaviour-preserving changes, checked: short runs of one grpo tree against those of another must
+write the same metrics.jsonl (timings and memory aside: perf/*, memory/*, eval/seconds, async/wait_s), the same
 completions.jsonl and, bit for bit, the same final weights and step.
 
     python benchmarks/identical_runs.py run --tree /work/baseline-tree --out /work/baseline-runs
@@ -14,6 +14,9 @@ The runs (each `python -m grpo.train` with PYTHONPATH and cwd the tree, so its g
   full        recipes/tiny.py, full fine-tuning, 8 steps, KL (beta 0.04), 2 micro-batches per step
   lora        recipes/tiny.py, LoRA, 8 steps, num_iterations=2, 8-bit AdamW, KL (beta 0.04)
   arithmetic  recipes/arithmetic_tiny.py as it is (warm start, 60 steps, greedy eval every 10 steps)
+  async       the lora run with async_generation=True (a sampler process one step ahead, max_staleness 1)
+  ranks2      the full run on 2 ranks (torchrun, gloo; DDP), each rank half of each step's prompts
+`--runs` picks some of them (default: all); `compare` compares the runs both folders hold.
 Every process runs on one thread (OMP/MKL): float sums depend on the thread count, so both sides must
 share it. Exit status of `compare`: 0 when every run is identical, 1 otherwise.
 """
@@ -34,15 +37,19 @@ RUNS = {
              "--gradient_accumulation_steps=2"],
     "lora": ["recipes/tiny.py", *TINY, "--use_lora=true", "--num_iterations=2", "--optim=adamw_8bit"],
     "arithmetic": ["recipes/arithmetic_tiny.py"],
+    "async": ["recipes/tiny.py", *TINY, "--use_lora=true", "--num_iterations=2", "--optim=adamw_8bit",
+              "--async_generation=true"],
+    "ranks2": ["recipes/tiny.py", *TINY, "--use_lora=false", "--per_device_train_batch_size=8"],
 }
+LAUNCH = {"ranks2": ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]}  # else one process
 IGNORED = ("perf/", "memory/")
-CLOCKS = {"eval/seconds", "step_time"}  # the wall-clock values outside perf/ (step_time: TRL's name)
+CLOCKS = {"eval/seconds", "step_time", "async/wait_s"}  # wall-clock values outside perf/ (step_time: TRL's name)
 
 
 FIXED = Path(__file__).resolve().parent / "fixed_completions.py"
 
 
-def run(tree: Path, out: Path, fixed: bool = False) -> None:
+def run(tree: Path, out: Path, fixed: bool = False, names: list[str] | None = None) -> None:
     tree, out = tree.resolve(), out.resolve()
     env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     found = subprocess.run([sys.executable, "-c", "import grpo; print(grpo.__file__)"], cwd=tree, env=env,
@@ -51,10 +58,11 @@ def run(tree: Path, out: Path, fixed: bool = False) -> None:
         sys.exit(f"error: grpo imported from {found}, not from {tree}")
     out.mkdir(parents=True, exist_ok=True)
     timings = {}
-    for name, (recipe, *args) in RUNS.items():
+    for name in names or RUNS:
+        recipe, *args = RUNS[name]
         if fixed:
             env["GRPO_BASE_RECIPE"], recipe = recipe, str(FIXED)
-        cmd = [sys.executable, "-m", "grpo.train", recipe, *args, f"--output_dir={out / name}"]
+        cmd = [sys.executable, *LAUNCH.get(name, []), "-m", "grpo.train", recipe, *args, f"--output_dir={out / name}"]
         print(f"{name}: {' '.join(cmd[1:])}", flush=True)
         cpu0, t0 = _children_cpu(), time.perf_counter()
         with open(out / f"{name}.log", "w") as log:
@@ -122,7 +130,7 @@ def compare_run(a: Path, b: Path) -> dict:
 
 
 def compare(a: Path, b: Path, json_path: Path | None) -> int:
-    results = {name: compare_run(a / name, b / name) for name in RUNS}
+    results = {name: compare_run(a / name, b / name) for name in RUNS if (a / name).is_dir() and (b / name).is_dir()}
     print(f"{'run':<11} {'metrics lines':<15} {'completions':<14} {'tensors':<16} {'step':<8} verdict")
     for name, r in results.items():
         metrics = f"{r['metrics_lines'][0]} " + ("equal" if r["metrics_equal"]
@@ -141,17 +149,18 @@ def compare(a: Path, b: Path, json_path: Path | None) -> int:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("run", help="the three runs with the grpo of --tree, into --out/RUN")
+    p = sub.add_parser("run", help="the runs with the grpo of --tree, into --out/RUN")
     p.add_argument("--tree", type=Path, required=True)
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--fixed", action="store_true", help="fixed completions (a rollout_func) instead of sampling")
+    p.add_argument("--runs", nargs="+", choices=list(RUNS), help="some of the runs (default: all)")
     p = sub.add_parser("compare", help="compare two --out folders; exit 1 on any difference")
     p.add_argument("a", type=Path)
     p.add_argument("b", type=Path)
     p.add_argument("--json", type=Path, help="also write the comparison here (benchmarks/results/: ignored)")
     args = parser.parse_args()
     if args.command == "run":
-        run(args.tree, args.out, args.fixed)
+        run(args.tree, args.out, args.fixed, args.runs)
         return 0
     return compare(args.a, args.b, args.json)
 
