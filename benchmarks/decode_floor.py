@@ -88,15 +88,21 @@ def prompts(n: int) -> list:
 
 def sampler(args, model, tokenizer):
     """One decode of `prompts` x `generations` rows, as the trainer samples them (no EOS: equal work)."""
-    import grpo.rollout.engines.sampling as sampling
-
     import inspect
+
+    try:
+        import grpo.rollout.engines.sampling as sampling
+    except ImportError:  # earlier trees: rollout/sampling.py
+        import grpo.rollout.sampling as sampling
 
     encode = sampling.PromptEncoder(tokenizer, 256)
     batch = prompts(args.prompts)
     knobs = dict(temperature=0.7, top_p=1.0, top_k=0)
     if "knobs" in inspect.signature(sampling.sample_completions).parameters:  # this tree: the knobs as one value
-        from grpo.settings.plan import SamplingKnobs
+        try:
+            from grpo.settings.components import SamplingKnobs
+        except ImportError:  # earlier trees: settings/plan.py
+            from grpo.settings.plan import SamplingKnobs
 
         knobs = {"knobs": SamplingKnobs(**knobs)}
     if args.int8:  # a tree with int8_sampling_weights (policy/int8)
