@@ -107,7 +107,10 @@ def sampling_run(config, model, tokenizer, prompts):
         except ImportError:  # earlier trees read the Config
             decode = decode_sizes(config, model, "cpu").sampling
         policy = SimpleNamespace(parallel=SimpleNamespace(unsharded=lambda fn: fn(model)))
-        from grpo.settings.plan import SamplingSettings
+        try:
+            from grpo.settings.components import SamplingSettings
+        except ImportError:  # earlier trees: settings/plan.py
+            from grpo.settings.plan import SamplingSettings
 
         settings = SamplingSettings.of(config)
         engine = (sampling.Decoder(policy, tokenizer, sampling.prompt_encoder(model, tokenizer, settings), settings,
@@ -141,7 +144,10 @@ def eval_run(config, model, tokenizer, held_out, n: int):
                    max_completion_length=128, batch_size=batch, progress=False)
     settings = ()
     if "settings" in inspect.signature(evaluate).parameters:  # this tree: the settings as the run plan has them
-        from grpo.settings.plan import EvalSettings
+        try:
+            from grpo.settings.components import EvalSettings
+        except ImportError:  # earlier trees: settings/plan.py
+            from grpo.settings.plan import EvalSettings
 
         settings = (EvalSettings.of(dataclasses.replace(
             config, eval_accuracy_func=options.pop("accuracy_func"), eval_format_func=options.pop("format_func"),

@@ -62,7 +62,10 @@ def build(shape: str, layers: int, side: str):
     from grpo.policy.forwards import Policy
     from grpo.policy.models import load_model, prepare_for_training
     from grpo.policy.precision import Precision
-    from grpo.settings.plan import LogprobSettings
+    try:
+        from grpo.settings.components import LogprobSettings
+    except ImportError:  # earlier trees: settings/plan.py
+        from grpo.settings.plan import LogprobSettings
 
     s = SHAPES[shape]
     main = shape == "main"
