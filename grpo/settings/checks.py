@@ -139,8 +139,6 @@ def _module_names(value):
     return list(value) if isinstance(value, tuple) else value
 
 
-
-
 def _checked_value(name: str, field: str, value, tp: FieldType):
     """`value` type-checked against `tp`, then against `field`'s rule; `name` is what an error calls it."""
     value = _checked_type(name, value, tp)
