@@ -1,13 +1,7 @@
-"""Greedy pass@1 on a held-out dataset, scored by the run's own reward functions.
-
-As TRL logs an evaluation, `eval_rewards/<name>/mean` and `/std` are each reward function's mean and std over the
-completions it scored, `eval_reward` and `eval_reward_std` those of their weighted sum (reward_weights) over the
-completions any scored. With
-the eval functions set (none by default), `eval/accuracy` is the share of completions that get full marks (>= 1.0)
-from the function named as the accuracy one, `eval/free_accuracy` and `eval/format` the same for the format-free
-accuracy and the format ones. `eval/length_mean` is the mean completion length in tokens. With a breakdown
-column, `eval/<column>=<value>/<metric>` repeats the accuracies, format, mean length and `num_examples` over the
-rows holding each value. Used by the Trainer (eval_strategy) and by `python -m grpo.eval`."""
+"""Greedy pass@1 on a held-out dataset, scored by the run's own reward functions, for the Trainer (eval_strategy)
+and `python -m grpo.eval`. Its metrics (TRL's `eval_rewards/<name>/mean`, `eval_reward`...; `eval/accuracy`,
+`eval/free_accuracy`, `eval/format` and `eval/length_mean`, also per value of a breakdown column as
+`eval/<column>=<value>/*`): docs/recipes-and-settings.md, "Evaluation"."""
 from __future__ import annotations
 
 import ast

@@ -1,14 +1,7 @@
-"""Calling reward functions, weighting and checking what they return (the GSM8K rewards: tasks/gsm8k.py).
-
-A reward function follows TRL 1.16's contract, so TRL reward functions work unchanged:
+"""Calling reward functions, weighting and checking what they return (the GSM8K rewards: tasks/gsm8k.py). A reward
+function follows TRL 1.16's contract, so TRL reward functions work unchanged (docs/recipes-and-settings.md, "The
+reward contract"):
     f(prompts, completions, completion_ids, trainer_state, log_metric, log_extra, **columns) -> list[float | None]
-`completions` are strings for plain-text prompts and `[{"role": "assistant", "content": text}]`
-lists for chat prompts, `completion_ids` each completion's token ids (up to and including EOS); every other
-dataset column comes by keyword (e.g. `answer=[...]`), one entry per completion. `trainer_state.global_step`
-is the optimizer steps done, `log_metric(name, value)` adds a metrics.jsonl key (the mean of the values
-logged in a generation batch) and `log_extra(column, values)` a completions.jsonl column (one value per
-completion). A function that takes no **kwargs gets only the arguments it names. `async def` functions run
-concurrently (asyncio.gather), after the plain ones. None means "does not apply to this completion".
 """
 from __future__ import annotations
 

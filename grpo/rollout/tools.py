@@ -1,18 +1,9 @@
-"""Tools a model may call while it decodes (TRL's `tools=` / `environment_factory=`), and running them.
-
-- `Tools.of(...)`: plain functions and an environment class's public methods (each class's, for TRL's dict of
-  named environments) become JSON schemas (transformers' `get_json_schema`: type hints and a Google-style
-  docstring), which the chat template renders into each prompt (`rollout/engines/chat.py`); inline tools
-  (`InlineTool`, e.g. GSM8K's `<<12+7=19>>`) run inside the text instead.
-- `parse_hermes`: Hermes / Qwen calls, `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`.
-- `rollout/engines/tool_runner.ToolRunner` (`Tools.runner`, one per run): one decode step's calls, the rows' at once
-  and each row's in order, each in a process that its timeout kills. A call that raises or times out returns
-  TRL's error text, `{'error': '...'}`.
-- The environments themselves, one per completion, and the rewards of those that own theirs:
-  `rollout/environments.py`.
-
-The per-row state machine that uses these is `rollout/engines/tool_loop.py`.
-"""
+"""Tools a model may call while it decodes (TRL's `tools=` / `environment_factory=`; docs/tools.md): `Tools.of`
+makes plain functions and an environment class's public methods JSON schemas (transformers' `get_json_schema`),
+which the chat template renders into each prompt (engines/chat.py); inline tools (`InlineTool`, e.g. GSM8K's
+`<<12+7=19>>`) run inside the text instead; `parse_hermes` reads Hermes / Qwen calls. The calls run in
+engines/tool_runner.py, the per-row state machine is engines/tool_loop.py, the environments and the rewards of
+those that own theirs rollout/environments.py."""
 from __future__ import annotations
 
 import inspect

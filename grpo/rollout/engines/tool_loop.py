@@ -10,9 +10,8 @@ which the decode loop feeds one per step in place of sampling, in the same KV ca
 - inline tools (`InlineTool`): when the text just completed a trigger inside an open span, its result and
   the span's close are forced, within the same message.
 
-Failures (TRL counts them in `tools/failure_frequency`, each row's in `row_failures` for completions.jsonl): a
-tool that raises or times out returns its error to the model as its output; a malformed call or an unknown tool
-ends the row, as does output longer than the room the row has left.
+Failures (a tool raising or timing out, a malformed call, an unknown tool, output longer than the row's room), what
+each does and how it is counted: docs/tools.md, "Failures".
 """
 from __future__ import annotations
 
