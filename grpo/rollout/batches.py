@@ -13,9 +13,7 @@ from ..algo.advantages import zero_std_fraction
 from ..algo.sampling_correction import correction_metrics, sampling_correction
 from .rewards import RewardContext, reward_metrics
 
-PROMPT_SIDE = ("prompt_ids", "prompt_mask")  # [N, P], left-padded
-COMPLETION_SIDE = ("completion_ids", "completion_mask", "loss_mask", "old_logprobs", "ref_logprobs",
-                   "sampling_logprobs", "sampling_weights")  # [N, C]
+PROMPT_SIDE = ("prompt_ids", "prompt_mask")  # [N, P], left-padded; every other tensor but PER_ROW's is [N, C]
 PER_ROW = ("truncated", "advantages", "tool_calls", "tool_failures", "rewards", "per_func")  # [N] or [N, F]
 LISTS = ("completions", "prompts", "tool_notes")  # N Python objects
 IDS = ("prompt_ids", "completion_ids")  # padded with the pad token, the rest with 0
@@ -310,8 +308,7 @@ def generation_metrics(rollout: Rollout, rewards: torch.Tensor, per_func: torch.
     tools = {} if rollout.tool_calls is None else tool_metrics(dist.gather(rollout.tool_calls.float()),
                                                                dist.gather(rollout.tool_failures.float()))
     applied = ~per_func.isnan().all(dim=1)  # [W*N]
-    return {**reward_metrics(rewards, per_func, reward_names), **length_metrics(lengths, truncated),
-            **tools,
+    return {**reward_metrics(rewards, per_func, reward_names), **length_metrics(lengths, truncated), **tools,
             "frac_reward_zero_std": zero_std_fraction(rewards, num_generations, applied),
             **context.metrics_over(dist), "perf/generate_s": generate_s,
             "perf/tokens_per_s": lengths.sum().item() / generate_s}

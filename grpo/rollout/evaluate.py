@@ -126,8 +126,7 @@ def check_breakdown_column(dataset, column: str | None) -> list | None:
     try:
         distinct = len(set(values))
     except TypeError:
-        raise ConfigError(f"eval_breakdown_column={column!r} holds lists or dicts, not plain values") \
-            from None
+        raise ConfigError(f"eval_breakdown_column={column!r} holds lists or dicts, not plain values") from None
     if distinct > MAX_BREAKDOWN_VALUES:
         raise ConfigError(f"eval_breakdown_column={column!r} has {distinct} distinct values (at most "
                           f"{MAX_BREAKDOWN_VALUES}: each one makes its own metrics)")
@@ -140,8 +139,7 @@ def full_marks_rate(values: torch.Tensor) -> float:
     return (applied >= 1.0).float().mean().item() if applied.numel() else float("nan")
 
 
-def summarize(scores: dict[str, torch.Tensor], lengths: torch.Tensor,
-              prefix: str = "eval/") -> dict[str, float]:
+def summarize(scores: dict[str, torch.Tensor], lengths: torch.Tensor, prefix: str = "eval/") -> dict[str, float]:
     """`<prefix><metric>`: each score's full-marks rate (`scores`: metric -> [N] values, maybe none), then the
     mean length (`lengths` [N]) and the number of rows."""
     out = {f"{prefix}{metric}": full_marks_rate(values) for metric, values in scores.items()}
@@ -157,8 +155,7 @@ def breakdown(scores: dict[str, torch.Tensor], lengths: torch.Tensor, column: st
     out = {}
     for value in sorted(set(values), key=lambda v: (v is None, v)):
         rows = torch.tensor([v == value for v in values])  # [N]
-        prefix = f"eval/{column}={value}/"
-        out.update(summarize({m: s[rows] for m, s in scores.items()}, lengths[rows], prefix))
+        out.update(summarize({m: s[rows] for m, s in scores.items()}, lengths[rows], f"eval/{column}={value}/"))
     return out
 
 

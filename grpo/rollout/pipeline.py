@@ -38,8 +38,7 @@ class Pipeline:
         `pad_id` pads the refilled rows; `release_memory` and `tools` (their environments) go to the source."""
         s = settings
         source = RolloutSource(engine, prompts, reward_funcs, s.reward_weights, dist=dist, seed=s.seed,
-                               num_generations=s.num_generations, release_memory=release_memory,
-                               tools=tools)
+                               num_generations=s.num_generations, release_memory=release_memory, tools=tools)
         refill = None if s.refill_rounds is None else DynamicSampling(s.num_generations, s.refill_rounds, dist,
                                                                       pad_id)
         every_row = policy.router_aux_coef != 0  # the router's loss has a gradient through every row's tokens

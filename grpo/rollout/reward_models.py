@@ -51,11 +51,8 @@ def reward_callables(reward_funcs, reward_processing_classes=None, chat_template
         raise ConfigError("No reward source provided: Trainer needs at least one reward function in reward_funcs, "
                           "or an environment_factory whose class defines get_reward() (the environment owns the "
                           "reward)")
-    if reward_processing_classes is None:
-        classes = [None] * len(funcs)
-    else:
-        classes = reward_processing_classes if isinstance(reward_processing_classes, (list, tuple)) else [
-            reward_processing_classes]
+    classes = [None] * len(funcs) if reward_processing_classes is None else reward_processing_classes
+    classes = classes if isinstance(classes, (list, tuple)) else [classes]
     if len(classes) != len(funcs):
         raise ConfigError(f"reward_processing_classes has {len(classes)} entries but there are {len(funcs)} reward "
                           f"functions: give one per reward function, None for plain functions")

@@ -62,9 +62,8 @@ class RolloutSource:
         warn_unscored(per_func, prompts, rollout.completions, columns)
         if rollout.tool_notes is not None:  # each completion's failed tool calls, a completions.jsonl column
             context.log_extra("tool_failures", rollout.tool_notes)
-        n = len(rollout.completions)
         return dataclasses.replace(rollout, prompts=prompts, rewards=rewards, per_func=per_func,
-                                   extras=context.take_extras(n)), seconds
+                                   extras=context.take_extras(len(rollout.completions))), seconds
 
     def environments(self, columns: dict[str, list]) -> tuple[list, dict]:
         """The prompts (one per group) and `{"envs": [one environment per completion]}` of a generation batch's

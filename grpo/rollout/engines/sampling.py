@@ -28,11 +28,8 @@ class PromptEncoder:
                  eos_ids: list[int] | None = None):
         """`eos_ids`: the ids that end the model's turns (`eos_token_ids`), which a template for tools is
         checked with."""
-        self.tokenizer = tokenizer
-        self.max_prompt_length = max_prompt_length
-        self.chat_template_kwargs = chat_template_kwargs
-        self.tools = tools
-        self.warned = False
+        self.tokenizer, self.max_prompt_length, self.tools = tokenizer, max_prompt_length, tools
+        self.chat_template_kwargs, self.warned = chat_template_kwargs, False
         if tools is not None and tools.chat:  # a template that cannot serve the tools: said once, up front
             check_tool_template(tokenizer, chat_template_kwargs, eos_ids)
 

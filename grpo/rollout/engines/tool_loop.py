@@ -70,9 +70,8 @@ class ToolLoop:
                  envs: list | None = None, eos_ids=None, chat_template_kwargs: dict | None = None):
         if tools.environments and (envs is None or len(envs) != len(prompts)):
             raise ValueError("the tools have environments: pass envs= (make_envs), one per prompt")
-        if tools.chat:
-            if any(isinstance(p, str) for p in prompts):
-                raise ValueError("chat tools need chat prompts (lists of messages); text prompts take inline tools")
+        if tools.chat and any(isinstance(p, str) for p in prompts):
+            raise ValueError("chat tools need chat prompts (lists of messages); text prompts take inline tools")
         self.tools, self.tokenizer, self.max_iterations = tools, tokenizer, max_iterations
         self.chat_template_kwargs = chat_template_kwargs
         self.eos = set(eos_ids) if eos_ids is not None else {tokenizer.eos_token_id}

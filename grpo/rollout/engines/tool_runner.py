@@ -6,6 +6,7 @@ run, and timeouts"."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import multiprocessing
 import multiprocessing.connection
@@ -85,18 +86,14 @@ def _fork(body) -> tuple[int, multiprocessing.connection.Connection]:
 
 
 def _kill(pid: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError, ChildProcessError):
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
-    except (ProcessLookupError, ChildProcessError):
-        pass
 
 
 def _reap(pid: int) -> None:
-    try:
+    with contextlib.suppress(ChildProcessError):
         os.waitpid(pid, 0)
-    except ChildProcessError:
-        pass
 
 
 def _answer(thunk, owner) -> tuple[Outcome, bytes | None]:
@@ -248,10 +245,8 @@ class ToolRunner:
 
         def body():
             outcome = _outcome(thunk)
-            try:
+            with contextlib.suppress(OSError):  # timed out: nobody reads it
                 send.send((outcome, None))
-            except OSError:  # timed out: nobody reads it
-                pass
         threading.Thread(target=body, name="grpo-tool", daemon=True).start()
         return _Job(answer, deadline)
 
