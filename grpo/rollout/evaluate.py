@@ -237,9 +237,8 @@ def evaluate(model, tokenizer, dataset, reward_funcs, settings: EvalSettings, *,
 
 def _greedy(model, tokenizer, dataset, s: EvalSettings, batch_size: int, progress: bool, unsharded,
             encode: PromptEncoder, loss_of):
-    """Each row's prompt as the model saw it (what an environment's reset added included), its greedy
-    completion, its token ids, the lengths [N], the environments the rows ran in and each batch's `loss_of`
-    (none without it)."""
+    """Each row's prompt as the model saw it (what an environment's reset added included), its greedy completion, its
+    token ids, the lengths [N], the environments the rows ran in and each batch's `loss_of` (none without it)."""
     unsharded, tools = unsharded or (lambda fn: fn(model)), encode.tools
     seen, completions, completion_ids, lengths, environments, losses = [], [], [], [], [], []
     with TokenProgress("eval", enabled=progress) as bar:

@@ -95,9 +95,8 @@ def eval_sets(dataset) -> dict:
 
 
 def check_chat_template(tokenizer, train_dataset, eval_dataset) -> None:
-    """ConfigError, before anything is sampled, when `train_dataset` or a set of `eval_dataset` (`eval_sets`)
-    holds chat prompts (its first row's type is every row's) and `tokenizer` has no chat template to render
-    them."""
+    """ConfigError, before anything is sampled, when `train_dataset` or a set of `eval_dataset` (`eval_sets`) holds
+    chat prompts (its first row's type is every row's) and `tokenizer` has no chat template to render them."""
     named = {"train_dataset": train_dataset, **{f"eval_dataset{k}": d for k, d in eval_sets(eval_dataset).items()}}
     for name, dataset in named.items():  # a dataset without prompts has an environment's: chat ones (TRL's)
         first = first_rows(dataset, 1) if dataset is not None else []

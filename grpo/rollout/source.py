@@ -66,10 +66,9 @@ class RolloutSource:
                                    extras=context.take_extras(len(rollout.completions))), seconds
 
     def environments(self, columns: dict[str, list]) -> tuple[list, dict]:
-        """The prompts (one per group) and `{"envs": [one environment per completion]}` of a generation batch's
-        rows (`columns`, one entry per completion), each environment reset on its row
-        (rollout/environments.make_envs). A group's completions start from one prompt, so a reset that words it
-        differently within a group is an error."""
+        """The prompts (one per group) and `{"envs": [one environment per completion]}` of a generation batch's rows
+        (`columns`, one entry per completion), each environment reset on its row (rollout/environments.make_envs). A
+        group's completions start from one prompt, so a reset that words it differently within a group is an error."""
         rows = [dict(zip(columns, values)) for values in zip(*columns.values())]
         envs, prompts = make_envs(self.tools, rows)
         G = self.num_generations

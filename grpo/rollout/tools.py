@@ -65,10 +65,9 @@ def strip_hermes(text: str) -> str:
 
 @dataclass(frozen=True)
 class InlineTool:
-    """A tool written inside the text: when the model's text ends with `trigger` inside a span opened by
-    `open` (and not yet closed by `close`), `fn(expression)` runs on what lies between, and its result plus
-    `close` is forced. GSM8K's calculator annotations: `InlineTool("<<", "=", ">>", calculate)` turns
-    `<<12+7=` into `<<12+7=19>>`."""
+    """A tool written inside the text: when the model's text ends with `trigger` inside a span opened by `open` (and
+    not yet closed by `close`), `fn(expression)` runs on what lies between, and its result plus `close` is forced.
+    GSM8K's calculator annotations: `InlineTool("<<", "=", ">>", calculate)` turns `<<12+7=` into `<<12+7=19>>`."""
 
     open: str
     trigger: str
@@ -76,9 +75,8 @@ class InlineTool:
     fn: Callable
 
     def expression(self, text: str, since: int = 0) -> str | None:
-        """The expression to evaluate when `text` (one assistant message) has just completed the trigger;
-        None otherwise. Spans opened before character `since` (the end of the last forced result) are
-        done with."""
+        """The expression to evaluate when `text` (one assistant message) has just completed the trigger; None
+        otherwise. Spans opened before character `since` (the end of the last forced result) are done with."""
         if not text.endswith(self.trigger):
             return None
         body = text[:len(text) - len(self.trigger)]
@@ -111,9 +109,8 @@ class Tools:
     @classmethod
     def of(cls, tools=(), environment_factory=None, parser: str = "hermes", inline=(),
            timeout_s: float = 10.0) -> Tools:
-        """Tools from TRL's arguments (`tools=[fn, ...]`, `environment_factory=`) plus `inline` ones (also
-        accepted within `tools`); a ConfigError naming the tool that has no schema, a clash of names, an
-        unknown parser."""
+        """Tools from TRL's arguments (`tools=[fn, ...]`, `environment_factory=`) plus `inline` ones (also accepted
+        within `tools`); a ConfigError naming the tool that has no schema, a clash of names, an unknown parser."""
         if isinstance(tools, Tools):  # already made, with its own parser, timeout and environments
             if environment_factory is not None and environment_factory is not tools.environment_factory:
                 raise ConfigError("pass the environment_factory inside the Tools made "

@@ -118,9 +118,8 @@ def check_config(config) -> None:
 
 def checked_field(cls, name: str, value):
     """`value` as field `name` of the Config class `cls` stores it, or ConfigError: TRL's spellings become ours
-    (trl_names.as_ours), an int given for a float field becomes a float (so the saved config reads the same
-    however it was written), then the field's rule; generation_kwargs entries are checked as the fields they
-    override."""
+    (trl_names.as_ours), an int given for a float field becomes a float (so the saved config reads the same however it
+    was written), then the field's rule; generation_kwargs entries are checked as the fields they override."""
     value = _module_names(value) if name == "lora_target_modules" else as_ours(name, value)
     types = field_types(cls)
     value = _checked_value(name, name, value, types[name])

@@ -228,10 +228,9 @@ class LoadSettings:
 
 @dataclass(frozen=True)
 class MemorySettings:
-    """What the memory planner (memory/estimate, memory/parts) reads of the settings and the plan, resolved:
-    the kind of training, the lengths it counts, a micro-batch and a generation batch of this rank, the
-    log-probs the run keeps, and `eval_batch_size` (set: evaluation decodes that many, the planner is not
-    asked)."""
+    """What the memory planner (memory/estimate, memory/parts) reads of the settings and the plan, resolved: the kind
+    of training, the lengths it counts, a micro-batch and a generation batch of this rank, the log-probs the run
+    keeps, and `eval_batch_size` (set: evaluation decodes that many, the planner is not asked)."""
 
     use_lora: bool
     quantized: bool  # QLoRA: the body's linear weights in 4 bits

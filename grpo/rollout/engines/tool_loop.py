@@ -60,11 +60,10 @@ class _Pending:
 
 
 class ToolLoop:
-    """Tool calling for one decode of N rows. `prompts[i]`: row i's prompt (chat messages, or a string when
-    only inline tools are used); `envs[i]`: its environment (rollout/environments.make_envs) when the tools
-    have environments; `eos_ids`: the ids that end a turn (the tokenizer's EOS by default);
-    `chat_template_kwargs`: as the prompts were rendered with (whose PromptEncoder checked, once, that the
-    template renders tools)."""
+    """Tool calling for one decode of N rows. `prompts[i]`: row i's prompt (chat messages, or a string when only
+    inline tools are used); `envs[i]`: its environment (rollout/environments.make_envs) when the tools have
+    environments; `eos_ids`: the ids that end a turn (the tokenizer's EOS by default); `chat_template_kwargs`: as the
+    prompts were rendered with (whose PromptEncoder checked, once, that the template renders tools)."""
 
     def __init__(self, tools: Tools, tokenizer, prompts: list, max_iterations: int | None = None,
                  envs: list | None = None, eos_ids=None, chat_template_kwargs: dict | None = None):

@@ -206,9 +206,8 @@ class ToolRunner:
         return outcomes
 
     def _start(self, thunk) -> _Job:
-        """Start `thunk` where it can run: a worker when it pickles (a bound method's object with it), else a
-        process forked for it (a bound method's object's state coming back), else a thread (that state does not
-        pickle)."""
+        """Start `thunk` where it can run: a worker when it pickles (a bound method's object with it), else a process
+        forked for it (a bound method's object's state coming back), else a thread (that state does not pickle)."""
         deadline = time.monotonic() + self.timeout_s
         owner = _owner(thunk)
         try:
