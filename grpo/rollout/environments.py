@@ -6,6 +6,7 @@ failures of `reset` and `get_reward`. Which of an environment's methods are tool
 from __future__ import annotations
 
 import inspect
+import traceback
 from collections.abc import Callable
 
 from ..errors import ConfigError, DatasetError, UserError
@@ -118,13 +119,9 @@ def get_reward_failed(env, error: BaseException, i: int, prompt=None, where: str
 def environment_in(error: BaseException):
     """The environment whose `get_reward` raised `error` (the `self` of a `get_reward` frame in its traceback,
     innermost first), or None."""
-    tb, found = error.__traceback__, None
-    while tb is not None:
-        frame = tb.tb_frame
-        if frame.f_code.co_name == "get_reward" and "self" in frame.f_locals:
-            found = frame.f_locals["self"]
-        tb = tb.tb_next
-    return found
+    found = [frame.f_locals["self"] for frame, _ in traceback.walk_tb(error.__traceback__)
+             if frame.f_code.co_name == "get_reward" and "self" in frame.f_locals]
+    return found[-1] if found else None
 
 
 class EnvironmentFailed(UserError):

@@ -185,8 +185,7 @@ def evaluate(model, tokenizer, dataset, reward_funcs, settings: EvalSettings, *,
     `batch_size` prompts, chat prompts rendered as in training by `encode` (the run's: engines/sampling.prompt_encoder;
     None: one of `settings`, without tools), and score it (`settings`: settings/components.EvalSettings). With the
     encoder's tools (rollout/tools.Tools) the rows call them in the decode as in training (an environment_factory's
-    environments reset on each row); `trainer_state`: the run's
-    (run/state.TrainerState), which the reward functions get.
+    environments reset on each row); `trainer_state`: the run's (run/state.TrainerState), for the reward functions.
 
     `unsharded(fn)` runs `fn(model)` for each batch (default: directly); the Trainer passes its parallel
     wrapper, so that FSDP ranks generate together; `loss_of(rollout)`, each batch's loss and rows (the Trainer's

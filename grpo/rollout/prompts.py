@@ -176,9 +176,7 @@ class PromptStream:
     def rewind(self, n: int) -> None:
         """Step back `n` rows (into earlier epochs if need be), so that `next` draws them again."""
         while n > self.position and self.epoch > 0:
-            n -= self.position
-            self.epoch -= 1
-            self.position = self.length
+            n, self.epoch, self.position = n - self.position, self.epoch - 1, self.length
         self.position = max(0, self.position - n)
         self.order = self._permutation()
 

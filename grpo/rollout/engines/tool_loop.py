@@ -1,9 +1,7 @@
-"""Multi-turn tool calling inside one batched decode: `ToolLoop`, the per-row state machine the decode loop
-calls once per step.
-
-The decode loop samples one token per active row per step and hands the rows that sampled one of their own to
-`after_tokens`. A row whose tool ran gets tokens back (the tool's output, then the next assistant header),
-which the decode loop feeds one per step in place of sampling, in the same KV cache, with loss mask 0:
+"""Multi-turn tool calling inside one batched decode: `ToolLoop`, the per-row state machine to which the decode loop
+hands, each step, the rows that sampled a token of their own (`after_tokens`). A row whose tool ran gets tokens back
+(the tool's output, then the next assistant header), which the decode loop feeds one per step in place of sampling,
+in the same KV cache, with loss mask 0:
 
 - chat tools (Hermes / Qwen format): at EOS, the calls in the row's last assistant message run, unless it
   already made `max_iterations` rounds (TRL's `max_tool_calling_iterations`; None, TRL's default: no limit);
