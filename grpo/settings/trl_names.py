@@ -59,9 +59,7 @@ _BEST = "no best-checkpoint tracking: each checkpoint is kept by save_total_limi
 _SFT = "a supervised-training setting: GRPO's loss is the policy loss on sampled completions"
 _EVAL_LOOP = ("evaluation is our own greedy decode over eval_dataset (per_device_eval_batch_size, eval_limit), not "
               "transformers' evaluation loop")
-_HUB = "nothing is pushed to the Hub: logs and checkpoints stay in output_dir"
 _TRACKIO_HUB = "report_to=trackio logs to the local Trackio store only (TRACKIO_DIR); no Space or bucket"
-_ONE_DEVICE = "one process per GPU under torchrun, each on its own device; no device mesh settings"
 # Why the rest are refused, by kind (each said in the one line a refusal prints).
 TRL_REASONS.update({
     **dict.fromkeys(("ddp_broadcast_buffers", "ddp_bucket_cap_mb", "ddp_static_graph", "ddp_timeout",
@@ -74,9 +72,9 @@ TRL_REASONS.update({
     **dict.fromkeys(("batch_eval_metrics", "bf16_full_eval", "fp16_full_eval", "eval_accumulation_steps",
                      "eval_delay", "eval_do_concat_batches", "eval_use_gather_object", "prediction_loss_only"),
                     _EVAL_LOOP),
-    **dict.fromkeys(("log_completions_hub_repo",), _HUB),
+    "log_completions_hub_repo": "nothing is pushed to the Hub: logs and checkpoints stay in output_dir",
     **dict.fromkeys(("trackio_bucket_id", "trackio_space_id", "trackio_static_space_id", "project"), _TRACKIO_HUB),
-    **dict.fromkeys(("parallelism_config",), _ONE_DEVICE),
+    "parallelism_config": "one process per GPU under torchrun, each on its own device; no device mesh settings",
     "activation_checkpointing_kwargs": "checkpointing is always non-reentrant here (gradient_checkpointing)",
     "accelerator_config": "accelerate is not used: the trainer sets DDP up under torchrun, and each rank draws its "
                           "own prompts (no DataLoader to split or dispatch)",

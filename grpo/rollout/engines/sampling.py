@@ -46,8 +46,7 @@ class PromptEncoder:
         rows = [self.tokenizer(t, add_special_tokens=not is_chat(prompts[0]))["input_ids"] for t in texts]
         if self.max_prompt_length is not None and any(len(r) > self.max_prompt_length for r in rows):
             if not self.warned:
-                longest = max(len(r) for r in rows)
-                warnings.warn(f"a prompt of {longest} tokens is longer than max_prompt_length="
+                warnings.warn(f"a prompt of {max(len(r) for r in rows)} tokens is longer than max_prompt_length="
                               f"{self.max_prompt_length}; prompts are cut from the left (warned once)")
                 self.warned = True
             rows = [r[-self.max_prompt_length:] for r in rows]
