@@ -23,8 +23,7 @@ def check_engine(plan, world_size: int, device_type: str, *, sampler: bool, roll
     if plan.sampling.int8 and given:
         raise ConfigError(f"int8_sampling_weights=True samples with our own decode loop: pass no sampler or "
                           f"rollout_func with it (got {given})")
-    refusal = int8_refusal() if plan.sampling.int8 else None
-    if refusal is not None:
+    if plan.sampling.int8 and (refusal := int8_refusal()) is not None:
         raise ConfigError(refusal)
 
 
