@@ -39,8 +39,7 @@ def trl_call(config, args, model, tokenizer, processing_class, trl_only: dict, s
     if args is not None and config is not None:
         raise ConfigError("pass the Config once: as `config` or as TRL's `args=`, not both")
     if processing_class is not None and tokenizer is not None:
-        raise ConfigError("pass the tokenizer once: as `tokenizer=` or as TRL's `processing_class=`, not "
-                          "both")
+        raise ConfigError("pass the tokenizer once: as `tokenizer=` or as TRL's `processing_class=`, not both")
     config = args if args is not None else config if config is not None else Config()
     if not isinstance(config, Config):
         raise ConfigError(f"args= must be a grpo Config, got {type(config).__name__}: build it with "
@@ -68,13 +67,9 @@ def _lora(peft_config, model, config: Config) -> dict:
 
 
 def trl_attributes(trainer) -> dict:
-    """TRL GRPOTrainer's attributes that a script reads, on ours (docs/coming-from-trl.md says which and why), from
-    the Trainer `trainer`'s own: `args` (the Config), `processing_class` (the tokenizer), `reward_func_names`,
-    `reward_processing_classes` (each reward model's tokenizer, None for a function), `reward_weights` (a tensor,
-    1.0 each unless set; the run plan's: an environment's own reward weighs 1, after the config's), `ref_model`
-    (the policy's frozen reference copy: None under LoRA, whose reference is the policy with its adapter off, and
-    without a KL term, as in TRL), `train_dataset` (the prompt stream's), and `aux_loss_enabled` with
-    `router_aux_loss_coef` (a mixture-of-experts router's load-balancing loss and its weight, policy/router.py)."""
+    """TRL GRPOTrainer's attributes that a script reads, from the Trainer `trainer`'s own (docs/coming-from-trl.md
+    says which, what each holds here, and why); `reward_weights` are the run plan's (an environment's own reward
+    weighs 1, after the config's), 1.0 each unless set."""
     reward_funcs, policy, weights = trainer.reward_funcs, trainer.policy, trainer.plan.generation.reward_weights
     weights = weights if weights is not None else [1.0] * len(reward_funcs)
     return {"args": trainer.config, "processing_class": trainer.tokenizer,

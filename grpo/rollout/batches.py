@@ -13,9 +13,7 @@ from ..algo.advantages import zero_std_fraction
 from ..algo.sampling_correction import correction_metrics, sampling_correction
 from .rewards import RewardContext, reward_metrics
 
-PROMPT_SIDE = ("prompt_ids", "prompt_mask")  # [N, P], left-padded
-COMPLETION_SIDE = ("completion_ids", "completion_mask", "loss_mask", "old_logprobs", "ref_logprobs",
-                   "sampling_logprobs", "sampling_weights")  # [N, C]
+PROMPT_SIDE = ("prompt_ids", "prompt_mask")  # [N, P], left-padded; every other tensor but PER_ROW's is [N, C]
 PER_ROW = ("truncated", "advantages", "tool_calls", "tool_failures", "rewards", "per_func")  # [N] or [N, F]
 LISTS = ("completions", "prompts", "tool_notes")  # N Python objects
 IDS = ("prompt_ids", "completion_ids")  # padded with the pad token, the rest with 0
@@ -131,14 +129,13 @@ class Rollout:
         return Rollout(**{f.name: take(f.name) for f in dataclasses.fields(self)})
 
     def micro_batches(self, cut: Cut) -> list[MicroBatch]:
-        """The generation batch cut into micro-batches of `cut.size` rows in order (a prompt's group may span
-        two), each holding only its rows whose gradient is not exactly 0, with the padding they need, and counting
-        all of them for the loss's divisors. Gone are rows with no token in the loss mask (unless `cut.every_row`)
-        and, with `cut.skip_zero_advantage` (algo/loss.zero_advantage_has_no_gradient), rows whose advantage is
-        exactly 0.
-        With `cut.keep_one` (several ranks) a micro-batch left with no row keeps its first, its masks zeroed so
-        that it adds nothing to the loss or the metrics: every rank must run every micro-batch's forward and
-        backward, or DDP's and FSDP's collectives wait for it forever."""
+        """The generation batch cut into micro-batches of `cut.size` rows in order (a prompt's group may span two),
+        each holding only its rows whose gradient is not exactly 0, with the padding they need, and counting all of
+        them for the loss's divisors. Gone are rows with no token in the loss mask (unless `cut.every_row`) and, with
+        `cut.skip_zero_advantage` (algo/loss.zero_advantage_has_no_gradient), rows whose advantage is exactly 0. With
+        `cut.keep_one` (several ranks) a micro-batch left with no row keeps its first, its masks zeroed so that it
+        adds nothing to the loss or the metrics: every rank must run every micro-batch's forward and backward, or
+        DDP's and FSDP's collectives wait for it forever."""
         N = len(self.completions)
         needed = torch.full((N,), cut.every_row) | self.loss_mask.bool().any(dim=1).cpu()  # [N]
         if cut.skip_zero_advantage:
@@ -302,16 +299,14 @@ def tool_metrics(calls: torch.Tensor, failures: torch.Tensor) -> dict[str, float
 
 def generation_metrics(rollout: Rollout, rewards: torch.Tensor, per_func: torch.Tensor, context: RewardContext,
                        generate_s: float, reward_names: list[str], num_generations: int, dist) -> dict[str, float]:
-    """A generation batch's metrics over all ranks (`dist`: infra/distributed's): rewards (every rank's,
-    `rewards` [W*N] and `per_func` [W*N, F]), lengths, groups without signal, what the reward functions logged,
-    timing."""
+    """A generation batch's metrics over all ranks (`dist`: infra/distributed's): rewards (every rank's, `rewards`
+    [W*N] and `per_func` [W*N, F]), lengths, groups without signal, what the reward functions logged, timing."""
     lengths = dist.gather(rollout.completion_mask.sum(1).float())  # [W*N]
     truncated = dist.gather(rollout.truncated.float())  # [W*N]
     tools = {} if rollout.tool_calls is None else tool_metrics(dist.gather(rollout.tool_calls.float()),
                                                                dist.gather(rollout.tool_failures.float()))
     applied = ~per_func.isnan().all(dim=1)  # [W*N]
-    return {**reward_metrics(rewards, per_func, reward_names), **length_metrics(lengths, truncated),
-            **tools,
+    return {**reward_metrics(rewards, per_func, reward_names), **length_metrics(lengths, truncated), **tools,
             "frac_reward_zero_std": zero_std_fraction(rewards, num_generations, applied),
             **context.metrics_over(dist), "perf/generate_s": generate_s,
             "perf/tokens_per_s": lengths.sum().item() / generate_s}

@@ -6,6 +6,7 @@ failures of `reset` and `get_reward`. Which of an environment's methods are tool
 from __future__ import annotations
 
 import inspect
+import traceback
 from collections.abc import Callable
 
 from ..errors import ConfigError, DatasetError, UserError
@@ -16,11 +17,9 @@ EMPTY_PROMPT = [{"role": "user", "content": ""}]  # TRL's: what a row without a 
 
 def make_envs(tools, rows: list[dict], dataset: str = "train_dataset") -> tuple[list, list]:
     """One environment per completion (`rows`: the dataset rows, one per completion; `tools`: the run's
-    rollout/tools.Tools, which holds the environments) and the prompts as the model sees them, as TRL makes
-    them: with a dict of environments, the row's `environment` column names its class and is not passed on;
-    `env.reset(**row)` gets every other column, and a string it returns is appended to the prompt's last message
-    (to the prompt itself for a text prompt), a row without a prompt starting from an empty user message.
-    DatasetError for a row naming none of the dict's environments."""
+    rollout/tools.Tools) and the prompts as the model sees them, made as TRL makes them (docs/tools.md): a dict of
+    environments takes the class the row's `environment` column names, `env.reset(**row)` the other columns, and a
+    string it returns is appended to the prompt. DatasetError for a row naming none of the dict's environments."""
     named = isinstance(tools.environment_factory, dict)
     envs, prompts = [], []
     for row in rows:
@@ -51,8 +50,8 @@ def training_rows(train_dataset, tools, max_steps: int, num_prompts: int):
     """The rows a run draws: `train_dataset` (which, with a dict of environments, must have the `environment`
     column that chooses between them: DatasetError) or, when it is None and the environment owns the data (its
     `reset()` returns each prompt), TRL's: a generation batch's `num_prompts` rows of an empty user message, drawn
-    again every batch, for `max_steps` steps. A ConfigError, saying what to pass, for no train_dataset and no
-    environment, a dict of environments or no max_steps, and for a stream (no length) without max_steps."""
+    again every batch, for `max_steps` steps. A ConfigError, saying what to pass, where neither can be drawn, and
+    for a stream (no length) without max_steps."""
     named = tools is not None and isinstance(tools.environment_factory, dict)
     if is_stream(train_dataset) and max_steps <= 0:
         raise ConfigError("train_dataset is a stream (an IterableDataset), which has no length to count epochs "
@@ -118,13 +117,9 @@ def get_reward_failed(env, error: BaseException, i: int, prompt=None, where: str
 def environment_in(error: BaseException):
     """The environment whose `get_reward` raised `error` (the `self` of a `get_reward` frame in its traceback,
     innermost first), or None."""
-    tb, found = error.__traceback__, None
-    while tb is not None:
-        frame = tb.tb_frame
-        if frame.f_code.co_name == "get_reward" and "self" in frame.f_locals:
-            found = frame.f_locals["self"]
-        tb = tb.tb_next
-    return found
+    found = [frame.f_locals["self"] for frame, _ in traceback.walk_tb(error.__traceback__)
+             if frame.f_code.co_name == "get_reward" and "self" in frame.f_locals]
+    return found[-1] if found else None
 
 
 class EnvironmentFailed(UserError):

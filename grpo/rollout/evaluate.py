@@ -1,13 +1,7 @@
-"""Greedy pass@1 on a held-out dataset, scored by the run's own reward functions.
-
-As TRL logs an evaluation, `eval_rewards/<name>/mean` and `/std` are each reward function's mean and std over the
-completions it scored, `eval_reward` and `eval_reward_std` those of their weighted sum (reward_weights) over the
-completions any scored. With
-the eval functions set (none by default), `eval/accuracy` is the share of completions that get full marks (>= 1.0)
-from the function named as the accuracy one, `eval/free_accuracy` and `eval/format` the same for the format-free
-accuracy and the format ones. `eval/length_mean` is the mean completion length in tokens. With a breakdown
-column, `eval/<column>=<value>/<metric>` repeats the accuracies, format, mean length and `num_examples` over the
-rows holding each value. Used by the Trainer (eval_strategy) and by `python -m grpo.eval`."""
+"""Greedy pass@1 on a held-out dataset, scored by the run's own reward functions, for the Trainer (eval_strategy)
+and `python -m grpo.eval`. Its metrics (TRL's `eval_rewards/<name>/mean`, `eval_reward`...; `eval/accuracy`,
+`eval/free_accuracy`, `eval/format` and `eval/length_mean`, also per value of a breakdown column as
+`eval/<column>=<value>/*`): docs/recipes-and-settings.md, "Evaluation"."""
 from __future__ import annotations
 
 import ast
@@ -132,8 +126,7 @@ def check_breakdown_column(dataset, column: str | None) -> list | None:
     try:
         distinct = len(set(values))
     except TypeError:
-        raise ConfigError(f"eval_breakdown_column={column!r} holds lists or dicts, not plain values") \
-            from None
+        raise ConfigError(f"eval_breakdown_column={column!r} holds lists or dicts, not plain values") from None
     if distinct > MAX_BREAKDOWN_VALUES:
         raise ConfigError(f"eval_breakdown_column={column!r} has {distinct} distinct values (at most "
                           f"{MAX_BREAKDOWN_VALUES}: each one makes its own metrics)")
@@ -146,8 +139,7 @@ def full_marks_rate(values: torch.Tensor) -> float:
     return (applied >= 1.0).float().mean().item() if applied.numel() else float("nan")
 
 
-def summarize(scores: dict[str, torch.Tensor], lengths: torch.Tensor,
-              prefix: str = "eval/") -> dict[str, float]:
+def summarize(scores: dict[str, torch.Tensor], lengths: torch.Tensor, prefix: str = "eval/") -> dict[str, float]:
     """`<prefix><metric>`: each score's full-marks rate (`scores`: metric -> [N] values, maybe none), then the
     mean length (`lengths` [N]) and the number of rows."""
     out = {f"{prefix}{metric}": full_marks_rate(values) for metric, values in scores.items()}
@@ -163,8 +155,7 @@ def breakdown(scores: dict[str, torch.Tensor], lengths: torch.Tensor, column: st
     out = {}
     for value in sorted(set(values), key=lambda v: (v is None, v)):
         rows = torch.tensor([v == value for v in values])  # [N]
-        prefix = f"eval/{column}={value}/"
-        out.update(summarize({m: s[rows] for m, s in scores.items()}, lengths[rows], prefix))
+        out.update(summarize({m: s[rows] for m, s in scores.items()}, lengths[rows], f"eval/{column}={value}/"))
     return out
 
 
@@ -194,8 +185,7 @@ def evaluate(model, tokenizer, dataset, reward_funcs, settings: EvalSettings, *,
     `batch_size` prompts, chat prompts rendered as in training by `encode` (the run's: engines/sampling.prompt_encoder;
     None: one of `settings`, without tools), and score it (`settings`: settings/components.EvalSettings). With the
     encoder's tools (rollout/tools.Tools) the rows call them in the decode as in training (an environment_factory's
-    environments reset on each row); `trainer_state`: the run's
-    (run/state.TrainerState), which the reward functions get.
+    environments reset on each row); `trainer_state`: the run's (run/state.TrainerState), for the reward functions.
 
     `unsharded(fn)` runs `fn(model)` for each batch (default: directly); the Trainer passes its parallel
     wrapper, so that FSDP ranks generate together; `loss_of(rollout)`, each batch's loss and rows (the Trainer's
@@ -246,9 +236,8 @@ def evaluate(model, tokenizer, dataset, reward_funcs, settings: EvalSettings, *,
 
 def _greedy(model, tokenizer, dataset, s: EvalSettings, batch_size: int, progress: bool, unsharded,
             encode: PromptEncoder, loss_of):
-    """Each row's prompt as the model saw it (what an environment's reset added included), its greedy
-    completion, its token ids, the lengths [N], the environments the rows ran in and each batch's `loss_of`
-    (none without it)."""
+    """Each row's prompt as the model saw it (what an environment's reset added included), its greedy completion, its
+    token ids, the lengths [N], the environments the rows ran in and each batch's `loss_of` (none without it)."""
     unsharded, tools = unsharded or (lambda fn: fn(model)), encode.tools
     seen, completions, completion_ids, lengths, environments, losses = [], [], [], [], [], []
     with TokenProgress("eval", enabled=progress) as bar:

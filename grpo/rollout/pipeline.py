@@ -32,14 +32,12 @@ class Pipeline:
     @classmethod
     def build(cls, engine: Engine, prompts: PromptStream, reward_funcs: list, policy, dist, settings, loss: Mapping,
               pad_id: int, release_memory: bool, tools=None) -> Pipeline:
-        """The pipeline of `engine` (engines/engine.Engine: our decoder, a rollout_func, a server) over `prompts`,
-        rewarded by `reward_funcs`, with `settings` (settings/components.GenerationSettings); `loss`: policy_loss's
-        settings, which say whether rows of advantage 0 can be cut out (algo/loss.zero_advantage_has_no_gradient);
-        `pad_id` pads the refilled rows; `release_memory` and `tools` (their environments) go to the source."""
+        """The pipeline of `engine` over `prompts`, rewarded by `reward_funcs`; `loss`: policy_loss's settings, which
+        say whether rows of advantage 0 can be cut out (algo/loss.zero_advantage_has_no_gradient); `pad_id` pads the
+        refilled rows; `release_memory` and `tools` (their environments) go to the source."""
         s = settings
         source = RolloutSource(engine, prompts, reward_funcs, s.reward_weights, dist=dist, seed=s.seed,
-                               num_generations=s.num_generations, release_memory=release_memory,
-                               tools=tools)
+                               num_generations=s.num_generations, release_memory=release_memory, tools=tools)
         refill = None if s.refill_rounds is None else DynamicSampling(s.num_generations, s.refill_rounds, dist,
                                                                       pad_id)
         every_row = policy.router_aux_coef != 0  # the router's loss has a gradient through every row's tokens

@@ -39,7 +39,8 @@ def check_dataset(dataset, name: str = "train_dataset", environments: bool = Fal
         return
     if "prompt" not in columns:
         raise DatasetError(f"{name} has no 'prompt' column (columns: {', '.join(columns) or 'none'})")
-    missing = dataset.with_format("arrow")["prompt"].null_count
+    column = dataset.with_format("arrow")["prompt"]
+    missing = column.null_count
     if missing:
         raise DatasetError(f"{name} has {missing} missing (None) prompts out of {len(dataset)}")
     first = dataset[0]["prompt"]
@@ -50,7 +51,6 @@ def check_dataset(dataset, name: str = "train_dataset", environments: bool = Fal
     import pyarrow.compute as pc
 
     # An empty prompt has nothing to sample after: with no BOS token it is no tokens at all.
-    column = dataset.with_format("arrow")["prompt"]
     chat = isinstance(first, list)
     lengths = (pc.list_value_length(column) if chat else pc.utf8_length(column)).to_pylist()
     empty = [i for i, n in enumerate(lengths) if n == 0]
@@ -95,9 +95,8 @@ def eval_sets(dataset) -> dict:
 
 
 def check_chat_template(tokenizer, train_dataset, eval_dataset) -> None:
-    """ConfigError, before anything is sampled, when `train_dataset` or a set of `eval_dataset` (`eval_sets`)
-    holds chat prompts (its first row's type is every row's) and `tokenizer` has no chat template to render
-    them."""
+    """ConfigError, before anything is sampled, when `train_dataset` or a set of `eval_dataset` (`eval_sets`) holds
+    chat prompts (its first row's type is every row's) and `tokenizer` has no chat template to render them."""
     named = {"train_dataset": train_dataset, **{f"eval_dataset{k}": d for k, d in eval_sets(eval_dataset).items()}}
     for name, dataset in named.items():  # a dataset without prompts has an environment's: chat ones (TRL's)
         first = first_rows(dataset, 1) if dataset is not None else []
@@ -115,14 +114,12 @@ class PromptStream:
     as transformers counts it (`epoch_rows`)."""
 
     def __init__(self, dataset, seed: int, shuffle: bool = True, run_rows: float | None = None):
-        self.dataset = dataset
-        self.seed, self.shuffle = seed, shuffle
+        self.dataset, self.seed, self.shuffle = dataset, seed, shuffle
         self.stream = is_stream(dataset)
         self.length = None if self.stream else len(dataset)  # rows per epoch: a stream's once it has ended
         # transformers' state.epoch of a dataset without a length is steps / max_steps: an epoch is the run
         self.epoch_rows = run_rows if self.stream else self.length
-        self.epoch = 0
-        self.position = 0
+        self.epoch, self.position = 0, 0
         self.reader, self.reader_at = None, None  # a stream's open iterator and the (epoch, position) it is at
         self.order = self._permutation()
 
@@ -179,9 +176,7 @@ class PromptStream:
     def rewind(self, n: int) -> None:
         """Step back `n` rows (into earlier epochs if need be), so that `next` draws them again."""
         while n > self.position and self.epoch > 0:
-            n -= self.position
-            self.epoch -= 1
-            self.position = self.length
+            n, self.epoch, self.position = n - self.position, self.epoch - 1, self.length
         self.position = max(0, self.position - n)
         self.order = self._permutation()
 

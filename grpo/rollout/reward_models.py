@@ -1,17 +1,7 @@
-"""Reward models as reward functions: TRL 1.16's `reward_funcs` may hold a sequence-classification model (or
-its hub id / local path), and this turns each into a callable following rewards.py's contract, so that the
-rest of the trainer (training and evaluation alike) sees only functions.
-
-As in TRL: a string is loaded with `AutoModelForSequenceClassification.from_pretrained(path, num_labels=1)`;
-a model's tokenizer is its entry in `reward_processing_classes` (aligned with `reward_funcs`, None for plain
-functions, whose entries are ignored) or else loaded from its config's `_name_or_path`; a tokenizer without a
-pad token pads with EOS, and the model's config gets that pad id (the model scores the last non-pad token).
-Chat prompts: prompt + completion messages through the reward tokenizer's chat template, as text; plain
-prompts: prompt + completion concatenated. One right-padded batch, no added special tokens, on the model's
-device, in eval mode without grad; the reward is `logits[:, 0]`, the metric name the last part of
-`_name_or_path`. Unlike TRL: the model is always put in eval mode (TRL keeps a passed model's train mode, and
-so its dropout), and named by its class when `_name_or_path` is empty (TRL would log an empty name).
-"""
+"""Reward models as reward functions: TRL 1.16's `reward_funcs` may hold a sequence-classification model (or its
+hub id / local path), and each becomes a callable following rewards.py's contract, so that the rest of the trainer
+(training and evaluation alike) sees only functions. How one is loaded and scores, as in TRL, and where it differs:
+docs/coming-from-trl.md, "Reward models"."""
 from __future__ import annotations
 
 import torch
@@ -61,11 +51,8 @@ def reward_callables(reward_funcs, reward_processing_classes=None, chat_template
         raise ConfigError("No reward source provided: Trainer needs at least one reward function in reward_funcs, "
                           "or an environment_factory whose class defines get_reward() (the environment owns the "
                           "reward)")
-    if reward_processing_classes is None:
-        classes = [None] * len(funcs)
-    else:
-        classes = reward_processing_classes if isinstance(reward_processing_classes, (list, tuple)) else [
-            reward_processing_classes]
+    classes = [None] * len(funcs) if reward_processing_classes is None else reward_processing_classes
+    classes = classes if isinstance(classes, (list, tuple)) else [classes]
     if len(classes) != len(funcs):
         raise ConfigError(f"reward_processing_classes has {len(classes)} entries but there are {len(funcs)} reward "
                           f"functions: give one per reward function, None for plain functions")

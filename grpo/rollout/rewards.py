@@ -1,14 +1,7 @@
-"""Calling reward functions, weighting and checking what they return (the GSM8K rewards: tasks/gsm8k.py).
-
-A reward function follows TRL 1.16's contract, so TRL reward functions work unchanged:
+"""Calling reward functions, weighting and checking what they return (the GSM8K rewards: tasks/gsm8k.py). A reward
+function follows TRL 1.16's contract, so TRL reward functions work unchanged (docs/recipes-and-settings.md, "The
+reward contract"):
     f(prompts, completions, completion_ids, trainer_state, log_metric, log_extra, **columns) -> list[float | None]
-`completions` are strings for plain-text prompts and `[{"role": "assistant", "content": text}]`
-lists for chat prompts, `completion_ids` each completion's token ids (up to and including EOS); every other
-dataset column comes by keyword (e.g. `answer=[...]`), one entry per completion. `trainer_state.global_step`
-is the optimizer steps done, `log_metric(name, value)` adds a metrics.jsonl key (the mean of the values
-logged in a generation batch) and `log_extra(column, values)` a completions.jsonl column (one value per
-completion). A function that takes no **kwargs gets only the arguments it names. `async def` functions run
-concurrently (asyncio.gather), after the plain ones. None means "does not apply to this completion".
 """
 from __future__ import annotations
 
@@ -98,20 +91,15 @@ class RewardContext:
 def compute_rewards(reward_funcs, prompts, completions, columns: dict[str, list],
                     weights: list[float] | None = None, *, completion_ids: list[list[int]] | None = None,
                     context: RewardContext | None = None) -> tuple[Tensor, Tensor]:
-    """Call every reward function on the batch and combine their rewards.
-
-    `columns` holds the dataset's other columns (not the prompt), one entry per completion; `completion_ids`
-    the completions' token ids (empty lists when not given); `context` receives what the functions log.
-    Returns `rewards` [N] (weighted sum over functions, Nones left out; 0.0 where no function
-    applies) and `per_func` [N, F] (raw values, NaN for None); `reward_metrics` summarizes them.
-    """
+    """Call every reward function on the batch and combine their rewards. `columns` holds the dataset's other
+    columns (not the prompt), one entry per completion; `completion_ids` the completions' token ids (empty lists
+    when not given); `context` receives what the functions log. Returns `rewards` [N] (weighted sum over
+    functions, Nones left out; 0.0 where no function applies) and `per_func` [N, F] (raw values, NaN for None)."""
     n, names = len(completions), reward_func_names(reward_funcs)
     if len(prompts) != n or any(len(v) != n for v in columns.values()):
         raise ValueError("prompts, completions and every column must have one entry per completion")
     check_reward_weights(weights, names)
-    if weights is None:
-        weights = [1.0] * len(reward_funcs)
-
+    weights = [1.0] * len(reward_funcs) if weights is None else weights
     batch = {"prompts": prompts, "completions": completions,
              "completion_ids": completion_ids if completion_ids is not None else [[] for _ in range(n)], **columns}
     context = context or RewardContext()
@@ -181,9 +169,7 @@ def _call(f, name: str, batch: dict, context: RewardContext):
     it raises."""
     missing = sorted(required_columns(f) - set(batch))
     if missing:  # before the call: Python's "missing 1 required positional argument" names no column
-        columns = ["prompt"] + [k for k in batch if k not in REWARD_ARGUMENTS]
-        raise RewardError(f"reward function '{name}' takes {_plural('column', missing)} the dataset does not "
-                          f"have: {', '.join(missing)} (its columns: {', '.join(columns)})")
+        raise _lacks_columns(name, missing, ["prompt"] + [k for k in batch if k not in REWARD_ARGUMENTS])
     try:
         return f(**_accepted(f, {**batch, **context.kwargs()}))
     except Exception as batch_error:
@@ -200,12 +186,13 @@ def check_reward_columns(funcs: list, dataset) -> None:
     for f, name in zip(funcs, reward_func_names(funcs)):
         missing = sorted(required_columns(f) - available)
         if missing:
-            raise RewardError(f"reward function '{name}' takes {_plural('column', missing)} the dataset does not "
-                              f"have: {', '.join(missing)} (its columns: {', '.join(names)})")
+            raise _lacks_columns(name, missing, names)
 
 
-def _plural(word: str, items: list) -> str:
-    return f"a {word}" if len(items) == 1 else f"{len(items)} {word}s"
+def _lacks_columns(name: str, missing: list[str], columns: list[str]) -> RewardError:
+    what = "a column" if len(missing) == 1 else f"{len(missing)} columns"
+    return RewardError(f"reward function '{name}' takes {what} the dataset does not have: {', '.join(missing)} "
+                       f"(its columns: {', '.join(columns)})")
 
 
 def _accepted(f, kwargs: dict) -> dict:
@@ -267,11 +254,9 @@ def _raise(f, name: str, batch_error: BaseException, batch: dict, context: Rewar
     environment = environment_in(error)
     if environment is not None:  # the function asked an environment for its reward: that one failed
         raise get_reward_failed(environment, error, i, prompts[i], f", in reward function '{name}'") from error
-    raise RewardError(
-        f"reward function '{name}' raised {type(error).__name__}: {error}{note}\n"
-        f"  at {_where(error)}\n"
-        f"  prompt {i}: {_preview(prompts[i])}\n  completion {i}: {_preview(completions[i])}"
-    ) from error
+    raise RewardError(f"reward function '{name}' raised {type(error).__name__}: {error}{note}\n"
+                      f"  at {_where(error)}\n  prompt {i}: {_preview(prompts[i])}\n"
+                      f"  completion {i}: {_preview(completions[i])}") from error
 
 
 def _where(error: BaseException) -> str:

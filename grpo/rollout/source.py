@@ -62,15 +62,13 @@ class RolloutSource:
         warn_unscored(per_func, prompts, rollout.completions, columns)
         if rollout.tool_notes is not None:  # each completion's failed tool calls, a completions.jsonl column
             context.log_extra("tool_failures", rollout.tool_notes)
-        n = len(rollout.completions)
         return dataclasses.replace(rollout, prompts=prompts, rewards=rewards, per_func=per_func,
-                                   extras=context.take_extras(n)), seconds
+                                   extras=context.take_extras(len(rollout.completions))), seconds
 
     def environments(self, columns: dict[str, list]) -> tuple[list, dict]:
-        """The prompts (one per group) and `{"envs": [one environment per completion]}` of a generation batch's
-        rows (`columns`, one entry per completion), each environment reset on its row
-        (rollout/environments.make_envs). A group's completions start from one prompt, so a reset that words it
-        differently within a group is an error."""
+        """The prompts (one per group) and `{"envs": [one environment per completion]}` of a generation batch's rows
+        (`columns`, one entry per completion), each environment reset on its row (rollout/environments.make_envs). A
+        group's completions start from one prompt, so a reset that words it differently within a group is an error."""
         rows = [dict(zip(columns, values)) for values in zip(*columns.values())]
         envs, prompts = make_envs(self.tools, rows)
         G = self.num_generations

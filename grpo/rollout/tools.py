@@ -1,18 +1,9 @@
-"""Tools a model may call while it decodes (TRL's `tools=` / `environment_factory=`), and running them.
-
-- `Tools.of(...)`: plain functions and an environment class's public methods (each class's, for TRL's dict of
-  named environments) become JSON schemas (transformers' `get_json_schema`: type hints and a Google-style
-  docstring), which the chat template renders into each prompt (`rollout/engines/chat.py`); inline tools
-  (`InlineTool`, e.g. GSM8K's `<<12+7=19>>`) run inside the text instead.
-- `parse_hermes`: Hermes / Qwen calls, `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`.
-- `rollout/engines/tool_runner.ToolRunner` (`Tools.runner`, one per run): one decode step's calls, the rows' at once
-  and each row's in order, each in a process that its timeout kills. A call that raises or times out returns
-  TRL's error text, `{'error': '...'}`.
-- The environments themselves, one per completion, and the rewards of those that own theirs:
-  `rollout/environments.py`.
-
-The per-row state machine that uses these is `rollout/engines/tool_loop.py`.
-"""
+"""Tools a model may call while it decodes (TRL's `tools=` / `environment_factory=`; docs/tools.md): `Tools.of`
+makes plain functions and an environment class's public methods JSON schemas (transformers' `get_json_schema`),
+which the chat template renders into each prompt (engines/chat.py); inline tools (`InlineTool`, e.g. GSM8K's
+`<<12+7=19>>`) run inside the text instead; `parse_hermes` reads Hermes / Qwen calls. The calls run in
+engines/tool_runner.py, the per-row state machine is engines/tool_loop.py, the environments and the rewards of
+those that own theirs rollout/environments.py."""
 from __future__ import annotations
 
 import inspect
@@ -74,10 +65,9 @@ def strip_hermes(text: str) -> str:
 
 @dataclass(frozen=True)
 class InlineTool:
-    """A tool written inside the text: when the model's text ends with `trigger` inside a span opened by
-    `open` (and not yet closed by `close`), `fn(expression)` runs on what lies between, and its result plus
-    `close` is forced. GSM8K's calculator annotations: `InlineTool("<<", "=", ">>", calculate)` turns
-    `<<12+7=` into `<<12+7=19>>`."""
+    """A tool written inside the text: when the model's text ends with `trigger` inside a span opened by `open` (and
+    not yet closed by `close`), `fn(expression)` runs on what lies between, and its result plus `close` is forced.
+    GSM8K's calculator annotations: `InlineTool("<<", "=", ">>", calculate)` turns `<<12+7=` into `<<12+7=19>>`."""
 
     open: str
     trigger: str
@@ -85,9 +75,8 @@ class InlineTool:
     fn: Callable
 
     def expression(self, text: str, since: int = 0) -> str | None:
-        """The expression to evaluate when `text` (one assistant message) has just completed the trigger;
-        None otherwise. Spans opened before character `since` (the end of the last forced result) are
-        done with."""
+        """The expression to evaluate when `text` (one assistant message) has just completed the trigger; None
+        otherwise. Spans opened before character `since` (the end of the last forced result) are done with."""
         if not text.endswith(self.trigger):
             return None
         body = text[:len(text) - len(self.trigger)]
@@ -120,9 +109,8 @@ class Tools:
     @classmethod
     def of(cls, tools=(), environment_factory=None, parser: str = "hermes", inline=(),
            timeout_s: float = 10.0) -> Tools:
-        """Tools from TRL's arguments (`tools=[fn, ...]`, `environment_factory=`) plus `inline` ones (also
-        accepted within `tools`); a ConfigError naming the tool that has no schema, a clash of names, an
-        unknown parser."""
+        """Tools from TRL's arguments (`tools=[fn, ...]`, `environment_factory=`) plus `inline` ones (also accepted
+        within `tools`); a ConfigError naming the tool that has no schema, a clash of names, an unknown parser."""
         if isinstance(tools, Tools):  # already made, with its own parser, timeout and environments
             if environment_factory is not None and environment_factory is not tools.environment_factory:
                 raise ConfigError("pass the environment_factory inside the Tools made "

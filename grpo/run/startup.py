@@ -1,8 +1,7 @@
 """What a run decides and checks before it loads anything: every setting that depends on what the caller passed
-(datasets, reward functions, a model object, a sampler) or on the machine (the output folder, the ranks, the
-device), so that a mistake costs a line, not a model load; and the run plan finished with the decode sizes the
-memory planner reads from the architecture (`prepare`). Settings alone are checked when the Config is made
-(settings/checks.py)."""
+(datasets, reward functions, a model object, a sampler) or on the machine (the output folder, the ranks, the device),
+so that a mistake costs a line, not a model load; and the run plan finished with the decode sizes the memory planner
+reads from the architecture (`prepare`). Settings alone are checked when the Config is made (settings/checks.py)."""
 from __future__ import annotations
 
 import dataclasses
@@ -44,16 +43,12 @@ class Prepared(NamedTuple):
 
 def prepare(config, train_dataset, eval_dataset, reward_funcs, reward_processing_classes=None, model=None,
             sampler: bool = False, rollout_func: bool = False, tools=None) -> Prepared:
-    """The run of `config` set up on its ranks (infra/distributed: world size 1 without torchrun; torch seeded
-    by rank: dropout differs by rank, sampling has its own streams), checked and planned before its model
-    (`model`: the caller's, or None) loads. ConfigError (or the dataset's, a reward's error) for a run that
-    cannot start. `sampler`, `rollout_func`: whether the caller passed one (rollout/engines/choice: the engine's
-    refusals); with neither, the reward functions get the dataset's columns only (theirs may add some).
-    `tools` (rollout/tools.Tools, or None): the run's; an environment may own the reward (`reward_sources`) and,
-    when its reset() returns the prompt, the data (no train_dataset, max_steps set:
-    rollout/environments.training_rows). The plan is on the process group's ranks, with the run's length and
-    decode sizes, and the precision plan; the prompt stream is the training rows' (a streaming one's epoch, for
-    the run's length and state.epoch, is every row the run draws: rollout/prompts.PromptStream)."""
+    """The run of `config` set up on its ranks (infra/distributed: world size 1 without torchrun; torch seeded by
+    rank: dropout differs by rank, sampling has its own streams), checked and planned before its model (`model`: the
+    caller's, or None) loads; ConfigError (or the dataset's, a reward's error) for a run that cannot start. `sampler`,
+    `rollout_func`: whether the caller passed one (with neither, the reward functions get the dataset's columns only:
+    theirs may add some). `tools` (rollout/tools.Tools, or None): the run's; an environment may own the reward
+    (`reward_sources`) and, when its reset() returns the prompt, the data (rollout/environments.training_rows)."""
     dist = setup_distributed()
     lock.check_output_dir(config.output_dir)
     lock.check_free(config.output_dir, dist)  # taken when training starts
@@ -77,8 +72,7 @@ def prepare(config, train_dataset, eval_dataset, reward_funcs, reward_processing
     for line in loss_warnings(config.loss_type, config.importance_sampling_level) if dist.is_main else []:
         logger.warning(line)  # as TRL's GRPOTrainer warns, on its logger
     torch.manual_seed(config.seed + dist.rank)  # last: reward models loaded above draw from it
-    return Prepared(dist, dataclasses.replace(plan, total_steps=total_steps, decode=decode), precision, funcs,
-                    prompts)
+    return Prepared(dist, dataclasses.replace(plan, total_steps=total_steps, decode=decode), precision, funcs, prompts)
 
 
 def reward_sources(config, reward_funcs, reward_processing_classes=None, tools=None) -> tuple[list, object]:

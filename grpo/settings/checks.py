@@ -19,21 +19,22 @@ from .fieldtypes import FieldType, field_types
 from .plan import RunPlan, ranks_from_env
 from .trl_names import OPTIMIZER_ALIASES, as_ours, bf16_of_dtype
 
-# field: (holds, requirement as read after "must be"); None values of optional fields are not checked.
+# field: (holds, requirement as read after "must be"), shared ones first; optional fields' None is not checked.
 RULES: dict[str, tuple[typing.Callable, str]] = {
-    "learning_rate": (lambda v: v >= 0, ">= 0"),
-    "adam_beta1": (lambda v: 0 <= v < 1, "in [0, 1)"),
-    "adam_beta2": (lambda v: 0 <= v < 1, "in [0, 1)"),
-    "weight_decay": (lambda v: v >= 0, ">= 0"),
+    **dict.fromkeys(("max_nonfinite_steps", "gradient_accumulation_steps", "max_completion_length",
+                     "ref_model_sync_steps", "num_iterations", "dynamic_sampling_max_rounds", "lora_r",
+                     "logprob_chunk_size", "logging_steps", "save_steps"), (lambda v: v >= 1, ">= 1")),
+    **dict.fromkeys(("learning_rate", "weight_decay", "beta", "epsilon_high", "max_staleness",
+                     "entropy_coef_delta"), (lambda v: v >= 0, ">= 0")),
+    **dict.fromkeys(("adam_beta1", "adam_beta2", "epsilon", "lora_dropout"), (lambda v: 0 <= v < 1, "in [0, 1)")),
+    **dict.fromkeys(("warmup_ratio", "ref_model_mixup_alpha", "top_entropy_quantile"),
+                    (lambda v: 0 <= v <= 1, "in [0, 1]")),
     "max_grad_norm": (lambda v: v >= 0, ">= 0 (0 disables clipping)"),
     "lr_scheduler_type": (lambda v: v in SCHEDULES, f"one of {', '.join(SCHEDULES)}"),
-    "warmup_ratio": (lambda v: 0 <= v <= 1, "in [0, 1]"),
     "warmup_steps": (lambda v: v >= 0 and (v < 1 or v == int(v)), ">= 0: whole steps, or a fraction < 1"),
     "optim": (lambda v: v in OPTIMIZERS, f"one of {', '.join(OPTIMIZERS)} (or transformers' "
                                          f"{', '.join(OPTIMIZER_ALIASES)})"),
-    "max_nonfinite_steps": (lambda v: v >= 1, ">= 1"),
     "per_device_train_batch_size": (lambda v: v >= 1, ">= 1 (completions per micro-batch)"),
-    "gradient_accumulation_steps": (lambda v: v >= 1, ">= 1"),
     "steps_per_generation": (lambda v: v >= 1, ">= 1, or None for gradient_accumulation_steps"),
     "generation_batch_size": (lambda v: v >= 1, ">= 1, or None for per_device_train_batch_size x ranks x "
                                                 "steps_per_generation"),
@@ -43,7 +44,6 @@ RULES: dict[str, tuple[typing.Callable, str]] = {
     "max_steps": (lambda v: v > 0 or v == -1, "> 0, or -1 to train for num_train_epochs"),
     "pad_to_multiple_of": (lambda v: v >= 1, '>= 1, or None (TRL\'s "auto") for no padding'),
     "max_prompt_length": (lambda v: v >= 1, ">= 1, or None to leave prompts whole"),
-    "max_completion_length": (lambda v: v >= 1, ">= 1"),
     "max_tool_calling_iterations": (lambda v: v >= 1, ">= 1, or None for no limit"),
     "temperature": (lambda v: v > 0, "> 0"),
     "top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
@@ -58,39 +58,24 @@ RULES: dict[str, tuple[typing.Callable, str]] = {
                                       f"one of {', '.join(SAMPLING_CORRECTION_MODES)}"),
     "vllm_importance_sampling_clip_max": (lambda v: v > 0, "> 0, or None for no upper bound"),
     "vllm_importance_sampling_clip_min": (lambda v: v >= 0, ">= 0, or None for no lower bound"),
-    "beta": (lambda v: v >= 0, ">= 0"),
-    "ref_model_mixup_alpha": (lambda v: 0 <= v <= 1, "in [0, 1]"),
-    "ref_model_sync_steps": (lambda v: v >= 1, ">= 1"),
-    "epsilon": (lambda v: 0 <= v < 1, "in [0, 1)"),
-    "epsilon_high": (lambda v: v >= 0, ">= 0"),
     "delta": (lambda v: v > 0, "> 0, or None for one-sided clipping"),
-    "num_iterations": (lambda v: v >= 1, ">= 1"),
-    "dynamic_sampling_max_rounds": (lambda v: v >= 1, ">= 1"),
-    "max_staleness": (lambda v: v >= 0, ">= 0"),
     "scale_rewards": (lambda v: v in SCALES, f"one of {', '.join(SCALES)}"),
     "multi_objective_aggregation": (lambda v: v in AGGREGATIONS, f"one of {', '.join(AGGREGATIONS)}"),
     "loss_type": (lambda v: v in LOSS_TYPES, f"one of {', '.join(LOSS_TYPES)}"),
     "importance_sampling_level": (lambda v: v in IMPORTANCE_SAMPLING_LEVELS,
                                   f"one of {', '.join(IMPORTANCE_SAMPLING_LEVELS)}"),
-    "top_entropy_quantile": (lambda v: 0 <= v <= 1, "in [0, 1]"),
     "entropy_coef": (math.isfinite, "finite (0 disables the entropy bonus)"),
-    "entropy_coef_delta": (lambda v: v >= 0, ">= 0"),
     "off_policy_mask_threshold": (lambda v: 0 <= v < math.inf, ">= 0 and finite (a KL bound, e.g. 0.5: below 0 even "
                                                                "on-policy completions would drop), or None"),
     **dict.fromkeys(("sapo_temperature_neg", "sapo_temperature_pos"), (lambda v: v > 0, "> 0")),
     **dict.fromkeys(("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"),
                     (math.isfinite, "finite")),
     "reward_weights": (lambda v: all(math.isfinite(w) for w in v), "finite numbers"),
-    "lora_r": (lambda v: v >= 1, ">= 1"),
     "lora_alpha": (lambda v: v > 0, "> 0"),
-    "lora_dropout": (lambda v: 0 <= v < 1, "in [0, 1)"),
     "lora_target_modules": (lambda v: v == ALL_LINEAR or (isinstance(v, list) and all(
         isinstance(m, str) and re.fullmatch(r"[\w.]+", m) for m in v)),
         f'module names (a list, or comma-separated) or "{ALL_LINEAR}" (peft\'s regex strings are not read here)'),
-    "logprob_chunk_size": (lambda v: v >= 1, ">= 1"),
-    "logging_steps": (lambda v: v >= 1, ">= 1"),
     "save_strategy": (lambda v: v in SAVE_STRATEGIES, f"one of {', '.join(SAVE_STRATEGIES)}"),
-    "save_steps": (lambda v: v >= 1, ">= 1"),
     "save_total_limit": (lambda v: v >= 1, ">= 1, or None to keep every checkpoint"),
     "resume_from_checkpoint": (lambda v: isinstance(v, bool) or (isinstance(v, str) and v.strip() != ""),
                                'a checkpoint folder, "latest", or True / False'),
@@ -118,9 +103,8 @@ def check_config(config) -> None:
 
 def checked_field(cls, name: str, value):
     """`value` as field `name` of the Config class `cls` stores it, or ConfigError: TRL's spellings become ours
-    (trl_names.as_ours), an int given for a float field becomes a float (so the saved config reads the same
-    however it was written), then the field's rule; generation_kwargs entries are checked as the fields they
-    override."""
+    (trl_names.as_ours), an int given for a float field becomes a float (so the saved config reads the same however it
+    was written), then the field's rule; generation_kwargs entries are checked as the fields they override."""
     value = _module_names(value) if name == "lora_target_modules" else as_ours(name, value)
     types = field_types(cls)
     value = _checked_value(name, name, value, types[name])
@@ -137,8 +121,6 @@ def _module_names(value):
     if isinstance(value, (set, frozenset)):
         return sorted(value)
     return list(value) if isinstance(value, tuple) else value
-
-
 
 
 def _checked_value(name: str, field: str, value, tp: FieldType):

@@ -134,9 +134,8 @@ BUILT_MODEL = {"model": "not used: the recipe's build_model builds the model"}  
 
 
 def format_help(config: Config, unused: dict[str, str] | None = None) -> str:
-    """Every setting with its current value and docstring, grouped as declared in Config; a setting in
-    `unused` (name: why) is shown with that reason instead of a value (`model` on a recipe that builds its
-    own)."""
+    """Every setting with its current value and docstring, grouped as declared in Config; a setting in `unused` (name:
+    why) is shown with that reason instead of a value (`model` on a recipe that builds its own)."""
     lines, group, unused = ["settings (override with --key=value):"], None, unused or {}
     for name, field_group, doc in _describe_fields():
         if field_group != group:

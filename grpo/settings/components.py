@@ -182,8 +182,8 @@ class GenerationSettings:
     mask_truncated_completions: bool
     micro_batch: int  # rows per micro-batch
     pad_to_multiple_of: int | None  # TRL's: each micro-batch's widths
-    old_logprobs: bool  # RunPlan.keeps_old_logprobs
-    ref_logprobs: bool  # RunPlan.has_reference
+    old_logprobs: bool  # the plan's choice: RunPlan.resolve
+    ref_logprobs: bool  # a reference (beta > 0)
     max_staleness: int | None  # async_generation's; None: made when the step needs it
     sampling_correction: Mapping | None  # a server's samples reweighted (RunPlan.sampling_correction)
 
@@ -228,10 +228,9 @@ class LoadSettings:
 
 @dataclass(frozen=True)
 class MemorySettings:
-    """What the memory planner (memory/estimate, memory/parts) reads of the settings and the plan, resolved:
-    the kind of training, the lengths it counts, a micro-batch and a generation batch of this rank, the
-    log-probs the run keeps, and `eval_batch_size` (set: evaluation decodes that many, the planner is not
-    asked)."""
+    """What the memory planner (memory/estimate, memory/parts) reads of the settings and the plan, resolved: the kind
+    of training, the lengths it counts, a micro-batch and a generation batch of this rank, the log-probs the run
+    keeps, and `eval_batch_size` (set: evaluation decodes that many, the planner is not asked)."""
 
     use_lora: bool
     quantized: bool  # QLoRA: the body's linear weights in 4 bits

@@ -336,15 +336,11 @@ class Config(metaclass=CheckedKeywords):
     def loss_settings(self) -> dict:
         """The keywords of `grpo.algo.loss.policy_loss` that settings decide (`LossSettings`'s fields). An unset
         epsilon_high is epsilon (TRL), resolved here and never stored, so --epsilon and --epsilon_high commute."""
+        same = ("delta", "beta", "use_bias_correction_kl", "importance_sampling_level", "top_entropy_quantile",
+                "entropy_coef", "use_adaptive_entropy", "off_policy_mask_threshold", "sapo_temperature_pos",
+                "sapo_temperature_neg", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg",
+                "max_completion_length")  # LossSettings' fields of the Config's names, in its order
         return dict(loss_type=self.loss_type, epsilon_low=self.epsilon,
                     epsilon_high=self.epsilon if self.epsilon_high is None else self.epsilon_high,
-                    delta=self.delta, beta=self.beta, use_bias_correction_kl=self.use_bias_correction_kl,
-                    importance_sampling_level=self.importance_sampling_level,
-                    top_entropy_quantile=self.top_entropy_quantile, entropy_coef=self.entropy_coef,
-                    use_adaptive_entropy=self.use_adaptive_entropy,
-                    off_policy_mask_threshold=self.off_policy_mask_threshold,
-                    sapo_temperature_pos=self.sapo_temperature_pos, sapo_temperature_neg=self.sapo_temperature_neg,
-                    vespo_k_pos=self.vespo_k_pos, vespo_lambda_pos=self.vespo_lambda_pos,
-                    vespo_k_neg=self.vespo_k_neg, vespo_lambda_neg=self.vespo_lambda_neg,
-                    max_completion_length=self.max_completion_length)
+                    **{name: getattr(self, name) for name in same})
 

@@ -78,11 +78,6 @@ class Cadence:
 class RunPlan:
     schedule: Schedule
     loss: Mapping  # the keyword arguments of algo.loss.policy_loss that settings decide (Config.loss_settings)
-    # Old log-probs are taken once per generation batch only when optimizer steps train on it off-policy: later
-    # steps of the batch, or a batch sampled ahead (async_generation, max_staleness > 0) with older weights; on
-    # policy, the loss's own detached log-probs are the old ones. With a server's samples corrected
-    # (sampling_correction), always: the correction compares them with the server's.
-    keeps_old_logprobs: bool
     reference: str  # reference_kind: "none", "adapter" or "copy"
     optim: OptimSettings
     sampling: SamplingSettings
@@ -108,17 +103,16 @@ class RunPlan:
         correction = sampling_correction_of(config, bf16_sampling)
         reference = reference_kind(config.use_lora, config.beta)
         schedule = Schedule.resolve(config, world_size)
+        # Old log-probs are taken once per generation batch only when optimizer steps train on it off-policy: later
+        # steps of the batch, or a batch sampled ahead (async_generation, max_staleness > 0) with older weights; on
+        # policy, the loss's own detached log-probs are the old ones. With another engine's samples corrected
+        # (sampling_correction), always: the correction compares them with the sampler's.
         ahead = config.async_generation and config.max_staleness > 0
         old = schedule.optimizer_steps_per_generation > 1 or ahead or correction is not None
         generation = GenerationSettings.of(config, schedule, old, reference != "none", correction)
-        return cls(schedule, MappingProxyType(config.loss_settings()), old, reference, OptimSettings.of(config),
+        return cls(schedule, MappingProxyType(config.loss_settings()), reference, OptimSettings.of(config),
                    SamplingSettings.of(config, bf16_sampling), Cadence.of(config), generation,
                    SessionSettings.of(config, tools), TrackerSettings.of(config), LogprobSettings.of(config),
                    EvalSettings.of(config), LoadSettings.of(config),
                    MemorySettings.of(config, schedule, old, reference),
                    ServerSettings.of(config), correction)
-
-    @property
-    def has_reference(self) -> bool:
-        """Whether the loss has reference log-probs (a KL penalty): a frozen copy or the adapter-disabled policy."""
-        return self.reference != "none"

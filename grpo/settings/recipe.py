@@ -107,9 +107,7 @@ def _check_reward_funcs(funcs, path: str) -> list:
     if callable(funcs) or isinstance(funcs, str):
         funcs = [funcs]
     if not isinstance(funcs, (list, tuple)) or not funcs:
-        raise ConfigError(
-            f"recipe {path}: `reward_funcs` must be a non-empty list of functions, got {funcs!r:.100}"
-        )
+        raise ConfigError(f"recipe {path}: `reward_funcs` must be a non-empty list of functions, got {funcs!r:.100}")
     for i, f in enumerate(funcs):
         if not callable(f) and not (isinstance(f, str) and ("/" in f or os.path.isdir(f))):
             raise ConfigError(f"recipe {path}: reward_funcs[{i}] is not callable: {f!r:.100} (a function goes in "
@@ -123,10 +121,8 @@ def _check_dataset(obj, what: str, path: str):
         return None
     if callable(obj) or _is_dataset(obj):
         return obj
-    raise ConfigError(
-        f"recipe {path}: `{what}` must be a datasets.Dataset or a function returning one, "
-        f"got {type(obj).__name__}"
-    )
+    raise ConfigError(f"recipe {path}: `{what}` must be a datasets.Dataset or a function returning one, got "
+                      f"{type(obj).__name__}")
 
 
 def _is_dataset(obj) -> bool:

@@ -12,31 +12,23 @@ import sys
 from ..errors import ConfigError
 
 TRL_ONLY = frozenset("""
-    accelerator_config activation_checkpointing activation_checkpointing_kwargs adam_epsilon
-    auto_find_batch_size average_tokens_across_devices batch_eval_metrics bf16_full_eval cache_implementation
-    dataloader_drop_last dataloader_in_order
-    dataloader_multiprocessing_context dataloader_num_workers dataloader_persistent_workers
+    accelerator_config activation_checkpointing activation_checkpointing_kwargs adam_epsilon auto_find_batch_size
+    average_tokens_across_devices batch_eval_metrics bf16_full_eval cache_implementation dataloader_drop_last
+    dataloader_in_order dataloader_multiprocessing_context dataloader_num_workers dataloader_persistent_workers
     dataloader_pin_memory dataloader_prefetch_factor ddp_backend ddp_broadcast_buffers ddp_bucket_cap_mb
-    ddp_find_unused_parameters ddp_static_graph ddp_timeout debug deepspeed disable_tqdm do_eval
-    do_predict do_train ds3_gather_for_generation enable_jit_checkpoint
-    eval_accumulation_steps eval_delay eval_do_concat_batches
-    eval_use_gather_object fp16 fp16_full_eval fsdp_config full_determinism
-    gradient_checkpointing_kwargs greater_is_better hub_always_push hub_model_id
-    hub_private_repo hub_revision hub_strategy hub_token ignore_data_skip include_for_metrics
-    include_num_input_tokens_seen label_names label_smoothing_factor length_column_name liger_kernel_config
-    load_best_model_at_end local_rank log_completions_hub_repo log_level log_level_replica
-    log_multimodal log_on_each_node log_unique_prompts logging_first_step logging_nan_inf_filter
-    logging_strategy metric_for_best_model
-    neftune_noise_alpha
-    num_generations_eval optim_args optim_target_modules
-    parallelism_config prediction_loss_only project push_to_hub
-    remove_unused_columns
-    restore_callback_states_from_checkpoint run_name save_on_each_node save_only_model
-    skip_memory_metrics tf32 torch_compile
-    torch_compile_backend torch_compile_mode torch_empty_cache_steps trackio_bucket_id trackio_space_id
-    trackio_static_space_id train_sampling_strategy transformers_continuous_batching_config trust_remote_code
-    use_cache use_cpu use_liger_kernel use_transformers_continuous_batching
-    use_transformers_paged
+    ddp_find_unused_parameters ddp_static_graph ddp_timeout debug deepspeed disable_tqdm do_eval do_predict do_train
+    ds3_gather_for_generation enable_jit_checkpoint eval_accumulation_steps eval_delay eval_do_concat_batches
+    eval_use_gather_object fp16 fp16_full_eval fsdp_config full_determinism gradient_checkpointing_kwargs
+    greater_is_better hub_always_push hub_model_id hub_private_repo hub_revision hub_strategy hub_token
+    ignore_data_skip include_for_metrics include_num_input_tokens_seen label_names label_smoothing_factor
+    length_column_name liger_kernel_config load_best_model_at_end local_rank log_completions_hub_repo log_level
+    log_level_replica log_multimodal log_on_each_node log_unique_prompts logging_first_step logging_nan_inf_filter
+    logging_strategy metric_for_best_model neftune_noise_alpha num_generations_eval optim_args optim_target_modules
+    parallelism_config prediction_loss_only project push_to_hub remove_unused_columns
+    restore_callback_states_from_checkpoint run_name save_on_each_node save_only_model skip_memory_metrics tf32
+    torch_compile torch_compile_backend torch_compile_mode torch_empty_cache_steps trackio_bucket_id
+    trackio_space_id trackio_static_space_id train_sampling_strategy transformers_continuous_batching_config
+    trust_remote_code use_cache use_cpu use_liger_kernel use_transformers_continuous_batching use_transformers_paged
     vllm_enable_sleep_mode vllm_gpu_memory_utilization vllm_group_port vllm_importance_sampling_cap
     vllm_max_model_length vllm_model_impl vllm_structured_outputs_regex vllm_tensor_parallel_size
 """.split())
@@ -67,9 +59,7 @@ _BEST = "no best-checkpoint tracking: each checkpoint is kept by save_total_limi
 _SFT = "a supervised-training setting: GRPO's loss is the policy loss on sampled completions"
 _EVAL_LOOP = ("evaluation is our own greedy decode over eval_dataset (per_device_eval_batch_size, eval_limit), not "
               "transformers' evaluation loop")
-_HUB = "nothing is pushed to the Hub: logs and checkpoints stay in output_dir"
 _TRACKIO_HUB = "report_to=trackio logs to the local Trackio store only (TRACKIO_DIR); no Space or bucket"
-_ONE_DEVICE = "one process per GPU under torchrun, each on its own device; no device mesh settings"
 # Why the rest are refused, by kind (each said in the one line a refusal prints).
 TRL_REASONS.update({
     **dict.fromkeys(("ddp_broadcast_buffers", "ddp_bucket_cap_mb", "ddp_static_graph", "ddp_timeout",
@@ -82,9 +72,9 @@ TRL_REASONS.update({
     **dict.fromkeys(("batch_eval_metrics", "bf16_full_eval", "fp16_full_eval", "eval_accumulation_steps",
                      "eval_delay", "eval_do_concat_batches", "eval_use_gather_object", "prediction_loss_only"),
                     _EVAL_LOOP),
-    **dict.fromkeys(("log_completions_hub_repo",), _HUB),
+    "log_completions_hub_repo": "nothing is pushed to the Hub: logs and checkpoints stay in output_dir",
     **dict.fromkeys(("trackio_bucket_id", "trackio_space_id", "trackio_static_space_id", "project"), _TRACKIO_HUB),
-    **dict.fromkeys(("parallelism_config",), _ONE_DEVICE),
+    "parallelism_config": "one process per GPU under torchrun, each on its own device; no device mesh settings",
     "activation_checkpointing_kwargs": "checkpointing is always non-reentrant here (gradient_checkpointing)",
     "accelerator_config": "accelerate is not used: the trainer sets DDP up under torchrun, and each rank draws its "
                           "own prompts (no DataLoader to split or dispatch)",
@@ -120,8 +110,7 @@ RENAMED = {
 _NO_DATALOADER = "prompts are drawn in the trainer's own process: there is no DataLoader"
 _NO_HUB = "nothing is pushed to the Hub (push_to_hub is not supported): checkpoints stay in output_dir"
 NO_EFFECT = {
-    "use_cpu": "the device is chosen automatically: the GPU when there is one (CUDA_VISIBLE_DEVICES= hides "
-               "it)",
+    "use_cpu": "the device is chosen automatically: the GPU when there is one (CUDA_VISIBLE_DEVICES= hides it)",
     "logging_strategy": "logging_steps sets when a metrics line is written",
     "logging_first_step": "logging_steps sets which steps are logged (every one by default)",
     "disable_tqdm": "progress shows on stderr; written to a file, it is a plain line every few seconds",
@@ -137,28 +126,23 @@ NO_EFFECT = {
     "ddp_backend": "the backend is chosen automatically: NCCL between GPUs, gloo between CPU processes",
     "do_train": "Trainer.train() trains; transformers leaves these to scripts too", "do_eval": "as do_train",
     "do_predict": "as do_train",
-    **{k: _NO_DATALOADER for k in ("dataloader_num_workers", "dataloader_pin_memory",
-                                   "dataloader_persistent_workers", "dataloader_prefetch_factor",
-                                   "dataloader_drop_last")},
-    **{k: _NO_HUB for k in ("hub_model_id", "hub_strategy", "hub_token", "hub_private_repo",
-                            "hub_always_push", "hub_revision")},
+    **{k: _NO_DATALOADER for k in ("dataloader_num_workers", "dataloader_pin_memory", "dataloader_persistent_workers",
+                                   "dataloader_prefetch_factor", "dataloader_drop_last")},
+    **{k: _NO_HUB for k in ("hub_model_id", "hub_strategy", "hub_token", "hub_private_repo", "hub_always_push",
+                            "hub_revision")},
 }
 
 # TRL settings of features this trainer lacks, at the values that leave them off (TRL's defaults): accepted,
 # with the same warning; any other value is refused as above.
 OFF_VALUES = {
-    "use_transformers_paged": (False,), "fp16": (False,),
-    "push_to_hub": (False,), "deepspeed": (None,), "fsdp_config": (None,), "torch_compile": (False,),
-    "tf32": (None,),
-    "full_determinism": (False,), "ddp_find_unused_parameters": (None, False),
-    "gradient_checkpointing_kwargs": (None, {"use_reentrant": False}),
+    "use_transformers_paged": (False,), "fp16": (False,), "push_to_hub": (False,), "deepspeed": (None,),
+    "fsdp_config": (None,), "torch_compile": (False,), "tf32": (None,), "full_determinism": (False,),
+    "ddp_find_unused_parameters": (None, False), "gradient_checkpointing_kwargs": (None, {"use_reentrant": False}),
 }
 
 # Keyword arguments of TRL's GRPOTrainer that this Trainer does not take, and what to do instead (its `args`
 # and `processing_class` are taken, as `config` and `tokenizer`, and `peft_config` by trl_call.py).
-TRAINER_ONLY = {
-    "optimizers": "set optim, learning_rate, lr_scheduler_type and warmup_steps in the Config",
-}
+TRAINER_ONLY = {"optimizers": "set optim, learning_rate, lr_scheduler_type and warmup_steps in the Config"}
 
 # transformers' names (TRL configs use them) of our optimizers (settings/choices.OPTIMIZERS), stored as ours.
 OPTIMIZER_ALIASES = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw", "adamw_bnb_8bit": "adamw_8bit"}

@@ -235,7 +235,7 @@ def test_on_a_cpu_with_native_bf16_the_default_samples_and_trains_in_bf16(tmp_pa
     trainer = lora_run(tmp_path, model_dir, "native", vllm_importance_sampling_mode="token_truncate")
     assert "precision: bf16 on cpu: bf16=None and this CPU computes bf16 natively (GRPO_CPU_BF16=1)" in \
         capsys.readouterr().err
-    assert trainer.precision.bf16 and trainer.plan.sampling.bf16 and trainer.plan.keeps_old_logprobs
+    assert trainer.precision.bf16 and trainer.plan.sampling.bf16 and trainer.plan.generation.old_logprobs
     check_dtypes(trainer, "lora")  # a bf16 base, float32 adapters
     for line in logged(trainer):  # TRL's correction of the bf16 sampler's log-probs against the policy's
         difference = line["sampling/sampling_logp_difference/mean"]

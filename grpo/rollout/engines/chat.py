@@ -1,12 +1,8 @@
-"""The chat template, used in one place: a prompt as the model sees it (`render`: with the tools' schemas when the
-model calls some), the checks a template passes before it is used with tools, and the text a tool call appends
-to a row.
-
-The prompt renders the tools' JSON schemas through the chat template (`tools=`). After a call, what the row
-is fed is the template's own rendering of the conversation with the tool turn(s) and the next assistant
-header, minus the text the row already holds: the KV cache then holds exactly what a prompt of that whole
-conversation would, and nothing is prefilled twice.
-"""
+"""The chat template, used in one place: a prompt as the model sees it (`render`, with the tools' schemas when the
+model calls some), the checks a template passes before it is used with tools, and the text a tool call appends to a
+row: the template's own rendering of the conversation with the tool turn(s) and the next assistant header, minus
+the text the row already holds, so that the KV cache holds exactly what a prompt of that whole conversation would,
+and nothing is prefilled twice."""
 from __future__ import annotations
 
 import functools

@@ -1,8 +1,7 @@
 """Every refusal of a run's generation engine, in one place, made before any model loads (called by
-run/startup.prepare): the engine is chosen by the settings (`use_vllm`, `int8_sampling_weights`,
-`async_generation`) and by what the caller passed (a sampler, TRL's rollout_func), and a choice that cannot run
-costs a line, not a model load. Settings that contradict each other alone are refused earlier, when the Config is
-made (settings/checks.py)."""
+run/startup.prepare): the engine is chosen by the settings (`use_vllm`, `int8_sampling_weights`, `async_generation`)
+and by what the caller passed (a sampler, TRL's rollout_func), and a choice that cannot run costs a line, not a model
+load. Settings that contradict each other alone are refused earlier, when the Config is made (settings/checks.py)."""
 from __future__ import annotations
 
 from ...errors import ConfigError
@@ -24,8 +23,7 @@ def check_engine(plan, world_size: int, device_type: str, *, sampler: bool, roll
     if plan.sampling.int8 and given:
         raise ConfigError(f"int8_sampling_weights=True samples with our own decode loop: pass no sampler or "
                           f"rollout_func with it (got {given})")
-    refusal = int8_refusal() if plan.sampling.int8 else None
-    if refusal is not None:
+    if plan.sampling.int8 and (refusal := int8_refusal()) is not None:
         raise ConfigError(refusal)
 
 

@@ -1,11 +1,7 @@
 """TRL's `rollout_func`: generation replaced by the user's own (an inference engine, an environment, an agent
-loop). TRL 1.16's contract: `rollout_func(prompts, trainer) -> dict` is called once per generation batch (on
-each rank, with that rank's share) and gets its prompts, each repeated num_generations times in a row (one
-entry per completion, as TRL's sampler hands them over). It returns, one entry per completion, `prompt_ids`
-and `completion_ids` (lists of token ids) and optionally `logprobs` (the sampler's per-token log-probs:
-accepted, not used, as sampling here is on-policy; TRL uses them only for its vLLM importance-sampling
-correction). Every other key it returns (TRL's optional `logprob_token_ids` too) reaches the reward functions
-as a keyword column, as in TRL. The loss scores the returned tokens under the policy, whatever made them."""
+loop), with TRL 1.16's contract (docs/recipes-and-settings.md, "Replacing generation"): `rollout_func(prompts,
+trainer) -> dict`, once per generation batch on each rank's share, each prompt num_generations times in a row.
+The loss scores the returned tokens under the policy, whatever made them."""
 from __future__ import annotations
 
 import torch

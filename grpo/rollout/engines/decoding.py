@@ -124,11 +124,10 @@ def suffixes(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, k: int) -> tup
 @dataclass(frozen=True)
 class DecodeSettings:
     """What a decode samples: up to `max_new_tokens` tokens per row, with the sampling `knobs` (a run's:
-    settings/components.SamplingSettings.knobs; the default filters nothing). With `stop_at_eos`, rows that sampled one
-    of `eos_ids` continue with `pad_id` and the decode ends when all have; without it, EOS is never sampled and
-    every row gets `max_new_tokens` tokens. `greedy` takes the most likely token instead of sampling
-    (evaluation): the filters (`filter_logits`) are skipped, a repetition penalty still applies (as in
-    transformers)."""
+    settings/components.SamplingSettings.knobs; the default filters nothing). With `stop_at_eos`, rows that sampled
+    one of `eos_ids` continue with `pad_id` and the decode ends when all have; without it, EOS is never sampled and
+    every row gets `max_new_tokens` tokens. `greedy` takes the most likely token instead of sampling (evaluation): the
+    filters (`filter_logits`) are skipped, a repetition penalty still applies (as in transformers)."""
 
     max_new_tokens: int
     eos_ids: Sequence[int]
@@ -260,21 +259,17 @@ def decode(hf_model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, settin
            repeats: int = 1, seeds: torch.Tensor | None = None, on_token=None, head_matmul=None,
            tools=None, int8: bool = False, bf16: bool = False, with_logprobs: bool = False) -> Decoded:
     """Completions [N, C] (`Decoded`) sampled after left-padded prompts [B, P] as `settings` say, each prompt
-    `repeats` times in a row (N = B * repeats), by a transformers causal LM (adapters, if any, injected in place); the
-    prompts are read by `prefill`. `seeds` [N] (int64): where each row's random stream starts
-    (rollout/streams.PromptStreams.seeds); None draws them from torch's generator. `on_token(n)`, if given, is
-    called after every decoding step with the number of tokens it generated (rows not yet finished), for
-    progress bars. Finished rows leave the batch and the cache as they accumulate (engines/kv_cache.DecodingRows): the n
-    rows left decode on. The KV cache and the attention mask are allocated once for P + max_new_tokens
-    positions and written in place (rollout/engines/kv_cache); a Llama-shaped model's steps run fused (policy/decoder).
-    `head_matmul`: the LM head's product on a packed copy of its weight (policy/folding). `tools` (tool_loop's
-    ToolLoop) watches what each row writes and appends its tools' output (`ForcedTokens`), a row ending at an
-    EOS that closes no tool call or where the tools end it. `int8`: the decoding steps' linears run on int8
-    copies of their weights (policy/int8; a model whose steps do not run fused is refused). `bf16`: a fused step
-    runs on the model's bf16 weights, LoRA unfolded (policy/decoder). `with_logprobs`: each
-    sampled token's log-prob under the distribution it was drawn from (logits after the penalty, temperature and
-    filters: vLLM's processed log-probs) kept as `Decoded.logprobs` [N, C], NaN where no token was sampled
-    (padding, a tool's tokens)."""
+    `repeats` times in a row (N = B * repeats), by a transformers causal LM (adapters, if any, injected in place):
+    the prompts read by `prefill`, then one step per token, finished rows leaving the batch and the cache
+    (engines/kv_cache), a Llama-shaped model's steps fused (policy/decoder). `seeds` [N] (int64): where each row's
+    random stream starts (rollout/streams.PromptStreams.seeds; None: drawn from torch's generator). `on_token(n)`:
+    called after every step with the tokens it generated (progress bars). `head_matmul`: the LM head's product on a
+    packed copy of its weight (policy/folding). `tools` (engines/tool_loop.ToolLoop) watches what each row writes
+    and appends its tools' output (`ForcedTokens`). `int8`: the steps' linears on int8 copies of their weights
+    (policy/int8; a model whose steps do not run fused is refused); `bf16`: a fused step on the bf16 weights, LoRA
+    unfolded. `with_logprobs`: each sampled token's log-prob under the distribution it was drawn from (after the
+    penalty, temperature and filters: vLLM's processed log-probs) as `Decoded.logprobs` [N, C], NaN where no
+    token was sampled (padding, a tool's tokens)."""
     s, k, N, device = settings, settings.knobs, len(prompt_ids) * repeats, prompt_ids.device
     if s.max_new_tokens == 0:
         return Decoded(prompt_ids.new_empty(N, 0), prompt_ids.new_empty(N, 0), prompt_ids.new_zeros(N))

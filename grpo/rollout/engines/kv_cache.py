@@ -72,13 +72,6 @@ class PreallocatedLayer(CacheLayerMixin):
             self.value_buffer = self.value_buffer.index_select(0, index)
             self._views()
 
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self.reorder_cache(indices)
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        if self.is_initialized:
-            self.reorder_cache(torch.arange(self.key_buffer.shape[0], device=self.device).repeat_interleave(repeats))
-
 
 def preallocated_cache(config, max_length: int) -> Cache:
     """A cache of `max_length` positions for a model with `config`, written in place, when all its layers are

@@ -28,11 +28,8 @@ class PromptEncoder:
                  eos_ids: list[int] | None = None):
         """`eos_ids`: the ids that end the model's turns (`eos_token_ids`), which a template for tools is
         checked with."""
-        self.tokenizer = tokenizer
-        self.max_prompt_length = max_prompt_length
-        self.chat_template_kwargs = chat_template_kwargs
-        self.tools = tools
-        self.warned = False
+        self.tokenizer, self.max_prompt_length, self.tools = tokenizer, max_prompt_length, tools
+        self.chat_template_kwargs, self.warned = chat_template_kwargs, False
         if tools is not None and tools.chat:  # a template that cannot serve the tools: said once, up front
             check_tool_template(tokenizer, chat_template_kwargs, eos_ids)
 
@@ -46,12 +43,10 @@ class PromptEncoder:
         texts = [render(self.tokenizer, p, self.chat_template_kwargs, self.tools.schemas_for(env) if chat else None)
                  for p, env in zip(prompts, envs)]
         # A chat template already writes any BOS it wants; plain text gets the tokenizer's default.
-        special = not is_chat(prompts[0])
-        rows = [self.tokenizer(t, add_special_tokens=special)["input_ids"] for t in texts]
+        rows = [self.tokenizer(t, add_special_tokens=not is_chat(prompts[0]))["input_ids"] for t in texts]
         if self.max_prompt_length is not None and any(len(r) > self.max_prompt_length for r in rows):
             if not self.warned:
-                longest = max(len(r) for r in rows)
-                warnings.warn(f"a prompt of {longest} tokens is longer than max_prompt_length="
+                warnings.warn(f"a prompt of {max(len(r) for r in rows)} tokens is longer than max_prompt_length="
                               f"{self.max_prompt_length}; prompts are cut from the left (warned once)")
                 self.warned = True
             rows = [r[-self.max_prompt_length:] for r in rows]
@@ -103,19 +98,14 @@ def sample_completions(model, tokenizer, encode: PromptEncoder, prompts: list, *
            greedy: bool = False, streams: PromptStreams | None = None, on_token=None,
            max_tool_calling_iterations: int | None = None, envs: list | None = None, int8: bool = False,
            bf16: bool = False) -> Rollout:
-    """Sample `num_generations` completions per prompt with KV-cached generation, with the sampling `knobs`
-    (a run's: `Config.sampling_knobs()`; the default filters nothing).
-
-    `stop_at_eos=False` forces full-length completions (benchmarks compare equal work that way);
-    `greedy=True` decodes the most likely token each step instead (evaluation), ignoring the sampling filters;
-    `streams`: the prompts' random streams (rollout/streams; None: drawn from torch's generator);
-    `on_token(n)` is called after each decoding step with the tokens it generated (progress bars). With the
-    tools of `encode` (rollout/tools.Tools), rows call them within the decode (rollout/engines/tool_loop.ToolLoop), up
-    to `max_tool_calling_iterations` rounds each (None: no limit, TRL's default); `envs`: one environment per
-    completion when the tools include an environment's methods. `int8`: decoding steps on int8 weights
-    (policy/int8), `bf16`: on the bf16 base, LoRA unfolded (policy/decoder; the precision plan's bf16 sampling);
-    with either, each sampled token's log-prob kept as the rollout's `sampling_logprobs` for the
-    importance-sampling correction (NaN on tokens out of the loss mask)."""
+    """Sample `num_generations` completions per prompt of `prompts` (encoded by `encode`) with our KV-cached decode
+    (engines/decoding.decode, whose `DecodeSettings` say what `knobs`, `stop_at_eos` and `greedy` do), as a Rollout
+    (`rollout_of`). `streams`: the prompts' random streams (rollout/streams; None: drawn from torch's generator).
+    With the tools of `encode` (rollout/tools.Tools), rows call them within the decode, up to
+    `max_tool_calling_iterations` rounds each (None: no limit, TRL's default); `envs`: one environment per
+    completion when the tools include an environment's methods. `int8`, `bf16`: the steps on int8 weights or on the
+    bf16 base (the precision plan's bf16 sampling), each sampled token's log-prob then kept as the rollout's
+    `sampling_logprobs` for the importance-sampling correction."""
     prompt_ids, prompt_mask = encode(prompts, context_length(model), max_completion_length,  # [B, P]
                                      None if envs is None else envs[::num_generations])
     device = next(model.parameters()).device
@@ -141,12 +131,12 @@ def rollout_of(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, decoded: Dec
                *, chat: bool, loop: ToolLoop | None = None, repeats: int = 1) -> Rollout:
     """The Rollout of completions after their prompts [B, P], each prompt `repeats` times in a row (N = B * repeats),
     however they were made (our decoder, a server, a rollout_func: `decoded_rows`): each completion its first
-    `decoded.lengths` tokens, the ids after them padded;
-    "truncated" unless the model's own EOS ended it (its last token an EOS it sampled, not one it was fed); the
-    fed tokens attended to but out of the loss mask. The completions as TRL gives them to rewards: texts decoded
-    without special tokens, as chat messages [{"role": "assistant", ...}] after chat prompts (`chat`); with the
-    tool loop `loop` that ran in the decode, its assistant and tool messages, and each row's tool calls and
-    failures counted; the sampled tokens' log-probs, when the engine kept them (`sampling_logprobs`)."""
+    `decoded.lengths` tokens, the ids after them padded; "truncated" unless the model's own EOS ended it (its last
+    token an EOS it sampled, not one it was fed); the fed tokens attended to but out of the loss mask. The completions
+    as TRL gives them to rewards: texts decoded without special tokens, as chat messages [{"role": "assistant", ...}]
+    after chat prompts (`chat`); with the tool loop `loop` that ran in the decode, its assistant and tool messages,
+    and each row's tool calls and failures counted; the sampled tokens' log-probs, when the engine kept them
+    (`sampling_logprobs`)."""
     ids, fed, lengths = decoded.completion_ids, decoded.fed, decoded.lengths  # [N, C], [N, C], [N]
     prompt_ids = prompt_ids.repeat_interleave(repeats, dim=0)  # [N, P]
     prompt_mask = prompt_mask.repeat_interleave(repeats, dim=0)  # [N, P]

@@ -1,27 +1,8 @@
 """Completions sampled on an inference server (TRL's `use_vllm=True, vllm_mode="server"`): `ServerEngine` keeps
-the engines' one interface (engines/engine.Engine), so the step around it does not change.
-
-Token in, token out: each prompt goes to vLLM's OpenAI-compatible `/v1/completions` as token ids, with `n` =
-num_generations, its own seed (from its random stream: a rerun samples the same), the run's sampling knobs, and
-`return_token_ids`; the completions come back as token ids with each sampled token's log-prob, which the loss's
-importance-sampling correction reads (algo/sampling_correction). The prompts of a generation batch are sent at
-once, so the server batches them.
-
-Tools, environments and inline tools: each completion is sampled in segments, one request per segment, that stop
-where a tool may run (the end of an assistant message for chat tools, an inline tool's trigger); the row's tokens go
-through the same ToolLoop our decode loop uses (engines/tool_loop.py), and a tool's output (with the turn headers
-around it) is appended as tokens the model did not write, out of the loss mask; the next segment's prompt is the
-prompt and everything so far (the server's prefix cache keeps that cheap).
-
-LoRA: when a generation batch is sampled at an optimizer step the server has not seen, the adapter is written
-into `adapters_dir` (the server must read that folder: same machine or shared storage), loaded under a new name
-(`POST /v1/load_lora_adapter`, the server started with `--enable-lora` and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True),
-the previous one unloaded; every request names the adapter it must sample with. When the run ends, however it
-ends, the last one is unloaded and the folder removed (`close`).
-
-Failures are one line (`ServerError`): no server at the URL within `vllm_server_timeout`, a server that serves
-another model (its tokenizer, or the first batch's log-probs, differ from the policy's), a server that refuses
-the adapter, dies or stops answering mid-run (the trainer then saves a checkpoint: run/session)."""
+the engines' one interface (engines/engine.Engine), so the step around it does not change. Token ids in and out
+(`/v1/completions`), each prompt's seed from its random stream, the run's LoRA adapter loaded at each new step,
+tools run between segments of a completion, and the one-line failures (`ServerError`): docs/inference-engines.md,
+"Sampling on a vLLM server"."""
 from __future__ import annotations
 
 import contextlib

@@ -1,18 +1,15 @@
-"""Multi-turn tool calling inside one batched decode: `ToolLoop`, the per-row state machine the decode loop
-calls once per step.
-
-The decode loop samples one token per active row per step and hands the rows that sampled one of their own to
-`after_tokens`. A row whose tool ran gets tokens back (the tool's output, then the next assistant header),
-which the decode loop feeds one per step in place of sampling, in the same KV cache, with loss mask 0:
+"""Multi-turn tool calling inside one batched decode: `ToolLoop`, the per-row state machine to which the decode loop
+hands, each step, the rows that sampled a token of their own (`after_tokens`). A row whose tool ran gets tokens back
+(the tool's output, then the next assistant header), which the decode loop feeds one per step in place of sampling,
+in the same KV cache, with loss mask 0:
 
 - chat tools (Hermes / Qwen format): at EOS, the calls in the row's last assistant message run, unless it
   already made `max_iterations` rounds (TRL's `max_tool_calling_iterations`; None, TRL's default: no limit);
 - inline tools (`InlineTool`): when the text just completed a trigger inside an open span, its result and
   the span's close are forced, within the same message.
 
-Failures (TRL counts them in `tools/failure_frequency`, each row's in `row_failures` for completions.jsonl): a
-tool that raises or times out returns its error to the model as its output; a malformed call or an unknown tool
-ends the row, as does output longer than the room the row has left.
+Failures (a tool raising or timing out, a malformed call, an unknown tool, output longer than the row's room), what
+each does and how it is counted: docs/tools.md, "Failures".
 """
 from __future__ import annotations
 
@@ -61,19 +58,17 @@ class _Pending:
 
 
 class ToolLoop:
-    """Tool calling for one decode of N rows. `prompts[i]`: row i's prompt (chat messages, or a string when
-    only inline tools are used); `envs[i]`: its environment (rollout/environments.make_envs) when the tools
-    have environments; `eos_ids`: the ids that end a turn (the tokenizer's EOS by default);
-    `chat_template_kwargs`: as the prompts were rendered with (whose PromptEncoder checked, once, that the
-    template renders tools)."""
+    """Tool calling for one decode of N rows. `prompts[i]`: row i's prompt (chat messages, or a string when only
+    inline tools are used); `envs[i]`: its environment (rollout/environments.make_envs) when the tools have
+    environments; `eos_ids`: the ids that end a turn (the tokenizer's EOS by default); `chat_template_kwargs`: as the
+    prompts were rendered with (whose PromptEncoder checked, once, that the template renders tools)."""
 
     def __init__(self, tools: Tools, tokenizer, prompts: list, max_iterations: int | None = None,
                  envs: list | None = None, eos_ids=None, chat_template_kwargs: dict | None = None):
         if tools.environments and (envs is None or len(envs) != len(prompts)):
             raise ValueError("the tools have environments: pass envs= (make_envs), one per prompt")
-        if tools.chat:
-            if any(isinstance(p, str) for p in prompts):
-                raise ValueError("chat tools need chat prompts (lists of messages); text prompts take inline tools")
+        if tools.chat and any(isinstance(p, str) for p in prompts):
+            raise ValueError("chat tools need chat prompts (lists of messages); text prompts take inline tools")
         self.tools, self.tokenizer, self.max_iterations = tools, tokenizer, max_iterations
         self.chat_template_kwargs = chat_template_kwargs
         self.eos = set(eos_ids) if eos_ids is not None else {tokenizer.eos_token_id}

@@ -1,26 +1,12 @@
-"""Running tool calls where a timeout can stop them. Each call runs in a process of its own, killed (SIGKILL)
-when its `timeout_s` is up: its CPU is freed at once, nothing is left running, and the trainer can always exit.
-The model reads TRL's error text, `{'error': 'timed out after 10 s'}`, as for a call that raises.
-
-Where a call runs (`ToolRunner.run`), by what it is:
-- a call that pickles (a module's function, a `functools.partial` of one, our calculator, a method of an object
-  whose class is a module's and whose state pickles): in one of the run's worker processes, forked when first
-  needed and kept for the whole run (a worker whose call timed out is killed, another forked when next needed);
-- a closure, a lambda, a method of a class defined in a function: in a process forked for that call, which
-  inherits it as it is (a fork costs tens of milliseconds from a trainer holding a model: docs/tools.md);
-- either way, a bound method's object (an environment) has its state after the call (`vars(obj)`, pickled)
-  copied back into the trainer's object, so the next call, the reward functions and `get_reward` see what the
-  call did. An object whose state cannot be pickled (a lock, a socket, an open file) cannot be copied back: its
-  calls run in a thread of the trainer's process instead, said once per class, where a timeout answers the
-  model on time but cannot stop the call (a daemon thread: it never holds up the exit).
-
-A call's other effects on the trainer's memory (a closure appending to a list, a global) stay in its process.
-Async tools run to completion on an event loop in their process, under the same timeout. Every process is forked
-from the process that runs the decode (the trainer, or the async_generation sampler, which has its own workers)
-and dies with it (infra/children)."""
+"""Running tool calls where a timeout can stop them: each call in a process of its own, killed (SIGKILL) when its
+`timeout_s` is up, so its CPU is freed at once and the trainer can always exit; the model reads TRL's error text,
+`{'error': 'timed out after 10 s'}`, as for a call that raises. Where a call runs by what it is (a worker process,
+a process forked for it, a thread), and what comes back of an environment's state: docs/tools.md, "Where calls
+run, and timeouts"."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import multiprocessing
 import multiprocessing.connection
@@ -100,18 +86,14 @@ def _fork(body) -> tuple[int, multiprocessing.connection.Connection]:
 
 
 def _kill(pid: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError, ChildProcessError):
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
-    except (ProcessLookupError, ChildProcessError):
-        pass
 
 
 def _reap(pid: int) -> None:
-    try:
+    with contextlib.suppress(ChildProcessError):
         os.waitpid(pid, 0)
-    except ChildProcessError:
-        pass
 
 
 def _answer(thunk, owner) -> tuple[Outcome, bytes | None]:
@@ -224,9 +206,8 @@ class ToolRunner:
         return outcomes
 
     def _start(self, thunk) -> _Job:
-        """Start `thunk` where it can run: a worker when it pickles (a bound method's object with it), else a
-        process forked for it (a bound method's object's state coming back), else a thread (that state does not
-        pickle)."""
+        """Start `thunk` where it can run: a worker when it pickles (a bound method's object with it), else a process
+        forked for it (a bound method's object's state coming back), else a thread (that state does not pickle)."""
         deadline = time.monotonic() + self.timeout_s
         owner = _owner(thunk)
         try:
@@ -263,10 +244,8 @@ class ToolRunner:
 
         def body():
             outcome = _outcome(thunk)
-            try:
+            with contextlib.suppress(OSError):  # timed out: nobody reads it
                 send.send((outcome, None))
-            except OSError:  # timed out: nobody reads it
-                pass
         threading.Thread(target=body, name="grpo-tool", daemon=True).start()
         return _Job(answer, deadline)
 
