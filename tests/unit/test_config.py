@@ -280,7 +280,7 @@ def test_trl_settings_list_matches_trl():
     args, config = trl.GRPOConfig(output_dir="unused", use_cpu=True), Config()
     differ = {k for k in ours & theirs if getattr(args, k) != getattr(config, k)}
     assert differ == {"output_dir", "num_train_epochs", "optim", "logging_steps", "fsdp", "bf16",
-                      "report_to", "steps_per_generation", "generation_batch_size"}
+                      "report_to", "steps_per_generation", "generation_batch_size", "per_device_eval_batch_size"}
     # TRL resolves those two in __post_init__ (it knows the rank count); the Trainer resolves our Nones alike.
     from grpo.settings.schedule import Schedule
 
@@ -674,8 +674,9 @@ def test_the_docs_name_every_default_that_differs_from_trls():
     intro = (root / "docs" / "coming-from-trl.md").read_text().split("TRL reward functions")[0]
     readme = (root / "README.md").read_text().split("**TRL-compatible.**")[1].split("reward functions")[0]
     named = set(re.findall(r"`(\w+)=", intro))
-    assert named == {"optim", "num_train_epochs", "logging_steps", "max_prompt_length", "bf16"}, named
-    assert all(f"`{name}`" in readme for name in named) and "five" in readme
+    assert named == {"optim", "num_train_epochs", "logging_steps", "max_prompt_length", "per_device_eval_batch_size",
+                     "bf16"}, named
+    assert all(f"`{name}`" in readme for name in named) and "six" in readme
     trl = pytest.importorskip("trl")
     args, config = trl.GRPOConfig(output_dir="unused", use_cpu=True), Config()
     differ = {k for k in {f.name for f in dataclasses.fields(Config)} & {f.name for f in dataclasses.fields(
