@@ -11,3 +11,11 @@ if _workers > 1:
 # The suite's exact comparisons are float32's: every test plans as on a CPU without native bf16 (the precision
 # plan's seam, policy/precision.ENV), whatever this machine's CPU does; the tests of the bf16 plan set it to 1.
 os.environ.setdefault("GRPO_CPU_BF16", "0")
+
+
+def pytest_collection_modifyitems(items):
+    """The modules with slow tests first, each module's tests kept together (its module-scoped fixtures set up
+    once): pytest-xdist hands tests out in this order, so a long test started last would leave the other worker
+    idle until it ends."""
+    slow = {item.module for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.module not in slow)
