@@ -17,5 +17,5 @@ def pytest_collection_modifyitems(items):
     """The modules with slow tests first, each module's tests kept together (its module-scoped fixtures set up
     once): pytest-xdist hands tests out in this order, so a long test started last would leave the other worker
     idle until it ends."""
-    slow = {item.module for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.module not in slow)
+    slow = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow)
