@@ -2,6 +2,7 @@
 thread pool: left alone, each would use every core and the workers would slow each other several-fold."""
 import os
 
+import pytest
 import torch
 
 _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
@@ -19,3 +20,16 @@ def pytest_collection_modifyitems(items):
     idle until it ends."""
     slow = {item.path for item in items if item.get_closest_marker("slow")}
     items.sort(key=lambda item: item.path not in slow)
+
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`pytest -n N` hands tests out by work stealing: its default ("load") sends each worker batches of tests
+    ahead, and a worker that is still busy with a long test keeps the short ones queued behind it while the other
+    idles (measured: the slow modules, first in the order above, all went to one worker). With work stealing an
+    idle worker takes half of what is queued on the other."""
+    if config.getvalue("dist") == "load":
+        from xdist.scheduler import WorkStealingScheduling
+
+        return WorkStealingScheduling(config, log)
+    return None
