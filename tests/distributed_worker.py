@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 import zlib
 from pathlib import Path
 
@@ -189,6 +190,8 @@ def resume_elsewhere(out_dir: str, name: str) -> None:
     from grpo.run.checkpoint import load_state
 
     path = Path(out_dir) / ELASTIC_RESUMES[name]
+    while not (path / "COMPLETE").exists():  # tests/test_distributed.py's process may still be writing it
+        time.sleep(0.1)
     trainer = make_trainer(f"{out_dir}/{name}", name)
     trainer.resume(str(path))
     saved_weights, saved = load_file(path / "model.safetensors"), load_state(path)

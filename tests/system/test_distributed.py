@@ -26,8 +26,11 @@ from grpo.infra.distributed import Distributed
 from grpo.policy.parallel import ParallelPolicy, check_settings
 
 TESTS = Path(__file__).resolve().parents[1]
+# One torchrun for every 2-rank run (each start of it and its ranks costs seconds of imports): the `*_skip` runs and
+# the elastic ones too, `elastic_one_to_two` last since it resumes a checkpoint the test process writes meanwhile.
 TORCHRUN_RUNS = ["fixed_ddp", "fixed_fsdp", "fixed_fsdp_bf16", "fixed_ddp_lora", "sampled_ddp", "sampled_fsdp",
-                 "resumed_ddp", "resumed_fsdp", "tools_ddp"]
+                 "resumed_ddp", "resumed_fsdp", "tools_ddp", "fixed_ddp_skip", "fixed_fsdp_skip", "elastic_two",
+                 "elastic_one_to_two"]
 SAME_METRICS = ["loss", "loss/policy", "kl", "grad_norm", "reward", "reward_std", "rewards/digit_share/std",
                 "clip_ratio/region_mean", "ratio/mean", "entropy", "frac_reward_zero_std", "completions/mean_length",
                 "completions/max_length", "completions/clipped_ratio", "learning_rate"]
@@ -76,41 +79,21 @@ def test_fsdp_refuses_what_it_cannot_run_before_loading_anything():
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """The torchrun runs (2 ranks) and, meanwhile, their 1-process references, in out/<run name>."""
+    """The torchrun runs (2 ranks) and, meanwhile, their 1-process references, in out/<run name>; then the 2-rank
+    run resumed in 1 process. `*_skip`: 2-rank runs (DDP, FSDP) where some ranks' micro-batches have no row with a
+    gradient, and their 1-process reference. `elastic_*`: a 1-process run resumed on 2 ranks, and a 2-rank run
+    resumed in 1 process (distributed_worker.py)."""
     out = tmp_path_factory.mktemp("dist")
 
     def meanwhile():
+        distributed_worker.train(str(out), "elastic_one")
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(grpo.rollout.engines.sampling, "sample_completions", distributed_worker.fixed_sample)
-            for name in ["fixed_single", "fixed_single_lora"]:
+            for name in ["fixed_single", "fixed_single_lora", "fixed_single_skip"]:
                 distributed_worker.train(str(out), name)
         distributed_worker.train(str(out), "tools_single")
 
     torchrun(out, TORCHRUN_RUNS, meanwhile)
-    return out
-
-
-@pytest.fixture(scope="module")
-def skipping(tmp_path_factory):
-    """2-rank runs (DDP, FSDP) where some ranks' micro-batches have no row with a gradient, and their 1-process
-    reference (distributed_worker.py's `*_skip` runs)."""
-    out = tmp_path_factory.mktemp("skip")
-
-    def meanwhile():
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(grpo.rollout.engines.sampling, "sample_completions", distributed_worker.fixed_sample)
-            distributed_worker.train(str(out), "fixed_single_skip")
-
-    torchrun(out, ["fixed_ddp_skip", "fixed_fsdp_skip"], meanwhile)
-    return out
-
-
-@pytest.fixture(scope="module")
-def elastic(tmp_path_factory):
-    """A 1-process run resumed on 2 ranks, and a 2-rank run resumed in 1 process (distributed_worker.py)."""
-    out = tmp_path_factory.mktemp("elastic")
-    distributed_worker.train(str(out), "elastic_one")
-    torchrun(out, ["elastic_two", "elastic_one_to_two"])
     distributed_worker.resume_elsewhere(str(out), "elastic_two_to_one")
     return out
 
@@ -129,7 +112,7 @@ def torchrun(out: Path, names: list[str], meanwhile=lambda: None) -> None:
     launch = start_torchrun([str(TESTS / "distributed_worker.py"), str(out), *names], log)
     try:
         meanwhile()
-        launch.wait(timeout=240)
+        launch.wait(timeout=360)
     except subprocess.TimeoutExpired:
         pytest.fail(f"torchrun timed out (ranks out of step?):\n{log.read_text()[-3000:]}")
     finally:
@@ -198,16 +181,16 @@ def test_two_ranks_match_one_process(runs, single, parallel):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("parallel", ["fixed_ddp_skip", "fixed_fsdp_skip"])
-def test_ranks_left_without_rows_to_train_keep_in_step(skipping, parallel):
+def test_ranks_left_without_rows_to_train_keep_in_step(runs, parallel):
     # One prompt's 4 completions per rank and micro-batch: every prompt whose group has equal rewards leaves its
     # rank's micro-batch with no row to train. The rank keeps one inert row so that DDP's and FSDP's collectives
     # run on every rank, and the run matches 1 process (which does no forward for such a micro-batch).
-    one, two = weights(skipping / "fixed_single_skip"), weights(skipping / parallel)
+    one, two = weights(runs / "fixed_single_skip"), weights(runs / parallel)
     worst = max_abs_diff(one, two)
     # As test_two_ranks_match_one_process: steps * lr / 100 (tolerances.py; measured 7.5e-9, 1.5e-6 with generic
     # kernels); a rank's inert row that trained, or a collective a rank missed, would move its elements by ~lr.
     assert worst < WEIGHT_BOUND, f"max abs weight difference 1 vs 2 processes: {worst:.3g}"
-    m1, m2 = metrics(skipping / "fixed_single_skip"), metrics(skipping / parallel)
+    m1, m2 = metrics(runs / "fixed_single_skip"), metrics(runs / parallel)
     # Step 1: 3 of its 4 prompts' groups have equal rewards; step 2: all 4, so no token is trained (its update is
     # AdamW's on a zero gradient: momentum goes on) and the per-token metrics are 0.
     assert [m["skipped/zero_gradient"] for m in m1] == [0.75, 1.0]
@@ -273,17 +256,17 @@ def test_two_ranks_resume_exactly(runs, name):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name, saved_step", [("elastic_one_to_two", 1), ("elastic_two_to_one", 2)])
-def test_resuming_on_another_number_of_ranks(elastic, name, saved_step):
+def test_resuming_on_another_number_of_ranks(runs, name, saved_step):
     # Exact continuation is not expected (sampling is seeded anew); what was saved must come back as saved.
-    loaded = json.loads((elastic / name / "loaded.json").read_text())
+    loaded = json.loads((runs / name / "loaded.json").read_text())
     assert loaded["weight_diff"] == 0.0 and loaded["optimizer_diff"] == 0.0, loaded
     assert loaded["optimizer_tensors"] > 0 and loaded["step"] == loaded["scheduler"] == saved_step
     assert len(set(loaded["seeds"])) == len(loaded["seeds"]), "ranks must sample differently"
     # 1 -> 2 resumes in the middle of a generation batch: its 4 prompts are drawn again, on 2 ranks.
     rewound = 4 if saved_step % 2 else 0
     assert loaded["prompts"]["position"] == loaded["saved_prompts"]["position"] - rewound
-    assert [m["step"] for m in metrics(elastic / name)] == list(range(saved_step + 1, 4))
-    assert (elastic / name / "checkpoint-3" / "COMPLETE").exists()
+    assert [m["step"] for m in metrics(runs / name)] == list(range(saved_step + 1, 4))
+    assert (runs / name / "checkpoint-3" / "COMPLETE").exists()
 
 
 @pytest.mark.slow

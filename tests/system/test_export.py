@@ -5,8 +5,6 @@ same way); Qwen2- and Llama-style models built here, and the shipped SmolLM2 wit
 import copy
 import importlib.util
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -130,9 +128,9 @@ def test_export_says_what_is_wrong_in_one_line(trained, tmp_path, capsys):
     assert main([str(built), "--merged", str(tmp_path / "m2"), "--base", str(root / "base")]) == 0
 
 
-def test_smollm2_exports_with_its_gguf_tokenizer_and_decodes_as_trained(tmp_path):
+def test_smollm2_exports_with_its_gguf_tokenizer_and_decodes_as_trained(tmp_path, capsys):
     """The shipped model: an adapter on SmolLM2 (as a run on `smollm2-135m-instruct` saves it) merged and
-    written as a float32 GGUF whose tokenizer fields are the source GGUF's own, through the command line (the
+    written as a float32 GGUF whose tokenizer fields are the source GGUF's own, through the command's main() (the
     merged folder: the tiny models' tests above)."""
     import gguf
     from peft import LoraConfig, get_peft_model
@@ -155,9 +153,8 @@ def test_smollm2_exports_with_its_gguf_tokenizer_and_decodes_as_trained(tmp_path
     (checkpoint / "grpo_config.json").write_text(json.dumps({"model": "smollm2-135m-instruct"}))
     tokenizer = AutoTokenizer.from_pretrained(folder)
     out = tmp_path / "smol.gguf"
-    done = subprocess.run([sys.executable, "-m", "grpo.export", str(checkpoint), "--gguf", str(out),
-                           "--gguf-type", "f32"], capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
+    # `python -m grpo.export` through its main(), without a start of Python and torch
+    assert main([str(checkpoint), "--gguf", str(out), "--gguf-type", "f32"]) == 0, capsys.readouterr().err
     source, written = (gguf.GGUFReader(str(p)) for p in (packaged_gguf("smollm2-135m-instruct"), out))
     for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.pre", "tokenizer.chat_template"):
         assert written.fields[key].contents() == source.fields[key].contents()

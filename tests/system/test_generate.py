@@ -8,7 +8,7 @@ import sys
 import pytest
 from scripted import chain, scripted_model, scripted_tokenizer
 
-pytestmark = pytest.mark.slow  # a run, an export and two generations in subprocesses
+pytestmark = pytest.mark.slow  # a run in a subprocess, an export and two generations
 PROMPT = "Compute 3*4: "
 RECIPE = """
 from datasets import Dataset
@@ -36,6 +36,16 @@ def run(module: str, *args: str, code: int = 0) -> subprocess.CompletedProcess:
     return done
 
 
+def run_here(main, capfd, *args: str) -> subprocess.CompletedProcess:
+    """`python -m MODULE ARGS` (whose `main` this is) in this process, with what it writes to file descriptors
+    1 and 2: a start of Python and torch costs seconds, and the command line holds nothing but `main`."""
+    capfd.readouterr()
+    code = main(list(args))
+    out, err = capfd.readouterr()
+    assert code == 0, err[-3000:]
+    return subprocess.CompletedProcess(args, code, out, err)
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """The recipe (the scripted model, the inline calculator) and the checkpoint of its one-step run."""
@@ -52,12 +62,14 @@ def trained(tmp_path_factory):
     return recipe, root / "run" / "checkpoint-1"
 
 
-def test_a_checkpoint_completes_a_prompt_with_its_recipes_tools_marked(trained):
+def test_a_checkpoint_completes_a_prompt_with_its_recipes_tools_marked(trained, capfd):
+    from grpo.generate import main
+
     recipe, checkpoint = trained
-    done = run("grpo.generate", "--checkpoint", str(checkpoint), "--recipe", str(recipe), "--prompt", PROMPT)
+    done = run_here(main, capfd, "--checkpoint", str(checkpoint), "--recipe", str(recipe), "--prompt", PROMPT)
     assert done.stdout == "<<3*4=[tool: 12>>]\n", done.stdout
     assert "prompt: the recipe's first 1 message(s) (system)" in done.stderr, done.stderr  # as it was trained
-    alone = run("grpo.generate", f"--checkpoint={checkpoint}", f"--prompt={PROMPT}")  # the settings it saved
+    alone = run_here(main, capfd, f"--checkpoint={checkpoint}", f"--prompt={PROMPT}")  # the settings it saved
     assert alone.stdout == "<<3*4=\n", alone.stdout  # no tools without the recipe, and a line saying so
     notes = [line for line in alone.stderr.splitlines() if line.startswith("note:")]
     assert len(notes) == 1 and "calculate" in notes[0] and "--recipe" in notes[0], alone.stderr
@@ -71,8 +83,10 @@ def test_generate_without_a_model_says_how_to_name_one(capsys):
     assert err.startswith("error: name the model: --checkpoint DIR") and len(err.strip().splitlines()) == 1, err
 
 
-def test_export_of_a_run_that_called_tools_says_that_only_grpo_runs_them(trained, tmp_path):
+def test_export_of_a_run_that_called_tools_says_that_only_grpo_runs_them(trained, tmp_path, capfd):
+    from grpo.export import main
+
     recipe, checkpoint = trained
-    done = run("grpo.export", str(checkpoint), "--merged", str(tmp_path / "merged"))
+    done = run_here(main, capfd, str(checkpoint), "--merged", str(tmp_path / "merged"))
     notes = [line for line in done.stdout.splitlines() if line.startswith("note:")]
     assert len(notes) == 1 and "calculate as <<...=" in notes[0] and "grpo.generate" in notes[0], done.stdout

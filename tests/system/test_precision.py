@@ -2,9 +2,6 @@
 fine-tuning under bf16 autocast with a bf16 reference copy train for real, keep each tensor in the dtype the plan
 names, and give the float32 run's log-probs up to bf16 rounding. Plus the plan itself and the planner's use of it."""
 import dataclasses
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -79,12 +76,15 @@ def test_the_cpus_answer_is_its_flags_unless_GRPO_CPU_BF16_says(monkeypatch):
 
 
 @pytest.mark.parametrize("native", ["0", "1"])
-def test_the_planner_prints_the_plan_of_this_cpu(native):
+def test_the_planner_prints_the_plan_of_this_cpu(native, monkeypatch, capfd):
+    from grpo.plan import main
+
     recipe = Path(__file__).resolve().parents[2] / "recipes" / "tiny.py"
-    out = subprocess.run([sys.executable, "-m", "grpo.plan", str(recipe), "--device=cpu"], capture_output=True,
-                         text=True, env={**os.environ, ENV: native}, timeout=120)
-    assert out.returncode == 0, out.stderr
-    said = [line for line in out.stdout.splitlines() if line.startswith("precision:")]
+    monkeypatch.setenv(ENV, native)
+    code = main([str(recipe), "--device=cpu"])  # `python -m grpo.plan`, without a start of Python and torch
+    out, err = capfd.readouterr()
+    assert code == 0, err
+    said = [line for line in out.splitlines() if line.startswith("precision:")]
     assert said == [Precision.plan(None, True, "cpu", cpu=CpuBf16(native == "1", f"{ENV}={native}")).statement]
 
 

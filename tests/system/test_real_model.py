@@ -22,7 +22,9 @@ def test_word_problems_recipe_runs_on_the_packaged_model(tmp_path, monkeypatch):
     torch.set_num_threads(1)
     out = tmp_path / "run"
     recipe = str(Path(__file__).resolve().parents[2] / "recipes" / "word_problems.py")
+    # One prompt's 2 completions a step (the recipe's step, 8 prompts, costs a minute of CPU time in training alone)
     code = main([recipe, f"--output_dir={out}", "--max_steps=1", "--num_generations=2",
+                 "--per_device_train_batch_size=2", "--gradient_accumulation_steps=1",
                  "--max_completion_length=8", "--eval_limit=2", "--eval_steps=1", "--eval_on_start=false"])
     assert code in (0, None)
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
