@@ -16,6 +16,8 @@ The runs (each `python -m grpo.train` with PYTHONPATH and cwd the tree, so its g
   arithmetic  recipes/arithmetic_tiny.py as it is (warm start, 60 steps, greedy eval every 10 steps)
   async       the lora run with async_generation=True (a sampler process one step ahead, max_staleness 1)
   ranks2      the full run on 2 ranks (torchrun, gloo; DDP), each rank half of each step's prompts
+  server      benchmarks/server_recipe.py: sampled by a real vLLM server (GRPO_VLLM_URL, GRPO_VLLM_MODEL; skipped
+              without them), LoRA, 8 steps
 `--runs` picks some of them (default: all); `compare` compares the runs both folders hold.
 Every process runs on one thread (OMP/MKL): float sums depend on the thread count, so both sides must
 share it. Exit status of `compare`: 0 when every run is identical, 1 otherwise.
@@ -40,7 +42,9 @@ RUNS = {
     "async": ["recipes/tiny.py", *TINY, "--use_lora=true", "--num_iterations=2", "--optim=adamw_8bit",
               "--async_generation=true"],
     "ranks2": ["recipes/tiny.py", *TINY, "--use_lora=false", "--per_device_train_batch_size=8"],
+    "server": [str(Path(__file__).resolve().parent / "server_recipe.py"), *TINY],
 }
+NEEDS = {"server": ("GRPO_VLLM_URL", "GRPO_VLLM_MODEL")}  # a run skipped without these in the environment
 LAUNCH = {"ranks2": ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]}  # else one process
 IGNORED = ("perf/", "memory/")
 CLOCKS = {"eval/seconds", "step_time", "async/wait_s"}  # wall-clock values outside perf/ (step_time: TRL's name)
@@ -59,6 +63,12 @@ def run(tree: Path, out: Path, fixed: bool = False, names: list[str] | None = No
     out.mkdir(parents=True, exist_ok=True)
     timings = {}
     for name in names or RUNS:
+        if not all(os.environ.get(key) for key in NEEDS.get(name, ())):
+            print(f"{name}: skipped, set {' and '.join(NEEDS[name])}", flush=True)
+            continue
+        if fixed and name == "server":
+            print(f"{name}: skipped with --fixed (the server samples)", flush=True)
+            continue
         recipe, *args = RUNS[name]
         if fixed:
             env["GRPO_BASE_RECIPE"], recipe = recipe, str(FIXED)
