@@ -31,7 +31,7 @@ def merge(checkpoint: Path, out: Path) -> None:
     from grpo.settings.recipe import load_recipe
 
     recipe = load_recipe(str(ROOT / "recipes" / "word_problems.py"))
-    model, tokenizer = load_checkpoint(checkpoint, recipe, recipe.config)
+    model, tokenizer = load_checkpoint(checkpoint, lambda: recipe.resolve_model(recipe.config), recipe.config)
     model.merge_and_unload().save_pretrained(out)
     tokenizer.save_pretrained(out)
 
