@@ -83,20 +83,17 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(f"{USAGE}\n\n{OPTIONS}" if argv else USAGE)
         return 0 if argv else 2
-    from .eval import load_checkpoint, split_options
+    from .eval import load_model_of
     from .export import saved_setting
     from .infra.progress import quiet_library_bars
-    from .policy.models import load_model, load_tokenizer
+    from .settings.cli import split_options
     from .settings.components import EvalSettings
 
     with command_line(), quiet_library_bars():  # hints as --key=value; transformers' loading bars, in a log file
         try:
             own, overrides = split_options(argv, OWN_OPTIONS)
             checkpoint, config, base_model, tools, before = setup(own, overrides)
-            model, tokenizer = (load_checkpoint(checkpoint, base_model, config) if checkpoint is not None
-                                else base_model())
-            model = model if model is not None else load_model(config)
-            tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model)
+            model, tokenizer = load_model_of(checkpoint, base_model, config)
             used = saved_setting(checkpoint, "tools") if checkpoint is not None and tools is None else None
             if used:
                 print(f"note: the run called tools ({', '.join(used)}), which run here only with its recipe: "
