@@ -1,8 +1,6 @@
 """`python -m grpo.export CHECKPOINT [--merged DIR] [--gguf FILE [--gguf-type TYPE]] [--base MODEL]`: the trained
-model out of grpo, for transformers, vLLM, llama.cpp, Ollama or LM Studio (OPTIONS). CHECKPOINT is a
-checkpoint-STEP folder or a folder Trainer.save_model wrote. The README of `--merged` names the base by its
-portable name (the hub id, never a path of this machine); the tokenizer of `--gguf` (policy/gguf_export.py) is
-the source GGUF's own when the model came from one."""
+model out of grpo, for transformers, vLLM, llama.cpp, Ollama or LM Studio (OPTIONS; docs/inference-engines.md).
+CHECKPOINT is a checkpoint-STEP folder or a folder Trainer.save_model wrote."""
 from __future__ import annotations
 
 import json

@@ -1,11 +1,6 @@
 """`python -m grpo.generate --checkpoint DIR --prompt TEXT [--recipe RECIPE] [--key=value ...]`: one greedy
-completion of a trained model for a prompt, decoded as grpo.eval decodes, printed with what the tools wrote
-marked `[tool: ...]`.
-
-The model and settings are grpo.eval's (OPTIONS); without a recipe no tools run (they are functions a checkpoint
-cannot hold: a line says so when the run used some). The prompt is one user message under the tokenizer's chat
-template (plain text without one), after the messages the recipe's prompts put before theirs, as the model was
-trained."""
+completion of a trained model for a prompt, with grpo.eval's model and settings (OPTIONS;
+docs/recipes-and-settings.md, "Trying a checkpoint on a prompt")."""
 from __future__ import annotations
 
 import sys

@@ -69,12 +69,9 @@ def panels(lines: list[dict]) -> list[tuple[str, str, str, list[str], bool]]:
         ("eval_breakdown.png", f"held-out greedy pass@1 by {by[0][5:].partition('=')[0] if by else ''}",
          "share of prompts", by, False),
     ]
-    out = []
-    for name, title, ylabel, keys, smoothed in found:
-        keys = [k for k in keys if worth_drawing(lines, k)]
-        if keys:
-            out.append((name, title, ylabel, keys, smoothed))
-    return out
+    drawn = [(name, title, ylabel, [k for k in keys if worth_drawing(lines, k)], smoothed)
+             for name, title, ylabel, keys, smoothed in found]
+    return [panel for panel in drawn if panel[3]]
 
 
 def worth_drawing(lines: list[dict], key: str) -> bool:

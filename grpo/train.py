@@ -28,29 +28,25 @@ def main(argv: list[str] | None = None) -> int:
               f"{format_help(Config())}")
         return 0
     with command_line():  # every message's hint names settings as --key=value
-        return _main(argv)
+        try:
+            from .infra.progress import quiet_library_bars
+            from .settings.cli import BUILT_MODEL, format_help
+            from .settings.recipe import load_with_overrides
 
-
-def _main(argv: list[str]) -> int:
-    try:
-        from .infra.progress import quiet_library_bars
-        from .settings.cli import BUILT_MODEL, format_help
-        from .settings.recipe import load_with_overrides
-
-        recipe_path, overrides = argv[0], argv[1:]
-        recipe, config = load_with_overrides(recipe_path, [a for a in overrides if a not in ("-h", "--help")])
-        if any(a in ("-h", "--help") for a in overrides):
-            unused = BUILT_MODEL if recipe.build_model else None
-            print(f"{USAGE}\n\nsettings of {recipe_path}:\n{format_help(config, unused)}")
-            return 0
-        with quiet_library_bars():  # transformers' loading and saving bars, in a log file
-            return run(recipe, config, argv)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return e.exit_code
-    except KeyboardInterrupt:  # Ctrl-C while loading, before training could save anything
-        print("interrupted before training started", file=sys.stderr)
-        return 130
+            recipe_path, overrides = argv[0], argv[1:]
+            recipe, config = load_with_overrides(recipe_path, [a for a in overrides if a not in ("-h", "--help")])
+            if any(a in ("-h", "--help") for a in overrides):
+                unused = BUILT_MODEL if recipe.build_model else None
+                print(f"{USAGE}\n\nsettings of {recipe_path}:\n{format_help(config, unused)}")
+                return 0
+            with quiet_library_bars():  # transformers' loading and saving bars, in a log file
+                return run(recipe, config, argv)
+        except UserError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return e.exit_code
+        except KeyboardInterrupt:  # Ctrl-C while loading, before training could save anything
+            print("interrupted before training started", file=sys.stderr)
+            return 130
 
 
 def run(recipe, config, argv: list[str]) -> int:

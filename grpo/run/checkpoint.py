@@ -1,10 +1,6 @@
-"""Checkpoints hold everything a run needs to continue exactly where it stopped: the weights (the LoRA
-adapter alone under peft), and in `trainer_state.pt` the optimizer, the schedule, the RNG states, the data
-position and the step. Each is written into a temporary folder, fsynced, and renamed into place with a
-completion marker, so a crash mid-save never leaves a checkpoint that looks complete. A checkpoint damaged after
-its save (a full disk, a node lost mid-write, a flipped bit) is recognised before anything is loaded (`damage`),
-and `latest` passes over it. A checkpoint the output folder cannot take (read-only, full, deleted mid-run) is
-written into a rescue folder instead (`save_or_rescue`)."""
+"""Checkpoints, which hold everything a run needs to continue exactly where it stopped: written whole or not at
+all (`save_checkpoint`), into a rescue folder when the output folder cannot take them (`save_or_rescue`), and
+recognised as damaged before anything loads (`damage`); docs/checkpoints-and-failures.md says what each holds."""
 from __future__ import annotations
 
 import hashlib
@@ -219,8 +215,8 @@ def damage(checkpoint: Path, weights_only: bool = False) -> str | None:
         try:
             zipfile.ZipFile(checkpoint / STATE).close()
         except (zipfile.BadZipFile, OSError):
-            size = _bytes(checkpoint / STATE)
-            return f"{STATE} is cut short or damaged ({size}, no zip directory at its end)"
+            size = (checkpoint / STATE).stat().st_size
+            return f"{STATE} is cut short or damaged ({size:,} bytes, no zip directory at its end)"
     return _checksum_damage(checkpoint, weights_only)
 
 
@@ -249,7 +245,7 @@ def _safetensors_damage(path: Path) -> str | None:
         head = f.read(8)
         header_size = int.from_bytes(head, "little") if len(head) == 8 else size
         if 8 + header_size > size:
-            return f"is cut short ({_bytes(path)}, not even its header)"
+            return f"is cut short ({size:,} bytes, not even its header)"
         try:
             header = json.loads(f.read(header_size))
             end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
@@ -260,10 +256,6 @@ def _safetensors_damage(path: Path) -> str | None:
         how = "cut short" if size < expected else "too long"
         return f"is {how} ({size:,} bytes, its header says {expected:,})"
     return None
-
-
-def _bytes(path: Path) -> str:
-    return f"{path.stat().st_size:,} bytes"
 
 
 def check_model_folder(path: Path, option: str) -> None:

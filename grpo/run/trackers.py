@@ -1,7 +1,5 @@
-"""Experiment trackers (`report_to`): TensorBoard, Trackio and W&B receive the run's config at start, every
-metrics.jsonl line at its step and, with `log_completions`, a sample of completions, which the console prints
-too. Each tracker is imported only when named; under torchrun rank 0 alone reports. A resumed run continues the
-same tracker run (output_dir/trackers.json) without writing a step twice."""
+"""Experiment trackers (`report_to`: TensorBoard, Trackio, W&B, each imported only when named; rank 0 alone
+reports) and the console's sample of completions (docs/recipes-and-settings.md, "Watching a run")."""
 from __future__ import annotations
 
 import importlib.util

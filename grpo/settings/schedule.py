@@ -1,10 +1,6 @@
-"""The batch schedule: how many prompts a generation batch draws, how many micro-batches it is cut into, how
-many optimizer steps it feeds, and how many completions one optimizer step takes over all ranks, resolved once
-from a Config and the number of ranks, as TRL 1.16's GRPOConfig resolves them. The trainer, the sampler, the
-prompt stream, the memory planner and elastic resume all read it from here.
-
-Words, each with one meaning: a *micro-batch* is `per_device_train_batch_size` completions on one rank, one
-forward and backward; an *optimizer step* accumulates `gradient_accumulation_steps` micro-batches; a
+"""The batch schedule, resolved once from a Config and the number of ranks as TRL 1.16's GRPOConfig resolves it
+(docs/recipes-and-settings.md, "The batch schedule"): a *micro-batch* is `per_device_train_batch_size` completions
+on one rank, one forward and backward; an *optimizer step* accumulates `gradient_accumulation_steps` of them; a
 *generation batch* is what one round of sampling draws, scored (advantages) as a whole."""
 from __future__ import annotations
 
