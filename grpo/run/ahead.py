@@ -11,7 +11,6 @@ import signal
 import time
 import traceback
 import dataclasses
-from dataclasses import dataclass
 
 import torch
 
@@ -26,7 +25,7 @@ class SamplerDied(TrainingStopped):
     """The sampler process ended without answering."""
 
 
-@dataclass
+@dataclasses.dataclass
 class Sampled:
     """A generation batch from the sampler, trained on from optimizer step `step`, sampled with the weights after
     `version` steps; the prompt stream's position and torch's RNG state after it (a waited-for batch's)."""

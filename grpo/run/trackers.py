@@ -109,8 +109,7 @@ class WandB:
             self.run.log(metrics, step=step)
 
     def log_completions(self, step: int, rows: list[dict]) -> None:
-        if step >= self.next_step:
-            self.run.log({"completions": self.wandb.Table(*_table(rows))}, step=step)
+        self.log(step, {"completions": self.wandb.Table(*_table(rows))})
 
     def finish(self, failed: bool) -> None:
         self.run.finish(exit_code=1 if failed else 0)

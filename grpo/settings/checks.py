@@ -81,7 +81,6 @@ RULES: dict[str, tuple[typing.Callable, str]] = {
                   f'"none" or one or more (a list, or comma-separated) of {", ".join(TRACKERS)}'),
     "num_completions_to_print": (lambda v: v >= 1, ">= 1, or None for all of them"),
     "eval_strategy": (lambda v: v in EVAL_STRATEGIES, f"one of {', '.join(EVAL_STRATEGIES)}"),
-    # transformers reads 0 as None: refused here, where 0 used to mean "never" (eval_strategy="no" says that now).
     "eval_steps": (lambda v: v >= 1, ">= 1, or None for logging_steps (eval_strategy=\"no\" evaluates never)"),
     "eval_limit": (lambda v: v >= 1, ">= 1, or None to evaluate every prompt"),
     "per_device_eval_batch_size": (lambda v: v >= 1, ">= 1, or None for as many as the memory plan fits"),

@@ -26,9 +26,8 @@ class Config(metaclass=CheckedKeywords):
     {"attn_implementation": "sdpa"}. "dtype" (or "torch_dtype"): "bfloat16" is bf16=True, "float32" bf16=False,
     "auto" leaves it to `bf16`. "quantization_config" and "device_map" are the trainer's (load_in_4bit)."""
     bf16_weights: bool = False
-    """Full fine-tuning keeps bf16 weights and gradients (half of float32's memory, CUDA or CPU); each update is
-    computed in float32 and written back with stochastic rounding, so updates far below bf16's precision still
-    add up on average. Not TRL's (it has no such option); needs use_lora=false."""
+    """Full fine-tuning keeps bf16 weights and gradients, updated with stochastic rounding (not TRL's; needs
+    use_lora=false; docs/memory-planner.md, "bf16 weights")."""
 
     # --- optimisation ---
     learning_rate: float = 1e-6
@@ -274,8 +273,7 @@ class Config(metaclass=CheckedKeywords):
     is none yet; True (transformers'): the newest one, an error when there is none; False or None: a fresh run."""
     report_to: str | list[str] = "none"
     """Trackers that also receive the config, every metrics.jsonl line and completion samples: "tensorboard",
-    "trackio", "wandb", several (a list or comma-separated), or "none". TRL's default too: offline-first,
-    nothing is sent anywhere unless asked (W&B stays offline unless logged in)."""
+    "trackio", "wandb", several (a list or comma-separated), or "none" (docs/recipes-and-settings.md)."""
     log_completions: bool = False
     """Every logging step, print a sample of completions with their rewards and advantages (with rich when
     installed) and log it as a table to the trackers of `report_to`."""

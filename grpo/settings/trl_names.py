@@ -36,8 +36,17 @@ TRL_ONLY = frozenset("""
 _GENERATION = "sampling runs on the policy itself (KV-cached decoding in grpo.rollout)"
 _SERVER = "vllm_mode=\"server\" only: set it when you start the server (.ci/vllm_venv.sh, docs/inference-engines.md)"
 _LOGGING = "metrics.jsonl and completions.jsonl in output_dir are the logs (python -m grpo.plot draws them)"
+_DDP = "DDP is set up by the trainer under torchrun with its defaults (infra/distributed.py)"
+_COMPILE = "torch.compile is not used: the step is eager PyTorch"
+_BEST = "no best-checkpoint tracking: each checkpoint is kept by save_total_limit, newest first"
+_SFT = "a supervised-training setting: GRPO's loss is the policy loss on sampled completions"
+_EVAL_LOOP = ("evaluation is our own greedy decode over eval_dataset (per_device_eval_batch_size, eval_limit), not "
+              "transformers' evaluation loop")
+_TRACKIO_HUB = "report_to=trackio logs to the local Trackio store only (TRACKIO_DIR); no Space or bucket"
+_NO_DATALOADER = "prompts are drawn in the trainer's own process: there is no DataLoader"
 
-# Why, or what to use instead, for the settings a TRL user is most likely to bring; others get a generic line.
+# Why a setting of TRL_ONLY is refused, or what to use instead (in the one line a refusal prints); one without an
+# entry gets a generic line.
 TRL_REASONS = {
     **{k: _GENERATION for k in TRL_ONLY if "continuous_batching" in k},
     **{k: _SERVER for k in TRL_ONLY if k.startswith("vllm_")},
@@ -51,18 +60,6 @@ TRL_REASONS = {
     "fp16": "bf16 (CUDA) or float32 only",
     "push_to_hub": "checkpoints are written to output_dir only",
     "ddp_find_unused_parameters": "every trainable parameter gets a gradient each step here (DDP's default)",
-}
-
-_DDP = "DDP is set up by the trainer under torchrun with its defaults (infra/distributed.py)"
-_COMPILE = "torch.compile is not used: the step is eager PyTorch"
-_BEST = "no best-checkpoint tracking: each checkpoint is kept by save_total_limit, newest first"
-_SFT = "a supervised-training setting: GRPO's loss is the policy loss on sampled completions"
-_EVAL_LOOP = ("evaluation is our own greedy decode over eval_dataset (per_device_eval_batch_size, eval_limit), not "
-              "transformers' evaluation loop")
-_TRACKIO_HUB = "report_to=trackio logs to the local Trackio store only (TRACKIO_DIR); no Space or bucket"
-_NO_DATALOADER = "prompts are drawn in the trainer's own process: there is no DataLoader"
-# Why the rest are refused, by kind (each said in the one line a refusal prints).
-TRL_REASONS.update({
     **dict.fromkeys(("ddp_broadcast_buffers", "ddp_bucket_cap_mb", "ddp_static_graph", "ddp_timeout",
                      "local_rank", "average_tokens_across_devices"), _DDP),
     **dict.fromkeys(("torch_compile", "torch_compile_backend", "torch_compile_mode", "enable_jit_checkpoint"),
@@ -97,7 +94,7 @@ TRL_REASONS.update({
     "torch_empty_cache_steps": "torch.cuda.empty_cache() is not called on a schedule here",
     "trust_remote_code": 'set it through model_init_kwargs={"trust_remote_code": true}',
     "use_cache": "decoding here always uses its own KV cache, training forwards never",
-})
+}
 
 # Our own settings that were renamed to TRL's: what to write now.
 RENAMED = {

@@ -57,9 +57,7 @@ def _value(node) -> float | int:
 
 def number_text(value: float | int) -> str:
     """`value` as a person writes it: whole numbers without `.0`, others to 12 significant digits."""
-    if float(value).is_integer():
-        return str(int(value))
-    return f"{value:.12g}"
+    return str(int(value)) if float(value).is_integer() else f"{value:.12g}"
 
 
 INLINE_CALCULATOR = InlineTool(open="<<", trigger="=", close=">>", fn=calculate)
