@@ -1,7 +1,5 @@
-"""`python -m grpo.eval`: greedy pass@1 of a model on a recipe's `eval_dataset` (OPTIONS says what it takes, prints
-and writes). Without --checkpoint it evaluates the model the recipe starts from (for a recipe with a warm start,
-the model right after it). A run made from Python has no recipe: `python -m grpo.eval --checkpoint DIR
---eval_dataset DATA --reward_funcs module.f[,module.g]` takes the settings the run saved in DIR."""
+"""`python -m grpo.eval`: greedy pass@1 of a model on a recipe's `eval_dataset`, or of a run made from Python (no
+recipe: the settings it saved in its checkpoint) on a dataset named on the command line (USAGE, OPTIONS)."""
 from __future__ import annotations
 
 import dataclasses

@@ -33,25 +33,15 @@ def moving_average(values: list[float], window: int) -> list[float]:
     return out
 
 
-def reward_keys(lines: list[dict]) -> list[str]:
-    """`reward` first, then each reward function's mean (`rewards/<f>/mean`)."""
-    keys = {k for line in lines for k in line if k.startswith("rewards/") and k.endswith("/mean")}
-    return ["reward"] + sorted(keys)
-
-
-def breakdown_keys(lines: list[dict]) -> list[str]:
-    """The `eval/<column>=<value>/accuracy` and `.../free_accuracy` keys, in the order the run logged them."""
-    ends = ("/accuracy", "/free_accuracy")
-    return list(dict.fromkeys(k for line in lines for k in line
-                              if k.startswith("eval/") and "=" in k and k.endswith(ends)))
-
-
 def panels(lines: list[dict]) -> list[tuple[str, str, str, list[str], bool]]:
     """(file name, title, y label, keys, smoothed) of each panel this run has data for; each becomes one
     PNG and one panel of curves.png."""
-    by = breakdown_keys(lines)
+    logged = list(dict.fromkeys(k for line in lines for k in line))  # in the order the run logged them
+    rewards = sorted(k for k in logged if k.startswith("rewards/") and k.endswith("/mean"))  # each function's mean
+    by = [k for k in logged if k.startswith("eval/") and "=" in k  # eval/<column>=<value>/accuracy, free_accuracy
+          and k.endswith(("/accuracy", "/free_accuracy"))]
     found = [
-        ("reward.png", "reward (training samples)", "reward", reward_keys(lines), True),
+        ("reward.png", "reward (training samples)", "reward", ["reward", *rewards], True),
         ("kl.png", "KL to the reference", "k3 KL", ["kl"], True),
         ("completion_length.png", "completion length", "tokens", ["completions/mean_length", "eval/length_mean"], True),
         ("loss.png", "loss", "loss", ["loss", "loss/policy"], True),

@@ -1,8 +1,6 @@
 """`python -m grpo.train RECIPE [--key=value ...]`: run a recipe file, with type-checked overrides (`--help`: every
-setting with its value in that recipe); under `torchrun --nproc_per_node=N`, data-parallel on N GPUs (or CPU
-processes). Mistakes in the recipe, the settings, the data or a reward function print one short `error:` message
-and exit 1 (2 for settings); Ctrl-C / SIGTERM save a checkpoint and exit 130 / 143; running out of GPU memory
-prints what to lower."""
+setting with its value in that recipe), under torchrun data-parallel. A mistake prints one `error:` line and exits 1
+(2 for settings); a signal saves a checkpoint (docs/checkpoints-and-failures.md)."""
 from __future__ import annotations
 
 import os

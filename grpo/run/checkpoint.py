@@ -61,16 +61,10 @@ def save_checkpoint(output_dir: str, step: int, model, tokenizer, config_dict: d
     return final
 
 
-def rescue_folders(output_dir: str) -> list[Path]:
-    """Where a checkpoint goes when `output_dir` cannot take it, in the order tried: a folder beside it (a
-    folder turned read-only), then one in the temporary folder (`TMPDIR`; a full disk)."""
-    root = Path(output_dir).absolute()
-    return [root.with_name(f"{root.name}.rescue"), Path(tempfile.gettempdir()) / f"grpo-rescue-{root.name}"]
-
-
 def save_or_rescue(output_dir: str, step: int, *args, **kwargs) -> tuple[Path | None, str | None]:
-    """`save_checkpoint` into `output_dir`, or when that fails into the first of `rescue_folders` that takes it:
-    (the checkpoint written or None, None or the line that says what happened and where the state went)."""
+    """`save_checkpoint` into `output_dir`, or when that fails into the first rescue folder that takes it (one
+    beside it, for a folder turned read-only; then one in TMPDIR, for a full disk): (the checkpoint written or
+    None, None or the line that says what happened and where the state went)."""
     gone = not Path(output_dir).is_dir()  # made again, it would hold the run's last checkpoint without the rest
     if gone:
         cause = "it was deleted while the run was going"
@@ -83,7 +77,8 @@ def save_or_rescue(output_dir: str, step: int, *args, **kwargs) -> tuple[Path | 
     failed = f"checkpoint-{step} cannot be written into {output_dir} ({cause})"
     unwritable = f"make {output_dir} writable (or free space)"
     fix = "" if gone else f"{unwritable}, then "
-    for rescue in rescue_folders(output_dir):
+    root = Path(output_dir).absolute()
+    for rescue in (root.with_name(f"{root.name}.rescue"), Path(tempfile.gettempdir()) / f"grpo-rescue-{root.name}"):
         try:
             path = save_checkpoint(str(rescue), step, *args, **kwargs)
         except Exception as error:  # noqa: BLE001 -- as above; the next folder is tried

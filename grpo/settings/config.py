@@ -308,9 +308,8 @@ class Config(metaclass=CheckedKeywords):
     """Reward function (by name) whose full marks count an eval completion as well-formatted, `eval/format` (None:
     skip); the GSM8K recipes name "xml_format_reward"."""
     eval_free_accuracy_func: str | None = None
-    """Function whose full marks count an eval completion correct whatever its format (`eval/free_accuracy`):
-    a reward function (by name) or an importable `module.function` with their contract, e.g. GSM8K's
-    "grpo.tasks.gsm8k.last_number_accuracy" (the completion's last number against `answer`); None: skip."""
+    """Function whose full marks count an eval completion correct whatever its format, `eval/free_accuracy` (None:
+    skip): a reward function (by name) or an importable module.function, e.g. grpo.tasks.gsm8k.last_number_accuracy."""
     eval_breakdown_column: str | None = None
     """Eval dataset column whose values each get their own eval metrics, `eval/<column>=<value>/*` (None)."""
 

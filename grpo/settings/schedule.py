@@ -23,9 +23,7 @@ class Schedule:
     def resolve(cls, config, world_size: int = 1) -> Schedule:
         """The schedule of `config` (a Config, or anything with its batch fields) on `world_size` ranks: the
         micro-batches per generation batch from `steps_per_generation`, else from `generation_batch_size`
-        (completions over all ranks), else `gradient_accumulation_steps`. Stricter than TRL in two ways, each a
-        ConfigError: a generation batch feeds whole optimizer steps (a multiple of the accumulation), and each
-        rank's share holds whole prompt groups (our ranks sample their own prompts; TRL may split a group)."""
+        (completions over all ranks), else `gradient_accumulation_steps`; stricter than TRL where the errors say."""
         per_device, accumulation = config.per_device_train_batch_size, config.gradient_accumulation_steps
         steps, generation_batch_size = config.steps_per_generation, config.generation_batch_size
         G = config.num_generations

@@ -83,8 +83,6 @@ def model_for(tokenizer, build=tiny_qwen2, **kwargs):
     """A tiny model (`build`: `tiny_qwen2` or `tiny_gpt2`) sized to `tokenizer`, with its pad/eos ids
     written into the model config."""
     model = build(len(tokenizer), **kwargs)
-    model.config.pad_token_id = tokenizer.pad_token_id
-    model.config.eos_token_id = tokenizer.eos_token_id
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    for config in (model.config, model.generation_config):
+        config.pad_token_id, config.eos_token_id = tokenizer.pad_token_id, tokenizer.eos_token_id
     return model
