@@ -70,11 +70,10 @@ EXAMPLE_ANSWER = "<reasoning>\n12 + 7 = 19\n19 - 5 = 14\n</reasoning>\n<answer>\
 EXAMPLE_KEY = (8, (12, 7, 5))
 
 
-def make_problem(rng: random.Random, template: int | None = None, two_step_share: float = 0.3) -> Problem:
+def make_problem(rng: random.Random, two_step_share: float = 0.3) -> Problem:
     """One random problem; two-operation templates are drawn with probability `two_step_share`."""
-    if template is None:
-        ops = 2 if rng.random() < two_step_share else 1
-        template = rng.choice([k for k, t in enumerate(TEMPLATES) if t[0] == ops])
+    ops = 2 if rng.random() < two_step_share else 1
+    template = rng.choice([k for k, t in enumerate(TEMPLATES) if t[0] == ops])
     operations, draw, text, answer = TEMPLATES[template]
     numbers = tuple(draw(rng))
     name, item = rng.choice(NAMES), rng.choice(ITEMS)
