@@ -48,9 +48,7 @@ def context(recipe) -> list[dict]:
 
     which = "eval_dataset" if recipe.eval_dataset is not None else "train_dataset"
     first = resolve_dataset(getattr(recipe, which), which)[0]["prompt"]
-    if not isinstance(first, list) or not first or first[-1].get("role") != "user":
-        return []
-    return list(first[:-1])
+    return list(first[:-1]) if isinstance(first, list) and first and first[-1].get("role") == "user" else []
 
 
 def completion(model, tokenizer, text: str, settings, tools=None, before=()) -> tuple[str, bool]:
