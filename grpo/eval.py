@@ -1,7 +1,5 @@
-"""`python -m grpo.eval`: greedy pass@1 of a model on a recipe's `eval_dataset` (OPTIONS says what it takes, prints
-and writes). Without --checkpoint it evaluates the model the recipe starts from (for a recipe with a warm start,
-the model right after it). A run made from Python has no recipe: `python -m grpo.eval --checkpoint DIR
---eval_dataset DATA --reward_funcs module.f[,module.g]` takes the settings the run saved in DIR."""
+"""`python -m grpo.eval`: greedy pass@1 of a model on a recipe's `eval_dataset`, or of a run made from Python (no
+recipe: the settings it saved in its checkpoint) on a dataset named on the command line (USAGE, OPTIONS)."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,6 +8,7 @@ import sys
 from pathlib import Path
 
 from .errors import ConfigError, UserError, command_line
+from .settings.cli import split_options
 
 USAGE = ("usage: python -m grpo.eval RECIPE [--checkpoint DIR] [--limit N] [--output FILE] [--key=value ...] "
          "[--help]\n   or: python -m grpo.eval --checkpoint DIR --eval_dataset DATA --reward_funcs module.f[,...] "
@@ -32,23 +31,6 @@ Without a recipe (a run made from Python), the settings are those the run saved 
                         current folder is importable: train.accuracy for a function in ./train.py)"""
 OWN_OPTIONS = ("checkpoint", "limit", "output")
 RUN_OPTIONS = (*OWN_OPTIONS, "eval_dataset", "reward_funcs")
-
-
-def split_options(args: list[str], names: tuple[str, ...] = OWN_OPTIONS) -> tuple[dict[str, str], list[str]]:
-    """This command's own options (`--name=value` or `--name value`) apart from Config overrides."""
-    own, rest, i = {}, [], 0
-    while i < len(args):
-        key, has_value, value = args[i][2:].partition("=") if args[i].startswith("--") else ("", False, "")
-        if key in names:
-            if not has_value:
-                if i + 1 == len(args):
-                    raise ConfigError(f"--{key} needs a value")
-                value, i = args[i + 1], i + 1
-            own[key] = value
-        else:
-            rest.append(args[i])
-        i += 1
-    return own, rest
 
 
 @dataclasses.dataclass
@@ -90,6 +72,15 @@ def load_checkpoint(path: Path, base_model, config):
     return model, tokenizer if tokenizer is not None else load_tokenizer(config.model)
 
 
+def load_model_of(checkpoint: Path | None, base_model, config):
+    """(model, tokenizer) of `checkpoint` (`load_checkpoint`), else `base_model()`'s, else config.model's."""
+    from .policy.models import load_model, load_tokenizer
+
+    model, tokenizer = load_checkpoint(checkpoint, base_model, config) if checkpoint is not None else base_model()
+    return (model if model is not None else load_model(config),
+            tokenizer if tokenizer is not None else load_tokenizer(config.model))
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
@@ -102,9 +93,7 @@ def main(argv: list[str] | None = None) -> int:
             job = run_job(argv) if argv[0].startswith("--") else recipe_job(argv)
             if job is None:  # --help was printed
                 return 0
-            model, tokenizer = (load_checkpoint(job.checkpoint, job.base_model, job.config)
-                                if job.checkpoint is not None else job.base_model())
-            return evaluate_job(job, model, tokenizer)
+            return evaluate_job(job, *load_model_of(job.checkpoint, job.base_model, job.config))
         except UserError as e:  # a bad input found while evaluating too (a prompt longer than the model's context)
             print(f"error: {e}", file=sys.stderr)
             return e.exit_code
@@ -133,7 +122,7 @@ def recipe_job(argv: list[str]) -> Job | None:
     from .settings.cli import BUILT_MODEL, format_help
     from .settings.recipe import load_with_overrides, resolve_dataset
 
-    own, overrides = split_options([a for a in argv[1:] if a not in ("-h", "--help")])
+    own, overrides = split_options([a for a in argv[1:] if a not in ("-h", "--help")], OWN_OPTIONS)
     limit = _limit(own)
     recipe, config = load_with_overrides(argv[0], overrides)
     if any(a in ("-h", "--help") for a in argv[1:]):
@@ -183,6 +172,7 @@ def run_settings(checkpoint: Path, overrides: list[str]):
     """(Config, base_model) of a run made from Python: the settings it saved in `checkpoint` with `overrides`
     (--key=value), and `() -> (model, None)` loading the base model of its LoRA adapter
     (policy/sources.checkpoint_base; --model names another)."""
+    from .policy.models import load_model
     from .policy.sources import checkpoint_base
     from .run.checkpoint import saved_config
     from .settings.cli import apply_overrides, config_of_record
@@ -194,14 +184,7 @@ def run_settings(checkpoint: Path, overrides: list[str]):
     config = apply_overrides(config_of_record(saved), overrides)
     lora = (checkpoint / "adapter_config.json").exists() and config.model == saved.get("model")
     base = checkpoint_base(checkpoint, "--model") if lora else None
-    return config, lambda: (_base_model(config, base), None)
-
-
-def _base_model(config, name: str | None):
-    """The base model a LoRA checkpoint names (the run's `model` setting when it names none)."""
-    from .policy.models import load_model
-
-    return load_model(dataclasses.replace(config, model=name) if name else config)
+    return config, lambda: (load_model(dataclasses.replace(config, model=base) if base else config), None)
 
 
 def read_dataset(text: str):
@@ -225,14 +208,12 @@ def read_dataset(text: str):
 
 def evaluate_job(job: Job, model, tokenizer) -> int:
     from .memory.fit import eval_batch_size
-    from .policy.models import device_of, load_model, load_tokenizer
+    from .policy.models import device_of
     from .rollout.engines.sampling import prompt_encoder
     from .rollout.evaluate import evaluate, summary_lines
     from .rollout.reward_models import place_reward_models
     from .settings.components import EvalSettings
 
-    model = model if model is not None else load_model(job.config)
-    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(job.config.model)
     place_reward_models(job.reward_funcs, device_of(model))
     batch_size = eval_batch_size(job.config, model, device_of(model).type)
     settings = EvalSettings.of(job.config)

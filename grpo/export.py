@@ -1,8 +1,6 @@
 """`python -m grpo.export CHECKPOINT [--merged DIR] [--gguf FILE [--gguf-type TYPE]] [--base MODEL]`: the trained
-model out of grpo, for transformers, vLLM, llama.cpp, Ollama or LM Studio (OPTIONS). CHECKPOINT is a
-checkpoint-STEP folder or a folder Trainer.save_model wrote. The README of `--merged` names the base by its
-portable name (the hub id, never a path of this machine); the tokenizer of `--gguf` (policy/gguf_export.py) is
-the source GGUF's own when the model came from one."""
+model out of grpo, for transformers, vLLM, llama.cpp, Ollama or LM Studio (OPTIONS; docs/inference-engines.md).
+CHECKPOINT is a checkpoint-STEP folder or a folder Trainer.save_model wrote."""
 from __future__ import annotations
 
 import json
@@ -13,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import ConfigError, UserError
+from .settings.cli import split_options
 
 USAGE = ("usage: python -m grpo.export CHECKPOINT [--merged DIR] [--gguf FILE] [--gguf-type TYPE] [--base MODEL] "
          "[--help]")
@@ -35,27 +34,17 @@ class Trained:
 
 
 def parse(argv: list[str]) -> tuple[Path, dict[str, str]]:
-    checkpoint, own, i = None, {}, 0
-    while i < len(argv):
-        arg = argv[i]
-        if not arg.startswith("--"):
-            if checkpoint is not None:
-                raise ConfigError(f"one CHECKPOINT only, got {checkpoint} and {arg}")
-            checkpoint, i = Path(arg), i + 1
-            continue
-        key, has_value, value = arg[2:].partition("=")
-        if key not in OWN_OPTIONS:
-            raise ConfigError(f"unknown option --{key}: {', '.join('--' + o for o in OWN_OPTIONS)}")
-        if not has_value:
-            if i + 1 == len(argv):
-                raise ConfigError(f"--{key} needs a value")
-            value, i = argv[i + 1], i + 1
-        own[key], i = value, i + 1
-    if checkpoint is None:
+    own, rest = split_options(argv, OWN_OPTIONS)
+    unknown = next((arg[2:].partition("=")[0] for arg in rest if arg.startswith("--")), None)
+    if unknown is not None:
+        raise ConfigError(f"unknown option --{unknown}: {', '.join('--' + o for o in OWN_OPTIONS)}")
+    if len(rest) > 1:
+        raise ConfigError(f"one CHECKPOINT only, got {Path(rest[0])} and {rest[1]}")
+    if not rest:
         raise ConfigError("name the CHECKPOINT folder to export")
     if "merged" not in own and "gguf" not in own:
         raise ConfigError("nothing to write: pass --merged DIR, --gguf FILE or both")
-    return checkpoint, own
+    return Path(rest[0]), own
 
 
 def source_gguf(model: str) -> Path | None:

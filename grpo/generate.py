@@ -1,11 +1,6 @@
 """`python -m grpo.generate --checkpoint DIR --prompt TEXT [--recipe RECIPE] [--key=value ...]`: one greedy
-completion of a trained model for a prompt, decoded as grpo.eval decodes, printed with what the tools wrote
-marked `[tool: ...]`.
-
-The model and settings are grpo.eval's (OPTIONS); without a recipe no tools run (they are functions a checkpoint
-cannot hold: a line says so when the run used some). The prompt is one user message under the tokenizer's chat
-template (plain text without one), after the messages the recipe's prompts put before theirs, as the model was
-trained."""
+completion of a trained model for a prompt, with grpo.eval's model and settings (OPTIONS;
+docs/recipes-and-settings.md, "Trying a checkpoint on a prompt")."""
 from __future__ import annotations
 
 import sys
@@ -53,9 +48,7 @@ def context(recipe) -> list[dict]:
 
     which = "eval_dataset" if recipe.eval_dataset is not None else "train_dataset"
     first = resolve_dataset(getattr(recipe, which), which)[0]["prompt"]
-    if not isinstance(first, list) or not first or first[-1].get("role") != "user":
-        return []
-    return list(first[:-1])
+    return list(first[:-1]) if isinstance(first, list) and first and first[-1].get("role") == "user" else []
 
 
 def completion(model, tokenizer, text: str, settings, tools=None, before=()) -> tuple[str, bool]:
@@ -83,20 +76,17 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(f"{USAGE}\n\n{OPTIONS}" if argv else USAGE)
         return 0 if argv else 2
-    from .eval import load_checkpoint, split_options
+    from .eval import load_model_of
     from .export import saved_setting
     from .infra.progress import quiet_library_bars
-    from .policy.models import load_model, load_tokenizer
+    from .settings.cli import split_options
     from .settings.components import EvalSettings
 
     with command_line(), quiet_library_bars():  # hints as --key=value; transformers' loading bars, in a log file
         try:
             own, overrides = split_options(argv, OWN_OPTIONS)
             checkpoint, config, base_model, tools, before = setup(own, overrides)
-            model, tokenizer = (load_checkpoint(checkpoint, base_model, config) if checkpoint is not None
-                                else base_model())
-            model = model if model is not None else load_model(config)
-            tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.model)
+            model, tokenizer = load_model_of(checkpoint, base_model, config)
             used = saved_setting(checkpoint, "tools") if checkpoint is not None and tools is None else None
             if used:
                 print(f"note: the run called tools ({', '.join(used)}), which run here only with its recipe: "

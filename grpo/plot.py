@@ -33,25 +33,15 @@ def moving_average(values: list[float], window: int) -> list[float]:
     return out
 
 
-def reward_keys(lines: list[dict]) -> list[str]:
-    """`reward` first, then each reward function's mean (`rewards/<f>/mean`)."""
-    keys = {k for line in lines for k in line if k.startswith("rewards/") and k.endswith("/mean")}
-    return ["reward"] + sorted(keys)
-
-
-def breakdown_keys(lines: list[dict]) -> list[str]:
-    """The `eval/<column>=<value>/accuracy` and `.../free_accuracy` keys, in the order the run logged them."""
-    ends = ("/accuracy", "/free_accuracy")
-    return list(dict.fromkeys(k for line in lines for k in line
-                              if k.startswith("eval/") and "=" in k and k.endswith(ends)))
-
-
 def panels(lines: list[dict]) -> list[tuple[str, str, str, list[str], bool]]:
     """(file name, title, y label, keys, smoothed) of each panel this run has data for; each becomes one
     PNG and one panel of curves.png."""
-    by = breakdown_keys(lines)
+    logged = list(dict.fromkeys(k for line in lines for k in line))  # in the order the run logged them
+    rewards = sorted(k for k in logged if k.startswith("rewards/") and k.endswith("/mean"))  # each function's mean
+    by = [k for k in logged if k.startswith("eval/") and "=" in k  # eval/<column>=<value>/accuracy, free_accuracy
+          and k.endswith(("/accuracy", "/free_accuracy"))]
     found = [
-        ("reward.png", "reward (training samples)", "reward", reward_keys(lines), True),
+        ("reward.png", "reward (training samples)", "reward", ["reward", *rewards], True),
         ("kl.png", "KL to the reference", "k3 KL", ["kl"], True),
         ("completion_length.png", "completion length", "tokens", ["completions/mean_length", "eval/length_mean"], True),
         ("loss.png", "loss", "loss", ["loss", "loss/policy"], True),
@@ -69,12 +59,9 @@ def panels(lines: list[dict]) -> list[tuple[str, str, str, list[str], bool]]:
         ("eval_breakdown.png", f"held-out greedy pass@1 by {by[0][5:].partition('=')[0] if by else ''}",
          "share of prompts", by, False),
     ]
-    out = []
-    for name, title, ylabel, keys, smoothed in found:
-        keys = [k for k in keys if worth_drawing(lines, k)]
-        if keys:
-            out.append((name, title, ylabel, keys, smoothed))
-    return out
+    drawn = [(name, title, ylabel, [k for k in keys if worth_drawing(lines, k)], smoothed)
+             for name, title, ylabel, keys, smoothed in found]
+    return [panel for panel in drawn if panel[3]]
 
 
 def worth_drawing(lines: list[dict], key: str) -> bool:

@@ -1,8 +1,6 @@
 """`python -m grpo.train RECIPE [--key=value ...]`: run a recipe file, with type-checked overrides (`--help`: every
-setting with its value in that recipe); under `torchrun --nproc_per_node=N`, data-parallel on N GPUs (or CPU
-processes). Mistakes in the recipe, the settings, the data or a reward function print one short `error:` message
-and exit 1 (2 for settings); Ctrl-C / SIGTERM save a checkpoint and exit 130 / 143; running out of GPU memory
-prints what to lower."""
+setting with its value in that recipe), under torchrun data-parallel. A mistake prints one `error:` line and exits 1
+(2 for settings); a signal saves a checkpoint (docs/checkpoints-and-failures.md)."""
 from __future__ import annotations
 
 import os
@@ -28,29 +26,25 @@ def main(argv: list[str] | None = None) -> int:
               f"{format_help(Config())}")
         return 0
     with command_line():  # every message's hint names settings as --key=value
-        return _main(argv)
+        try:
+            from .infra.progress import quiet_library_bars
+            from .settings.cli import BUILT_MODEL, format_help
+            from .settings.recipe import load_with_overrides
 
-
-def _main(argv: list[str]) -> int:
-    try:
-        from .infra.progress import quiet_library_bars
-        from .settings.cli import BUILT_MODEL, format_help
-        from .settings.recipe import load_with_overrides
-
-        recipe_path, overrides = argv[0], argv[1:]
-        recipe, config = load_with_overrides(recipe_path, [a for a in overrides if a not in ("-h", "--help")])
-        if any(a in ("-h", "--help") for a in overrides):
-            unused = BUILT_MODEL if recipe.build_model else None
-            print(f"{USAGE}\n\nsettings of {recipe_path}:\n{format_help(config, unused)}")
-            return 0
-        with quiet_library_bars():  # transformers' loading and saving bars, in a log file
-            return run(recipe, config, argv)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return e.exit_code
-    except KeyboardInterrupt:  # Ctrl-C while loading, before training could save anything
-        print("interrupted before training started", file=sys.stderr)
-        return 130
+            recipe_path, overrides = argv[0], argv[1:]
+            recipe, config = load_with_overrides(recipe_path, [a for a in overrides if a not in ("-h", "--help")])
+            if any(a in ("-h", "--help") for a in overrides):
+                unused = BUILT_MODEL if recipe.build_model else None
+                print(f"{USAGE}\n\nsettings of {recipe_path}:\n{format_help(config, unused)}")
+                return 0
+            with quiet_library_bars():  # transformers' loading and saving bars, in a log file
+                return run(recipe, config, argv)
+        except UserError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return e.exit_code
+        except KeyboardInterrupt:  # Ctrl-C while loading, before training could save anything
+            print("interrupted before training started", file=sys.stderr)
+            return 130
 
 
 def run(recipe, config, argv: list[str]) -> int:

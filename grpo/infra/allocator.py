@@ -1,11 +1,7 @@
-"""Giving freed memory back to the OS on a CPU run (glibc's malloc).
-
-glibc serves blocks under its mmap threshold from heaps that grow to the largest set ever live at once and stay
-that size; a fixed threshold (`MMAP_THRESHOLD`) gives every larger block its own mapping, unmapped when torch frees
-it (why 1 MB, and the figures: docs/memory-planner.md, "Memory on a CPU"). While decoding (`decoding_allocations`),
-the threshold is 32 MB: a decode frees and reallocates the same few blocks each step, which at 1 MB are fresh
-mappings to fault in.
-"""
+"""Giving freed memory back to the OS on a CPU run (glibc's malloc): a fixed mmap threshold (`MMAP_THRESHOLD`)
+gives every larger block its own mapping, unmapped when torch frees it (why, and why 1 MB: docs/memory-planner.md,
+"Memory on a CPU"). While decoding (`decoding_allocations`) the threshold is 32 MB: a decode frees and reallocates
+the same few blocks each step, which at 1 MB are fresh mappings to fault in."""
 from __future__ import annotations
 
 import contextlib

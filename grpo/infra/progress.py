@@ -39,9 +39,8 @@ class LineProgress:
     """A bar for a log file: `desc: n/total unit, rate, postfix` at most every `every` seconds, and once at
     the end, each a line of its own."""
 
-    def __init__(self, desc: str, total: int | None = None, initial: int = 0, unit: str = "it",
-                 every: float = LINE_EVERY_S):
-        self.desc, self.total, self.unit, self.every = desc, total, unit, every
+    def __init__(self, desc: str, total: int | None = None, initial: int = 0, unit: str = "it"):
+        self.desc, self.total, self.unit, self.every = desc, total, unit, LINE_EVERY_S
         self.n = self.start_n = initial
         self.start = self.last = time.monotonic()
         self.postfix, self.written = "", initial

@@ -1,10 +1,6 @@
-"""Sampling ahead (`async_generation`): the next generation batch is made by a sampler process while the current
-one trains, with weights at most `max_staleness` optimizer steps old (`Ahead`, the other implementation of
-run/supply's "the batch of step s"). The process is handed the generation pipeline (rollout/pipeline.Pipeline:
-prompts, sampling with tools and environments, rewards, advantages, the log-probs fixed for the batch) and
-runs it, so a batch it makes is the one the trainer would have made with those weights; the old log-probs are
-taken with the weights it sampled with, and the loss's ratio to them corrects for the lag. `max_staleness=0`
-waits for every batch: the synchronous step, bit for bit."""
+"""Sampling ahead (`async_generation`): a sampler process runs the generation pipeline (rollout/pipeline) for the
+next generation batch while the current one trains, with weights at most `max_staleness` optimizer steps old
+(`Ahead`, run/supply's other implementation; docs/recipes-and-settings.md, "Sampling ahead")."""
 from __future__ import annotations
 
 import io
@@ -15,7 +11,6 @@ import signal
 import time
 import traceback
 import dataclasses
-from dataclasses import dataclass
 
 import torch
 
@@ -30,7 +25,7 @@ class SamplerDied(TrainingStopped):
     """The sampler process ended without answering."""
 
 
-@dataclass
+@dataclasses.dataclass
 class Sampled:
     """A generation batch from the sampler, trained on from optimizer step `step`, sampled with the weights after
     `version` steps; the prompt stream's position and torch's RNG state after it (a waited-for batch's)."""

@@ -1,10 +1,6 @@
-"""Checkpoints hold everything a run needs to continue exactly where it stopped: the weights (the LoRA
-adapter alone under peft), and in `trainer_state.pt` the optimizer, the schedule, the RNG states, the data
-position and the step. Each is written into a temporary folder, fsynced, and renamed into place with a
-completion marker, so a crash mid-save never leaves a checkpoint that looks complete. A checkpoint damaged after
-its save (a full disk, a node lost mid-write, a flipped bit) is recognised before anything is loaded (`damage`),
-and `latest` passes over it. A checkpoint the output folder cannot take (read-only, full, deleted mid-run) is
-written into a rescue folder instead (`save_or_rescue`)."""
+"""Checkpoints, which hold everything a run needs to continue exactly where it stopped: written whole or not at
+all (`save_checkpoint`), into a rescue folder when the output folder cannot take them (`save_or_rescue`), and
+recognised as damaged before anything loads (`damage`); docs/checkpoints-and-failures.md says what each holds."""
 from __future__ import annotations
 
 import hashlib
@@ -65,16 +61,10 @@ def save_checkpoint(output_dir: str, step: int, model, tokenizer, config_dict: d
     return final
 
 
-def rescue_folders(output_dir: str) -> list[Path]:
-    """Where a checkpoint goes when `output_dir` cannot take it, in the order tried: a folder beside it (a
-    folder turned read-only), then one in the temporary folder (`TMPDIR`; a full disk)."""
-    root = Path(output_dir).absolute()
-    return [root.with_name(f"{root.name}.rescue"), Path(tempfile.gettempdir()) / f"grpo-rescue-{root.name}"]
-
-
 def save_or_rescue(output_dir: str, step: int, *args, **kwargs) -> tuple[Path | None, str | None]:
-    """`save_checkpoint` into `output_dir`, or when that fails into the first of `rescue_folders` that takes it:
-    (the checkpoint written or None, None or the line that says what happened and where the state went)."""
+    """`save_checkpoint` into `output_dir`, or when that fails into the first rescue folder that takes it (one
+    beside it, for a folder turned read-only; then one in TMPDIR, for a full disk): (the checkpoint written or
+    None, None or the line that says what happened and where the state went)."""
     gone = not Path(output_dir).is_dir()  # made again, it would hold the run's last checkpoint without the rest
     if gone:
         cause = "it was deleted while the run was going"
@@ -87,7 +77,8 @@ def save_or_rescue(output_dir: str, step: int, *args, **kwargs) -> tuple[Path | 
     failed = f"checkpoint-{step} cannot be written into {output_dir} ({cause})"
     unwritable = f"make {output_dir} writable (or free space)"
     fix = "" if gone else f"{unwritable}, then "
-    for rescue in rescue_folders(output_dir):
+    root = Path(output_dir).absolute()
+    for rescue in (root.with_name(f"{root.name}.rescue"), Path(tempfile.gettempdir()) / f"grpo-rescue-{root.name}"):
         try:
             path = save_checkpoint(str(rescue), step, *args, **kwargs)
         except Exception as error:  # noqa: BLE001 -- as above; the next folder is tried
@@ -219,8 +210,8 @@ def damage(checkpoint: Path, weights_only: bool = False) -> str | None:
         try:
             zipfile.ZipFile(checkpoint / STATE).close()
         except (zipfile.BadZipFile, OSError):
-            size = _bytes(checkpoint / STATE)
-            return f"{STATE} is cut short or damaged ({size}, no zip directory at its end)"
+            size = (checkpoint / STATE).stat().st_size
+            return f"{STATE} is cut short or damaged ({size:,} bytes, no zip directory at its end)"
     return _checksum_damage(checkpoint, weights_only)
 
 
@@ -249,7 +240,7 @@ def _safetensors_damage(path: Path) -> str | None:
         head = f.read(8)
         header_size = int.from_bytes(head, "little") if len(head) == 8 else size
         if 8 + header_size > size:
-            return f"is cut short ({_bytes(path)}, not even its header)"
+            return f"is cut short ({size:,} bytes, not even its header)"
         try:
             header = json.loads(f.read(header_size))
             end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
@@ -260,10 +251,6 @@ def _safetensors_damage(path: Path) -> str | None:
         how = "cut short" if size < expected else "too long"
         return f"is {how} ({size:,} bytes, its header says {expected:,})"
     return None
-
-
-def _bytes(path: Path) -> str:
-    return f"{path.stat().st_size:,} bytes"
 
 
 def check_model_folder(path: Path, option: str) -> None:

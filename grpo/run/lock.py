@@ -1,7 +1,6 @@
 """The output folder a run writes: checked writable before anything loads (`check_output_dir`), and one run at a
-time in it (docs/checkpoints-and-failures.md): an exclusive lock on `OUTPUT_DIR/.grpo.lock` from the run's first
-step to its end. The lock is the kernel's (`flock`), not the file's existence: it goes with the process however
-that ends. The file only says who holds the lock, for the message."""
+time in it: the kernel's lock (`flock`, gone with its process) on `OUTPUT_DIR/.grpo.lock`, whose text only names
+the holder (docs/checkpoints-and-failures.md)."""
 from __future__ import annotations
 
 import contextlib

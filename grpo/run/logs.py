@@ -64,16 +64,20 @@ def log_eval(output_dir: Path, step: int, metrics: dict, is_main: bool, trackers
 def logged_lines(output_dir: Path, up_to: int) -> list[dict]:
     """metrics.jsonl's lines up to step `up_to`, where the log_history of a run resumed at that step starts;
     none without the file (a rank on a filesystem of its own), and never a line torn by a crash."""
-    path, lines = output_dir / METRICS, []
-    for text in path.read_text().splitlines() if path.exists() else []:
+    path = output_dir / METRICS
+    return [trl_names(line) for _, line in _up_to(path.read_text().splitlines() if path.exists() else [], up_to)]
+
+
+def _up_to(texts, step: int):
+    """(text, line) of each log line up to `step`, never one torn by a crash mid-write."""
+    for text in texts:
         try:
             line = json.loads(text)
-            kept = line.get("step", 0) <= up_to
+            kept = line.get("step", 0) <= step
         except (ValueError, AttributeError, TypeError):
             continue
         if kept:
-            lines.append(trl_names(line))
-    return lines
+            yield text, line
 
 
 def log_completions(output_dir: Path, step: int, batch, reward_names: list[str], dist, trackers) -> None:
@@ -127,13 +131,8 @@ def drop_log_lines_after(output_dir: str, step: int) -> None:
     for path in Path(output_dir).glob("*.jsonl"):
         tmp = path.with_name(path.name + ".tmp")
         with open(path) as src, open(tmp, "w") as dst:
-            for line in src:
-                try:
-                    keep = json.loads(line).get("step", 0) <= step
-                except (ValueError, AttributeError, TypeError):
-                    keep = False
-                if keep:
-                    dst.write(line.rstrip("\n") + "\n")
+            for text, _ in _up_to(src, step):
+                dst.write(text.rstrip("\n") + "\n")
             dst.flush()
             os.fsync(dst.fileno())
         os.replace(tmp, path)

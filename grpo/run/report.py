@@ -21,18 +21,6 @@ class TrainOutput(NamedTuple):
     metrics: dict[str, float]
 
 
-def train_output(global_step: int, epoch: float, losses: list[float], seconds: float,
-                 completions_per_step: int) -> TrainOutput:
-    """What transformers' `train()` returns for a call that ran one step per entry of `losses` (each step's
-    loss) in `seconds`, its speed metrics rounded as transformers rounds them (docs/coming-from-trl.md)."""
-    steps = len(losses)
-    training_loss = sum(losses) / max(steps, 0.001)  # transformers' guard: 0.0 when no step ran
-    metrics = {"train_runtime": round(seconds, 4),
-               "train_samples_per_second": round(steps * completions_per_step / seconds, 3),
-               "train_steps_per_second": round(steps / seconds, 3), "train_loss": training_loss, "epoch": epoch}
-    return TrainOutput(global_step, training_loss, metrics)
-
-
 class Report:
     """One Trainer's reporting. Under torchrun every rank calls it (logging gathers) and rank 0 writes; every
     rank keeps the log_history and calls its callbacks."""
@@ -88,9 +76,15 @@ class Report:
     def output(self) -> TrainOutput:
         """This `train()` call's TrainOutput, once its metrics are logged as transformers logs them (the last
         entry of log_history, and on_log; not metrics.jsonl) and the callbacks' on_train_end has run. That last
-        entry also holds the call's last step's metrics, as TRL's does with its default logging_steps=10."""
-        out = train_output(self.state.global_step, self.state.epoch, self.losses, time.perf_counter() - self.start,
-                           self.completions_per_step)
+        entry also holds the call's last step's metrics, as TRL's does with its default logging_steps=10. Its speed
+        metrics are rounded as transformers rounds them (docs/coming-from-trl.md)."""
+        steps, seconds = len(self.losses), time.perf_counter() - self.start
+        training_loss = sum(self.losses) / max(steps, 0.001)  # transformers' guard: 0.0 when no step ran
+        out = TrainOutput(self.state.global_step, training_loss, {
+            "train_runtime": round(seconds, 4),
+            "train_samples_per_second": round(steps * self.completions_per_step / seconds, 3),
+            "train_steps_per_second": round(steps / seconds, 3), "train_loss": training_loss,
+            "epoch": self.state.epoch})
         self.state.log_history.append({**self.last_step, **out.metrics, "step": out.global_step})
         self.callbacks.on_log(dict(out.metrics))
         self.callbacks.on_train_end()

@@ -1,7 +1,5 @@
-"""Where the batch of optimizer step s comes from, behind one interface: `take(step)`; `current`, the batch in
-training; `state_dict(step)` and `load_state_dict` (one entry of a checkpoint); `undone_on_failure()`; a context
-that ends what it started. The generation pipeline runs in this process when the step needs it
-(run/synchronous.Synchronous), or in a sampler process ahead of the step (run/ahead.Ahead)."""
+"""Where the batch of optimizer step s comes from (docs/architecture.md names the interface): made in this process
+when the step needs it (run/synchronous.Synchronous), or in a sampler process ahead of it (run/ahead.Ahead)."""
 from __future__ import annotations
 
 from .ahead import Ahead

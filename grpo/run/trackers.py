@@ -1,7 +1,5 @@
-"""Experiment trackers (`report_to`): TensorBoard, Trackio and W&B receive the run's config at start, every
-metrics.jsonl line at its step and, with `log_completions`, a sample of completions, which the console prints
-too. Each tracker is imported only when named; under torchrun rank 0 alone reports. A resumed run continues the
-same tracker run (output_dir/trackers.json) without writing a step twice."""
+"""Experiment trackers (`report_to`: TensorBoard, Trackio, W&B, each imported only when named; rank 0 alone
+reports) and the console's sample of completions (docs/recipes-and-settings.md, "Watching a run")."""
 from __future__ import annotations
 
 import importlib.util
@@ -111,8 +109,7 @@ class WandB:
             self.run.log(metrics, step=step)
 
     def log_completions(self, step: int, rows: list[dict]) -> None:
-        if step >= self.next_step:
-            self.run.log({"completions": self.wandb.Table(*_table(rows))}, step=step)
+        self.log(step, {"completions": self.wandb.Table(*_table(rows))})
 
     def finish(self, failed: bool) -> None:
         self.run.finish(exit_code=1 if failed else 0)

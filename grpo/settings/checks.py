@@ -29,6 +29,8 @@ RULES: dict[str, tuple[typing.Callable, str]] = {
     **dict.fromkeys(("adam_beta1", "adam_beta2", "epsilon", "lora_dropout"), (lambda v: 0 <= v < 1, "in [0, 1)")),
     **dict.fromkeys(("warmup_ratio", "ref_model_mixup_alpha", "top_entropy_quantile"),
                     (lambda v: 0 <= v <= 1, "in [0, 1]")),
+    **dict.fromkeys(("num_train_epochs", "temperature", "lora_alpha", "sapo_temperature_neg", "sapo_temperature_pos"),
+                    (lambda v: v > 0, "> 0")),
     "max_grad_norm": (lambda v: v >= 0, ">= 0 (0 disables clipping)"),
     "lr_scheduler_type": (lambda v: v in SCHEDULES, f"one of {', '.join(SCHEDULES)}"),
     "warmup_steps": (lambda v: v >= 0 and (v < 1 or v == int(v)), ">= 0: whole steps, or a fraction < 1"),
@@ -40,12 +42,10 @@ RULES: dict[str, tuple[typing.Callable, str]] = {
                                                 "steps_per_generation"),
     "num_generations": (lambda v: v >= 2, ">= 2: GRPO scores each completion against the others of its "
                                           "prompt, so a group of one has no signal"),
-    "num_train_epochs": (lambda v: v > 0, "> 0"),
     "max_steps": (lambda v: v > 0 or v == -1, "> 0, or -1 to train for num_train_epochs"),
     "pad_to_multiple_of": (lambda v: v >= 1, '>= 1, or None (TRL\'s "auto") for no padding'),
     "max_prompt_length": (lambda v: v >= 1, ">= 1, or None to leave prompts whole"),
     "max_tool_calling_iterations": (lambda v: v >= 1, ">= 1, or None for no limit"),
-    "temperature": (lambda v: v > 0, "> 0"),
     "top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
     "top_k": (lambda v: v >= 0, ">= 0 (0 disables it)"),
     "min_p": (lambda v: 0 <= v <= 1, "in [0, 1], or None to disable it"),
@@ -67,11 +67,9 @@ RULES: dict[str, tuple[typing.Callable, str]] = {
     "entropy_coef": (math.isfinite, "finite (0 disables the entropy bonus)"),
     "off_policy_mask_threshold": (lambda v: 0 <= v < math.inf, ">= 0 and finite (a KL bound, e.g. 0.5: below 0 even "
                                                                "on-policy completions would drop), or None"),
-    **dict.fromkeys(("sapo_temperature_neg", "sapo_temperature_pos"), (lambda v: v > 0, "> 0")),
     **dict.fromkeys(("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"),
                     (math.isfinite, "finite")),
     "reward_weights": (lambda v: all(math.isfinite(w) for w in v), "finite numbers"),
-    "lora_alpha": (lambda v: v > 0, "> 0"),
     "lora_target_modules": (lambda v: v == ALL_LINEAR or (isinstance(v, list) and all(
         isinstance(m, str) and re.fullmatch(r"[\w.]+", m) for m in v)),
         f'module names (a list, or comma-separated) or "{ALL_LINEAR}" (peft\'s regex strings are not read here)'),
@@ -83,7 +81,6 @@ RULES: dict[str, tuple[typing.Callable, str]] = {
                   f'"none" or one or more (a list, or comma-separated) of {", ".join(TRACKERS)}'),
     "num_completions_to_print": (lambda v: v >= 1, ">= 1, or None for all of them"),
     "eval_strategy": (lambda v: v in EVAL_STRATEGIES, f"one of {', '.join(EVAL_STRATEGIES)}"),
-    # transformers reads 0 as None: refused here, where 0 used to mean "never" (eval_strategy="no" says that now).
     "eval_steps": (lambda v: v >= 1, ">= 1, or None for logging_steps (eval_strategy=\"no\" evaluates never)"),
     "eval_limit": (lambda v: v >= 1, ">= 1, or None to evaluate every prompt"),
     "per_device_eval_batch_size": (lambda v: v >= 1, ">= 1, or None for as many as the memory plan fits"),

@@ -41,9 +41,8 @@ def lora_targets(names) -> tuple[str, ...] | None:
 
 def prompt_once(shared_prompt_forward: bool | None, gradient_checkpointing: bool) -> bool:
     """Whether the training forwards run each distinct prompt once (policy/prefix.py): as asked, and when not asked
-    (None) only without gradient checkpointing. Exact under checkpointing too, but there its measured peaks were
-    higher than whole rows' on some shapes (docs/benchmarks.md, "Each prompt once in the training forwards"), for a
-    reason not found and which the memory plan does not predict; and a run that checkpoints is short of memory."""
+    (None) only without gradient checkpointing: with it, the measured peaks were higher than whole rows' on some
+    shapes (docs/benchmarks.md, "Each prompt once in the training forwards")."""
     return not gradient_checkpointing if shared_prompt_forward is None else shared_prompt_forward
 
 

@@ -146,3 +146,19 @@ def format_help(config: Config, unused: dict[str, str] | None = None) -> str:
         lines.append(textwrap.fill(doc, width=100, initial_indent=" " * 6, subsequent_indent=" " * 6))
     return "\n".join(lines)
 
+
+def split_options(args: list[str], names: tuple[str, ...]) -> tuple[dict[str, str], list[str]]:
+    """A command's own options, `names` (`--name=value` or `--name value`), apart from Config overrides."""
+    own, rest, i = {}, [], 0
+    while i < len(args):
+        key, has_value, value = args[i][2:].partition("=") if args[i].startswith("--") else ("", False, "")
+        if key in names:
+            if not has_value:
+                if i + 1 == len(args):
+                    raise ConfigError(f"--{key} needs a value")
+                value, i = args[i + 1], i + 1
+            own[key] = value
+        else:
+            rest.append(args[i])
+        i += 1
+    return own, rest

@@ -26,9 +26,8 @@ class Config(metaclass=CheckedKeywords):
     {"attn_implementation": "sdpa"}. "dtype" (or "torch_dtype"): "bfloat16" is bf16=True, "float32" bf16=False,
     "auto" leaves it to `bf16`. "quantization_config" and "device_map" are the trainer's (load_in_4bit)."""
     bf16_weights: bool = False
-    """Full fine-tuning keeps bf16 weights and gradients (half of float32's memory, CUDA or CPU); each update is
-    computed in float32 and written back with stochastic rounding, so updates far below bf16's precision still
-    add up on average. Not TRL's (it has no such option); needs use_lora=false."""
+    """Full fine-tuning keeps bf16 weights and gradients, updated with stochastic rounding (not TRL's; needs
+    use_lora=false; docs/memory-planner.md, "bf16 weights")."""
 
     # --- optimisation ---
     learning_rate: float = 1e-6
@@ -116,10 +115,9 @@ class Config(metaclass=CheckedKeywords):
     (None: no limit but max_completion_length, which bounds the whole completion, tool output included; TRL's)."""
 
     int8_sampling_weights: bool = False
-    """Sample with int8 copies of the weights (grpo's own): after each optimizer step the LoRA-folded linears and the
-    LM head are quantized per output channel for fbgemm, and decoding after the prompt runs on them, 1.5-4x faster
-    per linear on an AVX2 CPU (docs/benchmarks.md); the sampler's log-probs feed TRL's importance-sampling
-    correction (`vllm_importance_sampling_*`) as a vLLM server's do. CPU, float32, Llama/Mistral/Qwen2 only."""
+    """Sample with int8 copies of the weights, made after each optimizer step (grpo's own; CPU, float32,
+    Llama/Mistral/Qwen2 only); the importance-sampling correction (`vllm_importance_sampling_*`) applies as to a
+    vLLM server's samples (docs/inference-engines.md, "Sampling on int8 weights")."""
 
     # --- sampling on a vLLM server (TRL's names, meanings and defaults; docs/inference-engines.md) ---
     use_vllm: bool = False
@@ -168,16 +166,13 @@ class Config(metaclass=CheckedKeywords):
     num_iterations: int = 1
     """Optimizer passes over each generation batch (mu in the GRPO paper)."""
     dynamic_sampling: bool = False  # not TRL's (it has none); verl calls it algorithm.filter_groups
-    """DAPO's dynamic sampling: a generation batch drops the groups whose rewards are all equal (no learning
-    signal) and samples more prompts until it is full of groups with signal, for at most
-    dynamic_sampling_max_rounds extra rounds; a batch still short is topped up with dropped groups (they train
-    nothing). `dynamic_sampling/*` metrics say how many rounds it took and how many groups were dropped."""
+    """DAPO's dynamic sampling: groups whose rewards are all equal (no learning signal) are replaced by newly
+    sampled ones, for at most dynamic_sampling_max_rounds extra rounds (docs/recipes-and-settings.md)."""
     dynamic_sampling_max_rounds: int = 3
     """Extra sampling rounds one generation batch may take under dynamic_sampling (verl: max_num_gen_batches)."""
     async_generation: bool = False  # TRL has a separate AsyncGRPOTrainer (vLLM server) for this
-    """Sample the next generation batch in a sampler process (a fork of the trainer, half the CPU threads) while
-    the current one trains, with weights up to max_staleness optimizer steps old; the old log-probs are then the
-    sampling weights', and the loss's ratio to them corrects for the lag (run/ahead.py). CPU, one process only."""
+    """Sample the next generation batch in a sampler process while the current one trains, with weights up to
+    max_staleness optimizer steps old (docs/recipes-and-settings.md, "Sampling ahead"). CPU, one process only."""
     max_staleness: int = 1  # TRL AsyncGRPOConfig's name
     """With async_generation: the most optimizer steps the weights a batch is sampled with may lag the step
     that trains on it; 0 waits for every batch (the synchronous step, bit for bit)."""
@@ -254,11 +249,9 @@ class Config(metaclass=CheckedKeywords):
     logprob_chunk_size: int = LOGPROB_CHUNK_SIZE
     """Token rows per chunk of LM-head logits when computing log-probs (bounds logits memory)."""
     shared_prompt_forward: bool | None = None
-    """Training-side log-prob forwards (policy, old policy, reference) run each distinct prompt once and its
-    completions against its KV cache (policy/prefix.py): the same log-probs and gradients as whole rows. With
-    dropout on, the prompt's copies share one dropout mask. Models whose cache it cannot use, or whose first-step
-    check disagrees, take whole rows, saying so. None: on without gradient_checkpointing, off with it (exact there
-    too, but its peak was measured higher on some shapes: choices.prompt_once); True: on with it too."""
+    """Training-side log-prob forwards run each distinct prompt once and its completions against its KV cache:
+    the same log-probs and gradients as whole rows (docs/recipes-and-settings.md). None: on without
+    gradient_checkpointing, off with it; True: on with it too."""
     load_in_4bit: bool = False
     """QLoRA: load `model` as 4-bit NF4 (bitsandbytes) under LoRA; applies when the trainer loads `model` itself."""
     cast_lm_head_to_fp32: bool = False
@@ -280,8 +273,7 @@ class Config(metaclass=CheckedKeywords):
     is none yet; True (transformers'): the newest one, an error when there is none; False or None: a fresh run."""
     report_to: str | list[str] = "none"
     """Trackers that also receive the config, every metrics.jsonl line and completion samples: "tensorboard",
-    "trackio", "wandb", several (a list or comma-separated), or "none". TRL's default too: offline-first,
-    nothing is sent anywhere unless asked (W&B stays offline unless logged in)."""
+    "trackio", "wandb", several (a list or comma-separated), or "none" (docs/recipes-and-settings.md)."""
     log_completions: bool = False
     """Every logging step, print a sample of completions with their rewards and advantages (with rich when
     installed) and log it as a table to the trackers of `report_to`."""
@@ -316,9 +308,8 @@ class Config(metaclass=CheckedKeywords):
     """Reward function (by name) whose full marks count an eval completion as well-formatted, `eval/format` (None:
     skip); the GSM8K recipes name "xml_format_reward"."""
     eval_free_accuracy_func: str | None = None
-    """Function whose full marks count an eval completion correct whatever its format (`eval/free_accuracy`):
-    a reward function (by name) or an importable `module.function` with their contract, e.g. GSM8K's
-    "grpo.tasks.gsm8k.last_number_accuracy" (the completion's last number against `answer`); None: skip."""
+    """Function whose full marks count an eval completion correct whatever its format, `eval/free_accuracy` (None:
+    skip): a reward function (by name) or an importable module.function, e.g. grpo.tasks.gsm8k.last_number_accuracy."""
     eval_breakdown_column: str | None = None
     """Eval dataset column whose values each get their own eval metrics, `eval/<column>=<value>/*` (None)."""
 

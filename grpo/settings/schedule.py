@@ -1,10 +1,6 @@
-"""The batch schedule: how many prompts a generation batch draws, how many micro-batches it is cut into, how
-many optimizer steps it feeds, and how many completions one optimizer step takes over all ranks, resolved once
-from a Config and the number of ranks, as TRL 1.16's GRPOConfig resolves them. The trainer, the sampler, the
-prompt stream, the memory planner and elastic resume all read it from here.
-
-Words, each with one meaning: a *micro-batch* is `per_device_train_batch_size` completions on one rank, one
-forward and backward; an *optimizer step* accumulates `gradient_accumulation_steps` micro-batches; a
+"""The batch schedule, resolved once from a Config and the number of ranks as TRL 1.16's GRPOConfig resolves it
+(docs/recipes-and-settings.md, "The batch schedule"): a *micro-batch* is `per_device_train_batch_size` completions
+on one rank, one forward and backward; an *optimizer step* accumulates `gradient_accumulation_steps` of them; a
 *generation batch* is what one round of sampling draws, scored (advantages) as a whole."""
 from __future__ import annotations
 
@@ -27,9 +23,7 @@ class Schedule:
     def resolve(cls, config, world_size: int = 1) -> Schedule:
         """The schedule of `config` (a Config, or anything with its batch fields) on `world_size` ranks: the
         micro-batches per generation batch from `steps_per_generation`, else from `generation_batch_size`
-        (completions over all ranks), else `gradient_accumulation_steps`. Stricter than TRL in two ways, each a
-        ConfigError: a generation batch feeds whole optimizer steps (a multiple of the accumulation), and each
-        rank's share holds whole prompt groups (our ranks sample their own prompts; TRL may split a group)."""
+        (completions over all ranks), else `gradient_accumulation_steps`; stricter than TRL where the errors say."""
         per_device, accumulation = config.per_device_train_batch_size, config.gradient_accumulation_steps
         steps, generation_batch_size = config.steps_per_generation, config.generation_batch_size
         G = config.num_generations

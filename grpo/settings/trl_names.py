@@ -36,23 +36,6 @@ TRL_ONLY = frozenset("""
 _GENERATION = "sampling runs on the policy itself (KV-cached decoding in grpo.rollout)"
 _SERVER = "vllm_mode=\"server\" only: set it when you start the server (.ci/vllm_venv.sh, docs/inference-engines.md)"
 _LOGGING = "metrics.jsonl and completions.jsonl in output_dir are the logs (python -m grpo.plot draws them)"
-
-# Why, or what to use instead, for the settings a TRL user is most likely to bring; others get a generic line.
-TRL_REASONS = {
-    **{k: _GENERATION for k in TRL_ONLY if "continuous_batching" in k},
-    **{k: _SERVER for k in TRL_ONLY if k.startswith("vllm_")},
-    "vllm_importance_sampling_cap": "TRL's deprecated name of vllm_importance_sampling_clip_max",
-    "use_transformers_paged": _GENERATION, "cache_implementation": _GENERATION,
-    "ds3_gather_for_generation": "DeepSpeed is not used here; torchrun with --fsdp=true shards the model",
-    "deepspeed": "DeepSpeed is not used here; torchrun with --fsdp=true shards the model",
-    "fsdp_config": "--fsdp=true under torchrun is the one FSDP (FSDP2) setting",
-    "gradient_checkpointing_kwargs": "checkpointing is always non-reentrant here",
-    "activation_checkpointing": "it is called gradient_checkpointing here (on by default, as in TRL)",
-    "fp16": "bf16 (CUDA) or float32 only",
-    "push_to_hub": "checkpoints are written to output_dir only",
-    "ddp_find_unused_parameters": "every trainable parameter gets a gradient each step here (DDP's default)",
-}
-
 _DDP = "DDP is set up by the trainer under torchrun with its defaults (infra/distributed.py)"
 _COMPILE = "torch.compile is not used: the step is eager PyTorch"
 _BEST = "no best-checkpoint tracking: each checkpoint is kept by save_total_limit, newest first"
@@ -60,8 +43,23 @@ _SFT = "a supervised-training setting: GRPO's loss is the policy loss on sampled
 _EVAL_LOOP = ("evaluation is our own greedy decode over eval_dataset (per_device_eval_batch_size, eval_limit), not "
               "transformers' evaluation loop")
 _TRACKIO_HUB = "report_to=trackio logs to the local Trackio store only (TRACKIO_DIR); no Space or bucket"
-# Why the rest are refused, by kind (each said in the one line a refusal prints).
-TRL_REASONS.update({
+_NO_DATALOADER = "prompts are drawn in the trainer's own process: there is no DataLoader"
+
+# Why a setting of TRL_ONLY is refused, or what to use instead (in the one line a refusal prints); one without an
+# entry gets a generic line.
+TRL_REASONS = {
+    **{k: _GENERATION for k in TRL_ONLY if "continuous_batching" in k},
+    **{k: _SERVER for k in TRL_ONLY if k.startswith("vllm_")},
+    "vllm_importance_sampling_cap": "TRL's deprecated name of vllm_importance_sampling_clip_max",
+    "use_transformers_paged": _GENERATION, "cache_implementation": _GENERATION,
+    **dict.fromkeys(("ds3_gather_for_generation", "deepspeed"),
+                    "DeepSpeed is not used here; torchrun with --fsdp=true shards the model"),
+    "fsdp_config": "--fsdp=true under torchrun is the one FSDP (FSDP2) setting",
+    "gradient_checkpointing_kwargs": "checkpointing is always non-reentrant here",
+    "activation_checkpointing": "it is called gradient_checkpointing here (on by default, as in TRL)",
+    "fp16": "bf16 (CUDA) or float32 only",
+    "push_to_hub": "checkpoints are written to output_dir only",
+    "ddp_find_unused_parameters": "every trainable parameter gets a gradient each step here (DDP's default)",
     **dict.fromkeys(("ddp_broadcast_buffers", "ddp_bucket_cap_mb", "ddp_static_graph", "ddp_timeout",
                      "local_rank", "average_tokens_across_devices"), _DDP),
     **dict.fromkeys(("torch_compile", "torch_compile_backend", "torch_compile_mode", "enable_jit_checkpoint"),
@@ -80,8 +78,7 @@ TRL_REASONS.update({
                           "own prompts (no DataLoader to split or dispatch)",
     "adam_epsilon": "AdamW's eps is fixed at 1e-8 (transformers' default)",
     "auto_find_batch_size": "the memory plan sizes decodes and says what fits before loading (python -m grpo.plan)",
-    "dataloader_in_order": "prompts are drawn in the trainer's own process: there is no DataLoader",
-    "dataloader_multiprocessing_context": "prompts are drawn in the trainer's own process: there is no DataLoader",
+    **dict.fromkeys(("dataloader_in_order", "dataloader_multiprocessing_context"), _NO_DATALOADER),
     "debug": "transformers' debug options (underflow/overflow, TPU metrics) are not wired in",
     "full_determinism": "seed makes runs reproducible; torch.use_deterministic_algorithms is not set here",
     "ignore_data_skip": "a resumed run continues the data stream exactly where the checkpoint left it",
@@ -97,7 +94,7 @@ TRL_REASONS.update({
     "torch_empty_cache_steps": "torch.cuda.empty_cache() is not called on a schedule here",
     "trust_remote_code": 'set it through model_init_kwargs={"trust_remote_code": true}',
     "use_cache": "decoding here always uses its own KV cache, training forwards never",
-})
+}
 
 # Our own settings that were renamed to TRL's: what to write now.
 RENAMED = {
@@ -107,7 +104,6 @@ RENAMED = {
 }
 
 # TRL settings that change nothing here, whatever their value: accepted, with a warning saying why.
-_NO_DATALOADER = "prompts are drawn in the trainer's own process: there is no DataLoader"
 _NO_HUB = "nothing is pushed to the Hub (push_to_hub is not supported): checkpoints stay in output_dir"
 NO_EFFECT = {
     "use_cpu": "the device is chosen automatically: the GPU when there is one (CUDA_VISIBLE_DEVICES= hides it)",

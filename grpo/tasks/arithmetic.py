@@ -1,12 +1,7 @@
 """An offline arithmetic task for the runs-anywhere recipe: multi-digit addition in the GSM8K
-`<reasoning>/<answer>` format, with two kinds of demonstration for a supervised warm start.
-
-A *worked* demonstration adds column by column, right to left, writing each carry out; a *direct* one
-leaves the reasoning empty and states the sum. A tiny model learns the first well and the second hardly at
-all (4-digit sums need the carries). The warm start shows the worked kind less often, so the warmed-up
-policy mostly answers directly and mostly wrongly; GRPO then has something to discover that the
-demonstrations did not push it to: working it out pays.
-"""
+`<reasoning>/<answer>` format, with *worked* demonstrations (column by column, each carry written out) and
+*direct* ones (the sum alone) for a supervised warm start; why their mix leaves GRPO something to discover:
+docs/shipped-recipes.md, "arithmetic_tiny"."""
 from __future__ import annotations
 
 import random

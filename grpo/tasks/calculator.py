@@ -3,9 +3,8 @@
 - `calculate`: + - * / and parentheses on numbers, evaluated on the expression's syntax tree (never `eval`);
   as a chat tool (`Tools.of(tools=[calculate])`) or inline as GSM8K annotates its solutions
   (`INLINE_CALCULATOR`: `<<12+7=` is completed to `<<12+7=19>>`).
-- `CHATML_TOOLS`: SmolLM2-135M-Instruct's ChatML with tools the way Qwen2.5's template renders them (its own
-  template has no tools and no tool role): the schemas in the system message, assistant calls as
-  `<tool_call>\\n{json}\\n</tool_call>`, tool results as `<tool_response>` blocks of a user turn.
+- `CHATML_TOOLS`: SmolLM2-135M-Instruct's ChatML with tools the way Qwen2.5's template renders them
+  (docs/tools.md, "Trying it offline, on the shipped model").
 """
 from __future__ import annotations
 
@@ -58,9 +57,7 @@ def _value(node) -> float | int:
 
 def number_text(value: float | int) -> str:
     """`value` as a person writes it: whole numbers without `.0`, others to 12 significant digits."""
-    if float(value).is_integer():
-        return str(int(value))
-    return f"{value:.12g}"
+    return str(int(value)) if float(value).is_integer() else f"{value:.12g}"
 
 
 INLINE_CALCULATOR = InlineTool(open="<<", trigger="=", close=">>", fn=calculate)

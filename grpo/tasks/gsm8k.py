@@ -39,9 +39,7 @@ def extract_xml_answer(text: str) -> str | None:
 
 def extract_hash_answer(text: str) -> str | None:
     """GSM8K's reference answer: the part after `####`, stripped, commas removed (None if absent)."""
-    if "####" not in text:
-        return None
-    return text.split("####")[-1].strip().replace(",", "")
+    return text.split("####")[-1].strip().replace(",", "") if "####" in text else None
 
 
 # A number, optionally negative (a minus right after a word is a hyphen or subtraction: "5-3" is 5
@@ -136,8 +134,7 @@ def load_gsm8k(split: str, path: str | None = None):
 
     if path is None:
         if (problem := hub.unreachable()) is None:
-            data = load_dataset(HUB_ID, "main", split=split)
-            return _as_prompts(data)
+            return _as_prompts(load_dataset(HUB_ID, "main", split=split))
         path = hub.cached(HUB_ID, repo_type="dataset")
         if path is None:
             raise DatasetError(f"GSM8K ({HUB_ID} on the Hugging Face Hub) is not in the Hugging Face cache (HF_HOME) "

@@ -3,13 +3,7 @@ built from a transformers config. Tests, the offline recipes and the benchmarks 
 from __future__ import annotations
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import (
-    GPT2Config,
-    GPT2LMHeadModel,
-    PreTrainedTokenizerFast,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-)
+from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 SPECIAL_TOKENS = ["<|pad|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
@@ -26,21 +20,11 @@ def train_tokenizer(texts: list[str], vocab_size: int = 512) -> PreTrainedTokeni
     `<|im_end|>` doubles as EOS, so chat completions end the way Qwen's do."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
-    )
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(texts, trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="<|pad|>", eos_token="<|im_end|>", bos_token=None
-    )
-    fast.chat_template = CHAT_TEMPLATE
-    return fast
+    return _chat_tokenizer(tok)
 
 
 def wide_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
@@ -52,6 +36,11 @@ def wide_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
         vocab[f"\u0120w{i}"] = len(vocab)  # \u0120 is the byte-level symbol of a space
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    return _chat_tokenizer(tok)
+
+
+def _chat_tokenizer(tok: Tokenizer) -> PreTrainedTokenizerFast:
+    """`tok` with a byte-level decoder, as a transformers tokenizer with our special tokens and CHAT_TEMPLATE."""
     tok.decoder = decoders.ByteLevel()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<|pad|>", eos_token="<|im_end|>", bos_token=None)
     fast.chat_template = CHAT_TEMPLATE
@@ -64,17 +53,10 @@ def tiny_qwen2(vocab_size: int, hidden_size: int = 64, num_layers: int = 2, num_
     """A random-weight Qwen2 causal LM; with real dimensions it has that model's memory and speed profile."""
     import torch
 
-    config = Qwen2Config(
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size or 4 * hidden_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
-        max_position_embeddings=4096,
-        tie_word_embeddings=tie_word_embeddings,
-        **overrides,
-    )
+    config = Qwen2Config(vocab_size=vocab_size, hidden_size=hidden_size,
+                         intermediate_size=intermediate_size or 4 * hidden_size, num_hidden_layers=num_layers,
+                         num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+                         max_position_embeddings=4096, tie_word_embeddings=tie_word_embeddings, **overrides)
     torch.manual_seed(seed)
     return Qwen2ForCausalLM(config)
 
@@ -101,8 +83,6 @@ def model_for(tokenizer, build=tiny_qwen2, **kwargs):
     """A tiny model (`build`: `tiny_qwen2` or `tiny_gpt2`) sized to `tokenizer`, with its pad/eos ids
     written into the model config."""
     model = build(len(tokenizer), **kwargs)
-    model.config.pad_token_id = tokenizer.pad_token_id
-    model.config.eos_token_id = tokenizer.eos_token_id
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    for config in (model.config, model.generation_config):
+        config.pad_token_id, config.eos_token_id = tokenizer.pad_token_id, tokenizer.eos_token_id
     return model

@@ -1,9 +1,6 @@
 """GSM8K-style word problems generated in code: one or two operations (add, subtract, multiply, share
-equally), small numbers, whole-number answers; disjoint train / held-out splits; chat prompts with the
-GSM8K system prompt and one worked user/assistant example turn.
-
-Splits are disjoint by problem (template and numbers), not only by wording: no held-out problem appears in
-the training split under another name or item."""
+equally), small numbers, whole-number answers; train / held-out splits disjoint by problem (template and
+numbers), not only by wording; chat prompts with the GSM8K system prompt and one worked example turn."""
 from __future__ import annotations
 
 import random
@@ -73,11 +70,10 @@ EXAMPLE_ANSWER = "<reasoning>\n12 + 7 = 19\n19 - 5 = 14\n</reasoning>\n<answer>\
 EXAMPLE_KEY = (8, (12, 7, 5))
 
 
-def make_problem(rng: random.Random, template: int | None = None, two_step_share: float = 0.3) -> Problem:
+def make_problem(rng: random.Random, two_step_share: float = 0.3) -> Problem:
     """One random problem; two-operation templates are drawn with probability `two_step_share`."""
-    if template is None:
-        ops = 2 if rng.random() < two_step_share else 1
-        template = rng.choice([k for k, t in enumerate(TEMPLATES) if t[0] == ops])
+    ops = 2 if rng.random() < two_step_share else 1
+    template = rng.choice([k for k, t in enumerate(TEMPLATES) if t[0] == ops])
     operations, draw, text, answer = TEMPLATES[template]
     numbers = tuple(draw(rng))
     name, item = rng.choice(NAMES), rng.choice(ITEMS)
@@ -117,5 +113,4 @@ def rows(problems: list[Problem], worked_example: bool = True, example_answer: s
     """Dataset rows: `prompt` (chat), `answer` (the number, as a string, for answer_accuracy_reward),
     `question` and `operations`."""
     return [{"prompt": prompt(p.question, worked_example, example_answer), "answer": str(p.answer),
-             "question": p.question,
-             "operations": p.operations} for p in problems]
+             "question": p.question, "operations": p.operations} for p in problems]
