@@ -182,16 +182,12 @@ def evaluate(model, tokenizer, dataset, reward_funcs, settings: EvalSettings, *,
              progress: bool = True, unsharded=None, encode: PromptEncoder | None = None, trainer_state=None,
              loss_of=None, key_prefix: str = "eval") -> tuple[dict[str, float], list[dict]]:
     """Greedy-decode one completion per prompt of `dataset` (its first `settings.limit` rows) in decodes of
-    `batch_size` prompts, chat prompts rendered as in training by `encode` (the run's: engines/sampling.prompt_encoder;
-    None: one of `settings`, without tools), and score it (`settings`: settings/components.EvalSettings). With the
-    encoder's tools (rollout/tools.Tools) the rows call them in the decode as in training (an environment_factory's
-    environments reset on each row); `trainer_state`: the run's (run/state.TrainerState), for the reward functions.
-
-    `unsharded(fn)` runs `fn(model)` for each batch (default: directly); the Trainer passes its parallel
-    wrapper, so that FSDP ranks generate together; `loss_of(rollout)`, each batch's loss and rows (the Trainer's
-    policy/gradients.eval_loss), their mean logged as TRL's `eval_loss`. Returns `(metrics, samples)`: `eval/*`
-    and TRL's `eval_*` metrics, `eval` replaced by `key_prefix` (transformers' metric_key_prefix), and one
-    dict per row (prompt, completion, each reward, and `free_accuracy` when no reward function gives it)."""
+    `batch_size` prompts, prompts rendered as in training by `encode` (None: one of `settings`, without tools;
+    with its tools the rows call them as in training), and score it (`settings`: settings/components.EvalSettings).
+    `unsharded(fn)` runs `fn(model)` for each batch (default: directly; the Trainer's parallel wrapper, so that FSDP
+    ranks generate together); `loss_of(rollout)`: each batch's loss and rows, their mean TRL's `eval_loss`. Returns
+    `(metrics, samples)`: `eval/*` and TRL's `eval_*` metrics, `eval` replaced by `key_prefix` (transformers'
+    metric_key_prefix), and one dict per row (prompt, completion, each reward, and what an extra function gives)."""
     if dataset is None:
         raise ConfigError("evaluating needs an eval_dataset: pass Trainer(eval_dataset=...)")
     s, names = settings, reward_func_names(reward_funcs)
@@ -236,8 +232,8 @@ def evaluate(model, tokenizer, dataset, reward_funcs, settings: EvalSettings, *,
 
 def _greedy(model, tokenizer, dataset, s: EvalSettings, batch_size: int, progress: bool, unsharded,
             encode: PromptEncoder, loss_of):
-    """Each row's prompt as the model saw it (what an environment's reset added included), its greedy completion, its
-    token ids, the lengths [N], the environments the rows ran in and each batch's `loss_of` (none without it)."""
+    """Each row's prompt as the model saw it, its greedy completion, its token ids, the lengths [N], the
+    environments the rows ran in and each batch's `loss_of` (none without it)."""
     unsharded, tools = unsharded or (lambda fn: fn(model)), encode.tools
     seen, completions, completion_ids, lengths, environments, losses = [], [], [], [], [], []
     with TokenProgress("eval", enabled=progress) as bar:

@@ -139,18 +139,15 @@ def check_reward_weights(weights: list[float] | None, names: list[str]) -> None:
 
 
 def reward_metrics(rewards: Tensor, per_func: Tensor, names: list[str]) -> dict[str, float]:
-    """TRL's reward metrics: `rewards/<name>/mean` and `rewards/<name>/std` over the completions a function
-    applied to (absent if it applied to none), and `reward`, `reward_std` of the combined reward over the
-    completions some function scored (absent when none was: a 0 there would read as a score), from
-    `compute_rewards`' `rewards` [N] and `per_func` [N, F] (under torchrun, every rank's rows gathered: stds do not
-    average across ranks). Stds are sample stds (ddof 1) as TRL's; 0 over a single completion."""
+    """TRL's reward metrics from `compute_rewards`' `rewards` [N] and `per_func` [N, F] (every rank's rows: stds do
+    not average across ranks): `rewards/<name>/mean` and `/std` over the completions a function applied to, and
+    `reward`, `reward_std` over those some function scored (absent where none was: a 0 would read as a score)."""
     metrics = {}
     for j, name in enumerate(names):
         applied = per_func[:, j][~per_func[:, j].isnan()]
         if applied.numel():
             metrics[f"rewards/{name}/mean"] = applied.mean().item()
             metrics[f"rewards/{name}/std"] = sample_std(applied)
-    # As in TRL, completions no function scored are left out.
     scored = ~per_func.isnan().all(dim=1)  # [N]
     if scored.any():
         metrics["reward"] = rewards[scored].mean().item()
@@ -233,9 +230,8 @@ def _await_all(coroutines: list) -> list:
 
 
 def _raise(f, name: str, batch_error: BaseException, batch: dict, context: RewardContext):
-    """Raise a RewardError for `f` failing on `batch`, naming the first item it fails on alone (an error path,
-    so retrying item by item is affordable; what the retries log is dropped). A stop signal that arrived while
-    it ran (StepAbandoned) is no fault of the function: it goes on, and the step stops."""
+    """Raise a RewardError for `f` failing on `batch`, naming the first item it fails on alone (an error path:
+    retrying item by item is affordable; what the retries log is dropped). StepAbandoned goes on as it is."""
     if isinstance(batch_error, (StepAbandoned, UserError)):  # a UserError already says what went wrong
         raise batch_error
     i, error, note = 0, batch_error, " (fails on the whole batch only; showing its first item)"
@@ -260,8 +256,8 @@ def _raise(f, name: str, batch_error: BaseException, batch: dict, context: Rewar
 
 
 def _where(error: BaseException) -> str:
-    """file:line of the innermost frame of `error` outside Python's own and installed libraries: the
-    line of the reward function to look at, in place of the traceback the CLI does not print."""
+    """file:line of the innermost frame of `error` outside Python's own and installed libraries (the CLI prints
+    no traceback)."""
     frames = traceback.extract_tb(error.__traceback__)[1:]  # [0] is _call itself
     libraries = (sys.prefix, sys.base_prefix)
     own = [f for f in frames if not f.filename.startswith(libraries)] or frames

@@ -1,9 +1,7 @@
 """Tools a model may call while it decodes (TRL's `tools=` / `environment_factory=`; docs/tools.md): `Tools.of`
-makes plain functions and an environment class's public methods JSON schemas (transformers' `get_json_schema`),
-which the chat template renders into each prompt (engines/chat.py); inline tools (`InlineTool`, e.g. GSM8K's
-`<<12+7=19>>`) run inside the text instead; `parse_hermes` reads Hermes / Qwen calls. The calls run in
-engines/tool_runner.py, the per-row state machine is engines/tool_loop.py, the environments and the rewards of
-those that own theirs rollout/environments.py."""
+makes plain functions and an environment class's public methods JSON schemas, which the chat template renders into
+each prompt (engines/chat.py); inline tools (`InlineTool`) run inside the text; `parse_hermes` reads Hermes / Qwen
+calls."""
 from __future__ import annotations
 
 import inspect
@@ -66,8 +64,8 @@ def strip_hermes(text: str) -> str:
 @dataclass(frozen=True)
 class InlineTool:
     """A tool written inside the text: when the model's text ends with `trigger` inside a span opened by `open` (and
-    not yet closed by `close`), `fn(expression)` runs on what lies between, and its result plus `close` is forced.
-    GSM8K's calculator annotations: `InlineTool("<<", "=", ">>", calculate)` turns `<<12+7=` into `<<12+7=19>>`."""
+    not yet closed by `close`), `fn(expression)` runs on what lies between, and its result plus `close` is forced:
+    `InlineTool("<<", "=", ">>", calculate)` turns `<<12+7=` into `<<12+7=19>>`."""
 
     open: str
     trigger: str
@@ -89,12 +87,10 @@ class InlineTool:
 
 @dataclass(frozen=True)
 class Tools:
-    """What a decode may call: `functions` by name; TRL's `environment_factory` as given (a class, or a dict of
-    named classes: each dataset row's `environment` column picks its own), its `environments` by name (a single
-    class under None, as TRL normalises it) and each class's tools (`methods`: name -> JSON schema), which are
-    the tools of the rows whose environment is of that class; the functions' `function_schemas` and the
-    `inline` tools; the call `parser`, each call's `timeout_s`, and the `runner` that runs the calls (made with
-    the Tools, once per run: its worker processes serve every step)."""
+    """What a decode may call: `functions` by name; TRL's `environment_factory` as given, its `environments` by
+    name (`named_environments`) and each class's tools (`methods`: name -> JSON schema), the tools of the rows whose
+    environment is of that class; the functions' `function_schemas`, the `inline` tools, the call `parser`, each
+    call's `timeout_s`, and the `runner` that runs the calls (made once per run: its workers serve every step)."""
 
     functions: dict
     environment_factory: object

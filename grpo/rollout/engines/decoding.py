@@ -1,13 +1,7 @@
-"""KV-cached sampling, written out instead of `model.generate`: one body forward per new token, the LM head on
-the last position only, and one uniform number per row to pick a token, from the row's own random stream
-(rollout/streams).
-
-Why not `generate`: at a 150k-token vocabulary its per-step overhead rivals the model itself on a CPU.
-`torch.multinomial` draws one exponential per vocabulary entry, the min-length processor rewrites the whole
-score matrix, and `F.linear(h, W)` with few rows is slower than `W @ h.T` (docs/benchmarks.md). Logits here
-are computed as the loss computes log-probs (hidden states times the LM head, the family's scale or soft cap
-(policy/head), float32 softmax), so the sampling policy is the one being trained; the Decoder's weights
-(policy/folding: LoRA folded in; policy/decoder: a fused step) change them by float32 roundings only.
+"""KV-cached sampling, written out instead of `model.generate` (whose per-step overhead rivals a small model on a
+CPU: docs/benchmarks.md): one body forward per new token, the LM head on the last position only, and one uniform
+number per row to pick a token, from the row's own random stream (rollout/streams). Logits are computed as the
+loss computes log-probs (policy/head, float32 softmax), so the sampling policy is the one being trained.
 """
 from __future__ import annotations
 
@@ -73,11 +67,8 @@ def sample_from_logits(logits: torch.Tensor, generator: torch.Generator | None =
                        u: torch.Tensor | None = None) -> torch.Tensor:
     """One token id per row [N], drawn from softmax(logits) by inverse CDF in float64 (so that 150k small
     probabilities still add up exactly enough); -inf logits are never drawn. `u` [N, 1] (float64): the rows'
-    uniforms, drawn here (from `generator`) when not given.
-
-    The CDF is taken in two levels, so no per-step work runs a float64 cumulative sum over the vocabulary: the
-    cumulative mass of blocks of CDF_BLOCK entries picks the block that holds u, then the cumulative sum inside
-    that block alone picks the token (the same token as one cumulative sum over all V, up to float64 rounding)."""
+    uniforms, drawn here (from `generator`) when not given. Two levels, so that no float64 cumulative sum runs over
+    the whole vocabulary: the blocks' cumulative mass picks a block, the cumulative sum inside it the token."""
     N, V = logits.shape
     probs = logits.softmax(-1)  # [N, V]
     if u is None:
@@ -142,15 +133,12 @@ def prefill(forward, cache, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
             seen: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Reads left-padded prompts [B, P] into `cache` (`forward(ids, mask, positions)`: a body forward writing
     it) for N = B * repeats rows, each prompt `repeats` times in a row. Returns the rows' last prompt hidden
-    states [N, H], the attention mask of every position the decode will reach [N, P'+C], 1 past the prompt (a
-    finished row's later columns are never read), the last prompt tokens' positions [N, 1] and the tokens seen
-    `seen` [B, V] repeated (None passes).
+    states [N, H], the attention mask of every position the decode will reach [N, P'+C], 1 past the prompt, the
+    last prompt tokens' positions [N, 1] and the tokens seen `seen` [B, V] repeated (None passes).
 
-    A prompt's copies share one prefill: the prompt is read once and its KV cache repeated; with a cache written
-    in place (plain attention), the first tokens all prompts share (at least MIN_SHARED_PREFIX: a system prompt,
-    a worked example) are read once for all of them, then each prompt's own rest, left-padded after the shared
-    part (positions count real tokens, so the keys are the same). A model keeping a recurrent state (`stateful`)
-    has its rows prefilled one by one, since they cannot be repeated."""
+    A prompt is read once and its KV cache repeated for its copies; with a cache written in place, the first
+    tokens all prompts share are read once for all of them (positions count real tokens, so the keys are the
+    same). A model keeping a recurrent state (`stateful`) has its rows prefilled one by one."""
     if stateful and repeats > 1:
         prompt_ids, prompt_mask = prompt_ids.repeat_interleave(repeats, 0), prompt_mask.repeat_interleave(repeats, 0)
         seen = None if seen is None else seen.repeat_interleave(repeats, 0)  # [N, V]
@@ -174,10 +162,9 @@ def prefill(forward, cache, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
 
 
 class Decoded(NamedTuple):
-    """What a decode returns, with or without tools: the completions [N, C] (`pad_id` after each row's end), which
-    of their tokens were fed rather than sampled [N, C] (1: a tool's output and the turn headers around it; all 0
-    without tools) and each row's length [N], up to and including the token that ended it (an EOS that closed no
-    tool call, or the token after which the tools ended the row; C for a row nothing ended)."""
+    """What a decode returns: the completions [N, C] (`pad_id` after each row's end), which of their tokens were
+    fed rather than sampled [N, C] (a tool's output and the turn headers around it) and each row's length [N], up
+    to and including the token that ended it (C for a row nothing ended)."""
 
     completion_ids: torch.Tensor
     fed: torch.Tensor
@@ -186,10 +173,9 @@ class Decoded(NamedTuple):
 
 
 class ForcedTokens:
-    """Tokens queued for some rows of a decode (a tool's output), fed one per step in place of a sampled one: the
-    row reads them into its own KV cache positions while the other rows decode on, so no conversation is read
-    twice. `tools.row_ends` (engines/tool_loop.ToolLoop) sees every token a row samples and says what to queue,
-    or that a row ends."""
+    """Tokens queued for some rows of a decode (a tool's output), fed one per step in place of a sampled one, into
+    the row's own KV cache positions (docs/tools.md). `tools.row_ends` (engines/tool_loop.ToolLoop) sees every token
+    a row samples and says what to queue, or that a row ends."""
 
     def __init__(self, tools, N: int, C: int, device: torch.device):
         self.tools, self.queued = tools, {}  # original row -> its tokens still to feed
@@ -259,17 +245,13 @@ def decode(hf_model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, settin
            repeats: int = 1, seeds: torch.Tensor | None = None, on_token=None, head_matmul=None,
            tools=None, int8: bool = False, bf16: bool = False, with_logprobs: bool = False) -> Decoded:
     """Completions [N, C] (`Decoded`) sampled after left-padded prompts [B, P] as `settings` say, each prompt
-    `repeats` times in a row (N = B * repeats), by a transformers causal LM (adapters, if any, injected in place):
-    the prompts read by `prefill`, then one step per token, finished rows leaving the batch and the cache
-    (engines/kv_cache), a Llama-shaped model's steps fused (policy/decoder). `seeds` [N] (int64): where each row's
-    random stream starts (rollout/streams.PromptStreams.seeds; None: drawn from torch's generator). `on_token(n)`:
-    called after every step with the tokens it generated (progress bars). `head_matmul`: the LM head's product on a
-    packed copy of its weight (policy/folding). `tools` (engines/tool_loop.ToolLoop) watches what each row writes
-    and appends its tools' output (`ForcedTokens`). `int8`: the steps' linears on int8 copies of their weights
-    (policy/int8; a model whose steps do not run fused is refused); `bf16`: a fused step on the bf16 weights, LoRA
-    unfolded. `with_logprobs`: each sampled token's log-prob under the distribution it was drawn from (after the
-    penalty, temperature and filters: vLLM's processed log-probs) as `Decoded.logprobs` [N, C], NaN where no
-    token was sampled (padding, a tool's tokens)."""
+    `repeats` times in a row (N = B * repeats), by a transformers causal LM: the prompts read by `prefill`, then one
+    step per token, finished rows leaving the batch and the cache (engines/kv_cache). `seeds` [N] (int64): where
+    each row's random stream starts (None: drawn from torch's generator). `on_token(n)`: called after every step
+    with the tokens it generated. `head_matmul`: the LM head's product (policy/folding). `tools`
+    (engines/tool_loop.ToolLoop) appends the tools' output (`ForcedTokens`). `int8`, `bf16`: the fused step
+    (`decoding_step`). `with_logprobs`: each sampled token's log-prob (vLLM's processed log-probs) as
+    `Decoded.logprobs` [N, C], NaN where no token was sampled."""
     s, k, N, device = settings, settings.knobs, len(prompt_ids) * repeats, prompt_ids.device
     if s.max_new_tokens == 0:
         return Decoded(prompt_ids.new_empty(N, 0), prompt_ids.new_empty(N, 0), prompt_ids.new_zeros(N))

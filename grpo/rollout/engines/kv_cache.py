@@ -1,17 +1,7 @@
 """A KV cache allocated once for a whole decode (prompt + max_new_tokens positions) and written in place, for
-rollout/engines/decoding.py: transformers' DynamicCache concatenates every layer's keys and values at every step, which
-copies the whole cache each token (SmolLM2-135M, 16 rows of 384 positions: about 280 MB a step) and, past glibc's
-mmap threshold (infra/allocator), makes every copy fresh pages to fault in.
-
-Each layer keeps buffers [B, H, T_max, D] and hands attention views of the positions written so far; rows leave
-or are repeated (`select_rows`) by one copy of the buffers. Families whose cache is not a plain per-position
-key/value store (sliding windows, chunked or linear attention, recurrent state) keep transformers' DynamicCache
-(`preallocated_cache` returns it).
-
-The decode's rows (`DecodingRows`): rows that have finished (sampled EOS) leave the batch and the KV cache, so that
-later steps compute only the rows still decoding, and each step's tokens go back to their own rows. Sampling draws
-what the uncompacted loop draws: each row draws from its own random stream (rollout/streams), whichever rows are
-left."""
+rollout/engines/decoding.py, where transformers' DynamicCache copies the whole cache each token
+(docs/benchmarks.md); and the decode's rows (`DecodingRows`): finished rows leave the batch and the KV cache, each
+row drawing from its own random stream (rollout/streams) whichever rows are left."""
 from __future__ import annotations
 
 import torch
@@ -75,8 +65,8 @@ class PreallocatedLayer(CacheLayerMixin):
 
 def preallocated_cache(config, max_length: int) -> Cache:
     """A cache of `max_length` positions for a model with `config`, written in place, when all its layers are
-    plain full attention; else transformers' DynamicCache (sliding or chunked windows keep only their last
-    positions, linear attention and recurrent layers a state, which in-place positions do not describe)."""
+    plain full attention; else transformers' DynamicCache (windows and recurrent states are not in-place
+    positions)."""
     text_config = config.get_text_config(decoder=True)
     layer_types, _ = get_layer_types_and_kwargs(text_config)
     if not layer_types or any(t != "full_attention" for t in layer_types):

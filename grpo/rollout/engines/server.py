@@ -130,9 +130,8 @@ class ServerEngine:
         return name
 
     def close(self) -> None:
-        """The run has ended (or stopped): the adapter the server holds unloaded, unless the server is gone or
-        does not answer within seconds (the run may be ending for that), and `adapters_dir` removed, leftovers of
-        a killed run in it too (a run holds its output_dir alone: run/lock). A later call writes anew."""
+        """The run has ended (or stopped): the adapter the server holds unloaded, unless the server does not
+        answer within seconds, and `adapters_dir` removed (a killed run's leftovers too: run/lock)."""
         if self.adapter is not None:
             with contextlib.suppress(ServerError):
                 self.server.request("/v1/unload_lora_adapter", {"lora_name": self.adapter[1]},
@@ -144,7 +143,7 @@ class ServerEngine:
                  on_token) -> list[tuple[list[int], list[float]]]:
         """`n` completions of `prompt` (token ids) by the server, with the run's sampling knobs, as (token ids,
         their sampled log-probs, NaN where none came back); with `stop`, each ends after the first of those strings
-        it writes (the text a tool may run after). `on_token(n)` counts their tokens."""
+        it writes."""
         s, knobs = self.settings, self.settings.knobs
         body = {"model": adapter, "prompt": prompt, "n": n, "max_tokens": max_tokens,
                 "temperature": knobs.temperature, "top_p": knobs.top_p,
@@ -205,9 +204,8 @@ class ServerEngine:
 
 class ServerToolRow:
     """One completion row `row` of `loop` (a ToolLoop), sampled one segment at a time: `request()` says what to
-    sample next (prompt ids, seed, room, stop strings; None once the row is done), `take(tokens, logprobs)` runs the
-    segment's tokens through the tool loop. Requests may run in threads; `take` runs where the caller runs the
-    tool loop (its tool runner forks its workers from the caller's thread)."""
+    sample next (None once the row is done), `take(tokens, logprobs)` runs the segment's tokens through the tool
+    loop, in the caller's thread (its tool runner forks its workers from there)."""
 
     def __init__(self, loop, row: int, prompt: list[int], seed: int, width: int, eos_ids: list[int],
                  stops: list[str]):

@@ -1,15 +1,8 @@
 """Multi-turn tool calling inside one batched decode: `ToolLoop`, the per-row state machine to which the decode loop
 hands, each step, the rows that sampled a token of their own (`after_tokens`). A row whose tool ran gets tokens back
-(the tool's output, then the next assistant header), which the decode loop feeds one per step in place of sampling,
-in the same KV cache, with loss mask 0:
-
-- chat tools (Hermes / Qwen format): at EOS, the calls in the row's last assistant message run, unless it
-  already made `max_iterations` rounds (TRL's `max_tool_calling_iterations`; None, TRL's default: no limit);
-- inline tools (`InlineTool`): when the text just completed a trigger inside an open span, its result and
-  the span's close are forced, within the same message.
-
-Failures (a tool raising or timing out, a malformed call, an unknown tool, output longer than the row's room), what
-each does and how it is counted: docs/tools.md, "Failures".
+(the tool's output, then the next assistant header), fed one per step in place of sampling, with loss mask 0: chat
+tools' calls run at EOS, unless the row made `max_iterations` rounds (TRL's `max_tool_calling_iterations`; None: no
+limit); an inline tool's when the text completes its trigger. Failures, and how they count: docs/tools.md.
 """
 from __future__ import annotations
 
@@ -22,19 +15,16 @@ from .chat import render, tool_turn_text
 
 @dataclass
 class _Row:
-    """One completion's state: its prompt and environment, every completion id so far (its own and forced),
-    where its current assistant message starts, the conversation after the prompt as the template renders it
-    (`history`), the messages each tool round adds for reward functions (`events`: None for an inline call),
-    the rounds made, and where in the current message the last inline result ends."""
+    """One completion's state."""
 
     prompt: object
     env: object
-    ids: list[int] = field(default_factory=list)
-    start: int = 0
-    history: list[dict] = field(default_factory=list)
-    events: list = field(default_factory=list)
+    ids: list[int] = field(default_factory=list)  # every completion id so far, its own and forced
+    start: int = 0  # where its current assistant message starts
+    history: list[dict] = field(default_factory=list)  # the conversation after the prompt, as the template renders it
+    events: list = field(default_factory=list)  # the messages each tool round adds for rewards (None: inline)
     rounds: int = 0
-    span_end: int = 0
+    span_end: int = 0  # where in the current message the last inline result ends
     prompt_text: str | None = None
     calls: int = 0  # tool calls made, and those that failed (TRL's tools/* metrics)
     failures: int = 0
@@ -59,9 +49,8 @@ class _Pending:
 
 class ToolLoop:
     """Tool calling for one decode of N rows. `prompts[i]`: row i's prompt (chat messages, or a string when only
-    inline tools are used); `envs[i]`: its environment (rollout/environments.make_envs) when the tools have
-    environments; `eos_ids`: the ids that end a turn (the tokenizer's EOS by default); `chat_template_kwargs`: as the
-    prompts were rendered with (whose PromptEncoder checked, once, that the template renders tools)."""
+    inline tools are used); `envs[i]`: its environment when the tools have environments; `eos_ids`: the ids that end
+    a turn (the tokenizer's EOS by default); `chat_template_kwargs`: as the prompts were rendered with."""
 
     def __init__(self, tools: Tools, tokenizer, prompts: list, max_iterations: int | None = None,
                  envs: list | None = None, eos_ids=None, chat_template_kwargs: dict | None = None):
@@ -99,9 +88,9 @@ class ToolLoop:
     def row_ends(self, rows: list[int], tokens: list[int], room: list[int],
                  eos: list[bool]) -> tuple[list[bool], dict[int, list[int]]]:
         """The end of a row, as our decode (engines/decoding.ForcedTokens) and a server's segments
-        (engines/server.ServerToolRow) both take it: after the token each of `rows` sampled (`eos[k]`: one
-        that ends a turn), whether the row ends (its tools end it, or it sampled an EOS after which no tool ran), and
-        the tokens to feed each row whose tools ran (`after_tokens`), which goes on past its EOS."""
+        (engines/server.ServerToolRow) both take it: after the token each of `rows` sampled (`eos[k]`: one that ends
+        a turn), whether the row ends (its tools end it, or an EOS after which no tool ran), and the tokens to feed
+        each row whose tools ran, which goes on past its EOS."""
         reaction = self.after_tokens(rows, tokens, room)
         ends = [reaction[r] is None if r in reaction else e for r, e in zip(rows, eos)]
         return ends, {r: ids for r, ids in reaction.items() if ids is not None}
@@ -186,10 +175,8 @@ class ToolLoop:
 
     def completion_messages(self, row: int, completion_ids: list[int], own: list[int]) -> list[dict]:
         """Row `row`'s completion as TRL gives it to reward functions when tools are used: assistant and tool
-        messages in turn (`[{"role": "assistant", "content": ..., "tool_calls": [...]}, {"role": "tool",
-        "name": ..., "content": ...}, ..., {"role": "assistant", "content": ...}]`); an inline tool's results
-        stay in their assistant message's content. `completion_ids`: the row's ids without padding;
-        `own`: 1 on the tokens it sampled, 0 on those it was fed."""
+        messages in turn; an inline tool's results stay in their assistant message's content. `completion_ids`:
+        the row's ids without padding; `own`: 1 on the tokens it sampled, 0 on those it was fed."""
         events = iter(self.rows[row].events)
         messages, text, own_since = [], "", True
         for sampled, ids in mask_runs(completion_ids, own):

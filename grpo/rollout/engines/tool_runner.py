@@ -178,6 +178,14 @@ class ToolRunner:
         outcomes = [[None] * len(g) for g in groups]
         waiting = deque((g, 0) for g in range(len(groups)) if groups[g])
         running: dict = {}  # conn -> (job, group, index)
+
+        def finish(conn, timed_out: bool) -> None:
+            job, g, i = running.pop(conn)
+            outcomes[g][i] = Outcome(error_text(f"timed out after {self.timeout_s:g} s"), failed=True,
+                                     why=f"timed out after {self.timeout_s:g} s") if timed_out else job.answer()
+            self._done(job, timed_out)
+            if i + 1 < len(groups[g]):
+                waiting.append((g, i + 1))
         try:
             while waiting or running:
                 while waiting and len(running) < self.max_workers:
@@ -186,20 +194,10 @@ class ToolRunner:
                     running[job.conn] = (job, g, i)
                 soonest = min(job.deadline for job, _, _ in running.values())
                 for conn in multiprocessing.connection.wait(list(running), max(0.0, soonest - time.monotonic())):
-                    job, g, i = running.pop(conn)
-                    outcomes[g][i] = job.answer()
-                    self._done(job, timed_out=False)
-                    if i + 1 < len(groups[g]):
-                        waiting.append((g, i + 1))
+                    finish(conn, timed_out=False)
                 now = time.monotonic()
-                for conn, (job, g, i) in list(running.items()):
-                    if job.deadline <= now:
-                        del running[conn]
-                        outcomes[g][i] = Outcome(error_text(f"timed out after {self.timeout_s:g} s"), failed=True,
-                                                 why=f"timed out after {self.timeout_s:g} s")
-                        self._done(job, timed_out=True)
-                        if i + 1 < len(groups[g]):
-                            waiting.append((g, i + 1))
+                for conn in [conn for conn, (job, _, _) in running.items() if job.deadline <= now]:
+                    finish(conn, timed_out=True)
         finally:  # an interrupt or an error here: nothing it started goes on
             for job, _, _ in running.values():
                 self._done(job, timed_out=True)
@@ -215,11 +213,18 @@ class ToolRunner:
         except Exception:  # noqa: BLE001 -- a closure, a lambda, a class defined in a function
             payload = None
         if payload is not None:
-            pid, conn = self.idle.pop() if self.idle else self._spawn()
+            if not self.idle:
+                self.idle.append(_fork(_serve))
+                self.workers.append(self.idle[-1][0])
+            pid, conn = self.idle.pop()
             conn.send_bytes(payload)
             return _Job(conn, deadline, pid=pid, owner=owner, worker=(pid, conn))
-        if owner is not None and (problem := _unpicklable(lambda: vars(owner))) is not None:
-            self._warn(owner, problem)
+        if owner is not None and (problem := _unpicklable(owner)) is not None:
+            if type(owner) not in self._warned:
+                self._warned.add(type(owner))
+                print(f"warning: the state of {type(owner).__name__} cannot be pickled ({problem}), so its tools run "
+                      f"in the trainer's process, where a timeout answers the model but cannot stop the call",
+                      file=sys.stderr)
             return self._in_thread(thunk, deadline)
         pid, conn = _fork(lambda conn: conn.send(_answer(thunk, owner)))
         return _Job(conn, deadline, pid=pid, owner=owner)
@@ -234,11 +239,6 @@ class ToolRunner:
         elif job.worker is not None:
             self.idle.append(job.worker)
 
-    def _spawn(self) -> tuple[int, multiprocessing.connection.Connection]:
-        pid, conn = _fork(_serve)
-        self.workers.append(pid)
-        return pid, conn
-
     def _in_thread(self, thunk, deadline: float) -> _Job:
         answer, send = multiprocessing.Pipe(duplex=False)
 
@@ -249,13 +249,6 @@ class ToolRunner:
         threading.Thread(target=body, name="grpo-tool", daemon=True).start()
         return _Job(answer, deadline)
 
-    def _warn(self, owner, problem: str) -> None:
-        if type(owner) not in self._warned:
-            self._warned.add(type(owner))
-            print(f"warning: the state of {type(owner).__name__} cannot be pickled ({problem}), so its tools run in "
-                  f"the trainer's process, where a timeout answers the model but cannot stop the call",
-                  file=sys.stderr)
-
     def _adopt(self) -> None:
         """In a process forked from the one that made this runner (the sampler), let go of that one's workers."""
         if os.getpid() != self.pid:
@@ -265,9 +258,10 @@ class ToolRunner:
             self.workers[:] = []
 
 
-def _unpicklable(state) -> str | None:
+def _unpicklable(owner) -> str | None:
+    """Why the state of `owner` does not pickle (None: it does)."""
     try:
-        pickle.dumps(state())
+        pickle.dumps(vars(owner))
     except Exception as e:  # noqa: BLE001 -- TypeError, PicklingError, AttributeError (no __dict__), ...
         return f"{type(e).__name__}: {e}"
     return None
