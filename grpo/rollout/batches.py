@@ -1,7 +1,6 @@
-"""The experience, the one type a step carries from the engine to the loss (`Rollout`: ids, masks, rewards,
-advantages, fixed log-probs, row by row), and the one place it is cut into micro-batches
-(`Rollout.micro_batches`); the generation batch that `num_iterations` steps reuse (`Generation`), with its
-checkpoint form by field name; its metrics."""
+"""The experience, the one type a step carries from the engine to the loss (`Rollout`), the one place it is cut
+into micro-batches (`Rollout.micro_batches`), the generation batch that `num_iterations` steps reuse
+(`Generation`, checkpointed by field name), and its metrics."""
 from __future__ import annotations
 
 import dataclasses
@@ -21,10 +20,9 @@ IDS = ("prompt_ids", "completion_ids")  # padded with the pad token, the rest wi
 
 @dataclass
 class Rollout:
-    """Rows of sampled completions and what GRPO attaches to them: this rank's generation batch, or a
+    """Rows of sampled completions and what GRPO attaches to them, row by row: this rank's generation batch, or a
     micro-batch of it. Row i belongs to prompt i // num_generations. An engine fills the ids, masks, texts and
-    truncation flags; the scores (rollout/source), advantages and the log-probs fixed for the generation batch
-    come later, each a per-row field of the same rows."""
+    truncation flags; the scores, advantages and fixed log-probs come later."""
 
     prompt_ids: torch.Tensor  # [N, P] left-padded
     prompt_mask: torch.Tensor  # [N, P]
@@ -102,10 +100,9 @@ class Rollout:
         return cls(**{f.name: joined(f.name) for f in dataclasses.fields(cls)})
 
     def select(self, rows: torch.Tensor, multiple: int | None = None) -> Rollout:
-        """Rows `rows` [n] (indices, in order), with only the padding they need: prompts stay left-padded and
-        completions right-padded, but columns no kept row attends to are dropped, so that their compute does not
-        depend on the rows left out. With `multiple` (TRL's pad_to_multiple_of), both sides are padded to a
-        multiple of it again, the padding masked (ids and values 0)."""
+        """Rows `rows` [n] (indices, in order), without the columns no kept row attends to, so that their compute
+        does not depend on the rows left out. With `multiple` (TRL's pad_to_multiple_of), both sides are padded to
+        a multiple of it again, the padding masked (ids and values 0)."""
         prompt_mask, completion_mask = self.prompt_mask[rows], self.completion_mask[rows]  # [n, P], [n, C]
         used = prompt_mask.any(dim=0).nonzero()  # [p, 1]
         P = prompt_mask.shape[1]
@@ -130,12 +127,10 @@ class Rollout:
 
     def micro_batches(self, cut: Cut) -> list[MicroBatch]:
         """The generation batch cut into micro-batches of `cut.size` rows in order (a prompt's group may span two),
-        each holding only its rows whose gradient is not exactly 0, with the padding they need, and counting all of
-        them for the loss's divisors. Gone are rows with no token in the loss mask (unless `cut.every_row`) and, with
-        `cut.skip_zero_advantage` (algo/loss.zero_advantage_has_no_gradient), rows whose advantage is exactly 0. With
-        `cut.keep_one` (several ranks) a micro-batch left with no row keeps its first, its masks zeroed so that it
-        adds nothing to the loss or the metrics: every rank must run every micro-batch's forward and backward, or
-        DDP's and FSDP's collectives wait for it forever."""
+        each holding only its rows whose gradient is not exactly 0 (rows with no token in the loss mask unless
+        `cut.every_row`, and with `cut.skip_zero_advantage` rows of advantage 0, are left out) and counting all of
+        them for the loss's divisors. With `cut.keep_one` (several ranks) a micro-batch left with no row keeps its
+        first, its masks zeroed: every rank must run every micro-batch, or DDP's and FSDP's collectives hang."""
         N = len(self.completions)
         needed = torch.full((N,), cut.every_row) | self.loss_mask.bool().any(dim=1).cpu()  # [N]
         if cut.skip_zero_advantage:
@@ -230,9 +225,8 @@ class Generation:
 
     def correct_sampling(self, settings) -> dict[str, float]:
         """TRL's importance-sampling correction of a server's samples (algo/sampling_correction, `settings` its
-        keywords): each micro-batch's weights from its old and sampled log-probs, kept beside them as
-        `sampling_weights` (and in the whole batch's [N, C] for a checkpoint); returns the batch's metrics, over the
-        rows trained on."""
+        keywords): each micro-batch's `sampling_weights` (and the whole batch's [N, C] for a checkpoint); returns
+        the batch's metrics, over the rows trained on."""
         differences, ratios = [], []
         for m in (m for m in self.micro_batches if not m.empty):
             r = m.rollout

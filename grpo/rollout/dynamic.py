@@ -1,6 +1,5 @@
-"""DAPO's dynamic sampling (`dynamic_sampling`): a generation batch keeps only groups whose rewards differ (a
-group of equal rewards has every advantage 0 and carries no signal), sampling more prompts while it lacks some
-and rounds are left."""
+"""DAPO's dynamic sampling (`dynamic_sampling`): a generation batch keeps only groups whose rewards differ (the
+others have every advantage 0), sampling more prompts while it lacks some and rounds are left."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -29,10 +28,9 @@ class DynamicSampling:
 
     def __call__(self, rollout: Rollout, seconds: float,
                  sample: Callable[[int], tuple[Rollout, float]]) -> tuple[Rollout, dict, float]:
-        """Keep the groups with signal of `rollout` (this rank's, scored), calling `sample(prompts over all
-        ranks)` for as many prompts per rank as the rank shortest of groups lacks, while one lacks any and rounds
-        are left; a rank still short tops up with groups it dropped (they train nothing). Returns the kept
-        rows, the `dynamic_sampling/*` metrics and `seconds` plus those the rounds took."""
+        """Keep the groups with signal of `rollout` (this rank's, scored), calling `sample(prompts over all ranks)`
+        while a rank lacks some and rounds are left; a rank still short tops up with groups it dropped. Returns the
+        kept rows, the `dynamic_sampling/*` metrics and `seconds` plus those the rounds took."""
         G = self.G
         need = len(rollout.completions) // G  # this rank's groups in a generation batch
         parts, rounds = [rollout], 0

@@ -1,7 +1,5 @@
 """Greedy pass@1 on a held-out dataset, scored by the run's own reward functions, for the Trainer (eval_strategy)
-and `python -m grpo.eval`. Its metrics (TRL's `eval_rewards/<name>/mean`, `eval_reward`...; `eval/accuracy`,
-`eval/free_accuracy`, `eval/format` and `eval/length_mean`, also per value of a breakdown column as
-`eval/<column>=<value>/*`): docs/recipes-and-settings.md, "Evaluation"."""
+and `python -m grpo.eval`; its metrics: docs/recipes-and-settings.md, "Evaluation"."""
 from __future__ import annotations
 
 import ast
@@ -208,10 +206,8 @@ def evaluate(model, tokenizer, dataset, reward_funcs, settings: EvalSettings, *,
     means = reward_metrics(rewards, per_func, names)
     # A function that is not a reward function (an imported format-free accuracy) scores apart.
     extra = [m for m, (name, _) in funcs.items() if name not in names]
-    extra_values = torch.empty(len(completions), 0)  # [N, E]
-    if extra:
-        _, extra_values = compute_rewards([funcs[m][1] for m in extra], prompts, completions, columns,
-                                          completion_ids=completion_ids)  # [N, E]
+    _, extra_values = compute_rewards([funcs[m][1] for m in extra], prompts, completions, columns,
+                                      completion_ids=completion_ids)  # [N, E]
     scores = {m: extra_values[:, extra.index(m)] if m in extra else per_func[:, names.index(name)]
               for m, (name, _) in funcs.items()}  # metric: [N]
     metrics = summarize(scores, lengths)

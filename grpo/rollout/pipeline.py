@@ -1,7 +1,5 @@
 """The generation pipeline: what makes the batch of optimizer step s (`Pipeline.make`: draw, score, refill,
-advantages, cut, fixed log-probs), when the step needs it or in a sampler process one step earlier
-(run/supply.py). The engine that turns prompts into completions (our decoder, a rollout_func, a server) is the
-source's (engines/engine.Engine): the pipeline does not depend on which."""
+advantages, cut, fixed log-probs; docs/architecture.md), whichever engine samples."""
 from __future__ import annotations
 
 from collections.abc import Mapping

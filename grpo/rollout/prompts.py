@@ -1,6 +1,5 @@
-"""The prompt stream: a reshuffled pass over the dataset per epoch (a streaming IterableDataset's read as TRL reads
-it), resumable from (epoch, position); an eval_dataset's sets; the checks of a dataset before training (its
-prompts, and a chat template for chat ones)."""
+"""The prompt stream (a reshuffled pass over the dataset per epoch, resumable from (epoch, position)); an
+eval_dataset's sets; the checks of a dataset before training (its prompts, and a chat template for chat ones)."""
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -25,10 +24,9 @@ def first_rows(dataset, limit: int | None = None):
 
 
 def check_dataset(dataset, name: str = "train_dataset", environments: bool = False) -> None:
-    """Fail early, in one line, on datasets the trainer cannot use. A column has one Arrow type, so the
-    first prompt's type is every prompt's type, apart from missing (None) ones, counted separately. With
-    `environments` (an environment_factory's reset() writes the prompts) the prompt column may be missing, as
-    in TRL. A stream is checked on its first row."""
+    """Fail early, in one line, on datasets the trainer cannot use (a column has one Arrow type: the first prompt's
+    is every prompt's). With `environments` (reset() writes the prompts) the prompt column may be missing, as in
+    TRL. A stream is checked on its first row."""
     dataset = first_rows(dataset, 1) if is_stream(dataset) else dataset
     columns = getattr(dataset, "column_names", None)
     if columns is None:
@@ -62,9 +60,8 @@ def check_dataset(dataset, name: str = "train_dataset", environments: bool = Fal
 
 
 class PromptTooLong(DatasetError):
-    """A prompt of more tokens than the model's context (`context`), found as it is encoded: said by its text,
-    then by its dataset row once the caller that drew it names the dataset (`in_dataset`). `max_prompt_length`:
-    the run's (None: prompts whole); `room`: the longest prompt that leaves room for a whole completion."""
+    """A prompt of more tokens than the model's context, said by its text, then by its dataset row once the caller
+    names the dataset (`in_dataset`). `room`: the longest prompt that leaves room for a whole completion."""
 
     def __init__(self, prompt, tokens: int, context: int, max_prompt_length: int | None, room: int,
                  where: str | None = None):
@@ -107,11 +104,10 @@ def check_chat_template(tokenizer, train_dataset, eval_dataset) -> None:
 
 
 class PromptStream:
-    """Yields batches of dataset rows in a seeded order, a new permutation every epoch; with `shuffle` False, in
-    the dataset's own order (TRL's shuffle_dataset=False). A stream (`is_stream`) is read as TRL reads one: in
-    its order, through datasets' buffered shuffle seeded with `seed` + epoch when `shuffle`, again from its start
-    once it ends; its length is known after its first epoch. `run_rows`: the rows the run draws, a stream's epoch
-    as transformers counts it (`epoch_rows`)."""
+    """Yields batches of dataset rows in a seeded order, a new permutation every epoch (with `shuffle` False, the
+    dataset's own order). A stream (`is_stream`) is read as TRL reads one, through datasets' buffered shuffle seeded
+    with `seed` + epoch, again from its start once it ends. `run_rows`: the rows the run draws, a stream's epoch as
+    transformers counts it (`epoch_rows`)."""
 
     def __init__(self, dataset, seed: int, shuffle: bool = True, run_rows: float | None = None):
         self.dataset, self.seed, self.shuffle = dataset, seed, shuffle
@@ -153,8 +149,7 @@ class PromptStream:
 
     def _read(self, n: int) -> list[dict]:
         """A stream's next `n` rows, read on by its open iterator, or by one opened at (epoch, position) when that
-        was set elsewhere (a checkpoint, a rewind, the sampler process): the epoch's order skipped ahead to the
-        position, the same rows that reading from the start would give."""
+        was set elsewhere (a checkpoint, a rewind, the sampler process)."""
         rows = []
         while len(rows) < n:
             if self.reader_at != (self.epoch, self.position):

@@ -1,6 +1,5 @@
-"""Where a step's rollouts come from: the next prompts of the stream, this rank's share of them sampled by the
-engine (engines/engine.Engine) from each prompt's own random stream, and scored by the reward
-functions (`RolloutSource.draw`)."""
+"""Where a step's rollouts come from (`RolloutSource.draw`): the next prompts, this rank's share sampled by the
+engine and scored."""
 from __future__ import annotations
 
 import dataclasses
@@ -17,11 +16,10 @@ from .streams import PromptStreams
 
 
 class RolloutSource:
-    """`engine` (engines/engine.Engine) over the prompts of `prompts`, rewarded by `reward_funcs` weighted by
-    `reward_weights`; `dist` (infra/distributed) shards the prompts over the ranks; `seed` starts the prompts'
-    random streams; `release_memory`: a CPU run whose allocator returns freed memory to the OS
-    (infra/allocator), which decodes suspend; `tools` (rollout/tools.Tools, or None): the run's, whose
-    environments (one per completion) make the prompts, as evaluation's do."""
+    """`engine` (engines/engine.Engine) over the prompts of `prompts`, rewarded by `reward_funcs`; `dist`
+    (infra/distributed) shards the prompts over the ranks; `seed` starts the prompts' random streams;
+    `release_memory`: infra/allocator's, which decodes suspend; `tools`: the run's, whose environments make the
+    prompts."""
 
     def __init__(self, engine, prompts: PromptStream, reward_funcs: list, reward_weights: list[float] | None, *,
                  dist, seed: int, num_generations: int, release_memory: bool, tools=None):
@@ -67,8 +65,7 @@ class RolloutSource:
 
     def environments(self, columns: dict[str, list]) -> tuple[list, dict]:
         """The prompts (one per group) and `{"envs": [one environment per completion]}` of a generation batch's rows
-        (`columns`, one entry per completion), each environment reset on its row (rollout/environments.make_envs). A
-        group's completions start from one prompt, so a reset that words it differently within a group is an error."""
+        (`columns`, one entry per completion); a reset that words a group's prompt differently is an error."""
         rows = [dict(zip(columns, values)) for values in zip(*columns.values())]
         envs, prompts = make_envs(self.tools, rows)
         G = self.num_generations

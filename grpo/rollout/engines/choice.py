@@ -1,7 +1,6 @@
 """Every refusal of a run's generation engine, in one place, made before any model loads (called by
-run/startup.prepare): the engine is chosen by the settings (`use_vllm`, `int8_sampling_weights`, `async_generation`)
-and by what the caller passed (a sampler, TRL's rollout_func), and a choice that cannot run costs a line, not a model
-load. Settings that contradict each other alone are refused earlier, when the Config is made (settings/checks.py)."""
+run/startup.prepare), so that a choice that cannot run costs a line, not a model load. Settings that contradict
+each other alone are refused earlier, when the Config is made (settings/checks.py)."""
 from __future__ import annotations
 
 from ...errors import ConfigError

@@ -1,7 +1,6 @@
-"""A KV cache allocated once for a whole decode (prompt + max_new_tokens positions) and written in place, for
-rollout/engines/decoding.py, where transformers' DynamicCache copies the whole cache each token
-(docs/benchmarks.md); and the decode's rows (`DecodingRows`): finished rows leave the batch and the KV cache, each
-row drawing from its own random stream (rollout/streams) whichever rows are left."""
+"""A KV cache allocated once for a whole decode and written in place (transformers' DynamicCache copies the whole
+cache each token: docs/benchmarks.md); the decode's rows (`DecodingRows`): finished rows leave the batch and the
+KV cache, each row drawing from its own random stream (rollout/streams) whichever rows are left."""
 from __future__ import annotations
 
 import torch

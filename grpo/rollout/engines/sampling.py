@@ -1,6 +1,5 @@
-"""Prompts in, `num_generations` sampled completions each out, with the masks the loss needs: `Decoder`, the
-engine over our KV-cached decode loop (engines/decoding.py); the prompt encoder a run sets up once
-(`prompt_encoder`) and `rollout_of`, where every engine's completions become a Rollout."""
+"""`Decoder`, the engine over our KV-cached decode loop (engines/decoding.py); the prompt encoder a run sets up once
+(`prompt_encoder`); `rollout_of`, where every engine's completions become a Rollout."""
 from __future__ import annotations
 
 import warnings
@@ -75,12 +74,8 @@ def prompt_encoder(model, tokenizer, settings, tools=None) -> PromptEncoder:
 
 def left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)  # [N, P]
-    mask = torch.zeros((len(rows), width), dtype=torch.long)  # [N, P]
-    for i, r in enumerate(rows):
-        if r:
-            ids[i, width - len(r):] = torch.tensor(r)
-            mask[i, width - len(r):] = 1
+    ids = torch.tensor([[pad_id] * (width - len(r)) + list(r) for r in rows], dtype=torch.long)  # [N, P]
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], dtype=torch.long)  # [N, P]
     return ids, mask
 
 

@@ -1,8 +1,5 @@
-"""Completions sampled on an inference server (TRL's `use_vllm=True, vllm_mode="server"`): `ServerEngine` keeps
-the engines' one interface (engines/engine.Engine), so the step around it does not change. Token ids in and out
-(`/v1/completions`), each prompt's seed from its random stream, the run's LoRA adapter loaded at each new step,
-tools run between segments of a completion, and the one-line failures (`ServerError`): docs/inference-engines.md,
-"Sampling on a vLLM server"."""
+"""Completions sampled on an inference server (TRL's `use_vllm=True, vllm_mode="server"`) behind the engines' one
+interface: `ServerEngine` (docs/inference-engines.md, "Sampling on a vLLM server")."""
 from __future__ import annotations
 
 import contextlib

@@ -138,12 +138,7 @@ class ToolLoop:
             if o.failed:
                 row.failed(f"{name} {o.why}")
         if p.inline is not None:
-            ids = self.tokenizer.encode(outcomes[0].text + p.inline.close, add_special_tokens=False)
-            if len(ids) > p.room:
-                return self._no_room(row, names, outcomes, len(ids), p.room)
-            row.span_end = len(p.message) + len(self._text(ids))
-            row.events.append(None)
-            row.ids += ids
+            text = outcomes[0].text + p.inline.close
         else:
             tool_calls = [{"type": "function", "function": {"name": c.name, "arguments": c.arguments}}
                           for c in p.calls]
@@ -152,26 +147,23 @@ class ToolLoop:
             text, assistant = tool_turn_text(self.tokenizer, [*row.prompt, *row.history], p.message, tool_calls,
                                              tool_messages, held, self.tools.schemas_for(row.env),
                                              self.chat_template_kwargs)
-            ids = self.tokenizer.encode(text, add_special_tokens=False)
-            if len(ids) > p.room:
-                return self._no_room(row, names, outcomes, len(ids), p.room)
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        if len(ids) > p.room:  # the row ends: each of its calls that had not failed already fails now
+            ok = [name for name, o in zip(names, outcomes) if not o.failed]
+            row.failed(f"the result of {', '.join(names)} ({len(ids)} tokens) did not fit in the {p.room} tokens "
+                       f"left, the row ended", calls=len(ok))
+            return None
+        if p.inline is not None:
+            row.span_end = len(p.message) + len(self._text(ids))
+            row.events.append(None)
+        else:
             row.history += [assistant, *tool_messages]
             row.events.append([{"role": "assistant", "content": strip_hermes(p.message), "tool_calls": tool_calls},
                                *tool_messages])
-            row.span_end = 0
-            row.ids += ids
-            row.start = len(row.ids)
+            row.span_end, row.start = 0, len(row.ids) + len(ids)
+        row.ids += ids
         row.rounds += 1
         return ids
-
-    @staticmethod
-    def _no_room(row: _Row, names: list[str], outcomes: list, needed: int, room: int) -> None:
-        """A tool turn longer than the room the row has left ends the row: each of its calls that had not failed
-        already fails now (None: the row ends)."""
-        ok = [name for name, o in zip(names, outcomes) if not o.failed]
-        row.failed(f"the result of {', '.join(names)} ({needed} tokens) did not fit in the {room} tokens left, "
-                   f"the row ended", calls=len(ok))
-        return None
 
     def completion_messages(self, row: int, completion_ids: list[int], own: list[int]) -> list[dict]:
         """Row `row`'s completion as TRL gives it to reward functions when tools are used: assistant and tool

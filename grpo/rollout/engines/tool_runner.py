@@ -1,8 +1,6 @@
 """Running tool calls where a timeout can stop them: each call in a process of its own, killed (SIGKILL) when its
-`timeout_s` is up, so its CPU is freed at once and the trainer can always exit; the model reads TRL's error text,
-`{'error': 'timed out after 10 s'}`, as for a call that raises. Where a call runs by what it is (a worker process,
-a process forked for it, a thread), and what comes back of an environment's state: docs/tools.md, "Where calls
-run, and timeouts"."""
+`timeout_s` is up; the model reads TRL's error text, as for a call that raises. Where a call runs, and what comes
+back of an environment's state: docs/tools.md, "Where calls run, and timeouts"."""
 from __future__ import annotations
 
 import asyncio
@@ -59,13 +57,6 @@ def _owner(thunk):
     return None if owner is None or inspect.ismodule(owner) or inspect.isclass(owner) else owner
 
 
-def _in_child(parent: int) -> None:
-    """First thing in a forked call or worker: die with `parent`; Ctrl-C is the trainer's to handle."""
-    die_with_parent(parent)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-
-
 def _fork(body) -> tuple[int, multiprocessing.connection.Connection]:
     """Fork a child that runs `body(conn)` and exits; (its pid, the parent's end of their pipe)."""
     parent_end, child_end = multiprocessing.Pipe()
@@ -75,7 +66,9 @@ def _fork(body) -> tuple[int, multiprocessing.connection.Connection]:
         code = 0
         try:
             parent_end.close()
-            _in_child(parent)
+            die_with_parent(parent)
+            signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
             body(child_end)
         except BaseException:  # noqa: BLE001 -- the parent sees the pipe close and says so
             code = 1
@@ -88,11 +81,6 @@ def _fork(body) -> tuple[int, multiprocessing.connection.Connection]:
 def _kill(pid: int) -> None:
     with contextlib.suppress(ProcessLookupError, ChildProcessError):
         os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
-
-
-def _reap(pid: int) -> None:
-    with contextlib.suppress(ChildProcessError):
         os.waitpid(pid, 0)
 
 
@@ -142,7 +130,8 @@ class _Job:
         if self.worker is None:
             self.conn.close()
             if self.pid is not None:
-                _reap(self.pid)
+                with contextlib.suppress(ChildProcessError):
+                    os.waitpid(self.pid, 0)
         if state is not None:
             vars(self.owner).clear()
             vars(self.owner).update(pickle.loads(state))
@@ -219,12 +208,14 @@ class ToolRunner:
             pid, conn = self.idle.pop()
             conn.send_bytes(payload)
             return _Job(conn, deadline, pid=pid, owner=owner, worker=(pid, conn))
-        if owner is not None and (problem := _unpicklable(owner)) is not None:
+        try:
+            pickle.dumps(None if owner is None else vars(owner))
+        except Exception as e:  # noqa: BLE001 -- TypeError, PicklingError, AttributeError (no __dict__), ...
             if type(owner) not in self._warned:
                 self._warned.add(type(owner))
-                print(f"warning: the state of {type(owner).__name__} cannot be pickled ({problem}), so its tools run "
-                      f"in the trainer's process, where a timeout answers the model but cannot stop the call",
-                      file=sys.stderr)
+                print(f"warning: the state of {type(owner).__name__} cannot be pickled ({type(e).__name__}: {e}), "
+                      f"so its tools run in the trainer's process, where a timeout answers the model but cannot stop "
+                      f"the call", file=sys.stderr)
             return self._in_thread(thunk, deadline)
         pid, conn = _fork(lambda conn: conn.send(_answer(thunk, owner)))
         return _Job(conn, deadline, pid=pid, owner=owner)
@@ -256,15 +247,6 @@ class ToolRunner:
                 conn.close()
             self.idle, self.pid = [], os.getpid()
             self.workers[:] = []
-
-
-def _unpicklable(owner) -> str | None:
-    """Why the state of `owner` does not pickle (None: it does)."""
-    try:
-        pickle.dumps(vars(owner))
-    except Exception as e:  # noqa: BLE001 -- TypeError, PicklingError, AttributeError (no __dict__), ...
-        return f"{type(e).__name__}: {e}"
-    return None
 
 
 def _kill_all(pids: list[int], parent: int) -> None:
