@@ -76,8 +76,7 @@ class Rollout:
 
     @classmethod
     def cat(cls, parts: list[Rollout], pad_id: int) -> Rollout:
-        """The rows of `parts` in order as one rollout, prompts left-padded and completions right-padded to the
-        widest (ids with `pad_id`)."""
+        """The rows of `parts` in order as one rollout, each side padded to the widest (ids with `pad_id`)."""
         if len(parts) == 1:
             return parts[0]
         widths = {"P": max(r.prompt_ids.shape[1] for r in parts), "C": max(r.completion_ids.shape[1] for r in parts)}
@@ -150,8 +149,7 @@ class Rollout:
 
 @dataclass(frozen=True)
 class Cut:
-    """How a generation batch is cut into micro-batches (`Rollout.micro_batches`): kept with it, as the
-    log-probs fixed for it were taken on the micro-batches this cut makes."""
+    """How a generation batch is cut into micro-batches (`Rollout.micro_batches`), kept with its fixed log-probs."""
 
     size: int  # rows per micro-batch
     skip_zero_advantage: bool
@@ -202,8 +200,7 @@ class StepCounts:
 
 @dataclass
 class Generation:
-    """One generation batch, used by `num_iterations` optimizer steps: `batch` whole, and cut by `cut` into
-    `micro_batches` on creation."""
+    """One generation batch for `num_iterations` optimizer steps: `batch` whole, cut by `cut` into `micro_batches`."""
 
     batch: Rollout  # this rank's
     cut: Cut
@@ -214,8 +211,8 @@ class Generation:
 
     def fix_logprobs(self, forward) -> None:
         """Attach to each micro-batch with rows the log-probs fixed for the generation batch, `forward(rollout)`'s
-        {"old_logprobs" | "ref_logprobs": [n, c]}, and write them into the whole batch's [N, C] as well, the copy a
-        checkpoint saves and a resumed cut takes them back from."""
+        {"old_logprobs" | "ref_logprobs": [n, c]}, and write them into the whole batch's [N, C], which a checkpoint
+        saves."""
         for m in (m for m in self.micro_batches if not m.empty):
             for name, values in forward(m.rollout).items():  # [n, c] each
                 setattr(m.rollout, name, values)
@@ -260,9 +257,8 @@ class Generation:
 
 
 def with_advantages(rollout: Rollout, advantages: torch.Tensor, mask_truncated: bool) -> Rollout:
-    """`rollout` with its advantages [N] and its loss mask as the loss reads it. With `mask_truncated` (TRL's
-    mask_truncated_completions) a completion that hit max_completion_length without EOS has no token in the loss
-    mask: it counts in no loss term, token count or loss metric, and the cut leaves it out of the forward."""
+    """`rollout` with its advantages [N] and its loss mask as the loss reads it: with `mask_truncated` (TRL's
+    mask_truncated_completions) a truncated completion has no token in it (the cut leaves it out)."""
     loss_mask = rollout.loss_mask
     if mask_truncated:
         loss_mask = loss_mask * (~rollout.truncated).to(loss_mask.dtype)[:, None]  # [N, C]
@@ -270,9 +266,8 @@ def with_advantages(rollout: Rollout, advantages: torch.Tensor, mask_truncated: 
 
 
 def length_metrics(lengths: torch.Tensor, truncated: torch.Tensor) -> dict[str, float]:
-    """TRL's `completions/*` metrics from a generation batch's completion lengths [N] (before any masking)
-    and truncation flags [N] (`clipped_ratio`: the share that hit max_completion_length without EOS); the
-    `*_terminated_length` ones over the completions that ended (0 when none did, as in TRL)."""
+    """TRL's `completions/*` metrics from a generation batch's completion lengths [N] (before any masking) and
+    truncation flags [N]; the `*_terminated_length` ones over the completions that ended (0 when none did)."""
     ended = lengths[~truncated.bool()].float()  # [n]
     ended = ended if ended.numel() else torch.zeros(1)  # [n >= 1]
     return {"completions/mean_length": lengths.float().mean().item(),
@@ -285,8 +280,7 @@ def length_metrics(lengths: torch.Tensor, truncated: torch.Tensor) -> dict[str, 
 
 
 def tool_metrics(calls: torch.Tensor, failures: torch.Tensor) -> dict[str, float]:
-    """TRL's tool metrics from each completion's calls [N] and failed calls [N]: calls per completion, and the
-    share of calls that failed (0 without calls)."""
+    """TRL's tool metrics from each completion's calls [N] and failed calls [N] (failures per call, 0 without)."""
     return {"tools/call_frequency": calls.mean().item(),
             "tools/failure_frequency": (failures.sum() / calls.sum().clamp(min=1)).item()}
 

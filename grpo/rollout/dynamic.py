@@ -19,9 +19,7 @@ def kept_groups(signal: torch.Tensor, need: int, group_size: int) -> tuple[torch
 
 
 class DynamicSampling:
-    """Refills this rank's share of a generation batch with groups with signal. `dist` (infra/distributed's) keeps
-    the ranks in step: every rank runs as many rounds of as many prompts, so the collectives (and FSDP's
-    sampling) match."""
+    """Refills this rank's share of a generation batch with groups with signal, the ranks in step (`dist`)."""
 
     def __init__(self, num_generations: int, max_rounds: int, dist, pad_id: int):
         self.G, self.max_rounds, self.dist, self.pad_id = num_generations, max_rounds, dist, pad_id

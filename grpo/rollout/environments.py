@@ -30,7 +30,7 @@ def make_envs(tools, rows: list[dict], dataset: str = "train_dataset") -> tuple[
         try:
             observation = env.reset(**({k: v for k, v in row.items() if k != "environment"} if named else row))
         except Exception as error:
-            raise EnvironmentFailed(f"environment {factory.__name__}.reset raised {_one_line(error)} on the dataset "
+            raise EnvironmentFailed(f"environment {factory.__name__}.reset raised {_short(error, 300)} on the dataset "
                                     f"row {_short(row)}") from error
         prompt = row.get("prompt", EMPTY_PROMPT)
         if observation is not None:
@@ -104,13 +104,12 @@ async def _awaited_reward(env, i: int, prompts):
 def get_reward_failed(env, error: BaseException, i: int, prompt=None, where: str = "") -> EnvironmentFailed:
     """The one line for `env.get_reward()` raising `error` on completion `i` of the batch (its `prompt`)."""
     shown = f" (prompt {_short(prompt)})" if prompt is not None else ""
-    return EnvironmentFailed(f"environment {type(env).__name__}.get_reward raised {_one_line(error)} for completion "
+    return EnvironmentFailed(f"environment {type(env).__name__}.get_reward raised {_short(error, 300)} for completion "
                              f"{i} of the batch{shown}{where}")
 
 
 def environment_in(error: BaseException):
-    """The environment whose `get_reward` raised `error` (the `self` of a `get_reward` frame in its traceback,
-    innermost first), or None."""
+    """The environment whose `get_reward` raised `error` (the innermost such frame's `self`), or None."""
     found = [frame.f_locals["self"] for frame, _ in traceback.walk_tb(error.__traceback__)
              if frame.f_code.co_name == "get_reward" and "self" in frame.f_locals]
     return found[-1] if found else None
@@ -120,11 +119,7 @@ class EnvironmentFailed(UserError):
     """An environment's `reset` or `get_reward` raised: the message names the class, the row and the error."""
 
 
-def _one_line(error: BaseException, limit: int = 300) -> str:
-    text = " ".join(f"{type(error).__name__}: {error}".split())
-    return text if len(text) <= limit else text[:limit] + "..."
-
-
 def _short(value, limit: int = 200) -> str:
-    text = " ".join(repr(value).split())
+    """`value` on one line of at most `limit` characters: an error as its type and message, anything else its repr."""
+    text = " ".join((f"{type(value).__name__}: {value}" if isinstance(value, BaseException) else repr(value)).split())
     return text if len(text) <= limit else text[:limit] + "..."

@@ -37,8 +37,8 @@ def check_eval_setup(config, eval_dataset, reward_funcs) -> None:
 
 
 def check_eval_inputs(config, dataset, reward_funcs) -> None:
-    """Before any model is loaded: the config's eval functions exist and find the columns they need in
-    `dataset`, and its breakdown column is one to break metrics down by; its prompts as a training set's."""
+    """Before any model is loaded: the config's eval functions and breakdown column fit `dataset`, and its prompts
+    are as a training set's."""
     check_dataset(dataset, "eval_dataset")
     eval_funcs(reward_funcs, config.eval_accuracy_func, config.eval_free_accuracy_func,
                config.eval_format_func, dataset.column_names)
@@ -48,9 +48,8 @@ def check_eval_inputs(config, dataset, reward_funcs) -> None:
 
 def eval_funcs(reward_funcs, accuracy_func: str | None, free_accuracy_func: str | None, format_func: str | None,
                columns: list[str] | None = None) -> dict[str, tuple[str, object]]:
-    """{metric: (name, function)} of the functions that score an evaluation. A name is a reward function's;
-    the format-free accuracy may also be an importable `module.function`. Fails early, naming the choices,
-    when one cannot be found or needs a column that `columns` (the eval dataset's, when given) lacks."""
+    """{metric: (name, function)} of the functions that score an evaluation: a reward function's name, or for the
+    format-free accuracy an importable `module.function`; a ConfigError for one that lacks a column of `columns`."""
     reward_names = reward_func_names(reward_funcs)
     found = {}
     for metric, name in (("accuracy", accuracy_func), ("free_accuracy", free_accuracy_func),
@@ -138,8 +137,7 @@ def full_marks_rate(values: torch.Tensor) -> float:
 
 
 def summarize(scores: dict[str, torch.Tensor], lengths: torch.Tensor, prefix: str = "eval/") -> dict[str, float]:
-    """`<prefix><metric>`: each score's full-marks rate (`scores`: metric -> [N] values, maybe none), then the
-    mean length (`lengths` [N]) and the number of rows."""
+    """`<prefix><metric>`: each score's full-marks rate (`scores`: metric -> [N]), the mean length and the row count."""
     out = {f"{prefix}{metric}": full_marks_rate(values) for metric, values in scores.items()}
     out[f"{prefix}length_mean"] = lengths.float().mean().item()
     out[f"{prefix}num_examples"] = float(lengths.numel())
@@ -148,8 +146,7 @@ def summarize(scores: dict[str, torch.Tensor], lengths: torch.Tensor, prefix: st
 
 def breakdown(scores: dict[str, torch.Tensor], lengths: torch.Tensor, column: str,
               values: list) -> dict[str, float]:
-    """`summarize` over the rows of each distinct value of a dataset column (`values`, one per row), under
-    `eval/<column>=<value>/`, values in sorted order."""
+    """`summarize` over the rows of each distinct value of a column (`values`), under `eval/<column>=<value>/`."""
     out = {}
     for value in sorted(set(values), key=lambda v: (v is None, v)):
         rows = torch.tensor([v == value for v in values])  # [N]

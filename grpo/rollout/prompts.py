@@ -76,8 +76,7 @@ class PromptTooLong(DatasetError):
                 f"from the left and leave room for the completion, or drop the row")
 
     def in_dataset(self, dataset, name: str) -> PromptTooLong:
-        """The same error naming the first row of `dataset` (called `name`) that holds the prompt (itself when
-        none does: a prompt an environment's reset made)."""
+        """The same error naming the first row of `dataset` (called `name`) that holds the prompt (else itself)."""
         prompts = dataset["prompt"] if not is_stream(dataset) and "prompt" in dataset.column_names else []
         if self.prompt not in prompts:
             return self
@@ -86,14 +85,13 @@ class PromptTooLong(DatasetError):
 
 
 def eval_sets(dataset) -> dict:
-    """{key suffix: dataset} of an eval_dataset: {"": it}, or for several (a dict or a DatasetDict, as transformers
-    takes them) {"_<name>": each}, evaluated apart with the metric key prefix `eval_<name>`, transformers'."""
+    """{key suffix: dataset} of an eval_dataset: {"": it}, or for several (a dict or a DatasetDict) {"_<name>": each},
+    evaluated apart under the metric key prefix `eval_<name>`, as in transformers."""
     return {f"_{name}": d for name, d in dataset.items()} if isinstance(dataset, Mapping) else {"": dataset}
 
 
 def check_chat_template(tokenizer, train_dataset, eval_dataset) -> None:
-    """ConfigError, before anything is sampled, when `train_dataset` or a set of `eval_dataset` (`eval_sets`) holds
-    chat prompts (its first row's type is every row's) and `tokenizer` has no chat template to render them."""
+    """ConfigError, before anything is sampled, where a dataset holds chat prompts and the tokenizer no template."""
     named = {"train_dataset": train_dataset, **{f"eval_dataset{k}": d for k, d in eval_sets(eval_dataset).items()}}
     for name, dataset in named.items():  # a dataset without prompts has an environment's: chat ones (TRL's)
         first = first_rows(dataset, 1) if dataset is not None else []

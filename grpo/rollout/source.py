@@ -31,8 +31,7 @@ class RolloutSource:
 
     def draw(self, num_prompts: int, step: int, context: RewardContext) -> tuple[Rollout, float]:
         """`num_prompts` new prompts over all ranks, this rank's share sampled and scored at optimizer step `step`:
-        its rollout (the engine's rows with their prompts, rewards [N], per_func [N, F] and the reward functions'
-        log_extra columns) and the seconds sampling took."""
+        its rollout (with prompts, rewards, per_func and extras) and the seconds sampling took."""
         t0 = time.perf_counter()
         # Every rank draws the same global prompts and keeps its own share of whole prompts; each prompt's
         # random numbers come from its place in the generation batch, whichever rank samples it.

@@ -4,6 +4,7 @@ each prompt (engines/chat.py); inline tools (`InlineTool`) run inside the text; 
 calls."""
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import re
@@ -43,10 +44,8 @@ def parse_hermes(text: str) -> list[ToolCall]:
             raise MalformedCall(f"not JSON: {body!r} ({e})") from None
         arguments = call.get("arguments", {}) if isinstance(call, dict) else None
         if isinstance(arguments, str):  # some models write the arguments as a JSON string
-            try:
+            with contextlib.suppress(json.JSONDecodeError):
                 arguments = json.loads(arguments)
-            except json.JSONDecodeError:
-                pass
         if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not isinstance(arguments, dict):
             raise MalformedCall(f"not a call: {body!r}")
         calls.append(ToolCall(call["name"], arguments))
@@ -56,8 +55,7 @@ def parse_hermes(text: str) -> list[ToolCall]:
 
 
 def strip_hermes(text: str) -> str:
-    """An assistant message's text without its `<tool_call>` blocks: the `content` TRL gives reward functions
-    beside the parsed `tool_calls`."""
+    """An assistant message's text without its `<tool_call>` blocks (TRL's `content` beside the parsed `tool_calls`)."""
     return CALL.sub("", text).strip()
 
 
@@ -168,8 +166,7 @@ class Tools:
             seen |= {*own}
 
     def resolve(self, name: str, env) -> Callable | None:
-        """The callable a row's call of `name` runs (a method of that row's environment `env`); None for a name
-        that is not a tool of that row."""
+        """The callable a row's call of `name` runs (a method of its environment `env`); None: no tool of that row."""
         if name in self.functions:
             return self.functions[name]
         return getattr(env, name) if env is not None and name in self.methods[type(env)] else None

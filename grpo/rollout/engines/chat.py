@@ -23,9 +23,8 @@ def is_chat(prompt) -> bool:
 
 def render(tokenizer, prompt, chat_template_kwargs: dict | None = None, schemas: list | None = None) -> str:
     """A prompt as the model sees it: a string unchanged; chat messages through the tokenizer's chat template with
-    a generation prompt, the run's `chat_template_kwargs` (e.g. Qwen3's enable_thinking=False, which the template
-    reads as variables) and, when the model calls tools in chat turns, the tools' `schemas`; then a template that
-    raises is a ConfigError (without tools, its own error)."""
+    a generation prompt, the run's `chat_template_kwargs` and the tools' `schemas` (then a template that raises is a
+    ConfigError)."""
     if isinstance(prompt, str):
         return prompt
     if not is_chat(prompt):
@@ -60,10 +59,8 @@ def check_tool_template(tokenizer, chat_template_kwargs: dict | None = None, eos
 
 
 def check_tool_history(tokenizer, chat_template_kwargs: dict | None = None, eos_ids: list[int] | None = None) -> None:
-    """A ConfigError, one line, unless the template has the property a tool round relies on (`tool_turn_text`):
-    the rendering of a conversation extended by a tool turn starts with the text the row held before it. Probed
-    as a row holds it: the prompt, a call written as the Hermes parser reads it, and one of `eos_ids` (the
-    template must end its turns with one of them)."""
+    """A ConfigError, one line, unless the rendering of a conversation extended by a tool turn starts with the
+    text the row held before it (what `tool_turn_text` relies on), probed with a Hermes call and each of `eos_ids`."""
     eos_ids = [i for i in (eos_ids if eos_ids is not None else [tokenizer.eos_token_id]) if i is not None]
     start = render(tokenizer, PROBE_PROMPT, chat_template_kwargs, [PROBE_TOOL])
     ids = tokenizer.encode(PROBE_MESSAGE, add_special_tokens=False)
@@ -86,8 +83,7 @@ def check_tool_history(tokenizer, chat_template_kwargs: dict | None = None, eos_
 
 
 def _forms(message: str, tool_calls: list[dict]) -> list[dict]:
-    """The ways to pass an assistant message that made calls, tried in order: with its parsed `tool_calls` (the
-    text before the first call as its content), then its text verbatim."""
+    """The ways to pass an assistant message that made calls, in order: with its parsed `tool_calls`, then verbatim."""
     before = message[:message.find("<tool_call>")].rstrip()
     return [{"role": "assistant", "content": before, "tool_calls": tool_calls},
             {"role": "assistant", "content": message}]

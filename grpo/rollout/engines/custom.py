@@ -24,8 +24,7 @@ class RolloutFuncError(UserError):
 
 class RolloutFuncEngine:
     """The engine on TRL's rollout_func (engines/engine.Engine). `trainer`: what TRL hands the rollout_func, passed
-    on unread; `policy`: policy/forwards.Policy, whose device the rows go to; `settings`:
-    settings/components.SamplingSettings."""
+    on unread; `policy`: policy/forwards.Policy, whose device the rows go to."""
 
     def __init__(self, rollout_func, trainer, policy, tokenizer, settings):
         self.rollout_func, self.trainer, self.tokenizer = rollout_func, trainer, tokenizer
@@ -34,8 +33,7 @@ class RolloutFuncEngine:
         self.name = getattr(rollout_func, "__name__", type(rollout_func).__name__)
 
     def __call__(self, prompts: list, on_token=None, streams=None) -> tuple[Rollout, dict[str, list]]:
-        """The engine's call: one for the whole generation batch, as TRL makes it (`on_token` and `streams` unused:
-        the rollout_func draws its own random numbers)."""
+        """One call for the whole generation batch, as TRL makes it (the rollout_func draws its own random numbers)."""
         repeated = [p for p in prompts for _ in range(self.num_generations)]
         output = self.rollout_func(repeated, self.trainer)  # the trainer, as TRL passes it
         if not isinstance(output, dict) or any(k not in output for k in REQUIRED):

@@ -22,8 +22,7 @@ from .kv_cache import DecodingRows, in_place, preallocated_cache, select_rows
 
 def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
                   min_p: float | None = None) -> torch.Tensor:
-    """Temperature, then top-k, nucleus (top-p) and min-p filtering (transformers' order), in place; removed
-    tokens get -inf."""
+    """Temperature, then top-k, top-p and min-p filtering (transformers' order), in place: removed tokens get -inf."""
     if temperature != 1.0:
         logits /= temperature
     if 0 < top_k < logits.shape[-1]:
@@ -44,18 +43,16 @@ def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: f
 
 
 def seen_tokens(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[N, V] bool: the vocabulary entries each row's prompt [N, P] holds, padding left out (transformers counts
-    from the first real token). Ids past the LM head's vocabulary (embeddings larger than the head) cannot be
-    sampled, so they are dropped, as transformers drops them."""
+    """[N, V] bool: the vocabulary entries each row's prompt [N, P] holds, padding left out; ids past the LM head's
+    vocabulary (embeddings larger than the head) dropped, as transformers drops them."""
     ids = prompt_ids.masked_fill(prompt_mask == 0, vocab_size).clamp(max=vocab_size)  # [N, P]; V: not counted
     seen = torch.zeros(ids.shape[0], vocab_size + 1, dtype=torch.bool, device=ids.device)  # [N, V+1]
     return seen.scatter_(1, ids, True)[:, :vocab_size]  # [N, V]
 
 
 def penalize_repetitions(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
-    """transformers' repetition penalty: the logits [N, V] of tokens already seen [N, V] (in the prompt or the
-    completion so far) are divided by `penalty` where positive and multiplied where negative, so a penalty > 1
-    makes any repeat less likely. Applied to the raw logits, before temperature."""
+    """transformers' repetition penalty, on the raw logits [N, V]: those of tokens already seen [N, V] divided by
+    `penalty` where positive and multiplied where negative."""
     penalized = torch.where(logits < 0, logits * penalty, logits / penalty)  # [N, V]
     return torch.where(seen, penalized, logits)  # [N, V]
 
@@ -63,16 +60,12 @@ def penalize_repetitions(logits: torch.Tensor, seen: torch.Tensor, penalty: floa
 CDF_BLOCK = 256  # vocabulary entries per block of the two-level inverse CDF
 
 
-def sample_from_logits(logits: torch.Tensor, generator: torch.Generator | None = None,
-                       u: torch.Tensor | None = None) -> torch.Tensor:
-    """One token id per row [N], drawn from softmax(logits) by inverse CDF in float64 (so that 150k small
-    probabilities still add up exactly enough); -inf logits are never drawn. `u` [N, 1] (float64): the rows'
-    uniforms, drawn here (from `generator`) when not given. Two levels, so that no float64 cumulative sum runs over
-    the whole vocabulary: the blocks' cumulative mass picks a block, the cumulative sum inside it the token."""
+def sample_from_logits(logits: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One token id per row [N], drawn from softmax(logits) by inverse CDF in float64 with the rows' uniforms `u`
+    [N, 1] (float64); -inf logits are never drawn. Two levels, so that no float64 cumulative sum runs over the
+    whole vocabulary: the blocks' cumulative mass picks a block, the cumulative sum inside it the token."""
     N, V = logits.shape
     probs = logits.softmax(-1)  # [N, V]
-    if u is None:
-        u = torch.rand(N, 1, dtype=torch.float64, device=logits.device, generator=generator)  # [N, 1]
     padded = (F.pad(probs, (0, -V % CDF_BLOCK)) if V % CDF_BLOCK else probs).view(N, -1, CDF_BLOCK)  # [N, nb, B]
     block_mass = padded.double().sum(-1)  # [N, nb]
     block_cdf = block_mass.cumsum(-1)  # [N, nb]
@@ -182,8 +175,7 @@ class ForcedTokens:
         self.mask = torch.zeros(N, C, dtype=torch.long, device=device)  # [N, C]
 
     def apply(self, token: torch.Tensor, rows: torch.Tensor, step: int) -> torch.Tensor:
-        """This step's tokens [n] of batch rows `rows` [n] (original indices) with queued ones in place of
-        sampled ones; [n] bool: which were queued."""
+        """This step's tokens [n] of rows `rows` [n] with queued ones in place of sampled ones; [n] bool: which were."""
         forced = torch.zeros_like(token, dtype=torch.bool)  # [n]
         if self.queued:
             where = {r: i for i, r in enumerate(rows.tolist())}
@@ -197,8 +189,8 @@ class ForcedTokens:
     def react(self, token: torch.Tensor, rows: torch.Tensor, own: torch.Tensor, eos: torch.Tensor,
               room: int) -> torch.Tensor:
         """Show the tools the tokens [n] that batch rows `rows` [n] sampled this step (`own` [n]: a token of their
-        own, neither fed nor after their end; `eos` [n]: an EOS of their own); [n] bool: the rows that end now
-        (engines/tool_loop.ToolLoop.row_ends). A row whose tool ran gets its output queued and goes on past its EOS."""
+        own; `eos` [n]: an EOS of their own); [n] bool: the rows that end now. A row whose tool ran gets its output
+        queued."""
         ends, own = eos.clone(), own.nonzero().squeeze(1)  # [n], [k]: positions that sampled a token of their own
         if own.numel() == 0:
             return ends
@@ -211,9 +203,8 @@ class ForcedTokens:
 
 def next_tokens(logits: torch.Tensor, s: DecodeSettings, seen: torch.Tensor | None, eos: torch.Tensor,
                 u: torch.Tensor | None, with_logprobs: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A decoding step's tokens [n] from its logits [n, V] (`seen` [n, V]: the tokens a repetition penalty
-    counts; `u` [n, 1]: the rows' uniforms, None when greedy) and, `with_logprobs`, each one's log-prob [n]
-    under the distribution it was drawn from (None without)."""
+    """A decoding step's tokens [n] from its logits [n, V] (`seen` [n, V]: the tokens a repetition penalty counts;
+    `u` [n, 1]: the rows' uniforms) and, `with_logprobs`, each one's log-prob [n] where it was drawn from."""
     k = s.knobs
     if seen is not None:
         logits = penalize_repetitions(logits, seen, k.repetition_penalty)  # [n, V]
@@ -230,8 +221,7 @@ def next_tokens(logits: torch.Tensor, s: DecodeSettings, seen: torch.Tensor | No
 
 def decoding_step(hf_model, cache, forward, int8: bool, bf16: bool = False):
     """`step(ids [n, 1], mask [n, T], position_ids [n, 1]) -> hidden [n, H]`: a Llama-shaped model's fused step
-    (policy/decoder: the same math in fewer operations), on int8 weights with `int8`, on its bf16 base with
-    `bf16`; else the last position of `forward`, the body's forward."""
+    (policy/decoder), on int8 weights or its bf16 base; else the last position of `forward`, the body's."""
     fused = fused_decoder(hf_model.base_model, cache, int8, bf16) if in_place(cache) else None
     if int8 and fused is None:
         raise ConfigError("int8_sampling_weights=True needs decoding steps that run fused (policy/decoder): a "

@@ -63,9 +63,7 @@ class PreallocatedLayer(CacheLayerMixin):
 
 
 def preallocated_cache(config, max_length: int) -> Cache:
-    """A cache of `max_length` positions for a model with `config`, written in place, when all its layers are
-    plain full attention; else transformers' DynamicCache (windows and recurrent states are not in-place
-    positions)."""
+    """A cache of `max_length` positions written in place when all layers are full attention; else DynamicCache."""
     text_config = config.get_text_config(decoder=True)
     layer_types, _ = get_layer_types_and_kwargs(text_config)
     if not layer_types or any(t != "full_attention" for t in layer_types):
@@ -85,8 +83,7 @@ BLOCK = 64  # decoding steps whose uniforms are drawn at once: a draw is a dozen
 
 class DecodingRows:
     """Which of a decoding batch's N rows are still in it, and which of those have finished. `compacts=False`
-    keeps them all (a model with a recurrent state, which rows cannot leave). `seeds` [N]: where
-    each row's random stream starts (rollout/streams); None when nothing is sampled (greedy decoding)."""
+    keeps them all (a recurrent state); `seeds` [N]: where each row's random stream starts (None: greedy)."""
 
     def __init__(self, N: int, device: torch.device, compacts: bool = True, seeds: torch.Tensor | None = None):
         self.N, self.compacts, self.seeds = N, compacts, seeds
@@ -110,9 +107,7 @@ class DecodingRows:
         return out
 
     def compact(self, cache, *tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-        """`tensors` (one row per batch row: the next tokens, attention mask, positions, tokens seen; None passes
-        through) without the finished rows, which also leave the KV cache `cache`; only once they are at least
-        MIN_SHARE of the batch, since each compaction copies every cache layer."""
+        """`tensors` (None passes) without the finished rows, which leave `cache` too, once MIN_SHARE of the batch."""
         done = int(self.finished.sum()) if self.compacts else 0
         if done == 0 or done < MIN_SHARE * len(self.rows):
             return tensors
@@ -124,8 +119,7 @@ class DecodingRows:
 
 
 def select_rows(cache, index: torch.Tensor, *tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-    """Rows `index` [n'] of every KV-cache layer and of `tensors` (None passes through): fewer rows when finished
-    ones leave, repeated rows when a prefilled prompt is copied. reorder_cache, not batch_select_indices, which
-    would miss linear-attention layers' states."""
+    """Rows `index` [n'] of every KV-cache layer and of `tensors` (None passes through). reorder_cache, not
+    batch_select_indices, which would miss linear-attention layers' states."""
     cache.reorder_cache(index)
     return tuple(None if t is None else t[index] for t in tensors)

@@ -32,9 +32,8 @@ class PromptEncoder:
 
     def __call__(self, prompts: list, context: int | None = None, max_completion_length: int = 0,
                  envs: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The prompts' ids and mask [B, P], left-padded; `context`: the positions of the model that decodes
-        them (policy/models.context_length; None: unchecked), of which a completion of `max_completion_length`
-        tokens needs its share; `envs`: each prompt's environment, whose tools its prompt shows (None: none)."""
+        """The prompts' ids and mask [B, P], left-padded; `context`: the model's positions (None: unchecked), of
+        which a completion needs `max_completion_length`; `envs`: each prompt's environment, whose tools it shows."""
         chat = self.tools is not None and self.tools.chat
         envs = envs if envs is not None else [None] * len(prompts)
         texts = [render(self.tokenizer, p, self.chat_template_kwargs, self.tools.schemas_for(env) if chat else None)
@@ -55,18 +54,14 @@ class PromptEncoder:
 
     def tool_loop(self, prompts: list, repeats: int, max_iterations: int | None, envs: list | None,
                   eos_ids: list[int]) -> ToolLoop | None:
-        """The tool loop of one decode (engines/tool_loop.ToolLoop; None without tools) of `prompts`, each `repeats`
-        times in a row, as they were rendered: our decode's and a server's segments' alike."""
+        """The tool loop of one decode of `prompts`, each `repeats` times in a row (None without tools)."""
         repeated = [p for p in prompts for _ in range(repeats)]
         return None if self.tools is None else ToolLoop(self.tools, self.tokenizer, repeated, max_iterations, envs,
                                                          eos_ids, self.chat_template_kwargs)
 
 
 def prompt_encoder(model, tokenizer, settings, tools=None) -> PromptEncoder:
-    """The run's one prompt encoder (the trainer's engine and its evaluation share it; grpo.eval and grpo.generate
-    make their own): `settings` (settings/components.SamplingSettings or EvalSettings, the same Config's values) give
-    max_prompt_length and chat_template_kwargs; `tools`' schemas rendered into the prompts, the template checked
-    with `model`'s EOS ids."""
+    """The run's one prompt encoder (its engine's and evaluation's), from `settings`' prompt length and kwargs."""
     kwargs = None if settings.chat_template_kwargs is None else dict(settings.chat_template_kwargs)
     return PromptEncoder(tokenizer, settings.max_prompt_length, kwargs, tools,
                          None if tools is None else eos_token_ids(tokenizer, model))
@@ -152,9 +147,8 @@ def rollout_of(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, decoded: Dec
 def decoded_rows(rows: list[list[int]], pad_id: int, eos_ids: list[int] | None, fed: list[list[int]] | None = None,
                  logprobs: list[list[float]] | None = None) -> Decoded:
     """Completions made elsewhere (a server, a rollout_func), as lists of token ids, as our decode returns them: a
-    completion runs up to and including its first EOS of `eos_ids`, as a decode ends a row there (the ids after it
-    are not the completion's), or whole (`eos_ids` None: the tool loop ended it, as in a server's segments); `fed`:
-    1 on each token a tool wrote (None: none); `logprobs`: each token's sampled log-prob, kept (NaN past them)."""
+    completion runs up to and including its first EOS of `eos_ids`, or whole (`eos_ids` None: the tool loop ended
+    it); `fed`: 1 on each token a tool wrote (None: none); `logprobs`: each token's sampled log-prob."""
     width, eos = max(1, max(len(r) for r in rows)), set(eos_ids or ())
 
     def padded(lists: list[list], value, dtype: torch.dtype) -> torch.Tensor:  # [N, C]

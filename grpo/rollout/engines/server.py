@@ -104,8 +104,7 @@ class ServerEngine:
         return name
 
     def push_adapter(self, step: int) -> str:
-        """The adapter name the server samples step `step` with: the policy's adapter written and loaded once per
-        step, the previous one unloaded and deleted."""
+        """The adapter the server samples step `step` with: written and loaded once a step, the last one removed."""
         if self.adapter is not None and self.adapter[0] == step:
             return self.adapter[1]
         name = f"grpo-{self.run_id}-step{step}"
@@ -138,9 +137,8 @@ class ServerEngine:
 
     def complete(self, adapter: str, prompt: list[int], seed: int, n: int, max_tokens: int, stop: list[str],
                  on_token) -> list[tuple[list[int], list[float]]]:
-        """`n` completions of `prompt` (token ids) by the server, with the run's sampling knobs, as (token ids,
-        their sampled log-probs, NaN where none came back); with `stop`, each ends after the first of those strings
-        it writes."""
+        """`n` completions of `prompt` (token ids) by the server, with the run's sampling knobs, as (token ids, their
+        sampled log-probs); with `stop`, each ends after the first of those strings it writes."""
         s, knobs = self.settings, self.settings.knobs
         body = {"model": adapter, "prompt": prompt, "n": n, "max_tokens": max_tokens,
                 "temperature": knobs.temperature, "top_p": knobs.top_p,

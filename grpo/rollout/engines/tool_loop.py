@@ -66,10 +66,9 @@ class ToolLoop:
         self._triggering: dict[int, bool] = {}  # token id -> whether its text holds a trigger's last character
 
     def after_tokens(self, rows: list[int], tokens: list[int], room: list[int]) -> dict[int, list[int] | None]:
-        """Called every decode step with the rows (original indices) that just sampled a token of their own,
-        those tokens, and `room[k]`: how many tokens row `rows[k]` may still take. Returns, for the rows whose
-        tool ran, the token ids to feed next, or None for a row that must end now; rows left out go on as
-        sampled (an EOS ends them). The rows' calls of the step run at once, each row's in order."""
+        """Called every decode step with the rows (original indices) that just sampled a token of their own, those
+        tokens, and `room[k]`: how many tokens row `rows[k]` may still take. Returns, for the rows whose tool ran,
+        the token ids to feed next, or None for a row that must end now; rows left out go on as sampled."""
         ended, pending = {}, []
         for r, token, space in zip(rows, tokens, room):
             row = self.rows[r]
@@ -87,17 +86,15 @@ class ToolLoop:
 
     def row_ends(self, rows: list[int], tokens: list[int], room: list[int],
                  eos: list[bool]) -> tuple[list[bool], dict[int, list[int]]]:
-        """The end of a row, as our decode (engines/decoding.ForcedTokens) and a server's segments
-        (engines/server.ServerToolRow) both take it: after the token each of `rows` sampled (`eos[k]`: one that ends
-        a turn), whether the row ends (its tools end it, or an EOS after which no tool ran), and the tokens to feed
-        each row whose tools ran, which goes on past its EOS."""
+        """The end of a row, as our decode and a server's segments both take it: after the token each of `rows`
+        sampled (`eos[k]`: one that ends a turn), whether the row ends (its tools end it, or an EOS after which no
+        tool ran), and the tokens to feed each row whose tools ran, which goes on past its EOS."""
         reaction = self.after_tokens(rows, tokens, room)
         ends = [reaction[r] is None if r in reaction else e for r, e in zip(rows, eos)]
         return ends, {r: ids for r, ids in reaction.items() if ids is not None}
 
     def _chat_calls(self, r: int, space: int, pending: list) -> bool:
-        """Queue the calls of row r's message that just ended, if any; False when the row must end now (a
-        malformed call, an unknown tool)."""
+        """Queue the calls of row r's message that just ended; False when the row must end now (malformed, unknown)."""
         row = self.rows[r]
         message = self._text(row.ids[row.start:-1])
         try:
@@ -202,8 +199,7 @@ class ToolLoop:
         return row.prompt_text
 
     def _may_trigger(self, token: int) -> bool:
-        """Whether `token`'s text holds the last character of a trigger: the cheap test (one decode per
-        distinct token) before the row's message is decoded."""
+        """Whether `token`'s text holds a trigger's last character: a cheap test before the row's message is decoded."""
         if token not in self._triggering:
             self._triggering[token] = any(c in self._text([token]) for c in self._trigger_chars)
         return self._triggering[token]

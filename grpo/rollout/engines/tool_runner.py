@@ -145,9 +145,8 @@ class _Job:
 
 
 class ToolRunner:
-    """Runs a decode step's tool calls, each under `timeout_s`, at most `max_workers` at once. Made once per
-    run (rollout/tools.Tools holds it); its worker processes are forked as they are first needed and killed
-    when it is garbage-collected or the process exits."""
+    """Runs a decode step's tool calls, each under `timeout_s`, at most `max_workers` at once. Made once per run;
+    its worker processes are forked as first needed and killed when it is garbage-collected or the process exits."""
 
     def __init__(self, timeout_s: float, max_workers: int | None = None):
         self.timeout_s = timeout_s
@@ -160,9 +159,8 @@ class ToolRunner:
 
     def run(self, groups: list[list]) -> list[list[Outcome]]:
         """Run the calls and return their outcomes, group by group. `groups`: one list per row of argument-less
-        callables (e.g. `functools.partial(fn, **arguments)`); the groups run at once, a group's calls one after
-        another in order (a row's environment sees them as the model wrote them). A raised exception, a timeout
-        or a process that dies becomes `error_text` and a failure."""
+        callables; the groups run at once, a group's calls one after another in order. A raised exception, a
+        timeout or a process that dies becomes `error_text` and a failure."""
         self._adopt()
         outcomes = [[None] * len(g) for g in groups]
         waiting = deque((g, 0) for g in range(len(groups)) if groups[g])
@@ -221,8 +219,7 @@ class ToolRunner:
         return _Job(conn, deadline, pid=pid, owner=owner)
 
     def _done(self, job: _Job, timed_out: bool) -> None:
-        """After a call's answer (or its timeout): its process killed if it still runs, a worker kept for the
-        next call if it answered."""
+        """After a call's answer or timeout: its process killed if it still runs, else its worker kept for the next."""
         if timed_out or job.ended:
             job.stop()
             if job.worker is not None:
