@@ -21,8 +21,7 @@ IDS = ("prompt_ids", "completion_ids")  # padded with the pad token, the rest wi
 @dataclass
 class Rollout:
     """Rows of sampled completions and what GRPO attaches to them, row by row: this rank's generation batch, or a
-    micro-batch of it. Row i belongs to prompt i // num_generations. An engine fills the ids, masks, texts and
-    truncation flags; the scores, advantages and fixed log-probs come later."""
+    micro-batch of it. Row i belongs to prompt i // num_generations."""
 
     prompt_ids: torch.Tensor  # [N, P] left-padded
     prompt_mask: torch.Tensor  # [N, P]
@@ -257,8 +256,7 @@ class Generation:
 
 
 def with_advantages(rollout: Rollout, advantages: torch.Tensor, mask_truncated: bool) -> Rollout:
-    """`rollout` with its advantages [N] and its loss mask as the loss reads it: with `mask_truncated` (TRL's
-    mask_truncated_completions) a truncated completion has no token in it (the cut leaves it out)."""
+    """`rollout` with its advantages [N] and the loss mask the loss reads (no truncated row with `mask_truncated`)."""
     loss_mask = rollout.loss_mask
     if mask_truncated:
         loss_mask = loss_mask * (~rollout.truncated).to(loss_mask.dtype)[:, None]  # [N, C]
@@ -266,8 +264,7 @@ def with_advantages(rollout: Rollout, advantages: torch.Tensor, mask_truncated: 
 
 
 def length_metrics(lengths: torch.Tensor, truncated: torch.Tensor) -> dict[str, float]:
-    """TRL's `completions/*` metrics from a generation batch's completion lengths [N] (before any masking) and
-    truncation flags [N]; the `*_terminated_length` ones over the completions that ended (0 when none did)."""
+    """TRL's `completions/*` metrics from lengths [N] and truncation flags [N] (terminated: 0 where none ended)."""
     ended = lengths[~truncated.bool()].float()  # [n]
     ended = ended if ended.numel() else torch.zeros(1)  # [n >= 1]
     return {"completions/mean_length": lengths.float().mean().item(),

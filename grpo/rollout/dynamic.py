@@ -11,9 +11,8 @@ from .batches import Rollout
 
 
 def kept_groups(signal: torch.Tensor, need: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The `need` groups a batch keeps of those sampled, `signal` [n] (True where a group's rewards differ):
-    groups with signal first, then the others as filler, each kept in the order it was sampled. Returns the
-    groups' indices [need], ascending, and their rows [need * group_size] (group g holds rows g*G .. g*G+G-1)."""
+    """The `need` groups a batch keeps of those sampled (`signal` [n]: a group's rewards differ), those with signal
+    first, then filler: their indices [need], ascending, and rows [need * group_size] (group g: rows g*G..g*G+G-1)."""
     keep = torch.cat([signal.nonzero(), (~signal).nonzero()]).flatten()[:need].sort().values  # [need]
     return keep, (keep[:, None] * group_size + torch.arange(group_size)).flatten()  # [need], [need * G]
 

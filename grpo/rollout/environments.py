@@ -33,11 +33,10 @@ def make_envs(tools, rows: list[dict], dataset: str = "train_dataset") -> tuple[
             raise EnvironmentFailed(f"environment {factory.__name__}.reset raised {_short(error, 300)} on the dataset "
                                     f"row {_short(row)}") from error
         prompt = row.get("prompt", EMPTY_PROMPT)
-        if observation is not None:
-            if isinstance(prompt, str):
-                prompt = prompt + observation
-            else:
-                prompt = [*prompt[:-1], {**prompt[-1], "content": prompt[-1]["content"] + observation}]
+        if observation is not None and isinstance(prompt, str):
+            prompt = prompt + observation
+        elif observation is not None:
+            prompt = [*prompt[:-1], {**prompt[-1], "content": prompt[-1]["content"] + observation}]
         envs.append(env)
         prompts.append(prompt)
     return envs, prompts
@@ -72,9 +71,8 @@ def training_rows(train_dataset, tools, max_steps: int, num_prompts: int):
 
 
 def environment_reward(environment: type) -> Callable:
-    """TRL's reward of an environment that owns it: a reward function named after the class `environment` that
-    scores each completion whose environment is of exactly that class by its `get_reward()` (maybe async), the
-    others None."""
+    """TRL's reward of an environment that owns it: a reward function named after the class `environment`, each
+    completion whose environment is of exactly that class scored by its `get_reward()` (maybe async), others None."""
     if inspect.iscoroutinefunction(environment.get_reward):
         async def reward(environments, prompts=None, **kwargs) -> list[float | None]:
             return [await _awaited_reward(env, i, prompts) if type(env) is environment else None

@@ -37,8 +37,7 @@ def check_eval_setup(config, eval_dataset, reward_funcs) -> None:
 
 
 def check_eval_inputs(config, dataset, reward_funcs) -> None:
-    """Before any model is loaded: the config's eval functions and breakdown column fit `dataset`, and its prompts
-    are as a training set's."""
+    """Before any model loads: the config's eval functions and breakdown column fit `dataset`, its prompts checked."""
     check_dataset(dataset, "eval_dataset")
     eval_funcs(reward_funcs, config.eval_accuracy_func, config.eval_free_accuracy_func,
                config.eval_format_func, dataset.column_names)

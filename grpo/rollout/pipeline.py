@@ -32,8 +32,7 @@ class Pipeline:
         """The pipeline of `engine` over `prompts`, rewarded by `reward_funcs`; `loss`: policy_loss's settings, which
         say whether rows of advantage 0 can be cut out; `pad_id` pads the refilled rows."""
         s = settings
-        source = RolloutSource(engine, prompts, reward_funcs, s.reward_weights, dist=dist, seed=s.seed,
-                               num_generations=s.num_generations, release_memory=release_memory, tools=tools)
+        source = RolloutSource(engine, prompts, reward_funcs, s, dist=dist, release_memory=release_memory, tools=tools)
         refill = None if s.refill_rounds is None else DynamicSampling(s.num_generations, s.refill_rounds, dist,
                                                                       pad_id)
         every_row = policy.router_aux_coef != 0  # the router's loss has a gradient through every row's tokens

@@ -24,9 +24,8 @@ def first_rows(dataset, limit: int | None = None):
 
 
 def check_dataset(dataset, name: str = "train_dataset", environments: bool = False) -> None:
-    """Fail early, in one line, on datasets the trainer cannot use (a column has one Arrow type: the first prompt's
-    is every prompt's). With `environments` (reset() writes the prompts) the prompt column may be missing, as in
-    TRL. A stream is checked on its first row."""
+    """Fail early, in one line, on datasets the trainer cannot use (the first prompt's type is every prompt's). With
+    `environments` (reset() writes the prompts) the prompt column may be missing; a stream is checked on a row."""
     dataset = first_rows(dataset, 1) if is_stream(dataset) else dataset
     columns = getattr(dataset, "column_names", None)
     if columns is None:
@@ -102,10 +101,9 @@ def check_chat_template(tokenizer, train_dataset, eval_dataset) -> None:
 
 
 class PromptStream:
-    """Yields batches of dataset rows in a seeded order, a new permutation every epoch (with `shuffle` False, the
-    dataset's own order). A stream (`is_stream`) is read as TRL reads one, through datasets' buffered shuffle seeded
-    with `seed` + epoch, again from its start once it ends. `run_rows`: the rows the run draws, a stream's epoch as
-    transformers counts it (`epoch_rows`)."""
+    """Yields batches of dataset rows in a seeded order, a new permutation every epoch (`shuffle` False: in order);
+    a stream (`is_stream`) as TRL reads one, through datasets' buffered shuffle seeded with `seed` + epoch.
+    `run_rows`: the rows the run draws, a stream's epoch as transformers counts it (`epoch_rows`)."""
 
     def __init__(self, dataset, seed: int, shuffle: bool = True, run_rows: float | None = None):
         self.dataset, self.seed, self.shuffle = dataset, seed, shuffle
@@ -183,6 +181,5 @@ class PromptStream:
 
 
 def per_completion(columns: dict[str, list], num_generations: int) -> dict[str, list]:
-    """Each prompt's row repeated for its `num_generations` completions: completion i belongs to prompt
-    i // num_generations, everywhere in the trainer (sampling repeats the prompt ids the same way)."""
+    """Each prompt's row repeated for its `num_generations` completions: completion i belongs to prompt i // G."""
     return {k: [v for v in values for _ in range(num_generations)] for k, values in columns.items()}

@@ -33,10 +33,6 @@ class RewardModel:
                               f"expected ({len(texts)}, 1): one score per completion")
         return logits[:, 0].float().tolist()  # [N]
 
-    def to(self, device) -> RewardModel:
-        self.model.to(device)
-        return self
-
 
 def reward_callables(reward_funcs, reward_processing_classes=None, chat_template_kwargs: dict | None = None,
                      required: bool = True) -> list:
@@ -60,7 +56,7 @@ def place_reward_models(reward_funcs: list, device) -> None:
     """Put every reward model on `device` (the policy's), where its inputs will go."""
     for f in reward_funcs:
         if isinstance(f, RewardModel):
-            f.to(device)
+            f.model.to(device)
 
 
 def _wrap(f, tokenizer, i: int, chat_template_kwargs: dict | None):

@@ -56,8 +56,7 @@ def reward_func_names(funcs) -> list[str]:
 
 
 class RewardContext:
-    """TRL's per-call reward arguments besides the batch, and what the functions log through them.
-    `trainer_state`: the run's (run/state.TrainerState), None outside a run."""
+    """TRL's per-call reward arguments besides the batch (`trainer_state`: None outside a run), and what is logged."""
 
     def __init__(self, trainer_state=None):
         self.trainer_state = trainer_state

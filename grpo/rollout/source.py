@@ -16,17 +16,16 @@ from .streams import PromptStreams
 
 
 class RolloutSource:
-    """`engine` (engines/engine.Engine) over the prompts of `prompts`, rewarded by `reward_funcs`; `dist`
-    (infra/distributed) shards the prompts over the ranks; `seed` starts the prompts' random streams;
+    """`engine` (engines/engine.Engine) over the prompts of `prompts`, rewarded by `reward_funcs`; `settings`:
+    settings/components.GenerationSettings; `dist` (infra/distributed) shards the prompts over the ranks;
     `release_memory`: infra/allocator's, which decodes suspend; `tools`: the run's, whose environments make the
     prompts."""
 
-    def __init__(self, engine, prompts: PromptStream, reward_funcs: list, reward_weights: list[float] | None, *,
-                 dist, seed: int, num_generations: int, release_memory: bool, tools=None):
-        self.engine, self.prompts, self.reward_funcs = engine, prompts, reward_funcs
-        self.reward_weights = reward_weights
+    def __init__(self, engine, prompts: PromptStream, reward_funcs: list, settings, *, dist, release_memory: bool,
+                 tools=None):
+        self.engine, self.prompts, self.reward_funcs, self.settings = engine, prompts, reward_funcs, settings
         self.tools = tools if tools is not None and tools.environments else None  # None: no environments
-        self.dist, self.seed, self.num_generations, self.release_memory = dist, seed, num_generations, release_memory
+        self.dist, self.release_memory = dist, release_memory
         self.show_progress = dist.is_main  # off in a sampler process (run/ahead.py): the trainer's bar is shown
 
     def draw(self, num_prompts: int, step: int, context: RewardContext) -> tuple[Rollout, float]:
@@ -35,15 +34,15 @@ class RolloutSource:
         t0 = time.perf_counter()
         # Every rank draws the same global prompts and keeps its own share of whole prompts; each prompt's
         # random numbers come from its place in the generation batch, whichever rank samples it.
-        streams = PromptStreams(self.seed, step, self.prompts.drawn).after(
+        streams = PromptStreams(self.settings.seed, step, self.prompts.drawn).after(
             self.dist.rank * (num_prompts // self.dist.world_size))
         rows = self.dist.shard(self.prompts.next(num_prompts))
-        columns = per_completion(rows, self.num_generations)
+        columns = per_completion(rows, self.settings.num_generations)
         prompts, envs = rows.get("prompt"), {}
         if self.tools is not None:  # one environment per completion; its tools are its methods
             prompts, envs = self.environments(columns)
             # The rewards get the prompts the model saw, what reset() added included, as in TRL.
-            columns["prompt"] = [p for p in prompts for _ in range(self.num_generations)]
+            columns["prompt"] = [p for p in prompts for _ in range(self.settings.num_generations)]
         with TokenProgress(f"sampling step {step + 1}", enabled=self.show_progress) as on_token:
             with decoding_allocations(self.release_memory):
                 try:
@@ -54,7 +53,7 @@ class RolloutSource:
         columns = {**columns, **fields, **({"environments": envs["envs"]} if envs else {})}  # a rollout_func's win
         prompts = columns.pop("prompt")
         rewards, per_func = compute_rewards(self.reward_funcs, prompts, rollout.completions, columns,
-                                            self.reward_weights, context=context,
+                                            self.settings.reward_weights, context=context,
                                             completion_ids=rollout.completion_id_lists)
         warn_unscored(per_func, prompts, rollout.completions, columns)
         if rollout.tool_notes is not None:  # each completion's failed tool calls, a completions.jsonl column
@@ -67,7 +66,7 @@ class RolloutSource:
         (`columns`, one entry per completion); a reset that words a group's prompt differently is an error."""
         rows = [dict(zip(columns, values)) for values in zip(*columns.values())]
         envs, prompts = make_envs(self.tools, rows)
-        G = self.num_generations
+        G = self.settings.num_generations
         differs = [i for i in range(len(prompts)) if prompts[i] != prompts[i - i % G]]
         if differs:
             raise ConfigError(f"{type(envs[differs[0]]).__name__}.reset returned different prompts for the "

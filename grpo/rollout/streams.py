@@ -48,8 +48,7 @@ class PromptStreams:
         return replace(self, first=self.first + n)
 
     def seeds(self, prompts: int, repeats: int, device: torch.device | str = "cpu") -> torch.Tensor:
-        """[N] int64: where each completion row's stream starts, for `prompts` prompts of `repeats` rows each,
-        a prompt's rows in a row (N = prompts * repeats)."""
+        """[N] int64: where each row's stream starts, for `prompts` prompts of `repeats` rows each, in a row."""
         prompt = self.first + torch.arange(prompts, device=device).repeat_interleave(repeats)  # [N]
         copy = torch.arange(repeats, device=device).repeat(prompts)  # [N]
         key = torch.zeros_like(prompt)  # [N]

@@ -86,9 +86,8 @@ class InlineTool:
 @dataclass(frozen=True)
 class Tools:
     """What a decode may call: `functions` by name; TRL's `environment_factory` as given, its `environments` by
-    name (`named_environments`) and each class's tools (`methods`: name -> JSON schema), the tools of the rows whose
-    environment is of that class; the functions' `function_schemas`, the `inline` tools, the call `parser`, each
-    call's `timeout_s`, and the `runner` that runs the calls (made once per run: its workers serve every step)."""
+    name (`named_environments`) and each class's tools (`methods`: name -> JSON schema); the functions' schemas, the
+    `inline` tools, the call `parser`, each call's `timeout_s`, and the `runner` of the calls (one per run)."""
 
     functions: dict
     environment_factory: object

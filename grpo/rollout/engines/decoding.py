@@ -43,8 +43,7 @@ def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: f
 
 
 def seen_tokens(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[N, V] bool: the vocabulary entries each row's prompt [N, P] holds, padding left out; ids past the LM head's
-    vocabulary (embeddings larger than the head) dropped, as transformers drops them."""
+    """[N, V] bool: the vocabulary entries each row's prompt [N, P] holds (padding and ids past the head left out)."""
     ids = prompt_ids.masked_fill(prompt_mask == 0, vocab_size).clamp(max=vocab_size)  # [N, P]; V: not counted
     seen = torch.zeros(ids.shape[0], vocab_size + 1, dtype=torch.bool, device=ids.device)  # [N, V+1]
     return seen.scatter_(1, ids, True)[:, :vocab_size]  # [N, V]

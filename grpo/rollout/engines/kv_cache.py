@@ -11,8 +11,7 @@ from ..streams import uniforms
 
 
 class PreallocatedLayer(CacheLayerMixin):
-    """One attention layer's keys and values in buffers of `max_length` positions, filled from the left
-    (transformers' layer interface; the attention mask is sized as for a cache that grows)."""
+    """One attention layer's keys and values in buffers of `max_length` positions (transformers' layer interface)."""
 
     def __init__(self, max_length: int):
         super().__init__()

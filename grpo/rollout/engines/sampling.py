@@ -162,8 +162,7 @@ def decoded_rows(rows: list[list[int]], pad_id: int, eos_ids: list[int] | None, 
 
 class Decoder:
     """The engine on our decoder (engines/engine.Engine): the prompts in as few decodes as the memory plan allows
-    (`prompts_per_decode`, a multiple of a micro-batch's prompts; None: a micro-batch's; docs/architecture.md).
-    `encode`: the run's prompt encoder (`prompt_encoder`); `settings`: settings/components.SamplingSettings."""
+    (`prompts_per_decode`; None: a micro-batch's); `settings`: settings/components.SamplingSettings."""
 
     def __init__(self, policy, tokenizer, encode: PromptEncoder, settings, prompts_per_decode: int | None = None):
         self.policy, self.tokenizer, self.encode, self.settings = policy, tokenizer, encode, settings

@@ -199,16 +199,13 @@ class ServerEngine:
 
 class ServerToolRow:
     """One completion row `row` of `loop` (a ToolLoop), sampled one segment at a time: `request()` says what to
-    sample next (None once the row is done), `take(tokens, logprobs)` runs the segment's tokens through the tool
-    loop, in the caller's thread (its tool runner forks its workers from there)."""
+    sample next (None once done), `take(tokens, logprobs)` runs the segment through the loop, in the caller's thread."""
 
     def __init__(self, loop, row: int, prompt: list[int], seed: int, width: int, eos_ids: list[int],
                  stops: list[str]):
         self.loop, self.row, self.prompt, self.seed = loop, row, prompt, seed
         self.width, self.eos, self.stops = width, set(eos_ids), stops
-        self.ids: list[int] = []
-        self.fed: list[int] = []  # 1: fed by a tool, 0: sampled by the model
-        self.logprobs: list[float] = []
+        self.ids, self.fed, self.logprobs = [], [], []  # fed: 1 on the tokens a tool wrote, 0 on the model's
         self.segments, self.done = 0, False
 
     def request(self) -> tuple[list[int], int, int, list[str]] | None:
