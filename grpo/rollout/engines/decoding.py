@@ -235,12 +235,11 @@ def decode(hf_model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, settin
            tools=None, int8: bool = False, bf16: bool = False, with_logprobs: bool = False) -> Decoded:
     """Completions [N, C] (`Decoded`) sampled after left-padded prompts [B, P] as `settings` say, each prompt
     `repeats` times in a row (N = B * repeats), by a transformers causal LM: the prompts read by `prefill`, then one
-    step per token, finished rows leaving the batch and the cache (engines/kv_cache). `seeds` [N] (int64): where
-    each row's random stream starts (None: drawn from torch's generator). `on_token(n)`: called after every step
-    with the tokens it generated. `head_matmul`: the LM head's product (policy/folding). `tools`
-    (engines/tool_loop.ToolLoop) appends the tools' output (`ForcedTokens`). `int8`, `bf16`: the fused step
-    (`decoding_step`). `with_logprobs`: each sampled token's log-prob (vLLM's processed log-probs) as
-    `Decoded.logprobs` [N, C], NaN where no token was sampled."""
+    step per token, finished rows leaving the batch and the cache. `seeds` [N] (int64): where each row's random
+    stream starts (None: drawn from torch's generator). `on_token(n)`: called after every step with the tokens it
+    generated. `head_matmul`: the LM head's product (policy/folding). `tools` (engines/tool_loop.ToolLoop): the
+    tools' output fed (`ForcedTokens`). `int8`, `bf16`: `decoding_step`'s. `with_logprobs`: each sampled token's
+    log-prob (vLLM's processed log-probs) as `Decoded.logprobs` [N, C], NaN where no token was sampled."""
     s, k, N, device = settings, settings.knobs, len(prompt_ids) * repeats, prompt_ids.device
     if s.max_new_tokens == 0:
         return Decoded(prompt_ids.new_empty(N, 0), prompt_ids.new_empty(N, 0), prompt_ids.new_zeros(N))
