@@ -1,7 +1,6 @@
-"""The experience, the one type a step carries from the engine to the loss (`Rollout`: ids, masks, rewards,
-advantages, fixed log-probs, row by row), and the one place it is cut into micro-batches
-(`Rollout.micro_batches`); the generation batch that `num_iterations` steps reuse (`Generation`), with its
-checkpoint form by field name; its metrics."""
+"""The experience, the one type a step carries from the engine to the loss (`Rollout`), the one place it is cut
+into micro-batches (`Rollout.micro_batches`), the generation batch that `num_iterations` steps reuse
+(`Generation`, checkpointed by field name), and its metrics."""
 from __future__ import annotations
 
 import dataclasses
@@ -21,10 +20,8 @@ IDS = ("prompt_ids", "completion_ids")  # padded with the pad token, the rest wi
 
 @dataclass
 class Rollout:
-    """Rows of sampled completions and what GRPO attaches to them: this rank's generation batch, or a
-    micro-batch of it. Row i belongs to prompt i // num_generations. An engine fills the ids, masks, texts and
-    truncation flags; the scores (rollout/source), advantages and the log-probs fixed for the generation batch
-    come later, each a per-row field of the same rows."""
+    """Rows of sampled completions and what GRPO attaches to them, row by row: this rank's generation batch, or a
+    micro-batch of it. Row i belongs to prompt i // num_generations."""
 
     prompt_ids: torch.Tensor  # [N, P] left-padded
     prompt_mask: torch.Tensor  # [N, P]
@@ -78,8 +75,7 @@ class Rollout:
 
     @classmethod
     def cat(cls, parts: list[Rollout], pad_id: int) -> Rollout:
-        """The rows of `parts` in order as one rollout, prompts left-padded and completions right-padded to the
-        widest (ids with `pad_id`)."""
+        """The rows of `parts` in order as one rollout, each side padded to the widest (ids with `pad_id`)."""
         if len(parts) == 1:
             return parts[0]
         widths = {"P": max(r.prompt_ids.shape[1] for r in parts), "C": max(r.completion_ids.shape[1] for r in parts)}
@@ -102,10 +98,9 @@ class Rollout:
         return cls(**{f.name: joined(f.name) for f in dataclasses.fields(cls)})
 
     def select(self, rows: torch.Tensor, multiple: int | None = None) -> Rollout:
-        """Rows `rows` [n] (indices, in order), with only the padding they need: prompts stay left-padded and
-        completions right-padded, but columns no kept row attends to are dropped, so that their compute does not
-        depend on the rows left out. With `multiple` (TRL's pad_to_multiple_of), both sides are padded to a
-        multiple of it again, the padding masked (ids and values 0)."""
+        """Rows `rows` [n] (indices, in order), without the columns no kept row attends to, so that their compute
+        does not depend on the rows left out. With `multiple` (TRL's pad_to_multiple_of), both sides are padded to
+        a multiple of it again, the padding masked (ids and values 0)."""
         prompt_mask, completion_mask = self.prompt_mask[rows], self.completion_mask[rows]  # [n, P], [n, C]
         used = prompt_mask.any(dim=0).nonzero()  # [p, 1]
         P = prompt_mask.shape[1]
@@ -130,12 +125,10 @@ class Rollout:
 
     def micro_batches(self, cut: Cut) -> list[MicroBatch]:
         """The generation batch cut into micro-batches of `cut.size` rows in order (a prompt's group may span two),
-        each holding only its rows whose gradient is not exactly 0, with the padding they need, and counting all of
-        them for the loss's divisors. Gone are rows with no token in the loss mask (unless `cut.every_row`) and, with
-        `cut.skip_zero_advantage` (algo/loss.zero_advantage_has_no_gradient), rows whose advantage is exactly 0. With
-        `cut.keep_one` (several ranks) a micro-batch left with no row keeps its first, its masks zeroed so that it
-        adds nothing to the loss or the metrics: every rank must run every micro-batch's forward and backward, or
-        DDP's and FSDP's collectives wait for it forever."""
+        each holding only its rows whose gradient is not exactly 0 (rows with no token in the loss mask unless
+        `cut.every_row`, and with `cut.skip_zero_advantage` rows of advantage 0, are left out) and counting all of
+        them for the loss's divisors. With `cut.keep_one` (several ranks) a micro-batch left with no row keeps its
+        first, its masks zeroed: every rank must run every micro-batch, or DDP's and FSDP's collectives hang."""
         N = len(self.completions)
         needed = torch.full((N,), cut.every_row) | self.loss_mask.bool().any(dim=1).cpu()  # [N]
         if cut.skip_zero_advantage:
@@ -155,8 +148,7 @@ class Rollout:
 
 @dataclass(frozen=True)
 class Cut:
-    """How a generation batch is cut into micro-batches (`Rollout.micro_batches`): kept with it, as the
-    log-probs fixed for it were taken on the micro-batches this cut makes."""
+    """How a generation batch is cut into micro-batches (`Rollout.micro_batches`), kept with its fixed log-probs."""
 
     size: int  # rows per micro-batch
     skip_zero_advantage: bool
@@ -207,8 +199,7 @@ class StepCounts:
 
 @dataclass
 class Generation:
-    """One generation batch, used by `num_iterations` optimizer steps: `batch` whole, and cut by `cut` into
-    `micro_batches` on creation."""
+    """One generation batch for `num_iterations` optimizer steps: `batch` whole, cut by `cut` into `micro_batches`."""
 
     batch: Rollout  # this rank's
     cut: Cut
@@ -219,8 +210,8 @@ class Generation:
 
     def fix_logprobs(self, forward) -> None:
         """Attach to each micro-batch with rows the log-probs fixed for the generation batch, `forward(rollout)`'s
-        {"old_logprobs" | "ref_logprobs": [n, c]}, and write them into the whole batch's [N, C] as well, the copy a
-        checkpoint saves and a resumed cut takes them back from."""
+        {"old_logprobs" | "ref_logprobs": [n, c]}, and write them into the whole batch's [N, C], which a checkpoint
+        saves."""
         for m in (m for m in self.micro_batches if not m.empty):
             for name, values in forward(m.rollout).items():  # [n, c] each
                 setattr(m.rollout, name, values)
@@ -230,9 +221,8 @@ class Generation:
 
     def correct_sampling(self, settings) -> dict[str, float]:
         """TRL's importance-sampling correction of a server's samples (algo/sampling_correction, `settings` its
-        keywords): each micro-batch's weights from its old and sampled log-probs, kept beside them as
-        `sampling_weights` (and in the whole batch's [N, C] for a checkpoint); returns the batch's metrics, over the
-        rows trained on."""
+        keywords): each micro-batch's `sampling_weights` (and the whole batch's [N, C] for a checkpoint); returns
+        the batch's metrics, over the rows trained on."""
         differences, ratios = [], []
         for m in (m for m in self.micro_batches if not m.empty):
             r = m.rollout
@@ -266,9 +256,7 @@ class Generation:
 
 
 def with_advantages(rollout: Rollout, advantages: torch.Tensor, mask_truncated: bool) -> Rollout:
-    """`rollout` with its advantages [N] and its loss mask as the loss reads it. With `mask_truncated` (TRL's
-    mask_truncated_completions) a completion that hit max_completion_length without EOS has no token in the loss
-    mask: it counts in no loss term, token count or loss metric, and the cut leaves it out of the forward."""
+    """`rollout` with its advantages [N] and the loss mask the loss reads (no truncated row with `mask_truncated`)."""
     loss_mask = rollout.loss_mask
     if mask_truncated:
         loss_mask = loss_mask * (~rollout.truncated).to(loss_mask.dtype)[:, None]  # [N, C]
@@ -276,9 +264,7 @@ def with_advantages(rollout: Rollout, advantages: torch.Tensor, mask_truncated: 
 
 
 def length_metrics(lengths: torch.Tensor, truncated: torch.Tensor) -> dict[str, float]:
-    """TRL's `completions/*` metrics from a generation batch's completion lengths [N] (before any masking)
-    and truncation flags [N] (`clipped_ratio`: the share that hit max_completion_length without EOS); the
-    `*_terminated_length` ones over the completions that ended (0 when none did, as in TRL)."""
+    """TRL's `completions/*` metrics from lengths [N] and truncation flags [N] (terminated: 0 where none ended)."""
     ended = lengths[~truncated.bool()].float()  # [n]
     ended = ended if ended.numel() else torch.zeros(1)  # [n >= 1]
     return {"completions/mean_length": lengths.float().mean().item(),
@@ -291,8 +277,7 @@ def length_metrics(lengths: torch.Tensor, truncated: torch.Tensor) -> dict[str, 
 
 
 def tool_metrics(calls: torch.Tensor, failures: torch.Tensor) -> dict[str, float]:
-    """TRL's tool metrics from each completion's calls [N] and failed calls [N]: calls per completion, and the
-    share of calls that failed (0 without calls)."""
+    """TRL's tool metrics from each completion's calls [N] and failed calls [N] (failures per call, 0 without)."""
     return {"tools/call_frequency": calls.mean().item(),
             "tools/failure_frequency": (failures.sum() / calls.sum().clamp(min=1)).item()}
 

@@ -1,6 +1,5 @@
-"""DAPO's dynamic sampling (`dynamic_sampling`): a generation batch keeps only groups whose rewards differ (a
-group of equal rewards has every advantage 0 and carries no signal), sampling more prompts while it lacks some
-and rounds are left."""
+"""DAPO's dynamic sampling (`dynamic_sampling`): a generation batch keeps only groups whose rewards differ (the
+others have every advantage 0), sampling more prompts while it lacks some and rounds are left."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -12,27 +11,23 @@ from .batches import Rollout
 
 
 def kept_groups(signal: torch.Tensor, need: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The `need` groups a batch keeps of those sampled, `signal` [n] (True where a group's rewards differ):
-    groups with signal first, then the others as filler, each kept in the order it was sampled. Returns the
-    groups' indices [need], ascending, and their rows [need * group_size] (group g holds rows g*G .. g*G+G-1)."""
+    """The `need` groups a batch keeps of those sampled (`signal` [n]: a group's rewards differ), those with signal
+    first, then filler: their indices [need], ascending, and rows [need * group_size] (group g: rows g*G..g*G+G-1)."""
     keep = torch.cat([signal.nonzero(), (~signal).nonzero()]).flatten()[:need].sort().values  # [need]
     return keep, (keep[:, None] * group_size + torch.arange(group_size)).flatten()  # [need], [need * G]
 
 
 class DynamicSampling:
-    """Refills this rank's share of a generation batch with groups with signal. `dist` (infra/distributed's) keeps
-    the ranks in step: every rank runs as many rounds of as many prompts, so the collectives (and FSDP's
-    sampling) match."""
+    """Refills this rank's share of a generation batch with groups with signal, the ranks in step (`dist`)."""
 
     def __init__(self, num_generations: int, max_rounds: int, dist, pad_id: int):
         self.G, self.max_rounds, self.dist, self.pad_id = num_generations, max_rounds, dist, pad_id
 
     def __call__(self, rollout: Rollout, seconds: float,
                  sample: Callable[[int], tuple[Rollout, float]]) -> tuple[Rollout, dict, float]:
-        """Keep the groups with signal of `rollout` (this rank's, scored), calling `sample(prompts over all
-        ranks)` for as many prompts per rank as the rank shortest of groups lacks, while one lacks any and rounds
-        are left; a rank still short tops up with groups it dropped (they train nothing). Returns the kept
-        rows, the `dynamic_sampling/*` metrics and `seconds` plus those the rounds took."""
+        """Keep the groups with signal of `rollout` (this rank's, scored), calling `sample(prompts over all ranks)`
+        while a rank lacks some and rounds are left; a rank still short tops up with groups it dropped. Returns the
+        kept rows, the `dynamic_sampling/*` metrics and `seconds` plus those the rounds took."""
         G = self.G
         need = len(rollout.completions) // G  # this rank's groups in a generation batch
         parts, rounds = [rollout], 0

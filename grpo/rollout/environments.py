@@ -1,8 +1,6 @@
-"""TRL's environments (`environment_factory`) as a run uses them: one instance per completion, reset on its
-dataset row (`make_envs`), the class a dict of named environments gives the row's `environment` column; the
-reward of an environment that owns it (`environment_reward`: its `get_reward()`); the rows a run draws when an
-environment owns the data (`training_rows`: no train_dataset, each `reset()` returns the prompt); and the one-line
-failures of `reset` and `get_reward`. Which of an environment's methods are tools is rollout/tools.py's."""
+"""TRL's environments (`environment_factory`) as a run uses them (docs/tools.md): one instance per completion
+(`make_envs`), the reward of one that owns it (`environment_reward`), the rows a run draws when one owns the data
+(`training_rows`), and the one-line failures of `reset` and `get_reward`."""
 from __future__ import annotations
 
 import inspect
@@ -16,10 +14,9 @@ EMPTY_PROMPT = [{"role": "user", "content": ""}]  # TRL's: what a row without a 
 
 
 def make_envs(tools, rows: list[dict], dataset: str = "train_dataset") -> tuple[list, list]:
-    """One environment per completion (`rows`: the dataset rows, one per completion; `tools`: the run's
-    rollout/tools.Tools) and the prompts as the model sees them, made as TRL makes them (docs/tools.md): a dict of
-    environments takes the class the row's `environment` column names, `env.reset(**row)` the other columns, and a
-    string it returns is appended to the prompt. DatasetError for a row naming none of the dict's environments."""
+    """One environment per completion (`rows`: the dataset rows, one per completion) and the prompts as the model
+    sees them, made as TRL makes them (docs/tools.md): `env.reset(**row)`, a string it returns appended to the
+    prompt. DatasetError for a row naming none of a dict's environments."""
     named = isinstance(tools.environment_factory, dict)
     envs, prompts = [], []
     for row in rows:
@@ -33,25 +30,22 @@ def make_envs(tools, rows: list[dict], dataset: str = "train_dataset") -> tuple[
         try:
             observation = env.reset(**({k: v for k, v in row.items() if k != "environment"} if named else row))
         except Exception as error:
-            raise EnvironmentFailed(f"environment {factory.__name__}.reset raised {_one_line(error)} on the dataset "
+            raise EnvironmentFailed(f"environment {factory.__name__}.reset raised {_short(error, 300)} on the dataset "
                                     f"row {_short(row)}") from error
         prompt = row.get("prompt", EMPTY_PROMPT)
-        if observation is not None:
-            if isinstance(prompt, str):
-                prompt = prompt + observation
-            else:
-                prompt = [*prompt[:-1], {**prompt[-1], "content": prompt[-1]["content"] + observation}]
+        if observation is not None and isinstance(prompt, str):
+            prompt = prompt + observation
+        elif observation is not None:
+            prompt = [*prompt[:-1], {**prompt[-1], "content": prompt[-1]["content"] + observation}]
         envs.append(env)
         prompts.append(prompt)
     return envs, prompts
 
 
 def training_rows(train_dataset, tools, max_steps: int, num_prompts: int):
-    """The rows a run draws: `train_dataset` (which, with a dict of environments, must have the `environment`
-    column that chooses between them: DatasetError) or, when it is None and the environment owns the data (its
-    `reset()` returns each prompt), TRL's: a generation batch's `num_prompts` rows of an empty user message, drawn
-    again every batch, for `max_steps` steps. A ConfigError, saying what to pass, where neither can be drawn, and
-    for a stream (no length) without max_steps."""
+    """The rows a run draws: `train_dataset` or, when it is None and the environment owns the data (its `reset()`
+    returns each prompt), TRL's: a generation batch's `num_prompts` rows of an empty user message, drawn again every
+    batch. A ConfigError, saying what to pass, where neither can be drawn."""
     named = tools is not None and isinstance(tools.environment_factory, dict)
     if is_stream(train_dataset) and max_steps <= 0:
         raise ConfigError("train_dataset is a stream (an IterableDataset), which has no length to count epochs "
@@ -77,10 +71,8 @@ def training_rows(train_dataset, tools, max_steps: int, num_prompts: int):
 
 
 def environment_reward(environment: type) -> Callable:
-    """TRL's reward of an environment that owns it: a reward function named after the class `environment`
-    (which defines `get_reward()`, no argument, maybe async) that scores each completion whose environment is of
-    exactly that class by its `get_reward()` and leaves the others unscored (None); EnvironmentFailed naming the
-    class, the completion and its prompt when one raises."""
+    """TRL's reward of an environment that owns it: a reward function named after the class `environment`, each
+    completion whose environment is of exactly that class scored by its `get_reward()` (maybe async), others None."""
     if inspect.iscoroutinefunction(environment.get_reward):
         async def reward(environments, prompts=None, **kwargs) -> list[float | None]:
             return [await _awaited_reward(env, i, prompts) if type(env) is environment else None
@@ -110,13 +102,12 @@ async def _awaited_reward(env, i: int, prompts):
 def get_reward_failed(env, error: BaseException, i: int, prompt=None, where: str = "") -> EnvironmentFailed:
     """The one line for `env.get_reward()` raising `error` on completion `i` of the batch (its `prompt`)."""
     shown = f" (prompt {_short(prompt)})" if prompt is not None else ""
-    return EnvironmentFailed(f"environment {type(env).__name__}.get_reward raised {_one_line(error)} for completion "
+    return EnvironmentFailed(f"environment {type(env).__name__}.get_reward raised {_short(error, 300)} for completion "
                              f"{i} of the batch{shown}{where}")
 
 
 def environment_in(error: BaseException):
-    """The environment whose `get_reward` raised `error` (the `self` of a `get_reward` frame in its traceback,
-    innermost first), or None."""
+    """The environment whose `get_reward` raised `error` (the innermost such frame's `self`), or None."""
     found = [frame.f_locals["self"] for frame, _ in traceback.walk_tb(error.__traceback__)
              if frame.f_code.co_name == "get_reward" and "self" in frame.f_locals]
     return found[-1] if found else None
@@ -126,11 +117,7 @@ class EnvironmentFailed(UserError):
     """An environment's `reset` or `get_reward` raised: the message names the class, the row and the error."""
 
 
-def _one_line(error: BaseException, limit: int = 300) -> str:
-    text = " ".join(f"{type(error).__name__}: {error}".split())
-    return text if len(text) <= limit else text[:limit] + "..."
-
-
 def _short(value, limit: int = 200) -> str:
-    text = " ".join(repr(value).split())
+    """`value` on one line of at most `limit` characters: an error as its type and message, anything else its repr."""
+    text = " ".join((f"{type(value).__name__}: {value}" if isinstance(value, BaseException) else repr(value)).split())
     return text if len(text) <= limit else text[:limit] + "..."

@@ -1,7 +1,5 @@
 """Greedy pass@1 on a held-out dataset, scored by the run's own reward functions, for the Trainer (eval_strategy)
-and `python -m grpo.eval`. Its metrics (TRL's `eval_rewards/<name>/mean`, `eval_reward`...; `eval/accuracy`,
-`eval/free_accuracy`, `eval/format` and `eval/length_mean`, also per value of a breakdown column as
-`eval/<column>=<value>/*`): docs/recipes-and-settings.md, "Evaluation"."""
+and `python -m grpo.eval`; its metrics: docs/recipes-and-settings.md, "Evaluation"."""
 from __future__ import annotations
 
 import ast
@@ -39,8 +37,7 @@ def check_eval_setup(config, eval_dataset, reward_funcs) -> None:
 
 
 def check_eval_inputs(config, dataset, reward_funcs) -> None:
-    """Before any model is loaded: the config's eval functions exist and find the columns they need in
-    `dataset`, and its breakdown column is one to break metrics down by; its prompts as a training set's."""
+    """Before any model loads: the config's eval functions and breakdown column fit `dataset`, its prompts checked."""
     check_dataset(dataset, "eval_dataset")
     eval_funcs(reward_funcs, config.eval_accuracy_func, config.eval_free_accuracy_func,
                config.eval_format_func, dataset.column_names)
@@ -50,9 +47,8 @@ def check_eval_inputs(config, dataset, reward_funcs) -> None:
 
 def eval_funcs(reward_funcs, accuracy_func: str | None, free_accuracy_func: str | None, format_func: str | None,
                columns: list[str] | None = None) -> dict[str, tuple[str, object]]:
-    """{metric: (name, function)} of the functions that score an evaluation. A name is a reward function's;
-    the format-free accuracy may also be an importable `module.function`. Fails early, naming the choices,
-    when one cannot be found or needs a column that `columns` (the eval dataset's, when given) lacks."""
+    """{metric: (name, function)} of the functions that score an evaluation: a reward function's name, or for the
+    format-free accuracy an importable `module.function`; a ConfigError for one that lacks a column of `columns`."""
     reward_names = reward_func_names(reward_funcs)
     found = {}
     for metric, name in (("accuracy", accuracy_func), ("free_accuracy", free_accuracy_func),
@@ -140,8 +136,7 @@ def full_marks_rate(values: torch.Tensor) -> float:
 
 
 def summarize(scores: dict[str, torch.Tensor], lengths: torch.Tensor, prefix: str = "eval/") -> dict[str, float]:
-    """`<prefix><metric>`: each score's full-marks rate (`scores`: metric -> [N] values, maybe none), then the
-    mean length (`lengths` [N]) and the number of rows."""
+    """`<prefix><metric>`: each score's full-marks rate (`scores`: metric -> [N]), the mean length and the row count."""
     out = {f"{prefix}{metric}": full_marks_rate(values) for metric, values in scores.items()}
     out[f"{prefix}length_mean"] = lengths.float().mean().item()
     out[f"{prefix}num_examples"] = float(lengths.numel())
@@ -150,8 +145,7 @@ def summarize(scores: dict[str, torch.Tensor], lengths: torch.Tensor, prefix: st
 
 def breakdown(scores: dict[str, torch.Tensor], lengths: torch.Tensor, column: str,
               values: list) -> dict[str, float]:
-    """`summarize` over the rows of each distinct value of a dataset column (`values`, one per row), under
-    `eval/<column>=<value>/`, values in sorted order."""
+    """`summarize` over the rows of each distinct value of a column (`values`), under `eval/<column>=<value>/`."""
     out = {}
     for value in sorted(set(values), key=lambda v: (v is None, v)):
         rows = torch.tensor([v == value for v in values])  # [N]
@@ -182,16 +176,12 @@ def evaluate(model, tokenizer, dataset, reward_funcs, settings: EvalSettings, *,
              progress: bool = True, unsharded=None, encode: PromptEncoder | None = None, trainer_state=None,
              loss_of=None, key_prefix: str = "eval") -> tuple[dict[str, float], list[dict]]:
     """Greedy-decode one completion per prompt of `dataset` (its first `settings.limit` rows) in decodes of
-    `batch_size` prompts, chat prompts rendered as in training by `encode` (the run's: engines/sampling.prompt_encoder;
-    None: one of `settings`, without tools), and score it (`settings`: settings/components.EvalSettings). With the
-    encoder's tools (rollout/tools.Tools) the rows call them in the decode as in training (an environment_factory's
-    environments reset on each row); `trainer_state`: the run's (run/state.TrainerState), for the reward functions.
-
-    `unsharded(fn)` runs `fn(model)` for each batch (default: directly); the Trainer passes its parallel
-    wrapper, so that FSDP ranks generate together; `loss_of(rollout)`, each batch's loss and rows (the Trainer's
-    policy/gradients.eval_loss), their mean logged as TRL's `eval_loss`. Returns `(metrics, samples)`: `eval/*`
-    and TRL's `eval_*` metrics, `eval` replaced by `key_prefix` (transformers' metric_key_prefix), and one
-    dict per row (prompt, completion, each reward, and `free_accuracy` when no reward function gives it)."""
+    `batch_size` prompts, prompts rendered as in training by `encode` (None: one of `settings`, without tools;
+    with its tools the rows call them as in training), and score it (`settings`: settings/components.EvalSettings).
+    `unsharded(fn)` runs `fn(model)` for each batch (default: directly; the Trainer's parallel wrapper, so that FSDP
+    ranks generate together); `loss_of(rollout)`: each batch's loss and rows, their mean TRL's `eval_loss`. Returns
+    `(metrics, samples)`: `eval/*` and TRL's `eval_*` metrics, `eval` replaced by `key_prefix` (transformers'
+    metric_key_prefix), and one dict per row (prompt, completion, each reward, and what an extra function gives)."""
     if dataset is None:
         raise ConfigError("evaluating needs an eval_dataset: pass Trainer(eval_dataset=...)")
     s, names = settings, reward_func_names(reward_funcs)
@@ -212,10 +202,8 @@ def evaluate(model, tokenizer, dataset, reward_funcs, settings: EvalSettings, *,
     means = reward_metrics(rewards, per_func, names)
     # A function that is not a reward function (an imported format-free accuracy) scores apart.
     extra = [m for m, (name, _) in funcs.items() if name not in names]
-    extra_values = torch.empty(len(completions), 0)  # [N, E]
-    if extra:
-        _, extra_values = compute_rewards([funcs[m][1] for m in extra], prompts, completions, columns,
-                                          completion_ids=completion_ids)  # [N, E]
+    _, extra_values = compute_rewards([funcs[m][1] for m in extra], prompts, completions, columns,
+                                      completion_ids=completion_ids)  # [N, E]
     scores = {m: extra_values[:, extra.index(m)] if m in extra else per_func[:, names.index(name)]
               for m, (name, _) in funcs.items()}  # metric: [N]
     metrics = summarize(scores, lengths)
@@ -236,8 +224,8 @@ def evaluate(model, tokenizer, dataset, reward_funcs, settings: EvalSettings, *,
 
 def _greedy(model, tokenizer, dataset, s: EvalSettings, batch_size: int, progress: bool, unsharded,
             encode: PromptEncoder, loss_of):
-    """Each row's prompt as the model saw it (what an environment's reset added included), its greedy completion, its
-    token ids, the lengths [N], the environments the rows ran in and each batch's `loss_of` (none without it)."""
+    """Each row's prompt as the model saw it, its greedy completion, its token ids, the lengths [N], the
+    environments the rows ran in and each batch's `loss_of` (none without it)."""
     unsharded, tools = unsharded or (lambda fn: fn(model)), encode.tools
     seen, completions, completion_ids, lengths, environments, losses = [], [], [], [], [], []
     with TokenProgress("eval", enabled=progress) as bar:

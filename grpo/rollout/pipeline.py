@@ -1,7 +1,5 @@
 """The generation pipeline: what makes the batch of optimizer step s (`Pipeline.make`: draw, score, refill,
-advantages, cut, fixed log-probs), when the step needs it or in a sampler process one step earlier
-(run/supply.py). The engine that turns prompts into completions (our decoder, a rollout_func, a server) is the
-source's (engines/engine.Engine): the pipeline does not depend on which."""
+advantages, cut, fixed log-probs; docs/architecture.md), whichever engine samples."""
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -19,10 +17,9 @@ from .source import RolloutSource
 
 
 class Pipeline:
-    """Makes generation batches: `source` (rollout/source) draws and scores this rank's share of the prompts,
-    `refill` (DAPO's dynamic sampling, or None) replaces groups without signal, `policy` (policy/forwards)
-    takes the log-probs fixed for the batch, `dist` (infra/distributed) spans the ranks; `settings`:
-    settings/components.GenerationSettings; `cut` how the batch is cut into micro-batches."""
+    """Makes generation batches: `source` draws and scores this rank's share of the prompts, `refill` (or None)
+    replaces groups without signal, `policy` (policy/forwards) takes the log-probs fixed for the batch, `dist`
+    spans the ranks; `settings`: settings/components.GenerationSettings."""
 
     def __init__(self, source: RolloutSource, policy, dist, settings, cut: Cut, reward_names: list[str],
                  refill: DynamicSampling | None = None):
@@ -33,11 +30,9 @@ class Pipeline:
     def build(cls, engine: Engine, prompts: PromptStream, reward_funcs: list, policy, dist, settings, loss: Mapping,
               pad_id: int, release_memory: bool, tools=None) -> Pipeline:
         """The pipeline of `engine` over `prompts`, rewarded by `reward_funcs`; `loss`: policy_loss's settings, which
-        say whether rows of advantage 0 can be cut out (algo/loss.zero_advantage_has_no_gradient); `pad_id` pads the
-        refilled rows; `release_memory` and `tools` (their environments) go to the source."""
+        say whether rows of advantage 0 can be cut out; `pad_id` pads the refilled rows."""
         s = settings
-        source = RolloutSource(engine, prompts, reward_funcs, s.reward_weights, dist=dist, seed=s.seed,
-                               num_generations=s.num_generations, release_memory=release_memory, tools=tools)
+        source = RolloutSource(engine, prompts, reward_funcs, s, dist=dist, release_memory=release_memory, tools=tools)
         refill = None if s.refill_rounds is None else DynamicSampling(s.num_generations, s.refill_rounds, dist,
                                                                       pad_id)
         every_row = policy.router_aux_coef != 0  # the router's loss has a gradient through every row's tokens
@@ -49,9 +44,8 @@ class Pipeline:
 
     @torch.no_grad()
     def make(self, step: int, trainer_state) -> Generation:
-        """The generation batch training starts on at optimizer step `step` (`trainer_state`: run/state's, as
-        the reward functions get it): sampled and scored, refilled, given advantages over every rank's rewards,
-        cut into micro-batches, with the log-probs fixed for the whole of it."""
+        """The generation batch training starts on at optimizer step `step` (`trainer_state`: run/state's, for the
+        reward functions): sampled, scored, refilled, given advantages, cut, with its fixed log-probs."""
         s, context = self.settings, RewardContext(trainer_state)  # TRL's trainer_state, log_metric, log_extra
         rollout, seconds = self.source.draw(s.prompts_per_generation, step, context)
         self.check_head(rollout)
@@ -74,8 +68,7 @@ class Pipeline:
         return generation
 
     def check_head(self, rollout: Rollout) -> None:
-        """Before this process's policy takes log-probs: on its first batch, its log-probs against the model's own
-        forward, ranks agreeing (policy/forwards.Policy.check_head_once)."""
+        """On the first batch, the policy's log-probs against the model's own forward (Policy.check_head_once)."""
         first = torch.arange(min(self.cut.size, len(rollout.completions)))  # a micro-batch's rows
         self.policy.check_head_once(rollout.select(first),
                                     agree=lambda value: self.dist.reduce({"value": value}, "max")["value"])
@@ -90,8 +83,7 @@ class Pipeline:
 
 
 def _advantages(rewards: torch.Tensor, per_func: torch.Tensor, s) -> torch.Tensor:
-    """[N] advantages of the rewards [N] (weighted sums) and per_func [N, F] as multi_objective_aggregation says
-    (algo/advantages; `s`: settings/components.GenerationSettings)."""
+    """[N] advantages of rewards [N] and per_func [N, F] as `s.multi_objective_aggregation` says (algo/advantages)."""
     if s.multi_objective_aggregation == "normalize_then_sum":
         weights = torch.tensor(s.reward_weights) if s.reward_weights is not None else torch.ones(per_func.shape[1])
         return normalized_sum_advantages(per_func, weights, s.num_generations)

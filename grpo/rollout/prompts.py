@@ -1,6 +1,5 @@
-"""The prompt stream: a reshuffled pass over the dataset per epoch (a streaming IterableDataset's read as TRL reads
-it), resumable from (epoch, position); an eval_dataset's sets; the checks of a dataset before training (its
-prompts, and a chat template for chat ones)."""
+"""The prompt stream (a reshuffled pass over the dataset per epoch, resumable from (epoch, position)); an
+eval_dataset's sets; the checks of a dataset before training (its prompts, and a chat template for chat ones)."""
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -25,10 +24,8 @@ def first_rows(dataset, limit: int | None = None):
 
 
 def check_dataset(dataset, name: str = "train_dataset", environments: bool = False) -> None:
-    """Fail early, in one line, on datasets the trainer cannot use. A column has one Arrow type, so the
-    first prompt's type is every prompt's type, apart from missing (None) ones, counted separately. With
-    `environments` (an environment_factory's reset() writes the prompts) the prompt column may be missing, as
-    in TRL. A stream is checked on its first row."""
+    """Fail early, in one line, on datasets the trainer cannot use (the first prompt's type is every prompt's). With
+    `environments` (reset() writes the prompts) the prompt column may be missing; a stream is checked on a row."""
     dataset = first_rows(dataset, 1) if is_stream(dataset) else dataset
     columns = getattr(dataset, "column_names", None)
     if columns is None:
@@ -62,9 +59,8 @@ def check_dataset(dataset, name: str = "train_dataset", environments: bool = Fal
 
 
 class PromptTooLong(DatasetError):
-    """A prompt of more tokens than the model's context (`context`), found as it is encoded: said by its text,
-    then by its dataset row once the caller that drew it names the dataset (`in_dataset`). `max_prompt_length`:
-    the run's (None: prompts whole); `room`: the longest prompt that leaves room for a whole completion."""
+    """A prompt of more tokens than the model's context, said by its text, then by its dataset row once the caller
+    names the dataset (`in_dataset`). `room`: the longest prompt that leaves room for a whole completion."""
 
     def __init__(self, prompt, tokens: int, context: int, max_prompt_length: int | None, room: int,
                  where: str | None = None):
@@ -79,8 +75,7 @@ class PromptTooLong(DatasetError):
                 f"from the left and leave room for the completion, or drop the row")
 
     def in_dataset(self, dataset, name: str) -> PromptTooLong:
-        """The same error naming the first row of `dataset` (called `name`) that holds the prompt (itself when
-        none does: a prompt an environment's reset made)."""
+        """The same error naming the first row of `dataset` (called `name`) that holds the prompt (else itself)."""
         prompts = dataset["prompt"] if not is_stream(dataset) and "prompt" in dataset.column_names else []
         if self.prompt not in prompts:
             return self
@@ -89,14 +84,13 @@ class PromptTooLong(DatasetError):
 
 
 def eval_sets(dataset) -> dict:
-    """{key suffix: dataset} of an eval_dataset: {"": it}, or for several (a dict or a DatasetDict, as transformers
-    takes them) {"_<name>": each}, evaluated apart with the metric key prefix `eval_<name>`, transformers'."""
+    """{key suffix: dataset} of an eval_dataset: {"": it}, or for several (a dict or a DatasetDict) {"_<name>": each},
+    evaluated apart under the metric key prefix `eval_<name>`, as in transformers."""
     return {f"_{name}": d for name, d in dataset.items()} if isinstance(dataset, Mapping) else {"": dataset}
 
 
 def check_chat_template(tokenizer, train_dataset, eval_dataset) -> None:
-    """ConfigError, before anything is sampled, when `train_dataset` or a set of `eval_dataset` (`eval_sets`) holds
-    chat prompts (its first row's type is every row's) and `tokenizer` has no chat template to render them."""
+    """ConfigError, before anything is sampled, where a dataset holds chat prompts and the tokenizer no template."""
     named = {"train_dataset": train_dataset, **{f"eval_dataset{k}": d for k, d in eval_sets(eval_dataset).items()}}
     for name, dataset in named.items():  # a dataset without prompts has an environment's: chat ones (TRL's)
         first = first_rows(dataset, 1) if dataset is not None else []
@@ -107,11 +101,9 @@ def check_chat_template(tokenizer, train_dataset, eval_dataset) -> None:
 
 
 class PromptStream:
-    """Yields batches of dataset rows in a seeded order, a new permutation every epoch; with `shuffle` False, in
-    the dataset's own order (TRL's shuffle_dataset=False). A stream (`is_stream`) is read as TRL reads one: in
-    its order, through datasets' buffered shuffle seeded with `seed` + epoch when `shuffle`, again from its start
-    once it ends; its length is known after its first epoch. `run_rows`: the rows the run draws, a stream's epoch
-    as transformers counts it (`epoch_rows`)."""
+    """Yields batches of dataset rows in a seeded order, a new permutation every epoch (`shuffle` False: in order);
+    a stream (`is_stream`) as TRL reads one, through datasets' buffered shuffle seeded with `seed` + epoch.
+    `run_rows`: the rows the run draws, a stream's epoch as transformers counts it (`epoch_rows`)."""
 
     def __init__(self, dataset, seed: int, shuffle: bool = True, run_rows: float | None = None):
         self.dataset, self.seed, self.shuffle = dataset, seed, shuffle
@@ -153,8 +145,7 @@ class PromptStream:
 
     def _read(self, n: int) -> list[dict]:
         """A stream's next `n` rows, read on by its open iterator, or by one opened at (epoch, position) when that
-        was set elsewhere (a checkpoint, a rewind, the sampler process): the epoch's order skipped ahead to the
-        position, the same rows that reading from the start would give."""
+        was set elsewhere (a checkpoint, a rewind, the sampler process)."""
         rows = []
         while len(rows) < n:
             if self.reader_at != (self.epoch, self.position):
@@ -190,6 +181,5 @@ class PromptStream:
 
 
 def per_completion(columns: dict[str, list], num_generations: int) -> dict[str, list]:
-    """Each prompt's row repeated for its `num_generations` completions: completion i belongs to prompt
-    i // num_generations, everywhere in the trainer (sampling repeats the prompt ids the same way)."""
+    """Each prompt's row repeated for its `num_generations` completions: completion i belongs to prompt i // G."""
     return {k: [v for v in values for _ in range(num_generations)] for k, values in columns.items()}

@@ -1,7 +1,5 @@
-"""Reward models as reward functions: TRL 1.16's `reward_funcs` may hold a sequence-classification model (or its
-hub id / local path), and each becomes a callable following rewards.py's contract, so that the rest of the trainer
-(training and evaluation alike) sees only functions. How one is loaded and scores, as in TRL, and where it differs:
-docs/coming-from-trl.md, "Reward models"."""
+"""Reward models as reward functions: a sequence-classification model (or its hub id / local path) in TRL's
+`reward_funcs` becomes a callable following rewards.py's contract (docs/coming-from-trl.md, "Reward models")."""
 from __future__ import annotations
 
 import torch
@@ -35,17 +33,12 @@ class RewardModel:
                               f"expected ({len(texts)}, 1): one score per completion")
         return logits[:, 0].float().tolist()  # [N]
 
-    def to(self, device) -> RewardModel:
-        self.model.to(device)
-        return self
-
 
 def reward_callables(reward_funcs, reward_processing_classes=None, chat_template_kwargs: dict | None = None,
                      required: bool = True) -> list:
     """`reward_funcs` (one or a list of functions, reward models and model paths) with every model wrapped as a
-    `RewardModel` (on the CPU when loaded here: see `place_reward_models`); `reward_processing_classes` as in TRL, and
-    `chat_template_kwargs` for the reward tokenizers' chat templates. `required`: none is an error (False when an
-    environment owns the reward, as TRL allows)."""
+    `RewardModel` (on the CPU when loaded here: see `place_reward_models`). `required`: none is an error (False when
+    an environment owns the reward, as TRL allows)."""
     funcs = [reward_funcs] if isinstance(reward_funcs, str) or callable(reward_funcs) else list(reward_funcs or ())
     if not funcs and required:
         raise ConfigError("No reward source provided: Trainer needs at least one reward function in reward_funcs, "
@@ -63,7 +56,7 @@ def place_reward_models(reward_funcs: list, device) -> None:
     """Put every reward model on `device` (the policy's), where its inputs will go."""
     for f in reward_funcs:
         if isinstance(f, RewardModel):
-            f.to(device)
+            f.model.to(device)
 
 
 def _wrap(f, tokenizer, i: int, chat_template_kwargs: dict | None):

@@ -35,8 +35,7 @@ class RewardError(UserError):
 
 
 def reward_func_name(f) -> str:
-    """The name used in metrics: a function's __name__, a callable object's class name, or for a
-    functools.partial the name of the function it wraps."""
+    """The name used in metrics: a function's __name__ (a partial's function's), else a callable's class name."""
     while isinstance(f, functools.partial):
         f = f.func
     name = getattr(f, "__name__", None) or type(f).__name__
@@ -57,8 +56,7 @@ def reward_func_names(funcs) -> list[str]:
 
 
 class RewardContext:
-    """TRL's per-call reward arguments besides the batch, and what the functions log through them.
-    `trainer_state`: the run's (run/state.TrainerState), None outside a run."""
+    """TRL's per-call reward arguments besides the batch (`trainer_state`: None outside a run), and what is logged."""
 
     def __init__(self, trainer_state=None):
         self.trainer_state = trainer_state
@@ -72,8 +70,7 @@ class RewardContext:
         self.extras.setdefault(column, []).extend(values)
 
     def take_extras(self, n: int) -> dict[str, list]:
-        """The log_extra columns logged since the last call, as `n` values each (None where none was logged),
-        emptied for the next draw."""
+        """The log_extra columns logged since the last call, `n` values each (None where none was), emptied."""
         extras, self.extras = self.extras, {}
         return {c: (values + [None] * n)[:n] for c, values in extras.items()}
 
@@ -91,9 +88,8 @@ class RewardContext:
 def compute_rewards(reward_funcs, prompts, completions, columns: dict[str, list],
                     weights: list[float] | None = None, *, completion_ids: list[list[int]] | None = None,
                     context: RewardContext | None = None) -> tuple[Tensor, Tensor]:
-    """Call every reward function on the batch and combine their rewards. `columns` holds the dataset's other
-    columns (not the prompt), one entry per completion; `completion_ids` the completions' token ids (empty lists
-    when not given); `context` receives what the functions log. Returns `rewards` [N] (weighted sum over
+    """Call every reward function on the batch and combine their rewards. `columns`: the dataset's other columns,
+    one entry per completion; `context` receives what the functions log. Returns `rewards` [N] (weighted sum over
     functions, Nones left out; 0.0 where no function applies) and `per_func` [N, F] (raw values, NaN for None)."""
     n, names = len(completions), reward_func_names(reward_funcs)
     if len(prompts) != n or any(len(v) != n for v in columns.values()):
@@ -119,8 +115,8 @@ def compute_rewards(reward_funcs, prompts, completions, columns: dict[str, list]
 
 
 def warn_unscored(per_func: Tensor, prompts: list, completions: list, columns: dict[str, list]) -> None:
-    """TRL's warning, on a logger as TRL gives it, when every reward function returned None for a completion of
-    `compute_rewards`' `per_func` [N, F] (its arguments besides): it names the first such row's arguments."""
+    """TRL's warning, on a logger as TRL gives it, naming the first completion every reward function returned None
+    for (`per_func` [N, F] and the arguments of `compute_rewards`)."""
     unscored = per_func.isnan().all(dim=1).nonzero().flatten().tolist()  # [n]
     if unscored:
         i = unscored[0]
@@ -139,18 +135,15 @@ def check_reward_weights(weights: list[float] | None, names: list[str]) -> None:
 
 
 def reward_metrics(rewards: Tensor, per_func: Tensor, names: list[str]) -> dict[str, float]:
-    """TRL's reward metrics: `rewards/<name>/mean` and `rewards/<name>/std` over the completions a function
-    applied to (absent if it applied to none), and `reward`, `reward_std` of the combined reward over the
-    completions some function scored (absent when none was: a 0 there would read as a score), from
-    `compute_rewards`' `rewards` [N] and `per_func` [N, F] (under torchrun, every rank's rows gathered: stds do not
-    average across ranks). Stds are sample stds (ddof 1) as TRL's; 0 over a single completion."""
+    """TRL's reward metrics from `compute_rewards`' `rewards` [N] and `per_func` [N, F] (every rank's rows: stds do
+    not average across ranks): `rewards/<name>/mean` and `/std` over the completions a function applied to, and
+    `reward`, `reward_std` over those some function scored (absent where none was: a 0 would read as a score)."""
     metrics = {}
     for j, name in enumerate(names):
         applied = per_func[:, j][~per_func[:, j].isnan()]
         if applied.numel():
             metrics[f"rewards/{name}/mean"] = applied.mean().item()
             metrics[f"rewards/{name}/std"] = sample_std(applied)
-    # As in TRL, completions no function scored are left out.
     scored = ~per_func.isnan().all(dim=1)  # [N]
     if scored.any():
         metrics["reward"] = rewards[scored].mean().item()
@@ -164,9 +157,8 @@ def sample_std(values: Tensor) -> float:
 
 
 def _call(f, name: str, batch: dict, context: RewardContext):
-    """`f` on the whole batch, given only the arguments it accepts (all of them when it takes **kwargs); an
-    async function's coroutine is returned unawaited. A RewardError if it needs a column the batch lacks, or if
-    it raises."""
+    """`f` on the whole batch, given only the arguments it accepts (an async function's coroutine returned
+    unawaited); a RewardError if it needs a column the batch lacks, or if it raises."""
     missing = sorted(required_columns(f) - set(batch))
     if missing:  # before the call: Python's "missing 1 required positional argument" names no column
         raise _lacks_columns(name, missing, ["prompt"] + [k for k in batch if k not in REWARD_ARGUMENTS])
@@ -177,8 +169,7 @@ def _call(f, name: str, batch: dict, context: RewardContext):
 
 
 def check_reward_columns(funcs: list, dataset) -> None:
-    """The RewardError `_call` would raise at the first generation batch, before anything loads: a reward function
-    that takes a column `dataset` (a datasets.Dataset; a factory is checked when called) does not have."""
+    """Before anything loads, the RewardError `_call` would raise for a column `dataset` lacks (a factory: later)."""
     names = getattr(dataset, "column_names", None)
     if names is None:
         return
@@ -233,9 +224,8 @@ def _await_all(coroutines: list) -> list:
 
 
 def _raise(f, name: str, batch_error: BaseException, batch: dict, context: RewardContext):
-    """Raise a RewardError for `f` failing on `batch`, naming the first item it fails on alone (an error path,
-    so retrying item by item is affordable; what the retries log is dropped). A stop signal that arrived while
-    it ran (StepAbandoned) is no fault of the function: it goes on, and the step stops."""
+    """Raise a RewardError for `f` failing on `batch`, naming the first item it fails on alone (an error path:
+    retrying item by item is affordable; what the retries log is dropped). StepAbandoned goes on as it is."""
     if isinstance(batch_error, (StepAbandoned, UserError)):  # a UserError already says what went wrong
         raise batch_error
     i, error, note = 0, batch_error, " (fails on the whole batch only; showing its first item)"
@@ -260,8 +250,7 @@ def _raise(f, name: str, batch_error: BaseException, batch: dict, context: Rewar
 
 
 def _where(error: BaseException) -> str:
-    """file:line of the innermost frame of `error` outside Python's own and installed libraries: the
-    line of the reward function to look at, in place of the traceback the CLI does not print."""
+    """file:line of `error`'s innermost frame outside Python's own and installed libraries (no traceback printed)."""
     frames = traceback.extract_tb(error.__traceback__)[1:]  # [0] is _call itself
     libraries = (sys.prefix, sys.base_prefix)
     own = [f for f in frames if not f.filename.startswith(libraries)] or frames

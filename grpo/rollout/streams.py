@@ -28,8 +28,7 @@ def shift_right(z: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def mix(z: torch.Tensor) -> torch.Tensor:
-    """SplitMix64's finalizer on int64 tensors read as uint64: a bijection whose every output bit depends on
-    every input bit."""
+    """SplitMix64's finalizer on int64 tensors read as uint64: every output bit depends on every input bit."""
     z = (z ^ shift_right(z, 30)) * int64(MULTIPLIERS[0])
     z = (z ^ shift_right(z, 27)) * int64(MULTIPLIERS[1])
     return z ^ shift_right(z, 31)
@@ -49,8 +48,7 @@ class PromptStreams:
         return replace(self, first=self.first + n)
 
     def seeds(self, prompts: int, repeats: int, device: torch.device | str = "cpu") -> torch.Tensor:
-        """[N] int64: where each completion row's stream starts, for `prompts` prompts of `repeats` rows each,
-        a prompt's rows in a row (N = prompts * repeats)."""
+        """[N] int64: where each row's stream starts, for `prompts` prompts of `repeats` rows each, in a row."""
         prompt = self.first + torch.arange(prompts, device=device).repeat_interleave(repeats)  # [N]
         copy = torch.arange(repeats, device=device).repeat(prompts)  # [N]
         key = torch.zeros_like(prompt)  # [N]
@@ -60,7 +58,6 @@ class PromptStreams:
 
 
 def uniforms(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
-    """[n, s] float64 in [0, 1): draws number `steps` [s] (from 0) of the streams starting at `seeds` [n], 53
-    random bits each."""
+    """[n, s] float64 in [0, 1): draws `steps` [s] of the streams starting at `seeds` [n], 53 random bits each."""
     z = mix(seeds[:, None] + (steps + 1) * int64(GAMMA))  # [n, s]
     return shift_right(z, 11).double() * 2.0 ** -53  # [n, s]

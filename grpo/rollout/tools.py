@@ -1,11 +1,10 @@
 """Tools a model may call while it decodes (TRL's `tools=` / `environment_factory=`; docs/tools.md): `Tools.of`
-makes plain functions and an environment class's public methods JSON schemas (transformers' `get_json_schema`),
-which the chat template renders into each prompt (engines/chat.py); inline tools (`InlineTool`, e.g. GSM8K's
-`<<12+7=19>>`) run inside the text instead; `parse_hermes` reads Hermes / Qwen calls. The calls run in
-engines/tool_runner.py, the per-row state machine is engines/tool_loop.py, the environments and the rewards of
-those that own theirs rollout/environments.py."""
+makes plain functions and an environment class's public methods JSON schemas, which the chat template renders into
+each prompt (engines/chat.py); inline tools (`InlineTool`) run inside the text; `parse_hermes` reads Hermes / Qwen
+calls."""
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import re
@@ -45,10 +44,8 @@ def parse_hermes(text: str) -> list[ToolCall]:
             raise MalformedCall(f"not JSON: {body!r} ({e})") from None
         arguments = call.get("arguments", {}) if isinstance(call, dict) else None
         if isinstance(arguments, str):  # some models write the arguments as a JSON string
-            try:
+            with contextlib.suppress(json.JSONDecodeError):
                 arguments = json.loads(arguments)
-            except json.JSONDecodeError:
-                pass
         if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not isinstance(arguments, dict):
             raise MalformedCall(f"not a call: {body!r}")
         calls.append(ToolCall(call["name"], arguments))
@@ -58,16 +55,15 @@ def parse_hermes(text: str) -> list[ToolCall]:
 
 
 def strip_hermes(text: str) -> str:
-    """An assistant message's text without its `<tool_call>` blocks: the `content` TRL gives reward functions
-    beside the parsed `tool_calls`."""
+    """An assistant message's text without its `<tool_call>` blocks (TRL's `content` beside the parsed `tool_calls`)."""
     return CALL.sub("", text).strip()
 
 
 @dataclass(frozen=True)
 class InlineTool:
     """A tool written inside the text: when the model's text ends with `trigger` inside a span opened by `open` (and
-    not yet closed by `close`), `fn(expression)` runs on what lies between, and its result plus `close` is forced.
-    GSM8K's calculator annotations: `InlineTool("<<", "=", ">>", calculate)` turns `<<12+7=` into `<<12+7=19>>`."""
+    not yet closed by `close`), `fn(expression)` runs on what lies between, and its result plus `close` is forced:
+    `InlineTool("<<", "=", ">>", calculate)` turns `<<12+7=` into `<<12+7=19>>`."""
 
     open: str
     trigger: str
@@ -89,12 +85,9 @@ class InlineTool:
 
 @dataclass(frozen=True)
 class Tools:
-    """What a decode may call: `functions` by name; TRL's `environment_factory` as given (a class, or a dict of
-    named classes: each dataset row's `environment` column picks its own), its `environments` by name (a single
-    class under None, as TRL normalises it) and each class's tools (`methods`: name -> JSON schema), which are
-    the tools of the rows whose environment is of that class; the functions' `function_schemas` and the
-    `inline` tools; the call `parser`, each call's `timeout_s`, and the `runner` that runs the calls (made with
-    the Tools, once per run: its worker processes serve every step)."""
+    """What a decode may call: `functions` by name; TRL's `environment_factory` as given, its `environments` by
+    name (`named_environments`) and each class's tools (`methods`: name -> JSON schema); the functions' schemas, the
+    `inline` tools, the call `parser`, each call's `timeout_s`, and the `runner` of the calls (one per run)."""
 
     functions: dict
     environment_factory: object
@@ -172,8 +165,7 @@ class Tools:
             seen |= {*own}
 
     def resolve(self, name: str, env) -> Callable | None:
-        """The callable a row's call of `name` runs (a method of that row's environment `env`); None for a name
-        that is not a tool of that row."""
+        """The callable a row's call of `name` runs (a method of its environment `env`); None: no tool of that row."""
         if name in self.functions:
             return self.functions[name]
         return getattr(env, name) if env is not None and name in self.methods[type(env)] else None

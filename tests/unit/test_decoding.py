@@ -16,7 +16,8 @@ from grpo.rollout.engines.sampling import decoded_rows, left_pad
 def test_draws_follow_the_softmax_and_never_pick_minus_inf():
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05, 0.0])
     logits = probs.log().expand(40000, 5).clone()  # log(0) = -inf
-    counts = torch.bincount(sample_from_logits(logits, torch.Generator().manual_seed(0)), minlength=5).float()
+    u = torch.rand(40000, 1, dtype=torch.float64, generator=torch.Generator().manual_seed(0))  # [40000, 1]
+    counts = torch.bincount(sample_from_logits(logits, u), minlength=5).float()
     freq = counts / counts.sum()
     assert counts[4] == 0
     # 40000 draws: the standard error of a frequency is at most 0.0025.

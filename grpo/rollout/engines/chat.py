@@ -1,8 +1,5 @@
-"""The chat template, used in one place: a prompt as the model sees it (`render`, with the tools' schemas when the
-model calls some), the checks a template passes before it is used with tools, and the text a tool call appends to a
-row: the template's own rendering of the conversation with the tool turn(s) and the next assistant header, minus
-the text the row already holds, so that the KV cache holds exactly what a prompt of that whole conversation would,
-and nothing is prefilled twice."""
+"""The chat template, used in one place: a prompt as the model sees it (`render`), the checks a template passes
+before it is used with tools, and the text a tool call appends to a row (`tool_turn_text`)."""
 from __future__ import annotations
 
 import functools
@@ -26,9 +23,8 @@ def is_chat(prompt) -> bool:
 
 def render(tokenizer, prompt, chat_template_kwargs: dict | None = None, schemas: list | None = None) -> str:
     """A prompt as the model sees it: a string unchanged; chat messages through the tokenizer's chat template with
-    a generation prompt, the run's `chat_template_kwargs` (e.g. Qwen3's enable_thinking=False, which the template
-    reads as variables) and, when the model calls tools in chat turns, the tools' `schemas`; then a template that
-    raises is a ConfigError (without tools, its own error)."""
+    a generation prompt, the run's `chat_template_kwargs` and the tools' `schemas` (then a template that raises is a
+    ConfigError)."""
     if isinstance(prompt, str):
         return prompt
     if not is_chat(prompt):
@@ -44,8 +40,7 @@ def render(tokenizer, prompt, chat_template_kwargs: dict | None = None, schemas:
 
 def check_tool_template(tokenizer, chat_template_kwargs: dict | None = None, eos_ids: list[int] | None = None) -> None:
     """A ConfigError, one line, unless the tokenizer's chat template renders the tools' schemas into the prompt,
-    renders tool messages, and renders a conversation's earlier turns as a row holds them (`check_tool_history`;
-    `eos_ids`: the model's, default the tokenizer's): probe conversations, rendered once, before any decode."""
+    tool messages, and a conversation's earlier turns as a row holds them (`check_tool_history`)."""
     if not getattr(tokenizer, "chat_template", None):
         raise ConfigError("tools need a chat template, and the tokenizer has none: set tokenizer.chat_template "
                           "to one that renders `tools` and tool messages (e.g. grpo.tasks.calculator.CHATML_TOOLS "
@@ -64,10 +59,8 @@ def check_tool_template(tokenizer, chat_template_kwargs: dict | None = None, eos
 
 
 def check_tool_history(tokenizer, chat_template_kwargs: dict | None = None, eos_ids: list[int] | None = None) -> None:
-    """A ConfigError, one line, unless the template has the property a tool round relies on (`tool_turn_text`):
-    the rendering of a conversation extended by a tool turn starts with the text the row held before it. Probed
-    as a row holds it: the prompt, a call written as the Hermes parser reads it, and one of `eos_ids` (the
-    template must end its turns with one of them)."""
+    """A ConfigError, one line, unless the rendering of a conversation extended by a tool turn starts with the
+    text the row held before it (what `tool_turn_text` relies on), probed with a Hermes call and each of `eos_ids`."""
     eos_ids = [i for i in (eos_ids if eos_ids is not None else [tokenizer.eos_token_id]) if i is not None]
     start = render(tokenizer, PROBE_PROMPT, chat_template_kwargs, [PROBE_TOOL])
     ids = tokenizer.encode(PROBE_MESSAGE, add_special_tokens=False)
@@ -90,8 +83,7 @@ def check_tool_history(tokenizer, chat_template_kwargs: dict | None = None, eos_
 
 
 def _forms(message: str, tool_calls: list[dict]) -> list[dict]:
-    """The ways to pass an assistant message that made calls, tried in order: with its parsed `tool_calls` (the
-    text before the first call as its content), then its text verbatim."""
+    """The ways to pass an assistant message that made calls, in order: with its parsed `tool_calls`, then verbatim."""
     before = message[:message.find("<tool_call>")].rstrip()
     return [{"role": "assistant", "content": before, "tool_calls": tool_calls},
             {"role": "assistant", "content": message}]
@@ -114,10 +106,9 @@ def tool_turn_text(tokenizer, conversation: list, message: str, tool_calls: list
                    held: str, schemas: list, chat_template_kwargs: dict | None = None) -> tuple[str, dict]:
     """The text to append to a row that holds `held` (its prompt and everything decoded so far, the EOS
     included) after its assistant `message` made calls (`tool_calls`, parsed): the tool turn(s) and the next
-    assistant header, as the template renders `conversation + [assistant, *tool_messages]`, and the assistant
-    message as passed (`_forms`: the first whose rendering starts with `held`). A ConfigError when none does: the
-    template does not render the conversation's history as it rendered it while the row was written (checked at
-    start-up by `check_tool_history`; a row may still end its call with another EOS than the template's)."""
+    assistant header, as the template renders `conversation + [assistant, *tool_messages]` past `held`, so that the
+    KV cache holds what a prompt of the whole conversation would; and the assistant message as passed (`_forms`).
+    A ConfigError where no form's rendering starts with `held` (`check_tool_history` probed it at start-up)."""
     rest, assistant = _continuation(tokenizer, conversation, _forms(message, tool_calls), tool_messages, held, schemas,
                                     chat_template_kwargs)
     if rest is None:

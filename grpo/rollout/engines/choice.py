@@ -1,7 +1,6 @@
 """Every refusal of a run's generation engine, in one place, made before any model loads (called by
-run/startup.prepare): the engine is chosen by the settings (`use_vllm`, `int8_sampling_weights`, `async_generation`)
-and by what the caller passed (a sampler, TRL's rollout_func), and a choice that cannot run costs a line, not a model
-load. Settings that contradict each other alone are refused earlier, when the Config is made (settings/checks.py)."""
+run/startup.prepare), so that a choice that cannot run costs a line, not a model load. Settings that contradict
+each other alone are refused earlier, when the Config is made (settings/checks.py)."""
 from __future__ import annotations
 
 from ...errors import ConfigError
@@ -9,9 +8,7 @@ from ...policy.int8 import int8_refusal
 
 
 def check_engine(plan, world_size: int, device_type: str, *, sampler: bool, rollout_func: bool) -> None:
-    """ConfigError where the engine the run asks for cannot run. `plan`: settings/plan.RunPlan; `world_size`: the
-    process group's ranks; `device_type`: where the policy runs; `sampler`, `rollout_func`: whether the caller
-    passed one."""
+    """ConfigError where the engine the run asks for cannot run (`sampler`, `rollout_func`: whether one was passed)."""
     given = "a sampler" if sampler else "a rollout_func" if rollout_func else None
     if plan.generation.max_staleness is not None:
         check_async(world_size, device_type, own_decoder=given is None)

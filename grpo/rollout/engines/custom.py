@@ -1,7 +1,6 @@
-"""TRL's `rollout_func`: generation replaced by the user's own (an inference engine, an environment, an agent
-loop), with TRL 1.16's contract (docs/recipes-and-settings.md, "Replacing generation"): `rollout_func(prompts,
-trainer) -> dict`, once per generation batch on each rank's share, each prompt num_generations times in a row.
-The loss scores the returned tokens under the policy, whatever made them."""
+"""TRL's `rollout_func`: generation replaced by the user's own, with TRL 1.16's contract
+(docs/recipes-and-settings.md, "Replacing generation"): `rollout_func(prompts, trainer) -> dict`, once per
+generation batch on each rank's share, each prompt num_generations times in a row."""
 from __future__ import annotations
 
 import torch
@@ -24,10 +23,8 @@ class RolloutFuncError(UserError):
 
 
 class RolloutFuncEngine:
-    """The engine on TRL's rollout_func (engines/engine.Engine): a generation batch's prompts in, one Rollout of
-    num_generations completions each and the rollout_func's extra fields (reward columns, one value per completion)
-    out. `trainer`: what TRL hands the rollout_func, passed on unread; `policy`: policy/forwards.Policy, whose
-    device the rows go to; `settings`: settings/components.SamplingSettings."""
+    """The engine on TRL's rollout_func (engines/engine.Engine). `trainer`: what TRL hands the rollout_func, passed
+    on unread; `policy`: policy/forwards.Policy, whose device the rows go to."""
 
     def __init__(self, rollout_func, trainer, policy, tokenizer, settings):
         self.rollout_func, self.trainer, self.tokenizer = rollout_func, trainer, tokenizer
@@ -36,9 +33,7 @@ class RolloutFuncEngine:
         self.name = getattr(rollout_func, "__name__", type(rollout_func).__name__)
 
     def __call__(self, prompts: list, on_token=None, streams=None) -> tuple[Rollout, dict[str, list]]:
-        """The engine's call (engines/engine.Engine): one for the whole generation batch, as TRL
-        makes it; the rollout_func's tokens are not counted as they come (`on_token` is not called), and it
-        draws its own random numbers (`streams` is not read)."""
+        """One call for the whole generation batch, as TRL makes it (the rollout_func draws its own random numbers)."""
         repeated = [p for p in prompts for _ in range(self.num_generations)]
         output = self.rollout_func(repeated, self.trainer)  # the trainer, as TRL passes it
         if not isinstance(output, dict) or any(k not in output for k in REQUIRED):
@@ -63,9 +58,8 @@ class RolloutFuncEngine:
                             [list(map(int, r)) for r in completion_rows], env_mask), fields
 
     def reward_fields(self, extra: dict, n: int) -> dict[str, list]:
-        """The extra fields as reward columns of `n` values. As in TRL, a list holds one value per completion
-        and anything else (a number, a string, a tuple) is every completion's value. A list of another length
-        is an error here (TRL fails later on a shorter one, with a KeyError, and drops a longer one's tail)."""
+        """The extra fields as reward columns of `n` values: as in TRL, a list holds one value per completion and
+        anything else is every completion's value (a list of another length: an error here, not later as in TRL)."""
         for key in extra:
             if key in RESERVED:
                 raise RolloutFuncError(f"rollout_func '{self.name}' returned a field '{key}', a name the reward "

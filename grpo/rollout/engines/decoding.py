@@ -1,13 +1,7 @@
-"""KV-cached sampling, written out instead of `model.generate`: one body forward per new token, the LM head on
-the last position only, and one uniform number per row to pick a token, from the row's own random stream
-(rollout/streams).
-
-Why not `generate`: at a 150k-token vocabulary its per-step overhead rivals the model itself on a CPU.
-`torch.multinomial` draws one exponential per vocabulary entry, the min-length processor rewrites the whole
-score matrix, and `F.linear(h, W)` with few rows is slower than `W @ h.T` (docs/benchmarks.md). Logits here
-are computed as the loss computes log-probs (hidden states times the LM head, the family's scale or soft cap
-(policy/head), float32 softmax), so the sampling policy is the one being trained; the Decoder's weights
-(policy/folding: LoRA folded in; policy/decoder: a fused step) change them by float32 roundings only.
+"""KV-cached sampling, written out instead of `model.generate` (whose per-step overhead rivals a small model on a
+CPU: docs/benchmarks.md): one body forward per new token, the LM head on the last position only, and one uniform
+number per row to pick a token, from the row's own random stream (rollout/streams). Logits are computed as the
+loss computes log-probs (policy/head, float32 softmax), so the sampling policy is the one being trained.
 """
 from __future__ import annotations
 
@@ -28,8 +22,7 @@ from .kv_cache import DecodingRows, in_place, preallocated_cache, select_rows
 
 def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
                   min_p: float | None = None) -> torch.Tensor:
-    """Temperature, then top-k, nucleus (top-p) and min-p filtering (transformers' order), in place; removed
-    tokens get -inf."""
+    """Temperature, then top-k, top-p and min-p filtering (transformers' order), in place: removed tokens get -inf."""
     if temperature != 1.0:
         logits /= temperature
     if 0 < top_k < logits.shape[-1]:
@@ -50,18 +43,15 @@ def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: f
 
 
 def seen_tokens(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[N, V] bool: the vocabulary entries each row's prompt [N, P] holds, padding left out (transformers counts
-    from the first real token). Ids past the LM head's vocabulary (embeddings larger than the head) cannot be
-    sampled, so they are dropped, as transformers drops them."""
+    """[N, V] bool: the vocabulary entries each row's prompt [N, P] holds (padding and ids past the head left out)."""
     ids = prompt_ids.masked_fill(prompt_mask == 0, vocab_size).clamp(max=vocab_size)  # [N, P]; V: not counted
     seen = torch.zeros(ids.shape[0], vocab_size + 1, dtype=torch.bool, device=ids.device)  # [N, V+1]
     return seen.scatter_(1, ids, True)[:, :vocab_size]  # [N, V]
 
 
 def penalize_repetitions(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
-    """transformers' repetition penalty: the logits [N, V] of tokens already seen [N, V] (in the prompt or the
-    completion so far) are divided by `penalty` where positive and multiplied where negative, so a penalty > 1
-    makes any repeat less likely. Applied to the raw logits, before temperature."""
+    """transformers' repetition penalty, on the raw logits [N, V]: those of tokens already seen [N, V] divided by
+    `penalty` where positive and multiplied where negative."""
     penalized = torch.where(logits < 0, logits * penalty, logits / penalty)  # [N, V]
     return torch.where(seen, penalized, logits)  # [N, V]
 
@@ -69,19 +59,12 @@ def penalize_repetitions(logits: torch.Tensor, seen: torch.Tensor, penalty: floa
 CDF_BLOCK = 256  # vocabulary entries per block of the two-level inverse CDF
 
 
-def sample_from_logits(logits: torch.Tensor, generator: torch.Generator | None = None,
-                       u: torch.Tensor | None = None) -> torch.Tensor:
-    """One token id per row [N], drawn from softmax(logits) by inverse CDF in float64 (so that 150k small
-    probabilities still add up exactly enough); -inf logits are never drawn. `u` [N, 1] (float64): the rows'
-    uniforms, drawn here (from `generator`) when not given.
-
-    The CDF is taken in two levels, so no per-step work runs a float64 cumulative sum over the vocabulary: the
-    cumulative mass of blocks of CDF_BLOCK entries picks the block that holds u, then the cumulative sum inside
-    that block alone picks the token (the same token as one cumulative sum over all V, up to float64 rounding)."""
+def sample_from_logits(logits: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One token id per row [N], drawn from softmax(logits) by inverse CDF in float64 with the rows' uniforms `u`
+    [N, 1] (float64); -inf logits are never drawn. Two levels, so that no float64 cumulative sum runs over the
+    whole vocabulary: the blocks' cumulative mass picks a block, the cumulative sum inside it the token."""
     N, V = logits.shape
     probs = logits.softmax(-1)  # [N, V]
-    if u is None:
-        u = torch.rand(N, 1, dtype=torch.float64, device=logits.device, generator=generator)  # [N, 1]
     padded = (F.pad(probs, (0, -V % CDF_BLOCK)) if V % CDF_BLOCK else probs).view(N, -1, CDF_BLOCK)  # [N, nb, B]
     block_mass = padded.double().sum(-1)  # [N, nb]
     block_cdf = block_mass.cumsum(-1)  # [N, nb]
@@ -142,15 +125,12 @@ def prefill(forward, cache, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
             seen: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Reads left-padded prompts [B, P] into `cache` (`forward(ids, mask, positions)`: a body forward writing
     it) for N = B * repeats rows, each prompt `repeats` times in a row. Returns the rows' last prompt hidden
-    states [N, H], the attention mask of every position the decode will reach [N, P'+C], 1 past the prompt (a
-    finished row's later columns are never read), the last prompt tokens' positions [N, 1] and the tokens seen
-    `seen` [B, V] repeated (None passes).
+    states [N, H], the attention mask of every position the decode will reach [N, P'+C], 1 past the prompt, the
+    last prompt tokens' positions [N, 1] and the tokens seen `seen` [B, V] repeated (None passes).
 
-    A prompt's copies share one prefill: the prompt is read once and its KV cache repeated; with a cache written
-    in place (plain attention), the first tokens all prompts share (at least MIN_SHARED_PREFIX: a system prompt,
-    a worked example) are read once for all of them, then each prompt's own rest, left-padded after the shared
-    part (positions count real tokens, so the keys are the same). A model keeping a recurrent state (`stateful`)
-    has its rows prefilled one by one, since they cannot be repeated."""
+    A prompt is read once and its KV cache repeated for its copies; with a cache written in place, the first
+    tokens all prompts share are read once for all of them (positions count real tokens, so the keys are the
+    same). A model keeping a recurrent state (`stateful`) has its rows prefilled one by one."""
     if stateful and repeats > 1:
         prompt_ids, prompt_mask = prompt_ids.repeat_interleave(repeats, 0), prompt_mask.repeat_interleave(repeats, 0)
         seen = None if seen is None else seen.repeat_interleave(repeats, 0)  # [N, V]
@@ -174,10 +154,9 @@ def prefill(forward, cache, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
 
 
 class Decoded(NamedTuple):
-    """What a decode returns, with or without tools: the completions [N, C] (`pad_id` after each row's end), which
-    of their tokens were fed rather than sampled [N, C] (1: a tool's output and the turn headers around it; all 0
-    without tools) and each row's length [N], up to and including the token that ended it (an EOS that closed no
-    tool call, or the token after which the tools ended the row; C for a row nothing ended)."""
+    """What a decode returns: the completions [N, C] (`pad_id` after each row's end), which of their tokens were
+    fed rather than sampled [N, C] (a tool's output and the turn headers around it) and each row's length [N], up
+    to and including the token that ended it (C for a row nothing ended)."""
 
     completion_ids: torch.Tensor
     fed: torch.Tensor
@@ -186,18 +165,16 @@ class Decoded(NamedTuple):
 
 
 class ForcedTokens:
-    """Tokens queued for some rows of a decode (a tool's output), fed one per step in place of a sampled one: the
-    row reads them into its own KV cache positions while the other rows decode on, so no conversation is read
-    twice. `tools.row_ends` (engines/tool_loop.ToolLoop) sees every token a row samples and says what to queue,
-    or that a row ends."""
+    """Tokens queued for some rows of a decode (a tool's output), fed one per step in place of a sampled one, into
+    the row's own KV cache positions (docs/tools.md). `tools.row_ends` (engines/tool_loop.ToolLoop) sees every token
+    a row samples and says what to queue, or that a row ends."""
 
     def __init__(self, tools, N: int, C: int, device: torch.device):
         self.tools, self.queued = tools, {}  # original row -> its tokens still to feed
         self.mask = torch.zeros(N, C, dtype=torch.long, device=device)  # [N, C]
 
     def apply(self, token: torch.Tensor, rows: torch.Tensor, step: int) -> torch.Tensor:
-        """This step's tokens [n] of batch rows `rows` [n] (original indices) with queued ones in place of
-        sampled ones; [n] bool: which were queued."""
+        """This step's tokens [n] of rows `rows` [n] with queued ones in place of sampled ones; [n] bool: which were."""
         forced = torch.zeros_like(token, dtype=torch.bool)  # [n]
         if self.queued:
             where = {r: i for i, r in enumerate(rows.tolist())}
@@ -211,8 +188,8 @@ class ForcedTokens:
     def react(self, token: torch.Tensor, rows: torch.Tensor, own: torch.Tensor, eos: torch.Tensor,
               room: int) -> torch.Tensor:
         """Show the tools the tokens [n] that batch rows `rows` [n] sampled this step (`own` [n]: a token of their
-        own, neither fed nor after their end; `eos` [n]: an EOS of their own); [n] bool: the rows that end now
-        (engines/tool_loop.ToolLoop.row_ends). A row whose tool ran gets its output queued and goes on past its EOS."""
+        own; `eos` [n]: an EOS of their own); [n] bool: the rows that end now. A row whose tool ran gets its output
+        queued."""
         ends, own = eos.clone(), own.nonzero().squeeze(1)  # [n], [k]: positions that sampled a token of their own
         if own.numel() == 0:
             return ends
@@ -225,9 +202,8 @@ class ForcedTokens:
 
 def next_tokens(logits: torch.Tensor, s: DecodeSettings, seen: torch.Tensor | None, eos: torch.Tensor,
                 u: torch.Tensor | None, with_logprobs: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A decoding step's tokens [n] from its logits [n, V] (`seen` [n, V]: the tokens a repetition penalty
-    counts; `u` [n, 1]: the rows' uniforms, None when greedy) and, `with_logprobs`, each one's log-prob [n]
-    under the distribution it was drawn from (None without)."""
+    """A decoding step's tokens [n] from its logits [n, V] (`seen` [n, V]: the tokens a repetition penalty counts;
+    `u` [n, 1]: the rows' uniforms) and, `with_logprobs`, each one's log-prob [n] where it was drawn from."""
     k = s.knobs
     if seen is not None:
         logits = penalize_repetitions(logits, seen, k.repetition_penalty)  # [n, V]
@@ -244,8 +220,7 @@ def next_tokens(logits: torch.Tensor, s: DecodeSettings, seen: torch.Tensor | No
 
 def decoding_step(hf_model, cache, forward, int8: bool, bf16: bool = False):
     """`step(ids [n, 1], mask [n, T], position_ids [n, 1]) -> hidden [n, H]`: a Llama-shaped model's fused step
-    (policy/decoder: the same math in fewer operations), on int8 weights with `int8`, on its bf16 base with
-    `bf16`; else the last position of `forward`, the body's forward."""
+    (policy/decoder), on int8 weights or its bf16 base; else the last position of `forward`, the body's."""
     fused = fused_decoder(hf_model.base_model, cache, int8, bf16) if in_place(cache) else None
     if int8 and fused is None:
         raise ConfigError("int8_sampling_weights=True needs decoding steps that run fused (policy/decoder): a "
@@ -259,17 +234,12 @@ def decode(hf_model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, settin
            repeats: int = 1, seeds: torch.Tensor | None = None, on_token=None, head_matmul=None,
            tools=None, int8: bool = False, bf16: bool = False, with_logprobs: bool = False) -> Decoded:
     """Completions [N, C] (`Decoded`) sampled after left-padded prompts [B, P] as `settings` say, each prompt
-    `repeats` times in a row (N = B * repeats), by a transformers causal LM (adapters, if any, injected in place):
-    the prompts read by `prefill`, then one step per token, finished rows leaving the batch and the cache
-    (engines/kv_cache), a Llama-shaped model's steps fused (policy/decoder). `seeds` [N] (int64): where each row's
-    random stream starts (rollout/streams.PromptStreams.seeds; None: drawn from torch's generator). `on_token(n)`:
-    called after every step with the tokens it generated (progress bars). `head_matmul`: the LM head's product on a
-    packed copy of its weight (policy/folding). `tools` (engines/tool_loop.ToolLoop) watches what each row writes
-    and appends its tools' output (`ForcedTokens`). `int8`: the steps' linears on int8 copies of their weights
-    (policy/int8; a model whose steps do not run fused is refused); `bf16`: a fused step on the bf16 weights, LoRA
-    unfolded. `with_logprobs`: each sampled token's log-prob under the distribution it was drawn from (after the
-    penalty, temperature and filters: vLLM's processed log-probs) as `Decoded.logprobs` [N, C], NaN where no
-    token was sampled (padding, a tool's tokens)."""
+    `repeats` times in a row (N = B * repeats), by a transformers causal LM: the prompts read by `prefill`, then one
+    step per token, finished rows leaving the batch and the cache. `seeds` [N] (int64): where each row's random
+    stream starts (None: drawn from torch's generator). `on_token(n)`: called after every step with the tokens it
+    generated. `head_matmul`: the LM head's product (policy/folding). `tools` (engines/tool_loop.ToolLoop): the
+    tools' output fed (`ForcedTokens`). `int8`, `bf16`: `decoding_step`'s. `with_logprobs`: each sampled token's
+    log-prob (vLLM's processed log-probs) as `Decoded.logprobs` [N, C], NaN where no token was sampled."""
     s, k, N, device = settings, settings.knobs, len(prompt_ids) * repeats, prompt_ids.device
     if s.max_new_tokens == 0:
         return Decoded(prompt_ids.new_empty(N, 0), prompt_ids.new_empty(N, 0), prompt_ids.new_zeros(N))

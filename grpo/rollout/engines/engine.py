@@ -13,28 +13,17 @@ from .server import ServerEngine
 
 
 class Engine(Protocol):
-    """What turns a generation batch's prompts into completions: our decoder (engines/sampling.Decoder), a vLLM
-    server (engines/server.ServerEngine), TRL's rollout_func (engines/custom.RolloutFuncEngine), or the
-    `Trainer(sampler=...)` a caller passes, which keeps the same contract.
-
-    `engine(prompts, on_token, streams) -> (rollout, fields)` samples `num_generations` completions of each of this
-    rank's prompts, returned as one Rollout of whole groups in order on the policy's device, with the extra reward
-    columns it makes (one value per completion; ours: `{}`); it may call `on_token(n)` as tokens come and draws each
-    prompt's random numbers from `streams` (rollout/streams; default: step 0's first prompts of the config's seed).
-    With an environment_factory, `envs=` (one environment per completion: rollout/environments.make_envs) comes too,
-    only to the engines that run tools (ours and a server's; a sampler passed in runs none).
-
-    Optional: `corrected(generation, settings) -> metrics`, the importance-sampling correction of the engine's
-    samples (default: rollout/batches.Generation.correct_sampling), and `close()`, what the engine keeps for the
-    run let go when it ends (a server's adapters; default: nothing)."""
+    """What turns a generation batch's prompts into completions (docs/architecture.md): `engine(prompts, on_token,
+    streams) -> (rollout, fields)`, `num_generations` completions of each of this rank's prompts as one Rollout of
+    whole groups in order on the policy's device, and the extra reward columns it makes (ours: `{}`); with an
+    environment_factory, `envs=` too. Optional: `corrected` and `close` (below)."""
 
     def __call__(self, prompts: list, on_token=None, streams: PromptStreams | None = None,
                  **envs) -> tuple[Rollout, dict[str, list]]: ...
 
 
 def corrected(engine: Engine, generation, settings) -> dict[str, float]:
-    """The importance-sampling correction of `generation`'s samples and its metrics: the engine's own `corrected`
-    where it has one (a server checks it serves the trained model), else rollout/batches.Generation's."""
+    """The importance-sampling correction and its metrics: the engine's own `corrected`, else Generation's."""
     own = getattr(engine, "corrected", None)
     return own(generation, settings) if own is not None else generation.correct_sampling(settings)
 

@@ -1,17 +1,6 @@
-"""A KV cache allocated once for a whole decode (prompt + max_new_tokens positions) and written in place, for
-rollout/engines/decoding.py: transformers' DynamicCache concatenates every layer's keys and values at every step, which
-copies the whole cache each token (SmolLM2-135M, 16 rows of 384 positions: about 280 MB a step) and, past glibc's
-mmap threshold (infra/allocator), makes every copy fresh pages to fault in.
-
-Each layer keeps buffers [B, H, T_max, D] and hands attention views of the positions written so far; rows leave
-or are repeated (`select_rows`) by one copy of the buffers. Families whose cache is not a plain per-position
-key/value store (sliding windows, chunked or linear attention, recurrent state) keep transformers' DynamicCache
-(`preallocated_cache` returns it).
-
-The decode's rows (`DecodingRows`): rows that have finished (sampled EOS) leave the batch and the KV cache, so that
-later steps compute only the rows still decoding, and each step's tokens go back to their own rows. Sampling draws
-what the uncompacted loop draws: each row draws from its own random stream (rollout/streams), whichever rows are
-left."""
+"""A KV cache allocated once for a whole decode and written in place (transformers' DynamicCache copies the whole
+cache each token: docs/benchmarks.md); the decode's rows (`DecodingRows`): finished rows leave the batch and the
+KV cache, each row drawing from its own random stream (rollout/streams) whichever rows are left."""
 from __future__ import annotations
 
 import torch
@@ -22,8 +11,7 @@ from ..streams import uniforms
 
 
 class PreallocatedLayer(CacheLayerMixin):
-    """One attention layer's keys and values in buffers of `max_length` positions, filled from the left
-    (transformers' layer interface; the attention mask is sized as for a cache that grows)."""
+    """One attention layer's keys and values in buffers of `max_length` positions (transformers' layer interface)."""
 
     def __init__(self, max_length: int):
         super().__init__()
@@ -74,9 +62,7 @@ class PreallocatedLayer(CacheLayerMixin):
 
 
 def preallocated_cache(config, max_length: int) -> Cache:
-    """A cache of `max_length` positions for a model with `config`, written in place, when all its layers are
-    plain full attention; else transformers' DynamicCache (sliding or chunked windows keep only their last
-    positions, linear attention and recurrent layers a state, which in-place positions do not describe)."""
+    """A cache of `max_length` positions written in place when all layers are full attention; else DynamicCache."""
     text_config = config.get_text_config(decoder=True)
     layer_types, _ = get_layer_types_and_kwargs(text_config)
     if not layer_types or any(t != "full_attention" for t in layer_types):
@@ -96,8 +82,7 @@ BLOCK = 64  # decoding steps whose uniforms are drawn at once: a draw is a dozen
 
 class DecodingRows:
     """Which of a decoding batch's N rows are still in it, and which of those have finished. `compacts=False`
-    keeps them all (a model with a recurrent state, which rows cannot leave). `seeds` [N]: where
-    each row's random stream starts (rollout/streams); None when nothing is sampled (greedy decoding)."""
+    keeps them all (a recurrent state); `seeds` [N]: where each row's random stream starts (None: greedy)."""
 
     def __init__(self, N: int, device: torch.device, compacts: bool = True, seeds: torch.Tensor | None = None):
         self.N, self.compacts, self.seeds = N, compacts, seeds
@@ -121,9 +106,7 @@ class DecodingRows:
         return out
 
     def compact(self, cache, *tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-        """`tensors` (one row per batch row: the next tokens, attention mask, positions, tokens seen; None passes
-        through) without the finished rows, which also leave the KV cache `cache`; only once they are at least
-        MIN_SHARE of the batch, since each compaction copies every cache layer."""
+        """`tensors` (None passes) without the finished rows, which leave `cache` too, once MIN_SHARE of the batch."""
         done = int(self.finished.sum()) if self.compacts else 0
         if done == 0 or done < MIN_SHARE * len(self.rows):
             return tensors
@@ -135,8 +118,7 @@ class DecodingRows:
 
 
 def select_rows(cache, index: torch.Tensor, *tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-    """Rows `index` [n'] of every KV-cache layer and of `tensors` (None passes through): fewer rows when finished
-    ones leave, repeated rows when a prefilled prompt is copied. reorder_cache, not batch_select_indices, which
-    would miss linear-attention layers' states."""
+    """Rows `index` [n'] of every KV-cache layer and of `tensors` (None passes through). reorder_cache, not
+    batch_select_indices, which would miss linear-attention layers' states."""
     cache.reorder_cache(index)
     return tuple(None if t is None else t[index] for t in tensors)

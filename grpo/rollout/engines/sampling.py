@@ -1,6 +1,5 @@
-"""Prompts in, `num_generations` sampled completions each out, with the masks the loss needs: `Decoder`, the
-engine over our KV-cached decode loop (engines/decoding.py); the prompt encoder a run sets up once
-(`prompt_encoder`) and `rollout_of`, where every engine's completions become a Rollout."""
+"""`Decoder`, the engine over our KV-cached decode loop (engines/decoding.py); the prompt encoder a run sets up once
+(`prompt_encoder`); `rollout_of`, where every engine's completions become a Rollout."""
 from __future__ import annotations
 
 import warnings
@@ -20,14 +19,12 @@ from .tool_loop import ToolLoop
 
 class PromptEncoder:
     """Tokenizes prompts (chat ones rendered with `chat_template_kwargs`, and with the schemas of `tools`
-    (rollout/tools.Tools) when the model calls some in chat turns), cutting overlong ones from the left (the end
-    of a prompt matters most); a prompt still longer than the model's context is an error (PromptTooLong), not
-    minutes of decoding past the positions it was made for."""
+    (rollout/tools.Tools) when the model calls some in chat turns), cutting overlong ones from the left; a prompt
+    still longer than the model's context is an error (PromptTooLong). `eos_ids` (`eos_token_ids`): what a
+    template for tools is checked with."""
 
     def __init__(self, tokenizer, max_prompt_length: int | None, chat_template_kwargs: dict | None = None, tools=None,
                  eos_ids: list[int] | None = None):
-        """`eos_ids`: the ids that end the model's turns (`eos_token_ids`), which a template for tools is
-        checked with."""
         self.tokenizer, self.max_prompt_length, self.tools = tokenizer, max_prompt_length, tools
         self.chat_template_kwargs, self.warned = chat_template_kwargs, False
         if tools is not None and tools.chat:  # a template that cannot serve the tools: said once, up front
@@ -35,9 +32,8 @@ class PromptEncoder:
 
     def __call__(self, prompts: list, context: int | None = None, max_completion_length: int = 0,
                  envs: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The prompts' ids and mask [B, P], left-padded; `context`: the positions of the model that decodes
-        them (policy/models.context_length; None: unchecked), of which a completion of `max_completion_length`
-        tokens needs its share; `envs`: each prompt's environment, whose tools its prompt shows (None: none)."""
+        """The prompts' ids and mask [B, P], left-padded; `context`: the model's positions (None: unchecked), of
+        which a completion needs `max_completion_length`; `envs`: each prompt's environment, whose tools it shows."""
         chat = self.tools is not None and self.tools.chat
         envs = envs if envs is not None else [None] * len(prompts)
         texts = [render(self.tokenizer, p, self.chat_template_kwargs, self.tools.schemas_for(env) if chat else None)
@@ -58,18 +54,14 @@ class PromptEncoder:
 
     def tool_loop(self, prompts: list, repeats: int, max_iterations: int | None, envs: list | None,
                   eos_ids: list[int]) -> ToolLoop | None:
-        """The tool loop of one decode (engines/tool_loop.ToolLoop; None without tools) of `prompts`, each `repeats`
-        times in a row, as they were rendered: our decode's and a server's segments' alike."""
+        """The tool loop of one decode of `prompts`, each `repeats` times in a row (None without tools)."""
         repeated = [p for p in prompts for _ in range(repeats)]
         return None if self.tools is None else ToolLoop(self.tools, self.tokenizer, repeated, max_iterations, envs,
                                                          eos_ids, self.chat_template_kwargs)
 
 
 def prompt_encoder(model, tokenizer, settings, tools=None) -> PromptEncoder:
-    """The run's one prompt encoder (the trainer's engine and its evaluation share it; grpo.eval and grpo.generate
-    make their own): `settings` (settings/components.SamplingSettings or EvalSettings, the same Config's values) give
-    max_prompt_length and chat_template_kwargs; `tools`' schemas rendered into the prompts, the template checked
-    with `model`'s EOS ids."""
+    """The run's one prompt encoder (its engine's and evaluation's), from `settings`' prompt length and kwargs."""
     kwargs = None if settings.chat_template_kwargs is None else dict(settings.chat_template_kwargs)
     return PromptEncoder(tokenizer, settings.max_prompt_length, kwargs, tools,
                          None if tools is None else eos_token_ids(tokenizer, model))
@@ -77,12 +69,8 @@ def prompt_encoder(model, tokenizer, settings, tools=None) -> PromptEncoder:
 
 def left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)  # [N, P]
-    mask = torch.zeros((len(rows), width), dtype=torch.long)  # [N, P]
-    for i, r in enumerate(rows):
-        if r:
-            ids[i, width - len(r):] = torch.tensor(r)
-            mask[i, width - len(r):] = 1
+    ids = torch.tensor([[pad_id] * (width - len(r)) + list(r) for r in rows], dtype=torch.long)  # [N, P]
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], dtype=torch.long)  # [N, P]
     return ids, mask
 
 
@@ -100,12 +88,9 @@ def sample_completions(model, tokenizer, encode: PromptEncoder, prompts: list, *
            bf16: bool = False) -> Rollout:
     """Sample `num_generations` completions per prompt of `prompts` (encoded by `encode`) with our KV-cached decode
     (engines/decoding.decode, whose `DecodeSettings` say what `knobs`, `stop_at_eos` and `greedy` do), as a Rollout
-    (`rollout_of`). `streams`: the prompts' random streams (rollout/streams; None: drawn from torch's generator).
-    With the tools of `encode` (rollout/tools.Tools), rows call them within the decode, up to
-    `max_tool_calling_iterations` rounds each (None: no limit, TRL's default); `envs`: one environment per
-    completion when the tools include an environment's methods. `int8`, `bf16`: the steps on int8 weights or on the
-    bf16 base (the precision plan's bf16 sampling), each sampled token's log-prob then kept as the rollout's
-    `sampling_logprobs` for the importance-sampling correction."""
+    (`rollout_of`). `streams`: the prompts' random streams (None: drawn from torch's generator). With the tools of
+    `encode`, rows call them within the decode (`envs`: one environment per completion). `int8`, `bf16`: the steps
+    on int8 weights or on the bf16 base, each sampled token's log-prob kept as `sampling_logprobs`."""
     prompt_ids, prompt_mask = encode(prompts, context_length(model), max_completion_length,  # [B, P]
                                      None if envs is None else envs[::num_generations])
     device = next(model.parameters()).device
@@ -113,11 +98,8 @@ def sample_completions(model, tokenizer, encode: PromptEncoder, prompts: list, *
     eos_ids = eos_token_ids(tokenizer, model)
     settings = DecodeSettings(max_completion_length, eos_ids, tokenizer.pad_token_id, knobs, stop_at_eos, greedy)
     seeds = None if streams is None else streams.seeds(len(prompts), num_generations, device)  # [N]
-    # Our own loop, not model.generate: a checkpoint's generation-config defaults (a repetition_penalty, say)
-    # never apply, only the knobs the run sets, as in TRL; and it is faster (see decoding.py). Knobs beyond
-    # temperature make sampling off-policy (as in TRL): the loss scores the policy's own distribution.
-    # Eval mode: the KV cache on (gradient checkpointing would disable it), dropout off. LoRA folded into copies
-    # of its base weights while decoding (policy/folding), the LM head oneDNN-packed on a CPU.
+    # Our own loop, not model.generate: a checkpoint's generation-config defaults never apply, only the run's knobs.
+    # Eval mode: the KV cache on (gradient checkpointing would disable it), dropout off.
     loop = encode.tool_loop(prompts, num_generations, max_tool_calling_iterations, envs, eos_ids)
     with eval_mode(model), sampling_weights(model, int8) as head_matmul:
         decoded = decode(unwrap(model), prompt_ids, prompt_mask, settings, repeats=num_generations, seeds=seeds,
@@ -131,12 +113,9 @@ def rollout_of(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, decoded: Dec
                *, chat: bool, loop: ToolLoop | None = None, repeats: int = 1) -> Rollout:
     """The Rollout of completions after their prompts [B, P], each prompt `repeats` times in a row (N = B * repeats),
     however they were made (our decoder, a server, a rollout_func: `decoded_rows`): each completion its first
-    `decoded.lengths` tokens, the ids after them padded; "truncated" unless the model's own EOS ended it (its last
-    token an EOS it sampled, not one it was fed); the fed tokens attended to but out of the loss mask. The completions
-    as TRL gives them to rewards: texts decoded without special tokens, as chat messages [{"role": "assistant", ...}]
-    after chat prompts (`chat`); with the tool loop `loop` that ran in the decode, its assistant and tool messages,
-    and each row's tool calls and failures counted; the sampled tokens' log-probs, when the engine kept them
-    (`sampling_logprobs`)."""
+    `decoded.lengths` tokens; "truncated" unless the model's own EOS ended it (an EOS it sampled, not one it was
+    fed); the fed tokens attended to but out of the loss mask. The completions as TRL gives them to rewards: texts,
+    or chat messages after chat prompts (`chat`), with the tool loop `loop`'s assistant and tool messages."""
     ids, fed, lengths = decoded.completion_ids, decoded.fed, decoded.lengths  # [N, C], [N, C], [N]
     prompt_ids = prompt_ids.repeat_interleave(repeats, dim=0)  # [N, P]
     prompt_mask = prompt_mask.repeat_interleave(repeats, dim=0)  # [N, P]
@@ -168,9 +147,8 @@ def rollout_of(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, decoded: Dec
 def decoded_rows(rows: list[list[int]], pad_id: int, eos_ids: list[int] | None, fed: list[list[int]] | None = None,
                  logprobs: list[list[float]] | None = None) -> Decoded:
     """Completions made elsewhere (a server, a rollout_func), as lists of token ids, as our decode returns them: a
-    completion runs up to and including its first EOS of `eos_ids`, as a decode ends a row there (the ids after it
-    are not the completion's), or whole (`eos_ids` None: the tool loop ended it, as in a server's segments); `fed`:
-    1 on each token a tool wrote (None: none); `logprobs`: each token's sampled log-prob, kept (NaN past them)."""
+    completion runs up to and including its first EOS of `eos_ids`, or whole (`eos_ids` None: the tool loop ended
+    it); `fed`: 1 on each token a tool wrote (None: none); `logprobs`: each token's sampled log-prob."""
     width, eos = max(1, max(len(r) for r in rows)), set(eos_ids or ())
 
     def padded(lists: list[list], value, dtype: torch.dtype) -> torch.Tensor:  # [N, C]
@@ -183,14 +161,10 @@ def decoded_rows(rows: list[list[int]], pad_id: int, eos_ids: list[int] | None, 
 
 
 class Decoder:
-    """The engine on our decoder (engines/engine.Engine). It sends the prompts through as few decodes as the memory plan
-    allows (`prompts_per_decode`, a multiple of a micro-batch's prompts; None: a micro-batch's): one for the whole
-    generation batch when its KV cache fits within the training peak, since a decode of more rows costs little more
-    per step (docs/benchmarks.md). Each prompt's random numbers come from its own stream, so the tokens do not
-    depend on how the prompts are grouped into decodes."""
+    """The engine on our decoder (engines/engine.Engine): the prompts in as few decodes as the memory plan allows
+    (`prompts_per_decode`; None: a micro-batch's); `settings`: settings/components.SamplingSettings."""
 
     def __init__(self, policy, tokenizer, encode: PromptEncoder, settings, prompts_per_decode: int | None = None):
-        """`encode`: the run's prompt encoder (`prompt_encoder`); `settings`: settings/components.SamplingSettings."""
         self.policy, self.tokenizer, self.encode, self.settings = policy, tokenizer, encode, settings
         k = settings.micro_batch_prompts
         self.prompts_per_decode = k if prompts_per_decode is None else max(k, prompts_per_decode // k * k)

@@ -1,8 +1,5 @@
-"""Completions sampled on an inference server (TRL's `use_vllm=True, vllm_mode="server"`): `ServerEngine` keeps
-the engines' one interface (engines/engine.Engine), so the step around it does not change. Token ids in and out
-(`/v1/completions`), each prompt's seed from its random stream, the run's LoRA adapter loaded at each new step,
-tools run between segments of a completion, and the one-line failures (`ServerError`): docs/inference-engines.md,
-"Sampling on a vLLM server"."""
+"""Completions sampled on an inference server (TRL's `use_vllm=True, vllm_mode="server"`) behind the engines' one
+interface: `ServerEngine` (docs/inference-engines.md, "Sampling on a vLLM server")."""
 from __future__ import annotations
 
 import contextlib
@@ -107,8 +104,7 @@ class ServerEngine:
         return name
 
     def push_adapter(self, step: int) -> str:
-        """The adapter name the server samples step `step` with: the policy's adapter written and loaded once per
-        step, the previous one unloaded and deleted."""
+        """The adapter the server samples step `step` with: written and loaded once a step, the last one removed."""
         if self.adapter is not None and self.adapter[0] == step:
             return self.adapter[1]
         name = f"grpo-{self.run_id}-step{step}"
@@ -130,9 +126,8 @@ class ServerEngine:
         return name
 
     def close(self) -> None:
-        """The run has ended (or stopped): the adapter the server holds unloaded, unless the server is gone or
-        does not answer within seconds (the run may be ending for that), and `adapters_dir` removed, leftovers of
-        a killed run in it too (a run holds its output_dir alone: run/lock). A later call writes anew."""
+        """The run has ended (or stopped): the adapter the server holds unloaded, unless the server does not
+        answer within seconds, and `adapters_dir` removed (a killed run's leftovers too: run/lock)."""
         if self.adapter is not None:
             with contextlib.suppress(ServerError):
                 self.server.request("/v1/unload_lora_adapter", {"lora_name": self.adapter[1]},
@@ -142,9 +137,8 @@ class ServerEngine:
 
     def complete(self, adapter: str, prompt: list[int], seed: int, n: int, max_tokens: int, stop: list[str],
                  on_token) -> list[tuple[list[int], list[float]]]:
-        """`n` completions of `prompt` (token ids) by the server, with the run's sampling knobs, as (token ids,
-        their sampled log-probs, NaN where none came back); with `stop`, each ends after the first of those strings
-        it writes (the text a tool may run after). `on_token(n)` counts their tokens."""
+        """`n` completions of `prompt` (token ids) by the server, with the run's sampling knobs, as (token ids, their
+        sampled log-probs); with `stop`, each ends after the first of those strings it writes."""
         s, knobs = self.settings, self.settings.knobs
         body = {"model": adapter, "prompt": prompt, "n": n, "max_tokens": max_tokens,
                 "temperature": knobs.temperature, "top_p": knobs.top_p,
@@ -205,17 +199,13 @@ class ServerEngine:
 
 class ServerToolRow:
     """One completion row `row` of `loop` (a ToolLoop), sampled one segment at a time: `request()` says what to
-    sample next (prompt ids, seed, room, stop strings; None once the row is done), `take(tokens, logprobs)` runs the
-    segment's tokens through the tool loop. Requests may run in threads; `take` runs where the caller runs the
-    tool loop (its tool runner forks its workers from the caller's thread)."""
+    sample next (None once done), `take(tokens, logprobs)` runs the segment through the loop, in the caller's thread."""
 
     def __init__(self, loop, row: int, prompt: list[int], seed: int, width: int, eos_ids: list[int],
                  stops: list[str]):
         self.loop, self.row, self.prompt, self.seed = loop, row, prompt, seed
         self.width, self.eos, self.stops = width, set(eos_ids), stops
-        self.ids: list[int] = []
-        self.fed: list[int] = []  # 1: fed by a tool, 0: sampled by the model
-        self.logprobs: list[float] = []
+        self.ids, self.fed, self.logprobs = [], [], []  # fed: 1 on the tokens a tool wrote, 0 on the model's
         self.segments, self.done = 0, False
 
     def request(self) -> tuple[list[int], int, int, list[str]] | None:

@@ -1,15 +1,8 @@
 """Multi-turn tool calling inside one batched decode: `ToolLoop`, the per-row state machine to which the decode loop
 hands, each step, the rows that sampled a token of their own (`after_tokens`). A row whose tool ran gets tokens back
-(the tool's output, then the next assistant header), which the decode loop feeds one per step in place of sampling,
-in the same KV cache, with loss mask 0:
-
-- chat tools (Hermes / Qwen format): at EOS, the calls in the row's last assistant message run, unless it
-  already made `max_iterations` rounds (TRL's `max_tool_calling_iterations`; None, TRL's default: no limit);
-- inline tools (`InlineTool`): when the text just completed a trigger inside an open span, its result and
-  the span's close are forced, within the same message.
-
-Failures (a tool raising or timing out, a malformed call, an unknown tool, output longer than the row's room), what
-each does and how it is counted: docs/tools.md, "Failures".
+(the tool's output, then the next assistant header), fed one per step in place of sampling, with loss mask 0: chat
+tools' calls run at EOS, unless the row made `max_iterations` rounds (TRL's `max_tool_calling_iterations`; None: no
+limit); an inline tool's when the text completes its trigger. Failures, and how they count: docs/tools.md.
 """
 from __future__ import annotations
 
@@ -22,19 +15,16 @@ from .chat import render, tool_turn_text
 
 @dataclass
 class _Row:
-    """One completion's state: its prompt and environment, every completion id so far (its own and forced),
-    where its current assistant message starts, the conversation after the prompt as the template renders it
-    (`history`), the messages each tool round adds for reward functions (`events`: None for an inline call),
-    the rounds made, and where in the current message the last inline result ends."""
+    """One completion's state."""
 
     prompt: object
     env: object
-    ids: list[int] = field(default_factory=list)
-    start: int = 0
-    history: list[dict] = field(default_factory=list)
-    events: list = field(default_factory=list)
+    ids: list[int] = field(default_factory=list)  # every completion id so far, its own and forced
+    start: int = 0  # where its current assistant message starts
+    history: list[dict] = field(default_factory=list)  # the conversation after the prompt, as the template renders it
+    events: list = field(default_factory=list)  # the messages each tool round adds for rewards (None: inline)
     rounds: int = 0
-    span_end: int = 0
+    span_end: int = 0  # where in the current message the last inline result ends
     prompt_text: str | None = None
     calls: int = 0  # tool calls made, and those that failed (TRL's tools/* metrics)
     failures: int = 0
@@ -59,9 +49,8 @@ class _Pending:
 
 class ToolLoop:
     """Tool calling for one decode of N rows. `prompts[i]`: row i's prompt (chat messages, or a string when only
-    inline tools are used); `envs[i]`: its environment (rollout/environments.make_envs) when the tools have
-    environments; `eos_ids`: the ids that end a turn (the tokenizer's EOS by default); `chat_template_kwargs`: as the
-    prompts were rendered with (whose PromptEncoder checked, once, that the template renders tools)."""
+    inline tools are used); `envs[i]`: its environment when the tools have environments; `eos_ids`: the ids that end
+    a turn (the tokenizer's EOS by default); `chat_template_kwargs`: as the prompts were rendered with."""
 
     def __init__(self, tools: Tools, tokenizer, prompts: list, max_iterations: int | None = None,
                  envs: list | None = None, eos_ids=None, chat_template_kwargs: dict | None = None):
@@ -77,10 +66,9 @@ class ToolLoop:
         self._triggering: dict[int, bool] = {}  # token id -> whether its text holds a trigger's last character
 
     def after_tokens(self, rows: list[int], tokens: list[int], room: list[int]) -> dict[int, list[int] | None]:
-        """Called every decode step with the rows (original indices) that just sampled a token of their own,
-        those tokens, and `room[k]`: how many tokens row `rows[k]` may still take. Returns, for the rows whose
-        tool ran, the token ids to feed next, or None for a row that must end now; rows left out go on as
-        sampled (an EOS ends them). The rows' calls of the step run at once, each row's in order."""
+        """Called every decode step with the rows (original indices) that just sampled a token of their own, those
+        tokens, and `room[k]`: how many tokens row `rows[k]` may still take. Returns, for the rows whose tool ran,
+        the token ids to feed next, or None for a row that must end now; rows left out go on as sampled."""
         ended, pending = {}, []
         for r, token, space in zip(rows, tokens, room):
             row = self.rows[r]
@@ -98,17 +86,15 @@ class ToolLoop:
 
     def row_ends(self, rows: list[int], tokens: list[int], room: list[int],
                  eos: list[bool]) -> tuple[list[bool], dict[int, list[int]]]:
-        """The end of a row, as our decode (engines/decoding.ForcedTokens) and a server's segments
-        (engines/server.ServerToolRow) both take it: after the token each of `rows` sampled (`eos[k]`: one
-        that ends a turn), whether the row ends (its tools end it, or it sampled an EOS after which no tool ran), and
-        the tokens to feed each row whose tools ran (`after_tokens`), which goes on past its EOS."""
+        """The end of a row, as our decode and a server's segments both take it: after the token each of `rows`
+        sampled (`eos[k]`: one that ends a turn), whether the row ends (its tools end it, or an EOS after which no
+        tool ran), and the tokens to feed each row whose tools ran, which goes on past its EOS."""
         reaction = self.after_tokens(rows, tokens, room)
         ends = [reaction[r] is None if r in reaction else e for r, e in zip(rows, eos)]
         return ends, {r: ids for r, ids in reaction.items() if ids is not None}
 
     def _chat_calls(self, r: int, space: int, pending: list) -> bool:
-        """Queue the calls of row r's message that just ended, if any; False when the row must end now (a
-        malformed call, an unknown tool)."""
+        """Queue the calls of row r's message that just ended; False when the row must end now (malformed, unknown)."""
         row = self.rows[r]
         message = self._text(row.ids[row.start:-1])
         try:
@@ -149,12 +135,7 @@ class ToolLoop:
             if o.failed:
                 row.failed(f"{name} {o.why}")
         if p.inline is not None:
-            ids = self.tokenizer.encode(outcomes[0].text + p.inline.close, add_special_tokens=False)
-            if len(ids) > p.room:
-                return self._no_room(row, names, outcomes, len(ids), p.room)
-            row.span_end = len(p.message) + len(self._text(ids))
-            row.events.append(None)
-            row.ids += ids
+            text = outcomes[0].text + p.inline.close
         else:
             tool_calls = [{"type": "function", "function": {"name": c.name, "arguments": c.arguments}}
                           for c in p.calls]
@@ -163,33 +144,28 @@ class ToolLoop:
             text, assistant = tool_turn_text(self.tokenizer, [*row.prompt, *row.history], p.message, tool_calls,
                                              tool_messages, held, self.tools.schemas_for(row.env),
                                              self.chat_template_kwargs)
-            ids = self.tokenizer.encode(text, add_special_tokens=False)
-            if len(ids) > p.room:
-                return self._no_room(row, names, outcomes, len(ids), p.room)
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        if len(ids) > p.room:  # the row ends: each of its calls that had not failed already fails now
+            ok = [name for name, o in zip(names, outcomes) if not o.failed]
+            row.failed(f"the result of {', '.join(names)} ({len(ids)} tokens) did not fit in the {p.room} tokens "
+                       f"left, the row ended", calls=len(ok))
+            return None
+        if p.inline is not None:
+            row.span_end = len(p.message) + len(self._text(ids))
+            row.events.append(None)
+        else:
             row.history += [assistant, *tool_messages]
             row.events.append([{"role": "assistant", "content": strip_hermes(p.message), "tool_calls": tool_calls},
                                *tool_messages])
-            row.span_end = 0
-            row.ids += ids
-            row.start = len(row.ids)
+            row.span_end, row.start = 0, len(row.ids) + len(ids)
+        row.ids += ids
         row.rounds += 1
         return ids
 
-    @staticmethod
-    def _no_room(row: _Row, names: list[str], outcomes: list, needed: int, room: int) -> None:
-        """A tool turn longer than the room the row has left ends the row: each of its calls that had not failed
-        already fails now (None: the row ends)."""
-        ok = [name for name, o in zip(names, outcomes) if not o.failed]
-        row.failed(f"the result of {', '.join(names)} ({needed} tokens) did not fit in the {room} tokens left, "
-                   f"the row ended", calls=len(ok))
-        return None
-
     def completion_messages(self, row: int, completion_ids: list[int], own: list[int]) -> list[dict]:
         """Row `row`'s completion as TRL gives it to reward functions when tools are used: assistant and tool
-        messages in turn (`[{"role": "assistant", "content": ..., "tool_calls": [...]}, {"role": "tool",
-        "name": ..., "content": ...}, ..., {"role": "assistant", "content": ...}]`); an inline tool's results
-        stay in their assistant message's content. `completion_ids`: the row's ids without padding;
-        `own`: 1 on the tokens it sampled, 0 on those it was fed."""
+        messages in turn; an inline tool's results stay in their assistant message's content. `completion_ids`:
+        the row's ids without padding; `own`: 1 on the tokens it sampled, 0 on those it was fed."""
         events = iter(self.rows[row].events)
         messages, text, own_since = [], "", True
         for sampled, ids in mask_runs(completion_ids, own):
@@ -223,8 +199,7 @@ class ToolLoop:
         return row.prompt_text
 
     def _may_trigger(self, token: int) -> bool:
-        """Whether `token`'s text holds the last character of a trigger: the cheap test (one decode per
-        distinct token) before the row's message is decoded."""
+        """Whether `token`'s text holds a trigger's last character: a cheap test before the row's message is decoded."""
         if token not in self._triggering:
             self._triggering[token] = any(c in self._text([token]) for c in self._trigger_chars)
         return self._triggering[token]

@@ -1,8 +1,6 @@
 """Running tool calls where a timeout can stop them: each call in a process of its own, killed (SIGKILL) when its
-`timeout_s` is up, so its CPU is freed at once and the trainer can always exit; the model reads TRL's error text,
-`{'error': 'timed out after 10 s'}`, as for a call that raises. Where a call runs by what it is (a worker process,
-a process forked for it, a thread), and what comes back of an environment's state: docs/tools.md, "Where calls
-run, and timeouts"."""
+`timeout_s` is up; the model reads TRL's error text, as for a call that raises. Where a call runs, and what comes
+back of an environment's state: docs/tools.md, "Where calls run, and timeouts"."""
 from __future__ import annotations
 
 import asyncio
@@ -59,13 +57,6 @@ def _owner(thunk):
     return None if owner is None or inspect.ismodule(owner) or inspect.isclass(owner) else owner
 
 
-def _in_child(parent: int) -> None:
-    """First thing in a forked call or worker: die with `parent`; Ctrl-C is the trainer's to handle."""
-    die_with_parent(parent)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-
-
 def _fork(body) -> tuple[int, multiprocessing.connection.Connection]:
     """Fork a child that runs `body(conn)` and exits; (its pid, the parent's end of their pipe)."""
     parent_end, child_end = multiprocessing.Pipe()
@@ -75,7 +66,9 @@ def _fork(body) -> tuple[int, multiprocessing.connection.Connection]:
         code = 0
         try:
             parent_end.close()
-            _in_child(parent)
+            die_with_parent(parent)
+            signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
             body(child_end)
         except BaseException:  # noqa: BLE001 -- the parent sees the pipe close and says so
             code = 1
@@ -88,11 +81,6 @@ def _fork(body) -> tuple[int, multiprocessing.connection.Connection]:
 def _kill(pid: int) -> None:
     with contextlib.suppress(ProcessLookupError, ChildProcessError):
         os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
-
-
-def _reap(pid: int) -> None:
-    with contextlib.suppress(ChildProcessError):
         os.waitpid(pid, 0)
 
 
@@ -142,7 +130,8 @@ class _Job:
         if self.worker is None:
             self.conn.close()
             if self.pid is not None:
-                _reap(self.pid)
+                with contextlib.suppress(ChildProcessError):
+                    os.waitpid(self.pid, 0)
         if state is not None:
             vars(self.owner).clear()
             vars(self.owner).update(pickle.loads(state))
@@ -156,9 +145,8 @@ class _Job:
 
 
 class ToolRunner:
-    """Runs a decode step's tool calls, each under `timeout_s`, at most `max_workers` at once. Made once per
-    run (rollout/tools.Tools holds it); its worker processes are forked as they are first needed and killed
-    when it is garbage-collected or the process exits."""
+    """Runs a decode step's tool calls, each under `timeout_s`, at most `max_workers` at once. Made once per run;
+    its worker processes are forked as first needed and killed when it is garbage-collected or the process exits."""
 
     def __init__(self, timeout_s: float, max_workers: int | None = None):
         self.timeout_s = timeout_s
@@ -171,13 +159,20 @@ class ToolRunner:
 
     def run(self, groups: list[list]) -> list[list[Outcome]]:
         """Run the calls and return their outcomes, group by group. `groups`: one list per row of argument-less
-        callables (e.g. `functools.partial(fn, **arguments)`); the groups run at once, a group's calls one after
-        another in order (a row's environment sees them as the model wrote them). A raised exception, a timeout
-        or a process that dies becomes `error_text` and a failure."""
+        callables; the groups run at once, a group's calls one after another in order. A raised exception, a
+        timeout or a process that dies becomes `error_text` and a failure."""
         self._adopt()
         outcomes = [[None] * len(g) for g in groups]
         waiting = deque((g, 0) for g in range(len(groups)) if groups[g])
         running: dict = {}  # conn -> (job, group, index)
+
+        def finish(conn, timed_out: bool) -> None:
+            job, g, i = running.pop(conn)
+            outcomes[g][i] = Outcome(error_text(f"timed out after {self.timeout_s:g} s"), failed=True,
+                                     why=f"timed out after {self.timeout_s:g} s") if timed_out else job.answer()
+            self._done(job, timed_out)
+            if i + 1 < len(groups[g]):
+                waiting.append((g, i + 1))
         try:
             while waiting or running:
                 while waiting and len(running) < self.max_workers:
@@ -186,20 +181,10 @@ class ToolRunner:
                     running[job.conn] = (job, g, i)
                 soonest = min(job.deadline for job, _, _ in running.values())
                 for conn in multiprocessing.connection.wait(list(running), max(0.0, soonest - time.monotonic())):
-                    job, g, i = running.pop(conn)
-                    outcomes[g][i] = job.answer()
-                    self._done(job, timed_out=False)
-                    if i + 1 < len(groups[g]):
-                        waiting.append((g, i + 1))
+                    finish(conn, timed_out=False)
                 now = time.monotonic()
-                for conn, (job, g, i) in list(running.items()):
-                    if job.deadline <= now:
-                        del running[conn]
-                        outcomes[g][i] = Outcome(error_text(f"timed out after {self.timeout_s:g} s"), failed=True,
-                                                 why=f"timed out after {self.timeout_s:g} s")
-                        self._done(job, timed_out=True)
-                        if i + 1 < len(groups[g]):
-                            waiting.append((g, i + 1))
+                for conn in [conn for conn, (job, _, _) in running.items() if job.deadline <= now]:
+                    finish(conn, timed_out=True)
         finally:  # an interrupt or an error here: nothing it started goes on
             for job, _, _ in running.values():
                 self._done(job, timed_out=True)
@@ -215,29 +200,32 @@ class ToolRunner:
         except Exception:  # noqa: BLE001 -- a closure, a lambda, a class defined in a function
             payload = None
         if payload is not None:
-            pid, conn = self.idle.pop() if self.idle else self._spawn()
+            if not self.idle:
+                self.idle.append(_fork(_serve))
+                self.workers.append(self.idle[-1][0])
+            pid, conn = self.idle.pop()
             conn.send_bytes(payload)
             return _Job(conn, deadline, pid=pid, owner=owner, worker=(pid, conn))
-        if owner is not None and (problem := _unpicklable(lambda: vars(owner))) is not None:
-            self._warn(owner, problem)
+        try:
+            pickle.dumps(None if owner is None else vars(owner))
+        except Exception as e:  # noqa: BLE001 -- TypeError, PicklingError, AttributeError (no __dict__), ...
+            if type(owner) not in self._warned:
+                self._warned.add(type(owner))
+                print(f"warning: the state of {type(owner).__name__} cannot be pickled ({type(e).__name__}: {e}), "
+                      f"so its tools run in the trainer's process, where a timeout answers the model but cannot stop "
+                      f"the call", file=sys.stderr)
             return self._in_thread(thunk, deadline)
         pid, conn = _fork(lambda conn: conn.send(_answer(thunk, owner)))
         return _Job(conn, deadline, pid=pid, owner=owner)
 
     def _done(self, job: _Job, timed_out: bool) -> None:
-        """After a call's answer (or its timeout): its process killed if it still runs, a worker kept for the
-        next call if it answered."""
+        """After a call's answer or timeout: its process killed if it still runs, else its worker kept for the next."""
         if timed_out or job.ended:
             job.stop()
             if job.worker is not None:
                 self.workers.remove(job.pid)
         elif job.worker is not None:
             self.idle.append(job.worker)
-
-    def _spawn(self) -> tuple[int, multiprocessing.connection.Connection]:
-        pid, conn = _fork(_serve)
-        self.workers.append(pid)
-        return pid, conn
 
     def _in_thread(self, thunk, deadline: float) -> _Job:
         answer, send = multiprocessing.Pipe(duplex=False)
@@ -249,13 +237,6 @@ class ToolRunner:
         threading.Thread(target=body, name="grpo-tool", daemon=True).start()
         return _Job(answer, deadline)
 
-    def _warn(self, owner, problem: str) -> None:
-        if type(owner) not in self._warned:
-            self._warned.add(type(owner))
-            print(f"warning: the state of {type(owner).__name__} cannot be pickled ({problem}), so its tools run in "
-                  f"the trainer's process, where a timeout answers the model but cannot stop the call",
-                  file=sys.stderr)
-
     def _adopt(self) -> None:
         """In a process forked from the one that made this runner (the sampler), let go of that one's workers."""
         if os.getpid() != self.pid:
@@ -263,14 +244,6 @@ class ToolRunner:
                 conn.close()
             self.idle, self.pid = [], os.getpid()
             self.workers[:] = []
-
-
-def _unpicklable(state) -> str | None:
-    try:
-        pickle.dumps(state())
-    except Exception as e:  # noqa: BLE001 -- TypeError, PicklingError, AttributeError (no __dict__), ...
-        return f"{type(e).__name__}: {e}"
-    return None
 
 
 def _kill_all(pids: list[int], parent: int) -> None:
