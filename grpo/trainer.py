@@ -50,47 +50,45 @@ class Trainer:
             sampler=sampler is not None, rollout_func=rollout_func is not None, tools=self.tools)
         self.schedule, self.total_steps = self.plan.schedule, self.plan.total_steps
         self.trackers = Trackers(self.plan.trackers, self.dist.is_main)  # a missing package fails
-        self._setup_policy(model, tokenizer)
+        self.tokenizer = tokenizer if tokenizer is not None else default_tokenizer(self.plan.loading.model, model)
+        check_chat_template(self.tokenizer, self.prompts.dataset, self.eval_dataset)  # before loading too
+        self._setup_policy(model)
         self._setup_generation(sampler, rollout_func)
         self._setup_run(callbacks)
         vars(self).update(trl_attributes(self))  # TRL's names a script reads
 
-    def _setup_policy(self, model, tokenizer) -> None:
-        """The tokenizer, the model loaded and prepared as the plan says, its policy and updates."""
-        s = self.plan.loading
-        self.tokenizer = tokenizer if tokenizer is not None else default_tokenizer(s.model, model)
-        check_chat_template(self.tokenizer, self.prompts.dataset, self.eval_dataset)
-        model = model if model is not None else load_model(s, self.precision)
-        self.model = prepare_for_training(model, s, self.dist.world_size)
+    def _setup_policy(self, model) -> None:
+        """The model loaded and prepared as the plan says, its policy and updates."""
+        model = model if model is not None else load_model(self.plan.loading, self.precision)
+        self.model = prepare_for_training(model, self.plan.loading, self.dist.world_size)
         self.policy = Policy(self.model, self.plan.logprobs, self.dist.world_size, self.precision,
                              is_main=self.dist.is_main)
         self.threshold_set = self.policy.device.type == "cpu" and return_freed_memory()
         self.updates = Updates(self.model.parameters(), self.plan.optim, self.total_steps)
-        self.entropy = EntropyControl.of(self.plan.loss, self.config)  # policy_loss's settings at each step
+        self.entropy = EntropyControl(self.plan.loss, self.plan.entropy)  # policy_loss's settings at each step
         self.optimizer, self.scheduler = self.updates.optimizer, self.updates.scheduler  # TRL's
 
     def _setup_generation(self, sampler, rollout_func) -> None:
-        """The generation pipeline: the engine, the prompts, the rewards next to the policy."""
+        """The engine that samples the completions, the rewards next to the policy."""
         self.state = TrainerState.of(self.total_steps, self.dist)  # its global_step is `step`
         self.no_signal = NoSignalWatch(patience=3)  # steps in a row where all rewards were equal
         self.engine, self.encode = make_engine(sampler, rollout_func, self, self.plan, self.policy, self.tokenizer,
-                                               self.tools, self.config.output_dir)  # the encoder: eval's too
+                                               self.tools)  # the encoder: eval's too
         place_reward_models(self.reward_funcs, self.policy.device)  # next to the policy
+
+    def _setup_run(self, callbacks) -> None:
+        """The pipeline and the steps' batches it makes (now or ahead), the callbacks, the report, the session."""
         self.pipeline = Pipeline.build(self.engine, self.prompts, self.reward_funcs, self.policy, self.dist,
                                        self.plan.generation, self.plan.loss, self.tokenizer.pad_token_id,
                                        self.threshold_set, self.tools)
-
-    def _setup_run(self, callbacks) -> None:
-        """The steps' batches (now or ahead), the callbacks, the report, the session that saves."""
         self.batches = supply(self.pipeline, self.state, self.schedule, self.total_steps,
                               self.plan.generation.max_staleness, release=self.optimizer.state.clear)
-        synced = [ReferenceSync(self.policy)] if self.config.sync_ref_model else []  # TRL adds it after the rest
+        synced = [ReferenceSync(self.policy)] if self.plan.sync_ref_model else []  # TRL adds it after the rest
         self.callbacks = Callbacks([*(callbacks or ()), *synced], self.config, self.state, self.model,
-                                   self.tokenizer, self.optimizer, self.scheduler)
-        self.output_dir = Path(self.config.output_dir)
-        self.report = Report(self.output_dir, self.dist, self.trackers, self.state, self.callbacks,
+                                   self.tokenizer, self.optimizer, self.scheduler)  # TRL's `args`: the Config
+        self.report = Report(self.plan.output_dir, self.dist, self.trackers, self.state, self.callbacks,
                              self.pipeline.reward_names, self.schedule.global_batch)
-        self.session = Session(self.output_dir, self.dist, self.policy, self.tokenizer, self.updates,
+        self.session = Session(self.plan.output_dir, self.dist, self.policy, self.tokenizer, self.updates,
                                self.prompts, self.batches, self.plan.session, self.total_steps, self.entropy,
                                on_save=self.callbacks.on_save)
 
@@ -114,13 +112,13 @@ class Trainer:
     entropy_coef = property(lambda self: self.entropy.coef)  # TRL's: the entropy bonus's coefficient now
 
     def save_model(self, output_dir: str | None = None) -> None:  # transformers': no optimizer
-        self.session.save_model(Path(output_dir if output_dir is not None else self.output_dir))
+        self.session.save_model(Path(output_dir) if output_dir is not None else self.plan.output_dir)
 
     def train(self, resume_from_checkpoint: str | bool | None = None) -> TrainOutput:
         """Run to `total_steps`, resumed as `resume_from_checkpoint` (else config's) says; SIGINT
         and SIGTERM save a checkpoint and raise TrainingInterrupted. transformers' TrainOutput."""
         resume = self.config.resume_from_checkpoint if resume_from_checkpoint is None else resume_from_checkpoint
-        with lock.hold(self.output_dir, self.dist), self.batches:  # a sampler process ends with it
+        with lock.hold(self.plan.output_dir, self.dist), self.batches:  # a sampler process ends with it
             if self.step == 0:  # resumed, or a fresh run that must not append to earlier logs
                 self.resume(resume)
             if self.dist.is_main:  # once it can train: a run that cannot has its error as its only line
@@ -197,4 +195,4 @@ class Trainer:
         resumed = self.session.resume(spec, logged=bool(self.state.log_history))  # evaluate() came first
         if resumed is not None:
             self.step, self.updates.nonfinite = resumed.step, resumed.nonfinite
-            self.state.log_history = logged_lines(self.output_dir, self.step)  # as transformers
+            self.state.log_history = logged_lines(self.plan.output_dir, self.step)  # as transformers

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 import torch
 
 from ..algo.loss import add_metrics, no_token_metrics, policy_loss, router_aux_term
 from ..infra.progress import progress_bar
+from ..settings.components import EntropySettings
 
 
 def accumulate(policy, micro_batches: list, counts, loss: Mapping, reduce, *, step: int = 0,
@@ -61,44 +61,34 @@ def eval_loss(policy, loss: Mapping, rollout) -> tuple[float, int]:
     return value.item(), len(logprobs)
 
 
-@dataclass
 class EntropyControl:
     """Adaptive entropy control (TRL's `use_adaptive_entropy`, from Skywork-OR1, arXiv 2505.22312): after each
     optimizer step the entropy bonus's coefficient c moves by `entropy_coef_delta`, up while the step's mean token
     entropy H (over every rank's loss tokens) is at or below `entropy_target`, down above it:
     c <- min(c + delta, c_max) if H <= target, else max(c - delta, c_min). A step applies c only when the step
     before it ended at or below the target (the first step: not at all), the same c in all its micro-batches.
-    Without it, c is `entropy_coef` throughout. Holds policy_loss's keywords from the settings (`settings`)."""
+    Without it, c is `entropy_coef` throughout. `settings`: policy_loss's keywords from the settings, `bounds`: c_min,
+    c_max, delta and the target (settings/plan.RunPlan.loss and .entropy)."""
 
-    settings: Mapping
-    coef: float  # c now (TRL's trainer.entropy_coef)
-    adaptive: bool
-    coef_min: float = 0.0
-    coef_max: float = 1.0
-    delta: float = 0.005
-    target: float = 0.2
-    last_entropy: float = math.inf  # H of the last step; none yet: above any target
-
-    @classmethod
-    def of(cls, loss: Mapping, config) -> EntropyControl:
-        """For `loss`, policy_loss's keywords from the settings (settings/plan.RunPlan.loss), and `config`'s."""
-        return cls(loss, loss["entropy_coef"], loss["use_adaptive_entropy"], config.entropy_coef_min,
-                   config.entropy_coef_max, config.entropy_coef_delta, config.entropy_target)
+    def __init__(self, settings: Mapping, bounds: EntropySettings):
+        self.settings, self.bounds, self.adaptive = settings, bounds, settings["use_adaptive_entropy"]
+        self.coef = settings["entropy_coef"]  # c now (TRL's trainer.entropy_coef)
+        self.last_entropy = math.inf  # H of the last step; none yet: above any target
 
     def loss(self) -> Mapping:
         """policy_loss's keywords for this step: the settings, with this step's coefficient."""
         if not self.adaptive:
             return self.settings
-        return {**self.settings, "entropy_coef": self.coef if self.last_entropy <= self.target else 0.0}
+        return {**self.settings, "entropy_coef": self.coef if self.last_entropy <= self.bounds.target else 0.0}
 
     def update(self, entropy: float) -> dict[str, float]:
         """After a step whose mean token entropy was `entropy`: c for the next; returns TRL's metric of c."""
         if not self.adaptive:
             return {}
-        if entropy <= self.target:
-            self.coef = min(self.coef + self.delta, self.coef_max)
+        if entropy <= self.bounds.target:
+            self.coef = min(self.coef + self.bounds.delta, self.bounds.coef_max)
         else:
-            self.coef = max(self.coef - self.delta, self.coef_min)
+            self.coef = max(self.coef - self.bounds.delta, self.bounds.coef_min)
         self.last_entropy = entropy
         return {"entropy_coef": self.coef}
 

@@ -164,19 +164,16 @@ class PromptStream:
             self.reader_at = (self.epoch, self.position)
         return rows
 
-    def rewind(self, n: int) -> None:
-        """Step back `n` rows (into earlier epochs if need be), so that `next` draws them again."""
-        while n > self.position and self.epoch > 0:
-            n, self.epoch, self.position = n - self.position, self.epoch - 1, self.length
-        self.position = max(0, self.position - n)
-        self.order = self._permutation()
-
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "position": self.position, **({"length": self.length} if self.stream else {})}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict, redraw: int = 0) -> None:
+        """The inverse of `state_dict`, then `redraw` rows before that position (into earlier epochs) drawn again."""
         self.epoch, self.position = state["epoch"], state["position"]
         self.length = state.get("length") if self.stream else self.length
+        while redraw > self.position and self.epoch > 0:
+            redraw, self.epoch, self.position = redraw - self.position, self.epoch - 1, self.length
+        self.position = max(0, self.position - redraw)
         self.order = self._permutation()
 
 

@@ -71,12 +71,12 @@ class Session:
         """The inverse of `state_dict`; the current settings (learning rate, betas) win over the saved ones."""
         s, o = self.settings, self.settings.optim
         own = elastic.rank_state(state, self.dist.rank, self.dist.world_size)  # None: saved by another rank count
+        redraw = elastic.unfinished_prompts(state, s.num_generations) if own is None else 0  # drawn again
         self.parallel.load_optimizer_state(self.optimizer, state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         set_hyperparameters(self.optimizer, self.scheduler, o.learning_rate, o.betas, o.weight_decay)
-        self.prompts.load_state_dict(state["prompts"])
-        if own is None:  # run/elastic.py: sample anew what later steps would have reused, seeded per rank
-            self.prompts.rewind(elastic.unfinished_prompts(state, s.num_generations))
+        self.prompts.load_state_dict(state["prompts"], redraw)
+        if own is None:  # run/elastic.py: what later steps would have reused is sampled anew, seeded per rank
             elastic.seed_rank(s.seed, self.dist.rank, state["step"])
         else:
             self.batches.load_state_dict(own["batches"])

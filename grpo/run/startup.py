@@ -68,8 +68,8 @@ def prepare(config, train_dataset, eval_dataset, reward_funcs, reward_processing
     g = plan.generation
     prompts = PromptStream(train_dataset, g.data_seed, g.shuffle_dataset, plan.schedule.prompts_of(config.max_steps))
     total_steps = plan.schedule.total_steps(prompts.epoch_rows, config.num_train_epochs, config.max_steps)
-    decode = decode_sizes(plan.memory, architecture_of(config.model, model), precision)
-    for line in loss_warnings(config.loss_type, config.importance_sampling_level) if dist.is_main else []:
+    decode = decode_sizes(plan.memory, architecture_of(plan.loading.model, model), precision)  # the plan's alone
+    for line in loss_warnings(plan.loss["loss_type"], plan.loss["importance_sampling_level"]) if dist.is_main else []:
         logger.warning(line)  # as TRL's GRPOTrainer warns, on its logger
     torch.manual_seed(config.seed + dist.rank)  # last: reward models loaded above draw from it
     return Prepared(dist, dataclasses.replace(plan, total_steps=total_steps, decode=decode), precision, funcs, prompts)

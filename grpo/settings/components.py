@@ -49,6 +49,20 @@ class SessionSettings:
 
 
 @dataclass(frozen=True)
+class EntropySettings:
+    """How adaptive entropy control moves the loss's entropy_coef (policy/gradients.EntropyControl)."""
+
+    coef_min: float
+    coef_max: float
+    delta: float
+    target: float
+
+    @classmethod
+    def of(cls, c) -> EntropySettings:
+        return cls(c.entropy_coef_min, c.entropy_coef_max, c.entropy_coef_delta, c.entropy_target)
+
+
+@dataclass(frozen=True)
 class TrackerSettings:
     """What the experiment trackers (run/trackers) read of the settings."""
 
@@ -185,7 +199,7 @@ class GenerationSettings:
     old_logprobs: bool  # the plan's choice: RunPlan.resolve
     ref_logprobs: bool  # a reference (beta > 0)
     max_staleness: int | None  # async_generation's; None: made when the step needs it
-    sampling_correction: Mapping | None  # a server's samples reweighted (RunPlan.sampling_correction)
+    sampling_correction: Mapping | None  # a server's samples reweighted (plan.sampling_correction_of)
 
     @classmethod
     def of(cls, c, schedule: Schedule, old_logprobs: bool, ref_logprobs: bool,

@@ -7,11 +7,13 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from types import MappingProxyType
 
 from .choices import reference_kind
-from .components import (EvalSettings, GenerationSettings, LoadSettings, LogprobSettings, MemorySettings, OptimSettings,
-                         SamplingSettings, ServerSettings, SessionSettings, TrackerSettings)
+from .components import (EntropySettings, EvalSettings, GenerationSettings, LoadSettings, LogprobSettings,
+                         MemorySettings, OptimSettings, SamplingSettings, ServerSettings, SessionSettings,
+                         TrackerSettings)
 from .schedule import Schedule
 
 
@@ -77,8 +79,10 @@ class Cadence:
 @dataclass(frozen=True)
 class RunPlan:
     schedule: Schedule
+    output_dir: Path  # the run's folder: checkpoints, logs, a vLLM server's adapters
     loss: Mapping  # the keyword arguments of algo.loss.policy_loss that settings decide (Config.loss_settings)
-    reference: str  # reference_kind: "none", "adapter" or "copy"
+    entropy: EntropySettings  # how the loss's entropy_coef adapts (use_adaptive_entropy)
+    sync_ref_model: bool  # TRL's SyncRefModelCallback added, which reads its settings from `args` (run/callbacks)
     optim: OptimSettings
     sampling: SamplingSettings
     cadence: Cadence
@@ -90,7 +94,6 @@ class RunPlan:
     loading: LoadSettings
     memory: MemorySettings
     server: ServerSettings | None = None  # sampling on an inference server (use_vllm)
-    sampling_correction: Mapping | None = None  # TRL's importance-sampling correction of another engine's samples
     # Known once the run's data and model are (run/startup.prepare), before the model loads:
     total_steps: int | None = None  # optimizer steps of the run
     decode: DecodeSizes | None = None  # prompts per decode, the memory planner's
@@ -110,9 +113,9 @@ class RunPlan:
         ahead = config.async_generation and config.max_staleness > 0
         old = schedule.optimizer_steps_per_generation > 1 or ahead or correction is not None
         generation = GenerationSettings.of(config, schedule, old, reference != "none", correction)
-        return cls(schedule, MappingProxyType(config.loss_settings()), reference, OptimSettings.of(config),
+        return cls(schedule, Path(config.output_dir), MappingProxyType(config.loss_settings()),
+                   EntropySettings.of(config), config.sync_ref_model, OptimSettings.of(config),
                    SamplingSettings.of(config, bf16_sampling), Cadence.of(config), generation,
                    SessionSettings.of(config, tools), TrackerSettings.of(config), LogprobSettings.of(config),
                    EvalSettings.of(config), LoadSettings.of(config),
-                   MemorySettings.of(config, schedule, old, reference),
-                   ServerSettings.of(config), correction)
+                   MemorySettings.of(config, schedule, old, reference), ServerSettings.of(config))

@@ -223,7 +223,7 @@ def test_on_a_cpu_without_native_bf16_the_default_is_the_float32_run_exactly(tmp
     assert "precision: float32 on cpu: bf16=None and this CPU has no native bf16 (GRPO_CPU_BF16=0)" in \
         capsys.readouterr().err
     off = lora_run(tmp_path, model_dir, "off", bf16=False)
-    assert not auto.precision.bf16 and auto.plan.sampling_correction is None
+    assert not auto.precision.bf16 and auto.plan.generation.sampling_correction is None
     drop = lambda line: {k: v for k, v in line.items() if not k.startswith(VOLATILE)}  # noqa: E731
     assert [drop(line) for line in logged(auto)] == [drop(line) for line in logged(off)]
     weights = dict(off.model.named_parameters())

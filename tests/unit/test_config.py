@@ -663,7 +663,7 @@ def test_the_run_plan_says_which_log_probs_a_generation_batch_keeps(settings, ol
 
     plan = RunPlan.resolve(Config(per_device_train_batch_size=8, num_generations=4, **settings), world_size=1)
     g = plan.generation
-    assert (g.old_logprobs, plan.reference, g.ref_logprobs) == (old, reference, reference != "none")
+    assert (g.old_logprobs, plan.logprobs.reference, g.ref_logprobs) == (old, reference, reference != "none")
     assert dict(plan.loss) == Config(**settings).loss_settings()
 
 

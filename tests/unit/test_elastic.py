@@ -23,16 +23,17 @@ def state(ranks: int, prompts_per_rank_in_generation: int = 0) -> dict:
     return {"step": 5, **(own if ranks == 1 else {"ranks": [own] * ranks})}
 
 
-def test_rewinding_the_prompt_stream_draws_the_same_rows_again_across_epochs():
+def test_a_prompt_stream_loaded_with_rows_to_redraw_draws_them_again_across_epochs():
     stream = PromptStream(Dataset.from_dict({"prompt": [str(i) for i in range(5)]}), seed=3)
     stream.next(3)
     drawn = stream.next(6)["prompt"]  # 2 rows of epoch 0, 4 of epoch 1
-    assert stream.state_dict() == {"epoch": 1, "position": 4}
-    stream.rewind(6)
+    saved = stream.state_dict()
+    assert saved == {"epoch": 1, "position": 4}
+    stream.load_state_dict(saved, redraw=6)
     assert stream.state_dict() == {"epoch": 0, "position": 3}
     assert stream.next(6)["prompt"] == drawn
-    stream.rewind(0)
-    assert stream.state_dict() == {"epoch": 1, "position": 4}
+    stream.load_state_dict(saved, redraw=0)
+    assert stream.state_dict() == saved
 
 
 def test_rank_state_and_the_prompts_of_an_unfinished_generation_batch():

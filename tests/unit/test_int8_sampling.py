@@ -127,10 +127,10 @@ def test_int8_is_off_by_default_and_corrected_as_trl_corrects_a_servers_samples(
     assert Config().int8_sampling_weights is False
     plan = RunPlan.resolve(Config(int8_sampling_weights=True), world_size=1)
     assert plan.sampling.int8 and plan.generation.old_logprobs  # the correction compares the policy's old log-probs
-    assert dict(plan.sampling_correction) == dict(mode="sequence_mask", clip_min=None, clip_max=3.0)
-    assert RunPlan.resolve(Config(), world_size=1).sampling_correction is None
+    assert dict(plan.generation.sampling_correction) == dict(mode="sequence_mask", clip_min=None, clip_max=3.0)
+    assert RunPlan.resolve(Config(), world_size=1).generation.sampling_correction is None
     off = RunPlan.resolve(Config(int8_sampling_weights=True, vllm_importance_sampling_correction=False), 1)
-    assert off.sampling_correction is None and off.sampling.int8
+    assert off.generation.sampling_correction is None and off.sampling.int8
 
 
 def varied(completions, **kwargs) -> list[float]:

@@ -2,7 +2,6 @@
 `close`), and the engine a run uses with its prompt encoder (`make_engine`)."""
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Protocol
 
 from ..batches import Rollout
@@ -33,17 +32,16 @@ def close(engine: Engine) -> None:
     getattr(engine, "close", lambda: None)()
 
 
-def make_engine(sampler, rollout_func, trainer, plan, policy, tokenizer, tools,
-                output_dir: str) -> tuple[Engine, PromptEncoder]:
+def make_engine(sampler, rollout_func, trainer, plan, policy, tokenizer, tools) -> tuple[Engine, PromptEncoder]:
     """The run's engine and its one prompt encoder (its evaluation's too): a vLLM server (use_vllm; the run's adapter
-    published each step into `output_dir`), the caller's `sampler`, TRL's `rollout_func`, or our decoder with as
-    many prompts per decode as the run plan (settings/plan.RunPlan) says. `policy`: policy/forwards.Policy; `tools`:
+    published each step into its output_dir), the caller's `sampler`, TRL's `rollout_func`, or our decoder with as many
+    prompts per decode as the run plan (settings/plan.RunPlan) says. `policy`: policy/forwards.Policy; `tools`:
     rollout/tools.Tools or None; `trainer`, unread here, goes to the rollout_func (TRL's contract). Its refusals came
     before loading (engines/choice)."""
     encode = prompt_encoder(policy.model, tokenizer, plan.sampling, tools)
     if plan.server is not None:
         engine = ServerEngine(policy.model, tokenizer, encode, plan.sampling, plan.server,
-                              Path(output_dir) / "vllm-adapters")
+                              plan.output_dir / "vllm-adapters")
     elif sampler is not None:
         engine = sampler
     elif rollout_func is not None:
