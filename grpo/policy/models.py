@@ -62,32 +62,29 @@ def default_tokenizer(name: str, model):
 
 
 def load_model(settings, precision: Precision | None = None):
-    """The policy from `settings.model` (`settings`: settings/components.LoadSettings, a Config, or a model's name) on
+    """The policy from `settings.model` (`settings`: settings/components.LoadSettings or a Config) on
     `precision`'s device (default: the GPU when there is one), in its base dtype; with `load_in_4bit`, its
     decoder's linear layers are stored as 4-bit NF4 (QLoRA). `model_init_kwargs` go to from_pretrained."""
     from transformers import AutoModelForCausalLM
 
-    if isinstance(settings, str):
-        from ..settings import Config
-
-        settings = Config(model=settings)
     precision = precision or Precision.plan(settings.bf16, settings.use_lora, bf16_weights=settings.bf16_weights)
     device, dtype = precision.device_type, precision.base_dtype
     name = model_folder(settings.model)
     kwargs = {k: v for k, v in (settings.model_init_kwargs or {}).items() if k != "dtype"}  # trl_names.bf16_of_dtype
-    if not settings.load_in_4bit:
-        with loading(name):
-            model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, **kwargs).to(device)
-        return named(model, settings.model)
-    from transformers import BitsAndBytesConfig
+    quantized = {}
+    if settings.load_in_4bit:
+        from transformers import BitsAndBytesConfig
 
-    # Embeddings, norms and the LM head stay in `dtype` (bf16 under bf16); peft's prepare_model_for_kbit_training
-    # is skipped on purpose: it would upcast them to float32, and non-reentrant checkpointing needs no input grads.
-    quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype)
+        # Embeddings, norms and the LM head stay in `dtype` (bf16 under bf16); peft's prepare_model_for_kbit_training
+        # is skipped on purpose: it would upcast them to float32, and non-reentrant checkpointing needs no input grads.
+        nf4 = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype)
+        quantized = {"quantization_config": nf4, "device_map": {"": device}}
     with loading(name):
-        model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, quantization_config=quantization,
-                                                     device_map={"": device}, **kwargs)
-    keep_4bit_layout(model)  # grpo.eval loads through here too: the same numbers as evaluation during training
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, **quantized, **kwargs)
+    if settings.load_in_4bit:
+        keep_4bit_layout(model)  # grpo.eval loads through here too: the same numbers as evaluation during training
+    else:
+        model = model.to(device)
     return named(model, settings.model)
 
 
