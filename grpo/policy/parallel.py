@@ -43,7 +43,12 @@ class ParallelPolicy:
         self.layers: list[nn.Module] = []
         self.root = None
         if self.kind == "ddp":
-            self.root = _wrap_ddp(model)
+            from torch.nn.parallel import DistributedDataParallel
+
+            device = device_of(model)
+            ids = [device.index] if device.type == "cuda" else None
+            # DDP broadcasts rank 0's weights here, so every rank starts from the same (e.g. LoRA) initialization.
+            self.root = DistributedDataParallel(_Root(model), device_ids=ids, gradient_as_bucket_view=True)
         elif self.kind == "fsdp":
             self.root, self.layers = _wrap_fsdp(model, bf16)
 
@@ -190,15 +195,6 @@ def check_settings(world_size: int, fsdp: bool, optim: str, use_lora: bool) -> N
     if optim != "adamw":
         raise ConfigError(f'fsdp=true needs optim="adamw" (got {optim!r}): bitsandbytes\' 8-bit AdamW does not '
                           f"accept FSDP's sharded (DTensor) parameters")
-
-
-def _wrap_ddp(model) -> nn.Module:
-    from torch.nn.parallel import DistributedDataParallel
-
-    device = device_of(model)
-    # DDP broadcasts rank 0's weights here, so every rank starts from the same (e.g. LoRA) initialization.
-    return DistributedDataParallel(_Root(model), device_ids=[device.index] if device.type == "cuda" else None,
-                                   gradient_as_bucket_view=True)
 
 
 def _wrap_fsdp(model, bf16: bool) -> tuple[nn.Module, list[nn.Module]]:
