@@ -6,10 +6,7 @@ per step, peft's wrappers, rotary embeddings copied per tensor, keys and values 
 the attention interface dispatched per layer. Here each layer runs two RMSNorms, one `mm` per linear on the weight
 the module holds (policy/folding stores the folded weights transposed, the layout a product with few rows reads
 fastest), the rotary product, and attention of each key/value head's group of queries over the preallocated cache
-(rollout/engines/kv_cache) as one `scaled_dot_product_attention` call, reading the keys once per group.
-
-Any other family, a layer that is not a plain linear (an unfolded adapter outside `bf16`, 4-bit, sharded), or a
-layer with extras (sliding windows, q/k norms) keeps transformers' forward (`fused_decoder` returns None)."""
+(rollout/engines/kv_cache) as one `scaled_dot_product_attention` call, reading the keys once per group."""
 from __future__ import annotations
 
 import torch
@@ -59,8 +56,10 @@ def _products(q, k, v, o, gate, up, down) -> tuple:
 
 def fused_decoder(body, cache, int8: bool = False, bf16: bool = False) -> FusedDecoder | None:
     """A `FusedDecoder` for the decoder `body` (a transformers base model) writing `cache`'s preallocated layers,
-    or None where `body` is not one it computes exactly or its weights are not float32 (`bf16`: or bf16) on a CPU
-    (elsewhere the copies would cost memory the plan does not hold). The weights are read as the modules hold
+    or None, keeping transformers' forward, where `body` is not one it computes exactly (another family, a layer
+    that is not a plain linear: an unfolded adapter outside `bf16`, 4-bit, sharded; sliding windows, q/k norms) or
+    its weights are not float32 (`bf16`: or bf16) on a CPU (elsewhere the copies would cost memory the plan does
+    not hold). The weights are read as the modules hold
     them now, so a decode within policy/folding's `sampling_weights` runs on the folded ones. `int8`
     (Config.int8_sampling_weights): its linears run on int8 copies of their weights (policy/int8), q/k/v and
     gate/up each stacked into one product. `bf16` (the precision plan's bf16 sampling on a CPU): on the bf16 base

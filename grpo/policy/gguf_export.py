@@ -51,11 +51,6 @@ def check_exportable(config) -> None:
         raise ConfigError(f"GGUF export does not write rope scaling ({rope_type!r}): {CONVERT}")
 
 
-def rope_theta(config) -> float:
-    params = getattr(config, "rope_parameters", None) or {}
-    return float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
-
-
 def llama_permute(w: torch.Tensor, heads: int) -> torch.Tensor:
     """llama.cpp's order of a query / key projection's rows [heads * head_dim, in]: each head's two rotary
     halves interleaved (transformers' GGUF loader undoes it)."""
@@ -149,7 +144,7 @@ def finish(writer) -> None:
 
 
 def write_metadata(writer, gguf, config, arch: str, name: str | None, file_type) -> None:
-    heads = config.num_attention_heads
+    heads, rope = config.num_attention_heads, getattr(config, "rope_parameters", None) or {}
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     writer.add_name(name or config.model_type)
     writer.add_context_length(config.max_position_embeddings)
@@ -158,7 +153,7 @@ def write_metadata(writer, gguf, config, arch: str, name: str | None, file_type)
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(heads)
     writer.add_head_count_kv(getattr(config, "num_key_value_heads", None) or heads)
-    writer.add_rope_freq_base(rope_theta(config))
+    writer.add_rope_freq_base(float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))))
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(config.vocab_size)
     writer.add_rope_dimension_count(head_dim)

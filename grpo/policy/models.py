@@ -3,7 +3,6 @@ log-probs of completions taken from hidden states (the model's full logits are n
 from __future__ import annotations
 
 import contextlib
-import copy
 import inspect
 
 import torch
@@ -85,14 +84,8 @@ def load_model(settings, precision: Precision | None = None):
         keep_4bit_layout(model)  # grpo.eval loads through here too: the same numbers as evaluation during training
     else:
         model = model.to(device)
-    return named(model, settings.model)
-
-
-def named(model, name: str):
-    """`model`, loaded for Config.model `name`, named as a saved LoRA adapter records its base (`adapter_base`)
-    and as peft's model card of it says (`portable_name`: never a path of this machine)."""
-    model.name_or_path = adapter_base(name)
-    model.config._name_or_path = portable_name(name)
+    model.name_or_path = adapter_base(settings.model)  # what a saved LoRA adapter records as its base
+    model.config._name_or_path = portable_name(settings.model)  # what peft's model card says: never a local path
     return model
 
 
@@ -132,8 +125,10 @@ def prepare_for_training(model, config, world_size: int = 1):
         sparse_tied_embedding_gradient(model)
     if config.use_lora:
         model = with_adapter(model, config)  # a PeftModel passed in keeps its own
-    if config.disable_dropout:
-        disable_dropout(model)
+    if config.disable_dropout:  # TRL's: p = 0 in every nn.Dropout (a rate an attention kernel takes is no module)
+        for module in model.modules():
+            if isinstance(module, torch.nn.Dropout):
+                module.p = 0.0
     model.train()
     return model
 
@@ -147,15 +142,6 @@ def float32_head(model) -> None:
     head.float().register_forward_pre_hook(lambda module, args: tuple(a.float() for a in args))
     if embedding.weight is head.weight and dtype != torch.float32:
         embedding.register_forward_hook(lambda module, args, output: output.to(dtype))
-
-
-def disable_dropout(model) -> None:
-    """p = 0 in every torch.nn.Dropout of `model`, as TRL's disable_dropout does: train-mode forwards become
-    deterministic. A dropout rate an attention kernel takes as a number (Qwen2's attention_dropout, 0 in released
-    checkpoints) is no module, and is left as it is, as in TRL."""
-    for module in model.modules():
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
 
 
 def sparse_tied_embedding_gradient(model) -> None:
@@ -179,14 +165,6 @@ def context_length(model) -> int | None:
     config = getattr(unwrap(model), "config", None)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     return getattr(text, "max_position_embeddings", None)
-
-
-def make_reference(model, reference: str, dtype: torch.dtype = torch.float32):
-    """A frozen copy for full fine-tuning (`reference` "copy": settings/choices.reference_kind), in `dtype`; None when
-    the adapter-disabled policy serves (LoRA) or no reference is needed (beta == 0)."""
-    if reference != "copy":
-        return None
-    return copy.deepcopy(unwrap(model)).eval().requires_grad_(False).to(dtype)
 
 
 def reference_context(model, reference):
