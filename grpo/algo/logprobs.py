@@ -175,8 +175,7 @@ class _TokenLogprobs(torch.autograd.Function):
         if frozen_head:
             jacobian *= scale / temperature  # [N, H]
         ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy, jacobian)
-        ctx.scale, ctx.softcap, ctx.temperature = scale, softcap, temperature
-        ctx.chunk_size = chunk_size
+        ctx.scale, ctx.softcap, ctx.temperature, ctx.chunk_size = scale, softcap, temperature, chunk_size
         ctx.set_materialize_grads(False)  # an output left out of the loss gets None: no entropy term to add
         if not want_entropy:
             ctx.mark_non_differentiable(entropy)
@@ -223,10 +222,8 @@ class _TokenLogprobs(torch.autograd.Function):
                 if need_w:
                     _accumulate_weight_grad(grad_weight, grad_logits, hidden[s:e].to(weight.dtype))
         del work
-        if need_w:
-            grad_weight = grad_weight.to(weight.dtype)  # [V, H]
-        if need_b:
-            grad_bias = grad_bias.to(bias.dtype)  # [V]
+        grad_weight = grad_weight.to(weight.dtype) if need_w else None  # [V, H]
+        grad_bias = grad_bias.to(bias.dtype) if need_b else None  # [V]
         return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None
 
 
@@ -267,11 +264,9 @@ def token_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, temperature:
     gradient when it is trained. ``return_entropy``: also the per-token entropy of the tempered distribution
     (differentiable, its gradient recomputed chunk by chunk like the log-probs').
 
-    The matmul runs in the weight's dtype, the softmax in float32 (float64 for a float64 weight). Backward
-    recomputes each chunk's logits from ``hidden``, ``weight`` and the saved logsumexp, so no logits outlive
-    their chunk. Gradients go to ``weight`` / ``bias`` only when they require grad. When only ``hidden`` does (a
-    frozen head, no soft cap), forward also keeps ``d logp / d hidden`` ``[N, H]`` (float32) and backward
-    multiplies it by the incoming gradient: one head matmul per chunk instead of two.
+    The matmul runs in the weight's dtype, the softmax in float32 (float64 for a float64 weight). Gradients go to
+    ``weight`` / ``bias`` only when they require grad; when only ``hidden`` does (a frozen head, no soft cap),
+    forward keeps ``d logp / d hidden`` ``[N, H]`` (float32): one head matmul per chunk instead of two.
 
     Returns:
         float32 ``[B, T]`` log-probs, or ``(logprobs, entropy)`` with entropy float32 ``[B, T]``.

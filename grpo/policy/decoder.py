@@ -59,12 +59,10 @@ def fused_decoder(body, cache, int8: bool = False, bf16: bool = False) -> FusedD
     or None, keeping transformers' forward, where `body` is not one it computes exactly (another family, a layer
     that is not a plain linear: an unfolded adapter outside `bf16`, 4-bit, sharded; sliding windows, q/k norms) or
     its weights are not float32 (`bf16`: or bf16) on a CPU (elsewhere the copies would cost memory the plan does
-    not hold). The weights are read as the modules hold
-    them now, so a decode within policy/folding's `sampling_weights` runs on the folded ones. `int8`
-    (Config.int8_sampling_weights): its linears run on int8 copies of their weights (policy/int8), q/k/v and
-    gate/up each stacked into one product. `bf16` (the precision plan's bf16 sampling on a CPU): on the bf16 base
-    as it is, a LoRA adapter added by its own low-rank product rather than folded (a fold into bf16 would round
-    away the updates smaller than 1/512 of a weight)."""
+    not hold). The weights are read as the modules hold them now (within policy/folding's `sampling_weights`: the
+    folded ones). `int8` (Config.int8_sampling_weights): on int8 copies (policy/int8). `bf16` (the precision plan's
+    bf16 sampling on a CPU): on the bf16 base as it is, a LoRA adapter added by its own low-rank product rather
+    than folded (a fold into bf16 would round away the updates smaller than 1/512 of a weight)."""
     layers = getattr(body, "layers", None)
     weight = next(body.parameters(), None)  # float32 on a CPU: what the fused copies are counted for (memory/)
     dtypes = (torch.float32, torch.bfloat16) if bf16 else (torch.float32,)

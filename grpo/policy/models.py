@@ -105,9 +105,8 @@ def keep_4bit_layout(model) -> None:
 
 
 def prepare_for_training(model, config, world_size: int = 1):
-    """The model to train, as `config` (settings/components.LoadSettings, or a Config) says: bf16 weights, gradient
-    checkpointing, a float32 LM head, LoRA adapters (policy/lora.py), then no dropout (after LoRA: its lora_dropout
-    too)."""
+    """The model to train, as `config` (settings/components.LoadSettings, or a Config) says; dropout off after
+    LoRA (policy/lora.py), so its lora_dropout too."""
     keep_4bit_layout(model)  # a 4-bit model passed in, too
     if config.bf16_weights:  # a model built or passed in float32, as load_model would have loaded it
         model = model.to(torch.bfloat16)

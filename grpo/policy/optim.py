@@ -142,9 +142,8 @@ class Updates:
         self.nonfinite = (0, 0)
 
     def apply(self, loss: float, step: int) -> dict:
-        """Step `step`'s update: the accumulated gradients clipped (max_grad_norm 0: not), the optimizer stepped
-        unless the loss or the gradient norm is NaN/inf (so the weights stay finite), then the schedule advanced
-        and the gradients freed. Returns its metrics."""
+        """Step `step`'s update of the accumulated gradients (clipped unless max_grad_norm is 0), the schedule
+        advanced and the gradients freed; returns its metrics."""
         params, optimizer = self.params, self.optimizer
         if all(p.grad is None for p in params):  # every row's gradient was exactly 0 and skipped (rollout/batches)
             for p in params:  # step as on the zero gradient it stands for: momentum, weight decay, step count go on

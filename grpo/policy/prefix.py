@@ -64,6 +64,8 @@ def shared_prompt_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.T
     `refusal` accepts), as `models.completion_logprobs` on the whole rows gives them (0 on padding);
     `(logprobs, entropies)` with `return_entropy`. `pack`: run the completions as one packed row (True, where
     `packing_refusal` allows it), as padded rows (False), or whichever costs less (None): `packing.packs`."""
+    from transformers.cache_utils import DynamicCache
+
     hf = unwrap(model)
     body, head, transform = hf.base_model, hf.get_output_embeddings(), head_transform(hf.config)
     first, owner = shared_prompts(prompt_ids, prompt_mask)  # [B], [N]
@@ -75,8 +77,11 @@ def shared_prompt_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.T
         layout = PackedRow(hf, mask, owner, completion_ids, completion_mask, completion_positions)
     else:
         layout = PaddedRows(owner, completion_ids, attention_mask, completion_positions)
+    cache = DynamicCache(config=hf.config)  # a new one: nothing shared between forwards
+    for layer in cache.layers:  # each captures the prompt's keys and values
+        layer.__class__ = _shared_layer(type(layer))
+    argument = cache_argument(body)
     # use_cache=False: the cache given is used all the same, and checkpointed layers do not warn about it.
-    cache, argument = _fresh_cache(hf.config), cache_argument(body)
     with _cache_kept_under_checkpointing(body):
         # [B, H]: the prompt's last state (left padding ends on a real token)
         prompt_hidden = body(input_ids=ids, attention_mask=mask, position_ids=positions(mask), use_cache=False,
@@ -138,17 +143,6 @@ def _shared_layer(base):
             return torch.cat([keys, key_states], dim=-2), torch.cat([values, value_states], dim=-2)
 
     return SharedPromptLayer
-
-
-def _fresh_cache(config):
-    """A new cache (nothing shared between forwards) whose layers capture the prompt's keys and values: the layers
-    transformers builds for `config`, each turned into its `_shared_layer` subclass."""
-    from transformers.cache_utils import DynamicCache
-
-    cache = DynamicCache(config=config)
-    for layer in cache.layers:
-        layer.__class__ = _shared_layer(type(layer))
-    return cache
 
 
 def _expanded(cache, owner: torch.Tensor | None, prompt_length: int):
