@@ -44,12 +44,6 @@ def _plain_float32(weight: torch.Tensor) -> bool:
     return type(weight.data) is torch.Tensor and weight.dtype == torch.float32
 
 
-def packable(linear: torch.nn.Module) -> bool:
-    """A plain float32 torch linear on a CPU whose torch build has oneDNN."""
-    return (type(linear) is torch.nn.Linear and _plain_float32(linear.weight) and linear.weight.device.type == "cpu"
-            and torch.backends.mkldnn.is_available())
-
-
 def _packed_forward(weight: torch.Tensor, bias: torch.Tensor | None):
     """A linear layer's forward on `weight` [out, in] reordered for oneDNN (float32, no autograd)."""
     packed = weight.detach().to_mkldnn()
@@ -78,9 +72,11 @@ def sampling_weights(model, int8: bool = False):
                 layer.merged_adapters = [name]  # peft's forward: the base layer alone
                 swapped.append((layer, base.weight))
                 base.weight = torch.nn.Parameter(folded, requires_grad=False)
-            # The head's [V, H] product is a fifth of a SmolLM2 decoding step: packed, used by the decode.
+            # The head's [V, H] product is a fifth of a SmolLM2 decoding step: packed (a plain float32 torch linear
+            # on a CPU whose torch build has oneDNN), used by the decode.
             head_matmul = None
-            if head is not None and packable(head):
+            if (type(head) is torch.nn.Linear and _plain_float32(head.weight) and head.weight.device.type == "cpu"
+                    and torch.backends.mkldnn.is_available()):
                 head_matmul = int8_copy(head) if int8 else _packed_forward(head.weight, head.bias)
         yield head_matmul
     finally:
