@@ -6,8 +6,7 @@ in chunks, keeps only one chunk of logits alive at a time, and recomputes a chun
 
 Some model families transform the LM head's output before the softmax (Cohere scales it, Granite divides
 it, Gemma 2 soft-caps it): ``transform_logits_`` applies ``softcap * tanh(scale * x / softcap)`` (or
-``scale * x`` without a cap) here and in sampling alike, so both score the model's own distribution.
-"""
+``scale * x`` without a cap) here and in sampling alike, so both score the model's own distribution."""
 
 from __future__ import annotations
 
@@ -269,8 +268,7 @@ def token_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, temperature:
     forward keeps ``d logp / d hidden`` ``[N, H]`` (float32): one head matmul per chunk instead of two.
 
     Returns:
-        float32 ``[B, T]`` log-probs, or ``(logprobs, entropy)`` with entropy float32 ``[B, T]``.
-    """
+        float32 ``[B, T]`` log-probs, or ``(logprobs, entropy)`` with entropy float32 ``[B, T]``."""
     _check_inputs(hidden, weight, targets, bias, logit_scale, softcap, temperature, chunk_size)
     logprobs, entropy = _TokenLogprobs.apply(
         hidden.reshape(-1, hidden.shape[-1]), weight, bias, targets.reshape(-1).long(), float(logit_scale),

@@ -1,13 +1,10 @@
 """Predicted peak memory of a GRPO run, from architecture numbers and settings alone (pure arithmetic): which
 parts (memory/parts.py: their bytes) each moment of a step holds, and the largest moment.
 
-Peak = the largest moment: generation, the end of a micro-batch's forward, the start of its backward, the
-recomputation of a layer (gradient checkpointing), the end of the backward, and the optimizer step. Optimizer
-states exist from the first step on, gradients only between the first backward and the optimizer step (they are
-freed, not zeroed). A decode takes as many prompts as fit beside the peak of the other moments, so it never
+Optimizer states exist from the first step on, gradients only between the first backward and the optimizer step
+(they are freed, not zeroed). A decode takes as many prompts as fit beside the peak of the other moments, so it never
 raises it (`Estimate.decode_prompts`, `Estimate.eval_prompts`). With `async_generation` the sampler process
-decodes during every training moment. Sizes are in bytes; `GB` is 1e9 bytes, as `memory/peak_gb`'s.
-"""
+decodes during every training moment. Sizes are in bytes; `GB` is 1e9 bytes, as `memory/peak_gb`'s."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,12 +1,6 @@
-"""The bytes of each part a GRPO run holds, from the model's tensors (`Architecture`: facts from its
-config.json) and the trainer's dtype plan (`dtypes`): pure arithmetic, which memory/estimate.py adds up into the
-moments of a step. Sizes are in bytes.
-
-It follows what this trainer allocates, under the dtype plan of policy/precision.py: weights, gradients and
-optimizer states; autocast's bf16 weight copies; the reference copy; the generation batch with the log-probs the
-run plan keeps (settings/plan.py); a micro-batch's activations (of P + G x C tokens a group with
-`shared_prompt_forward`) and its log-prob chunks; the decodes' KV caches and buffers (docs/memory-planner.md).
-"""
+"""The bytes of each part a GRPO run holds (docs/memory-planner.md, "What it counts"), from the model's tensors
+(`Architecture`: facts from its config.json) and the trainer's dtype plan (`dtypes`, policy/precision.py): pure
+arithmetic, which memory/estimate.py adds up into the moments of a step. Sizes are in bytes."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -19,8 +19,7 @@ A multimodal model reads them from its `text_config`; AyaVision, Cohere2Vision a
 ForConditionalGeneration do not apply them. MiniCPM (v1, remote code) divides the hidden states by
 `hidden_size / dim_model_base`; Inkling drops the logits past `unpadded_vocab_size`, which is refused. A config
 that declares a logit transform not in this table is refused (ConfigError) rather than trained on wrong
-log-probs; the start-up check (models.check_logprobs_match_forward) catches a forward that does anything else.
-"""
+log-probs; the start-up check (models.check_logprobs_match_forward) catches a forward that does anything else."""
 from __future__ import annotations
 
 import re

@@ -4,8 +4,7 @@ of the weight, written back to bf16 with stochastic rounding.
 bf16 keeps 8 significant bits: neighbouring values are 2^-8 to 2^-7 apart, relative. A step of lr ~1e-6
 times Adam's O(1) normalized update is far below half that spacing, so round-to-nearest writes back the
 same weight, every step: the update is lost. Stochastic rounding rounds up with probability equal to the
-distance already covered, so the expected written value is the float32 one and small steps add up.
-"""
+distance already covered, so the expected written value is the float32 one and small steps add up."""
 from __future__ import annotations
 
 import math
