@@ -56,8 +56,12 @@ def estimate(a: Architecture, config, device: str = "cuda") -> Estimate:
 def plan_peak(a: Architecture, m: MemorySettings, d: Dtypes) -> Estimate:
     """Peak memory of training `a` with the planner's settings `m` under the dtype plan `d`, prompts counted at
     max_prompt_length (the worst case), the decodes sized to the room the moments leave."""
-    own = _moments(m, d)  # the trainer's, decoding in its generation moment
-    moments = _sampling_ahead(own) if m.async_generation else own
+    own = moments = _moments(m, d)  # the trainer's, decoding in its generation moment
+    if m.async_generation:  # the sampler process decodes while the trainer trains (run/ahead.py): every training
+        # moment holds a decode too, and every moment the trainable weights' copy the two share
+        decoding = ("KV cache", "sampling buffers", "sampling weight copies", "sampler's weight copy")
+        moments = {name: held + (decoding if name != "generation" else ("sampler's weight copy",))
+                   for name, held in own.items()}
     # A decode's room: what the peak leaves beside what every moment keeps and the sampling weight copies. The
     # sampling decode's own parts count nothing until it is sized.
     parts = {**part_bytes(a, m, d), "KV cache": 0.0, "sampling buffers": 0.0}
@@ -91,11 +95,3 @@ def _moments(m: MemorySettings, d: Dtypes) -> dict[str, tuple[str, ...]]:
         "backward end": kept + ("gradients", "pending embedding gradients"),
         "optimizer step": kept + ("gradients", "optimizer step temporaries"),
     }
-
-
-def _sampling_ahead(moments: dict[str, tuple[str, ...]]) -> dict[str, tuple[str, ...]]:
-    """async_generation: the sampler process decodes while the trainer trains (run/ahead.py), so every training
-    moment holds a decode too, and every moment the trainable weights' copy the two share."""
-    decoding = ("KV cache", "sampling buffers", "sampling weight copies", "sampler's weight copy")
-    return {name: held + (decoding if name != "generation" else ("sampler's weight copy",))
-            for name, held in moments.items()}
