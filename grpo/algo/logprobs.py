@@ -128,18 +128,6 @@ def _blocked_grad_(z: Tensor, lse: Tensor, targets: Tensor, g_logp: Tensor, entr
     return z.scatter_add_(1, targets[:, None], target)  # [c, V]
 
 
-def _accumulate_weight_grad(acc: Tensor, grad_logits: Tensor, h: Tensor) -> None:
-    """acc[V, H] (float32 or wider) += grad_logits[c, V].T @ h[c, H]."""
-    if grad_logits.dtype == acc.dtype:
-        acc.addmm_(grad_logits.T, h)
-        return
-    # Low-precision matmul for speed; summing into float32 across chunks keeps precision.
-    # Blocking over V keeps the low-precision partial product small instead of [V, H].
-    for v0 in range(0, acc.shape[0], HEAD_GRAD_BLOCK):
-        v1 = v0 + HEAD_GRAD_BLOCK
-        acc[v0:v1] += grad_logits[:, v0:v1].T @ h  # [v, H]
-
-
 class _TokenLogprobs(torch.autograd.Function):
     """Chunked log-softmax-gather whose backward recomputes logits chunk by chunk; or, when only the hidden
     states need a gradient (a frozen head: LoRA), whose forward keeps d logp / d hidden, so backward only scales it."""
@@ -218,8 +206,13 @@ class _TokenLogprobs(torch.autograd.Function):
                 grad_logits = work.low_precision(grad_logits, weight.dtype)  # [c, V]
                 if need_h:
                     grad_hidden[s:e] = (grad_logits @ weight).to(hidden.dtype)  # [c, H]
-                if need_w:
-                    _accumulate_weight_grad(grad_weight, grad_logits, hidden[s:e].to(weight.dtype))
+                if need_w and grad_logits.dtype == acc_dtype:
+                    grad_weight.addmm_(grad_logits.T, hidden[s:e].to(weight.dtype))  # [V, H]
+                elif need_w:  # a low-precision matmul for speed, summed into float32 across chunks, blocked over V
+                    h = hidden[s:e].to(weight.dtype)  # [c, H]
+                    for v0 in range(0, grad_weight.shape[0], HEAD_GRAD_BLOCK):
+                        block = slice(v0, v0 + HEAD_GRAD_BLOCK)
+                        grad_weight[block] += grad_logits[:, block].T @ h  # [v, H]
         del work
         grad_weight = grad_weight.to(weight.dtype) if need_w else None  # [V, H]
         grad_bias = grad_bias.to(bias.dtype) if need_b else None  # [V]

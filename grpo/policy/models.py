@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import sys
 
 import torch
 
@@ -12,7 +13,6 @@ from ..errors import ConfigError
 from .head import head_logits, head_transform, positions
 from .lora import with_adapter
 from .precision import Precision
-from .router import load_balancing_loss
 from .sources import adapter_base, loading, model_folder, portable_name
 
 
@@ -193,7 +193,9 @@ def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Te
                             softcap=transform.softcap)
     if not router_aux:
         return result
-    aux = load_balancing_loss(hf, out.router_logits, attention_mask)
+    # the family's loss over the real tokens, what its causal LM returns as `aux_loss` (router logits [N*T, E] a layer)
+    aux = sys.modules[type(hf).__module__].load_balancing_loss_func(out.router_logits, hf.num_experts,
+                                                                    hf.num_experts_per_tok, attention_mask)
     return (*result, aux) if return_entropy else (result, aux)
 
 
