@@ -92,7 +92,7 @@ class Precision:
     @property
     def bf16_sampling(self) -> bool:
         """Whether our decode samples in bf16 (policy/decoder), its log-probs kept for TRL's correction: under
-        bf16 on a CPU (on CUDA the decode runs on the weights as they are, uncorrected, as before)."""
+        bf16 on a CPU (on CUDA the decode runs on the weights as they are, uncorrected)."""
         return self.bf16 and self.device_type == "cpu"
 
     @property
