@@ -40,18 +40,19 @@ class Policy:
         if why is not None:
             self._whole_rows(why)
 
-    def logprobs(self, rollout):
-        """Per-token log-probs [N, C] of the rollout's completions under the policy (with grad when enabled)."""
+    def logprobs(self, rollout, with_entropy: bool = False):
+        """Per-token log-probs [N, C] of the rollout's completions under the policy (with grad when enabled);
+        with `with_entropy`, `(logprobs, entropies)`, the entropies [N, C] with grad too (an entropy bonus trains)."""
         with self.precision.autocast():
-            return self.parallel(lambda model: self._logprobs(model, rollout))
+            return self.parallel(lambda model: self._logprobs(model, rollout, with_entropy))
 
     def training_logprobs(self, rollout):
         """`(logprobs, entropies, aux_loss)` [N, C], [N, C] and a scalar, all with grad: a mixture-of-experts
-        router's load-balancing loss over the whole rows, or None when `router_aux_coef` is 0 (policy/router.py)."""
-        aux = bool(self.router_aux_coef)
-        with self.precision.autocast():
-            out = self.parallel(lambda model: self._logprobs(model, rollout, True, router_aux=aux))
-        return out if aux else (*out, None)
+        router's load-balancing loss over the rows, or None when `router_aux_coef` is 0 (policy/router.py)."""
+        if not self.router_aux_coef:
+            return *self.logprobs(rollout, with_entropy=True), None
+        with self.precision.autocast():  # whole rows: the shared-prompt forward is off with a router loss
+            return self.parallel(lambda model: self._logprobs(model, rollout, True, router_aux=True))
 
     @torch.no_grad()
     def reference_logprobs(self, rollout) -> torch.Tensor:
