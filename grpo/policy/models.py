@@ -224,10 +224,9 @@ def check_logprobs_match_forward(model, input_ids: torch.Tensor, attention_mask:
                                  temperature: float, chunk_size: int, rows: int = 2, tokens: int = 16,
                                  agree=lambda excess: excess) -> float:
     """The start-up check: log-probs of the first `tokens` completion tokens of `rows` sequences, and the sampling
-    logits there, against the model's own `log_softmax(model(...).logits / temperature)`. A mismatch means this
-    family's forward does something to its logits that policy/head does not know: ConfigError. `agree` makes
-    this rank's error / tolerance the largest over ranks, so that all ranks stop together. Runs in eval mode and
-    without autocast; returns the largest difference."""
+    logits there, against the model's own `log_softmax(model(...).logits / temperature)`; the largest difference.
+    A mismatch means this family's forward does something to its logits that policy/head does not know:
+    ConfigError. `agree` makes this rank's error / tolerance the largest over ranks: all ranks stop together."""
     hf = unwrap(model)
     ids, mask = input_ids[:rows, :prompt_length + tokens], attention_mask[:rows, :prompt_length + tokens]  # [r, P+k]
     if ids.shape[1] == prompt_length:

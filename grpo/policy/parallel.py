@@ -109,9 +109,9 @@ class ParallelPolicy:
         calls it. None otherwise: the model's own state dict is whole."""
         if self.kind != "fsdp":
             return None
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        state = get_model_state_dict(self.model, options=_full_on_main())
+        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         # Gathering unties tied weights (embeddings and LM head): keep one name each, as save_pretrained does.
         first: dict[int, str] = {}
         for name, param in self.model.named_parameters(remove_duplicate=False):
@@ -123,9 +123,10 @@ class ParallelPolicy:
         """The optimizer's state dict; under FSDP gathered whole onto rank 0 (a collective; {} elsewhere)."""
         if self.kind != "fsdp":
             return optimizer.state_dict()
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-        return get_optimizer_state_dict(self.model, optimizer, options=_full_on_main())
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole, on rank 0's CPU
+        return get_optimizer_state_dict(self.model, optimizer, options=options)
 
     def load_optimizer_state(self, optimizer, state: dict) -> None:
         if self.kind != "fsdp":
@@ -177,12 +178,6 @@ def _check_shapes(saved: dict, own: dict, checkpoint: Path) -> None:
         raise ConfigError(f"{checkpoint} does not fit this model: {len(clashes)} tensors of another shape "
                           f"(saved vs this model), e.g. {', '.join(clashes[:2])}; resume with the model it was "
                           f"trained from (--model, or the recipe's build_model, as when it was saved)")
-
-
-def _full_on_main():
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-    return StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
 def check_settings(world_size: int, fsdp: bool, optim: str, use_lora: bool) -> None:
