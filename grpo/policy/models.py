@@ -168,9 +168,7 @@ def context_length(model) -> int | None:
 
 def reference_context(model, reference):
     """Where the reference forward runs: the separate copy, or the policy with its adapter off."""
-    if reference is not None:
-        return reference, contextlib.nullcontext()
-    return model, model.disable_adapter()
+    return (reference, contextlib.nullcontext()) if reference is not None else (model, model.disable_adapter())
 
 
 def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int, *,

@@ -94,9 +94,7 @@ class ParallelPolicy:
     def sync_gradients(self, sync: bool):
         """Context for one micro-batch's forward and backward. DDP all-reduces only on the last one (gradients
         accumulate locally before); FSDP reduce-scatters every one, so gradients stay sharded."""
-        if self.kind == "ddp" and not sync:
-            return self.root.no_sync()
-        return contextlib.nullcontext()
+        return self.root.no_sync() if self.kind == "ddp" and not sync else contextlib.nullcontext()
 
     def backward(self, loss: torch.Tensor) -> None:
         """Each rank's loss is already divided by the step's global token (or sequence) count, so the ranks'

@@ -102,9 +102,7 @@ class Precision:
 
     def autocast(self):
         """bf16 autocast for the policy's and the reference's log-prob forwards (sampling runs without it)."""
-        if not self.bf16:
-            return contextlib.nullcontext()
-        return torch.autocast(device_type=self.device_type, dtype=torch.bfloat16)
+        return torch.autocast(self.device_type, dtype=torch.bfloat16) if self.bf16 else contextlib.nullcontext()
 
 
 def default_device() -> torch.device:
