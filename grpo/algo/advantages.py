@@ -76,8 +76,7 @@ def normalized_sum_advantages(per_func: Tensor, weights: Tensor, group_size: int
 
     The stds are unbiased. A completion no function scored stays out of the batch's mean and std and gets
     advantage 0; a function's group with fewer than two scored rewards has no std and adds nothing (TRL: NaN,
-    which nansum drops). scale_rewards does not apply, as in TRL.
-    """
+    which nansum drops). scale_rewards does not apply, as in TRL."""
     if per_func.dim() != 2 or weights.shape != per_func.shape[1:]:
         raise ValueError(f"per_func must be [N, F] and weights [F], got {tuple(per_func.shape)} and "
                          f"{tuple(weights.shape)}")

@@ -6,8 +6,7 @@ in chunks, keeps only one chunk of logits alive at a time, and recomputes a chun
 
 Some model families transform the LM head's output before the softmax (Cohere scales it, Granite divides
 it, Gemma 2 soft-caps it): ``transform_logits_`` applies ``softcap * tanh(scale * x / softcap)`` (or
-``scale * x`` without a cap) here and in sampling alike, so both score the model's own distribution.
-"""
+``scale * x`` without a cap) here and in sampling alike, so both score the model's own distribution."""
 
 from __future__ import annotations
 
@@ -129,18 +128,6 @@ def _blocked_grad_(z: Tensor, lse: Tensor, targets: Tensor, g_logp: Tensor, entr
     return z.scatter_add_(1, targets[:, None], target)  # [c, V]
 
 
-def _accumulate_weight_grad(acc: Tensor, grad_logits: Tensor, h: Tensor) -> None:
-    """acc[V, H] (float32 or wider) += grad_logits[c, V].T @ h[c, H]."""
-    if grad_logits.dtype == acc.dtype:
-        acc.addmm_(grad_logits.T, h)
-        return
-    # Low-precision matmul for speed; summing into float32 across chunks keeps precision.
-    # Blocking over V keeps the low-precision partial product small instead of [V, H].
-    for v0 in range(0, acc.shape[0], HEAD_GRAD_BLOCK):
-        v1 = v0 + HEAD_GRAD_BLOCK
-        acc[v0:v1] += grad_logits[:, v0:v1].T @ h  # [v, H]
-
-
 class _TokenLogprobs(torch.autograd.Function):
     """Chunked log-softmax-gather whose backward recomputes logits chunk by chunk; or, when only the hidden
     states need a gradient (a frozen head: LoRA), whose forward keeps d logp / d hidden, so backward only scales it."""
@@ -175,8 +162,7 @@ class _TokenLogprobs(torch.autograd.Function):
         if frozen_head:
             jacobian *= scale / temperature  # [N, H]
         ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy, jacobian)
-        ctx.scale, ctx.softcap, ctx.temperature = scale, softcap, temperature
-        ctx.chunk_size = chunk_size
+        ctx.scale, ctx.softcap, ctx.temperature, ctx.chunk_size = scale, softcap, temperature, chunk_size
         ctx.set_materialize_grads(False)  # an output left out of the loss gets None: no entropy term to add
         if not want_entropy:
             ctx.mark_non_differentiable(entropy)
@@ -220,13 +206,16 @@ class _TokenLogprobs(torch.autograd.Function):
                 grad_logits = work.low_precision(grad_logits, weight.dtype)  # [c, V]
                 if need_h:
                     grad_hidden[s:e] = (grad_logits @ weight).to(hidden.dtype)  # [c, H]
-                if need_w:
-                    _accumulate_weight_grad(grad_weight, grad_logits, hidden[s:e].to(weight.dtype))
+                if need_w and grad_logits.dtype == acc_dtype:
+                    grad_weight.addmm_(grad_logits.T, hidden[s:e].to(weight.dtype))  # [V, H]
+                elif need_w:  # a low-precision matmul for speed, summed into float32 across chunks, blocked over V
+                    h = hidden[s:e].to(weight.dtype)  # [c, H]
+                    for v0 in range(0, grad_weight.shape[0], HEAD_GRAD_BLOCK):
+                        block = slice(v0, v0 + HEAD_GRAD_BLOCK)
+                        grad_weight[block] += grad_logits[:, block].T @ h  # [v, H]
         del work
-        if need_w:
-            grad_weight = grad_weight.to(weight.dtype)  # [V, H]
-        if need_b:
-            grad_bias = grad_bias.to(bias.dtype)  # [V]
+        grad_weight = grad_weight.to(weight.dtype) if need_w else None  # [V, H]
+        grad_bias = grad_bias.to(bias.dtype) if need_b else None  # [V]
         return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None
 
 
@@ -267,15 +256,12 @@ def token_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, temperature:
     gradient when it is trained. ``return_entropy``: also the per-token entropy of the tempered distribution
     (differentiable, its gradient recomputed chunk by chunk like the log-probs').
 
-    The matmul runs in the weight's dtype, the softmax in float32 (float64 for a float64 weight). Backward
-    recomputes each chunk's logits from ``hidden``, ``weight`` and the saved logsumexp, so no logits outlive
-    their chunk. Gradients go to ``weight`` / ``bias`` only when they require grad. When only ``hidden`` does (a
-    frozen head, no soft cap), forward also keeps ``d logp / d hidden`` ``[N, H]`` (float32) and backward
-    multiplies it by the incoming gradient: one head matmul per chunk instead of two.
+    The matmul runs in the weight's dtype, the softmax in float32 (float64 for a float64 weight). Gradients go to
+    ``weight`` / ``bias`` only when they require grad; when only ``hidden`` does (a frozen head, no soft cap),
+    forward keeps ``d logp / d hidden`` ``[N, H]`` (float32): one head matmul per chunk instead of two.
 
     Returns:
-        float32 ``[B, T]`` log-probs, or ``(logprobs, entropy)`` with entropy float32 ``[B, T]``.
-    """
+        float32 ``[B, T]`` log-probs, or ``(logprobs, entropy)`` with entropy float32 ``[B, T]``."""
     _check_inputs(hidden, weight, targets, bias, logit_scale, softcap, temperature, chunk_size)
     logprobs, entropy = _TokenLogprobs.apply(
         hidden.reshape(-1, hidden.shape[-1]), weight, bias, targets.reshape(-1).long(), float(logit_scale),

@@ -28,8 +28,7 @@ on the tokens the policy term acts on.
 
 Masked positions never reach the loss (nor ``exp``: garbage there cannot overflow into inf * 0). Rows whose
 gradient is exactly 0 may be left out of the call (`zero_advantage_has_no_gradient`) when B and the
-micro-batch's tokens are passed as counted before: the loss and its gradient stay those of all rows.
-"""
+micro-batch's tokens are passed as counted before: the loss and its gradient stay those of all rows."""
 
 from __future__ import annotations
 
@@ -170,8 +169,7 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor | None, ref_logprobs: Ten
         ``kl`` and ``entropy`` when used: masked means over this call's completion tokens. Shares of the step
         (``STEP_SHARES``): ``loss/entropy`` (minus the bonus), TRL's ``policy_loss`` (the loss before it) and
         ``entropy_coef`` when ``entropy_coef != 0``, ``off_policy/masked_ratio`` (the sequences dropped, over
-        B, / K) when ``off_policy_mask_threshold`` is set.
-    """
+        B, / K) when ``off_policy_mask_threshold`` is set."""
     s = LossSettings(**settings)
     _check_inputs(logprobs, old_logprobs, ref_logprobs, advantages, completion_mask, entropies, s)
     on = completion_mask.bool()  # [B, T]

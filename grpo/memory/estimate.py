@@ -1,13 +1,10 @@
 """Predicted peak memory of a GRPO run, from architecture numbers and settings alone (pure arithmetic): which
 parts (memory/parts.py: their bytes) each moment of a step holds, and the largest moment.
 
-Peak = the largest moment: generation, the end of a micro-batch's forward, the start of its backward, the
-recomputation of a layer (gradient checkpointing), the end of the backward, and the optimizer step. Optimizer
-states exist from the first step on, gradients only between the first backward and the optimizer step (they are
-freed, not zeroed). A decode takes as many prompts as fit beside the peak of the other moments, so it never
+Optimizer states exist from the first step on, gradients only between the first backward and the optimizer step
+(they are freed, not zeroed). A decode takes as many prompts as fit beside the peak of the other moments, so it never
 raises it (`Estimate.decode_prompts`, `Estimate.eval_prompts`). With `async_generation` the sampler process
-decodes during every training moment. Sizes are in bytes; `GB` is 1e9 bytes, as `memory/peak_gb`'s.
-"""
+decodes during every training moment. Sizes are in bytes; `GB` is 1e9 bytes, as `memory/peak_gb`'s."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -59,8 +56,12 @@ def estimate(a: Architecture, config, device: str = "cuda") -> Estimate:
 def plan_peak(a: Architecture, m: MemorySettings, d: Dtypes) -> Estimate:
     """Peak memory of training `a` with the planner's settings `m` under the dtype plan `d`, prompts counted at
     max_prompt_length (the worst case), the decodes sized to the room the moments leave."""
-    own = _moments(m, d)  # the trainer's, decoding in its generation moment
-    moments = _sampling_ahead(own) if m.async_generation else own
+    own = moments = _moments(m, d)  # the trainer's, decoding in its generation moment
+    if m.async_generation:  # the sampler process decodes while the trainer trains (run/ahead.py): every training
+        # moment holds a decode too, and every moment the trainable weights' copy the two share
+        decoding = ("KV cache", "sampling buffers", "sampling weight copies", "sampler's weight copy")
+        moments = {name: held + (decoding if name != "generation" else ("sampler's weight copy",))
+                   for name, held in own.items()}
     # A decode's room: what the peak leaves beside what every moment keeps and the sampling weight copies. The
     # sampling decode's own parts count nothing until it is sized.
     parts = {**part_bytes(a, m, d), "KV cache": 0.0, "sampling buffers": 0.0}
@@ -94,11 +95,3 @@ def _moments(m: MemorySettings, d: Dtypes) -> dict[str, tuple[str, ...]]:
         "backward end": kept + ("gradients", "pending embedding gradients"),
         "optimizer step": kept + ("gradients", "optimizer step temporaries"),
     }
-
-
-def _sampling_ahead(moments: dict[str, tuple[str, ...]]) -> dict[str, tuple[str, ...]]:
-    """async_generation: the sampler process decodes while the trainer trains (run/ahead.py), so every training
-    moment holds a decode too, and every moment the trainable weights' copy the two share."""
-    decoding = ("KV cache", "sampling buffers", "sampling weight copies", "sampler's weight copy")
-    return {name: held + (decoding if name != "generation" else ("sampler's weight copy",))
-            for name, held in moments.items()}

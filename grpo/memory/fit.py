@@ -161,11 +161,11 @@ def _size(n: float) -> str:
     return f"{n / GB:.2f} GB" if n >= 0.1 * GB else f"{n / 1e6:.1f} MB"
 
 
-def plan_summary(config: Config, model=None, gpu_memory_gb: float | None = None) -> str:
+def plan_summary(config: Config, gpu_memory_gb: float | None = None) -> str:
     """A short breakdown of the predicted peak GPU memory and the cheapest change that fits `gpu_memory_gb`
     (default: the current GPU's). Never raises: printed when training runs out of memory."""
     try:
-        arch = architecture_of(config.model, model)
+        arch = architecture_of(config.model)
         if isinstance(arch, str):
             return arch
         if gpu_memory_gb is None:

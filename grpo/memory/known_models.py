@@ -55,8 +55,13 @@ def architecture_of(name: str, model=None, download: bool = False) -> Architectu
     else:
         label, unreadable = name, Exception  # any failure to find or read a config is reported, never raised
     try:
-        if model is None:
-            config = _config_file(name, download)
+        if model is None:  # a .gguf file's or short name's config: its converted folder's
+            from transformers import AutoConfig
+
+            from ..policy.gguf import resolve_model_path
+
+            path = resolve_model_path(name)
+            config = AutoConfig.from_pretrained(path, local_files_only=os.path.isdir(path) or not download)
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         heads = text.num_attention_heads
         return Architecture(
@@ -71,13 +76,3 @@ def architecture_of(name: str, model=None, download: bool = False) -> Architectu
         if model is None:
             return f"cannot read the config of {name!r} ({type(error).__name__}), so no memory plan"
         return f"the architecture of {label} ({type(config).__name__}) could not be read: {error}"
-
-
-def _config_file(name: str, download: bool):
-    """The transformers config of `name` (Config.model; a .gguf file's or short name's: its converted folder's)."""
-    from transformers import AutoConfig
-
-    from ..policy.gguf import resolve_model_path
-
-    path = resolve_model_path(name)
-    return AutoConfig.from_pretrained(path, local_files_only=os.path.isdir(path) or not download)

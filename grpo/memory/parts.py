@@ -1,12 +1,6 @@
-"""The bytes of each part a GRPO run holds, from the model's tensors (`Architecture`: facts from its
-config.json) and the trainer's dtype plan (`dtypes`): pure arithmetic, which memory/estimate.py adds up into the
-moments of a step. Sizes are in bytes.
-
-It follows what this trainer allocates, under the dtype plan of policy/precision.py: weights, gradients and
-optimizer states; autocast's bf16 weight copies; the reference copy; the generation batch with the log-probs the
-run plan keeps (settings/plan.py); a micro-batch's activations (of P + G x C tokens a group with
-`shared_prompt_forward`) and its log-prob chunks; the decodes' KV caches and buffers (docs/memory-planner.md).
-"""
+"""The bytes of each part a GRPO run holds (docs/memory-planner.md, "What it counts"), from the model's tensors
+(`Architecture`: facts from its config.json) and the trainer's dtype plan (`dtypes`, policy/precision.py): pure
+arithmetic, which memory/estimate.py adds up into the moments of a step. Sizes are in bytes."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -119,7 +113,7 @@ def prompts_in_micro_batch(micro_batch: int, num_generations: int) -> int:
 def part_bytes(a: Architecture, m: MemorySettings, d: Dtypes) -> dict[str, float]:
     """The bytes of every part but the sampling decode's (its size waits on the room the others leave)."""
     trainable = a.lora_tensors(m.lora_r, m.lora_targets) if m.use_lora else a.trainable_tensors()
-    return {**_resident(a, m, d, trainable), **_micro_batch(a, m, d, trainable), **_optimizer_step(m, d, trainable),
+    return {**_resident(a, m, d, trainable), **_micro_batch(a, m, d, trainable), **_optimizer(m, d, trainable),
             "sampling weight copies": sampling_weight_bytes(a, m, d),
             # async_generation: the trainable weights' copy that the trainer and its sampler process share (the
             # frozen weights are the trainer's own pages: forked, never written)
@@ -127,15 +121,14 @@ def part_bytes(a: Architecture, m: MemorySettings, d: Dtypes) -> dict[str, float
 
 
 def _resident(a: Architecture, m: MemorySettings, d: Dtypes, trainable: list[int]) -> dict:
-    """What every moment holds: weights, optimizer states, the reference copy, the generation batch."""
+    """What every moment holds but the optimizer states: weights, the reference copy, the generation batch."""
     C, T = m.completion_length, m.prompt_length + m.completion_length
     linear_bytes = a.linear_params() * (0.5 + 4 / NF4_BLOCK) if m.quantized else a.linear_params() * d.base
     weights = linear_bytes + (a.embedding_params() + a.other_params()) * d.base
     if m.use_lora:
         weights += 4 * sum(trainable)  # float32 adapters
     rollout_rows = m.schedule.completions_per_generation  # a generation batch's rows
-    return {"weights": weights, "optimizer states": optimizer_bytes(trainable, m.optim),
-            "reference model": a.num_params() * d.reference if m.reference_copy else 0.0,
+    return {"weights": weights, "reference model": a.num_params() * d.reference if m.reference_copy else 0.0,
             # ids and masks; the [C] float32 log-probs kept for the whole batch (old, reference)
             "rollouts": rollout_rows * (T * 8 * 2 + C * 4 * m.logprobs_kept)}
 
@@ -190,14 +183,20 @@ def _micro_batch(a: Architecture, m: MemorySettings, d: Dtypes, trainable: list[
     return parts
 
 
-def _optimizer_step(m: MemorySettings, d: Dtypes, trainable: list[int]) -> dict:
-    """The optimizer step's temporaries: torch AdamW runs fused (in place); bitsandbytes' CPU kernel works on
-    float32 copies of a slice's states, gradient and denominator (about six at once), its CUDA kernel in place.
-    bf16 weights add a slice's float32 weight, gradient and rounding noise (torch AdamW: weight, gradient, two
-    temporaries)."""
+def _optimizer(m: MemorySettings, d: Dtypes, trainable: list[int]) -> dict:
+    """The optimizer's states (8-bit ones for bitsandbytes' big tensors), and its step's temporaries: torch AdamW
+    runs fused (in place); bitsandbytes' CPU kernel works on float32 copies of a slice's states, gradient and
+    denominator (about six at once), its CUDA kernel in place. bf16 weights add a slice's float32 weight, gradient
+    and rounding noise (torch AdamW: weight, gradient, two temporaries)."""
+    if m.optim == "adamw":
+        states = 8 * sum(trainable)
+    else:
+        big = sum(n for n in trainable if n >= BNB_8BIT_MIN_SIZE)
+        states = 2 * big * (1 + 4 / BNB_BLOCK) + 8 * (sum(trainable) - big)
     on_cpu_8bit = m.optim != "adamw" and d.device != "cuda"
     float32_slices = (4 if m.optim == "adamw" else 3) if d.bf16_trained else 0
-    return {"optimizer step temporaries": (6 * on_cpu_8bit + float32_slices) * 4 * min(max(trainable), BNB_CPU_SLICE)}
+    return {"optimizer states": states,
+            "optimizer step temporaries": (6 * on_cpu_8bit + float32_slices) * 4 * min(max(trainable), BNB_CPU_SLICE)}
 
 
 def layer_activations(a: Architecture, m: MemorySettings, d: Dtypes) -> float:
@@ -224,13 +223,6 @@ def layer_activations(a: Architecture, m: MemorySettings, d: Dtypes) -> float:
         lora += c * sum(dict((sh[0] if n not in ("o_proj", "down_proj") else n, sh[0])
                              for n, sh in shapes.items()).values())
     return norms + attention + 3 * c * I + lora  # MLP: gate (silu's input), silu(gate), up
-
-
-def optimizer_bytes(tensors: list[int], optim: str) -> float:
-    if optim == "adamw":
-        return 8 * sum(tensors)
-    big = sum(n for n in tensors if n >= BNB_8BIT_MIN_SIZE)
-    return 2 * big * (1 + 4 / BNB_BLOCK) + 8 * (sum(tensors) - big)
 
 
 def sampling_weight_bytes(a: Architecture, m: MemorySettings, d: Dtypes) -> float:

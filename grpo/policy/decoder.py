@@ -6,10 +6,7 @@ per step, peft's wrappers, rotary embeddings copied per tensor, keys and values 
 the attention interface dispatched per layer. Here each layer runs two RMSNorms, one `mm` per linear on the weight
 the module holds (policy/folding stores the folded weights transposed, the layout a product with few rows reads
 fastest), the rotary product, and attention of each key/value head's group of queries over the preallocated cache
-(rollout/engines/kv_cache) as one `scaled_dot_product_attention` call, reading the keys once per group.
-
-Any other family, a layer that is not a plain linear (an unfolded adapter outside `bf16`, 4-bit, sharded), or a
-layer with extras (sliding windows, q/k norms) keeps transformers' forward (`fused_decoder` returns None)."""
+(rollout/engines/kv_cache) as one `scaled_dot_product_attention` call, reading the keys once per group."""
 from __future__ import annotations
 
 import torch
@@ -57,35 +54,21 @@ def _products(q, k, v, o, gate, up, down) -> tuple:
     return lambda h: (fq(h), fk(h), fv(h)), fo, lambda h: (fg(h), fu(h)), fd
 
 
-def _int8_products(q, k, v, o, gate, up, down) -> tuple:
-    """`_products` on int8 copies (policy/int8), q/k/v and gate/up each stacked into one product."""
-    return Int8Linear([q, k, v]).split, Int8Linear([o]), Int8Linear([gate, up]).split, Int8Linear([down])
-
-
-def _layer_linears(layer, adapters: bool) -> list | None:
-    attn, mlp = layer.self_attn, layer.mlp
-    names = [(attn, "q_proj"), (attn, "k_proj"), (attn, "v_proj"), (attn, "o_proj"), (mlp, "gate_proj"),
-             (mlp, "up_proj"), (mlp, "down_proj")]
-    linears = [_plain(getattr(owner, name, None), adapters) for owner, name in names]
-    return None if any(m is None for m in linears) else linears
-
-
 def fused_decoder(body, cache, int8: bool = False, bf16: bool = False) -> FusedDecoder | None:
     """A `FusedDecoder` for the decoder `body` (a transformers base model) writing `cache`'s preallocated layers,
-    or None where `body` is not one it computes exactly or its weights are not float32 (`bf16`: or bf16) on a CPU
-    (elsewhere the copies would cost memory the plan does not hold). The weights are read as the modules hold
-    them now, so a decode within policy/folding's `sampling_weights` runs on the folded ones. `int8`
-    (Config.int8_sampling_weights): its linears run on int8 copies of their weights (policy/int8), q/k/v and
-    gate/up each stacked into one product. `bf16` (the precision plan's bf16 sampling on a CPU): on the bf16 base
-    as it is, a LoRA adapter added by its own low-rank product rather than folded (a fold into bf16 would round
-    away the updates smaller than 1/512 of a weight)."""
+    or None, keeping transformers' forward, where `body` is not one it computes exactly (another family, a layer
+    that is not a plain linear: an unfolded adapter outside `bf16`, 4-bit, sharded; sliding windows, q/k norms) or
+    its weights are not float32 (`bf16`: or bf16) on a CPU (elsewhere the copies would cost memory the plan does
+    not hold). The weights are read as the modules hold them now (within policy/folding's `sampling_weights`: the
+    folded ones). `int8` (Config.int8_sampling_weights): on int8 copies (policy/int8). `bf16` (the precision plan's
+    bf16 sampling on a CPU): on the bf16 base as it is, a LoRA adapter added by its own low-rank product rather
+    than folded (a fold into bf16 would round away the updates smaller than 1/512 of a weight)."""
     layers = getattr(body, "layers", None)
     weight = next(body.parameters(), None)  # float32 on a CPU: what the fused copies are counted for (memory/)
     dtypes = (torch.float32, torch.bfloat16) if bf16 else (torch.float32,)
     if (layers is None or weight is None or weight.device.type != "cpu" or weight.dtype not in dtypes
-            or not all(hasattr(body, a) for a in ("embed_tokens", "norm", "rotary_emb"))):
-        return None
-    if len(cache.layers) != len(layers) or type(body.norm).__name__ not in NORMS:
+            or not all(hasattr(body, a) for a in ("embed_tokens", "norm", "rotary_emb"))
+            or len(cache.layers) != len(layers) or type(body.norm).__name__ not in NORMS):
         return None
     plan = []
     for layer in layers:
@@ -95,8 +78,9 @@ def fused_decoder(body, cache, int8: bool = False, bf16: bool = False) -> FusedD
                 or type(layer.post_attention_layernorm).__name__ not in NORMS
                 or attn.scaling != attn.head_dim ** -0.5):
             return None
-        linears = _layer_linears(layer, bf16)
-        if linears is None:
+        linears = [_plain(getattr(attn, name, None), bf16) for name in ("q_proj", "k_proj", "v_proj", "o_proj")]
+        linears += [_plain(getattr(layer.mlp, name, None), bf16) for name in ("gate_proj", "up_proj", "down_proj")]
+        if any(m is None for m in linears):
             return None
         plan.append(linears)
     return FusedDecoder(body, cache, plan, int8)
@@ -118,7 +102,11 @@ class FusedDecoder:
         for layer, (q, k, v, o, gate, up, down) in zip(body.layers, plan):
             norms = [(n.weight.detach(), n.variance_epsilon)
                      for n in (layer.input_layernorm, layer.post_attention_layernorm)]
-            products = _int8_products(q, k, v, o, gate, up, down) if int8 else _products(q, k, v, o, gate, up, down)
+            if int8:  # int8 copies (policy/int8), q/k/v and gate/up each stacked into one product
+                products = (Int8Linear([q, k, v]).split, Int8Linear([o]), Int8Linear([gate, up]).split,
+                            Int8Linear([down]))
+            else:
+                products = _products(q, k, v, o, gate, up, down)
             self.layers.append((norms, products, layer.mlp.act_fn))
 
     @staticmethod

@@ -9,10 +9,9 @@ never written, so the reference (the adapter switched off) stays bit for bit wha
 where that is exact enough: float32 base weights (a bf16 sum would round away an update smaller than 1/256 of
 the weight), plain torch linears, vanilla LoRA with one active adapter (`plain_lora`).
 
-Packing: the body's linears are not packed: at a decoding step's 16-64 rows torch's matmul is as fast as oneDNN's
-on a packed weight, and oneDNN's conversions around every call cost a tenth of the step (docs/benchmarks.md). The
-LM head's product, one call per step over a [V, H] weight, is still faster packed (float32 results); its packed
-copy lives only during the decode."""
+Packing: only the LM head's product, one call per step over a [V, H] weight, is faster packed (float32 results;
+the body's linears are not, at a decoding step's rows: docs/benchmarks.md); its packed copy lives only during the
+decode."""
 from __future__ import annotations
 
 import contextlib
@@ -26,10 +25,10 @@ from .int8 import int8_copy
 def foldable_layers(model) -> list:
     """The peft LoRA layers of `model` that `sampling_weights` folds; empty when any LoRA layer cannot be
     folded exactly enough (then none is: one rule for the whole decode)."""
-    layers = _lora_layers(model)
-    if not all(plain_lora(layer) and _plain_float32(layer.get_base_layer().weight) for layer in layers):
-        return []
-    return layers
+    # A model with LoRA layers has imported peft; without them, importing it here would only add to the RSS.
+    lora = sys.modules.get("peft.tuners.lora")
+    layers = [] if lora is None else [m for m in model.modules() if isinstance(m, lora.LoraLayer)]
+    return layers if all(plain_lora(m) and _plain_float32(m.get_base_layer().weight) for m in layers) else []
 
 
 def plain_lora(layer) -> bool:
@@ -41,20 +40,8 @@ def plain_lora(layer) -> bool:
                 or getattr(layer, "lora_bias", {}).get(names[0], False))
 
 
-def _lora_layers(model) -> list:
-    # A model with LoRA layers has imported peft; without them, importing it here would only add to the RSS.
-    lora = sys.modules.get("peft.tuners.lora")
-    return [] if lora is None else [m for m in model.modules() if isinstance(m, lora.LoraLayer)]
-
-
 def _plain_float32(weight: torch.Tensor) -> bool:
     return type(weight.data) is torch.Tensor and weight.dtype == torch.float32
-
-
-def packable(linear: torch.nn.Module) -> bool:
-    """A plain float32 torch linear on a CPU whose torch build has oneDNN."""
-    return (type(linear) is torch.nn.Linear and _plain_float32(linear.weight) and linear.weight.device.type == "cpu"
-            and torch.backends.mkldnn.is_available())
 
 
 def _packed_forward(weight: torch.Tensor, bias: torch.Tensor | None):
@@ -85,9 +72,11 @@ def sampling_weights(model, int8: bool = False):
                 layer.merged_adapters = [name]  # peft's forward: the base layer alone
                 swapped.append((layer, base.weight))
                 base.weight = torch.nn.Parameter(folded, requires_grad=False)
-            # The head's [V, H] product is a fifth of a SmolLM2 decoding step: packed, used by the decode.
+            # The head's [V, H] product is a fifth of a SmolLM2 decoding step: packed (a plain float32 torch linear
+            # on a CPU whose torch build has oneDNN), used by the decode.
             head_matmul = None
-            if head is not None and packable(head):
+            if (type(head) is torch.nn.Linear and _plain_float32(head.weight) and head.weight.device.type == "cpu"
+                    and torch.backends.mkldnn.is_available()):
                 head_matmul = int8_copy(head) if int8 else _packed_forward(head.weight, head.bias)
         yield head_matmul
     finally:

@@ -3,12 +3,13 @@ through the DDP / FSDP wrapper, the run's autocast (policy/precision.py) and the
 policy. Sampling with it is rollout/engines/sampling.py's."""
 from __future__ import annotations
 
+import copy
 import sys
 
 import torch
 
-from .models import (check_logprobs_match_forward, completion_logprobs, device_of, float32_head, make_reference,
-                     reference_context, unwrap)
+from .models import (check_logprobs_match_forward, completion_logprobs, device_of, float32_head, reference_context,
+                     unwrap)
 from .parallel import ParallelPolicy
 from .precision import Precision
 from .prefix import CacheDropped, check_shared_prompt_forward, refusal, shared_prompt_logprobs
@@ -21,9 +22,11 @@ class Policy:
 
     def __init__(self, model, settings, world_size: int, precision: Precision, *, is_main: bool):
         self.model, self.settings, self.precision, self.is_main = model, settings, precision, is_main
-        self.reference = make_reference(model, settings.reference, precision.reference_dtype)
-        if self.reference is not None and settings.cast_lm_head_to_fp32:
-            float32_head(self.reference)
+        self.reference = None  # the adapter-disabled policy serves (LoRA), or no reference is needed (beta == 0)
+        if settings.reference == "copy":  # full fine-tuning's frozen copy (settings/choices.reference_kind)
+            self.reference = copy.deepcopy(unwrap(model)).eval().requires_grad_(False).to(precision.reference_dtype)
+            if settings.cast_lm_head_to_fp32:
+                float32_head(self.reference)
         # Before the optimizer exists: FSDP replaces the parameters by their shards.
         self.parallel = ParallelPolicy(model, world_size, fsdp=settings.fsdp, bf16=precision.bf16)
         self.device = device_of(model)

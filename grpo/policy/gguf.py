@@ -22,10 +22,6 @@ OFFLINE_MODELS = {
 _announced: set[Path] = set()  # folders already named on stderr by this process
 
 
-def cache_root() -> Path:
-    return Path(os.environ.get("GRPO_CACHE") or Path.home() / ".cache" / "grpo") / "gguf"
-
-
 def packaged_gguf(name: str) -> Path:
     """The GGUF file of the short name `name`, from its installed wheel; a ConfigError saying how to get it."""
     package, filename, hub_id = OFFLINE_MODELS[name]
@@ -56,16 +52,12 @@ def resolve_model_path(name_or_path: str) -> str:
     return name_or_path
 
 
-def cached_folder(gguf_path: Path, cache: Path | None = None) -> Path:
-    stat = gguf_path.stat()
-    key = hashlib.sha256(f"{gguf_path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:12]
-    return (cache or cache_root()) / f"{gguf_path.stem}-{key}"
-
-
 def convert_gguf(gguf_path: Path, cache: Path | None = None, quiet: bool = False) -> Path:
     """The float32 folder converted from `gguf_path`, made on first use (atomic: never half-written)."""
-    gguf_path = Path(gguf_path)
-    target = cached_folder(gguf_path, cache)
+    gguf_path, stat = Path(gguf_path), Path(gguf_path).stat()
+    key = hashlib.sha256(f"{gguf_path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    root = cache or Path(os.environ.get("GRPO_CACHE") or Path.home() / ".cache" / "grpo") / "gguf"
+    target = root / f"{gguf_path.stem}-{key}"
     if (target / "config.json").exists():
         if not quiet and target not in _announced:
             print(f"grpo: model {gguf_path.name} -> {target} (converted earlier)", file=sys.stderr)

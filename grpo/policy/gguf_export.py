@@ -51,11 +51,6 @@ def check_exportable(config) -> None:
         raise ConfigError(f"GGUF export does not write rope scaling ({rope_type!r}): {CONVERT}")
 
 
-def rope_theta(config) -> float:
-    params = getattr(config, "rope_parameters", None) or {}
-    return float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
-
-
 def llama_permute(w: torch.Tensor, heads: int) -> torch.Tensor:
     """llama.cpp's order of a query / key projection's rows [heads * head_dim, in]: each head's two rotary
     halves interleaved (transformers' GGUF loader undoes it)."""
@@ -109,15 +104,6 @@ def encoded(gguf, w: torch.Tensor, qtype):
     return gguf.quants.quantize(array, qtype), qtype
 
 
-def rounded_like_gguf(w: torch.Tensor, type_name: str) -> torch.Tensor:
-    """`w` [out, in] as it reads back from a GGUF of `type_name` (tests compare against this)."""
-    gguf = gguf_module()
-    qtype = tensor_type(gguf, w, getattr(gguf.GGMLQuantizationType, GGUF_TYPES[type_name][0]))
-    data, raw = encoded(gguf, w.detach().to("cpu", torch.float32), qtype)
-    values = gguf.quants.dequantize(data, raw) if raw is not None else data.astype("float32")
-    return torch.from_numpy(values.reshape(w.shape).copy()).to(w.dtype)
-
-
 def write_gguf(model, tokenizer, path: Path, type_name: str = "f16", source_gguf: Path | None = None,
                name: str | None = None) -> Path:
     """Write `model` (a transformers causal LM, adapters already merged) and its tokenizer to `path` (written
@@ -158,7 +144,7 @@ def finish(writer) -> None:
 
 
 def write_metadata(writer, gguf, config, arch: str, name: str | None, file_type) -> None:
-    heads = config.num_attention_heads
+    heads, rope = config.num_attention_heads, getattr(config, "rope_parameters", None) or {}
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     writer.add_name(name or config.model_type)
     writer.add_context_length(config.max_position_embeddings)
@@ -167,7 +153,7 @@ def write_metadata(writer, gguf, config, arch: str, name: str | None, file_type)
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(heads)
     writer.add_head_count_kv(getattr(config, "num_key_value_heads", None) or heads)
-    writer.add_rope_freq_base(rope_theta(config))
+    writer.add_rope_freq_base(float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))))
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(config.vocab_size)
     writer.add_rope_dimension_count(head_dim)
@@ -186,26 +172,6 @@ def copy_tokenizer(writer, gguf, source: Path) -> None:
         writer.add_key_value(key, field.contents(), kind, sub)
 
 
-def tokenizer_fields(tokenizer, vocab_size: int) -> dict:
-    """What a GGUF says of a byte-level BPE tokenizer: its tokens by id (padded to the model's vocabulary),
-    their types, the merges, the special ids and whether a BOS is added."""
-    spec = json.loads(tokenizer.backend_tokenizer.to_str()) if hasattr(tokenizer, "backend_tokenizer") else {}
-    model = spec.get("model", {})
-    if model.get("type") != "BPE" or not is_byte_level(spec):
-        raise ConfigError(f"GGUF export writes byte-level BPE tokenizers; this one is {model.get('type')!r}: "
-                          f"{CONVERT}")
-    by_id = {i: t for t, i in tokenizer.get_vocab().items()}
-    size = max(vocab_size, max(by_id) + 1)
-    tokens = [by_id.get(i, f"[PAD{i}]") for i in range(size)]
-    special = {a["content"]: a.get("special", False) for a in spec.get("added_tokens", [])}
-    types = [NORMAL if t not in special else CONTROL if special[t] else USER_DEFINED for t in tokens]
-    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
-    with_bos = tokenizer.bos_token_id is not None and tokenizer("a")["input_ids"][:1] == [tokenizer.bos_token_id]
-    return {"tokens": tokens, "types": types, "merges": merges, "bos": tokenizer.bos_token_id,
-            "eos": tokenizer.eos_token_id, "pad": tokenizer.pad_token_id, "add_bos": with_bos,
-            "chat_template": tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else None}
-
-
 def is_byte_level(spec: dict) -> bool:
     def named(part):
         if not part:
@@ -216,22 +182,33 @@ def is_byte_level(spec: dict) -> bool:
 
 
 def write_tokenizer(writer, tokenizer, pre: str, vocab_size: int) -> None:
-    fields = tokenizer_fields(tokenizer, vocab_size)
+    """A byte-level BPE tokenizer as a GGUF says it: its tokens by id (padded to the model's vocabulary), their
+    types, the merges, the special ids, whether a BOS is added, the chat template."""
+    spec = json.loads(tokenizer.backend_tokenizer.to_str()) if hasattr(tokenizer, "backend_tokenizer") else {}
+    model = spec.get("model", {})
+    if model.get("type") != "BPE" or not is_byte_level(spec):
+        raise ConfigError(f"GGUF export writes byte-level BPE tokenizers; this one is {model.get('type')!r}: "
+                          f"{CONVERT}")
+    by_id = {i: t for t, i in tokenizer.get_vocab().items()}
+    tokens = [by_id.get(i, f"[PAD{i}]") for i in range(max(vocab_size, max(by_id) + 1))]
+    special = {a["content"]: a.get("special", False) for a in spec.get("added_tokens", [])}
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
+    bos = tokenizer.bos_token_id
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre(pre)
-    writer.add_token_list(fields["tokens"])
-    writer.add_token_types(fields["types"])
-    if fields["merges"]:
-        writer.add_token_merges(fields["merges"])
+    writer.add_token_list(tokens)
+    writer.add_token_types([NORMAL if t not in special else CONTROL if special[t] else USER_DEFINED for t in tokens])
+    if merges:
+        writer.add_token_merges(merges)
     else:  # transformers' loader then derives merges from the scores (none here: every token is one symbol)
-        writer.add_token_scores([0.0] * len(fields["tokens"]))
-    for key, add in (("bos", writer.add_bos_token_id), ("eos", writer.add_eos_token_id),
-                     ("pad", writer.add_pad_token_id)):
-        if fields[key] is not None:
-            add(fields[key])
-    writer.add_add_bos_token(fields["add_bos"])
-    if fields["chat_template"]:
-        writer.add_chat_template(fields["chat_template"])
+        writer.add_token_scores([0.0] * len(tokens))
+    for add, token_id in ((writer.add_bos_token_id, bos), (writer.add_eos_token_id, tokenizer.eos_token_id),
+                          (writer.add_pad_token_id, tokenizer.pad_token_id)):
+        if token_id is not None:
+            add(token_id)
+    writer.add_add_bos_token(bos is not None and tokenizer("a")["input_ids"][:1] == [bos])
+    if isinstance(tokenizer.chat_template, str) and tokenizer.chat_template:
+        writer.add_chat_template(tokenizer.chat_template)
 
 
 def pre_tokenizer(tokenizer, arch: str) -> str:

@@ -19,8 +19,7 @@ A multimodal model reads them from its `text_config`; AyaVision, Cohere2Vision a
 ForConditionalGeneration do not apply them. MiniCPM (v1, remote code) divides the hidden states by
 `hidden_size / dim_model_base`; Inkling drops the logits past `unpadded_vocab_size`, which is refused. A config
 that declares a logit transform not in this table is refused (ConfigError) rather than trained on wrong
-log-probs; the start-up check (models.check_logprobs_match_forward) catches a forward that does anything else.
-"""
+log-probs; the start-up check (models.check_logprobs_match_forward) catches a forward that does anything else."""
 from __future__ import annotations
 
 import re
@@ -110,22 +109,19 @@ def positions(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
 
 
-def next_token_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, logit_scale: float = 1.0,
-                      softcap: float | None = None, matmul=None) -> torch.Tensor:
-    """float32 logits [N, V] of the last hidden states [N, H] under an LM head [V, H], transformed as the
-    log-probs do. `matmul(hidden)`, when given, is the head's product with its bias (policy/folding)."""
-    if matmul is not None:
-        logits = matmul(hidden.to(weight.dtype)).float()  # [N, V]
-    else:
-        logits = torch.mm(weight, hidden.to(weight.dtype).T).T.contiguous().float()  # [N, V]; W @ h.T: faster
-        if bias is not None:
-            logits += bias  # [N, V]
-    return transform_logits_(logits, logit_scale, softcap)  # [N, V]
-
-
 def head_logits(hf_model, matmul=None):
     """`hidden [N, H] -> logits [N, V]` (float32) as `hf_model`'s forward makes them from its last hidden
-    states: its LM head (or `matmul`, the head's product on a packed copy of its weight) and `head_transform`."""
+    states: its LM head (or `matmul`, the head's product with its bias on a packed copy of its weight,
+    policy/folding) and `head_transform`, as the log-probs do."""
     head, transform = hf_model.get_output_embeddings(), head_transform(hf_model.config)
-    return lambda hidden: next_token_logits(hidden, head.weight, head.bias, transform.scale, transform.softcap,
-                                            matmul)
+
+    def logits_of(hidden: torch.Tensor) -> torch.Tensor:
+        weight = head.weight  # read at each call: FSDP swaps the parameter when it gathers it
+        if matmul is not None:
+            logits = matmul(hidden.to(weight.dtype)).float()  # [N, V]
+        else:
+            logits = torch.mm(weight, hidden.to(weight.dtype).T).T.contiguous().float()  # [N, V]; W @ h.T: faster
+            if head.bias is not None:
+                logits += head.bias  # [N, V]
+        return transform_logits_(logits, transform.scale, transform.softcap)  # [N, V]
+    return logits_of

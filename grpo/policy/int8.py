@@ -1,16 +1,13 @@
 """Int8 copies of linear weights for sampling on a CPU (Config.int8_sampling_weights): each output channel
 quantized to int8 with its own scale (symmetric, 127 steps each side), packed for fbgemm's int8 GEMM. On AVX2's
 integer instructions a decoding step's 16-64 rows then multiply 1.5-4x faster than in float32, where such a step
-is compute-bound (docs/benchmarks.md, "Decoding at the speed of memory").
+is compute-bound (docs/benchmarks.md, "Decoding at the speed of memory", which also measures the accuracy).
 
-fbgemm quantizes the activations itself, per call (`quantized::linear_dynamic`), to 7 bits and a sign
-(`reduce_range`) with one scale for all the rows. Both are too coarse here: a row's result would depend on the
-other rows of the batch (a seed would not sample the same whatever the batch plan), and 7 bits lose a small
-model's activations (SmolLM2-135M: 3-12% error per product). So each row is divided by its own largest
-magnitude, rounded to the 127-step grid of [-1, 1] and its remainder rounded again to that grid, the two passes
-stacked as rows of one product (about 14 bits), with a guard row [1, -1, 0, ..] that pins every call's range to
-[-1, 1]: fbgemm then reads every value exactly, each row's output is the same whatever the batch, and the
-weights' 8 bits are what is left (0.6-1.4% per product, docs/benchmarks.md)."""
+fbgemm's own activation quantization (`quantized::linear_dynamic`: 7 bits, one scale for all the rows) would
+make a row's result depend on the other rows of the batch and lose a small model's activations. So each row is
+divided by its own largest magnitude and goes in as two passes on fbgemm's 127-step grid of [-1, 1] (about 14
+bits, `Int8Linear.__call__`), with a guard row [1, -1, 0, ..] that pins every call's range to [-1, 1]: fbgemm
+reads every value exactly and each row's output is the same whatever the batch."""
 from __future__ import annotations
 
 import weakref

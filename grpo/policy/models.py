@@ -3,8 +3,8 @@ log-probs of completions taken from hidden states (the model's full logits are n
 from __future__ import annotations
 
 import contextlib
-import copy
 import inspect
+import sys
 
 import torch
 
@@ -13,7 +13,6 @@ from ..errors import ConfigError
 from .head import head_logits, head_transform, positions
 from .lora import with_adapter
 from .precision import Precision
-from .router import load_balancing_loss
 from .sources import adapter_base, loading, model_folder, portable_name
 
 
@@ -62,40 +61,31 @@ def default_tokenizer(name: str, model):
 
 
 def load_model(settings, precision: Precision | None = None):
-    """The policy from `settings.model` (`settings`: settings/components.LoadSettings, a Config, or a model's name) on
+    """The policy from `settings.model` (`settings`: settings/components.LoadSettings or a Config) on
     `precision`'s device (default: the GPU when there is one), in its base dtype; with `load_in_4bit`, its
     decoder's linear layers are stored as 4-bit NF4 (QLoRA). `model_init_kwargs` go to from_pretrained."""
     from transformers import AutoModelForCausalLM
 
-    if isinstance(settings, str):
-        from ..settings import Config
-
-        settings = Config(model=settings)
     precision = precision or Precision.plan(settings.bf16, settings.use_lora, bf16_weights=settings.bf16_weights)
     device, dtype = precision.device_type, precision.base_dtype
     name = model_folder(settings.model)
     kwargs = {k: v for k, v in (settings.model_init_kwargs or {}).items() if k != "dtype"}  # trl_names.bf16_of_dtype
-    if not settings.load_in_4bit:
-        with loading(name):
-            model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, **kwargs).to(device)
-        return named(model, settings.model)
-    from transformers import BitsAndBytesConfig
+    quantized = {}
+    if settings.load_in_4bit:
+        from transformers import BitsAndBytesConfig
 
-    # Embeddings, norms and the LM head stay in `dtype` (bf16 under bf16); peft's prepare_model_for_kbit_training
-    # is skipped on purpose: it would upcast them to float32, and non-reentrant checkpointing needs no input grads.
-    quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype)
+        # Embeddings, norms and the LM head stay in `dtype` (bf16 under bf16); peft's prepare_model_for_kbit_training
+        # is skipped on purpose: it would upcast them to float32, and non-reentrant checkpointing needs no input grads.
+        nf4 = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype)
+        quantized = {"quantization_config": nf4, "device_map": {"": device}}
     with loading(name):
-        model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, quantization_config=quantization,
-                                                     device_map={"": device}, **kwargs)
-    keep_4bit_layout(model)  # grpo.eval loads through here too: the same numbers as evaluation during training
-    return named(model, settings.model)
-
-
-def named(model, name: str):
-    """`model`, loaded for Config.model `name`, named as a saved LoRA adapter records its base (`adapter_base`)
-    and as peft's model card of it says (`portable_name`: never a path of this machine)."""
-    model.name_or_path = adapter_base(name)
-    model.config._name_or_path = portable_name(name)
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, **quantized, **kwargs)
+    if settings.load_in_4bit:
+        keep_4bit_layout(model)  # grpo.eval loads through here too: the same numbers as evaluation during training
+    else:
+        model = model.to(device)
+    model.name_or_path = adapter_base(settings.model)  # what a saved LoRA adapter records as its base
+    model.config._name_or_path = portable_name(settings.model)  # what peft's model card says: never a local path
     return model
 
 
@@ -115,9 +105,8 @@ def keep_4bit_layout(model) -> None:
 
 
 def prepare_for_training(model, config, world_size: int = 1):
-    """The model to train, as `config` (settings/components.LoadSettings, or a Config) says: bf16 weights, gradient
-    checkpointing, a float32 LM head, LoRA adapters (policy/lora.py), then no dropout (after LoRA: its lora_dropout
-    too)."""
+    """The model to train, as `config` (settings/components.LoadSettings, or a Config) says; dropout off after
+    LoRA (policy/lora.py), so its lora_dropout too."""
     keep_4bit_layout(model)  # a 4-bit model passed in, too
     if config.bf16_weights:  # a model built or passed in float32, as load_model would have loaded it
         model = model.to(torch.bfloat16)
@@ -135,8 +124,10 @@ def prepare_for_training(model, config, world_size: int = 1):
         sparse_tied_embedding_gradient(model)
     if config.use_lora:
         model = with_adapter(model, config)  # a PeftModel passed in keeps its own
-    if config.disable_dropout:
-        disable_dropout(model)
+    if config.disable_dropout:  # TRL's: p = 0 in every nn.Dropout (a rate an attention kernel takes is no module)
+        for module in model.modules():
+            if isinstance(module, torch.nn.Dropout):
+                module.p = 0.0
     model.train()
     return model
 
@@ -150,15 +141,6 @@ def float32_head(model) -> None:
     head.float().register_forward_pre_hook(lambda module, args: tuple(a.float() for a in args))
     if embedding.weight is head.weight and dtype != torch.float32:
         embedding.register_forward_hook(lambda module, args, output: output.to(dtype))
-
-
-def disable_dropout(model) -> None:
-    """p = 0 in every torch.nn.Dropout of `model`, as TRL's disable_dropout does: train-mode forwards become
-    deterministic. A dropout rate an attention kernel takes as a number (Qwen2's attention_dropout, 0 in released
-    checkpoints) is no module, and is left as it is, as in TRL."""
-    for module in model.modules():
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
 
 
 def sparse_tied_embedding_gradient(model) -> None:
@@ -184,19 +166,9 @@ def context_length(model) -> int | None:
     return getattr(text, "max_position_embeddings", None)
 
 
-def make_reference(model, reference: str, dtype: torch.dtype = torch.float32):
-    """A frozen copy for full fine-tuning (`reference` "copy": settings/choices.reference_kind), in `dtype`; None when
-    the adapter-disabled policy serves (LoRA) or no reference is needed (beta == 0)."""
-    if reference != "copy":
-        return None
-    return copy.deepcopy(unwrap(model)).eval().requires_grad_(False).to(dtype)
-
-
 def reference_context(model, reference):
     """Where the reference forward runs: the separate copy, or the policy with its adapter off."""
-    if reference is not None:
-        return reference, contextlib.nullcontext()
-    return model, model.disable_adapter()
+    return (reference, contextlib.nullcontext()) if reference is not None else (model, model.disable_adapter())
 
 
 def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int, *,
@@ -219,7 +191,9 @@ def completion_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Te
                             softcap=transform.softcap)
     if not router_aux:
         return result
-    aux = load_balancing_loss(hf, out.router_logits, attention_mask)
+    # the family's loss over the real tokens, what its causal LM returns as `aux_loss` (router logits [N*T, E] a layer)
+    aux = sys.modules[type(hf).__module__].load_balancing_loss_func(out.router_logits, hf.num_experts,
+                                                                    hf.num_experts_per_tok, attention_mask)
     return (*result, aux) if return_entropy else (result, aux)
 
 
@@ -248,10 +222,9 @@ def check_logprobs_match_forward(model, input_ids: torch.Tensor, attention_mask:
                                  temperature: float, chunk_size: int, rows: int = 2, tokens: int = 16,
                                  agree=lambda excess: excess) -> float:
     """The start-up check: log-probs of the first `tokens` completion tokens of `rows` sequences, and the sampling
-    logits there, against the model's own `log_softmax(model(...).logits / temperature)`. A mismatch means this
-    family's forward does something to its logits that policy/head does not know: ConfigError. `agree` makes
-    this rank's error / tolerance the largest over ranks, so that all ranks stop together. Runs in eval mode and
-    without autocast; returns the largest difference."""
+    logits there, against the model's own `log_softmax(model(...).logits / temperature)`; the largest difference.
+    A mismatch means this family's forward does something to its logits that policy/head does not know:
+    ConfigError. `agree` makes this rank's error / tolerance the largest over ranks: all ranks stop together."""
     hf = unwrap(model)
     ids, mask = input_ids[:rows, :prompt_length + tokens], attention_mask[:rows, :prompt_length + tokens]  # [r, P+k]
     if ids.shape[1] == prompt_length:

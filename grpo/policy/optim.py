@@ -126,24 +126,6 @@ def rescheduled(saved_total: int, total_steps: int, step: int, lr: float, warmup
             f"on (lr {now:.3g} for step {step + 1})")
 
 
-def optimizer_step(params, optimizer, scheduler, max_grad_norm: float, loss: float) -> tuple[dict, bool]:
-    """Clip the accumulated gradients of `params` (0: no clipping), step the optimizer unless the loss or the
-    gradient norm is NaN/inf (so the weights stay finite), then advance the schedule and free the gradients.
-    Returns the `learning_rate` and `grad_norm` metrics, and whether the update was applied."""
-    if all(p.grad is None for p in params):  # every row's gradient was exactly 0 and skipped (rollout/batches)
-        for p in params:  # step as on the zero gradient it stands for: momentum, weight decay, step count go on
-            p.grad = torch.zeros_like(p)
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm > 0 else math.inf).item()
-    # The rate this update uses (the schedule's last one is the saved run's after a resume that changed it).
-    metrics = {"learning_rate": optimizer.param_groups[0]["lr"], "grad_norm": grad_norm}
-    applied = math.isfinite(loss) and math.isfinite(grad_norm)
-    if applied:
-        optimizer.step()
-    scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
-    return metrics, applied
-
-
 class Updates:
     """The optimizer over `params`' trainable tensors and its learning-rate schedule over `total_steps`, as `s`
     (settings/components.OptimSettings) says, applying the accumulated gradients once per step. A NaN/inf loss or
@@ -160,12 +142,25 @@ class Updates:
         self.nonfinite = (0, 0)
 
     def apply(self, loss: float, step: int) -> dict:
-        """Step `step`'s update (optimizer_step); returns its metrics."""
-        metrics, applied = optimizer_step(self.params, self.optimizer, self.scheduler, self.max_grad_norm, loss)
+        """Step `step`'s update of the accumulated gradients (clipped unless max_grad_norm is 0), the schedule
+        advanced and the gradients freed; returns its metrics."""
+        params, optimizer = self.params, self.optimizer
+        if all(p.grad is None for p in params):  # every row's gradient was exactly 0 and skipped (rollout/batches)
+            for p in params:  # step as on the zero gradient it stands for: momentum, weight decay, step count go on
+                p.grad = torch.zeros_like(p)
+        max_norm = self.max_grad_norm if self.max_grad_norm > 0 else math.inf
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm).item()
+        # The rate this update uses (the schedule's last one is the saved run's after a resume that changed it).
+        metrics = {"learning_rate": optimizer.param_groups[0]["lr"], "grad_norm": grad_norm}
+        applied = math.isfinite(loss) and math.isfinite(grad_norm)
+        if applied:
+            optimizer.step()
+        self.scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
         streak, total = self.nonfinite
         self.nonfinite = (0, total) if applied else (streak + 1, total + 1)
         if not applied:
-            tqdm.write(f"step {step + 1}: loss {loss}, grad norm {metrics['grad_norm']}: update skipped "
+            tqdm.write(f"step {step + 1}: loss {loss}, grad norm {grad_norm}: update skipped "
                        f"({self.nonfinite[0]} in a row; stopping at {self.max_nonfinite_steps})", file=sys.stderr)
         return {**metrics, "skipped/nonfinite": float(self.nonfinite[1])}
 

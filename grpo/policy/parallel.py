@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -15,7 +16,6 @@ from torch import nn
 
 from ..errors import ConfigError
 from .models import device_of, unwrap
-from .weights import check_shapes, load_weights, read_weights
 
 
 class _Root(nn.Module):
@@ -43,7 +43,12 @@ class ParallelPolicy:
         self.layers: list[nn.Module] = []
         self.root = None
         if self.kind == "ddp":
-            self.root = _wrap_ddp(model)
+            from torch.nn.parallel import DistributedDataParallel
+
+            device = device_of(model)
+            ids = [device.index] if device.type == "cuda" else None
+            # DDP broadcasts rank 0's weights here, so every rank starts from the same (e.g. LoRA) initialization.
+            self.root = DistributedDataParallel(_Root(model), device_ids=ids, gradient_as_bucket_view=True)
         elif self.kind == "fsdp":
             self.root, self.layers = _wrap_fsdp(model, bf16)
 
@@ -89,9 +94,7 @@ class ParallelPolicy:
     def sync_gradients(self, sync: bool):
         """Context for one micro-batch's forward and backward. DDP all-reduces only on the last one (gradients
         accumulate locally before); FSDP reduce-scatters every one, so gradients stay sharded."""
-        if self.kind == "ddp" and not sync:
-            return self.root.no_sync()
-        return contextlib.nullcontext()
+        return self.root.no_sync() if self.kind == "ddp" and not sync else contextlib.nullcontext()
 
     def backward(self, loss: torch.Tensor) -> None:
         """Each rank's loss is already divided by the step's global token (or sequence) count, so the ranks'
@@ -104,9 +107,9 @@ class ParallelPolicy:
         calls it. None otherwise: the model's own state dict is whole."""
         if self.kind != "fsdp":
             return None
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        state = get_model_state_dict(self.model, options=_full_on_main())
+        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         # Gathering unties tied weights (embeddings and LM head): keep one name each, as save_pretrained does.
         first: dict[int, str] = {}
         for name, param in self.model.named_parameters(remove_duplicate=False):
@@ -118,9 +121,10 @@ class ParallelPolicy:
         """The optimizer's state dict; under FSDP gathered whole onto rank 0 (a collective; {} elsewhere)."""
         if self.kind != "fsdp":
             return optimizer.state_dict()
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-        return get_optimizer_state_dict(self.model, optimizer, options=_full_on_main())
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole, on rank 0's CPU
+        return get_optimizer_state_dict(self.model, optimizer, options=options)
 
     def load_optimizer_state(self, optimizer, state: dict) -> None:
         if self.kind != "fsdp":
@@ -130,23 +134,48 @@ class ParallelPolicy:
 
         set_optimizer_state_dict(self.model, optimizer, state, options=StateDictOptions(full_state_dict=True))
 
-    def load_weights(self, checkpoint) -> None:
-        """A checkpoint's weights into the model (each rank reads the files; FSDP keeps its shards of them)."""
-        if self.kind != "fsdp":
-            load_weights(self.model, checkpoint)
-            return
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    def load_weights(self, checkpoint: Path) -> None:
+        """A checkpoint's weights into the model, each rank reading the files: the adapter under peft, else every
+        weight (FSDP keeps its shards of them); a one-line error when they do not fit (another model, another
+        LoRA rank). Writing them is run/checkpoint.py's."""
+        from safetensors.torch import load_file
 
-        state = read_weights(checkpoint)
-        check_shapes(state, self.model.state_dict(), checkpoint)  # DTensors report their full shape
-        # Not strict: tied weights (embeddings and LM head) are saved under one name only.
-        set_model_state_dict(self.model, state, options=StateDictOptions(full_state_dict=True, strict=False))
+        if hasattr(self.model, "peft_config"):  # never sharded: fsdp is for full fine-tuning (check_settings)
+            from peft import get_peft_model_state_dict, set_peft_model_state_dict
+
+            state = load_file(checkpoint / "adapter_model.safetensors")
+            _check_shapes(state, get_peft_model_state_dict(self.model), checkpoint)
+            result = set_peft_model_state_dict(self.model, state)
+            missing = [k for k in result.missing_keys if "lora_" in k]
+        else:
+            state = {}
+            for shard in sorted(checkpoint.glob("*.safetensors")):
+                state.update(load_file(shard))
+            _check_shapes(state, self.model.state_dict(), checkpoint)  # DTensors report their full shape
+            if self.kind == "fsdp":
+                from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+                # Not strict: tied weights (embeddings and LM head) are saved under one name only.
+                set_model_state_dict(self.model, state, options=StateDictOptions(full_state_dict=True, strict=False))
+                return
+            result = self.model.load_state_dict(state, strict=False)  # tied weights: saved under one name too
+            own = self.model.state_dict()
+            loaded = {own[name].data_ptr() for name in state if name in own}
+            missing = [k for k in result.missing_keys if own[k].data_ptr() not in loaded]
+        if missing or result.unexpected_keys:
+            raise ConfigError(f"{checkpoint} does not fit this model: missing {missing[:3]}, "
+                              f"unexpected {result.unexpected_keys[:3]} (is --model the one it was trained from?)")
 
 
-def _full_on_main():
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-    return StateDictOptions(full_state_dict=True, cpu_offload=True)
+def _check_shapes(saved: dict, own: dict, checkpoint: Path) -> None:
+    """ConfigError, instead of torch's size-mismatch traceback, when the checkpoint's tensors do not fit the
+    model's (another model, or another LoRA rank): the first few, and how many in all."""
+    clashes = [f"{name} {tuple(saved[name].shape)} vs {tuple(own[name].shape)}" for name in saved
+               if name in own and saved[name].shape != own[name].shape]
+    if clashes:
+        raise ConfigError(f"{checkpoint} does not fit this model: {len(clashes)} tensors of another shape "
+                          f"(saved vs this model), e.g. {', '.join(clashes[:2])}; resume with the model it was "
+                          f"trained from (--model, or the recipe's build_model, as when it was saved)")
 
 
 def check_settings(world_size: int, fsdp: bool, optim: str, use_lora: bool) -> None:
@@ -159,15 +188,6 @@ def check_settings(world_size: int, fsdp: bool, optim: str, use_lora: bool) -> N
     if optim != "adamw":
         raise ConfigError(f'fsdp=true needs optim="adamw" (got {optim!r}): bitsandbytes\' 8-bit AdamW does not '
                           f"accept FSDP's sharded (DTensor) parameters")
-
-
-def _wrap_ddp(model) -> nn.Module:
-    from torch.nn.parallel import DistributedDataParallel
-
-    device = device_of(model)
-    # DDP broadcasts rank 0's weights here, so every rank starts from the same (e.g. LoRA) initialization.
-    return DistributedDataParallel(_Root(model), device_ids=[device.index] if device.type == "cuda" else None,
-                                   gradient_as_bucket_view=True)
 
 
 def _wrap_fsdp(model, bf16: bool) -> tuple[nn.Module, list[nn.Module]]:

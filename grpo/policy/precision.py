@@ -1,10 +1,7 @@
-"""The run's dtype plan, decided once from the device, the CPU and the `bf16` setting (`uses_bf16`), so that every
-place that casts or autocasts reads the same answer, on CUDA and on a CPU alike.
-
-`bf16=None` computes in bf16 where the hardware does bf16 arithmetic natively (`uses_bf16`), float32 on any other
-CPU, where bf16 kernels are slower. What the CPU does is asked once per process (`CpuBf16.read`); GRPO_CPU_BF16=1/0
-stands in for its answer (`ENV`). Fully trained weights stay float32 (bf16 would round away updates of lr ~1e-6)
-unless `bf16_weights`; what else runs in bf16 under the plan: docs/architecture.md."""
+"""The run's dtype plan, decided once from the device, the CPU and the `bf16` setting (`Precision.plan`), so that
+every place that casts or autocasts reads the same answer, on CUDA and on a CPU alike (docs/architecture.md#precision:
+what runs in bf16, `CpuBf16.read`, GRPO_CPU_BF16). Fully trained weights stay float32 (bf16 would round away updates
+of lr ~1e-6) unless `bf16_weights`."""
 from __future__ import annotations
 
 import contextlib
@@ -62,12 +59,24 @@ class Precision:
     def plan(cls, bf16: bool | None, use_lora: bool, device: torch.device | str | None = None,
              bf16_weights: bool = False, cpu: CpuBf16 | None = None, int8_sampling: bool = False) -> Precision:
         """The plan for `Config.bf16`, `use_lora` and `bf16_weights` on `device` (None: the one load_model uses),
-        `cpu` the CPU's answer (None: read here, where it decides). `bf16_weights` (full fine-tuning) keeps the
-        trained weights and the reference in bf16 on any device (policy/rounding.py)."""
+        `cpu` the CPU's answer (None: read here, where it decides). `bf16` True or False forces bf16; None means on
+        CUDA, and on a CPU that computes bf16 natively unless int8_sampling_weights asks for float32 weights.
+        `bf16_weights` (full fine-tuning) keeps the trained weights and the reference in bf16 on any device
+        (policy/rounding.py)."""
         device_type = torch.device(device if device is not None else default_device()).type
-        if bf16 is None and device_type == "cpu" and cpu is None and not int8_sampling:
-            cpu = CpuBf16.read()  # only where it decides: a plan with bf16 set never asks the CPU
-        half, why = uses_bf16(bf16, device_type, cpu, int8_sampling)
+        if bf16 is not None:
+            half, why = bf16, f"bf16={bf16}"
+        elif device_type == "cuda":
+            half, why = True, "bf16=None and CUDA computes bf16 natively"
+        elif device_type != "cpu":
+            half, why = False, "bf16=None and bf16 on CUDA or a CPU only"
+        elif int8_sampling:
+            half, why = False, "bf16=None and int8_sampling_weights=True samples on int8 copies of float32 weights"
+        else:  # only here the CPU's answer decides: a plan with bf16 set never asks the CPU
+            cpu = cpu if cpu is not None else CpuBf16.read()
+            half = cpu.native
+            why = (f"bf16=None and this CPU computes bf16 natively ({cpu.source}); bf16=False keeps float32" if half
+                   else f"bf16=None and this CPU has no native bf16 ({cpu.source}); bf16=True forces it, slower")
         low = torch.bfloat16 if half else torch.float32
         trained_bf16 = bf16_weights and not use_lora
         base = low if use_lora else torch.bfloat16 if trained_bf16 else torch.float32
@@ -75,15 +84,15 @@ class Precision:
                    reference_dtype=torch.bfloat16 if trained_bf16 else low, why=why)
 
     @classmethod
-    def of(cls, config, device: torch.device | str | None = None, cpu: CpuBf16 | None = None) -> Precision:
+    def of(cls, config, device: torch.device | str | None = None) -> Precision:
         """The plan of a `grpo.Config` on `device` (`plan` of its settings)."""
-        return cls.plan(config.bf16, config.use_lora, device, config.bf16_weights, cpu,
-                        config.int8_sampling_weights)
+        return cls.plan(config.bf16, config.use_lora, device, config.bf16_weights,
+                        int8_sampling=config.int8_sampling_weights)
 
     @property
     def bf16_sampling(self) -> bool:
         """Whether our decode samples in bf16 (policy/decoder), its log-probs kept for TRL's correction: under
-        bf16 on a CPU (on CUDA the decode runs on the weights as they are, uncorrected, as before)."""
+        bf16 on a CPU (on CUDA the decode runs on the weights as they are, uncorrected)."""
         return self.bf16 and self.device_type == "cpu"
 
     @property
@@ -93,28 +102,9 @@ class Precision:
 
     def autocast(self):
         """bf16 autocast for the policy's and the reference's log-prob forwards (sampling runs without it)."""
-        if not self.bf16:
-            return contextlib.nullcontext()
-        return torch.autocast(device_type=self.device_type, dtype=torch.bfloat16)
+        return torch.autocast(self.device_type, dtype=torch.bfloat16) if self.bf16 else contextlib.nullcontext()
 
 
 def default_device() -> torch.device:
     """Where load_model puts the policy: this rank's GPU when there is one (distributed.setup picks it)."""
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def uses_bf16(bf16: bool | None, device_type: str, cpu: CpuBf16 | None = None,
-              int8_sampling: bool = False) -> tuple[bool, str]:
-    """Whether a run computes in bf16, and why: `bf16` True or False forces it; None means on CUDA, and on a CPU
-    that computes bf16 natively (`cpu`) unless int8_sampling_weights asks for float32 weights."""
-    if bf16 is not None:
-        return bf16, f"bf16={bf16}"
-    if device_type == "cuda":
-        return True, "bf16=None and CUDA computes bf16 natively"
-    if device_type != "cpu":
-        return False, "bf16=None and bf16 on CUDA or a CPU only"
-    if int8_sampling:
-        return False, "bf16=None and int8_sampling_weights=True samples on int8 copies of float32 weights"
-    if cpu.native:
-        return True, f"bf16=None and this CPU computes bf16 natively ({cpu.source}); bf16=False keeps float32"
-    return False, f"bf16=None and this CPU has no native bf16 ({cpu.source}); bf16=True forces it, slower"

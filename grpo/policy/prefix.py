@@ -64,6 +64,8 @@ def shared_prompt_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.T
     `refusal` accepts), as `models.completion_logprobs` on the whole rows gives them (0 on padding);
     `(logprobs, entropies)` with `return_entropy`. `pack`: run the completions as one packed row (True, where
     `packing_refusal` allows it), as padded rows (False), or whichever costs less (None): `packing.packs`."""
+    from transformers.cache_utils import DynamicCache
+
     hf = unwrap(model)
     body, head, transform = hf.base_model, hf.get_output_embeddings(), head_transform(hf.config)
     first, owner = shared_prompts(prompt_ids, prompt_mask)  # [B], [N]
@@ -75,8 +77,11 @@ def shared_prompt_logprobs(model, prompt_ids: torch.Tensor, prompt_mask: torch.T
         layout = PackedRow(hf, mask, owner, completion_ids, completion_mask, completion_positions)
     else:
         layout = PaddedRows(owner, completion_ids, attention_mask, completion_positions)
+    cache = DynamicCache(config=hf.config)  # a new one: nothing shared between forwards
+    for layer in cache.layers:  # each captures the prompt's keys and values
+        layer.__class__ = _shared_layer(type(layer))
+    argument = cache_argument(body)
     # use_cache=False: the cache given is used all the same, and checkpointed layers do not warn about it.
-    cache, argument = _fresh_cache(hf.config), cache_argument(body)
     with _cache_kept_under_checkpointing(body):
         # [B, H]: the prompt's last state (left padding ends on a real token)
         prompt_hidden = body(input_ids=ids, attention_mask=mask, position_ids=positions(mask), use_cache=False,
@@ -114,24 +119,21 @@ class PaddedRows:
         return out
 
 
-def _capturing(base):
-    class Capturing(base):
-        """Holds the keys and values of the prompt forward; a replay replaces them instead of appending."""
+@functools.cache
+def _shared_layer(base):
+    """`base` (transformers' DynamicLayer or DynamicSlidingWindowLayer) as a layer of the shared-prompt forward."""
+    class SharedPromptLayer(base):
+        """Captures the prompt forward's keys and values [B, h, P, d] (a replay replaces them instead of
+        appending). Once `_expanded` sets `reading` and `owner` (each row's prompt [N]), it returns a row's prompt
+        states with the new ones and keeps the new ones out, so that a replay sees the same states and
+        `get_mask_sizes` stays that of the prompt alone."""
+
+        reading = False
 
         def update(self, key_states, value_states, *args, **kwargs):
-            self.keys, self.values, self.is_initialized = key_states, value_states, True
-            return key_states, value_states
-
-    return Capturing
-
-
-def _reading(base):
-    class Reading(base):
-        """Holds the prompts' keys and values [B, h, P, d] and each row's prompt (`owner` [N]); returns the
-        row's prompt states with the new ones and keeps the new ones out, so that a replay sees the same states
-        and `get_mask_sizes` stays that of the prompt alone."""
-
-        def update(self, key_states, value_states, *args, **kwargs):
+            if not self.reading:
+                self.keys, self.values, self.is_initialized = key_states, value_states, True
+                return key_states, value_states
             # Expanded here, not held expanded: under checkpointing a layer's replay expands again, and only the
             # B prompts' keys and values stay alive between forward and backward.
             if self.owner is None:  # one packed row: the prompts one after another, [1, h, B*P, d]
@@ -140,44 +142,23 @@ def _reading(base):
                 keys, values = self.keys.index_select(0, self.owner), self.values.index_select(0, self.owner)  # [N]
             return torch.cat([keys, key_states], dim=-2), torch.cat([values, value_states], dim=-2)
 
-    return Reading
-
-
-@functools.cache
-def _layer_classes() -> dict:
-    """transformers' layer class -> (its capturing, its reading) subclass."""
-    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
-
-    return {base: (_capturing(base), _reading(base)) for base in (DynamicLayer, DynamicSlidingWindowLayer)}
-
-
-def _fresh_cache(config):
-    """A new cache (nothing shared between forwards) whose layers capture the prompt's keys and values: the layers
-    transformers builds for `config`, each turned into its capturing subclass."""
-    from transformers.cache_utils import DynamicCache
-
-    cache = DynamicCache(config=config)
-    for layer in cache.layers:
-        layer.__class__ = _layer_classes()[type(layer)][0]
-    return cache
+    return SharedPromptLayer
 
 
 def _expanded(cache, owner: torch.Tensor | None, prompt_length: int):
     """A new cache giving each layer's prompt keys and values [B, h, P, d] to the rows [N] that share them (`owner`),
     or to one packed row (None: all prompts' tokens whole, the mask chooses among them)."""
-    readers = dict(_layer_classes().values())  # capturing -> reading
     expanded = copy.copy(cache)
     expanded.layers = []
     for layer in cache.layers:
         new = copy.copy(layer)  # its settings (a sliding window's size)
-        new.__class__ = readers[type(layer)]
         keys, values = layer.keys, layer.values  # [B, h, P, d]
         if getattr(layer, "is_sliding", False) and owner is not None:
             # What a sliding-window layer keeps after P tokens: the last W - 1, which is all the window can reach.
             start = max(keys.shape[2] - (layer.sliding_window - 1), 0)
             keys, values = keys[:, :, start:], values[:, :, start:]  # [B, h, min(P, W-1), d]
             new.cumulative_length = prompt_length
-        new.keys, new.values, new.owner = keys, values, owner  # [B, h, *, d], expanded to [N] by update
+        new.keys, new.values, new.owner, new.reading = keys, values, owner, True  # [B, h, *, d], expanded by update
         expanded.layers.append(new)
     return expanded
 

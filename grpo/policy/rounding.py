@@ -4,8 +4,7 @@ of the weight, written back to bf16 with stochastic rounding.
 bf16 keeps 8 significant bits: neighbouring values are 2^-8 to 2^-7 apart, relative. A step of lr ~1e-6
 times Adam's O(1) normalized update is far below half that spacing, so round-to-nearest writes back the
 same weight, every step: the update is lost. Stochastic rounding rounds up with probability equal to the
-distance already covered, so the expected written value is the float32 one and small steps add up.
-"""
+distance already covered, so the expected written value is the float32 one and small steps add up."""
 from __future__ import annotations
 
 import math
@@ -26,17 +25,6 @@ def stochastic_round_to_bf16(x: torch.Tensor, generator: torch.Generator | None 
     noise = torch.randint(0, _LOW_BITS, x.shape, dtype=torch.int32, device=x.device, generator=generator)
     bits = noise.add_(x.view(torch.int32)).bitwise_and_(_HIGH_MASK)  # exactly representable in bf16 now
     return bits.view(torch.float32).to(torch.bfloat16)
-
-
-def adamw_update_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-                  step: int, lr: float, betas: tuple[float, float], eps: float, weight_decay: float) -> None:
-    """One AdamW step in place on float32 tensors (torch.optim.AdamW's arithmetic); `step` counts from 1."""
-    beta1, beta2 = betas
-    param.mul_(1 - lr * weight_decay)
-    exp_avg.lerp_(grad, 1 - beta1)
-    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-    denom = (exp_avg_sq.sqrt() / math.sqrt(1 - beta2**step)).add_(eps)
-    param.addcdiv_(exp_avg, denom, value=-lr / (1 - beta1**step))
 
 
 class StochasticRoundingAdamW(torch.optim.Optimizer):
@@ -74,11 +62,16 @@ class StochasticRoundingAdamW(torch.optim.Optimizer):
         p.data = p.data.contiguous()  # a no-op for the parameters models make
         weight, grad = p.data.view(-1), grad.contiguous().view(-1)  # [n] each
         m, v = state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1)  # [n] float32
+        lr, (beta1, beta2), step = group["lr"], group["betas"], state["step"]  # step counts from 1
         for start in range(0, weight.numel(), self.slice_size):
             part = slice(start, start + self.slice_size)
-            w32 = weight[part].float()  # a copy for bf16, the weight itself for float32
-            adamw_update_(w32, grad[part].float(), m[part], v[part], state["step"], group["lr"], group["betas"],
-                          group["eps"], group["weight_decay"])
+            w32, g32 = weight[part].float(), grad[part].float()  # w32: a copy for bf16, the weight itself for float32
+            # torch.optim.AdamW's arithmetic, in place
+            w32.mul_(1 - lr * group["weight_decay"])
+            m[part].lerp_(g32, 1 - beta1)
+            v[part].mul_(beta2).addcmul_(g32, g32, value=1 - beta2)
+            denom = (v[part].sqrt() / math.sqrt(1 - beta2**step)).add_(group["eps"])
+            w32.addcdiv_(m[part], denom, value=-lr / (1 - beta1**step))
             if weight.dtype == torch.bfloat16:
                 weight[part].copy_(stochastic_round_to_bf16(w32))
 

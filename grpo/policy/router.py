@@ -1,12 +1,11 @@
 """A mixture-of-experts model's router load-balancing loss, as TRL 1.16 adds it to the GRPO loss: on when the
 model's config has `output_router_logits` and the weight (`router_aux_coef`) is not 0. The loss itself is the
-family's `load_balancing_loss_func` (the `aux_loss` its causal LM returns), over the whole rows."""
+family's `load_balancing_loss_func` (the `aux_loss` its causal LM returns), over the whole rows
+(models.completion_logprobs)."""
 from __future__ import annotations
 
 import math
 import sys
-
-import torch
 
 from ..errors import ConfigError
 
@@ -28,11 +27,3 @@ def router_aux_coef(hf_model, setting: float | None) -> float:
         raise ConfigError(f"{type(hf_model).__name__} has no load-balancing loss in transformers: set "
                           "router_aux_loss_coef=0")
     return coef
-
-
-def load_balancing_loss(hf_model, router_logits: tuple, attention_mask: torch.Tensor) -> torch.Tensor:
-    """The family's load-balancing loss (a scalar, with grad) of the router logits (one [N * T, E] per layer)
-    over the real tokens of `attention_mask` [N, T]: what the family's causal LM returns as `aux_loss`."""
-    family = sys.modules[type(hf_model).__module__]
-    return family.load_balancing_loss_func(router_logits, hf_model.num_experts, hf_model.num_experts_per_tok,
-                                           attention_mask)

@@ -1,9 +1,6 @@
-"""Where `config.model` comes from: a local folder or a Hugging Face Hub id, and a one-line error saying which
-it was read as and what to do when transformers cannot load it (its own OSErrors do not say). Offline, a hub id
-is its copy in the Hugging Face cache, or an error within seconds naming the closest model shipped for offline
-use (`locate`). Elsewhere the model goes by its hub id, or a file's or folder's name (`portable_name`): a LoRA
-adapter records the hub id as its base where there is one (`adapter_base`), and export finds the base again from
-what the run was given (`checkpoint_base`)."""
+"""Where `config.model` comes from: a local folder or a Hugging Face Hub id (offline: its copy in the cache,
+`locate`), and a one-line error saying which it was read as and what to do when transformers cannot load it (its
+own OSErrors do not say); what the model goes by elsewhere (`portable_name`, `adapter_base`, `checkpoint_base`)."""
 from __future__ import annotations
 
 import contextlib
@@ -96,8 +93,7 @@ def checkpoint_base(checkpoint: Path, option: str) -> str:
 def model_folder(name: str) -> str:
     """What transformers loads for `name` (Config.model): a .gguf file or the packaged short name as its converted
     folder (policy/gguf), a hub id offline as its copy in the cache (`locate`)."""
-    path = resolve_model_path(name)  # a .gguf or the packaged short name: its converted folder
-    return locate(path)
+    return locate(resolve_model_path(name))
 
 
 @contextlib.contextmanager

@@ -8,11 +8,11 @@ import json
 
 import pytest
 import torch
+from gguf_rounding import rounded_like_gguf
 from tiny_setup import digit_prompts, digit_share, tiny_tokenizer
 
 from grpo import Config, Trainer
 from grpo.export import export, main
-from grpo.policy.gguf_export import rounded_like_gguf
 
 pytestmark = [pytest.mark.skipif(importlib.util.find_spec("gguf") is None, reason="needs the gguf package"),
               pytest.mark.slow]  # two LoRA runs, then loads and decodes: tests/unit/test_gguf_export.py is fast

@@ -5,10 +5,11 @@ import importlib.util
 
 import pytest
 import torch
+from gguf_rounding import rounded_like_gguf
 from tiny_setup import tiny_tokenizer
 
 from grpo.errors import ConfigError
-from grpo.policy.gguf_export import llama_permute, rounded_like_gguf, write_gguf
+from grpo.policy.gguf_export import llama_permute, write_gguf
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("gguf") is None, reason="needs the gguf package")
 

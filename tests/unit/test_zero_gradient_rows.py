@@ -8,8 +8,9 @@ import torch
 
 from grpo.algo import LOSS_TYPES
 from grpo.algo.loss import policy_loss, zero_advantage_has_no_gradient
-from grpo.policy.optim import optimizer_step
+from grpo.policy.optim import Updates
 from grpo.rollout.batches import Cut, Generation, MicroBatch, Rollout, StepCounts
+from grpo.settings.components import OptimSettings
 
 SETTINGS = [{}, {"importance_sampling_level": "sequence"}, {"delta": 1.3}, {"epsilon_high": 0.28}]
 
@@ -146,17 +147,20 @@ def test_step_counts_are_from_before_the_cut():
 
 def test_a_step_with_no_gradient_at_all_steps_as_a_zero_gradient():
     # AdamW on a zero gradient still moves the weights (momentum, weight decay); a step whose rows were all
-    # skipped back-propagates nothing, so optimizer_step must stand in the zero gradient.
+    # skipped back-propagates nothing, so Updates.apply must stand in the zero gradient.
+    settings = OptimSettings(name="adamw", learning_rate=0.1, betas=(0.9, 0.999), weight_decay=0.1,
+                             lr_scheduler_type="constant", lr_scheduler_kwargs=None, warmup_ratio=0.0, warmup_steps=0,
+                             max_grad_norm=1.0, max_nonfinite_steps=3)
+
     def adamw_after_two_steps(second_grad):
         w = torch.nn.Parameter(torch.tensor([1.0, -2.0, 3.0]))
-        optimizer = torch.optim.AdamW([w], lr=0.1, weight_decay=0.1)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+        updates = Updates([w], settings, total_steps=2)
         w.grad = torch.tensor([0.5, -1.0, 0.25])
-        optimizer_step([w], optimizer, scheduler, max_grad_norm=1.0, loss=1.0)
+        updates.apply(1.0, step=0)
         w.grad = second_grad
-        metrics, applied = optimizer_step([w], optimizer, scheduler, max_grad_norm=1.0, loss=0.0)
-        return w.detach().clone(), optimizer.state[w]["step"], metrics, applied
+        metrics = updates.apply(0.0, step=1)
+        return w.detach().clone(), updates.optimizer.state[w]["step"], metrics
 
     skipped, zero = adamw_after_two_steps(None), adamw_after_two_steps(torch.zeros(3))
     assert torch.equal(skipped[0], zero[0]) and skipped[1] == zero[1] == 2
-    assert skipped[2]["grad_norm"] == 0.0 and skipped[3]
+    assert skipped[2]["grad_norm"] == 0.0 and skipped[2]["skipped/nonfinite"] == 0.0
