@@ -93,7 +93,8 @@ def checkpoint_base(checkpoint: Path, option: str) -> str:
 def model_folder(name: str) -> str:
     """What transformers loads for `name` (Config.model): a .gguf file or the packaged short name as its converted
     folder (policy/gguf), a hub id offline as its copy in the cache (`locate`)."""
-    return locate(resolve_model_path(name))
+    path = resolve_model_path(name)  # a .gguf or the packaged short name: its converted folder
+    return locate(path)
 
 
 @contextlib.contextmanager
