@@ -89,9 +89,12 @@ def with_adapter(model, config):
 
         lora = LoraConfig(r=config.lora_r, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
                           target_modules=config.lora_target_modules or ALL_LINEAR, task_type="CAUSAL_LM")
-        with warnings.catch_warnings():  # peft 0.21 reads transformers 5's deprecated alias: not the user's to fix
-            warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
-            model = get_peft_model(model, lora)
+        try:
+            with warnings.catch_warnings():  # peft 0.21 reads transformers 5's deprecated alias: not the user's to fix
+                warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
+                model = get_peft_model(model, lora)
+        except ValueError as e:  # peft's refusal of these settings on this model, e.g. dropout on fused MoE experts
+            raise ConfigError(f"peft cannot add this LoRA adapter to the model: {e}") from None
     if hasattr(model.get_base_model().get_output_embeddings(), "base_layer"):  # peft's layer wraps the head
         raise ConfigError("a LoRA adapter on the LM head (lm_head) is not supported, as in TRL: the log-probs are "
                           "computed from its weight directly, so the adapter would never train; remove it from "

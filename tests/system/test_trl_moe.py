@@ -98,3 +98,16 @@ def test_a_weight_for_a_family_without_a_load_balancing_loss_is_refused(tmp_path
                                           "router_aux_loss_coef=0"):
         GRPOTrainer(model=tiny_moe(tokenizer, "glm4_moe"), processing_class=tokenizer, reward_funcs=digit_share,
                     args=trl_args(tmp_path, router_aux_loss_coef=0.01), train_dataset=digit_prompts(3))
+
+
+def test_lora_with_dropout_on_fused_experts_is_one_line(tmp_path, tokenizer):
+    # peft's LoRA on Qwen3-MoE's fused expert weights takes no dropout; the Config's default lora_dropout is 0.05.
+    args = trl_args(tmp_path, use_lora=True)
+    with pytest.raises(ConfigError, match=r"peft cannot add this LoRA adapter .*lora_dropout != 0"):
+        GRPOTrainer(model=tiny_moe(tokenizer, "qwen3_moe"), processing_class=tokenizer, reward_funcs=digit_share,
+                    args=args, train_dataset=digit_prompts(6))
+    trainer = GRPOTrainer(model=tiny_moe(tokenizer, "qwen3_moe"), processing_class=tokenizer, reward_funcs=digit_share,
+                          args=trl_args(tmp_path / "no-dropout", use_lora=True, lora_dropout=0.0),
+                          train_dataset=digit_prompts(6))
+    trainer.train()
+    assert trainer.state.log_history[-1]["train_loss"] is not None
