@@ -78,7 +78,8 @@ class Recorder:
 
 def instrument(rec: Recorder) -> None:
     """Wrap the functions the Trainer calls for each phase (looked up at call time, so patching works)."""
-    import grpo.trainer as trainer
+    import grpo.rollout.source as source
+    from grpo.policy.optim import Updates
     from grpo.policy.parallel import ParallelPolicy
     from grpo.policy.forwards import Policy
     from grpo.rollout.engines.sampling import Decoder
@@ -92,14 +93,14 @@ def instrument(rec: Recorder) -> None:
         return rec.wrap(phase, logprobs)(self, rollout, with_entropy)
     Policy.logprobs = logprobs_by_caller
     ParallelPolicy.backward = rec.wrap("backward", ParallelPolicy.backward)
-    trainer.compute_rewards = rec.wrap("rewards", trainer.compute_rewards)
-    optimizer_step = trainer.optimizer_step
+    source.compute_rewards = rec.wrap("rewards", source.compute_rewards)
+    apply = Updates.apply
 
-    def step_and_mark(*args, **kwargs):
-        out = rec.wrap("optimizer", optimizer_step)(*args, **kwargs)
+    def apply_and_mark(*args, **kwargs):
+        out = rec.wrap("optimizer", apply)(*args, **kwargs)
         rec.end_step()
         return out
-    trainer.optimizer_step = step_and_mark
+    Updates.apply = apply_and_mark
 
 
 def child(spec: dict) -> dict:
