@@ -90,7 +90,7 @@ class Trainer:
                              self.pipeline.reward_names, self.schedule.global_batch)
         self.session = Session(self.plan.output_dir, self.dist, self.policy, self.tokenizer, self.updates,
                                self.prompts, self.batches, self.plan.session, self.total_steps, self.entropy,
-                               on_save=self.callbacks.on_save)
+                               self.plan.optim, self.plan.sync_ref_model, on_save=self.callbacks.on_save)
 
     @property
     def step(self) -> int:  # optimizer steps done: state.global_step, which state.epoch follows

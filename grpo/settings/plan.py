@@ -115,7 +115,7 @@ class RunPlan:
         generation = GenerationSettings.of(config, schedule, old, reference != "none", correction)
         return cls(schedule, Path(config.output_dir), MappingProxyType(config.loss_settings()),
                    EntropySettings.of(config), config.sync_ref_model, OptimSettings.of(config),
-                   SamplingSettings.of(config, bf16_sampling), Cadence.of(config), generation,
+                   SamplingSettings.of(config, schedule, bf16_sampling), Cadence.of(config), generation,
                    SessionSettings.of(config, tools), TrackerSettings.of(config), LogprobSettings.of(config),
                    EvalSettings.of(config), LoadSettings.of(config),
                    MemorySettings.of(config, schedule, old, reference), ServerSettings.of(config))
