@@ -107,12 +107,9 @@ def sampling_run(config, model, tokenizer, prompts):
         except ImportError:  # earlier trees read the Config
             decode = decode_sizes(config, model, "cpu").sampling
         policy = SimpleNamespace(parallel=SimpleNamespace(unsharded=lambda fn: fn(model)))
-        try:
-            from grpo.settings.components import SamplingSettings
-        except ImportError:  # earlier trees: settings/plan.py
-            from grpo.settings.plan import SamplingSettings
+        from grpo.settings.plan import RunPlan
 
-        settings = SamplingSettings.of(config)
+        settings = RunPlan.resolve(config, 1).sampling  # the trainer's sampling settings, on one rank
         engine = (sampling.Decoder(policy, tokenizer, sampling.prompt_encoder(model, tokenizer, settings), settings,
                                    decode) if hasattr(sampling, "Decoder") else
                   sampling.Sampler(policy, tokenizer, settings, decode))

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from .errors import ConfigError, UserError, command_line
 from .settings.cli import split_options
+from .settings.components import EvalSettings
 
 USAGE = ("usage: python -m grpo.eval RECIPE [--checkpoint DIR] [--limit N] [--output FILE] [--key=value ...] "
          "[--help]\n   or: python -m grpo.eval --checkpoint DIR --eval_dataset DATA --reward_funcs module.f[,...] "
@@ -136,7 +137,7 @@ def recipe_job(argv: list[str]) -> Job | None:
     tools = recipe_tools(recipe)  # reward models become functions; an environment's own reward comes after them
     reward_funcs, config = reward_sources(config, recipe.reward_funcs, recipe.reward_processing_classes, tools)
     dataset = resolve_dataset(recipe.eval_dataset, "eval_dataset")
-    check_eval_inputs(config, dataset, reward_funcs)
+    check_eval_inputs(EvalSettings.of(config), dataset, reward_funcs)
     return Job("recipe", argv[0], config, reward_funcs, dataset, checkpoint, output, limit,
                lambda: recipe.resolve_model(config), tools)
 
@@ -164,7 +165,7 @@ def run_job(argv: list[str]) -> Job:
     output = _output(own, checkpoint)
     reward_funcs = [import_named("--reward_funcs", name.strip()) for name in own["reward_funcs"].split(",")]
     dataset = read_dataset(own["eval_dataset"])
-    check_eval_inputs(config, dataset, reward_funcs)
+    check_eval_inputs(EvalSettings.of(config), dataset, reward_funcs)
     return Job("run", str(checkpoint), config, reward_funcs, dataset, checkpoint, output, limit, base_model)
 
 
@@ -212,7 +213,6 @@ def evaluate_job(job: Job, model, tokenizer) -> int:
     from .rollout.engines.sampling import prompt_encoder
     from .rollout.evaluate import evaluate, summary_lines
     from .rollout.reward_models import place_reward_models
-    from .settings.components import EvalSettings
 
     place_reward_models(job.reward_funcs, device_of(model))
     batch_size = eval_batch_size(job.config, model, device_of(model).type)

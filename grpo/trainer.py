@@ -45,13 +45,13 @@ class Trainer:
         self.config = config
         self.eval_dataset = eval_dataset
         self.tools = Tools.of(tools, environment_factory) if tools or environment_factory else None
-        self.dist, self.plan, self.precision, self.reward_funcs, self.prompts = prepare(  # before a model loads
+        self.dist, self.plan, self.precision, self.reward_funcs, self.prompts, rows = prepare(  # before loading
             config, train_dataset, eval_dataset, reward_funcs, reward_processing_classes, model,
             sampler=sampler is not None, rollout_func=rollout_func is not None, tools=self.tools)
         self.schedule, self.total_steps = self.plan.schedule, self.plan.total_steps
         self.trackers = Trackers(self.plan.trackers, self.dist.is_main)  # a missing package fails
         self.tokenizer = tokenizer if tokenizer is not None else default_tokenizer(self.plan.loading.model, model)
-        check_chat_template(self.tokenizer, self.prompts.dataset, self.eval_dataset)  # before loading too
+        check_chat_template(self.tokenizer, *rows)  # before loading too
         self._setup_policy(model)
         self._setup_generation(sampler, rollout_func)
         self._setup_run(callbacks)
@@ -90,7 +90,7 @@ class Trainer:
                              self.pipeline.reward_names, self.schedule.global_batch)
         self.session = Session(self.plan.output_dir, self.dist, self.policy, self.tokenizer, self.updates,
                                self.prompts, self.batches, self.plan.session, self.total_steps, self.entropy,
-                               on_save=self.callbacks.on_save)
+                               self.plan.optim, self.plan.sync_ref_model, on_save=self.callbacks.on_save)
 
     @property
     def step(self) -> int:  # optimizer steps done: state.global_step, which state.epoch follows
@@ -124,7 +124,7 @@ class Trainer:
             if self.dist.is_main:  # once it can train: a run that cannot has its error as its only line
                 print(self.precision.statement, file=sys.stderr)
             self.report.begin({**asdict(self.config), "resume_from_checkpoint": resume})
-            if self.config.eval_on_start and self.step == 0:
+            if self.plan.cadence.eval_on_start and self.step == 0:
                 self.evaluate()
             with StopSignals() as signals, self.report.steps_bar(), self.trackers, \
                     self.session.saved_when_logs_fail(self.progress):

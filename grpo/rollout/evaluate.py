@@ -22,27 +22,26 @@ from .rewards import (RewardContext, compute_rewards, required_columns, reward_f
 MAX_BREAKDOWN_VALUES = 50  # metrics for each value: a column of ids would flood metrics.jsonl
 
 
-def check_eval_setup(config, eval_dataset, reward_funcs) -> None:
-    """Evaluating during training needs an eval dataset that `check_eval_inputs` accepts. eval_steps without an
-    eval_strategy evaluates nothing, as in transformers: said in a warning."""
-    if config.eval_strategy != "no" or config.eval_on_start:
+def check_eval_setup(s: EvalSettings, cadence, eval_dataset, reward_funcs, rows: dict) -> None:
+    """Evaluating during training (settings/plan.Cadence) needs an eval dataset `check_eval_inputs` accepts (`rows`:
+    each set's `checked_rows`, by suffix). eval_steps without eval_strategy evaluates nothing, as in transformers."""
+    if cadence.eval_strategy != "no" or cadence.eval_on_start:
         if eval_dataset is None:
-            raise ConfigError(f"eval_strategy={config.eval_strategy!r} / eval_on_start need an eval_dataset")
-        for dataset in eval_sets(eval_dataset).values():
-            check_eval_inputs(config, dataset, reward_funcs)
-    if config.eval_strategy == "no" and config.eval_steps is not None:
-        print(f'warning: eval_steps={config.eval_steps} has no effect with eval_strategy="no" (transformers\' '
-              f'default, as here): set eval_strategy="steps" to evaluate every {config.eval_steps} steps',
+            raise ConfigError(f"eval_strategy={cadence.eval_strategy!r} / eval_on_start need an eval_dataset")
+        for suffix, dataset in eval_sets(eval_dataset).items():
+            check_eval_inputs(s, dataset, reward_funcs, rows[suffix])
+    if cadence.eval_strategy == "no" and cadence.eval_steps is not None:
+        print(f'warning: eval_steps={cadence.eval_steps} has no effect with eval_strategy="no" (transformers\' '
+              f'default, as here): set eval_strategy="steps" to evaluate every {cadence.eval_steps} steps',
               file=sys.stderr)
 
 
-def check_eval_inputs(config, dataset, reward_funcs) -> None:
-    """Before any model loads: the config's eval functions and breakdown column fit `dataset`, its prompts checked."""
-    check_dataset(dataset, "eval_dataset")
-    eval_funcs(reward_funcs, config.eval_accuracy_func, config.eval_free_accuracy_func,
-               config.eval_format_func, dataset.column_names)
+def check_eval_inputs(s: EvalSettings, dataset, reward_funcs, rows=None) -> None:
+    """Before any model loads: the eval functions and breakdown column fit `dataset`, its prompts (`rows`) checked."""
+    check_dataset(dataset if rows is None else rows, "eval_dataset")
+    eval_funcs(reward_funcs, s.accuracy_func, s.free_accuracy_func, s.format_func, dataset.column_names)
     if not is_stream(dataset):  # a stream's values are read when it is evaluated
-        check_breakdown_column(dataset, config.eval_breakdown_column)
+        check_breakdown_column(dataset, s.breakdown_column)
 
 
 def eval_funcs(reward_funcs, accuracy_func: str | None, free_accuracy_func: str | None, format_func: str | None,

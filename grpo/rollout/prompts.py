@@ -23,10 +23,15 @@ def first_rows(dataset, limit: int | None = None):
     return Dataset.from_list(list(dataset if limit is None else dataset.take(limit)), features=dataset.features)
 
 
+def checked_rows(dataset):
+    """What the checks before training read of `dataset`: a stream's first row (read once, for them all), else it."""
+    return first_rows(dataset, 1) if is_stream(dataset) else dataset
+
+
 def check_dataset(dataset, name: str = "train_dataset", environments: bool = False) -> None:
     """Fail early, in one line, on datasets the trainer cannot use (the first prompt's type is every prompt's). With
     `environments` (reset() writes the prompts) the prompt column may be missing; a stream is checked on a row."""
-    dataset = first_rows(dataset, 1) if is_stream(dataset) else dataset
+    dataset = checked_rows(dataset)
     columns = getattr(dataset, "column_names", None)
     if columns is None:
         raise DatasetError(f"{name} must be a datasets.Dataset, got {type(dataset).__name__}")
@@ -89,9 +94,9 @@ def eval_sets(dataset) -> dict:
     return {f"_{name}": d for name, d in dataset.items()} if isinstance(dataset, Mapping) else {"": dataset}
 
 
-def check_chat_template(tokenizer, train_dataset, eval_dataset) -> None:
+def check_chat_template(tokenizer, train_rows, eval_rows: dict) -> None:
     """ConfigError, before anything is sampled, where a dataset holds chat prompts and the tokenizer no template."""
-    named = {"train_dataset": train_dataset, **{f"eval_dataset{k}": d for k, d in eval_sets(eval_dataset).items()}}
+    named = {"train_dataset": train_rows, **{f"eval_dataset{k}": d for k, d in eval_rows.items()}}
     for name, dataset in named.items():  # a dataset without prompts has an environment's: chat ones (TRL's)
         first = first_rows(dataset, 1) if dataset is not None else []
         if len(first) and isinstance(first[0].get("prompt", []), list) and not tokenizer.chat_template:

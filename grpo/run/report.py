@@ -35,7 +35,7 @@ class Report:
         """A `train()` call starts: its clock and losses, the trackers (given `config`, the Config as a dict with
         the call's resume_from_checkpoint), then the callbacks' on_train_begin."""
         self.start, self.losses, self.last_step = time.perf_counter(), [], {}
-        self.trackers.start(config, self.state.global_step)
+        self.trackers.start(self.output_dir, config, self.state.global_step)
         self.callbacks.on_train_begin()
 
     def steps_bar(self):

@@ -15,7 +15,7 @@ from ..policy.lora import save_options
 from ..policy.optim import Updates, rescheduled, set_hyperparameters
 from ..infra.progress import quiet_library_bars
 from ..rollout.prompts import PromptStream
-from ..settings.components import SessionSettings
+from ..settings.components import OptimSettings, SessionSettings
 from . import checkpoint, elastic
 from .logs import LogNotWritten, drop_log_lines_after
 from .state import rng_state, set_rng_state
@@ -43,13 +43,13 @@ class Session:
 
     def __init__(self, output_dir: Path, dist: Distributed, policy: Policy, tokenizer, updates: Updates,
                  prompts: PromptStream, batches, settings: SessionSettings, total_steps: int,
-                 entropy, on_save=lambda: None):
+                 entropy, optim: OptimSettings, sync_ref_model: bool, on_save=lambda: None):
         self.output_dir, self.dist, self.parallel = output_dir, dist, policy.parallel
-        self.reference = policy.reference if settings.record["sync_ref_model"] else None  # moves: saved too
+        self.reference = policy.reference if sync_ref_model else None  # moves: saved too
         self.model, self.tokenizer, self.optimizer, self.scheduler = (policy.model, tokenizer, updates.optimizer,
                                                                       updates.scheduler)
-        self.prompts, self.batches = prompts, batches
-        self.settings, self.total_steps, self.warmup_steps = settings, total_steps, updates.warmup_steps
+        self.prompts, self.batches, self.settings, self.optim = prompts, batches, settings, optim  # optim: the plan's
+        self.total_steps, self.warmup_steps = total_steps, updates.warmup_steps
         self.on_save = on_save  # called after each checkpoint written (the callbacks' on_save)
         self.entropy = entropy  # the entropy bonus's coefficient (policy/gradients.EntropyControl)
         self.last_checkpoint: Path | None = None  # the newest checkpoint, written or resumed from
@@ -69,7 +69,7 @@ class Session:
 
     def load_state_dict(self, state: dict) -> Progress:
         """The inverse of `state_dict`; the current settings (learning rate, betas) win over the saved ones."""
-        s, o = self.settings, self.settings.optim
+        s, o = self.settings, self.optim
         own = elastic.rank_state(state, self.dist.rank, self.dist.world_size)  # None: saved by another rank count
         redraw = elastic.unfinished_prompts(state, s.num_generations) if own is None else 0  # drawn again
         self.parallel.load_optimizer_state(self.optimizer, state["optimizer"])
@@ -152,7 +152,7 @@ class Session:
             notes += [f"resuming with a changed setting: {c}" for c in checkpoint.changed_settings(path, s.record)]
             notes += elastic.rank_change_notes(checkpoint.saved_config(path), state, s.record, self.dist.world_size)
             if state.get("total_steps", self.total_steps) != self.total_steps:  # e.g. a finished run extended
-                o = s.optim
+                o = self.optim
                 notes.append(rescheduled(state["total_steps"], self.total_steps, state["step"], o.learning_rate,
                                          self.warmup_steps, o.lr_scheduler_type, o.lr_scheduler_kwargs))
             self.parallel.load_weights(path)

@@ -21,7 +21,7 @@ from ..policy.precision import Precision, default_device
 from ..rollout.engines.choice import check_engine
 from ..rollout.environments import training_rows
 from ..rollout.evaluate import check_eval_setup
-from ..rollout.prompts import PromptStream, check_dataset
+from ..rollout.prompts import PromptStream, check_dataset, checked_rows, eval_sets
 from ..rollout.reward_models import reward_callables
 from ..rollout.rewards import check_reward_columns, check_reward_weights, reward_func_names
 from ..settings.plan import RunPlan
@@ -31,14 +31,14 @@ logger = logging.getLogger(__name__)
 
 
 class Prepared(NamedTuple):
-    """What a run knows before its model loads: its ranks, the plan finished, the dtype plan, the reward
-    callables, the prompt stream."""
+    """What a run knows before its model loads: its ranks, plan (finished), dtype plan, reward callables, prompts."""
 
     dist: Distributed
     plan: RunPlan
     precision: Precision
     reward_funcs: list  # rollout/reward_models.reward_callables: reward models wrapped, the environments' after
     prompts: PromptStream  # over the caller's train_dataset, or the rows drawn when an environment owns the data
+    rows: tuple  # the train_dataset's checked_rows (rollout/prompts), and each eval set's by its eval_sets suffix
 
 
 def prepare(config, train_dataset, eval_dataset, reward_funcs, reward_processing_classes=None, model=None,
@@ -59,10 +59,12 @@ def prepare(config, train_dataset, eval_dataset, reward_funcs, reward_processing
     plan = RunPlan.resolve(weighted, dist.world_size, precision.bf16_sampling and not (sampler or rollout_func),
                            tools=tools.names if tools is not None else None)  # recorded: grpo.export reads them
     train_dataset = training_rows(train_dataset, tools, config.max_steps, plan.schedule.prompts_per_generation)
-    check_dataset(train_dataset, environments=tools is not None and bool(tools.environments))
+    train_rows = checked_rows(train_dataset)  # a stream's first row, read once: every check reads it
+    check_dataset(train_rows, environments=tools is not None and bool(tools.environments))
     if not (sampler or rollout_func):
         check_reward_columns(funcs, train_dataset)  # not after the first generation batch
-    check_eval_setup(config, eval_dataset, funcs)
+    eval_rows = {k: checked_rows(d) for k, d in eval_sets(eval_dataset).items()}  # each set's, as train_rows
+    check_eval_setup(plan.evaluation, plan.cadence, eval_dataset, funcs, eval_rows)
     check_parallel_settings(dist.world_size, config.fsdp, config.optim, config.use_lora)
     check_engine(plan, dist.world_size, device.type, sampler=sampler, rollout_func=rollout_func)
     g = plan.generation
@@ -72,7 +74,8 @@ def prepare(config, train_dataset, eval_dataset, reward_funcs, reward_processing
     for line in loss_warnings(plan.loss["loss_type"], plan.loss["importance_sampling_level"]) if dist.is_main else []:
         logger.warning(line)  # as TRL's GRPOTrainer warns, on its logger
     torch.manual_seed(config.seed + dist.rank)  # last: reward models loaded above draw from it
-    return Prepared(dist, dataclasses.replace(plan, total_steps=total_steps, decode=decode), precision, funcs, prompts)
+    plan = dataclasses.replace(plan, total_steps=total_steps, decode=decode)
+    return Prepared(dist, plan, precision, funcs, prompts, (train_rows, eval_rows))
 
 
 def reward_sources(config, reward_funcs, reward_processing_classes=None, tools=None) -> tuple[list, object]:

@@ -129,12 +129,11 @@ class Trackers:
                 raise ConfigError(f"report_to={name} needs `pip install {package}` (or grpo[{name}])")
         self.trackers: list = []
 
-    def start(self, config_dict: dict, step: int) -> None:
-        """Open the trackers; a run resuming (`config_dict`'s resume_from_checkpoint, the run's own, here at
-        `step`) continues their runs."""
+    def start(self, output_dir: Path, config_dict: dict, step: int) -> None:
+        """Open the trackers in the run's `output_dir`; a run resuming (`config_dict`'s resume_from_checkpoint, the
+        run's own, here at `step`) continues their runs."""
         if not self.is_main or not self.names:
             return
-        output_dir = Path(self.settings.output_dir)
         path = output_dir / TRACKER_RUNS
         resume_step = step if config_dict["resume_from_checkpoint"] and path.exists() else None
         run = json.loads(path.read_text()) if resume_step is not None else {}

@@ -33,19 +33,18 @@ class OptimSettings:
 
 @dataclass(frozen=True)
 class SessionSettings:
-    """What saving and resuming read of the settings (run/session)."""
+    """What saving and resuming read of the settings (run/session), besides the plan's OptimSettings."""
 
     record: dict  # the Config as a checkpoint records it, with the tools a run calls (grpo.export reads them)
     save_strategy: str  # when to save is the plan's Cadence; "no" here: no checkpoint on a signal or an error either
     save_total_limit: int | None
     seed: int
     num_generations: int
-    optim: OptimSettings  # the hyperparameters a resumed run sets again
 
     @classmethod
     def of(cls, c, tools: list[str] | None = None) -> SessionSettings:  # tools: rollout/tools.Tools.names
         record = asdict(c) if tools is None else {**asdict(c), "tools": tools}
-        return cls(record, c.save_strategy, c.save_total_limit, c.seed, c.num_generations, OptimSettings.of(c))
+        return cls(record, c.save_strategy, c.save_total_limit, c.seed, c.num_generations)
 
 
 @dataclass(frozen=True)
@@ -64,16 +63,15 @@ class EntropySettings:
 
 @dataclass(frozen=True)
 class TrackerSettings:
-    """What the experiment trackers (run/trackers) read of the settings."""
+    """What the experiment trackers (run/trackers) read of the settings; their folder is the plan's output_dir."""
 
-    output_dir: str
     report_to: str | list[str]
     log_completions: bool
     num_completions_to_print: int | None
 
     @classmethod
     def of(cls, c) -> TrackerSettings:
-        return cls(c.output_dir, c.report_to, c.log_completions, c.num_completions_to_print)
+        return cls(c.report_to, c.log_completions, c.num_completions_to_print)
 
 
 @dataclass(frozen=True)
@@ -136,29 +134,26 @@ class SamplingKnobs:
 
 @dataclass(frozen=True)
 class SamplingSettings:
-    """What the trainer's sampler reads of the settings: prompts and completions' lengths, the sampling knobs
-    (Config.sampling_knobs: generation_kwargs applied), the tool rounds, the seed of every prompt's random
-    stream, and a micro-batch's prompts (the smallest decode)."""
+    """What the trainer's sampler (rollout/engines: ours, a server's, a rollout_func's) reads of the settings."""
 
     num_generations: int
     max_prompt_length: int | None  # None: prompts whole
     max_completion_length: int
-    knobs: SamplingKnobs
+    knobs: SamplingKnobs  # Config.sampling_knobs: generation_kwargs applied
     stop_at_eos: bool
     chat_template_kwargs: Mapping | None
-    max_tool_calling_iterations: int | None
-    seed: int
-    micro_batch_prompts: int
+    max_tool_calling_iterations: int | None  # the tool rounds
+    seed: int  # of every prompt's random stream
+    micro_batch_prompts: int  # Schedule.prompts_per_micro_batch: the smallest decode
     int8: bool = False  # int8_sampling_weights: int8 decoding steps, the sampler's log-probs kept
     bf16: bool = False  # policy/precision's bf16_sampling: bf16 decoding steps, the sampler's log-probs kept
 
     @classmethod
-    def of(cls, c, bf16: bool = False) -> SamplingSettings:
+    def of(cls, c, schedule: Schedule, bf16: bool = False) -> SamplingSettings:
         kwargs = None if c.chat_template_kwargs is None else MappingProxyType(dict(c.chat_template_kwargs))
-        return cls(c.num_generations, c.max_prompt_length, c.max_completion_length,
-                   c.sampling_knobs(), c.stop_at_eos, kwargs, c.max_tool_calling_iterations,
-                   c.seed, max(1, c.per_device_train_batch_size // c.num_generations), c.int8_sampling_weights,
-                   bf16)
+        return cls(c.num_generations, c.max_prompt_length, c.max_completion_length, c.sampling_knobs(), c.stop_at_eos,
+                   kwargs, c.max_tool_calling_iterations, c.seed, schedule.prompts_per_micro_batch,
+                   c.int8_sampling_weights, bf16)
 
 
 @dataclass(frozen=True)
@@ -179,13 +174,10 @@ class ServerSettings:
 
 @dataclass(frozen=True)
 class GenerationSettings:
-    """What the generation pipeline (rollout/pipeline) reads of the settings: the prompts of a generation batch
-    over all ranks and their random streams' seed, the rewards' weights, dynamic sampling's rounds, how
-    advantages are scaled and truncated rows masked, how the batch is cut, which log-probs it fixes, and
-    whether a sampler process makes it ahead."""
+    """What the generation pipeline (rollout/pipeline: draw, score, refill, cut, log-probs) reads of the settings."""
 
     num_generations: int
-    prompts_per_generation: int
+    prompts_per_generation: int  # over all ranks
     seed: int  # of every prompt's random stream
     data_seed: int  # of the prompts' order (data_seed, else seed)
     shuffle_dataset: bool

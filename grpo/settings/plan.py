@@ -54,25 +54,26 @@ class DecodeSizes:
 
 @dataclass(frozen=True)
 class Cadence:
-    """When a run writes a metrics line (every `logging_steps` and at the last step), evaluates (eval_strategy)
-    and saves a checkpoint (save_strategy), each strategy as transformers reads it (`interval_due`)."""
+    """When a run writes a metrics line (every `logging_steps` and at the last step), evaluates (eval_strategy, and
+    eval_on_start: at step 0) and saves a checkpoint (save_strategy), each as transformers reads it (`interval_due`)."""
 
     logging_steps: int
     eval_strategy: str
-    eval_steps: int  # eval_steps, else logging_steps (transformers' fallback)
+    eval_steps: int | None  # None: logging_steps (transformers' fallback)
+    eval_on_start: bool
     save_strategy: str
     save_steps: int
 
     @classmethod
     def of(cls, config) -> Cadence:
-        return cls(config.logging_steps, config.eval_strategy, config.eval_steps or config.logging_steps,
+        return cls(config.logging_steps, config.eval_strategy, config.eval_steps, config.eval_on_start,
                    config.save_strategy, config.save_steps)
 
     def due(self, step: int, total: int, epoch_ended: bool) -> tuple[bool, bool, bool]:
         """(log, evaluate, save) once optimizer step `step` of `total` is done; `epoch_ended`: it ended a pass
         over the training prompts (Schedule.ends_epoch)."""
         return (step % self.logging_steps == 0 or step == total,
-                interval_due(self.eval_strategy, self.eval_steps, step, total, epoch_ended),
+                interval_due(self.eval_strategy, self.eval_steps or self.logging_steps, step, total, epoch_ended),
                 interval_due(self.save_strategy, self.save_steps, step, total, epoch_ended))
 
 
@@ -115,7 +116,7 @@ class RunPlan:
         generation = GenerationSettings.of(config, schedule, old, reference != "none", correction)
         return cls(schedule, Path(config.output_dir), MappingProxyType(config.loss_settings()),
                    EntropySettings.of(config), config.sync_ref_model, OptimSettings.of(config),
-                   SamplingSettings.of(config, bf16_sampling), Cadence.of(config), generation,
+                   SamplingSettings.of(config, schedule, bf16_sampling), Cadence.of(config), generation,
                    SessionSettings.of(config, tools), TrackerSettings.of(config), LogprobSettings.of(config),
                    EvalSettings.of(config), LoadSettings.of(config),
                    MemorySettings.of(config, schedule, old, reference), ServerSettings.of(config))

@@ -182,6 +182,21 @@ def test_a_streaming_train_dataset_is_read_in_order_and_again_from_its_start(tmp
     assert completions == run("dataset", digit_prompts(3), max_steps=4)[1]
 
 
+def test_the_checks_before_training_open_each_stream_once(tmp_path, tokenizer):
+    opened = {"train": 0, "eval": 0}  # a remote stream opened again is another request
+
+    def counted(name, dataset):
+        def rows():
+            opened[name] += 1
+            yield from dataset
+        return IterableDataset.from_generator(rows)
+    args = trl_args(tmp_path, max_steps=1, eval_on_start=True)
+    train, evaluated = counted("train", digit_prompts(3)), {"data1": counted("eval", digit_prompts(2))}
+    GRPOTrainer(model=tiny_model(tokenizer), processing_class=tokenizer, reward_funcs=digit_share, args=args,
+                train_dataset=train, eval_dataset=evaluated)
+    assert opened == {"train": 1, "eval": 1}, "its first row, read once for every check (dataset, eval, chat template)"
+
+
 def test_streaming_eval_sets_are_evaluated_on_all_their_rows(tmp_path, tokenizer):
     rows = digit_prompts(5)
     trainer = GRPOTrainer(model=tiny_model(tokenizer), processing_class=tokenizer, reward_funcs=digit_share,

@@ -9,6 +9,7 @@ import torch
 import grpo.rollout.engines.sampling
 from grpo import Config
 from grpo.settings.components import SamplingSettings
+from grpo.settings.schedule import Schedule
 from grpo.rollout.batches import Cut, Rollout
 from grpo.rollout.engines.sampling import Decoder
 
@@ -33,7 +34,8 @@ def sample_batch(monkeypatch, calls: list, prompts: list, per_device: int,
     config = Config(per_device_train_batch_size=per_device, num_generations=G,
                     steps_per_generation=len(prompts) * G // per_device)
     tokenizer = SimpleNamespace(pad_token_id=PAD)
-    decoder = Decoder(policy, tokenizer, None, SamplingSettings.of(config), prompts_per_decode)
+    settings = SamplingSettings.of(config, Schedule.resolve(config))
+    decoder = Decoder(policy, tokenizer, None, settings, prompts_per_decode)
     rollout, fields = decoder(prompts)
     return [m.rollout for m in rollout.micro_batches(Cut(per_device, False, False))], fields
 

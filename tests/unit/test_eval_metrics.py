@@ -9,6 +9,7 @@ from datasets import Dataset
 from tiny_setup import digit_share, tiny_tokenizer
 
 from grpo.settings.components import EvalSettings
+from grpo.settings.plan import RunPlan
 from grpo import Config
 from grpo.errors import ConfigError
 from grpo.plot import panels
@@ -186,16 +187,17 @@ def test_eval_funcs_find_functions_and_their_columns():
 
 def test_a_run_checks_its_eval_settings_before_training():
     data = Dataset.from_list([{"prompt": "p", "num_digits": 1, "ids": [1]}])
-    config = Config(eval_on_start=True, eval_accuracy_func="digit_share", eval_format_func=None,
-                    eval_free_accuracy_func="grpo.tasks.gsm8k.last_number_accuracy")
+
+    def check(**settings):  # as the Trainer checks it, from its run plan
+        plan = RunPlan.resolve(Config(eval_on_start=True, eval_accuracy_func="digit_share", eval_format_func=None,
+                                      **settings), 1)
+        check_eval_setup(plan.evaluation, plan.cadence, data, [digit_share], {"": data})
     with pytest.raises(ConfigError, match="needs the eval dataset column"):
-        check_eval_setup(config, data, [digit_share])
-    config.eval_free_accuracy_func = None
-    check_eval_setup(config, data, [digit_share])
-    config.eval_breakdown_column = "digits"
+        check(eval_free_accuracy_func="grpo.tasks.gsm8k.last_number_accuracy")
+    check()
     with pytest.raises(ConfigError, match="eval_breakdown_column='digits' is not a column of the eval "
                                           "dataset: num_digits, ids"):
-        check_eval_setup(config, data, [digit_share])
+        check(eval_breakdown_column="digits")
     with pytest.raises(ConfigError, match="holds lists or dicts"):
         check_breakdown_column(data, "ids")
     many = Dataset.from_list([{"prompt": "p", "k": k} for k in range(51)])

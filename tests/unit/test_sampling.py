@@ -10,6 +10,7 @@ from tiny_setup import tiny_model, tiny_tokenizer
 from grpo import Config
 from grpo.policy.models import prepare_for_training
 from grpo.settings.components import SamplingSettings
+from grpo.settings.schedule import Schedule
 from grpo.rollout.engines.kv_cache import DecodingRows
 from grpo.rollout.engines.decoding import Decoded
 from grpo.rollout.engines.sampling import (
@@ -116,7 +117,7 @@ def lively_sampler(prompts_per_decode: int, bf16: bool = False, **config):
     policy = SimpleNamespace(parallel=SimpleNamespace(unsharded=lambda fn: fn(model)))
     config = Config(**{**dict(per_device_train_batch_size=4, num_generations=4, max_prompt_length=64,
                               max_completion_length=10, temperature=1.0, seed=0), **config})
-    settings = SamplingSettings.of(config, bf16)
+    settings = SamplingSettings.of(config, Schedule.resolve(config), bf16)
     return Decoder(policy, tokenizer, PromptEncoder(tokenizer, 64), settings, prompts_per_decode)
 
 
