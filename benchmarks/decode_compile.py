@@ -30,7 +30,8 @@ def main() -> None:
     from grpo.rollout.engines.kv_cache import preallocated_cache
     from grpo.rollout.engines.sampling import PromptEncoder
 
-    load_args = argparse.Namespace(model="smollm2-135m-instruct", lora_r=16, max_new=args.steps, generations=8)
+    load_args = argparse.Namespace(model="smollm2-135m-instruct", lora_r=16, max_new=args.steps, generations=8,
+                                   bf16=None)  # Config's default precision plan, as the main job's
     model, tokenizer = decode_floor.load(load_args)
     model.eval()
     ids, mask = PromptEncoder(tokenizer, 256)(decode_floor.prompts(2))

@@ -97,15 +97,21 @@ def trainer_for(config: Config, model=None, tokenizer=None) -> Trainer:
                    train_dataset=prompts(config))
 
 
-def full_length_sample(model, tokenizer, encode, prompts, *, num_generations, max_completion_length, **_):
+def full_length_sample(model, tokenizer, encode, prompts, *, num_generations, max_completion_length, int8=False,
+                       bf16=False, **_):
     """Stands in for sampling in the memory rows: random full-length completions (generation is never the
-    planner's peak moment at these settings, and it is most of the time; the `step` check samples for real)."""
+    planner's peak moment at these settings, and it is most of the time; the `step` check samples for real).
+    Sampling on other weights (`int8`, `bf16`: the CPU's bf16 plan) keeps log-probs for the importance-sampling
+    correction, as sample_completions does: NaN here, none sampled, so the correction weighs every row 1."""
     prompt_ids, prompt_mask = encode(prompts)  # [B, P]
     n, device = len(prompts) * num_generations, next(model.parameters()).device
     ids = torch.randint(300, len(tokenizer), (n, max_completion_length), device=device)  # [N, C]: not special
-    return Rollout(prompt_ids.repeat_interleave(num_generations, 0).to(device),
-                   prompt_mask.repeat_interleave(num_generations, 0).to(device), ids, torch.ones_like(ids),
-                   tokenizer.batch_decode(ids), torch.ones(n, dtype=torch.bool))
+    rollout = Rollout(prompt_ids.repeat_interleave(num_generations, 0).to(device),
+                      prompt_mask.repeat_interleave(num_generations, 0).to(device), ids, torch.ones_like(ids),
+                      tokenizer.batch_decode(ids), torch.ones(n, dtype=torch.bool))
+    if int8 or bf16:
+        rollout.sampling_logprobs = torch.full(ids.shape, torch.nan, device=device)  # [N, C]
+    return rollout
 
 
 def peak_gb() -> float | None:

@@ -96,7 +96,7 @@ def instrument(cuda: bool) -> dict:
 
     # The name our decoder calls (sampling.py imports decode from decoding.py).
     sampling = grpo.rollout.engines.sampling
-    sampling.decode = timed(sampling.decode, lambda out, args, kwargs: out.numel())
+    sampling.decode = timed(sampling.decode, lambda out, args, kwargs: out.completion_ids.numel())  # a Decoded
     return marks
 
 

@@ -34,7 +34,8 @@ def prepare(out: Path) -> tuple[str, Path, list[list[int]]]:
     from grpo.policy.gguf import resolve_model_path
     from grpo.rollout.engines.sampling import PromptEncoder
 
-    args = argparse.Namespace(model="smollm2-135m-instruct", lora_r=16, max_new=128, generations=8)
+    args = argparse.Namespace(model="smollm2-135m-instruct", lora_r=16, max_new=128, generations=8,
+                              bf16=None)  # Config's default precision plan
     model, tokenizer = decode_floor.load(args)
     with torch.no_grad():
         for name, p in model.named_parameters():
