@@ -10,6 +10,7 @@ import torch
 
 from ..algo.logprobs import token_logprobs
 from ..errors import ConfigError
+from ..settings import Config
 from .head import head_logits, head_transform, positions
 from .lora import with_adapter
 from .precision import Precision
@@ -61,11 +62,12 @@ def default_tokenizer(name: str, model):
 
 
 def load_model(settings, precision: Precision | None = None):
-    """The policy from `settings.model` (`settings`: settings/components.LoadSettings or a Config) on
+    """The policy from `settings.model` (`settings`: settings/components.LoadSettings, a Config or a model's name) on
     `precision`'s device (default: the GPU when there is one), in its base dtype; with `load_in_4bit`, its
     decoder's linear layers are stored as 4-bit NF4 (QLoRA). `model_init_kwargs` go to from_pretrained."""
     from transformers import AutoModelForCausalLM
 
+    settings = Config(model=settings) if isinstance(settings, str) else settings  # grpo.load_model("a name")
     precision = precision or Precision.plan(settings.bf16, settings.use_lora, bf16_weights=settings.bf16_weights)
     device, dtype = precision.device_type, precision.base_dtype
     name = model_folder(settings.model)

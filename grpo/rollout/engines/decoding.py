@@ -1,8 +1,7 @@
 """KV-cached sampling, written out instead of `model.generate` (whose per-step overhead rivals a small model on a
 CPU: docs/benchmarks.md): one body forward per new token, the LM head on the last position only, and one uniform
 number per row to pick a token, from the row's own random stream (rollout/streams). Logits are computed as the
-loss computes log-probs (policy/head, float32 softmax), so the sampling policy is the one being trained.
-"""
+loss computes log-probs (policy/head, float32 softmax), so the sampling policy is the one being trained."""
 from __future__ import annotations
 
 from collections.abc import Sequence

@@ -2,8 +2,7 @@
 hands, each step, the rows that sampled a token of their own (`after_tokens`). A row whose tool ran gets tokens back
 (the tool's output, then the next assistant header), fed one per step in place of sampling, with loss mask 0: chat
 tools' calls run at EOS, unless the row made `max_iterations` rounds (TRL's `max_tool_calling_iterations`; None: no
-limit); an inline tool's when the text completes its trigger. Failures, and how they count: docs/tools.md.
-"""
+limit); an inline tool's when the text completes its trigger. Failures, and how they count: docs/tools.md."""
 from __future__ import annotations
 
 import functools
