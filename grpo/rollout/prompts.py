@@ -150,7 +150,7 @@ class PromptStream:
 
     def _read(self, n: int) -> list[dict]:
         """A stream's next `n` rows, read on by its open iterator, or by one opened at (epoch, position) when that
-        was set elsewhere (a checkpoint, a rewind, the sampler process)."""
+        was set elsewhere (a checkpoint, a redraw on resume, the sampler process)."""
         rows = []
         while len(rows) < n:
             if self.reader_at != (self.epoch, self.position):

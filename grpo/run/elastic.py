@@ -29,7 +29,7 @@ def rank_state(state: dict, rank: int, world_size: int) -> dict | None:
 
 def unfinished_prompts(state: dict, num_generations: int) -> int:
     """Prompts (over all saved ranks) of the generation batch a checkpoint holds for later steps to reuse; 0
-    when it holds none. Resuming on another number of ranks rewinds the prompt stream by this many."""
+    when it holds none. Resuming on another number of ranks draws this many of the stream's rows again."""
     ranks = state.get("ranks", [state])
     kept = [r["batches"]["generation"] for r in ranks]  # the batch in training (run/synchronous)
     return sum(len(g["batch"]["prompts"]) for g in kept if g) // num_generations
